@@ -1,0 +1,1 @@
+"""The async execution core: requests, background callers and the calls queue."""

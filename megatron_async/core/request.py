@@ -1,0 +1,101 @@
+"""The unit of asynchronous work: :class:`AsyncRequest`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from megatron_async.core import coordination
+from megatron_async.errors import FrozenRequestError, RankFailure
+
+__all__ = ["AsyncRequest", "STAGED_ARG_INDEX", "run_staging_and_async_fn"]
+
+logger = logging.getLogger(__name__)
+
+STAGED_ARG_INDEX = 1
+"""When a request has a ``preload_fn``, its result replaces ``async_fn_args[1]``.
+
+This is the convention of megatron-core's and nvidia-resiliency-ext's writers
+(``(transform_list, write_buckets, results_queue)``-style argument tuples), kept so that
+requests built by either library run on our callers and ours on theirs.
+"""
+
+
+class AsyncRequest(NamedTuple):
+    """A save split into a background part and a synchronous finalization.
+
+    Field names and order match megatron-core's ``AsyncRequest``, so requests move
+    between the two libraries unchanged.
+
+    Attributes:
+        async_fn: runs in the background (a forked process or the persistent worker);
+            None means there is nothing to write on this rank.
+        async_fn_args: positional arguments of ``async_fn``. With a ``preload_fn``,
+            element 1 is a placeholder that the staged data replaces.
+        finalize_fns: run on every rank, in order, once ``async_fn`` is done on all ranks.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        preload_fn: stages the data to host memory (a snapshot) before ``async_fn`` may
+            run; must be self-contained (a ``functools.partial`` of a module-level
+            function) so that it pickles to the persistent worker.
+        is_frozen: set once scheduled; finalize functions can then no longer be added.
+        call_idx: position in the scheduling order, set by :class:`AsyncCallsQueue`.
+    """
+
+    async_fn: Optional[Callable[..., Any]]
+    async_fn_args: Tuple[Any, ...]
+    finalize_fns: List[Callable[[], None]]
+    async_fn_kwargs: Dict[str, Any] = {}
+    preload_fn: Optional[Callable[[], Any]] = None
+    is_frozen: bool = False
+    call_idx: int = 0
+
+    def add_finalize_fn(self, fn: Callable[[], None]) -> None:
+        """Append ``fn`` to the functions run after the background part is done everywhere.
+
+        Raises:
+            FrozenRequestError: the request was already scheduled; add finalize functions
+                before passing it to ``schedule_async_request``.
+        """
+        if self.is_frozen:
+            raise FrozenRequestError(
+                f"AsyncRequest {self.call_idx} is frozen (already scheduled); add finalize "
+                "functions before calling AsyncCallsQueue.schedule_async_request"
+            )
+        self.finalize_fns.append(fn)
+
+    def freeze(self) -> "AsyncRequest":
+        """Return a copy that refuses further finalize functions."""
+        return self._replace(is_frozen=True)
+
+    def without_finalize_fns(self) -> "AsyncRequest":
+        """Return a copy without finalize functions (what is sent to a background process)."""
+        return self._replace(finalize_fns=[])
+
+    def execute_sync(self) -> None:
+        """Run the whole request in the calling thread: stage, write, agree, finalize.
+
+        Runs on every rank. Gives the same failure semantics as the asynchronous path:
+        if staging or writing fails on any rank, every rank raises one
+        :class:`~megatron_async.errors.AsyncSaveFailedError` and no finalize function
+        runs (so no checkpoint is marked complete).
+        """
+        failure: Optional[RankFailure] = None
+        try:
+            run_staging_and_async_fn(self)
+        except Exception as exc:  # reported collectively below
+            logger.error("rank %d: synchronous save failed: %s", coordination.get_rank(), exc)
+            failure = RankFailure.from_exception(coordination.get_rank(), "write", exc)
+        coordination.raise_if_any_rank_failed(failure)
+        for fn in self.finalize_fns:
+            fn()
+
+
+def run_staging_and_async_fn(request: AsyncRequest) -> None:
+    """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:
+        staged = request.preload_fn()
+        if len(args) > STAGED_ARG_INDEX:
+            args[STAGED_ARG_INDEX] = staged
+    if request.async_fn is not None:
+        request.async_fn(*args, **(request.async_fn_kwargs or {}))

@@ -1,0 +1,152 @@
+"""The exception hierarchy of megatron_async.
+
+Every error the library raises on purpose derives from :class:`AsyncCheckpointError`.
+A failure of a background save is always reported on *every* rank as one
+:class:`AsyncSaveFailedError` that carries each failing rank's :class:`RankFailure`
+(exception type, message, traceback text and the phase it happened in), so that a
+training job can catch a single type and log what went wrong everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from typing import Dict, Mapping, Optional
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = [
+    "AsyncCheckpointError",
+    "CheckpointValidationError",
+    "CheckpointInProgressError",
+    "QueueClosedError",
+    "FrozenRequestError",
+    "WorkerDiedError",
+    "AsyncTimeoutError",
+    "CoordinationError",
+    "CheckpointIntegrityError",
+    "RankFailure",
+    "AsyncSaveFailedError",
+]
+
+
+class AsyncCheckpointError(Exception):
+    """Base class of every error raised by megatron_async."""
+
+
+class CheckpointValidationError(AsyncCheckpointError, ValueError):
+    """Bad input: wrong types, overlapping or missing shards, an unusable target directory."""
+
+
+class CheckpointInProgressError(AsyncCheckpointError):
+    """A save targets a directory that an unfinished save of this process still writes."""
+
+
+class QueueClosedError(AsyncCheckpointError, RuntimeError):
+    """A request was scheduled on an :class:`AsyncCallsQueue` after ``close()``."""
+
+
+class FrozenRequestError(AsyncCheckpointError, RuntimeError):
+    """A finalize function was added to an :class:`AsyncRequest` that is already scheduled."""
+
+
+class WorkerDiedError(AsyncCheckpointError):
+    """A background process ended (signal, segfault, early exit) before reporting a result."""
+
+
+class AsyncTimeoutError(AsyncCheckpointError, TimeoutError):
+    """A bounded wait in the async path expired (a frozen writer, a stuck staging step)."""
+
+
+class CoordinationError(AsyncCheckpointError):
+    """A checkpoint-coordination collective failed: a peer rank died, diverged or timed out."""
+
+
+class CheckpointIntegrityError(AsyncCheckpointError):
+    """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank, in a form that pickles across processes and ranks.
+
+    Attributes:
+        rank: global rank on which the failure happened.
+        phase: where in the save it happened: ``"schedule"``, ``"staging"``, ``"write"``,
+            ``"worker"`` (the background process died), ``"timeout"`` or ``"finalize"``.
+        exception_type: qualified name of the original exception class.
+        message: ``str()`` of the original exception.
+        traceback_text: the formatted traceback, as captured where the exception happened.
+    """
+
+    rank: int
+    phase: str
+    exception_type: str
+    message: str
+    traceback_text: str = ""
+
+    @classmethod
+    def from_exception(cls, rank: int, phase: str, exc: BaseException) -> "RankFailure":
+        """Capture ``exc`` (with its traceback) as a picklable record."""
+        exc_type = type(exc)
+        return cls(
+            rank=rank,
+            phase=phase,
+            exception_type=f"{exc_type.__module__}.{exc_type.__qualname__}",
+            message=str(exc),
+            traceback_text="".join(traceback.format_exception(exc_type, exc, exc.__traceback__)),
+        )
+
+    def summary(self) -> str:
+        """One line: rank, phase, exception type and message."""
+        return f"rank {self.rank} [{self.phase}] {self.exception_type}: {self.message}"
+
+
+class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
+    """A checkpoint save failed on at least one rank; raised identically on every rank.
+
+    It is also a :class:`torch.distributed.checkpoint.api.CheckpointException`, so code
+    written against megatron-core or PyTorch DCP that catches that type keeps working.
+
+    Attributes:
+        failures: failing rank -> :class:`RankFailure`.
+        checkpoint: the checkpoint (usually a directory) the save was writing, if known.
+    """
+
+    def __init__(
+        self,
+        failures: Mapping[int, RankFailure],
+        checkpoint: Optional[str] = None,
+        hint: str = "",
+    ):
+        self.checkpoint = checkpoint
+        self._hint = hint
+        ordered: Dict[int, RankFailure] = dict(sorted(failures.items()))
+        where = f" of {checkpoint}" if checkpoint else ""
+        lines = [f"async checkpoint save{where} failed on {len(ordered)} rank(s):"]
+        lines += [f"  {failure.summary()}" for failure in ordered.values()]
+        lines.append(
+            hint
+            or "The checkpoint is incomplete and was not marked complete; the previous "
+            "complete checkpoint is untouched. Fix the cause above and save again."
+        )
+        CheckpointException.__init__(self, "\n".join(lines), ordered)
+
+    @property
+    def failures(self) -> Dict[int, RankFailure]:  # type: ignore[override]
+        """Failing rank -> :class:`RankFailure`."""
+        return self._failures
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self._failures, self.checkpoint, self._hint))
+
+    def full_report(self) -> str:
+        """The message followed by every failing rank's traceback."""
+        parts = [str(self)]
+        for failure in self.failures.values():
+            if failure.traceback_text:
+                parts.append(f"--- rank {failure.rank} traceback ---\n{failure.traceback_text}")
+        return "\n".join(parts)
