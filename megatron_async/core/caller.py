@@ -1,0 +1,180 @@
+"""The caller interface: run a request in the background and agree on its completion.
+
+A caller owns the background execution of requests on one rank. Its *local* view of a
+call (running, succeeded, failed with a :class:`~megatron_async.errors.RankFailure`)
+comes from :meth:`AsyncCaller.poll`, which never blocks and applies the liveness and
+timeout checks. The *global* view (done on every rank? failed anywhere?) is agreed by
+:func:`agree_on_call`, one small all-reduce on the coordination group.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import logging
+import time
+from typing import Dict, Optional
+
+from megatron_async.core import coordination
+from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.request import AsyncRequest
+from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
+
+__all__ = ["CallState", "CallStatus", "CallAgreement", "AsyncCaller", "agree_on_call"]
+
+logger = logging.getLogger(__name__)
+
+
+class CallState(enum.Enum):
+    """Local state of one call on one rank."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallStatus:
+    """Local status of one call: its state and, when failed, why."""
+
+    state: CallState
+    failure: Optional[RankFailure] = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state is not CallState.RUNNING
+
+    @classmethod
+    def running(cls) -> "CallStatus":
+        return cls(CallState.RUNNING)
+
+    @classmethod
+    def succeeded(cls) -> "CallStatus":
+        return cls(CallState.SUCCEEDED)
+
+    @classmethod
+    def failed(cls, failure: RankFailure) -> "CallStatus":
+        return cls(CallState.FAILED, failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallAgreement:
+    """What every rank agrees on for one call after :func:`agree_on_call`."""
+
+    done_everywhere: bool
+    failures: Dict[int, RankFailure]
+
+
+def agree_on_call(call_idx: int, status: CallStatus, no_dist: bool) -> CallAgreement:
+    """Agree across ranks whether call ``call_idx`` is finished, and whether it failed.
+
+    Runs on every rank (unless ``no_dist``). One all-reduce (MAX) of four integers
+    answers "is any rank still running?", "did any rank fail?" and "is every rank
+    looking at the same call?"; only when some rank failed is a second collective used
+    to gather the failures, so that every rank can raise the same complete error.
+
+    A rank that failed counts as finished: the agreement waits until no rank is still
+    running, so that no background writer is left behind when the error is raised.
+
+    Raises:
+        CoordinationError: ranks are finalizing different calls, or a peer is gone.
+    """
+    if no_dist or not coordination.is_distributed():
+        failures = {} if status.failure is None else {status.failure.rank: status.failure}
+        return CallAgreement(status.is_terminal, failures)
+    still_running = int(not status.is_terminal)
+    failed = int(status.state is CallState.FAILED)
+    any_running, any_failed, max_idx, neg_min_idx = coordination.all_reduce_max(
+        [still_running, failed, call_idx, -call_idx]
+    )
+    if max_idx != -neg_min_idx:
+        raise CoordinationError(
+            f"rank {coordination.get_rank()}: ranks are finalizing different async calls "
+            f"(indices {-neg_min_idx}..{max_idx}). Every rank must schedule the same saves in "
+            "the same order and call maybe_finalize_async_calls together."
+        )
+    if any_running:
+        return CallAgreement(False, {})
+    if not any_failed:
+        return CallAgreement(True, {})
+    gathered = coordination.all_gather_objects(status.failure)
+    return CallAgreement(True, {f.rank: f for f in gathered if f is not None})
+
+
+class AsyncCaller(abc.ABC):
+    """Runs scheduled requests in the background on one rank (trainer side).
+
+    Subclasses implement :meth:`schedule_async_call`, :meth:`poll`, :meth:`release` and
+    :meth:`close`. ``schedule_async_call`` never raises for a failure of the request
+    itself (staging, writing, a dead worker): the failure is recorded and reported by
+    :meth:`poll`, so that it surfaces on every rank at finalization instead of on one.
+    """
+
+    def __init__(self, config: Optional[AsyncCallerConfig] = None):
+        self.config = config or AsyncCallerConfig()
+        self._current_call_idx: Optional[int] = None
+
+    @abc.abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req`` in the background; returns once its data is staged.
+
+        Must be called on every rank (the request may be a no-op on some).
+        """
+
+    @abc.abstractmethod
+    def poll(self, call_idx: int) -> CallStatus:
+        """Return the local status of call ``call_idx`` without blocking.
+
+        Also enforces the liveness check (a dead background process fails its calls)
+        and the per-call timeout (an overdue process is killed and its call fails).
+        """
+
+    def release(self, call_idx: int) -> None:
+        """Forget a finalized call and reap what it used (trainer side)."""
+
+    @abc.abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Stop the background processes; with ``abort``, kill them without waiting."""
+
+    def wait(self, call_idx: int) -> CallStatus:
+        """Block until call ``call_idx`` is finished locally; bounded by the call timeout."""
+        while True:
+            status = self.poll(call_idx)
+            if status.is_terminal:
+                return status
+            time.sleep(self.config.poll_interval_s)
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Return whether the oldest scheduled call is done on every rank.
+
+        Kept for API compatibility with megatron-core; :class:`AsyncCallsQueue` is the
+        usual entry point. Must be called on every rank unless ``no_dist``.
+
+        Raises:
+            AsyncSaveFailedError: on every rank, when the call failed on any rank.
+        """
+        if self._current_call_idx is None:
+            return True
+        idx = self._current_call_idx
+        while True:
+            agreement = agree_on_call(idx, self.poll(idx), no_dist)
+            if agreement.done_everywhere:
+                break
+            if not blocking:
+                return False
+            time.sleep(self.config.poll_interval_s)
+        if agreement.failures:
+            raise AsyncSaveFailedError(agreement.failures)
+        return True
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """Return True when no rank reports ``is_alive`` (one gloo all-reduce)."""
+        (any_alive,) = coordination.all_reduce_max([int(is_alive)])
+        return not any_alive
+
+    def __del__(self) -> None:
+        try:
+            self.close(abort=True)
+        except Exception:  # interpreter teardown: nothing sensible left to do
+            pass

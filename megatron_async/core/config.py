@@ -1,0 +1,51 @@
+"""Options of the async execution core."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_async.core.coordination import DEFAULT_COORDINATION_TIMEOUT_S
+
+__all__ = ["AsyncCallerConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncCallerConfig:
+    """Bounds and pacing of every wait in the async path.
+
+    Every wait a trainer can get stuck in is bounded by one of these fields, and each
+    wait also checks that the background process is alive, so a dead worker is noticed
+    within ``poll_interval_s`` rather than at the timeout.
+    """
+
+    timeout_s: float = 3600.0
+    """Longest a single save may run in the background (staging + writing) before its
+    process is killed and the save fails on every rank with a timeout."""
+
+    staging_timeout_s: float = 600.0
+    """Longest a trainer waits at schedule time for the persistent worker to confirm that
+    the data was staged (includes the worker's start-up on the first save)."""
+
+    poll_interval_s: float = 0.05
+    """Pause between liveness/completion checks while waiting (blocking finalize, staging)."""
+
+    close_timeout_s: float = 60.0
+    """Longest ``close()`` waits for a worker to stop cleanly before killing it."""
+
+    coordination_timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S
+    """Bound on each checkpoint-coordination collective (how long a rank waits for a peer
+    that stopped calling ``maybe_finalize_async_calls``)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(
+                    f"AsyncCallerConfig.{field.name} must be a positive number of seconds, "
+                    f"got {value!r}"
+                )
+        if self.poll_interval_s > min(self.timeout_s, self.staging_timeout_s):
+            raise ValueError(
+                "AsyncCallerConfig.poll_interval_s must not exceed timeout_s or "
+                f"staging_timeout_s (got poll_interval_s={self.poll_interval_s})"
+            )

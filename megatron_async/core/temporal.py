@@ -1,0 +1,181 @@
+"""A forked process per save: :class:`TemporalAsyncCaller`."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_async.core import coordination
+from megatron_async.core._process import (
+    kill_and_reap,
+    parent_is_alive,
+    register_exit_cleanup,
+    set_parent_death_signal,
+)
+from megatron_async.core.caller import AsyncCaller, CallStatus
+from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest
+from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+
+__all__ = ["TemporalAsyncCaller"]
+
+logger = logging.getLogger(__name__)
+
+
+def _synchronize_cuda_if_used() -> None:
+    """Let pending device-to-host copies land before forking (only when CUDA is in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _run_forked_call(result_conn, rank: int, parent_pid: int, fn, args: Sequence[Any], kwargs):
+    """Body of the forked child (background side): run ``fn`` and report how it ended."""
+    set_parent_death_signal()
+    if not parent_is_alive(parent_pid):
+        os._exit(1)
+    # The child shares the trainer's heap copy-on-write, including tensor objects whose
+    # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
+    # garbage collection here could run their destructors: freeing CUDA memory from a
+    # forked child crashes it, and touching every object dirties shared pages, which
+    # copies them. Nothing the child allocates needs cycle collection before it exits.
+    gc.disable()
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:  # reported to the trainer, which raises it on all ranks
+        result_conn.send(("error", RankFailure.from_exception(rank, "write", exc)))
+    else:
+        result_conn.send(("done", None))
+    finally:
+        result_conn.close()
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """Runs one request in a freshly forked process (trainer side).
+
+    The trainer stages the data itself (``preload_fn``) and then forks; the child
+    inherits the staged snapshot copy-on-write, writes it and exits. A fork costs
+    little and nothing needs to be pickled, but each save pays for a new process.
+    One instance serves one call; :class:`AsyncCallsQueue` creates one per request.
+    """
+
+    def __init__(self, config: Optional[AsyncCallerConfig] = None):
+        super().__init__(config)
+        self.process: Optional[mp.Process] = None
+        self._result_conn = None
+        self._status: CallStatus = CallStatus.succeeded()
+        self._start_time = 0.0
+        register_exit_cleanup(self, "_abort_at_exit")
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Stage the request's data, then fork a process that runs ``async_fn``.
+
+        Runs on every rank; returns once the data is staged and the child started.
+        A staging failure is recorded (not raised) and reported by :meth:`poll`.
+        """
+        if self.process is not None:
+            raise RuntimeError("a TemporalAsyncCaller runs exactly one call; create a new one")
+        rank = coordination.get_rank()
+        self._current_call_idx = async_req.call_idx
+        self._start_time = time.monotonic()
+        args = list(async_req.async_fn_args)
+        try:
+            if async_req.preload_fn is not None:
+                staged = async_req.preload_fn()
+                if len(args) > STAGED_ARG_INDEX:
+                    args[STAGED_ARG_INDEX] = staged
+        except Exception as exc:
+            logger.error("rank %d: staging of async call %d failed: %s", rank, async_req.call_idx, exc)
+            self._status = CallStatus.failed(RankFailure.from_exception(rank, "staging", exc))
+            return
+        if async_req.async_fn is None:
+            self._status = CallStatus.succeeded()
+            return
+        _synchronize_cuda_if_used()
+        ctx = mp.get_context("fork")
+        self._result_conn, child_conn = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_run_forked_call,
+            args=(child_conn, rank, os.getpid(), async_req.async_fn, args, async_req.async_fn_kwargs or {}),
+            name=f"megatron-async-save-{async_req.call_idx}",
+            daemon=False,  # a daemon could not start the writer's own I/O processes
+        )
+        self.process.start()
+        child_conn.close()
+        self._status = CallStatus.running()
+        logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
+
+    def poll(self, call_idx: int) -> CallStatus:
+        """Local status of the call; detects a dead child and enforces the timeout."""
+        if self._status.is_terminal:
+            return self._status
+        rank = coordination.get_rank()
+        if self._result_conn.poll(0):
+            self._status = self._receive_result(rank)
+        elif not self.process.is_alive():
+            # The child may have reported just before exiting: look once more.
+            if self._result_conn.poll(0):
+                self._status = self._receive_result(rank)
+            else:
+                self._status = CallStatus.failed(self._died_failure(rank))
+        elif time.monotonic() - self._start_time > self.config.timeout_s:
+            kill_and_reap(self.process)
+            exc = AsyncTimeoutError(
+                f"rank {rank}: background save (pid {self.process.pid}) of async call "
+                f"{call_idx} ran longer than timeout_s={self.config.timeout_s:.0f}s and was "
+                "killed; check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
+            )
+            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        return self._status
+
+    def _receive_result(self, rank: int) -> CallStatus:
+        try:
+            kind, payload = self._result_conn.recv()
+        except (EOFError, OSError):
+            return CallStatus.failed(self._died_failure(rank))
+        return CallStatus.succeeded() if kind == "done" else CallStatus.failed(payload)
+
+    def _died_failure(self, rank: int) -> RankFailure:
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        exc = WorkerDiedError(
+            f"rank {rank}: background save process (pid {self.process.pid}) {how} before "
+            "reporting a result (out of memory? killed by the OS?)"
+        )
+        return RankFailure.from_exception(rank, "worker", exc)
+
+    def release(self, call_idx: int) -> None:
+        """Join the finished child (bounded) so it leaves no zombie."""
+        self.close(abort=False)
+
+    def close(self, abort: bool = False) -> None:
+        """Join the child; kill it first when ``abort`` or when it outlives the bound."""
+        process = self.process
+        if process is None:
+            return
+        if abort:
+            kill_and_reap(process, self.config.close_timeout_s)
+        else:
+            process.join(timeout=self.config.close_timeout_s)
+            if process.is_alive():
+                logger.warning("background save pid %d did not exit; killing it", process.pid)
+                kill_and_reap(process)
+        if self._result_conn is not None:
+            self._result_conn.close()
+            self._result_conn = None
+        self.process = None
+
+    def _abort_at_exit(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            logger.warning(
+                "exiting with an unfinalized async save (pid %d); it is aborted and its "
+                "checkpoint stays incomplete. Call AsyncCallsQueue.close() before exiting.",
+                self.process.pid,
+            )
+        self.close(abort=True)

@@ -1,0 +1,58 @@
+"""Module-level functions for tests to run in background processes.
+
+They must be importable by name (the persistent worker unpickles them in a spawned
+process), so they live here rather than inside test functions.
+"""
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+
+
+def write_text(path: str, staged, text: str) -> None:
+    """Write ``text`` (plus the staged value, when there is one) to ``path``."""
+    with open(path, "w") as f:
+        f.write(text if staged is None else f"{text}:{staged}")
+
+
+def sleep_then_write(path: str, staged, seconds: float) -> None:
+    time.sleep(seconds)
+    write_text(path, staged, "done")
+
+
+def save_staged_tensor(path: str, staged, _unused=None) -> None:
+    torch.save(staged, path)
+
+
+def stage_clone(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone()
+
+
+def stage_fails(message: str):
+    raise ValueError(message)
+
+
+def raise_error(path: str, staged, message: str) -> None:
+    raise OSError(message)
+
+
+def kill_self(path: str, staged, _unused=None) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def segfault(path: str, staged, _unused=None) -> None:
+    ctypes.string_at(0)
+
+
+def exit_early(path: str, staged, code: int) -> None:
+    os._exit(code)
+
+
+def record_pid_and_hang(pid_path: str, staged, seconds: float) -> None:
+    with open(pid_path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_path + ".tmp", pid_path)
+    time.sleep(seconds)

@@ -1,0 +1,239 @@
+"""Single-process behaviour of the async core: requests, both callers, the queue."""
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    FrozenRequestError,
+    QueueClosedError,
+)
+from tests import background_fns as fns
+
+pytestmark = pytest.mark.timeout(120)
+
+CALLER_KINDS = [pytest.param(False, id="temporal"), pytest.param(True, id="persistent")]
+
+
+def _request(fn, path, arg, finalize_fns=None, preload_fn=None):
+    return AsyncRequest(fn, (str(path), None, arg), list(finalize_fns or []), preload_fn=preload_fn)
+
+
+@pytest.fixture
+def make_queue():
+    queues = []
+
+    def factory(persistent, **config):
+        queue = AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config))
+        queues.append(queue)
+        return queue
+
+    yield factory
+    for queue in queues:
+        queue.close(abort=True)
+
+
+# -- AsyncRequest ----------------------------------------------------------------------
+
+
+def test_frozen_request_refuses_finalize_fns():
+    request = AsyncRequest(None, (), [])
+    request.add_finalize_fn(lambda: None)
+    frozen = request.freeze()
+    with pytest.raises(FrozenRequestError, match="schedule_async_request"):
+        frozen.add_finalize_fn(lambda: None)
+    assert len(frozen.finalize_fns) == 1
+
+
+def test_execute_sync_stages_into_second_argument_and_finalizes_in_order(tmp_path):
+    calls = []
+    request = AsyncRequest(
+        fns.write_text,
+        (str(tmp_path / "out"), "placeholder", "value"),
+        [lambda: calls.append("a")],
+        preload_fn=lambda: "staged",
+    )
+    request.add_finalize_fn(lambda: calls.append("b"))
+    request.execute_sync()
+    assert (tmp_path / "out").read_text() == "value:staged"
+    assert calls == ["a", "b"]
+
+
+def test_execute_sync_failure_raises_and_skips_finalize(tmp_path):
+    calls = []
+    request = AsyncRequest(fns.raise_error, (str(tmp_path), None, "boom"), [lambda: calls.append(1)])
+    with pytest.raises(AsyncSaveFailedError, match="boom"):
+        request.execute_sync()
+    assert calls == []
+
+
+def test_config_rejects_non_positive_bounds():
+    with pytest.raises(ValueError, match="timeout_s must be a positive"):
+        AsyncCallerConfig(timeout_s=0)
+
+
+# -- queue + callers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_schedule_and_finalize_runs_finalize_fns_in_order(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent)
+    order = []
+    out = tmp_path / "out"
+    idx = queue.schedule_async_request(
+        _request(fns.write_text, out, "x", [lambda: order.append(1), lambda: order.append(2)])
+    )
+    assert idx == 0
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert out.read_text() == "x"
+    assert order == [1, 2]
+    assert queue.get_num_unfinalized_calls() == 0
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_calls_in_flight_finalize_in_scheduling_order(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent)
+    finalized = []
+    slow = queue.schedule_async_request(
+        _request(fns.sleep_then_write, tmp_path / "slow", 1.0, [lambda: finalized.append("slow")])
+    )
+    fast = queue.schedule_async_request(
+        _request(fns.write_text, tmp_path / "fast", "x", [lambda: finalized.append("fast")])
+    )
+    if not persistent:
+        # Forked processes run side by side: the later call finishes first.
+        _wait_for((tmp_path / "fast").exists)
+    assert not (tmp_path / "slow").exists()
+    # The call scheduled first is not done: nothing may finalize yet.
+    assert queue.maybe_finalize_async_calls(blocking=False) == []
+    assert finalized == []
+    assert queue.maybe_finalize_async_calls(blocking=True) == [slow, fast]
+    assert finalized == ["slow", "fast"]
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+@pytest.mark.parametrize(
+    "fn, arg, phase, message",
+    [
+        pytest.param(fns.raise_error, "disk on fire", "write", "disk on fire", id="exception"),
+        pytest.param(fns.kill_self, None, "worker", "killed by signal 9", id="sigkill"),
+        pytest.param(fns.segfault, None, "worker", "killed by signal 11", id="segfault"),
+        pytest.param(fns.exit_early, 3, "worker", "exited with code 3", id="early-exit"),
+    ],
+)
+def test_background_failure_raises_and_queue_stays_usable(
+    make_queue, tmp_path, persistent, fn, arg, phase, message
+):
+    queue = make_queue(persistent)
+    finalized = []
+    queue.schedule_async_request(_request(fn, tmp_path / "bad", arg, [lambda: finalized.append(1)]))
+    with pytest.raises(AsyncSaveFailedError) as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    failure = info.value.failures[0]
+    assert failure.phase == phase
+    assert message in failure.message
+    assert finalized == [], "a failed save must not be finalized"
+    if phase == "write":
+        assert "Traceback" in failure.traceback_text and message in failure.traceback_text
+    # The queue (and, for the persistent caller, a fresh worker) serves the next save.
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "good", "ok"))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    assert (tmp_path / "good").read_text() == "ok"
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_staging_failure_raises_at_finalize(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent)
+    request = _request(
+        fns.write_text, tmp_path / "out", "x", preload_fn=functools.partial(fns.stage_fails, "no host memory")
+    )
+    queue.schedule_async_request(request)
+    with pytest.raises(AsyncSaveFailedError, match="no host memory") as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert info.value.failures[0].phase == "staging"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent, timeout_s=2.0)
+    pid_file = tmp_path / "pid"
+    queue.schedule_async_request(_request(fns.record_pid_and_hang, pid_file, 600.0))
+    started = time.monotonic()
+    with pytest.raises(AsyncSaveFailedError, match="timeout_s=2") as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert time.monotonic() - started < 30
+    assert info.value.failures[0].phase == "timeout"
+    pid = int(pid_file.read_text())
+    assert not _pid_alive(pid), "the hanging background process must be killed"
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_snapshot_is_taken_before_schedule_returns(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent)
+    tensor = torch.arange(1000, dtype=torch.float32)
+    expected = tensor.clone()
+    request = AsyncRequest(
+        fns.save_staged_tensor,
+        (str(tmp_path / "t.pt"), None, None),
+        [],
+        preload_fn=functools.partial(fns.stage_clone, tensor),
+    )
+    queue.schedule_async_request(request)
+    tensor.mul_(-1).add_(7)  # in place, right after scheduling
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert torch.equal(torch.load(tmp_path / "t.pt"), expected)
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_close_abort_kills_background_and_closed_queue_refuses(make_queue, tmp_path, persistent):
+    queue = make_queue(persistent)
+    pid_file = tmp_path / "pid"
+    queue.schedule_async_request(_request(fns.record_pid_and_hang, pid_file, 600.0))
+    _wait_for(pid_file.exists)
+    pid = int(pid_file.read_text())
+    queue.close(abort=True)
+    _wait_for(lambda: not _pid_alive(pid))
+    with pytest.raises(QueueClosedError, match="create a new AsyncCallsQueue"):
+        queue.schedule_async_request(_request(fns.write_text, tmp_path / "x", "x"))
+
+
+def test_schedule_rejects_non_requests(make_queue):
+    with pytest.raises(TypeError, match="expects an AsyncRequest"):
+        make_queue(False).schedule_async_request(("not", "a", "request"))
+
+
+def test_megatron_core_request_runs_on_our_queue(make_queue, tmp_path):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest as McoreRequest
+
+    finalized = []
+    request = McoreRequest(
+        fns.write_text, (str(tmp_path / "m"), None, "mcore"), [lambda: finalized.append(1)],
+        preload_fn=functools.partial(str, "staged"),
+    )
+    queue = make_queue(True)
+    queue.schedule_async_request(request)
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert (tmp_path / "m").read_text() == "mcore:staged"
+    assert finalized == [1]
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
