@@ -1,0 +1,141 @@
+"""Multi-rank scenarios for the async core; run by test_async_core_multirank.py.
+
+Every rank runs every scenario; the last rank plays the odd one out (slow, failing,
+dying or hanging) so that the others prove they learn about it.
+"""
+
+import functools
+import os
+import time
+
+import torch
+
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+from tests import background_fns as fns
+from tests.functional.harness import RankContext, run_scenarios
+
+
+def _queue(persistent: bool, **config) -> AsyncCallsQueue:
+    return AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config))
+
+
+def _path(ctx: RankContext, name: str) -> str:
+    return os.path.join(ctx.tmp_dir, f"{name}-rank{ctx.rank}")
+
+
+def _is_odd_one(ctx: RankContext) -> bool:
+    return ctx.rank == ctx.world_size - 1
+
+
+def finalize_waits_for_every_rank(ctx, persistent):
+    queue = _queue(persistent)
+    finalized = []
+    delay = 2.0 if _is_odd_one(ctx) else 0.0
+    queue.schedule_async_request(
+        AsyncRequest(fns.sleep_then_write, (_path(ctx, "slow"), None, delay), [lambda: finalized.append(ctx.rank)])
+    )
+    early = []
+    for _ in range(5):  # same number of checks on every rank: each is one collective
+        early += queue.maybe_finalize_async_calls(blocking=False)
+        time.sleep(0.05)
+    assert early == [], f"finalized {early} while the last rank was still writing"
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert finalized == [ctx.rank]
+    queue.close()
+
+
+def _expect_failure_everywhere(ctx, queue, odd_request, phase, text):
+    normal = AsyncRequest(fns.write_text, (_path(ctx, "ok"), None, "x"), [])
+    queue.schedule_async_request(odd_request if _is_odd_one(ctx) else normal)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        odd = ctx.world_size - 1
+        assert set(exc.failures) == {odd}, exc.failures
+        assert exc.failures[odd].phase == phase, exc.failures[odd]
+        assert text in exc.failures[odd].message, exc.failures[odd]
+    else:
+        raise AssertionError("no AsyncSaveFailedError on this rank")
+    # The queue serves the next save on every rank.
+    queue.schedule_async_request(AsyncRequest(fns.write_text, (_path(ctx, "next"), None, "y"), []))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    queue.close()
+
+
+def write_error_on_one_rank(ctx, persistent):
+    request = AsyncRequest(fns.raise_error, (_path(ctx, "bad"), None, "quota exceeded"), [])
+    _expect_failure_everywhere(ctx, _queue(persistent), request, "write", "quota exceeded")
+
+
+def staging_error_on_one_rank(ctx, persistent):
+    request = AsyncRequest(
+        fns.write_text, (_path(ctx, "bad"), None, "x"), [],
+        preload_fn=functools.partial(fns.stage_fails, "pinned alloc failed"),
+    )
+    _expect_failure_everywhere(ctx, _queue(persistent), request, "staging", "pinned alloc failed")
+
+
+def worker_killed_on_one_rank(ctx, persistent):
+    request = AsyncRequest(fns.kill_self, (_path(ctx, "bad"), None, None), [])
+    _expect_failure_everywhere(ctx, _queue(persistent), request, "worker", "killed by signal 9")
+
+
+def hung_writer_on_one_rank(ctx, persistent):
+    request = AsyncRequest(fns.record_pid_and_hang, (_path(ctx, "pid"), None, 600.0), [])
+    _expect_failure_everywhere(ctx, _queue(persistent, timeout_s=3.0), request, "timeout", "timeout_s=3")
+
+
+def calls_in_flight_finalize_in_order(ctx, persistent):
+    queue = _queue(persistent)
+    order = []
+    for i, delay in enumerate([0.6, 0.0, 0.3]):
+        queue.schedule_async_request(
+            AsyncRequest(fns.sleep_then_write, (_path(ctx, f"c{i}"), None, delay), [functools.partial(order.append, i)])
+        )
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1, 2]
+    assert order == [0, 1, 2]
+    queue.close()
+
+
+def torch_async_checkpoint_snapshot(ctx, persistent):
+    ckpt = TorchAsyncCheckpoint(persistent_queue=persistent)
+    weights = torch.full((256,), float(ctx.rank))
+    ckpt.async_save({"w": weights, "step": 3}, _path(ctx, "model.pt"))
+    weights.add_(1000.0)  # the optimizer step right after scheduling
+    ckpt.finalize_async_save(blocking=True, no_dist=False)
+    loaded = torch.load(_path(ctx, "model.pt"))
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((256,), float(ctx.rank)))
+    ckpt.close()
+
+
+def our_request_runs_through_megatron_execute_sync(ctx):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest as McoreRequest
+
+    finalized = []
+    ours = AsyncRequest(
+        fns.write_text, (_path(ctx, "mc"), None, "ours"), [lambda: finalized.append(1)],
+        preload_fn=functools.partial(str, "staged"),
+    )
+    McoreRequest(*ours).execute_sync()
+    with open(_path(ctx, "mc")) as f:
+        assert f.read() == "ours:staged"
+    assert finalized == [1]
+
+
+def run_all(ctx: RankContext):
+    scenarios = {}
+    for kind, persistent in (("temporal", False), ("persistent", True)):
+        for fn in (
+            finalize_waits_for_every_rank,
+            write_error_on_one_rank,
+            staging_error_on_one_rank,
+            worker_killed_on_one_rank,
+            hung_writer_on_one_rank,
+            calls_in_flight_finalize_in_order,
+            torch_async_checkpoint_snapshot,
+        ):
+            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
+    scenarios["our_request_runs_through_megatron_execute_sync"] = our_request_runs_through_megatron_execute_sync
+    return run_scenarios(ctx, scenarios)

@@ -1,0 +1,38 @@
+"""Async core semantics on real gloo jobs of 2 and 4 ranks (one launch per world size)."""
+
+import pytest
+
+from tests.functional.harness import assert_scenario_ok, launch
+
+SCENARIOS = [
+    f"{name}[{kind}]"
+    for kind in ("temporal", "persistent")
+    for name in (
+        "finalize_waits_for_every_rank",
+        "write_error_on_one_rank",
+        "staging_error_on_one_rank",
+        "worker_killed_on_one_rank",
+        "hung_writer_on_one_rank",
+        "calls_in_flight_finalize_in_order",
+        "torch_async_checkpoint_snapshot",
+    )
+] + ["our_request_runs_through_megatron_execute_sync"]
+
+_results = {}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def launch_results(request, tmp_path_factory):
+    world_size = request.param
+    if world_size not in _results:
+        tmp = tmp_path_factory.mktemp(f"core{world_size}")
+        _results[world_size] = launch(
+            "tests.functional.scenarios_core:run_all", world_size, str(tmp), timeout_s=240
+        )
+    return _results[world_size]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario(launch_results, scenario):
+    assert_scenario_ok(launch_results, scenario)
