@@ -1,0 +1,46 @@
+"""No background process outlives its trainer, however the trainer ends."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent", ["temporal", "persistent"])
+@pytest.mark.parametrize("how", ["normal", "raise", "sigkill"])
+def test_background_process_ends_with_trainer(tmp_path, persistent, how):
+    pid_file = tmp_path / "pid"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit._trainer_script", persistent, how, str(pid_file)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=90,
+    )
+    # The trainer must not hang at exit waiting for its never-ending save.
+    assert time.monotonic() - started < 60
+    if how == "normal":
+        assert proc.returncode == 0, proc.stderr
+        assert "unfinalized" in proc.stderr  # the user is told the save was aborted
+    elif how == "raise":
+        assert proc.returncode == 1 and "trainer crashed" in proc.stderr
+    else:
+        assert proc.returncode == -9
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"background process {pid} outlived its trainer ({how})"
