@@ -124,6 +124,47 @@ def our_request_runs_through_megatron_execute_sync(ctx):
     assert finalized == [1]
 
 
+def megatron_queue_fails_on_cpu_only_torch(ctx):
+    """The reference queue needs CUDA even for a CPU job (the trap this project avoids)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+
+    if torch.cuda.is_available():
+        return "skipped: CUDA present"
+    request = AsyncRequest(fns.write_text, (_path(ctx, "ref"), None, "x"), [])
+    try:
+        McoreQueue().schedule_async_request(request)
+    except (AssertionError, RuntimeError) as exc:
+        return f"fails as expected: {type(exc).__name__}"
+    raise AssertionError("megatron-core's queue unexpectedly ran on CPU-only torch")
+
+
+def our_request_on_megatron_queue(ctx):
+    """Our request on megatron-core's own queue, with its CUDA-only calls stubbed out.
+
+    megatron-core's queue calls ``torch.cuda.synchronize`` and allocates its finalize
+    all-reduce tensor on ``torch.cuda.current_device()``; on CPU-only torch both are
+    stubbed (here only) so that the field-level compatibility can be checked.
+    """
+    from unittest import mock
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+
+    finalized = []
+    ours = AsyncRequest(
+        fns.write_text, (_path(ctx, "onmc"), None, "ours"), [lambda: finalized.append(1)],
+        preload_fn=functools.partial(str, "staged"),
+    )
+    with mock.patch("torch.cuda.synchronize", lambda *a, **k: None), mock.patch(
+        "torch.cuda.current_device", lambda: "cpu"
+    ):
+        queue = McoreQueue(persistent=False)
+        assert queue.schedule_async_request(ours) == 0
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    with open(_path(ctx, "onmc")) as f:
+        assert f.read() == "ours:staged"
+    assert finalized == [1]
+
+
 def run_all(ctx: RankContext):
     scenarios = {}
     for kind, persistent in (("temporal", False), ("persistent", True)):
@@ -137,5 +178,10 @@ def run_all(ctx: RankContext):
             torch_async_checkpoint_snapshot,
         ):
             scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
-    scenarios["our_request_runs_through_megatron_execute_sync"] = our_request_runs_through_megatron_execute_sync
+    for fn in (
+        our_request_runs_through_megatron_execute_sync,
+        megatron_queue_fails_on_cpu_only_torch,
+        our_request_on_megatron_queue,
+    ):
+        scenarios[fn.__name__] = fn
     return run_scenarios(ctx, scenarios)

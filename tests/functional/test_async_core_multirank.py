@@ -16,7 +16,11 @@ SCENARIOS = [
         "calls_in_flight_finalize_in_order",
         "torch_async_checkpoint_snapshot",
     )
-] + ["our_request_runs_through_megatron_execute_sync"]
+] + [
+    "our_request_runs_through_megatron_execute_sync",
+    "megatron_queue_fails_on_cpu_only_torch",
+    "our_request_on_megatron_queue",
+]
 
 _results = {}
 
