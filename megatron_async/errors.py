@@ -25,6 +25,7 @@ __all__ = [
     "AsyncTimeoutError",
     "CoordinationError",
     "CheckpointIntegrityError",
+    "StorageWriteError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -64,6 +65,17 @@ class CoordinationError(AsyncCheckpointError):
 
 class CheckpointIntegrityError(AsyncCheckpointError):
     """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+class StorageWriteError(AsyncCheckpointError):
+    """A background writer failed to write checkpoint files; ``failure`` keeps its traceback."""
+
+    def __init__(self, message: str, failure: Optional["RankFailure"] = None):
+        super().__init__(message)
+        self.failure = failure
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.failure))
 
 
 @dataclasses.dataclass(frozen=True)
