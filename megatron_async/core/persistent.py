@@ -23,6 +23,8 @@ __all__ = ["PersistentAsyncCaller"]
 
 logger = logging.getLogger(__name__)
 
+_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"  # same name as megatron_async.BACKGROUND_WORKER_ENV
+
 
 def _current_cuda_device() -> Optional[int]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -75,7 +77,16 @@ class PersistentAsyncCaller(AsyncCaller):
             name=f"megatron-async-worker-{self.rank}",
             daemon=False,  # a daemon could not start the writer's own I/O processes
         )
-        self.process.start()
+        # The worker inherits the environment at start: tell the package it is a worker.
+        previous = os.environ.get(_WORKER_ENV)
+        os.environ[_WORKER_ENV] = "1"
+        try:
+            self.process.start()
+        finally:
+            if previous is None:
+                del os.environ[_WORKER_ENV]
+            else:
+                os.environ[_WORKER_ENV] = previous
         child_conn.close()
         logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self.process.pid)
 
