@@ -63,6 +63,13 @@ def __getattr__(name):
 
 
 if _os.environ.get(BACKGROUND_WORKER_ENV) != "1":
-    from megatron_async.strategy import register_strategies as _register_strategies
+    import warnings as _warnings
+
+    with _warnings.catch_warnings():
+        # megatron-core announces on import that optional fused kernels (TE, Apex) are
+        # absent, several times; it changes nothing for checkpointing, and the command
+        # line tools would otherwise open with a screenful of it.
+        _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+        from megatron_async.strategy import register_strategies as _register_strategies
 
     _register_strategies()
