@@ -1,0 +1,16 @@
+"""Helpers of examples/pretrain_gpt.py: flags, data, model, checkpointing, terminal output.
+
+``cpu_compat`` holds everything that exists only to run megatron-core on a CPU-only host.
+"""
+
+import warnings
+
+# megatron-core warns, once per module and rank, that Transformer Engine and Apex are
+# absent (this example does not need them) and that its own default CUDA-graph scope is
+# deprecated. Neither is actionable here.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+):
+    warnings.filterwarnings("ignore", message=_message)

@@ -1,0 +1,116 @@
+"""Command-line flags of examples/pretrain_gpt.py, named as in Megatron-LM."""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+__all__ = ["parse_args", "validate_parallel_args"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Pretrain a small GPT with megatron-core and save torch_dist checkpoints "
+        "with megatron_async. Launch with torchrun --nproc-per-node N.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--seq-length", type=int, default=32)
+    model.add_argument("--vocab-size", type=int, default=256,
+                       help="synthetic data only; --data-path always uses the 256 byte values")
+    model.add_argument("--hidden-dropout", type=float, default=0.1)
+    model.add_argument("--attention-dropout", type=float, default=0.1)
+    model.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"],
+                       default="auto",
+                       help="auto: transformer_engine when it is installed and CUDA is present")
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--train-iters", type=int, required=True)
+    train.add_argument("--micro-batch-size", type=int, default=2)
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro batch size x data-parallel size (no accumulation)")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--data-path", default=None,
+                       help="a text file, tokenized at byte level; default: synthetic tokens")
+    train.add_argument("--log-interval", type=int, default=1)
+    train.add_argument("--metrics-file", default=None,
+                       help="rank 0 appends one JSON line per iteration and per save here")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--use-distributed-optimizer", action="store_true")
+
+    ckpt = parser.add_argument_group("checkpointing")
+    ckpt.add_argument("--save", default=None, help="directory to save checkpoints to")
+    ckpt.add_argument("--load", default=None, help="directory to resume from (its tracker)")
+    ckpt.add_argument("--ckpt-step", type=int, default=None,
+                      help="resume from this iteration instead of the tracker's")
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    ckpt.add_argument("--async-save", action="store_true",
+                      help="write checkpoints in the background while training continues")
+    ckpt.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                      help="one long-lived background process instead of a fork per save")
+    ckpt.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                      help="reuse the save plan of the first save for later ones")
+    ckpt.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                      help="spread replicated shards over the data-parallel ranks")
+    ckpt.add_argument("--no-save-optim", action="store_true")
+    ckpt.add_argument("--no-save-rng", action="store_true")
+    ckpt.add_argument("--no-load-optim", action="store_true")
+    ckpt.add_argument("--no-load-rng", action="store_true")
+    ckpt.add_argument("--keep-last-n", type=int, default=None,
+                      help="keep only the newest N checkpoints (never the latest or one in flight)")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and check the flags that do not depend on the world size."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    positive = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                "train_iters", "micro_batch_size", "log_interval", "tensor_model_parallel_size"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.hidden_size % args.num_attention_heads:
+        parser.error("--hidden-size must be a multiple of --num-attention-heads")
+    if args.data_path is not None:
+        args.vocab_size = 256
+    if args.save_interval is not None and args.save is None:
+        parser.error("--save-interval needs --save")
+    if args.save is not None and (args.save_interval is None or args.save_interval < 1):
+        parser.error("--save needs --save-interval >= 1")
+    if args.use_persistent_ckpt_worker and not args.async_save:
+        parser.error("--use-persistent-ckpt-worker only applies with --async-save")
+    if args.keep_last_n is not None and (args.keep_last_n < 1 or args.save is None):
+        parser.error("--keep-last-n needs --save and a value of at least 1")
+    if args.ckpt_step is not None and args.load is None:
+        parser.error("--ckpt-step needs --load")
+    return args
+
+
+def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check the parallel layout against the world size; set ``data_parallel_size`` and
+    ``num_micro_batches``. Raises SystemExit with a message, like argparse."""
+    tp = args.tensor_model_parallel_size
+    if world_size % tp:
+        raise SystemExit(f"world size {world_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.num_attention_heads % tp or args.vocab_size % tp:
+        raise SystemExit("--num-attention-heads and the vocabulary size must be multiples of "
+                         "--tensor-model-parallel-size")
+    args.data_parallel_size = world_size // tp
+    samples_per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = samples_per_step
+    if args.global_batch_size % samples_per_step:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                         f"micro batch size x data-parallel size = {samples_per_step}")
+    args.num_micro_batches = args.global_batch_size // samples_per_step

@@ -1,0 +1,338 @@
+"""Save and resume the whole training state with megatron-core's dist_checkpointing.
+
+A checkpoint holds the model and optimizer as sharded tensors, each rank's RNG states
+as a :class:`ShardedObject`, and (in the common part that rank 0 writes) the iteration
+and the data position. Saving goes through the ``megatron_async`` strategy that
+``import megatron_async`` registers; with ``--async-save`` the write runs in the
+background and :class:`~megatron_async.manager.CheckpointManager` moves the tracker only
+once every rank's data is durable.
+
+Every method of :class:`Checkpointer` runs on every rank, in the training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import random
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+import megatron_async  # noqa: F401  (registers the "megatron_async" save strategy)
+from gpt import cpu_compat
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
+
+__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+DEBUG_SAVE_DELAY_ENV = "PRETRAIN_GPT_DEBUG_SAVE_DELAY"
+"""Debugging knob ``"ITERATION:SECONDS"``: the background write of that iteration's
+checkpoint sleeps for SECONDS after writing its shards, before the save can finalize.
+Used to kill a job in the middle of an async save (tests/functional/test_pretrain_gpt.py)."""
+
+# Megatron-LM's default for the distributed optimizer with fully parallel saves: each
+# data-parallel rank writes its own buffer shard, no gather, reshardable across DP.
+_DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@dataclasses.dataclass
+class SaveRecord:
+    """What one save cost.
+
+    Attributes:
+        iteration: the saved iteration.
+        path: the checkpoint directory.
+        is_async: whether the write ran in the background.
+        stall_s: seconds the training loop was blocked by the save.
+        background_s: seconds from scheduling to the finalize that saw the write done
+            everywhere (0 for a synchronous save); it includes up to one iteration of
+            waiting for that finalize.
+        num_bytes: bytes in the checkpoint directory (all ranks' files); rank 0 only.
+    """
+
+    iteration: int
+    path: str
+    is_async: bool
+    stall_s: float = 0.0
+    background_s: float = 0.0
+    num_bytes: int = 0
+    _scheduled_at: float = 0.0
+
+    @property
+    def throughput_bytes_per_s(self) -> float:
+        """Bytes per second of the part that wrote: the background for async, the stall for sync."""
+        seconds = self.background_s if self.is_async else self.stall_s
+        return self.num_bytes / seconds if seconds > 0 else float("nan")
+
+
+def _read_debug_save_delay() -> Optional[Tuple[int, float]]:
+    value = os.environ.get(DEBUG_SAVE_DELAY_ENV)
+    if not value:
+        return None
+    iteration, _, seconds = value.partition(":")
+    return int(iteration), float(seconds)
+
+
+def _write_then_stall(async_fn, delay_s: float, *args, **kwargs) -> None:
+    """Background side of the debug delay: write as usual, then hold the save open."""
+    async_fn(*args, **kwargs)
+    time.sleep(delay_s)
+
+
+def _directory_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def _collect_rng_state() -> Dict[str, Any]:
+    """Every RNG the training loop draws from on this rank."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state: Optional[Dict[str, Any]]) -> ShardedObject:
+    """One RNG record per (tensor-parallel, data-parallel) rank; no replicas."""
+    return ShardedObject(
+        "rng_state",
+        state,
+        (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(),
+        ),
+        (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+class Checkpointer:
+    """Saves (sync or async) and loads model, optimizer, RNG and data position.
+
+    Args:
+        args: the parsed flags (``--save``, ``--load``, ``--async-save`` ...).
+        model: the megatron-core DDP-wrapped model.
+        optimizer: the megatron-core optimizer of ``model``.
+    """
+
+    def __init__(self, args, model, optimizer):
+        self.args = args
+        self.model = model
+        self.optimizer = optimizer
+        self.manager = CheckpointManager(
+            CheckpointManagerConfig(
+                save_dir=args.save, load_dir=args.load, keep_last_n=args.keep_last_n
+            )
+        )
+        self.queue = (
+            AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
+            if args.async_save
+            else None
+        )
+        self._strategy = None
+        self._finished: List[SaveRecord] = []
+        self._pending: Dict[int, SaveRecord] = {}
+        self._debug_delay = _read_debug_save_delay()
+
+    @property
+    def in_flight(self) -> List[int]:
+        """Iterations whose save was scheduled and is not finalized yet."""
+        return sorted(self._pending)
+
+    def save(self, iteration: int, consumed_samples: int) -> SaveRecord:
+        """Save the training state of ``iteration``; with ``--async-save``, in the background.
+
+        Returns once the state is staged (async) or written and committed (sync). The
+        record of an async save is completed by the finalize that sees it durable.
+        """
+        args = self.args
+        record = SaveRecord(iteration, self.manager.checkpoint_path(iteration), args.async_save)
+        start = time.perf_counter()
+        path = self.manager.prepare_save(iteration)
+        state_dict = self._state_dict(
+            iteration,
+            consumed_samples,
+            is_loading=False,
+            with_optimizer=not args.no_save_optim,
+            with_rng=not args.no_save_rng,
+        )
+        request = dist_checkpointing.save(
+            state_dict,
+            path,
+            sharded_strategy=self._save_strategy(),
+            async_sharded_save=args.async_save,
+        )
+        if request is None:
+            self.manager.commit(iteration)
+            record.stall_s = time.perf_counter() - start
+            self._on_durable(record)
+            return record
+        if self._debug_delay is not None and self._debug_delay[0] == iteration:
+            request = request._replace(
+                async_fn=functools.partial(_write_then_stall, request.async_fn, self._debug_delay[1])
+            )
+        self.manager.attach_commit(request, iteration)
+        request.add_finalize_fn(functools.partial(self._on_durable, record))
+        self.queue.schedule_async_request(request)
+        record._scheduled_at = time.perf_counter()
+        record.stall_s = record._scheduled_at - start
+        self._pending[iteration] = record
+        return record
+
+    def maybe_finalize(self, blocking: bool = False) -> List[SaveRecord]:
+        """Finalize saves that are done on every rank; return the records finished since
+        the last call (sync saves included)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def close(self) -> List[SaveRecord]:
+        """Wait for every save, stop the background worker; return the last records."""
+        finished = self.maybe_finalize(blocking=True)
+        if self.queue is not None:
+            self.queue.close()
+        return finished
+
+    def load(self) -> Optional[Tuple[ResumePoint, int, int]]:
+        """Restore the state of the checkpoint that ``--load`` (and ``--ckpt-step``) select.
+
+        Returns:
+            ``(resume point, iteration, consumed_samples)``, or None for a fresh start.
+        """
+        args = self.args
+        point = self.manager.find_resume_point(args.ckpt_step)
+        if point is None:
+            return None
+        common = dist_checkpointing.load_common_state_dict(point.path)
+        content = common["content"]
+        with_optimizer = not args.no_load_optim
+        with_rng = not args.no_load_rng
+        if with_optimizer and not content["optimizer"]:
+            raise SystemExit(f"{point.path} was saved with --no-save-optim; "
+                             "pass --no-load-optim to resume without optimizer state")
+        if with_rng and not content["rng"]:
+            raise SystemExit(f"{point.path} was saved with --no-save-rng; "
+                             "pass --no-load-rng to resume with fresh RNG states")
+        layout = self._layout()
+        if with_rng and content["layout"] != layout:
+            raise SystemExit(f"{point.path} was saved with layout {content['layout']}, this run "
+                             f"is {layout}; RNG states are per rank: pass --no-load-rng")
+        if with_optimizer:
+            cpu_compat.prepare_optimizer_for_load(self.optimizer)
+        template = self._state_dict(
+            0, 0, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
+        )
+        state_dict = dist_checkpointing.load(template, point.path)
+        # no_grad: with fp32 parameters the distributed optimizer's main parameters are
+        # views of the model's leaf parameters, and it loads into them with copy_().
+        with torch.no_grad():
+            self.model.module.load_state_dict(state_dict["model"])
+            if with_optimizer:
+                self.optimizer.load_state_dict(state_dict["optimizer"])
+                cpu_compat.repair_optimizer_after_load(self.optimizer, state_dict["optimizer"])
+        if with_rng:
+            _restore_rng_state(state_dict["rng_state"])
+        return point, common["iteration"], common["consumed_samples"]
+
+    def _layout(self) -> Dict[str, int]:
+        return {
+            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        }
+
+    def _state_dict(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        *,
+        is_loading: bool,
+        with_optimizer: bool,
+        with_rng: bool,
+    ) -> Dict[str, Any]:
+        model_sd = self.model.module.sharded_state_dict()
+        state_dict: Dict[str, Any] = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "content": {"optimizer": with_optimizer, "rng": with_rng, "layout": self._layout()},
+            "model": model_sd,
+        }
+        if with_optimizer:
+            metadata = _DIST_OPTIM_METADATA if self.args.use_distributed_optimizer else None
+            state_dict["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=metadata
+            )
+        if with_rng:
+            state_dict["rng_state"] = _rng_sharded_object(
+                None if is_loading else _collect_rng_state()
+            )
+        return state_dict
+
+    def _save_strategy(self):
+        """The save strategy, built once so that cached plans carry over between saves."""
+        if self._strategy is None:
+            strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
+            if self.args.ckpt_assume_constant_structure:
+                # A configured copy: the registered instance is shared process-wide.
+                # Reuse the plans and metadata of the first save, and its staging buffers.
+                strategy = type(strategy)(
+                    strategy.backend,
+                    strategy.version,
+                    config=dataclasses.replace(
+                        strategy.config, cached_metadata=True, use_cached_data_structure=True
+                    ),
+                )
+            if self.args.ckpt_fully_parallel_save:
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy,
+                    parallel_state.get_data_parallel_group(with_context_parallel=True),
+                    self.args.ckpt_assume_constant_structure,
+                )
+            self._strategy = strategy
+        return self._strategy
+
+    def _on_durable(self, record: SaveRecord) -> None:
+        """Finalize side (every rank): the checkpoint is complete and the tracker moved."""
+        if record.is_async:
+            record.background_s = time.perf_counter() - record._scheduled_at
+        if torch.distributed.get_rank() == 0:
+            record.num_bytes = _directory_bytes(record.path)
+        self._pending.pop(record.iteration, None)
+        self._finished.append(record)

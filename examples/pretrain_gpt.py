@@ -1,0 +1,126 @@
+"""Pretrain a small GPT with megatron-core; save torch_dist checkpoints with megatron_async.
+
+Run on CPU (gloo) or GPU (NCCL), one process per rank::
+
+    torchrun --nproc-per-node 2 examples/pretrain_gpt.py --train-iters 20 \\
+        --save /tmp/ckpt --load /tmp/ckpt --save-interval 5 --async-save
+
+Read top to bottom: set up the process groups, build model, optimizer and data, resume
+from ``--load`` if there is a checkpoint, train, save every ``--save-interval``
+iterations (in the background with ``--async-save``), and wait for the last save
+before exiting. Running the same command again resumes where the last complete
+checkpoint left off and reproduces the losses of an uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+# gpt first: importing it quiets megatron-core's import-time notices about optional kernels.
+from gpt import cpu_compat
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gpt.arguments import parse_args, validate_parallel_args
+from gpt.checkpointing import Checkpointer
+from gpt.data import build_dataset, micro_batches
+from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
+from gpt.progress import Progress, format_bytes
+
+
+def report_saves(records, progress: Progress) -> None:
+    """Print what each finished save cost (rank 0)."""
+    for r in records:
+        how = f"{r.background_s:.3f} s in the background" if r.is_async else "synchronously"
+        progress.event(
+            f"[ckpt] iter {r.iteration} durable: {format_bytes(r.num_bytes)} written {how}, "
+            f"{format_bytes(r.throughput_bytes_per_s)}/s; training stalled {r.stall_s:.3f} s",
+            event="save", iteration=r.iteration, is_async=r.is_async, stall_s=r.stall_s,
+            background_s=r.background_s, num_bytes=r.num_bytes, path=r.path,
+        )
+
+
+def save(checkpointer: Checkpointer, iteration: int, consumed_samples: int, progress: Progress) -> None:
+    """Save (or schedule) a checkpoint and print how long training was blocked."""
+    record = checkpointer.save(iteration, consumed_samples)
+    what = "async save scheduled" if record.is_async else "saved"
+    progress.event(f"[ckpt] iter {iteration}: {what}, training stalled {record.stall_s:.3f} s")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+
+    # Process groups: NCCL with GPUs, gloo on a CPU-only host (megatron-core then needs
+    # the patches of gpt/cpu_compat.py).
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cpu_compat.install()
+    validate_parallel_args(args, dist.get_world_size())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size
+    )
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl)
+    set_seed(args.seed)
+    progress = Progress(args.train_iters, enabled=rank == 0, log_interval=args.log_interval,
+                        metrics_file=args.metrics_file)
+    progress.event(
+        f"GPT {args.num_layers}x{args.hidden_size} ({args.transformer_impl} layers) on "
+        f"{dist.get_world_size()} rank(s): TP={args.tensor_model_parallel_size} "
+        f"DP={args.data_parallel_size}, {'distributed' if args.use_distributed_optimizer else 'plain'} "
+        f"optimizer, {'async' if args.async_save else 'sync'} saves"
+        + (" (persistent worker)" if args.use_persistent_ckpt_worker else "")
+    )
+
+    # Model, optimizer, data.
+    model = build_model(args)
+    optimizer = build_optimizer(args, model)
+    dataset = build_dataset(args)
+    checkpointer = Checkpointer(args, model, optimizer)
+
+    # Resume: model, optimizer, RNG states, iteration and data position.
+    iteration, consumed_samples, last_saved = 0, 0, None
+    resumed = checkpointer.load()
+    if resumed is not None:
+        point, iteration, consumed_samples = resumed
+        last_saved = iteration
+        progress.event(f"resumed from {point.path} ({point.reason}) at iteration {iteration}",
+                       event="resume", iteration=iteration, path=point.path)
+    else:
+        progress.event("starting from scratch")
+
+    # Train. Every iteration first finalizes the saves that are done on every rank.
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    start = time.perf_counter()
+    while iteration < args.train_iters:
+        report_saves(checkpointer.maybe_finalize(blocking=False), progress)
+        batches = micro_batches(dataset, consumed_samples, args.global_batch_size,
+                                args.micro_batch_size, dp_rank, dp_size)
+        loss = train_step(model, optimizer, batches, args.num_micro_batches)
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        progress.update(iteration, loss, checkpointer.in_flight)
+        if args.save and iteration % args.save_interval == 0:
+            save(checkpointer, iteration, consumed_samples, progress)
+            last_saved = iteration
+
+    # Save the final state if the interval did not, then wait for every save.
+    if args.save and iteration != last_saved:
+        save(checkpointer, iteration, consumed_samples, progress)
+    report_saves(checkpointer.close(), progress)
+    progress.event(f"done: {iteration} iterations, {time.perf_counter() - start:.1f} s of training loop")
+    progress.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

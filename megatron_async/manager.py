@@ -1,0 +1,492 @@
+"""Iteration directories, the "latest" tracker, resume and retention, Megatron-LM style.
+
+A save directory looks like Megatron-LM's::
+
+    <save>/iter_0000100/            one torch_dist checkpoint per saved iteration
+    <save>/iter_0000200/
+    <save>/latest_checkpointed_iteration.txt    "200"
+
+A checkpoint directory is *complete* once it holds both ``metadata.json`` (written by
+megatron-core after every rank's shards are written) and ``.metadata`` (the global
+PyTorch DCP metadata). The tracker is written only after that, by the coordinator rank
+(rank 0), atomically: a crash at any moment leaves it pointing at the previous complete
+checkpoint or at the new one, never at a partial file or directory.
+
+With an async save the tracker update runs as a finalize function of the save's
+:class:`~megatron_async.core.request.AsyncRequest` (see :meth:`CheckpointManager.attach_commit`),
+so it runs only after every rank's background write succeeded and megatron-core wrote
+``metadata.json``. A synchronous save calls :meth:`CheckpointManager.commit` right after
+``dist_checkpointing.save`` returns.
+
+Every method of :class:`CheckpointManager` runs on every rank unless its docstring says
+otherwise; decisions that must agree across ranks (which checkpoint to resume from) are
+taken on rank 0 and shared over the checkpoint-coordination group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+from typing import Iterable, List, Optional, Sequence, Set
+
+from megatron_async.core import coordination
+from megatron_async.errors import (
+    CheckpointIntegrityError,
+    CheckpointValidationError,
+    RankFailure,
+)
+from megatron_async.filesystem_async import _fsync_directory
+from megatron_async.inspection import (
+    DCP_METADATA_FILE,
+    MEGATRON_METADATA_FILE,
+    iteration_from_path,
+)
+
+__all__ = [
+    "TRACKER_FILENAME",
+    "COMPLETE_MARKERS",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointManagerConfig",
+    "ResumePoint",
+    "checkpoint_dir_name",
+    "is_complete_checkpoint",
+    "list_checkpoints",
+    "read_tracker",
+    "select_for_deletion",
+    "write_tracker",
+]
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+"""Name of the tracker file in a save directory (Megatron-LM's name)."""
+
+COMPLETE_MARKERS = (MEGATRON_METADATA_FILE, DCP_METADATA_FILE)
+"""Files whose presence makes a checkpoint directory complete: megatron-core's config and
+PyTorch DCP's global metadata, both written only after every rank's data is written."""
+
+_TRASH_PREFIX = ".deleting-"
+
+
+def checkpoint_dir_name(iteration: int) -> str:
+    """Return the directory name of ``iteration``'s checkpoint: ``iter_0000100``."""
+    if iteration < 0:
+        raise CheckpointValidationError(f"iteration must be >= 0, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """Return True when ``path`` is a directory that holds every file of :data:`COMPLETE_MARKERS`."""
+    return os.path.isdir(path) and all(
+        os.path.isfile(os.path.join(path, marker)) for marker in COMPLETE_MARKERS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``iter_*`` directory of a save directory.
+
+    Attributes:
+        iteration: the iteration in the directory name.
+        path: the directory.
+        complete: whether it holds every file of :data:`COMPLETE_MARKERS`.
+    """
+
+    iteration: int
+    path: str
+    complete: bool
+
+
+def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
+    """List the ``iter_*`` directories of ``save_dir``, oldest first (empty if it does not exist)."""
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(save_dir, name)
+        iteration = iteration_from_path(path)
+        if iteration is not None and os.path.isdir(path):
+            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
+    return sorted(found, key=lambda info: info.iteration)
+
+
+def read_tracker(save_dir: str) -> Optional[int]:
+    """Return the iteration the tracker of ``save_dir`` names, or None without a tracker.
+
+    Raises:
+        CheckpointValidationError: the tracker exists but does not hold an iteration
+            number (Megatron-LM's ``release`` marker included).
+    """
+    path = os.path.join(save_dir, TRACKER_FILENAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointValidationError(
+            f"tracker {path} contains {text[:40]!r}, expected an iteration number; "
+            "release checkpoints are not supported. Fix or delete the file, or pass the "
+            "iteration to load explicitly."
+        )
+    return int(text)
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    """Point the tracker of ``save_dir`` at ``iteration``, atomically and durably.
+
+    Writes a temporary file, fsyncs it, renames it over the tracker and fsyncs the
+    directory, so that after a crash the tracker holds either the old or the new
+    iteration. Runs on the coordinator rank only.
+    """
+    path = os.path.join(save_dir, TRACKER_FILENAME)
+    tmp_path = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp_path, "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        _remove_quietly(tmp_path)
+        raise
+    _fsync_directory(save_dir)
+
+
+def select_for_deletion(
+    checkpoints: Sequence[CheckpointInfo],
+    keep_last_n: int,
+    protected: Iterable[int],
+) -> List[CheckpointInfo]:
+    """Choose the checkpoints that retention deletes; pure, for the coordinator rank.
+
+    Rules:
+      * the newest ``keep_last_n`` complete checkpoints are kept;
+      * a checkpoint whose iteration is in ``protected`` (the one the tracker points to,
+        the ones being written) is never chosen;
+      * an incomplete directory older than the newest kept or protected checkpoint is
+        the remains of a failed or killed save and is chosen; a newer incomplete one may
+        still be written and is left alone.
+
+    Args:
+        checkpoints: the directories, in any order.
+        keep_last_n: how many complete checkpoints to keep (at least 1).
+        protected: iterations that must survive.
+
+    Returns:
+        The checkpoints to delete, oldest first.
+    """
+    if keep_last_n < 1:
+        raise CheckpointValidationError(f"keep_last_n must be >= 1, got {keep_last_n}")
+    protected = set(protected)
+    complete = sorted((c for c in checkpoints if c.complete), key=lambda c: -c.iteration)
+    kept = {c.iteration for c in complete[:keep_last_n]} | protected
+    newest_kept = max(kept, default=-1)
+    victims = [
+        c
+        for c in checkpoints
+        if c.iteration not in kept and (c.complete or c.iteration < newest_kept)
+    ]
+    return sorted(victims, key=lambda c: c.iteration)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointManagerConfig:
+    """Where checkpoints go and how many stay."""
+
+    save_dir: Optional[str] = None
+    """Directory that receives ``iter_*`` checkpoints and the tracker; None disables saving."""
+
+    load_dir: Optional[str] = None
+    """Directory to resume from (often the same as ``save_dir``); None starts from scratch."""
+
+    keep_last_n: Optional[int] = None
+    """Keep only the newest N complete checkpoints in ``save_dir``; None keeps all. The
+    checkpoint the tracker points to and checkpoints still being written are never deleted."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise CheckpointValidationError(
+                f"keep_last_n must be at least 1 (the latest checkpoint is always kept) or "
+                f"None to keep every checkpoint; got {self.keep_last_n}"
+            )
+        if self.keep_last_n is not None and self.save_dir is None:
+            raise CheckpointValidationError("keep_last_n needs a save_dir to apply to")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from.
+
+    Attributes:
+        iteration: the checkpoint's iteration.
+        path: its directory.
+        reason: why it was chosen: ``"requested"`` (an explicit iteration),
+            ``"tracker"``, or ``"newest complete"`` (the tracker was missing or pointed
+            at an incomplete directory).
+    """
+
+    iteration: int
+    path: str
+    reason: str
+
+
+class CheckpointManager:
+    """Name, commit, find and prune Megatron-LM style iteration checkpoints.
+
+    Create one per training process, on every rank, with the same config. The manager
+    keeps the set of iterations this process is still saving, so that retention never
+    deletes a checkpoint in flight.
+    """
+
+    def __init__(self, config: CheckpointManagerConfig):
+        self.config = config
+        self._in_flight: Set[int] = set()
+
+    @property
+    def in_flight(self) -> Set[int]:
+        """Iterations whose save was prepared but not committed yet (a copy)."""
+        return set(self._in_flight)
+
+    def checkpoint_path(self, iteration: int) -> str:
+        """Return ``<save_dir>/iter_XXXXXXX`` for ``iteration``."""
+        return os.path.join(self._require_save_dir(), checkpoint_dir_name(iteration))
+
+    def prepare_save(self, iteration: int) -> str:
+        """Create the empty directory for ``iteration``'s checkpoint and mark it in flight.
+
+        Runs on every rank (a collective: rank 0 creates the directory, then all ranks
+        wait for it). The remains of an earlier, unfinished save of the same iteration
+        are deleted first, so that stale shard files never mix with new ones.
+
+        Returns:
+            The checkpoint directory.
+
+        Raises:
+            CheckpointValidationError: ``iteration`` is the checkpoint the tracker points
+                to (overwriting it would leave no complete checkpoint during the save), or
+                a save of it is already in flight.
+        """
+        if iteration in self._in_flight:
+            raise CheckpointValidationError(
+                f"a save of iteration {iteration} to {self.checkpoint_path(iteration)} is "
+                "already in flight; wait for it to finalize before saving it again"
+            )
+        save_dir = self._require_save_dir()
+        path = self.checkpoint_path(iteration)
+        failure = None
+        if coordination.get_rank() == 0:
+            try:
+                self._create_fresh_dir(save_dir, iteration, path)
+            except Exception as exc:  # reported on every rank below
+                failure = RankFailure.from_exception(0, "prepare", exc)
+        self._raise_if_failed(failure, path)
+        self._in_flight.add(iteration)
+        return path
+
+    def attach_commit(self, request, iteration: int) -> None:
+        """Make ``request`` commit ``iteration`` once its save is durable on every rank.
+
+        Runs on every rank, before the request is scheduled. Adds :meth:`commit` as a
+        finalize function: finalize functions run in order after every rank's background
+        write finished, and megatron-core's ``dist_checkpointing.save`` already added the
+        one that writes ``metadata.json``, so the tracker is written after it.
+        """
+        request.add_finalize_fn(functools.partial(self.commit, iteration))
+
+    def commit(self, iteration: int) -> None:
+        """Mark ``iteration``'s checkpoint as the latest, then apply retention.
+
+        Runs on every rank (a collective); rank 0 checks that the checkpoint is complete,
+        fsyncs its markers, writes the tracker atomically and deletes checkpoints that
+        retention no longer keeps. A failure on rank 0 is raised on every rank.
+
+        Raises:
+            AsyncSaveFailedError: on every rank, when the checkpoint was incomplete or
+                the tracker could not be written; the tracker then still points at the
+                previous checkpoint.
+        """
+        path = self.checkpoint_path(iteration)
+        failure = None
+        if coordination.get_rank() == 0:
+            try:
+                self._write_tracker_for(iteration, path)
+            except Exception as exc:  # reported on every rank below
+                failure = RankFailure.from_exception(0, "commit", exc)
+        self._in_flight.discard(iteration)
+        self._raise_if_failed(failure, path)
+        if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
+            self.apply_retention()
+
+    def apply_retention(self) -> List[str]:
+        """Delete the checkpoints that the retention rules no longer keep.
+
+        Runs on the coordinator rank only (rank 0), after a commit. Best effort: a
+        directory that cannot be deleted is logged and left for the next commit.
+
+        Returns:
+            The deleted directories.
+        """
+        keep_last_n = self.config.keep_last_n
+        if keep_last_n is None:
+            return []
+        save_dir = self._require_save_dir()
+        protected = set(self._in_flight)
+        tracked = read_tracker(save_dir)
+        if tracked is not None:
+            protected.add(tracked)
+        deleted = []
+        for info in select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected):
+            if _delete_dir(info.path):
+                deleted.append(info.path)
+        _purge_trash(save_dir)
+        if deleted:
+            logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
+        return deleted
+
+    def find_resume_point(self, iteration: Optional[int] = None) -> Optional[ResumePoint]:
+        """Choose the checkpoint of ``load_dir`` to resume from; the same on every rank.
+
+        Runs on every rank (a collective): rank 0 looks at the file system and shares its
+        choice. Without an explicit ``iteration`` the tracker decides; when it is missing
+        or points at an incomplete directory, the newest complete checkpoint (not newer
+        than the tracker) is chosen and a warning logged. An incomplete directory is
+        never chosen.
+
+        Args:
+            iteration: resume from exactly this iteration (Megatron-LM's ``--ckpt-step``).
+
+        Returns:
+            The resume point, or None when there is no ``load_dir`` or no complete
+            checkpoint in it (a fresh start).
+
+        Raises:
+            CheckpointValidationError: on every rank, when the requested iteration has
+                no complete checkpoint or the tracker is unreadable.
+        """
+        if self.config.load_dir is None:
+            return None
+        choice, failure = None, None
+        if coordination.get_rank() == 0:
+            try:
+                choice = self._choose_resume_point(self.config.load_dir, iteration)
+            except CheckpointValidationError as exc:
+                failure = str(exc)
+        choice, failure = coordination.all_gather_objects((choice, failure))[0]
+        if failure is not None:
+            raise CheckpointValidationError(failure)
+        return choice
+
+    # Helpers below run on the coordinator rank only.
+
+    def _choose_resume_point(self, load_dir: str, iteration: Optional[int]) -> Optional[ResumePoint]:
+        if iteration is not None:
+            path = os.path.join(load_dir, checkpoint_dir_name(iteration))
+            if not is_complete_checkpoint(path):
+                raise CheckpointValidationError(
+                    f"cannot resume from iteration {iteration}: {path} is not a complete "
+                    f"checkpoint (it needs {' and '.join(COMPLETE_MARKERS)}); choose one of "
+                    f"{[c.iteration for c in list_checkpoints(load_dir) if c.complete]}"
+                )
+            return ResumePoint(iteration, path, "requested")
+        tracked = read_tracker(load_dir)
+        complete = [c for c in list_checkpoints(load_dir) if c.complete]
+        if tracked is not None:
+            path = os.path.join(load_dir, checkpoint_dir_name(tracked))
+            if is_complete_checkpoint(path):
+                return ResumePoint(tracked, path, "tracker")
+            complete = [c for c in complete if c.iteration < tracked]
+            logger.warning(
+                "tracker of %s points at iteration %d, but %s is not a complete checkpoint",
+                load_dir, tracked, path,
+            )
+        if not complete:
+            return None
+        newest = complete[-1]
+        logger.warning(
+            "resuming from the newest complete checkpoint of %s: %s", load_dir, newest.path
+        )
+        return ResumePoint(newest.iteration, newest.path, "newest complete")
+
+    def _create_fresh_dir(self, save_dir: str, iteration: int, path: str) -> None:
+        tracked = read_tracker(save_dir)
+        if tracked == iteration:
+            raise CheckpointValidationError(
+                f"refusing to overwrite {path}: the tracker of {save_dir} points at it, and "
+                "overwriting would leave no complete checkpoint while the save runs. Save "
+                "under a new iteration or into another directory."
+            )
+        if os.path.exists(path):
+            logger.warning("deleting the remains of an earlier save of %s", path)
+            if not _delete_dir(path):
+                raise CheckpointValidationError(
+                    f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
+                )
+        os.makedirs(path)
+        _fsync_directory(save_dir)
+
+    def _write_tracker_for(self, iteration: int, path: str) -> None:
+        if not is_complete_checkpoint(path):
+            missing = [m for m in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, m))]
+            raise CheckpointIntegrityError(
+                f"checkpoint {path} is missing {missing} after its save finished; not "
+                "marking it as the latest"
+            )
+        for marker in COMPLETE_MARKERS:
+            _fsync_file(os.path.join(path, marker))
+        _fsync_directory(path)
+        write_tracker(self._require_save_dir(), iteration)
+        logger.info("checkpoint %s is complete; tracker updated", path)
+
+    # Helpers below run on every rank.
+
+    def _raise_if_failed(self, failure: Optional[RankFailure], path: str) -> None:
+        coordination.raise_if_any_rank_failed(failure, checkpoint=path)
+
+    def _require_save_dir(self) -> str:
+        if self.config.save_dir is None:
+            raise CheckpointValidationError(
+                "this CheckpointManager has no save_dir; set CheckpointManagerConfig.save_dir"
+            )
+        return self.config.save_dir
+
+
+def _delete_dir(path: str) -> bool:
+    """Rename ``path`` out of the ``iter_*`` namespace, then delete it; False on failure."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except OSError as exc:
+        logger.warning("could not delete checkpoint %s: %s", path, exc)
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+def _purge_trash(save_dir: str) -> None:
+    """Finish deletions that a crash interrupted (best effort)."""
+    for name in os.listdir(save_dir):
+        if name.startswith(_TRASH_PREFIX):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError as exc:
+        logger.debug("could not remove temporary file %s: %s", path, exc)
