@@ -178,8 +178,12 @@ def staging_cache_num_bytes() -> int:
         return sum(entry.num_bytes() for entry in _cache.values())
 
 
-def clear_staging_cache() -> None:
-    """Drop this process's cached staging buffers that are not in use."""
+def clear_staging_cache(include_in_use: bool = False) -> None:
+    """Drop this process's cached staging buffers that are not in use (or all of them).
+
+    ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
+    holds it); use it only when no save of this process is in flight, e.g. in tests.
+    """
     with _lock:
-        for key in [k for k, e in _cache.items() if e.state == _FREE]:
+        for key in [k for k, e in _cache.items() if include_in_use or e.state == _FREE]:
             del _cache[key]

@@ -191,6 +191,7 @@ def _gather_and_build_metadata(
     metadata, error = None, None
     if dist_wrapper.is_coordinator:
         try:
+            _raise_on_duplicate_items(all_local_plans)
             _, metadata = planner.create_global_plan(all_local_plans)
             # Stored in .metadata so that a resumed job can skip this gather.
             metadata.all_local_plans = all_local_plans
@@ -198,6 +199,29 @@ def _gather_and_build_metadata(
             error = exc
     agree_or_raise(error, "global save planning", (), dist_wrapper.group)
     return metadata
+
+
+def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
+    """Refuse items that several ranks would write (decentralized plans are not deduplicated).
+
+    DCP's global planning silently deduplicates identical chunks, but with decentralized
+    planning every rank writes its own plan, so which copy the metadata points to would
+    depend on the order of the results.
+    """
+    owners: dict = {}
+    for rank, plan in enumerate(all_local_plans):
+        for item in plan.items:
+            owners.setdefault(item.index, []).append(rank)
+    duplicates = [(index, ranks) for index, ranks in owners.items() if len(ranks) > 1]
+    if duplicates:
+        shown = "; ".join(
+            f"{index.fqn} at offset {tuple(index.offset or ())} on ranks {ranks}"
+            for index, ranks in duplicates[:5]
+        )
+        raise CheckpointValidationError(
+            f"{len(duplicates)} item(s) are saved by more than one rank (overlapping shards): "
+            f"{shown}. Exactly one rank must hold each shard with replica_id 0."
+        )
 
 
 def _plan_centrally(

@@ -1,0 +1,452 @@
+"""Multi-rank scenarios of the torch_dist async save strategy; run by test_strategy.py.
+
+Every rank runs every scenario (one launch per world size). Checkpoints are read back
+through megatron-core's ``dist_checkpointing.load`` and through plain
+``torch.distributed.checkpoint.load``. Rank 1 plays the failing rank in fault scenarios.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from megatron_async import state_dict_saver
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    CheckpointInProgressError,
+    CheckpointValidationError,
+)
+from megatron_async.filesystem_async import FileSystemWriterAsync
+from megatron_async.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
+from tests.functional.harness import RankContext, run_scenarios
+
+FAILING_RANK = 1
+
+
+# -- the state dict --------------------------------------------------------------------
+
+
+def _global_tensors(ws: int, scale: float):
+    """Every saved tensor as a whole, deterministic in (world size, scale)."""
+    base = torch.arange(ws * 4 * 6, dtype=torch.float32).reshape(ws * 4, 6)
+    return {
+        "rows": base * scale,  # sharded along axis 0
+        "cols": (torch.arange(3 * ws * 2, dtype=torch.float32).reshape(3, ws * 2) * scale).to(
+            torch.bfloat16
+        ),  # sharded along axis 1
+        "stacked": (torch.arange(ws * 2 * 5, dtype=torch.float32).reshape(ws, 2, 5) + scale).to(
+            torch.float16
+        ),  # one layer per rank on a prepended axis
+        "replicated": torch.arange(7, dtype=torch.int64) * int(scale),
+        "flags": (torch.arange(ws * 3) % 3 == int(scale) % 3),
+        "view": (torch.arange(6 * ws * 2, dtype=torch.float32).reshape(6, ws * 2) * scale).t()
+        .contiguous(),  # saved from non-contiguous local views
+    }
+
+
+def _model_state(ctx: RankContext, scale: float, extra_key: bool = False):
+    """This rank's megatron-core sharded state dict."""
+    r, ws = ctx.rank, ctx.world_size
+    g = _global_tensors(ws, scale)
+    view_source = g["view"].t().contiguous()  # (6, ws*2); the rank's rows of g["view"] are its columns
+    state = {
+        "rows": ShardedTensor.from_rank_offsets("rows", g["rows"][r * 4 : (r + 1) * 4].clone(), (0, r, ws)),
+        "cols": ShardedTensor.from_rank_offsets("cols", g["cols"][:, r * 2 : (r + 1) * 2].clone(), (1, r, ws)),
+        "stacked": ShardedTensor.from_rank_offsets(
+            "stacked", g["stacked"][r].clone(), (0, r, ws), prepend_axis_num=1
+        ),
+        "replicated": ShardedTensor.from_rank_offsets(
+            "replicated", g["replicated"].clone(), replica_id=r
+        ),
+        "flags": ShardedTensor.from_rank_offsets("flags", g["flags"][r * 3 : (r + 1) * 3].clone(), (0, r, ws)),
+        "view": ShardedTensor.from_rank_offsets(
+            "view", view_source[:, r * 2 : (r + 1) * 2].t(), (0, r, ws)
+        ),
+        "obj": ShardedObject("obj", {"rank": r, "scale": scale}, (ws,), (r,), replica_id=0),
+        "common_value": scale,
+    }
+    if extra_key:
+        state["added"] = ShardedTensor.from_rank_offsets(
+            "added", torch.full((2,), float(scale)), replica_id=r
+        )
+    return state
+
+
+def _unwrap(value):
+    return value.data if isinstance(value, (ShardedTensor, ShardedObject)) else value
+
+
+def _assert_equal_states(loaded, expected, where: str) -> None:
+    assert set(loaded) == set(expected), (where, sorted(loaded), sorted(expected))
+    for key, exp in expected.items():
+        got, exp = loaded[key], _unwrap(exp)
+        if isinstance(exp, torch.Tensor):
+            assert got.dtype == exp.dtype and got.shape == exp.shape, (where, key, got, exp)
+            assert torch.equal(got, exp), (where, key, got, exp)
+        else:
+            assert got == exp, (where, key, got, exp)
+
+
+def _load_megatron(ctx, path, scale_template=0.0, extra_key=False):
+    """Load with stock megatron-core (its torch_dist loader, gloo, CPU)."""
+    return dist_checkpointing.load(_model_state(ctx, scale_template, extra_key), path)
+
+
+def _load_dcp(path, ws: int):
+    """Load every tensor whole, and every object, with plain PyTorch DCP."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            state[key] = io.BytesIO()
+        else:
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def _check_checkpoint(ctx, path, scale, extra_key=False) -> None:
+    """The checkpoint at ``path`` holds exactly the state of ``scale``, for both loaders."""
+    expected = _model_state(ctx, scale, extra_key)
+    _assert_equal_states(_load_megatron(ctx, path, extra_key=extra_key), expected, "megatron")
+    loaded = _load_dcp(path, ctx.world_size)
+    for key, tensor in _global_tensors(ctx.world_size, scale).items():
+        assert torch.equal(loaded[key], tensor), ("dcp", key)
+    objects = sorted(k for k in loaded if k.startswith("obj/"))
+    assert len(objects) == ctx.world_size, objects
+    with open(os.path.join(path, "metadata.json")) as stream:
+        assert '"torch_dist"' in stream.read()
+
+
+def _dir(ctx: RankContext, name: str) -> str:
+    path = os.path.join(ctx.tmp_dir, name)
+    if ctx.rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+def _save_async(queue, ctx, path, strategy, scale, extra_key=False, mutate=False):
+    state = _model_state(ctx, scale, extra_key)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    queue.schedule_async_request(request)
+    if mutate:  # the trainer's next step, right after scheduling returns
+        for value in state.values():
+            if not isinstance(value, ShardedTensor) or not value.data.numel():
+                continue
+            if value.data.dtype == torch.bool:
+                value.data.logical_not_()
+            else:
+                value.data.add_(1000)
+    queue.maybe_finalize_async_calls(blocking=True)
+
+
+# -- scenarios -------------------------------------------------------------------------
+
+_QUEUES = {}
+
+
+def _queue(persistent: bool) -> AsyncCallsQueue:
+    """One queue of each kind per launch: the persistent worker starts once."""
+    if persistent not in _QUEUES:
+        _QUEUES[persistent] = AsyncCallsQueue(persistent=persistent)
+    return _QUEUES[persistent]
+
+
+def sync_save_round_trip(ctx):
+    path = _dir(ctx, "sync")
+    dist_checkpointing.save(_model_state(ctx, 2.0), path, sharded_strategy=TorchDistAsyncSaveStrategy())
+    _check_checkpoint(ctx, path, 2.0)
+
+
+def async_equals_sync(ctx, persistent):
+    path = _dir(ctx, f"async-{persistent}")
+    _save_async(_queue(persistent), ctx, path, TorchDistAsyncSaveStrategy(), 2.0)
+    _check_checkpoint(ctx, path, 2.0)
+    ours, reference = _load_dcp(path, ctx.world_size), _load_dcp(_dir(ctx, "sync"), ctx.world_size)
+    assert set(ours) == set(reference)
+    for key in ours:
+        if isinstance(ours[key], torch.Tensor):
+            assert torch.equal(ours[key], reference[key]), key
+        else:
+            assert ours[key] == reference[key], key
+
+
+def in_place_updates_after_schedule_are_not_saved(ctx, persistent):
+    path = _dir(ctx, f"snapshot-{persistent}")
+    _save_async(_queue(persistent), ctx, path, TorchDistAsyncSaveStrategy(), 3.0, mutate=True)
+    _check_checkpoint(ctx, path, 3.0)
+
+
+def cached_metadata_skips_plan_gathers(ctx, persistent):
+    strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
+    gathered = []
+    for step, extra_key in enumerate([False, False, False, True, True]):
+        path = _dir(ctx, f"cached-{persistent}-{step}")
+        before = state_dict_saver.get_plan_gather_count()
+        _save_async(_queue(persistent), ctx, path, strategy, float(step + 1), extra_key)
+        gathered.append(state_dict_saver.get_plan_gather_count() - before)
+        _check_checkpoint(ctx, path, float(step + 1), extra_key)
+    # First save plans; the structure is then verified unchanged and reused (the third
+    # save gathers nothing); the added key forces a fresh plan, reused again afterwards.
+    assert gathered == [1, 0, 0, 1, 0], gathered
+
+
+def cached_data_structure_and_multiproc_io(ctx, persistent):
+    strategy = TorchDistAsyncSaveStrategy(
+        use_cached_data_structure=True, is_multiproc_io=True, thread_count=3
+    )
+    for step in range(3):
+        path = _dir(ctx, f"cachedds-{persistent}-{step}")
+        _save_async(_queue(persistent), ctx, path, strategy, float(step + 5), mutate=True)
+        _check_checkpoint(ctx, path, float(step + 5))
+
+
+def separation_hint_files(ctx):
+    path = _dir(ctx, "hint")
+    strategy = TorchDistAsyncSaveStrategy(separation_hint="rows", thread_count=1)
+    _save_async(_queue(False), ctx, path, strategy, 4.0)
+    _check_checkpoint(ctx, path, 4.0)
+    names = os.listdir(path)
+    assert f"rows__{ctx.rank}_1.distcp" in names and f"__{ctx.rank}_0.distcp" in names, names
+
+
+def fully_parallel_wrapper(ctx):
+    path = _dir(ctx, "fully-parallel")
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistAsyncSaveStrategy())
+    _save_async(_queue(False), ctx, path, strategy, 6.0)
+    _check_checkpoint(ctx, path, 6.0)
+
+
+def a_rank_with_nothing_to_write(ctx):
+    path = _dir(ctx, "nothing")
+    rep = torch.arange(5.0)
+    state = {"rep": ShardedTensor.from_rank_offsets("rep", rep.clone(), replica_id=ctx.rank)}
+    if ctx.rank == 0:
+        state["only0"] = ShardedObject("only0", {"x": 1}, (1,), (0,), replica_id=0)
+    queue = _queue(False)
+    request = dist_checkpointing.save(state, path, sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True)
+    assert (request.async_fn is None) == (ctx.rank != 0)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    files = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    assert all(f.startswith("__0_") for f in files), files
+    template = {"rep": ShardedTensor.from_rank_offsets("rep", torch.zeros(5), replica_id=ctx.rank)}
+    assert torch.equal(dist_checkpointing.load(template, path)["rep"], rep)
+
+
+def empty_tensors(ctx):
+    # megatron-core's sharding validation divides by the local shape (ZeroDivisionError on
+    # rank 0 only, for any tensor with a zero-sized dimension), so it is switched off here,
+    # for the save and for the load alike.
+    path = _dir(ctx, "empty")
+    r, ws = ctx.rank, ctx.world_size
+
+    def state(fill: float):
+        return {
+            "empty": ShardedTensor.from_rank_offsets("empty", torch.zeros(0, 4), replica_id=r),
+            "empty_rows": ShardedTensor.from_rank_offsets("empty_rows", torch.zeros(3, 0), (0, r, ws)),
+            "w": ShardedTensor.from_rank_offsets("w", torch.full((2,), fill), (0, r, ws)),
+        }
+
+    request = dist_checkpointing.save(
+        state(1.0),
+        path,
+        sharded_strategy=TorchDistAsyncSaveStrategy(),
+        async_sharded_save=True,
+        validate_access_integrity=False,
+    )
+    queue = _queue(False)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    loaded = dist_checkpointing.load(state(0.0), path, validate_access_integrity=False)
+    assert loaded["empty"].shape == (0, 4) and loaded["empty_rows"].shape == (3, 0)
+    assert torch.equal(loaded["w"], torch.ones(2))
+    whole = _load_dcp(path, ws)
+    assert whole["empty"].shape == (0, 4) and whole["empty_rows"].shape == (3 * ws, 0)
+
+
+def registered_backend(ctx):
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
+    assert isinstance(strategy, TorchDistAsyncSaveStrategy) and strategy.backend == "torch_dist"
+    path = _dir(ctx, "registered")
+    _save_async(_queue(False), ctx, path, ("megatron_async", 1), 7.0)
+    _check_checkpoint(ctx, path, 7.0)
+
+
+class _FailOnRankWriter(FileSystemWriterAsync):
+    """A disk that is full on FAILING_RANK."""
+
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync):
+        if int(os.environ["RANK"]) == FAILING_RANK:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)
+
+
+class _KilledOnRankWriter(FileSystemWriterAsync):
+    """The writing process of FAILING_RANK is killed (the OOM killer, an operator)."""
+
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync):
+        if int(os.environ["RANK"]) == FAILING_RANK:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)
+
+
+class _StrategyWithWriter(TorchDistAsyncSaveStrategy):
+    def __init__(self, writer_cls, **options):
+        super().__init__(**options)
+        self._writer_cls = writer_cls
+
+    def _create_writer(self, checkpoint_dir):
+        return self._writer_cls(checkpoint_dir, thread_count=self.config.thread_count)
+
+
+def _expect_failure_on_every_rank(ctx, persistent, writer_cls, phase):
+    previous = _dir(ctx, f"before-fault-{writer_cls.__name__}-{persistent}")
+    queue = _queue(persistent)
+    _save_async(queue, ctx, previous, TorchDistAsyncSaveStrategy(), 8.0)
+    path = _dir(ctx, f"fault-{writer_cls.__name__}-{persistent}")
+    failures = None
+    try:
+        _save_async(queue, ctx, path, _StrategyWithWriter(writer_cls), 9.0)
+    except AsyncSaveFailedError as exc:
+        failures = {rank: (f.phase, f.message) for rank, f in exc.failures.items()}
+    assert failures is not None, "no AsyncSaveFailedError on this rank"
+    assert set(failures) == {FAILING_RANK} and failures[FAILING_RANK][0] == phase, failures
+    dist.barrier()
+    leftovers = set(os.listdir(path)) & {".metadata", "metadata.json"}
+    assert not leftovers, f"a failed save left completion markers: {leftovers}"
+    _check_checkpoint(ctx, previous, 8.0)
+    # The directory is free again and a new save into it succeeds.
+    assert path not in checkpoint_dirs_in_flight()
+    _save_async(queue, ctx, path, TorchDistAsyncSaveStrategy(), 10.0)
+    _check_checkpoint(ctx, path, 10.0)
+    return failures
+
+
+def write_failure_on_one_rank(ctx, persistent):
+    failures = _expect_failure_on_every_rank(ctx, persistent, _FailOnRankWriter, "write")
+    assert "No space left" in failures[FAILING_RANK][1]
+
+
+def killed_worker_on_one_rank(ctx, persistent):
+    failures = _expect_failure_on_every_rank(ctx, persistent, _KilledOnRankWriter, "worker")
+    assert "signal 9" in failures[FAILING_RANK][1], failures
+
+
+def _expect_error_everywhere(error_type, fn, text):
+    try:
+        fn()
+    except error_type as exc:
+        assert text in str(exc), str(exc)
+        return
+    raise AssertionError(f"no {error_type.__name__} on this rank")
+
+
+def bad_inputs(ctx):
+    strategy = TorchDistAsyncSaveStrategy()
+    state = {k: v for k, v in _model_state(ctx, 1.0).items() if k != "common_value"}
+    missing = os.path.join(ctx.tmp_dir, "does-not-exist")
+    _expect_error_everywhere(
+        CheckpointValidationError, lambda: strategy.async_save(state, missing), "does not exist"
+    )
+    a_file = os.path.join(ctx.tmp_dir, "a-file")
+    if ctx.rank == 0:
+        open(a_file, "w").close()
+    dist.barrier()
+    _expect_error_everywhere(
+        CheckpointValidationError, lambda: strategy.async_save(state, a_file), "not a directory"
+    )
+    # Every rank claims to own the whole "dup" tensor: overlapping shards.
+    overlap = {"dup": ShardedTensor.from_rank_offsets("dup", torch.ones(4))}
+    _expect_error_everywhere(
+        CheckpointValidationError,
+        lambda: strategy.async_save(overlap, _dir(ctx, "overlap")),
+        "overlapping",
+    )
+    # Only rank 0's half of a tensor sharded in two: a missing shard.
+    half = {"half": ShardedTensor.from_rank_offsets("half", torch.ones(2), (0, 0, 2), replica_id=ctx.rank)}
+    _expect_error_everywhere(
+        CheckpointValidationError, lambda: strategy.async_save(half, _dir(ctx, "missing")), "fill"
+    )
+    # A refused overwrite, when asked for.
+    complete = _dir(ctx, "complete")
+    dist_checkpointing.save(_model_state(ctx, 1.0), complete, sharded_strategy=strategy)
+    _expect_error_everywhere(
+        CheckpointValidationError,
+        lambda: TorchDistAsyncSaveStrategy(overwrite=False).async_save(state, complete),
+        "overwrite=False",
+    )
+
+
+def second_save_into_a_directory_in_flight(ctx):
+    path = _dir(ctx, "in-flight")
+    queue = _queue(False)
+    strategy = TorchDistAsyncSaveStrategy()
+    request = dist_checkpointing.save(
+        _model_state(ctx, 11.0), path, sharded_strategy=strategy, async_sharded_save=True
+    )
+    queue.schedule_async_request(request)
+    _expect_error_everywhere(
+        CheckpointInProgressError,
+        lambda: strategy.async_save(_model_state(ctx, 12.0), path),
+        "not finalized yet",
+    )
+    queue.maybe_finalize_async_calls(blocking=True)
+    _check_checkpoint(ctx, path, 11.0)
+    # Finalized: the directory may be saved into again (a safe overwrite).
+    _save_async(queue, ctx, path, strategy, 12.0)
+    _check_checkpoint(ctx, path, 12.0)
+
+
+def run_all(ctx: RankContext):
+    scenarios = {"sync_save_round_trip": sync_save_round_trip}
+    for kind, persistent in (("temporal", False), ("persistent", True)):
+        for fn in (
+            async_equals_sync,
+            in_place_updates_after_schedule_are_not_saved,
+            cached_metadata_skips_plan_gathers,
+            cached_data_structure_and_multiproc_io,
+            write_failure_on_one_rank,
+            killed_worker_on_one_rank,
+        ):
+            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
+    for fn in (
+        separation_hint_files,
+        fully_parallel_wrapper,
+        a_rank_with_nothing_to_write,
+        empty_tensors,
+        registered_backend,
+        bad_inputs,
+        second_save_into_a_directory_in_flight,
+    ):
+        scenarios[fn.__name__] = fn
+    if ctx.options.get("dump_after_s"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(ctx.options["dump_after_s"], exit=False)
+    only = ctx.options.get("only")  # a debugging aid: run a subset by name prefix
+    if only:
+        scenarios = {k: v for k, v in scenarios.items() if k.startswith(tuple(only))}
+    try:
+        return run_scenarios(ctx, scenarios)
+    finally:
+        for queue in _QUEUES.values():
+            queue.close(abort=True)
