@@ -1,0 +1,168 @@
+"""Command line: ``python -m megatron_async {inspect,verify,list} ...``.
+
+Runs in one process, on any machine that can read the checkpoint; no GPU and no
+torch.distributed needed.
+
+* ``inspect CKPT``: format, completeness, iteration, tensors (global shape, dtype,
+  bytes), files and sizes; ``--json`` for machines.
+* ``verify CKPT``: completeness and recorded checksums; exit code 0 only when intact.
+* ``list SAVE_DIR``: the ``iter_*`` checkpoints of a Megatron save directory, which are
+  complete and which one the tracker points to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List, Optional, TextIO
+
+from megatron_async import checksums
+from megatron_async.inspection import find_completeness_problems, summarize_checkpoint
+from megatron_async.manager import list_checkpoints, read_tracker
+
+__all__ = ["main"]
+
+
+def _human_bytes(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.2f} TiB"
+
+
+class _ProgressBar:
+    """A one-line progress bar on a terminal; silent elsewhere (logs, CI)."""
+
+    def __init__(self, total_bytes: int, stream: TextIO, min_total_bytes: int = 64 << 20):
+        self.total = max(total_bytes, 1)
+        self.done = 0
+        self.stream = stream
+        self.enabled = stream.isatty() and total_bytes >= min_total_bytes
+        self._last_draw = 0.0
+
+    def advance(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        now = time.monotonic()
+        if self.enabled and (now - self._last_draw > 0.1 or self.done >= self.total):
+            self._last_draw = now
+            width = 30
+            filled = int(width * self.done / self.total)
+            self.stream.write(
+                f"\rverifying [{'#' * filled}{'.' * (width - filled)}] "
+                f"{100 * self.done / self.total:5.1f}% of {_human_bytes(self.total)}"
+            )
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    summary = summarize_checkpoint(args.checkpoint)
+    if args.json:
+        json.dump(summary.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"checkpoint  {summary.path}")
+    fmt = f"{summary.format} v{summary.format_version}" if summary.format else "unknown (no metadata.json)"
+    print(f"format      {fmt}")
+    print(f"iteration   {summary.iteration if summary.iteration is not None else '-'}")
+    print(f"complete    {'yes' if summary.complete else 'NO'}")
+    for problem in summary.problems:
+        print(f"  problem: {problem}")
+    if summary.tensors:
+        name_width = min(max(len(t.name) for t in summary.tensors), 60)
+        print(f"\ntensors ({len(summary.tensors)})")
+        for tensor in summary.tensors:
+            shape = "x".join(str(d) for d in tensor.global_shape) or "scalar"
+            print(
+                f"  {tensor.name:<{name_width}}  {shape:>18}  {tensor.dtype:<9} "
+                f"{_human_bytes(tensor.num_bytes):>11}  {tensor.num_chunks} chunk(s)"
+            )
+    if summary.objects:
+        print(f"\nobjects ({len(summary.objects)}): " + ", ".join(summary.objects[:20])
+              + (" ..." if len(summary.objects) > 20 else ""))
+    print(f"\nfiles ({len(summary.files)})")
+    for entry in summary.files:
+        print(f"  {entry.name:<40} {_human_bytes(entry.num_bytes):>11}")
+    print(f"total       {_human_bytes(summary.total_bytes)}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    problems = find_completeness_problems(args.checkpoint)
+    items = None
+    try:
+        items = checksums.read_checksum_file(args.checkpoint)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        problems.append(f"{checksums.CHECKSUM_FILE} cannot be read: {exc}")
+    if items is not None:
+        progress = _ProgressBar(sum(item.length for item in items), sys.stderr)
+        problems += checksums.verify_items(args.checkpoint, items, progress.advance)
+        progress.close()
+    if problems:
+        print(f"DAMAGED: {args.checkpoint}")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    if items is None:
+        print(f"COMPLETE (no checksums recorded, content not verified): {args.checkpoint}")
+    else:
+        print(f"INTACT: {args.checkpoint} ({len(items)} items, checksums match)")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    tracked = read_tracker(args.save_dir)
+    found = list_checkpoints(args.save_dir)
+    if args.json:
+        json.dump(
+            {
+                "save_dir": args.save_dir,
+                "tracker_iteration": tracked,
+                "checkpoints": [
+                    {"iteration": c.iteration, "path": c.path, "complete": c.complete,
+                     "tracked": c.iteration == tracked}
+                    for c in found
+                ],
+            },
+            sys.stdout,
+            indent=2,
+        )
+        sys.stdout.write("\n")
+        return 0
+    if not found:
+        print(f"no iter_* checkpoints under {args.save_dir}")
+    for info in found:
+        marker = "  <- tracker" if info.iteration == tracked else ""
+        state = "complete" if info.complete else "INCOMPLETE"
+        print(f"iter {info.iteration:>9}  {state:<10}  {info.path}{marker}")
+    if tracked is not None and all(info.iteration != tracked for info in found):
+        print(f"warning: the tracker points to iteration {tracked}, which has no directory")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_async", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect_cmd = commands.add_parser("inspect", help="describe a torch_dist checkpoint")
+    inspect_cmd.add_argument("checkpoint")
+    inspect_cmd.add_argument("--json", action="store_true", help="print JSON")
+    inspect_cmd.set_defaults(handler=_cmd_inspect)
+    verify_cmd = commands.add_parser("verify", help="check completeness and checksums (exit 0 if intact)")
+    verify_cmd.add_argument("checkpoint")
+    verify_cmd.set_defaults(handler=_cmd_verify)
+    list_cmd = commands.add_parser("list", help="list the checkpoints of a Megatron save directory")
+    list_cmd.add_argument("save_dir")
+    list_cmd.add_argument("--json", action="store_true", help="print JSON")
+    list_cmd.set_defaults(handler=_cmd_list)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
