@@ -33,8 +33,9 @@ from gpt.model import build_model, build_optimizer, resolve_transformer_impl, se
 from gpt.progress import Progress, format_bytes
 
 
-def report_saves(records, progress: Progress) -> None:
-    """Print what each finished save cost (rank 0)."""
+def report_saves(records, progress: Progress, finished: list) -> None:
+    """Print what each finished save cost (rank 0) and add it to ``finished``."""
+    finished.extend(records)
     for r in records:
         how = f"{r.background_s:.3f} s in the background" if r.is_async else "synchronously"
         progress.event(
@@ -45,7 +46,8 @@ def report_saves(records, progress: Progress) -> None:
         )
 
 
-def save(checkpointer: Checkpointer, iteration: int, consumed_samples: int, progress: Progress) -> None:
+def save_checkpoint(checkpointer: Checkpointer, iteration: int, consumed_samples: int,
+                    progress: Progress) -> None:
     """Save (or schedule) a checkpoint and print how long training was blocked."""
     record = checkpointer.save(iteration, consumed_samples)
     what = "async save scheduled" if record.is_async else "saved"
@@ -66,17 +68,20 @@ def main(argv=None) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size
     )
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     args.transformer_impl = resolve_transformer_impl(args.transformer_impl)
     set_seed(args.seed)
     progress = Progress(args.train_iters, enabled=rank == 0, log_interval=args.log_interval,
                         metrics_file=args.metrics_file)
+    optimizer_kind = "distributed" if args.use_distributed_optimizer else "plain"
+    save_kind = "sync"
+    if args.async_save:
+        save_kind = "async (persistent worker)" if args.use_persistent_ckpt_worker else "async"
     progress.event(
         f"GPT {args.num_layers}x{args.hidden_size} ({args.transformer_impl} layers) on "
         f"{dist.get_world_size()} rank(s): TP={args.tensor_model_parallel_size} "
-        f"DP={args.data_parallel_size}, {'distributed' if args.use_distributed_optimizer else 'plain'} "
-        f"optimizer, {'async' if args.async_save else 'sync'} saves"
-        + (" (persistent worker)" if args.use_persistent_ckpt_worker else "")
+        f"DP={args.data_parallel_size}, {optimizer_kind} optimizer, {save_kind} saves"
     )
 
     # Model, optimizer, data.
@@ -99,9 +104,10 @@ def main(argv=None) -> None:
     # Train. Every iteration first finalizes the saves that are done on every rank.
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    saves = []
     start = time.perf_counter()
     while iteration < args.train_iters:
-        report_saves(checkpointer.maybe_finalize(blocking=False), progress)
+        report_saves(checkpointer.maybe_finalize(blocking=False), progress, saves)
         batches = micro_batches(dataset, consumed_samples, args.global_batch_size,
                                 args.micro_batch_size, dp_rank, dp_size)
         loss = train_step(model, optimizer, batches, args.num_micro_batches)
@@ -109,14 +115,21 @@ def main(argv=None) -> None:
         consumed_samples += args.global_batch_size
         progress.update(iteration, loss, checkpointer.in_flight)
         if args.save and iteration % args.save_interval == 0:
-            save(checkpointer, iteration, consumed_samples, progress)
+            save_checkpoint(checkpointer, iteration, consumed_samples, progress)
             last_saved = iteration
 
     # Save the final state if the interval did not, then wait for every save.
     if args.save and iteration != last_saved:
-        save(checkpointer, iteration, consumed_samples, progress)
-    report_saves(checkpointer.close(), progress)
-    progress.event(f"done: {iteration} iterations, {time.perf_counter() - start:.1f} s of training loop")
+        save_checkpoint(checkpointer, iteration, consumed_samples, progress)
+    report_saves(checkpointer.close(), progress, saves)
+    summary = f"done: {iteration} iterations in {time.perf_counter() - start:.1f} s"
+    if saves:
+        summary += (
+            f"; {len(saves)} checkpoint(s) stalled training for "
+            f"{sum(r.stall_s for r in saves):.3f} s in total, "
+            f"{sum(r.background_s for r in saves):.3f} s of writing ran in the background"
+        )
+    progress.event(summary)
     progress.close()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -80,7 +80,7 @@ def checkpoint_dir_name(iteration: int) -> str:
 
 
 def is_complete_checkpoint(path: str) -> bool:
-    """Return True when ``path`` is a directory that holds every file of :data:`COMPLETE_MARKERS`."""
+    """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
     return os.path.isdir(path) and all(
         os.path.isfile(os.path.join(path, marker)) for marker in COMPLETE_MARKERS
     )
@@ -102,7 +102,7 @@ class CheckpointInfo:
 
 
 def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
-    """List the ``iter_*`` directories of ``save_dir``, oldest first (empty if it does not exist)."""
+    """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
@@ -385,7 +385,9 @@ class CheckpointManager:
 
     # Helpers below run on the coordinator rank only.
 
-    def _choose_resume_point(self, load_dir: str, iteration: Optional[int]) -> Optional[ResumePoint]:
+    def _choose_resume_point(
+        self, load_dir: str, iteration: Optional[int]
+    ) -> Optional[ResumePoint]:
         if iteration is not None:
             path = os.path.join(load_dir, checkpoint_dir_name(iteration))
             if not is_complete_checkpoint(path):

@@ -6,11 +6,14 @@
 import warnings
 
 # megatron-core warns, once per module and rank, that Transformer Engine and Apex are
-# absent (this example does not need them) and that its own default CUDA-graph scope is
-# deprecated. Neither is actionable here.
+# absent (this example does not need them), that its own default CUDA-graph scope is
+# deprecated, and its torch_dist loader calls PyTorch APIs that PyTorch deprecates.
+# None of it is actionable for a user of this example.
 for _message in (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed",
     "full scope is deprecated",
+    "`load_state_dict` is deprecated",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
 ):
     warnings.filterwarnings("ignore", message=_message)

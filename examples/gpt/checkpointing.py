@@ -64,6 +64,7 @@ class SaveRecord:
             everywhere (0 for a synchronous save); it includes up to one iteration of
             waiting for that finalize.
         num_bytes: bytes in the checkpoint directory (all ranks' files); rank 0 only.
+        scheduled_at: ``time.perf_counter()`` when an async save was scheduled.
     """
 
     iteration: int
@@ -72,7 +73,7 @@ class SaveRecord:
     stall_s: float = 0.0
     background_s: float = 0.0
     num_bytes: int = 0
-    _scheduled_at: float = 0.0
+    scheduled_at: float = 0.0
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -204,14 +205,15 @@ class Checkpointer:
             self._on_durable(record)
             return record
         if self._debug_delay is not None and self._debug_delay[0] == iteration:
-            request = request._replace(
-                async_fn=functools.partial(_write_then_stall, request.async_fn, self._debug_delay[1])
+            stalling_fn = functools.partial(
+                _write_then_stall, request.async_fn, self._debug_delay[1]
             )
+            request = request._replace(async_fn=stalling_fn)
         self.manager.attach_commit(request, iteration)
         request.add_finalize_fn(functools.partial(self._on_durable, record))
         self.queue.schedule_async_request(request)
-        record._scheduled_at = time.perf_counter()
-        record.stall_s = record._scheduled_at - start
+        record.scheduled_at = time.perf_counter()
+        record.stall_s = record.scheduled_at - start
         self._pending[iteration] = record
         return record
 
@@ -331,7 +333,7 @@ class Checkpointer:
     def _on_durable(self, record: SaveRecord) -> None:
         """Finalize side (every rank): the checkpoint is complete and the tracker moved."""
         if record.is_async:
-            record.background_s = time.perf_counter() - record._scheduled_at
+            record.background_s = time.perf_counter() - record.scheduled_at
         if torch.distributed.get_rank() == 0:
             record.num_bytes = _directory_bytes(record.path)
         self._pending.pop(record.iteration, None)

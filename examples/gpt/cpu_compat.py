@@ -1,7 +1,9 @@
 """Run megatron-core 0.16 training code on a CPU-only host (gloo, no CUDA).
 
-Everything in this example that exists only because megatron-core assumes CUDA lives
-here, so that it is easy to see, review and delete once megatron-core stops assuming it.
+Everything in this example that exists only because megatron-core assumes CUDA (and
+Transformer Engine or Apex) lives here, so that it is easy to see, review and delete once
+megatron-core stops assuming it. Loading a ``torch_dist`` checkpoint with megatron-core's
+default load strategy needs nothing beyond the items below.
 :func:`install` is a no-op when CUDA is available; on a CPU-only host it makes these
 changes, for this process only:
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import IO, Iterable, Optional
 
 __all__ = ["Progress", "format_bytes"]
 
 _CLEAR_LINE = "\r\x1b[2K"
+_BAR_WIDTH = 20
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -50,7 +52,11 @@ class Progress:
         self.stream = stream
         self.interactive = enabled and stream.isatty()
         self._status = ""
-        self._metrics = open(metrics_file, "a", encoding="utf-8") if enabled and metrics_file else None
+        self._last_update: Optional[float] = None
+        self._rate: Optional[float] = None
+        self._metrics = None
+        if enabled and metrics_file:
+            self._metrics = open(metrics_file, "a", encoding="utf-8")
 
     def update(self, iteration: int, loss: float, in_flight: Iterable[int]) -> None:
         """Record one finished iteration and refresh the status."""
@@ -61,6 +67,15 @@ class Progress:
         ckpt = f"saving iter {', '.join(map(str, in_flight))}" if in_flight else "no save in flight"
         status = f"iter {iteration:>6d}/{self.total_iters} | loss {loss:.6f} | {ckpt}"
         if self.interactive:
+            now = time.monotonic()
+            if self._last_update is not None and now > self._last_update:
+                rate = 1.0 / (now - self._last_update)
+                self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+            self._last_update = now
+            filled = _BAR_WIDTH * iteration // max(self.total_iters, 1)
+            bar = "#" * filled + "." * (_BAR_WIDTH - filled)
+            speed = f" | {self._rate:5.1f} it/s" if self._rate else ""
+            status = f"[{bar}] {status}{speed}"
             self._status = status
             self.stream.write(_CLEAR_LINE + status)
             self.stream.flush()
