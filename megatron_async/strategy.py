@@ -190,6 +190,14 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
 
     Raises:
         CheckpointValidationError: an unknown backend or version, or a bad option.
+
+    Attributes:
+        config: the options in force.
+        cached_global_metadata: with ``cached_metadata``, the metadata the coordinator
+            reuses while the structure is unchanged. Set it on every rank to a loaded
+            checkpoint's metadata (``TorchDistLoadShardedStrategy.cached_global_metadata``)
+            to let the first save of a resumed job skip the plan gather too.
+        last_save_reused_plans: whether the latest ``async_save`` reused cached plans.
     """
 
     def __init__(

@@ -12,6 +12,7 @@ import functools
 import io
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron_async import state_dict_saver
@@ -205,6 +207,37 @@ def cached_metadata_skips_plan_gathers(ctx, persistent):
     # First save plans; the structure is then verified unchanged and reused (the third
     # save gathers nothing); the added key forces a fresh plan, reused again afterwards.
     assert gathered == [1, 0, 0, 1, 0], gathered
+
+
+def loaded_metadata_skips_the_first_gather(ctx):
+    """A resumed job reuses the metadata of the checkpoint it loaded (megatron-core's flow)."""
+    first = _dir(ctx, "resume-from")
+    _save_async(_queue(False), ctx, first, TorchDistAsyncSaveStrategy(), 1.5)
+    load_strategy = TorchDistLoadShardedStrategy()
+    dist_checkpointing.load(_model_state(ctx, 0.0), first, sharded_strategy=load_strategy)
+    strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
+    strategy.cached_global_metadata = load_strategy.cached_global_metadata
+    gathered = []
+    for step in range(2):
+        path = _dir(ctx, f"resumed-{step}")
+        before = state_dict_saver.get_plan_gather_count()
+        _save_async(_queue(False), ctx, path, strategy, 2.5 + step)
+        gathered.append(state_dict_saver.get_plan_gather_count() - before)
+        _check_checkpoint(ctx, path, 2.5 + step)
+    assert gathered == [0, 0], gathered
+
+
+def all_replicas_with_central_planning(ctx):
+    """keep_only_main_replica=False: every replica is planned and DCP deduplicates centrally."""
+    strategy = TorchDistAsyncSaveStrategy(keep_only_main_replica=False, cached_metadata=True)
+    gathered = []
+    for step in range(2):
+        path = _dir(ctx, f"all-replicas-{step}")
+        before = state_dict_saver.get_plan_gather_count()
+        _save_async(_queue(False), ctx, path, strategy, 3.5 + step)
+        gathered.append(state_dict_saver.get_plan_gather_count() - before)
+        _check_checkpoint(ctx, path, 3.5 + step)
+    assert gathered == [1, 0], gathered
 
 
 def cached_data_structure_and_multiproc_io(ctx, persistent):
@@ -416,6 +449,17 @@ def second_save_into_a_directory_in_flight(ctx):
     _check_checkpoint(ctx, path, 12.0)
 
 
+def _timed(fn):
+    """Make a scenario return its duration in seconds (to keep the launch within budget)."""
+
+    def run(ctx):
+        start = time.monotonic()
+        fn(ctx)
+        return round(time.monotonic() - start, 2)
+
+    return run
+
+
 def run_all(ctx: RankContext):
     scenarios = {"sync_save_round_trip": sync_save_round_trip}
     for kind, persistent in (("temporal", False), ("persistent", True)):
@@ -429,6 +473,8 @@ def run_all(ctx: RankContext):
         ):
             scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
     for fn in (
+        loaded_metadata_skips_the_first_gather,
+        all_replicas_with_central_planning,
         separation_hint_files,
         fully_parallel_wrapper,
         a_rank_with_nothing_to_write,
@@ -446,7 +492,7 @@ def run_all(ctx: RankContext):
     if only:
         scenarios = {k: v for k, v in scenarios.items() if k.startswith(tuple(only))}
     try:
-        return run_scenarios(ctx, scenarios)
+        return run_scenarios(ctx, {k: _timed(v) for k, v in scenarios.items()})
     finally:
         for queue in _QUEUES.values():
             queue.close(abort=True)

@@ -19,6 +19,8 @@ SCENARIOS = (
         )
     ]
     + [
+        "loaded_metadata_skips_the_first_gather",
+        "all_replicas_with_central_planning",
         "separation_hint_files",
         "fully_parallel_wrapper",
         "a_rank_with_nothing_to_write",

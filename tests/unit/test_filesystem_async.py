@@ -365,3 +365,31 @@ def test_finish_is_atomic_and_leaves_the_cached_metadata_alone(tmp_path):
         writer.finish(metadata, [results])
     assert (tmp_path / ".metadata").read_bytes() == before  # the old file survives intact
     assert torch.equal(_load(tmp_path, state_dict)["a"], torch.ones(3))
+
+
+def test_staging_cpu_tensors_never_touches_cuda(tmp_path, monkeypatch):
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CUDA API was called while staging CPU tensors")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    _save(tmp_path, {"a": torch.ones(4)}, thread_count=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_staged_to_pinned_host_memory(tmp_path):
+    state_dict = {"a": torch.arange(8.0, device="cuda"), "b": torch.ones(3, 3, device="cuda").t()}
+    writer = FileSystemWriterAsync(str(tmp_path), thread_count=2)
+    metadata = _prepare(writer, state_dict)
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
+    staged = preload_fn()
+    for tensor in state_dict.values():
+        tensor.add_(1)
+    for bucket in staged:
+        for _, tensor in bucket.data[1]:
+            assert tensor.device.type == "cpu" and tensor.is_pinned()
+    save_fn(args[0], staged, args[2])
+    writer.finish(metadata, [writer.retrieve_write_results()])
+    out = _load(tmp_path, {k: v.cpu() for k, v in state_dict.items()})
+    assert torch.equal(out["a"], torch.arange(8.0)) and torch.equal(out["b"], torch.ones(3, 3))
