@@ -195,15 +195,22 @@ def in_place_updates_after_schedule_are_not_saved(ctx, persistent):
     _check_checkpoint(ctx, path, 3.0)
 
 
+def _gathers_per_save(ctx, persistent, strategy, name, steps):
+    """Save ``steps`` ((scale, extra_key) each) in turn; check each; count plan gathers."""
+    gathered = []
+    for step, (scale, extra_key) in enumerate(steps):
+        path = _dir(ctx, f"{name}-{step}")
+        before = state_dict_saver.get_plan_gather_count()
+        _save_async(_queue(persistent), ctx, path, strategy, scale, extra_key)
+        gathered.append(state_dict_saver.get_plan_gather_count() - before)
+        _check_checkpoint(ctx, path, scale, extra_key)
+    return gathered
+
+
 def cached_metadata_skips_plan_gathers(ctx, persistent):
     strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
-    gathered = []
-    for step, extra_key in enumerate([False, False, False, True, True]):
-        path = _dir(ctx, f"cached-{persistent}-{step}")
-        before = state_dict_saver.get_plan_gather_count()
-        _save_async(_queue(persistent), ctx, path, strategy, float(step + 1), extra_key)
-        gathered.append(state_dict_saver.get_plan_gather_count() - before)
-        _check_checkpoint(ctx, path, float(step + 1), extra_key)
+    steps = [(float(i + 1), i >= 3) for i in range(5)]
+    gathered = _gathers_per_save(ctx, persistent, strategy, f"cached-{persistent}", steps)
     # First save plans; the structure is then verified unchanged and reused (the third
     # save gathers nothing); the added key forces a fresh plan, reused again afterwards.
     assert gathered == [1, 0, 0, 1, 0], gathered
@@ -217,26 +224,14 @@ def loaded_metadata_skips_the_first_gather(ctx):
     dist_checkpointing.load(_model_state(ctx, 0.0), first, sharded_strategy=load_strategy)
     strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
     strategy.cached_global_metadata = load_strategy.cached_global_metadata
-    gathered = []
-    for step in range(2):
-        path = _dir(ctx, f"resumed-{step}")
-        before = state_dict_saver.get_plan_gather_count()
-        _save_async(_queue(False), ctx, path, strategy, 2.5 + step)
-        gathered.append(state_dict_saver.get_plan_gather_count() - before)
-        _check_checkpoint(ctx, path, 2.5 + step)
+    gathered = _gathers_per_save(ctx, False, strategy, "resumed", [(2.5, False), (3.5, False)])
     assert gathered == [0, 0], gathered
 
 
 def all_replicas_with_central_planning(ctx):
     """keep_only_main_replica=False: every replica is planned and DCP deduplicates centrally."""
     strategy = TorchDistAsyncSaveStrategy(keep_only_main_replica=False, cached_metadata=True)
-    gathered = []
-    for step in range(2):
-        path = _dir(ctx, f"all-replicas-{step}")
-        before = state_dict_saver.get_plan_gather_count()
-        _save_async(_queue(False), ctx, path, strategy, 3.5 + step)
-        gathered.append(state_dict_saver.get_plan_gather_count() - before)
-        _check_checkpoint(ctx, path, 3.5 + step)
+    gathered = _gathers_per_save(ctx, False, strategy, "all-replicas", [(3.5, False), (4.5, False)])
     assert gathered == [1, 0], gathered
 
 
