@@ -33,6 +33,7 @@ import shutil
 from typing import Iterable, List, Optional, Sequence, Set
 
 from megatron_async.core import coordination
+from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
@@ -290,7 +291,7 @@ class CheckpointManager:
         self._in_flight.add(iteration)
         return path
 
-    def attach_commit(self, request, iteration: int) -> None:
+    def attach_commit(self, request: AsyncRequest, iteration: int) -> None:
         """Make ``request`` commit ``iteration`` once its save is durable on every rank.
 
         Runs on every rank, before the request is scheduled. Adds :meth:`commit` as a
@@ -322,7 +323,10 @@ class CheckpointManager:
         self._in_flight.discard(iteration)
         self._raise_if_failed(failure, path)
         if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
-            self.apply_retention()
+            try:
+                self.apply_retention()
+            except Exception as exc:  # best-effort cleanup: the checkpoint itself is committed
+                logger.warning("retention after committing %s failed: %s", path, exc)
 
     def apply_retention(self) -> List[str]:
         """Delete the checkpoints that the retention rules no longer keep.
@@ -368,7 +372,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointValidationError: on every rank, when the requested iteration has
-                no complete checkpoint or the tracker is unreadable.
+                no complete checkpoint, or the tracker or ``load_dir`` is unreadable.
         """
         if self.config.load_dir is None:
             return None
@@ -378,6 +382,11 @@ class CheckpointManager:
                 choice = self._choose_resume_point(self.config.load_dir, iteration)
             except CheckpointValidationError as exc:
                 failure = str(exc)
+            except Exception as exc:  # an unreadable load_dir: reported on every rank below
+                failure = (
+                    f"rank 0 could not look for a checkpoint in {self.config.load_dir}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
         choice, failure = coordination.all_gather_objects((choice, failure))[0]
         if failure is not None:
             raise CheckpointValidationError(failure)

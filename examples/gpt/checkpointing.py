@@ -183,9 +183,9 @@ class Checkpointer:
         record of an async save is completed by the finalize that sees it durable.
         """
         args = self.args
-        record = SaveRecord(iteration, self.manager.checkpoint_path(iteration), args.async_save)
         start = time.perf_counter()
         path = self.manager.prepare_save(iteration)
+        record = SaveRecord(iteration, path, args.async_save)
         state_dict = self._state_dict(
             iteration,
             consumed_samples,
