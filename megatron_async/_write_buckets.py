@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_async.checksums import HashingWriter
 from megatron_async.errors import RankFailure
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "assign_buckets",
     "materialize_buckets",
     "write_bucket",
+    "ChecksummedWriteResult",
 ]
 
 logger = logging.getLogger(__name__)
@@ -196,16 +198,28 @@ def _write_item_kwargs() -> Dict[str, Any]:
     return {"serialization_format": SerializationFormat.TORCH_SAVE}
 
 
-def write_bucket(transforms: Any, bucket: WriteBucket, use_fsync: bool) -> List[WriteResult]:
+@dataclasses.dataclass(frozen=True)
+class ChecksummedWriteResult(WriteResult):
+    """A DCP ``WriteResult`` that also carries the xxh3 digest of the item's stored bytes."""
+
+    checksum: Optional[str] = None
+
+
+def write_bucket(
+    transforms: Any, bucket: WriteBucket, use_fsync: bool, compute_checksums: bool = True
+) -> List[WriteResult]:
     """Write one staged bucket to its file in DCP's byte layout and return its results.
 
     Runs in the background writer (a thread or a process). Every item is serialized with
-    PyTorch DCP's own item writer, so any DCP reader can read the file.
+    PyTorch DCP's own item writer, so any DCP reader can read the file. With
+    ``compute_checksums`` every byte is hashed on its way to the file (no second read)
+    and each result is a :class:`ChecksummedWriteResult`.
 
     Args:
         transforms: the writer's ``_StorageWriterTransforms`` (stream extensions).
         bucket: a staged bucket: every tensor must be on the CPU.
         use_fsync: flush the file to stable storage before returning.
+        compute_checksums: record an xxh3 digest of every item.
 
     Raises:
         ValueError: a tensor is not on the CPU (the bucket was not staged).
@@ -215,15 +229,27 @@ def write_bucket(transforms: Any, bucket: WriteBucket, use_fsync: bool) -> List[
     extra = _write_item_kwargs()
     results: List[WriteResult] = []
     with open(bucket.file_path, "wb") as stream:
+        target = HashingWriter(stream) if compute_checksums else stream
+
+        def write(item: WriteItem, data: Any) -> None:
+            if compute_checksums:
+                target.start_item()
+            result = _write_item(transforms, target, data, item, bucket.file_name, **extra)
+            if compute_checksums:
+                result = ChecksummedWriteResult(
+                    result.index, result.size_in_bytes, result.storage_data, target.finish_item()
+                )
+            results.append(result)
+
         for item, data in bytes_data:
-            results.append(_write_item(transforms, stream, data, item, bucket.file_name, **extra))
+            write(item, data)
         for item, tensor in tensor_data:
             if tensor.device.type != "cpu":
                 raise ValueError(
                     f"{item.index.fqn} is on {tensor.device}; run the request's preload_fn "
                     "(staging) before the save function"
                 )
-            results.append(_write_item(transforms, stream, tensor, item, bucket.file_name, **extra))
+            write(item, tensor)
         if use_fsync:
             stream.flush()
             os.fsync(stream.fileno())

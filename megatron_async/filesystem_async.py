@@ -52,6 +52,7 @@ from megatron_async._write_buckets import (
     materialize_buckets,
     write_bucket,
 )
+from megatron_async import checksums
 from megatron_async.core import coordination
 from megatron_async.errors import (
     AsyncTimeoutError,
@@ -116,6 +117,8 @@ class FileSystemWriterAsync(FileSystemWriter):
             save: keep the bucket layout and the staging buffers (in the process that
             stages) instead of allocating them again.
         write_timeout_s: bound on the background writer's wait for its buckets.
+        checksums: hash every item while writing it (xxh3) and store the digests in
+            :data:`~megatron_async.checksums.CHECKSUM_FILE` before ``.metadata``.
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
 
     Raises:
@@ -130,6 +133,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         is_multiproc_io: bool = False,
         use_cached_data_structure: bool = False,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        checksums: bool = True,
         **kwargs: Any,
     ):
         super().__init__(path, *args, **kwargs)
@@ -149,6 +153,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.is_multiproc_io = is_multiproc_io
         self.use_cached_data_structure = use_cached_data_structure
         self.write_timeout_s = float(write_timeout_s)
+        self.checksums = bool(checksums)
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -214,12 +219,15 @@ class FileSystemWriterAsync(FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
+        bucket_writer = type(self).write_preloaded_data
+        if not self.checksums:
+            bucket_writer = partial(bucket_writer, compute_checksums=False)
         save_fn = partial(
             write_fn,
             self.transforms,
             self.sync_files,
             self.write_timeout_s,
-            type(self).write_preloaded_data,
+            bucket_writer,
             self._staging_key,
         )
         preload_fn = partial(self.preload_tensors, self.write_buckets, True, self._staging_key)
@@ -241,14 +249,14 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     @staticmethod
     def write_preloaded_data(
-        transforms: Any, write_bucket_: WriteBucket, use_fsync: bool
+        transforms: Any, write_bucket_: WriteBucket, use_fsync: bool, compute_checksums: bool = True
     ) -> List[WriteResult]:
         """Write one staged bucket and return its results (a writer thread or process).
 
         Subclasses may override it (a fault-injecting writer in tests); it must stay a
         static method so that the save function still pickles.
         """
-        return write_bucket(transforms, write_bucket_, use_fsync)
+        return write_bucket(transforms, write_bucket_, use_fsync, compute_checksums)
 
     @staticmethod
     def write_preloaded_data_multithread(
@@ -376,6 +384,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
             metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
+        _record_checksums(self.checkpoint_dir, results)
         final_path = os.path.join(self.checkpoint_dir, METADATA_FILE_NAME)
         tmp_path = f"{final_path}.tmp"
         with open(tmp_path, "wb") as stream:
@@ -384,6 +393,34 @@ class FileSystemWriterAsync(FileSystemWriter):
             os.fsync(stream.fileno())
         os.replace(tmp_path, final_path)
         _fsync_directory(self.checkpoint_dir)
+
+
+def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> None:
+    """Write every rank's item digests, or drop a stale checksum file (coordinator).
+
+    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
+    the checksums of exactly its own items (or none at all).
+    """
+    items = [
+        checksums.ItemChecksum(
+            file=result.storage_data.relative_path,
+            offset=result.storage_data.offset,
+            length=result.storage_data.length,
+            digest=result.checksum,
+            fqn=result.index.fqn,
+            chunk_offsets=list(result.index.offset) if result.index.offset is not None else None,
+        )
+        for rank_results in results
+        for result in rank_results
+        if getattr(result, "checksum", None) is not None
+    ]
+    if items:
+        checksums.write_checksum_file(checkpoint_dir, items)
+    else:
+        try:
+            os.remove(os.path.join(checkpoint_dir, checksums.CHECKSUM_FILE))
+        except FileNotFoundError:
+            pass
 
 
 def _write_and_report(

@@ -110,6 +110,11 @@ class TorchDistSaveConfig:
     sync_files: bool = True
     """fsync every file before the save counts as written."""
 
+    checksums: bool = True
+    """Hash every item while it is written (xxh3, in the background writer) and store the
+    digests next to the data, for ``python -m megatron_async verify`` and
+    :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
+
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     """Bound on the background writer's wait for its threads or processes."""
 
@@ -322,6 +327,7 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
             checkpoint_dir,
             thread_count=cfg.thread_count,
             sync_files=cfg.sync_files,
+            checksums=cfg.checksums,
             separation_hint=cfg.separation_hint,
             is_multiproc_io=cfg.is_multiproc_io,
             use_cached_data_structure=cfg.use_cached_data_structure,

@@ -143,6 +143,9 @@ class AsyncCallsQueue:
             self.async_calls.popleft()
             caller.release(idx)
             if agreement.failures:
+                # Drop our references first: the traceback keeps this frame alive, and the
+                # request's resources (an in-flight directory claim) must be freed now.
+                del request, caller
                 raise AsyncSaveFailedError(agreement.failures)
             for finalize_fn in request.finalize_fns:
                 finalize_fn()
