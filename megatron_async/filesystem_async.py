@@ -53,6 +53,7 @@ from megatron_async._write_buckets import (
     write_bucket,
 )
 from megatron_async import checksums
+from megatron_async._fs import fsync_path
 from megatron_async.core import coordination
 from megatron_async.errors import (
     AsyncTimeoutError,
@@ -392,7 +393,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp_path, final_path)
-        _fsync_directory(self.checkpoint_dir)
+        fsync_path(self.checkpoint_dir, best_effort=True)
 
 
 def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> None:
@@ -551,18 +552,3 @@ def _bucket_process_main(
         channel.put(("ok", bucket_writer(transforms, bucket, use_fsync)))
     except Exception as exc:  # reported through the channel
         channel.put(("error", RankFailure.from_exception(rank, "write", exc)))
-
-
-def _fsync_directory(path: str) -> None:
-    """Make a rename inside ``path`` durable; best effort where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        logger.debug("cannot open %s to fsync it: %s", path, exc)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        logger.debug("fsync of directory %s failed: %s", path, exc)
-    finally:
-        os.close(fd)

@@ -39,7 +39,7 @@ from megatron_async.errors import (
     CheckpointValidationError,
     RankFailure,
 )
-from megatron_async.filesystem_async import _fsync_directory
+from megatron_async._fs import fsync_path
 from megatron_async.inspection import (
     DCP_METADATA_FILE,
     MEGATRON_METADATA_FILE,
@@ -157,7 +157,7 @@ def write_tracker(save_dir: str, iteration: int) -> None:
     except BaseException:
         _remove_quietly(tmp_path)
         raise
-    _fsync_directory(save_dir)
+    fsync_path(save_dir, best_effort=True)
 
 
 def select_for_deletion(
@@ -440,7 +440,7 @@ class CheckpointManager:
                     f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
                 )
         os.makedirs(path)
-        _fsync_directory(save_dir)
+        fsync_path(save_dir, best_effort=True)
 
     def _write_tracker_for(self, iteration: int, path: str) -> None:
         if not is_complete_checkpoint(path):
@@ -450,8 +450,8 @@ class CheckpointManager:
                 "marking it as the latest"
             )
         for marker in COMPLETE_MARKERS:
-            _fsync_file(os.path.join(path, marker))
-        _fsync_directory(path)
+            fsync_path(os.path.join(path, marker))
+        fsync_path(path, best_effort=True)
         write_tracker(self._require_save_dir(), iteration)
         logger.info("checkpoint %s is complete; tracker updated", path)
 
@@ -486,14 +486,6 @@ def _purge_trash(save_dir: str) -> None:
     for name in os.listdir(save_dir):
         if name.startswith(_TRASH_PREFIX):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_quietly(path: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from megatron_async._fs import fsync_path
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
@@ -21,14 +22,6 @@ from megatron_async.staging import snapshot_to_host
 __all__ = ["TorchAsyncCheckpoint", "save_file_atomically"]
 
 logger = logging.getLogger(__name__)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_file_atomically(path: Union[str, os.PathLike], state_dict: Any, save_kwargs: Dict[str, Any]) -> None:
@@ -45,7 +38,7 @@ def save_file_atomically(path: Union[str, os.PathLike], state_dict: Any, save_kw
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, target)
-        _fsync_directory(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         try:
             tmp.unlink()

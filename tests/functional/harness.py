@@ -26,7 +26,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import multiprocessing as mp
 
-__all__ = ["RankContext", "LaunchError", "launch", "run_scenarios", "ScenarioOutcome"]
+__all__ = [
+    "RankContext",
+    "LaunchError",
+    "launch",
+    "launch_once",
+    "run_scenarios",
+    "ScenarioOutcome",
+    "assert_scenario_ok",
+]
 
 
 @dataclasses.dataclass
@@ -173,6 +181,23 @@ def launch(
         report = "\n".join(f"=== rank {r} ===\n{text}" for r, text in sorted(errors.items()))
         raise LaunchError(f"launch of {entry} failed on ranks {sorted(errors)}:\n{report}")
     return [results[r] for r in range(world_size)]
+
+
+_launch_cache: Dict[tuple, List[Any]] = {}
+
+
+def launch_once(entry: str, world_size: int, tmp_path_factory, timeout_s: float = 240.0) -> List[Any]:
+    """:func:`launch` ``entry`` on ``world_size`` ranks once per pytest session.
+
+    For module-scoped fixtures: every test of a module reads its scenario's outcome
+    from the same launch.
+    """
+    key = (entry, world_size)
+    if key not in _launch_cache:
+        name = entry.rsplit(":", 1)[0].rsplit(".", 1)[-1]
+        tmp = tmp_path_factory.mktemp(f"{name}{world_size}")
+        _launch_cache[key] = launch(entry, world_size, str(tmp), timeout_s=timeout_s)
+    return _launch_cache[key]
 
 
 def _dump_stacks_and_kill(proc) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.functional.harness import assert_scenario_ok, launch
+from tests.functional.harness import assert_scenario_ok, launch_once
 
 SCENARIOS = (
     ["sync_save_round_trip"]
@@ -31,18 +31,9 @@ SCENARIOS = (
     ]
 )
 
-_results = {}
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def launch_results(request, tmp_path_factory):
-    world_size = request.param
-    if world_size not in _results:
-        tmp = tmp_path_factory.mktemp(f"strategy{world_size}")
-        _results[world_size] = launch(
-            "tests.functional.scenarios_strategy:run_all", world_size, str(tmp), timeout_s=240
-        )
-    return _results[world_size]
+    return launch_once("tests.functional.scenarios_strategy:run_all", request.param, tmp_path_factory)
 
 
 @pytest.mark.slow
