@@ -234,6 +234,20 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        """megatron-core's name for ``config.cached_metadata``.
+
+        Megatron-LM sets it on the strategy it looked up for
+        ``--ckpt-assume-constant-structure``; keeping the name makes that code path work
+        with this strategy unchanged.
+        """
+        return self.config.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.config = dataclasses.replace(self.config, cached_metadata=bool(value))
+
     def async_save(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]
     ) -> AsyncRequest:
