@@ -1,0 +1,325 @@
+"""Turn per-rank results into per-save numbers, the targets, a table and plots.
+
+Across ranks, a save is as slow as its slowest rank: stalls, planning and finalize are
+the maximum over ranks; the write span runs from the first rank's write start to the last
+rank's write end, and throughputs divide every rank's bytes by it. Warm numbers are the
+median of the saves after the first (the machine may be shared; a median shrugs off one
+disturbed save), with the maximum kept in the JSON.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import format_num_bytes
+
+__all__ = [
+    "aggregate_run",
+    "evaluate_targets",
+    "format_limits",
+    "format_run_table",
+    "format_targets",
+    "format_scaling",
+    "draw_plots",
+    "TARGETS",
+]
+
+_GROWTH_TOLERANCE_FRACTION = 0.02
+_GROWTH_TOLERANCE_MIN_BYTES = 4 * 2**20
+
+TARGETS = {
+    "stall_vs_memcpy": "warm stall <= 1.2 x (bytes per rank / memcpy bandwidth)",
+    "write_vs_disk": "background write throughput >= 0.8 x disk bandwidth",
+    "stall_vs_dcp_async": "warm stall <= 0.5 x DCP async_save warm stall",
+    "plan_cached_vs_first": "warm planning (cached structure) <= 10% of the first save's",
+    "memory_growth": "no host memory growth across the saves (<= 2% of bytes per rank, >= 4 MiB)",
+    "staging_held": "staging memory held between saves <= 1.1 x bytes per rank",
+}
+
+
+def _max(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _aggregate_save(records: Sequence[Dict[str, Any]], ranks: Sequence[Dict[str, Any]]):
+    total_bytes = sum(r["num_bytes"] for r in ranks)
+    starts = [s.get("write_start") for s in records]
+    ends = [s.get("write_end") for s in records]
+    write_span = None
+    if all(v is not None for v in starts + ends):
+        write_span = max(ends) - min(starts)
+    e2e = _max([s["e2e_s"] for s in records])
+    return {
+        "build_s": _max([s["build_s"] for s in records]),
+        "plan_s": _max([s["plan_s"] for s in records]),
+        "strategy_plan_s": _max([s["strategy_plan_s"] for s in records]),
+        "stage_s": _max([s["stage_s"] for s in records]),
+        "stall_s": _max([s["stall_s"] for s in records]),
+        "train_step_s": _max([s["train_step_s"] for s in records]),
+        "write_s": write_span,
+        "write_bytes_per_s": total_bytes / write_span if write_span else None,
+        "finalize_s": _max([s["finalize_s"] for s in records]),
+        "e2e_s": e2e,
+        "e2e_bytes_per_s": total_bytes / e2e if e2e else None,
+        "peak_rss": _max([s["peak_rss"] for s in records]),
+        "peak_rss_extra": _max([s["peak_rss"] - r["rss_base"] for s, r in zip(records, ranks)]),
+        "peak_worker_rss": _max([s["peak_worker_rss"] for s in records]),
+        "held_total": _max([s["pss_after"] - r["pss_base"] for s, r in zip(records, ranks)]),
+        "held_staging": _max([s["pss_after"] - r["pss_idle"] for s, r in zip(records, ranks)]),
+        "dir_bytes": records[0].get("dir_bytes"),
+        "reused_plans": all(s.get("reused_plans") for s in records),
+    }
+
+
+def _summary(saves: Sequence[Dict[str, Any]], reducer) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key in saves[0]:
+        values = [s[key] for s in saves if isinstance(s[key], (int, float)) and s[key] is not None]
+        if values and not isinstance(saves[0][key], bool):
+            out[key] = reducer(values)
+    return out
+
+
+def aggregate_run(meta: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Combine one launch's per-rank results into one run entry of results.json."""
+    run = dict(meta)
+    run["status"] = ranks[0]["status"]
+    run["reason"] = ranks[0]["reason"]
+    run["notes"] = sorted({n for r in ranks for n in r.get("notes", [])})
+    run["num_bytes_per_rank"] = [r["num_bytes"] for r in ranks]
+    run["tensor_count_per_rank"] = [r["tensor_count"] for r in ranks]
+    run["per_rank"] = ranks
+    if run["status"] != "ok" or not ranks[0]["saves"]:
+        return run
+    count = min(len(r["saves"]) for r in ranks)
+    saves = [_aggregate_save([r["saves"][i] for r in ranks], ranks) for i in range(count)]
+    run["saves"] = saves
+    run["first"] = saves[0]
+    run["warm"] = _summary(saves[1:], statistics.median)
+    run["warm_max"] = _summary(saves[1:], max)
+    return run
+
+
+def _find(runs, **match) -> Optional[Dict[str, Any]]:
+    for run in runs:
+        if all(run.get(k) == v for k, v in match.items()) and run.get("status") == "ok":
+            return run
+    return None
+
+
+def _target(name: str, measured: Optional[float], limit: float, higher_is_better: bool,
+            detail: str) -> Dict[str, Any]:
+    if measured is None:
+        return {"target": name, "ratio": None, "limit": limit, "verdict": "N/A", "detail": detail}
+    ok = measured >= limit if higher_is_better else measured <= limit
+    return {"target": name, "ratio": measured, "limit": limit,
+            "verdict": "PASS" if ok else "MISS", "detail": detail}
+
+
+def evaluate_targets(runs: List[Dict[str, Any]], limits: Dict[str, float], ranks: int,
+                     our_variants: Sequence[str]) -> List[Dict[str, Any]]:
+    """Evaluate every target for each of our callers and synthetic tensor count."""
+    memcpy = limits["memcpy_concurrent_bytes_per_s"]
+    disk = max(limits["disk_single_bytes_per_s"], limits["disk_concurrent_bytes_per_s"])
+    rows = []
+    counts = sorted({r["tensor_count"] for r in runs if r["workload"] == "synthetic"
+                     and r["ranks"] == ranks and r["sweep"] == "main"})
+    for variant in our_variants:
+        for count in counts:
+            run = _find(runs, workload="synthetic", tensor_count=count, ranks=ranks,
+                        variant=variant, sweep="main")
+            if run is None:
+                continue
+            dcp = _find(runs, workload="synthetic", tensor_count=count, ranks=ranks,
+                        variant="dcp_async_thread", sweep="main")
+            warm, first, saves = run["warm"], run["first"], run["saves"]
+            bytes_per_rank = max(run["num_bytes_per_rank"])
+            copy_s = bytes_per_rank / memcpy
+            results = [
+                _target("stall_vs_memcpy", warm["stall_s"] / copy_s, 1.2, False,
+                        f"warm stall {warm['stall_s'] * 1e3:.0f} ms vs copy {copy_s * 1e3:.0f} ms"),
+                _target("write_vs_disk", (warm.get("write_bytes_per_s") or 0) / disk, 0.8, True,
+                        f"{(warm.get('write_bytes_per_s') or 0) / 1e9:.2f} GB/s vs "
+                        f"{disk / 1e9:.2f} GB/s"),
+                _target("stall_vs_dcp_async",
+                        warm["stall_s"] / dcp["warm"]["stall_s"] if dcp else None, 0.5, False,
+                        f"vs dcp_async_thread {dcp['warm']['stall_s'] * 1e3:.0f} ms"
+                        if dcp else "dcp_async_thread not run"),
+                _target("plan_cached_vs_first", warm["plan_s"] / first["plan_s"], 0.10, False,
+                        f"warm {warm['plan_s'] * 1e3:.0f} ms vs first {first['plan_s'] * 1e3:.0f} ms"),
+            ]
+            held = [s["held_total"] for s in saves]
+            if len(held) >= 2:
+                growth = held[-1] - held[0]
+                tolerance = max(_GROWTH_TOLERANCE_FRACTION * bytes_per_rank,
+                                _GROWTH_TOLERANCE_MIN_BYTES)
+                results.append(_target(
+                    "memory_growth", growth / bytes_per_rank, tolerance / bytes_per_rank, False,
+                    f"held after save {len(held)} minus after save 1: {format_num_bytes(growth)}",
+                ))
+            staging = max(s["held_staging"] for s in saves[1:])
+            results.append(_target(
+                "staging_held", staging / bytes_per_rank, 1.1, False,
+                f"max {format_num_bytes(staging)} held (PSS, rank + background process)",
+            ))
+            for row in results:
+                row.update(variant=variant, tensor_count=count)
+                rows.append(row)
+    return rows
+
+
+def _fmt_s(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.0f}ms" if value < 10 else f"{value:.1f}s"
+
+
+def _fmt_rate(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _fmt_mib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _markdown(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_limits(limits: Dict[str, float]) -> str:
+    """The physical limits as a markdown table."""
+    rows = [
+        ["memory copy, 1 process", _fmt_rate(limits["memcpy_single_bytes_per_s"])],
+        [f"memory copy, per rank, {int(limits['disk_concurrent_writers'])} ranks at once",
+         _fmt_rate(limits["memcpy_concurrent_bytes_per_s"])],
+        ["write + fsync, 1 writer", _fmt_rate(limits["disk_single_bytes_per_s"])],
+        [f"write + fsync, {int(limits['disk_concurrent_writers'])} writers (aggregate)",
+         _fmt_rate(limits["disk_concurrent_bytes_per_s"])],
+    ]
+    return _markdown(["physical limit", "GB/s"], rows)
+
+
+_RUN_HEADER = [
+    "method", "stall 1st", "stall warm", "plan 1st", "plan warm", "write warm", "write GB/s",
+    "finalize", "e2e warm", "e2e GB/s", "peak RSS rank MiB", "peak RSS bg MiB",
+    "held MiB", "staging held MiB",
+]
+
+
+def format_run_table(runs: List[Dict[str, Any]]) -> str:
+    """One workload's runs (same workload, tensor count, ranks) as a markdown table."""
+    rows = []
+    for run in runs:
+        if run["status"] != "ok":
+            rows.append([run["variant"], f"{run['status']}: see notes"] + [""] * (len(_RUN_HEADER) - 2))
+            continue
+        first, warm = run["first"], run["warm"]
+        rows.append([
+            run["variant"], _fmt_s(first["stall_s"]), _fmt_s(warm["stall_s"]),
+            _fmt_s(first.get("plan_s")), _fmt_s(warm.get("plan_s")), _fmt_s(warm.get("write_s")),
+            _fmt_rate(warm.get("write_bytes_per_s")), _fmt_s(warm.get("finalize_s")),
+            _fmt_s(warm["e2e_s"]), _fmt_rate(warm.get("e2e_bytes_per_s")),
+            _fmt_mib(warm.get("peak_rss")), _fmt_mib(warm.get("peak_worker_rss")),
+            _fmt_mib(warm.get("held_total")), _fmt_mib(warm.get("held_staging")),
+        ])
+    return _markdown(_RUN_HEADER, rows)
+
+
+def format_targets(rows: List[Dict[str, Any]]) -> str:
+    """The targets as a markdown table: one row per target, caller and tensor count."""
+    body = []
+    for row in rows:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        bound = (">= " if row["target"] == "write_vs_disk" else "<= ") + f"{row['limit']:.2f}"
+        body.append([row["target"], row["variant"], str(row["tensor_count"]), ratio, bound,
+                     row["verdict"], row["detail"]])
+    return _markdown(["target", "method", "tensors/rank", "measured", "bound", "verdict",
+                      "detail"], body)
+
+
+def format_scaling(runs: List[Dict[str, Any]]) -> str:
+    """Stall and planning against the rank count, as a markdown table."""
+    body = []
+    for run in sorted(runs, key=lambda r: (r["variant"], r["ranks"])):
+        if run["status"] != "ok":
+            continue
+        body.append([run["variant"], str(run["ranks"]), _fmt_s(run["first"]["stall_s"]),
+                     _fmt_s(run["warm"]["stall_s"]), _fmt_s(run["first"].get("plan_s")),
+                     _fmt_s(run["warm"].get("plan_s"))])
+    return _markdown(["method", "ranks", "stall 1st", "stall warm", "plan 1st", "plan warm"], body)
+
+
+def _plot_first_and_warm(ax, xs, runs, key: str, variant: str, color=None):
+    """Draw ``key`` of the first save (dotted) and of the warm saves (solid) against ``xs``."""
+    warm = ax.plot(xs, [r["warm"][key] for r in runs], marker="o", color=color,
+                   label=f"{variant} (warm)")[0]
+    ax.plot(xs, [r["first"][key] for r in runs], marker="x", linestyle=":",
+            color=warm.get_color(), label=f"{variant} (1st)")
+    return warm.get_color()
+
+
+def _style_axes(ax, xlabel: str, title: str, log_x: bool) -> None:
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("seconds")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def draw_plots(runs: List[Dict[str, Any]], limits: Dict[str, float], main_ranks: int,
+               out_dir: str) -> List[str]:
+    """Draw the scaling plots (PNG, small); return their paths."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    synthetic = [r for r in runs if r["workload"] == "synthetic" and r["ranks"] == main_ranks
+                 and r["sweep"] == "main" and r["status"] == "ok"]
+    scaling = [r for r in runs if r["sweep"] == "ranks" and r["status"] == "ok"]
+    for name, group, x_key, xlabel in (
+        ("stall_vs_tensor_count.png", synthetic, "tensor_count", "tensors per rank"),
+        ("stall_vs_ranks.png", scaling, "ranks", "ranks"),
+    ):
+        if not group:
+            continue
+        fig, (ax_stall, ax_plan) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for variant in sorted({r["variant"] for r in group}):
+            points = sorted(((r[x_key], r) for r in group if r["variant"] == variant),
+                            key=lambda p: p[0])
+            xs, chosen = [x for x, _ in points], [r for _, r in points]
+            color = _plot_first_and_warm(ax_stall, xs, chosen, "stall_s", variant)
+            if variant.startswith("ours"):
+                _plot_first_and_warm(ax_plan, xs, chosen, "plan_s", variant, color)
+        sample = group[0]
+        bytes_per_rank = max(sample["num_bytes_per_rank"])
+        if x_key == "tensor_count":
+            ax_stall.axhline(bytes_per_rank / limits["memcpy_concurrent_bytes_per_s"],
+                             color="k", linestyle="--", linewidth=1, label="memcpy of bytes/rank")
+            setting = f"{main_ranks} ranks"
+        else:
+            setting = f"{sample['tensor_count']} tensors/rank"
+        setting += f", {format_num_bytes(bytes_per_rank)}/rank"
+        _style_axes(ax_stall, xlabel, f"training stall per save, {setting}",
+                    x_key == "tensor_count")
+        _style_axes(ax_plan, xlabel, f"planning (dist_checkpointing.save call), {setting}",
+                    x_key == "tensor_count")
+        if x_key == "ranks":
+            for ax in (ax_stall, ax_plan):
+                ax.set_xticks(sorted({r["ranks"] for r in group}))
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths

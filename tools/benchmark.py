@@ -1,0 +1,322 @@
+"""Benchmark the training stall and write throughput of async checkpoint saves.
+
+One command measures, on this machine and disk, in one run:
+
+* the physical limits: memory copy bandwidth and sequential write + fsync bandwidth;
+* our strategy on our temporal and persistent callers, PyTorch DCP's ``save`` and
+  ``async_save`` (thread and process executors, with and without a reused
+  ``DefaultStager``), and megatron-core's own async save (reported as unsupported, with
+  the reason, where it cannot run), on a synthetic sharded state dict for each tensor
+  count and on the GPT example's model + optimizer;
+* stall and planning time against the rank count.
+
+Example::
+
+    python tools/benchmark.py --ranks 2 --bytes-per-rank 256MiB \\
+        --tensor-counts 100,2000,20000 --saves 5 --dtype bfloat16 --out bench_out/
+
+It prints the tables, and writes ``results.json``, ``report.md`` and PNG plots into
+``--out``. Timings are never asserted: the targets are reported as PASS/MISS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List
+
+from bench.config import (
+    ALL_VARIANTS,
+    MCORE_VARIANTS,
+    OUR_VARIANTS,
+    WORKLOADS,
+    BenchConfig,
+    format_num_bytes,
+    parse_num_bytes,
+)
+
+_SCALING_VARIANTS = ("ours_temporal", "ours_persistent", "dcp_async_thread")
+
+
+def _int_list(text: str):
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _name_list(text: str):
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def parse_args(argv=None) -> BenchConfig:
+    """Read the command line into a :class:`BenchConfig`."""
+    defaults = BenchConfig()
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--ranks", type=int, default=defaults.ranks)
+    parser.add_argument("--bytes-per-rank", type=parse_num_bytes, default="256MiB")
+    parser.add_argument("--tensor-counts", type=_int_list, default="100,2000,20000")
+    parser.add_argument("--saves", type=int, default=defaults.saves)
+    parser.add_argument("--memory-saves", type=int, default=defaults.memory_saves,
+                        help="saves of our callers on the synthetic workloads (memory growth)")
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--out", default=defaults.out_dir)
+    parser.add_argument("--ckpt-dir", default=None,
+                        help="where checkpoints are written (the disk measured); default OUT/ckpt")
+    parser.add_argument("--variants", type=_name_list, default=",".join(ALL_VARIANTS))
+    parser.add_argument("--workloads", type=_name_list, default=",".join(WORKLOADS))
+    parser.add_argument("--gpt-num-layers", type=int, default=defaults.gpt_num_layers)
+    parser.add_argument("--gpt-hidden-size", type=int, default=defaults.gpt_hidden_size)
+    parser.add_argument("--scaling-ranks", type=_int_list, default="1,2,4")
+    parser.add_argument("--scaling-tensor-count", type=int, default=None)
+    parser.add_argument("--scaling-bytes-per-rank", type=parse_num_bytes, default=None)
+    parser.add_argument("--thread-count", type=int, default=defaults.thread_count)
+    parser.add_argument("--no-train-step", action="store_true",
+                        help="do not update the tensors in place while the write runs")
+    parser.add_argument("--rss-interval-ms", type=float, default=defaults.rss_interval_s * 1e3)
+    parser.add_argument("--probe-bytes", type=parse_num_bytes, default=None)
+    parser.add_argument("--launch-timeout-s", type=float, default=defaults.launch_timeout_s)
+    parser.add_argument("--profile", action="store_true",
+                        help="pyinstrument reports of rank 0's stall in our callers' runs")
+    args = parser.parse_args(argv)
+    try:
+        return BenchConfig(
+            ranks=args.ranks, bytes_per_rank=args.bytes_per_rank,
+            tensor_counts=args.tensor_counts, saves=args.saves,
+            memory_saves=max(args.memory_saves, args.saves), dtype=args.dtype,
+            out_dir=args.out, ckpt_dir=args.ckpt_dir, variants=args.variants,
+            workloads=args.workloads, gpt_num_layers=args.gpt_num_layers,
+            gpt_hidden_size=args.gpt_hidden_size, scaling_ranks=args.scaling_ranks,
+            scaling_tensor_count=args.scaling_tensor_count,
+            scaling_bytes_per_rank=args.scaling_bytes_per_rank, thread_count=args.thread_count,
+            train_step=not args.no_train_step, rss_interval_s=args.rss_interval_ms / 1e3,
+            launch_timeout_s=args.launch_timeout_s, probe_bytes=args.probe_bytes,
+            profile=args.profile,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _host_info() -> Dict[str, Any]:
+    import psutil
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:  # best effort: only informative
+        mcore = "unknown"
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": mcore,
+        "cuda": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "load_average_start": os.getloadavg(),
+    }
+
+
+class _Runner:
+    """Runs the launches of one benchmark, keeping every run's entry (the launching side)."""
+
+    def __init__(self, config: BenchConfig):
+        self.config = config
+        self.runs: List[Dict[str, Any]] = []
+        self._unsupported: Dict[str, str] = {}
+
+    def run(self, variant: str, workload: str, ranks: int, tensor_count: int,
+            bytes_per_rank: int, saves: int, sweep: str) -> Dict[str, Any]:
+        from bench.launch import LaunchError, launch
+        from bench.rank_job import variant_job
+        from bench.report import aggregate_run
+
+        cfg = self.config
+        meta = {"variant": variant, "workload": workload, "ranks": ranks,
+                "tensor_count": tensor_count, "bytes_per_rank": bytes_per_rank,
+                "saves_requested": saves, "sweep": sweep}
+        if variant in self._unsupported:
+            entry = dict(meta, status="unsupported", reason=self._unsupported[variant], notes=[])
+            self.runs.append(entry)
+            return entry
+        tag = f"{sweep}_{workload}_{tensor_count}t_{ranks}r_{variant}"
+        payload = {
+            "variant": variant, "workload": workload, "bytes_per_rank": bytes_per_rank,
+            "tensor_count": tensor_count, "dtype": cfg.dtype, "saves": saves,
+            "gpt_num_layers": cfg.gpt_num_layers, "gpt_hidden_size": cfg.gpt_hidden_size,
+            "train_step": cfg.train_step, "thread_count": cfg.thread_count,
+            "rss_interval_s": cfg.rss_interval_s,
+            "checkpoint_root": os.path.abspath(cfg.checkpoint_root), "tag": tag,
+            "profile_dir": (os.path.join(os.path.abspath(cfg.out_dir), "profiles")
+                            if cfg.profile and variant in OUR_VARIANTS else None),
+        }
+        started = time.monotonic()
+        try:
+            entry = aggregate_run(meta, launch(ranks, variant_job, payload, cfg.launch_timeout_s))
+        except LaunchError as exc:
+            entry = dict(meta, status="error", reason=str(exc), notes=[])
+        entry["launch_s"] = time.monotonic() - started
+        if entry["status"] == "unsupported" and variant in MCORE_VARIANTS:
+            self._unsupported[variant] = entry["reason"]
+        self.runs.append(entry)
+        _print_progress(entry)
+        return entry
+
+
+def _print_progress(entry: Dict[str, Any]) -> None:
+    what = (f"{entry['workload']} {entry['tensor_count']}t {entry['ranks']}r "
+            f"{entry['variant']}")
+    if entry["status"] != "ok":
+        print(f"  {what}: {entry['status']}: {entry['reason'].splitlines()[0][:160]}", flush=True)
+        return
+    warm, first = entry["warm"], entry["first"]
+    write = warm.get("write_bytes_per_s")
+    print(f"  {what}: stall 1st {first['stall_s'] * 1e3:.0f} ms, warm {warm['stall_s'] * 1e3:.0f}"
+          f" ms; write {write / 1e9 if write else float('nan'):.2f} GB/s; e2e "
+          f"{warm['e2e_s'] * 1e3:.0f} ms ({entry['launch_s']:.0f} s)", flush=True)
+
+
+def _measure_limits(config: BenchConfig) -> Dict[str, float]:
+    from bench.launch import launch
+    from bench.probes import limits_job
+
+    os.makedirs(config.checkpoint_root, exist_ok=True)
+    payload = {"num_bytes": config.limit_probe_bytes,
+               "directory": os.path.abspath(config.checkpoint_root)}
+    return launch(config.ranks, limits_job, payload, config.launch_timeout_s)[0]
+
+
+def main(argv=None) -> int:
+    config = parse_args(argv)
+    os.makedirs(config.out_dir, exist_ok=True)
+    from bench import report
+    from bench.savers import CHECKSUM_VARIANT, checksum_option_name
+    from bench.workloads import gpt_example_status
+
+    started = time.monotonic()
+    host = _host_info()
+    print(f"benchmark: {config.ranks} ranks, {format_num_bytes(config.bytes_per_rank)}/rank, "
+          f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
+          f"({config.memory_saves} for ours), load average {host['load_average_start']}",
+          flush=True)
+    limits = _measure_limits(config)
+    print(report.format_limits(limits), flush=True)
+
+    variants = list(config.variants)
+    checksum_option = checksum_option_name()
+    checksums = {"status": "skipped", "reason": "TorchDistSaveConfig has no checksum option yet "
+                 "(the writer does not compute checksums), so there is no with/without column"}
+    if checksum_option is not None and "ours_persistent" in variants:
+        variants.append(CHECKSUM_VARIANT)
+        checksums = {"status": "measured", "option": checksum_option}
+    our_variants = [v for v in variants if v.startswith("ours")]
+
+    runner = _Runner(config)
+    if "synthetic" in config.workloads:
+        for count in config.tensor_counts:
+            print(f"synthetic workload, {count} tensors per rank:", flush=True)
+            for variant in variants:
+                saves = config.memory_saves if variant in our_variants else config.saves
+                runner.run(variant, "synthetic", config.ranks, count, config.bytes_per_rank,
+                           saves, "main")
+
+    gpt = {"status": "not requested"}
+    if "gpt" in config.workloads:
+        status = gpt_example_status()
+        gpt = {"status": "ok" if status == "ok" else "unavailable", "reason": status}
+        if status == "ok":
+            print("GPT example workload:", flush=True)
+            for variant in variants:
+                runner.run(variant, "gpt", config.ranks, 0, 0, config.saves, "main")
+        else:
+            print(f"GPT workload skipped: {status}", flush=True)
+
+    if "synthetic" in config.workloads:
+        print(f"rank scaling, {config.scaling_count} tensors per rank:", flush=True)
+        for ranks in config.scaling_ranks:
+            for variant in (v for v in _SCALING_VARIANTS if v in variants):
+                reuse = next((r for r in runner.runs if r["sweep"] == "main"
+                              and r["workload"] == "synthetic" and r["variant"] == variant
+                              and r["ranks"] == ranks and r["tensor_count"] == config.scaling_count
+                              and r["bytes_per_rank"] == config.scaling_bytes), None)
+                if reuse is not None:
+                    runner.runs.append(dict(reuse, sweep="ranks"))
+                    continue
+                runner.run(variant, "synthetic", ranks, config.scaling_count,
+                           config.scaling_bytes, config.saves, "ranks")
+
+    targets = report.evaluate_targets(runner.runs, limits, config.ranks, our_variants)
+    plots = report.draw_plots(runner.runs, limits, config.ranks, config.out_dir)
+    host["load_average_end"] = os.getloadavg()
+    host["elapsed_s"] = time.monotonic() - started
+
+    markdown = _render_markdown(config, host, limits, runner.runs, targets, checksums, gpt,
+                                report)
+    with open(os.path.join(config.out_dir, "report.md"), "w") as f:
+        f.write(markdown)
+    results = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "config": dataclasses.asdict(config),
+        "host": host,
+        "limits": limits,
+        "runs": runner.runs,
+        "targets": targets,
+        "checksums": checksums,
+        "gpt": gpt,
+        "plots": plots,
+    }
+    with open(os.path.join(config.out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(markdown)
+    print(f"wrote {config.out_dir}/results.json, report.md and {len(plots)} plot(s) in "
+          f"{host['elapsed_s']:.0f} s", flush=True)
+    return 0
+
+
+def _render_markdown(config, host, limits, runs, targets, checksums, gpt, report) -> str:
+    parts = [f"Load average at start {host['load_average_start']}, at end "
+             f"{host['load_average_end']}; {host['cpu_count']} CPUs; torch {host['torch']}, "
+             f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", "",
+             "### Physical limits", "", report.format_limits(limits), ""]
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for run in runs:
+        if run["sweep"] == "main":
+            groups.setdefault((run["workload"], run["tensor_count"]), []).append(run)
+    for (workload, count), group in groups.items():
+        sizes = next((r["num_bytes_per_rank"] for r in group if r.get("num_bytes_per_rank")), [])
+        size = "/".join(format_num_bytes(b) for b in sorted(set(sizes))) or "?"
+        title = (f"synthetic, {count} tensors per rank" if workload == "synthetic"
+                 else f"GPT example ({config.gpt_num_layers} layers, hidden "
+                      f"{config.gpt_hidden_size}, distributed Adam)")
+        parts += [f"### {title}: {config.ranks} ranks, {size} per rank", "",
+                  report.format_run_table(group), ""]
+    parts += ["### Targets (our callers)", "", report.format_targets(targets), ""]
+    scaling = [r for r in runs if r["sweep"] == "ranks"]
+    if scaling:
+        parts += ["### Stall and planning against the rank count", "",
+                  report.format_scaling(scaling), ""]
+    notes = []
+    for run in runs:
+        if run["status"] != "ok" or run.get("notes"):
+            for text in ([f"{run['status']}: {run['reason']}"] if run["status"] != "ok" else []) \
+                    + list(run.get("notes", [])):
+                line = f"- `{run['variant']}`: {text.splitlines()[0]}"
+                if line not in notes:
+                    notes.append(line)
+    notes.append(f"- checksums: {checksums['status']}" + (
+        f": {checksums['reason']}" if "reason" in checksums else f" ({checksums['option']})"))
+    notes.append(f"- GPT workload: {gpt['status']}" + (
+        f" ({gpt['reason']})" if gpt.get("reason") not in (None, "ok") else ""))
+    parts += ["### Notes", ""] + notes + [""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
