@@ -229,12 +229,16 @@ def write_bucket(
     extra = _write_item_kwargs()
     results: List[WriteResult] = []
     with open(bucket.file_path, "wb") as stream:
-        target = HashingWriter(stream) if compute_checksums else stream
+        target = HashingWriter(stream, hashing=compute_checksums)
 
         def write(item: WriteItem, data: Any) -> None:
-            if compute_checksums:
-                target.start_item()
-            result = _write_item(transforms, target, data, item, bucket.file_name, **extra)
+            target.start_item()
+            try:
+                result = _write_item(transforms, target, data, item, bucket.file_name, **extra)
+            except Exception as exc:
+                if target.write_error is not None:  # the real cause, e.g. ENOSPC
+                    raise target.write_error from exc
+                raise
             if compute_checksums:
                 result = ChecksummedWriteResult(
                     result.index, result.size_in_bytes, result.storage_data, target.finish_item()

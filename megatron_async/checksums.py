@@ -20,6 +20,7 @@ Where each piece runs:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -63,22 +64,44 @@ class HashingWriter(io.RawIOBase):
     """A write-only stream that hashes what it forwards to ``target`` (background side).
 
     Call :meth:`start_item` before an item is written and :meth:`finish_item` after;
-    the digest covers exactly the bytes written in between.
+    the digest covers exactly the bytes written in between. With ``hashing=False`` it
+    only forwards, and still keeps :attr:`write_error`.
+
+    Attributes:
+        write_error: the first ``OSError`` the target raised. ``torch.save`` swallows
+            exceptions of a stream's ``write`` and reports only "unexpected pos"; the
+            writer re-raises this one instead, so a full disk reads as ENOSPC.
     """
 
-    def __init__(self, target):
+    def __init__(self, target, hashing: bool = True):
         super().__init__()
         self._target = target
-        self._hasher = xxhash.xxh3_64()
+        self._hasher = xxhash.xxh3_64() if hashing else None
+        self.write_error: Optional[OSError] = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        self._hasher.update(view)
-        written = self._target.write(view)
-        return view.nbytes if written is None else written
+        # Write everything or raise: a short write (a disk filling up) must surface as the
+        # OSError of the next attempt, not as a silently shorter item.
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < view.nbytes:
+                written = self._target.write(view[done:])
+                if written is None:  # a buffered stream that accepted everything
+                    written = view.nbytes - done
+                if written == 0:
+                    raise OSError(errno.EIO, f"the file accepted no bytes after {done} of {view.nbytes}")
+                done += written
+        except OSError as exc:
+            if self.write_error is None:
+                self.write_error = exc
+            raise
+        if self._hasher is not None:
+            self._hasher.update(view)
+        return view.nbytes
 
     def tell(self) -> int:
         return self._target.tell()
@@ -91,10 +114,11 @@ class HashingWriter(io.RawIOBase):
         io.RawIOBase.close(self)
 
     def start_item(self) -> None:
-        self._hasher.reset()
+        if self._hasher is not None:
+            self._hasher.reset()
 
-    def finish_item(self) -> str:
-        return self._hasher.hexdigest()
+    def finish_item(self) -> Optional[str]:
+        return self._hasher.hexdigest() if self._hasher is not None else None
 
 
 def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async._agreement import agree_or_raise
+from megatron_async.common_guard import install_common_guard
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
@@ -398,7 +399,13 @@ def register_strategies() -> None:
     returns it, and ``dist_checkpointing.save(..., sharded_strategy=('megatron_async', 1))``
     uses it. The checkpoint it writes still says ``torch_dist`` (the format). Creating
     the strategy runs no collective, so this is safe at import time.
+
+    It also installs :class:`~megatron_async.common_guard.GuardedCommonSaveStrategy` as
+    megatron-core's ``torch`` common-save strategy: megatron-core writes ``common.pt``
+    before any sharded strategy runs, so only a guard at that step can keep a second
+    save from replacing the ``common.pt`` of a checkpoint still being written.
     """
     register_default_strategy(
         StrategyAction.SAVE_SHARDED, REGISTERED_BACKEND, 1, TorchDistAsyncSaveStrategy()
     )
+    install_common_guard()

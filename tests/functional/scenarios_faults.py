@@ -1,0 +1,509 @@
+"""Fault injection on real multi-rank saves; run by test_faults.py.
+
+Every scenario commits a good checkpoint (iteration 1) with the Megatron-style
+:class:`CheckpointManager`, then injects one fault into the save of iteration 2 and
+checks the guarantees: every rank raises a clear error, nothing marks iteration 2
+complete, the tracker still names iteration 1, iteration 1 still loads, and no
+background process is left behind. Rank 1 is the faulty rank unless said otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from megatron_async import cli
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    CheckpointInProgressError,
+    CheckpointIntegrityError,
+    CheckpointValidationError,
+)
+from megatron_async.filesystem_async import FileSystemWriterAsync
+from megatron_async.integrity import verify_checkpoint_integrity
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, read_tracker
+from megatron_async.strategy import TorchDistAsyncSaveStrategy
+from tests.functional.harness import RankContext, run_scenarios
+from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
+
+FAULTY_RANK = 1
+_MARKERS = (".metadata", "metadata.json")
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+# -- fake writers (module level: the persistent worker unpickles them by name) --------------
+
+
+class _PlanningFailsWriter(FileSystemWriterAsync):
+    def prepare_local_plan(self, plan):
+        if _rank() == FAULTY_RANK:
+            raise RuntimeError("planning exploded (injected)")
+        return super().prepare_local_plan(plan)
+
+
+class _StagingFailsWriter(FileSystemWriterAsync):
+    @staticmethod
+    def preload_tensors(write_buckets, non_blocking=True, staging_key=None):
+        if _rank() == FAULTY_RANK:
+            raise MemoryError("cannot allocate staging buffers (injected)")
+        return FileSystemWriterAsync.preload_tensors(write_buckets, non_blocking, staging_key)
+
+
+class _WriteFailsWriter(FileSystemWriterAsync):
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+        if _rank() == FAULTY_RANK:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+
+
+class _FinishFailsWriter(FileSystemWriterAsync):
+    """The coordinator (rank 0) cannot write the metadata."""
+
+    def finish(self, metadata, results):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded writing .metadata (injected)")
+
+
+class _SlowWriter(FileSystemWriterAsync):
+    """Waits before writing; marks that the write started (mid-write faults hit then)."""
+
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+        with open(write_bucket_.file_path + ".started", "w"):
+            pass
+        time.sleep(float(os.environ.get("FAULT_WRITE_DELAY_S", "1.5")))
+        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+
+
+class _FrozenWriter(FileSystemWriterAsync):
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+        if _rank() == FAULTY_RANK:
+            time.sleep(600)
+        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+
+
+class _FileSizeLimitedWriter(FileSystemWriterAsync):
+    """A full disk where no tmpfs can be mounted: a tiny RLIMIT_FSIZE while writing."""
+
+    @staticmethod
+    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+        import resource
+
+        if _rank() != FAULTY_RANK:
+            return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+        previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, previous[1]))
+        try:
+            return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+            signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+class _Strategy(TorchDistAsyncSaveStrategy):
+    def __init__(self, writer_cls=FileSystemWriterAsync, **options):
+        super().__init__(**options)
+        self._writer_cls = writer_cls
+
+    def _create_writer(self, checkpoint_dir):
+        return self._writer_cls(checkpoint_dir, thread_count=self.config.thread_count)
+
+
+# -- the round every scenario runs -------------------------------------------------------
+
+_QUEUES = {}
+
+
+def _queue(persistent: bool, **config) -> AsyncCallsQueue:
+    key = (persistent, tuple(sorted(config.items())))
+    if key not in _QUEUES:
+        _QUEUES[key] = AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config))
+    return _QUEUES[key]
+
+
+def _big_state(ctx: RankContext, scale: float):
+    """About 96 KiB per rank: big enough to fill a small tmpfs in two saves."""
+    data = torch.full((24 * 1024,), float(scale))
+    return {"big": ShardedTensor.from_rank_offsets("big", data, (0, ctx.rank, ctx.world_size))}
+
+
+def _managed_save(ctx, manager, queue, strategy, iteration, state, before_schedule=None, after_schedule=None):
+    path = manager.prepare_save(iteration)
+    if before_schedule is not None:
+        before_schedule(ctx, path)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    manager.attach_commit(request, iteration)
+    queue.schedule_async_request(request)
+    if after_schedule is not None:
+        after_schedule(ctx, path)
+    queue.maybe_finalize_async_calls(blocking=True)
+    return path
+
+
+def _allowed_children():
+    allowed = set()
+    for queue in _QUEUES.values():
+        caller = queue.persistent_caller
+        if caller is not None and caller.process is not None:
+            allowed.add(caller.process.pid)
+    return allowed
+
+
+def _assert_no_process_left_behind():
+    deadline = time.monotonic() + 10
+    while True:
+        leftovers = [
+            (p.pid, p.name(), p.status())
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in _allowed_children()
+        ]
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not leftovers, f"background processes left behind: {leftovers}"
+
+
+def _fault_round(
+    ctx,
+    name,
+    queue,
+    fault_strategy,
+    expected_error=AsyncSaveFailedError,
+    state_fn=_model_state,
+    save_dir=None,
+    before_schedule=None,
+    after_schedule=None,
+):
+    """Commit iteration 1, fail iteration 2 with the fault, check every guarantee."""
+    save_dir = save_dir or _dir(ctx, name)
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir))
+    _managed_save(ctx, manager, queue, TorchDistAsyncSaveStrategy(), 1, state_fn(ctx, 1.0))
+    assert read_tracker(save_dir) == 1
+    caught = None
+    started = time.monotonic()
+    try:
+        _managed_save(
+            ctx, manager, queue, fault_strategy, 2, state_fn(ctx, 2.0), before_schedule, after_schedule
+        )
+    except expected_error as exc:
+        caught = exc
+    elapsed = time.monotonic() - started
+    assert caught is not None, f"no {expected_error.__name__} on rank {ctx.rank}"
+    dist.barrier()
+    failed_path = manager.checkpoint_path(2)
+    for marker in _MARKERS:
+        assert not os.path.exists(os.path.join(failed_path, marker)), f"{marker} marks a failed save complete"
+    assert read_tracker(save_dir) == 1, "the tracker advanced past a failed save"
+    good = manager.checkpoint_path(1)
+    if state_fn is _model_state:
+        _check_checkpoint(ctx, good, 1.0)
+    else:
+        loaded = dist_checkpointing.load(state_fn(ctx, 0.0), good)
+        assert torch.equal(loaded["big"], torch.full((24 * 1024,), 1.0))
+    resume = manager.find_resume_point()
+    assert resume is not None and resume.iteration == 1, resume
+    _assert_no_process_left_behind()
+    summary = {"error": type(caught).__name__, "seconds": round(elapsed, 2)}
+    if isinstance(caught, AsyncSaveFailedError):
+        summary["failures"] = {r: (f.phase, f.message[:120]) for r, f in caught.failures.items()}
+    else:
+        summary["message"] = str(caught)[:300]
+    return summary
+
+
+def _expect_phase(summary, rank, phase, text=""):
+    failures = summary.get("failures", {})
+    assert rank in failures, summary
+    assert failures[rank][0] == phase and text in failures[rank][1], summary
+    return summary
+
+
+# -- scenarios -----------------------------------------------------------------------------
+
+
+def disk_full(ctx, persistent):
+    """A real full disk (a small tmpfs, as root) or, elsewhere, a file-size limit."""
+    base = _dir(ctx, f"diskfull-{persistent}")
+    mount_point = os.path.join(base, "tmpfs")
+    mounted = 0
+    if ctx.rank == 0:
+        os.makedirs(mount_point, exist_ok=True)
+        if os.geteuid() == 0 and shutil.which("mount"):
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", mount_point], capture_output=True)
+            mounted = int(done.returncode == 0)
+    flag = torch.tensor([mounted])
+    dist.broadcast(flag, 0)
+    try:
+        if flag.item():
+            summary = _fault_round(
+                ctx, "diskfull", _queue(persistent), TorchDistAsyncSaveStrategy(),
+                state_fn=_big_state, save_dir=mount_point,
+            )
+            assert any("No space left" in m for _, m in summary["failures"].values()), summary
+            summary["how"] = "tmpfs"
+        else:
+            summary = _fault_round(
+                ctx, f"diskfull-rlimit-{persistent}", _queue(persistent), _Strategy(_FileSizeLimitedWriter),
+                state_fn=_big_state,
+            )
+            _expect_phase(summary, FAULTY_RANK, "write", "File too large")
+            summary["how"] = "RLIMIT_FSIZE"
+    finally:
+        dist.barrier()
+        if ctx.rank == 0 and flag.item():
+            subprocess.run(["umount", "-l", mount_point], check=False)
+    return summary
+
+
+def exception_while_planning(ctx):
+    summary = _fault_round(
+        ctx, "plan", _queue(False), _Strategy(_PlanningFailsWriter), expected_error=CheckpointValidationError
+    )
+    assert "planning exploded" in summary["message"] and f"rank {FAULTY_RANK}" in summary["message"], summary
+    return summary
+
+
+def exception_while_staging(ctx, persistent):
+    summary = _fault_round(ctx, f"stage-{persistent}", _queue(persistent), _Strategy(_StagingFailsWriter))
+    return _expect_phase(summary, FAULTY_RANK, "staging", "cannot allocate staging buffers")
+
+
+def exception_while_writing(ctx, persistent):
+    summary = _fault_round(ctx, f"write-{persistent}", _queue(persistent), _Strategy(_WriteFailsWriter))
+    return _expect_phase(summary, FAULTY_RANK, "write", "Input/output error")
+
+
+def exception_while_finalizing(ctx):
+    summary = _fault_round(ctx, "finalize", _queue(False), _Strategy(_FinishFailsWriter))
+    return _expect_phase(summary, 0, "finalize", "Disk quota exceeded")
+
+
+def _wait_for_started_write(path):
+    deadline = time.monotonic() + 60
+    while not any(n.endswith(".started") for n in os.listdir(path)):
+        assert time.monotonic() < deadline, "the slow writer never started"
+        time.sleep(0.02)
+
+
+def target_directory_removed_during_write(ctx, persistent):
+    def remove_dir(ctx, path):
+        dist.barrier()  # every rank has scheduled
+        if ctx.rank == 0:
+            _wait_for_started_write(path)
+            shutil.rmtree(path)
+        dist.barrier()
+
+    summary = _fault_round(
+        ctx, f"rmdir-{persistent}", _queue(persistent), _Strategy(_SlowWriter), after_schedule=remove_dir
+    )
+    assert summary["failures"], summary
+    return summary
+
+
+def worker_killed_mid_write(ctx, persistent):
+    def kill_writer(ctx, path):
+        if ctx.rank == FAULTY_RANK:
+            _wait_for_started_write(path)
+            for child in psutil.Process().children(recursive=True):
+                child.send_signal(signal.SIGKILL)
+
+    summary = _fault_round(
+        ctx, f"kill-{persistent}", _queue(persistent), _Strategy(_SlowWriter), after_schedule=kill_writer
+    )
+    return _expect_phase(summary, FAULTY_RANK, "worker", "killed by signal 9")
+
+
+def worker_hangs(ctx, persistent):
+    queue = _queue(persistent, timeout_s=5.0)
+    summary = _fault_round(ctx, f"hang-{persistent}", queue, _Strategy(_FrozenWriter))
+    _expect_phase(summary, FAULTY_RANK, "timeout", "timeout_s=5")
+    assert summary["seconds"] < 60, summary
+    return summary
+
+
+def permission_denied(ctx, persistent):
+    """The faulty rank loses root's permission override; the directory is then read-only.
+
+    Read-only before the save: the strategy's up-front check refuses it on every rank.
+    Made read-only while the background write waits to start: the write fails.
+    """
+    if ctx.rank == FAULTY_RANK and os.geteuid() == 0:
+        _drop_permission_override()
+    queue = AsyncCallsQueue(persistent=persistent)  # its worker starts without the override
+    _QUEUES[("without-override", persistent)] = queue
+
+    def make_read_only(ctx, path):
+        dist.barrier()
+        if ctx.rank == 0:
+            os.chmod(path, 0o555)
+        dist.barrier()
+
+    def wait_then_make_read_only(ctx, path):
+        if ctx.rank == 0:
+            _wait_for_started_write(path)
+        make_read_only(ctx, path)
+
+    try:
+        before = _fault_round(
+            ctx, f"perm-before-{persistent}", queue, TorchDistAsyncSaveStrategy(),
+            expected_error=CheckpointValidationError, before_schedule=make_read_only,
+        )
+        assert "is not writable" in before["message"] and f"rank {FAULTY_RANK}" in before["message"], before
+        during = _fault_round(
+            ctx, f"perm-during-{persistent}", queue, _Strategy(_SlowWriter),
+            after_schedule=wait_then_make_read_only,
+        )
+        _expect_phase(during, FAULTY_RANK, "write", "Permission denied")
+    finally:
+        queue.close(abort=True)
+        del _QUEUES[("without-override", persistent)]
+    return {"before_save": before, "during_write": during}
+
+
+def damaged_files_are_detected(ctx):
+    """A truncated and a bit-flipped file: verify and the load-time check both catch them."""
+    save_dir = _dir(ctx, "damage")
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir))
+    found = {}
+    for iteration, damage in ((1, "flip"), (2, "truncate")):
+        path = _managed_save(ctx, manager, _queue(False), TorchDistAsyncSaveStrategy(), iteration, _model_state(ctx, 3.0))
+        verify_checkpoint_integrity(path)  # intact: no error
+        victim = os.path.join(path, f"__{FAULTY_RANK}_0.distcp")
+        if ctx.rank == 0:
+            assert cli.main(["verify", path]) == 0
+            size = os.path.getsize(victim)
+            with open(victim, "r+b") as f:
+                if damage == "flip":
+                    f.seek(size // 2)
+                    byte = f.read(1)
+                    f.seek(size // 2)
+                    f.write(bytes([byte[0] ^ 0x10]))
+                else:
+                    f.truncate(size - 7)
+            assert cli.main(["verify", path]) == 1
+        dist.barrier()
+        try:
+            verify_checkpoint_integrity(path)
+        except CheckpointIntegrityError as exc:
+            assert os.path.basename(victim) in str(exc), str(exc)
+            found[damage] = str(exc).splitlines()[1][:160]
+        else:
+            raise AssertionError(f"{damage}: the load-time check passed a damaged checkpoint")
+    return found
+
+
+def two_saves_in_flight_to_different_directories(ctx, persistent):
+    save_dir = _dir(ctx, f"twoinflight-{persistent}")
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir))
+    queue = _queue(persistent)
+    strategy = _Strategy(_SlowWriter)
+    for iteration in (1, 2):
+        path = manager.prepare_save(iteration)
+        request = dist_checkpointing.save(_model_state(ctx, float(iteration)), path, sharded_strategy=strategy, async_sharded_save=True)
+        manager.attach_commit(request, iteration)
+        queue.schedule_async_request(request)
+    assert queue.get_num_unfinalized_calls() == 2
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert read_tracker(save_dir) == 2
+    for iteration in (1, 2):
+        _check_checkpoint(ctx, manager.checkpoint_path(iteration), float(iteration))
+    _assert_no_process_left_behind()
+
+
+def second_save_into_a_directory_being_written(ctx):
+    save_dir = _dir(ctx, "samedir")
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir))
+    queue = _queue(False)
+    path = manager.prepare_save(5)
+    request = dist_checkpointing.save(_model_state(ctx, 5.0), path, sharded_strategy=_Strategy(_SlowWriter), async_sharded_save=True)
+    manager.attach_commit(request, 5)
+    queue.schedule_async_request(request)
+    refused = []
+    try:
+        manager.prepare_save(5)
+    except CheckpointValidationError as exc:
+        refused.append(("manager", str(exc)[:100]))
+    try:
+        dist_checkpointing.save(_model_state(ctx, 6.0), path, sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True)
+    except CheckpointInProgressError as exc:
+        refused.append(("strategy", str(exc)[:100]))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert [who for who, _ in refused] == ["manager", "strategy"], refused
+    _check_checkpoint(ctx, path, 5.0)  # the save in flight was not disturbed
+    assert read_tracker(save_dir) == 5
+    return refused
+
+
+def _drop_permission_override() -> None:
+    """Remove CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER from this process for good.
+
+    Dropped from the bounding set too, so that processes this one spawns (the persistent
+    worker) do not get them back; file mode bits then apply to root as to anyone.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    caps = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+    for cap in caps:
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP failed")
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (Data * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    mask = ~sum(1 << cap for cap in caps) & 0xFFFFFFFF
+    data[0].effective &= mask
+    data[0].permitted &= mask
+    data[0].inheritable &= mask
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+
+
+def run_all(ctx: RankContext):
+    scenarios = {
+        "exception_while_planning": exception_while_planning,
+        "exception_while_finalizing": exception_while_finalizing,
+        "damaged_files_are_detected": damaged_files_are_detected,
+        "second_save_into_a_directory_being_written": second_save_into_a_directory_being_written,
+    }
+    for kind, persistent in (("temporal", False), ("persistent", True)):
+        for fn in (
+            disk_full,
+            exception_while_staging,
+            exception_while_writing,
+            target_directory_removed_during_write,
+            worker_killed_mid_write,
+            worker_hangs,
+            two_saves_in_flight_to_different_directories,
+        ):
+            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
+    # Last: it takes a permission away from the faulty rank for the rest of the launch.
+    for kind, persistent in (("temporal", False), ("persistent", True)):
+        scenarios[f"permission_denied[{kind}]"] = functools.partial(permission_denied, persistent=persistent)
+    outcomes = run_scenarios(ctx, scenarios)
+    for queue in _QUEUES.values():
+        queue.close(abort=True)
+    return outcomes
