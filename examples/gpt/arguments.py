@@ -65,6 +65,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--no-save-rng", action="store_true")
     ckpt.add_argument("--no-load-optim", action="store_true")
     ckpt.add_argument("--no-load-rng", action="store_true")
+    ckpt.add_argument("--ckpt-verify-on-load", action="store_true",
+                      help="before loading, re-hash the checkpoint's files (shared among the "
+                      "ranks) against the checksums recorded at save time; stop on damage")
     ckpt.add_argument("--keep-last-n", type=int, default=None,
                       help="keep only the newest N checkpoints (never the latest or one in flight)")
     return parser
@@ -93,6 +96,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--keep-last-n needs --save and a value of at least 1")
     if args.ckpt_step is not None and args.load is None:
         parser.error("--ckpt-step needs --load")
+    if args.ckpt_verify_on_load and args.load is None:
+        parser.error("--ckpt-verify-on-load needs --load")
     return args
 
 

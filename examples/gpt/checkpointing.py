@@ -33,6 +33,8 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 import megatron_async  # noqa: F401  (registers the "megatron_async" save strategy)
 from gpt import cpu_compat
 from megatron_async.core import AsyncCallsQueue
+from megatron_async.errors import CheckpointIntegrityError
+from megatron_async.integrity import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
 
 __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
@@ -235,6 +237,9 @@ class Checkpointer:
     def load(self) -> Optional[Tuple[ResumePoint, int, int]]:
         """Restore the state of the checkpoint that ``--load`` (and ``--ckpt-step``) select.
 
+        With ``--ckpt-verify-on-load`` every rank first re-hashes its share of the
+        checkpoint's files, and a damaged checkpoint stops the job on every rank.
+
         Returns:
             ``(resume point, iteration, consumed_samples)``, or None for a fresh start.
         """
@@ -242,6 +247,14 @@ class Checkpointer:
         point = self.manager.find_resume_point(args.ckpt_step)
         if point is None:
             return None
+        if args.ckpt_verify_on_load:
+            # Before reading anything: damaged bytes could otherwise load silently.
+            try:
+                verify_checkpoint_integrity(point.path)
+            except CheckpointIntegrityError as exc:
+                raise SystemExit(
+                    f"{exc}\nTo resume from an older one, pass --ckpt-step ITERATION."
+                ) from exc
         common = dist_checkpointing.load_common_state_dict(point.path)
         content = common["content"]
         with_optimizer = not args.no_load_optim

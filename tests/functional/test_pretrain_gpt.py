@@ -40,18 +40,45 @@ def _env(extra=None):
     return env
 
 
-def run_pretrain(flags, metrics_file):
-    """Run one job to completion; return its metrics (rank 0's JSON lines)."""
-    proc = subprocess.run(
+def launch_pretrain(flags, metrics_file):
+    """Run one job to its end, whatever its exit code; return the finished process."""
+    return subprocess.run(
         _command([*flags, "--metrics-file", str(metrics_file)]),
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
+
+
+def run_pretrain(flags, metrics_file):
+    """Run one job to completion; return its metrics (rank 0's JSON lines)."""
+    proc = launch_pretrain(flags, metrics_file)
     if proc.returncode != 0:
         raise AssertionError(
             f"pretrain_gpt.py exited with {proc.returncode}\n--- stdout ---\n"
             f"{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return read_metrics(metrics_file)
+
+
+def start_job_with_stalled_save(flags, metrics_file, log_path, env=None):
+    """Start a job whose async save of iteration 4 stays in flight for 600 s; return it
+    once the save of 2 is committed and training went on to iteration 5."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            _command([*flags, "--metrics-file", str(metrics_file)]),
+            cwd=REPO, env=_env({"PRETRAIN_GPT_DEBUG_SAVE_DELAY": "4:600", **(env or {})}),
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while True:
+        metrics = read_metrics(metrics_file)
+        if events(metrics, "save") and max(losses(metrics), default=0) >= 5:
+            return proc
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early:\n{log_path.read_text()[-6000:]}")
+        if time.monotonic() > deadline:
+            kill_job(proc)
+            raise AssertionError("the job did not commit iteration 2 and reach 5 in time")
+        time.sleep(0.2)
 
 
 def kill_job(proc):
@@ -135,28 +162,8 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path):
     flags = ["--async-save", "--train-iters", "8", "--save", str(save_dir), "--load",
              str(save_dir), "--save-interval", "2"]
     killed_metrics = tmp_path / "killed.jsonl"
-    log_path = tmp_path / "killed.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            _command([*flags, "--metrics-file", str(killed_metrics)]),
-            cwd=REPO, env=_env({"PRETRAIN_GPT_DEBUG_SAVE_DELAY": "4:600"}),
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        # Kill once the save of 2 is committed and training went on past 4 (whose
-        # background write the debug knob holds open).
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while True:
-            metrics = read_metrics(killed_metrics)
-            if events(metrics, "save") and max(losses(metrics), default=0) >= 5:
-                break
-            if proc.poll() is not None:
-                raise AssertionError(f"job ended early:\n{log_path.read_text()[-6000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError("the job did not commit iteration 2 and reach 5 in time")
-            time.sleep(0.2)
-    finally:
-        kill_job(proc)
+    proc = start_job_with_stalled_save(flags, killed_metrics, tmp_path / "killed.log")
+    kill_job(proc)
 
     killed = read_metrics(killed_metrics)
     assert [e["iteration"] for e in events(killed, "save")] == [2]
@@ -169,3 +176,113 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(tmp_path):
     assert {i: losses(rerun)[i] for i in overlap} == overlap
     assert read_tracker(str(save_dir)) == 8
     assert is_complete_checkpoint(str(save_dir / "iter_0000004"))
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 30)
+def test_verify_on_load_stops_on_a_damaged_file(tmp_path):
+    """One flipped byte in a ``.distcp`` file of the checkpoint to resume from: with
+    ``--ckpt-verify-on-load`` the job stops before training and names that file."""
+    save_dir = tmp_path / "ckpt"
+    run_pretrain(["--train-iters", "2", "--save", str(save_dir), "--save-interval", "2"],
+                 tmp_path / "saved.jsonl")
+    damaged = sorted((save_dir / "iter_0000002").glob("*.distcp"))[0]
+    with open(damaged, "r+b") as f:
+        f.seek(damaged.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    resumed_metrics = tmp_path / "resumed.jsonl"
+    proc = launch_pretrain(["--train-iters", "4", "--load", str(save_dir),
+                            "--ckpt-verify-on-load"], resumed_metrics)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-6000:]
+    assert "is damaged" in output and damaged.name in output, output[-6000:]
+    assert not events(read_metrics(resumed_metrics), "resume")
+    assert not losses(read_metrics(resumed_metrics))
+
+
+JOB_MARKER_ENV = "PRETRAIN_GPT_TEST_JOB"
+"""Set on the torchrun command; every process of the job inherits it (ranks, persistent
+workers, forked writers, multiprocessing's helpers), whatever its command line."""
+SIGTERM_EXIT_S = 20
+"""Under torchrun's 30 s grace before it SIGKILLs the ranks: a rank that ignores or
+delays SIGTERM fails the test instead of being cleaned up by the escalation."""
+CALLER_KINDS = {
+    "temporal": ["--async-save"],
+    "persistent": ["--async-save", "--use-persistent-ckpt-worker"],
+}
+
+
+def marked_processes(marker):
+    """Every live process whose environment carries ``JOB_MARKER_ENV=marker``."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(JOB_MARKER_ENV) == marker:
+                found.append(process)
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            pass
+    return found
+
+
+def describe(processes):
+    lines = []
+    for p in processes:
+        try:
+            lines.append(f"pid {p.pid} (parent {p.ppid()}, {p.status()}): "
+                         f"{' '.join(p.cmdline())[:200]}")
+        except psutil.Error:
+            lines.append(f"pid {p.pid} (gone)")
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + SIGTERM_EXIT_S + 30)
+@pytest.mark.parametrize("caller", sorted(CALLER_KINDS))
+def test_sigterm_during_async_save_leaves_no_process_and_resumes(tmp_path, caller):
+    """SIGTERM to torchrun (which forwards it to the ranks) while the save of iteration
+    4 is being written: the whole job is gone within a bound, no background process
+    outlives it, iteration 4 stays incomplete and the next run resumes from 2."""
+    save_dir = tmp_path / "ckpt"
+    flags = [*CALLER_KINDS[caller], "--train-iters", "8", "--save", str(save_dir),
+             "--load", str(save_dir), "--save-interval", "2"]
+    marker = str(tmp_path)
+    log_path = tmp_path / "terminated.log"
+    proc = start_job_with_stalled_save(flags, tmp_path / "terminated.jsonl", log_path,
+                                       env={JOB_MARKER_ENV: marker})
+    try:
+        job = marked_processes(marker)
+        job_before = describe(job)
+        background = [p for p in job if proc.pid not in (p.pid, p.ppid())]
+        assert background, f"no background writer or worker found:\n{job_before}"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + SIGTERM_EXIT_S
+        try:
+            proc.wait(timeout=SIGTERM_EXIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"torchrun still runs {SIGTERM_EXIT_S} s after SIGTERM; the job:\n"
+                f"{describe(marked_processes(marker))}\n{log_path.read_text()[-6000:]}"
+            ) from None
+        # Polled afresh: a writer forked after the snapshot above counts too.
+        while (left := marked_processes(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, (
+            f"left behind {SIGTERM_EXIT_S} s after SIGTERM:\n{describe(left)}\n"
+            f"job before SIGTERM:\n{job_before}\n{log_path.read_text()[-6000:]}"
+        )
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+        for leftover in marked_processes(marker):
+            leftover.kill()
+
+    assert read_tracker(str(save_dir)) == 2
+    in_flight = save_dir / "iter_0000004"
+    assert not is_complete_checkpoint(str(in_flight))
+    assert not (in_flight / "metadata.json").exists()
+    assert not (in_flight / ".metadata").exists()
+
+    rerun = run_pretrain(flags, tmp_path / "rerun.jsonl")
+    assert [e["iteration"] for e in events(rerun, "resume")] == [2]
+    assert read_tracker(str(save_dir)) == 8
