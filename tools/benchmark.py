@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import time
 from typing import Any, Dict, List
@@ -170,11 +171,26 @@ class _Runner:
         return entry
 
 
+def _run_label(run: Dict[str, Any]) -> str:
+    if run["workload"] == "gpt":
+        return f"gpt, {run['ranks']} ranks"
+    return f"{run['tensor_count']} tensors/rank, {run['ranks']} ranks"
+
+
+def _summarize(reason: str) -> str:
+    """The most telling line of a failure: a rank's error, else the last traceback line."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    for line in lines:
+        if re.match(r"rank \d+ \[", line):
+            return line
+    return lines[-1] if lines else ""
+
+
 def _print_progress(entry: Dict[str, Any]) -> None:
     what = (f"{entry['workload']} {entry['tensor_count']}t {entry['ranks']}r "
             f"{entry['variant']}")
     if entry["status"] != "ok":
-        print(f"  {what}: {entry['status']}: {entry['reason'].splitlines()[0][:160]}", flush=True)
+        print(f"  {what}: {entry['status']}: {_summarize(entry['reason'])[:200]}", flush=True)
         return
     warm, first = entry["warm"], entry["first"]
     write = warm.get("write_bytes_per_s")
@@ -197,7 +213,7 @@ def main(argv=None) -> int:
     config = parse_args(argv)
     os.makedirs(config.out_dir, exist_ok=True)
     from bench import report
-    from bench.savers import CHECKSUM_VARIANT, checksum_option_name
+    from bench.savers import checksum_option, checksum_variant
     from bench.workloads import gpt_example_status
 
     started = time.monotonic()
@@ -210,12 +226,15 @@ def main(argv=None) -> int:
     print(report.format_limits(limits), flush=True)
 
     variants = list(config.variants)
-    checksum_option = checksum_option_name()
+    option = checksum_option()
     checksums = {"status": "skipped", "reason": "TorchDistSaveConfig has no checksum option yet "
                  "(the writer does not compute checksums), so there is no with/without column"}
-    if checksum_option is not None and "ours_persistent" in variants:
-        variants.append(CHECKSUM_VARIANT)
-        checksums = {"status": "measured", "option": checksum_option}
+    if option is not None and "ours_persistent" in variants:
+        variants.append(checksum_variant())
+        checksums = {"status": "measured", "option": option[0], "default": option[1],
+                     "variant": checksum_variant()}
+    elif option is not None:
+        checksums["reason"] = "ours_persistent is not among --variants"
     our_variants = [v for v in variants if v.startswith("ours")]
 
     runner = _Runner(config)
@@ -252,7 +271,8 @@ def main(argv=None) -> int:
                 runner.run(variant, "synthetic", ranks, config.scaling_count,
                            config.scaling_bytes, config.saves, "ranks")
 
-    targets = report.evaluate_targets(runner.runs, limits, config.ranks, our_variants)
+    targets = report.evaluate_targets(runner.runs, limits, config.ranks,
+                                      [v for v in OUR_VARIANTS if v in variants])
     plots = report.draw_plots(runner.runs, limits, config.ranks, config.out_dir)
     host["load_average_end"] = os.getloadavg()
     host["elapsed_s"] = time.monotonic() - started
@@ -280,6 +300,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def _collect_notes(runs: List[Dict[str, Any]]) -> List[str]:
+    """One line per method and distinct note or failure, naming the runs it applies to."""
+    seen: Dict[tuple, List[str]] = {}
+    for run in runs:
+        if run["sweep"] != "main" and run["status"] == "ok":
+            continue
+        texts = [f"{run['status']}: {_summarize(run['reason'])}"] if run["status"] != "ok" else []
+        for text in texts + list(run.get("notes", [])):
+            labels = seen.setdefault((run["variant"], text), [])
+            if _run_label(run) not in labels:
+                labels.append(_run_label(run))
+    return [f"- `{variant}` ({'; '.join(labels)}): {text}"
+            for (variant, text), labels in seen.items()]
+
+
 def _render_markdown(config, host, limits, runs, targets, checksums, gpt, report) -> str:
     parts = [f"Load average at start {host['load_average_start']}, at end "
              f"{host['load_average_end']}; {host['cpu_count']} CPUs; torch {host['torch']}, "
@@ -297,21 +332,21 @@ def _render_markdown(config, host, limits, runs, targets, checksums, gpt, report
                       f"{config.gpt_hidden_size}, distributed Adam)")
         parts += [f"### {title}: {config.ranks} ranks, {size} per rank", "",
                   report.format_run_table(group), ""]
-    parts += ["### Targets (our callers)", "", report.format_targets(targets), ""]
+    parts += ["### Targets (our callers, synthetic workload)", "",
+              "Measured ratio and verdict per caller and tensors per rank; the numbers behind "
+              "each ratio are in results.json (`targets[].detail`).", "",
+              report.format_targets(targets), ""]
+    if checksums["status"] == "measured":
+        parts += [f"### Checksums (`{checksums['option']}`, default "
+                  f"{'on' if checksums['default'] else 'off'}): ours_persistent, warm saves", "",
+                  report.format_checksums(runs, checksums["variant"], checksums["default"]), ""]
     scaling = [r for r in runs if r["sweep"] == "ranks"]
     if scaling:
         parts += ["### Stall and planning against the rank count", "",
                   report.format_scaling(scaling), ""]
-    notes = []
-    for run in runs:
-        if run["status"] != "ok" or run.get("notes"):
-            for text in ([f"{run['status']}: {run['reason']}"] if run["status"] != "ok" else []) \
-                    + list(run.get("notes", [])):
-                line = f"- `{run['variant']}`: {text.splitlines()[0]}"
-                if line not in notes:
-                    notes.append(line)
-    notes.append(f"- checksums: {checksums['status']}" + (
-        f": {checksums['reason']}" if "reason" in checksums else f" ({checksums['option']})"))
+    notes = _collect_notes(runs)
+    if checksums["status"] != "measured":
+        notes.append(f"- checksums: {checksums['status']}: {checksums['reason']}")
     notes.append(f"- GPT workload: {gpt['status']}" + (
         f" ({gpt['reason']})" if gpt.get("reason") not in (None, "ok") else ""))
     parts += ["### Notes", ""] + notes + [""]

@@ -12,6 +12,7 @@ __all__ = [
     "DCP_VARIANTS",
     "MCORE_VARIANTS",
     "ALL_VARIANTS",
+    "CHECKSUM_VARIANTS",
     "WORKLOADS",
     "parse_num_bytes",
     "format_num_bytes",
@@ -35,6 +36,10 @@ MCORE_VARIANTS = ("mcore_async_temporal", "mcore_async_persistent")
 """megatron-core's own ``torch_dist`` async save on its own ``AsyncCallsQueue``."""
 
 ALL_VARIANTS = OUR_VARIANTS + DCP_VARIANTS + MCORE_VARIANTS
+
+CHECKSUM_VARIANTS = ("ours_persistent_checksums", "ours_persistent_no_checksums")
+"""Added by the benchmark itself when our save config has a checksum option: the
+persistent caller with checksums opposite to their default."""
 
 WORKLOADS = ("synthetic", "gpt")
 
@@ -154,7 +159,7 @@ class BenchConfig:
             raise ValueError(
                 f"--memory-saves ({self.memory_saves}) must be at least --saves ({self.saves})"
             )
-        unknown = sorted(set(self.variants) - set(ALL_VARIANTS))
+        unknown = sorted(set(self.variants) - set(ALL_VARIANTS) - set(CHECKSUM_VARIANTS))
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(ALL_VARIANTS)}")
         unknown = sorted(set(self.workloads) - set(WORKLOADS))

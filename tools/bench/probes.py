@@ -3,6 +3,8 @@
 * Memory copy bandwidth: ``dst.copy_(src)`` into a preallocated, already touched buffer,
   the operation staging performs. Measured on rank 0 alone and on every rank at once
   (a save stages on every rank at the same time, so that is the relevant limit per rank).
+  With CUDA, staging copies device to host instead, so the device-to-pinned-host copy
+  bandwidth (every rank at once) is measured too and is the staging limit there.
 * Sequential write + fsync bandwidth of the checkpoint filesystem: incompressible bytes
   written in large chunks from a preallocated buffer, then ``fsync``. Measured with one
   writer, and with one writer per rank at once (aggregate bytes over the wall time).
@@ -34,6 +36,23 @@ def _copy_seconds(dst: torch.Tensor, src: torch.Tensor) -> float:
     start = time.perf_counter()
     dst.copy_(src)
     return time.perf_counter() - start
+
+
+def _device_to_host_bytes_per_s(src: torch.Tensor, group) -> float:
+    """Slowest rank's device-to-pinned-host copy bandwidth, every rank copying at once."""
+    device_src = src.to(torch.cuda.current_device())
+    pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    pinned.copy_(device_src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(_COPY_REPEATS):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        pinned.copy_(device_src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    per_rank = _gather_floats([src.numel() / best], group)
+    return min(v[0] for v in per_rank)
 
 
 def _write_file(path: str, data: memoryview) -> None:
@@ -80,6 +99,8 @@ def limits_job(ctx: RankContext) -> Dict[str, float]:
     # A save is as slow as its slowest rank: the limit is the slowest rank's bandwidth.
     result["memcpy_concurrent_bytes_per_s"] = min(v[0] for v in per_rank)
     del dst
+    if torch.cuda.is_available():
+        result["d2h_concurrent_bytes_per_s"] = _device_to_host_bytes_per_s(src, group)
 
     if rank == 0:
         os.makedirs(directory, exist_ok=True)

@@ -20,6 +20,7 @@ __all__ = [
     "format_limits",
     "format_run_table",
     "format_targets",
+    "format_checksums",
     "format_scaling",
     "draw_plots",
     "TARGETS",
@@ -118,10 +119,15 @@ def _target(name: str, measured: Optional[float], limit: float, higher_is_better
             "verdict": "PASS" if ok else "MISS", "detail": detail}
 
 
+def staging_limit(limits: Dict[str, float]) -> float:
+    """Bandwidth that bounds staging: device-to-host with CUDA, else host memory copy."""
+    return limits.get("d2h_concurrent_bytes_per_s") or limits["memcpy_concurrent_bytes_per_s"]
+
+
 def evaluate_targets(runs: List[Dict[str, Any]], limits: Dict[str, float], ranks: int,
                      our_variants: Sequence[str]) -> List[Dict[str, Any]]:
     """Evaluate every target for each of our callers and synthetic tensor count."""
-    memcpy = limits["memcpy_concurrent_bytes_per_s"]
+    memcpy = staging_limit(limits)
     disk = max(limits["disk_single_bytes_per_s"], limits["disk_concurrent_bytes_per_s"])
     rows = []
     counts = sorted({r["tensor_count"] for r in runs if r["workload"] == "synthetic"
@@ -200,6 +206,9 @@ def format_limits(limits: Dict[str, float]) -> str:
         [f"write + fsync, {int(limits['disk_concurrent_writers'])} writers (aggregate)",
          _fmt_rate(limits["disk_concurrent_bytes_per_s"])],
     ]
+    if "d2h_concurrent_bytes_per_s" in limits:
+        rows.insert(2, ["device to pinned host, per rank, all ranks at once",
+                        _fmt_rate(limits["d2h_concurrent_bytes_per_s"])])
     return _markdown(["physical limit", "GB/s"], rows)
 
 
@@ -230,15 +239,43 @@ def format_run_table(runs: List[Dict[str, Any]]) -> str:
 
 
 def format_targets(rows: List[Dict[str, Any]]) -> str:
-    """The targets as a markdown table: one row per target, caller and tensor count."""
-    body = []
+    """The targets as a markdown table: one row per target, one column per caller and tensor
+    count, each cell ``measured ratio VERDICT``."""
+    columns: List[tuple] = []
+    cells: Dict[tuple, str] = {}
     for row in rows:
+        column = (row["variant"], row["tensor_count"])
+        if column not in columns:
+            columns.append(column)
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        bound = (">= " if row["target"] == "write_vs_disk" else "<= ") + f"{row['limit']:.2f}"
-        body.append([row["target"], row["variant"], str(row["tensor_count"]), ratio, bound,
-                     row["verdict"], row["detail"]])
-    return _markdown(["target", "method", "tensors/rank", "measured", "bound", "verdict",
-                      "detail"], body)
+        cells[(row["target"], column)] = f"{ratio} {row['verdict']}"
+    body = []
+    for name, text in TARGETS.items():
+        if any((name, column) in cells for column in columns):
+            body.append([text] + [cells.get((name, column), "-") for column in columns])
+    header = ["target (measured ratio)"] + [f"{v} {c}t" for v, c in columns]
+    return _markdown(header, body)
+
+
+def format_checksums(runs: List[Dict[str, Any]], variant: str, default_on: bool) -> str:
+    """Our persistent caller with and without checksums, side by side."""
+    body = []
+    for run in runs:
+        if run["variant"] != variant or run["sweep"] != "main" or run["status"] != "ok":
+            continue
+        base = _find(runs, workload=run["workload"], tensor_count=run["tensor_count"],
+                     ranks=run["ranks"], variant="ours_persistent", sweep="main")
+        if base is None:
+            continue
+        on, off = (base, run) if default_on else (run, base)
+        label = (f"synthetic {run['tensor_count']}t" if run["workload"] == "synthetic"
+                 else run["workload"])
+        body.append([label, _fmt_rate(on["warm"].get("write_bytes_per_s")),
+                     _fmt_rate(off["warm"].get("write_bytes_per_s")),
+                     _fmt_s(on["warm"].get("write_s")), _fmt_s(off["warm"].get("write_s")),
+                     _fmt_s(on["warm"].get("finalize_s")), _fmt_s(off["warm"].get("finalize_s"))])
+    return _markdown(["workload", "write GB/s with", "without", "write with", "without",
+                      "finalize with", "without"], body)
 
 
 def format_scaling(runs: List[Dict[str, Any]]) -> str:
@@ -304,7 +341,7 @@ def draw_plots(runs: List[Dict[str, Any]], limits: Dict[str, float], main_ranks:
         sample = group[0]
         bytes_per_rank = max(sample["num_bytes_per_rank"])
         if x_key == "tensor_count":
-            ax_stall.axhline(bytes_per_rank / limits["memcpy_concurrent_bytes_per_s"],
+            ax_stall.axhline(bytes_per_rank / staging_limit(limits),
                              color="k", linestyle="--", linewidth=1, label="memcpy of bytes/rank")
             setting = f"{main_ranks} ranks"
         else:

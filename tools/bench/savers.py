@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,10 +36,13 @@ __all__ = [
     "McoreSaver",
     "DcpSaver",
     "build_saver",
-    "checksum_option_name",
+    "checksum_option",
+    "checksum_variant",
 ]
 
-CHECKSUM_VARIANT = "ours_persistent_checksums"
+_CHECKSUM_VARIANTS = {"ours_persistent_checksums": True, "ours_persistent_no_checksums": False}
+"""Our persistent caller with the checksum option forced on or off (the opposite of its
+default, so that the default run and this one give the with/without comparison)."""
 
 
 class Unsupported(RuntimeError):
@@ -50,14 +53,22 @@ def _now() -> float:
     return time.monotonic()
 
 
-def checksum_option_name() -> Optional[str]:
-    """The boolean checksum option of our save config, or None while it has none."""
+def checksum_option() -> Optional[Tuple[str, bool]]:
+    """``(name, default)`` of the boolean checksum option of our save config, or None."""
     from megatron_async.strategy import TorchDistSaveConfig
 
     for field in dataclasses.fields(TorchDistSaveConfig):
         if "checksum" in field.name and field.type in (bool, "bool"):
-            return field.name
+            return field.name, bool(field.default)
     return None
+
+
+def checksum_variant() -> Optional[str]:
+    """The variant that runs our persistent caller with checksums opposite to the default."""
+    option = checksum_option()
+    if option is None:
+        return None
+    return "ours_persistent_no_checksums" if option[1] else "ours_persistent_checksums"
 
 
 class Saver(abc.ABC):
@@ -190,7 +201,8 @@ class OurSaver(_MegatronCoreStyleSaver):
     constant_structure = True
 
     def __init__(self, name: str, train_step: bool, stamp_dir: str, *, persistent: bool,
-                 thread_count: int, checksums: bool = False, profile_dir: Optional[str] = None):
+                 thread_count: int, checksums: Optional[bool] = None,
+                 profile_dir: Optional[str] = None):
         super().__init__(name, train_step, stamp_dir)
         self._persistent = persistent
         self._thread_count = thread_count
@@ -208,11 +220,11 @@ class OurSaver(_MegatronCoreStyleSaver):
         options = dict(
             thread_count=self._thread_count, cached_metadata=True, use_cached_data_structure=True
         )
-        if self._checksums:
-            option = checksum_option_name()
+        if self._checksums is not None:
+            option = checksum_option()
             if option is None:
                 raise Unsupported("our save config has no checksum option yet")
-            options[option] = True
+            options[option[0]] = self._checksums
         saver = self
 
         class _TimedStrategy(type(registered)):
@@ -435,11 +447,10 @@ def build_saver(name: str, payload: Dict[str, Any], stamp_dir: str) -> Saver:
     """Create the saver a variant name stands for (see ``config.ALL_VARIANTS``)."""
     train_step = payload["train_step"]
     threads = payload["thread_count"]
-    if name in ("ours_temporal", "ours_persistent", CHECKSUM_VARIANT):
-        profile_dir = payload.get("profile_dir")
+    if name in ("ours_temporal", "ours_persistent") or name in _CHECKSUM_VARIANTS:
         return OurSaver(
             name, train_step, stamp_dir, persistent=name != "ours_temporal", thread_count=threads,
-            checksums=name == CHECKSUM_VARIANT, profile_dir=profile_dir,
+            checksums=_CHECKSUM_VARIANTS.get(name), profile_dir=payload.get("profile_dir"),
         )
     if name.startswith("mcore_async_"):
         return McoreSaver(name, train_step, stamp_dir, persistent=name.endswith("persistent"))

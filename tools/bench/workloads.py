@@ -130,7 +130,7 @@ def gpt_example_status() -> str:
     if _EXAMPLES_DIR not in sys.path:
         sys.path.insert(0, _EXAMPLES_DIR)
     try:
-        from gpt.model import build_model, build_optimizer  # noqa: F401
+        from gpt.model import build_model, build_optimizer  # noqa: F401  (import check)
     except Exception as exc:  # reported in the results instead of the GPT rows
         return f"importing examples/gpt failed: {type(exc).__name__}: {exc}"
     return "ok"
