@@ -56,3 +56,13 @@ def record_pid_and_hang(pid_path: str, staged, seconds: float) -> None:
         f.write(str(os.getpid()))
     os.replace(pid_path + ".tmp", pid_path)
     time.sleep(seconds)
+
+
+def write_after_release(path: str, staged, release_path: str) -> None:
+    """Write ``path`` once ``release_path`` exists (bounded: 120 s)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release_path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release_path} never appeared")
+        time.sleep(0.01)
+    write_text(path, staged, "released")

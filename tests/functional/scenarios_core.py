@@ -32,15 +32,21 @@ def _is_odd_one(ctx: RankContext) -> bool:
 def finalize_waits_for_every_rank(ctx, persistent):
     queue = _queue(persistent)
     finalized = []
-    delay = 2.0 if _is_odd_one(ctx) else 0.0
-    queue.schedule_async_request(
-        AsyncRequest(fns.sleep_then_write, (_path(ctx, "slow"), None, delay), [lambda: finalized.append(ctx.rank)])
-    )
+    release = os.path.join(ctx.tmp_dir, f"release-{persistent}")
+    if _is_odd_one(ctx):  # its write cannot finish before the checks below are done
+        request = AsyncRequest(fns.write_after_release, (_path(ctx, "slow"), None, release), [])
+    else:
+        request = AsyncRequest(fns.write_text, (_path(ctx, "slow"), None, "x"), [])
+    request.add_finalize_fn(lambda: finalized.append(ctx.rank))
+    queue.schedule_async_request(request)
     early = []
     for _ in range(5):  # same number of checks on every rank: each is one collective
         early += queue.maybe_finalize_async_calls(blocking=False)
         time.sleep(0.05)
     assert early == [], f"finalized {early} while the last rank was still writing"
+    assert finalized == []
+    if _is_odd_one(ctx):
+        open(release, "w").close()
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert finalized == [ctx.rank]
     queue.close()

@@ -99,8 +99,9 @@ def test_schedule_and_finalize_runs_finalize_fns_in_order(make_queue, tmp_path, 
 def test_calls_in_flight_finalize_in_scheduling_order(make_queue, tmp_path, persistent):
     queue = make_queue(persistent)
     finalized = []
+    release = tmp_path / "release"
     slow = queue.schedule_async_request(
-        _request(fns.sleep_then_write, tmp_path / "slow", 1.0, [lambda: finalized.append("slow")])
+        _request(fns.write_after_release, tmp_path / "slow", str(release), [lambda: finalized.append("slow")])
     )
     fast = queue.schedule_async_request(
         _request(fns.write_text, tmp_path / "fast", "x", [lambda: finalized.append("fast")])
@@ -108,10 +109,10 @@ def test_calls_in_flight_finalize_in_scheduling_order(make_queue, tmp_path, pers
     if not persistent:
         # Forked processes run side by side: the later call finishes first.
         _wait_for((tmp_path / "fast").exists)
-    assert not (tmp_path / "slow").exists()
     # The call scheduled first is not done: nothing may finalize yet.
     assert queue.maybe_finalize_async_calls(blocking=False) == []
     assert finalized == []
+    release.touch()
     assert queue.maybe_finalize_async_calls(blocking=True) == [slow, fast]
     assert finalized == ["slow", "fast"]
 
