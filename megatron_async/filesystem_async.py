@@ -55,6 +55,7 @@ from megatron_async._write_buckets import (
 from megatron_async import checksums
 from megatron_async._fs import fsync_path
 from megatron_async.core import coordination
+from megatron_async.core._process import set_parent_death_signal
 from megatron_async.errors import (
     AsyncTimeoutError,
     CheckpointIntegrityError,
@@ -547,7 +548,12 @@ def _bucket_process_main(
     rank: int,
     channel: ResultFile,
 ) -> None:
-    """Entry point of one forked bucket-writing process."""
+    """Entry point of one forked bucket-writing process (background side).
+
+    Dies with its parent (the background writer): if that one is killed, nobody would
+    read this process's result, and it must not go on writing into the checkpoint.
+    """
+    set_parent_death_signal()
     try:
         channel.put(("ok", bucket_writer(transforms, bucket, use_fsync)))
     except Exception as exc:  # reported through the channel
