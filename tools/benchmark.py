@@ -76,7 +76,10 @@ def parse_args(argv=None) -> BenchConfig:
     parser.add_argument("--scaling-ranks", type=_int_list, default="1,2,4")
     parser.add_argument("--scaling-tensor-count", type=int, default=None)
     parser.add_argument("--scaling-bytes-per-rank", type=parse_num_bytes, default=None)
-    parser.add_argument("--thread-count", type=int, default=defaults.thread_count)
+    parser.add_argument("--thread-count", type=int, default=defaults.thread_count,
+                        help="files (writer threads) per rank")
+    parser.add_argument("--threads-per-rank", type=int, default=defaults.threads_per_rank,
+                        help="torch intra-op threads per rank (torchrun's default: 1)")
     parser.add_argument("--no-train-step", action="store_true",
                         help="do not update the tensors in place while the write runs")
     parser.add_argument("--rss-interval-ms", type=float, default=defaults.rss_interval_s * 1e3)
@@ -95,6 +98,7 @@ def parse_args(argv=None) -> BenchConfig:
             gpt_hidden_size=args.gpt_hidden_size, scaling_ranks=args.scaling_ranks,
             scaling_tensor_count=args.scaling_tensor_count,
             scaling_bytes_per_rank=args.scaling_bytes_per_rank, thread_count=args.thread_count,
+            threads_per_rank=args.threads_per_rank,
             train_step=not args.no_train_step, rss_interval_s=args.rss_interval_ms / 1e3,
             launch_timeout_s=args.launch_timeout_s, probe_bytes=args.probe_bytes,
             profile=args.profile,
@@ -160,7 +164,8 @@ class _Runner:
         }
         started = time.monotonic()
         try:
-            entry = aggregate_run(meta, launch(ranks, variant_job, payload, cfg.launch_timeout_s))
+            entry = aggregate_run(meta, launch(ranks, variant_job, payload, cfg.launch_timeout_s,
+                                               cfg.threads_per_rank))
         except LaunchError as exc:
             entry = dict(meta, status="error", reason=str(exc), notes=[])
         entry["launch_s"] = time.monotonic() - started
@@ -206,7 +211,8 @@ def _measure_limits(config: BenchConfig) -> Dict[str, float]:
     os.makedirs(config.checkpoint_root, exist_ok=True)
     payload = {"num_bytes": config.limit_probe_bytes,
                "directory": os.path.abspath(config.checkpoint_root)}
-    return launch(config.ranks, limits_job, payload, config.launch_timeout_s)[0]
+    return launch(config.ranks, limits_job, payload, config.launch_timeout_s,
+                  config.threads_per_rank)[0]
 
 
 def main(argv=None) -> int:

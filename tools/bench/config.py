@@ -125,6 +125,11 @@ class BenchConfig:
     thread_count: int = 2
     """Files (writer threads) per rank, for our writer and DCP's ``FileSystemWriter``."""
 
+    threads_per_rank: int = 1
+    """torch intra-op threads (``OMP_NUM_THREADS``) of every rank and its background
+    processes. 1 is what torchrun sets for multi-process jobs; more threads than cores
+    across ranks make every tensor copy spin-wait (OpenMP) and the timings meaningless."""
+
     train_step: bool = True
     """After scheduling each save, update every saved tensor in place once (what an
     optimizer step does), while the background write runs."""
@@ -169,6 +174,8 @@ class BenchConfig:
             raise ValueError(f"--scaling-ranks must be positive, got {self.scaling_ranks}")
         if self.thread_count < 1:
             raise ValueError(f"--thread-count must be at least 1, got {self.thread_count}")
+        if self.threads_per_rank < 1:
+            raise ValueError(f"--threads-per-rank must be at least 1, got {self.threads_per_rank}")
         if not self.rss_interval_s > 0:
             raise ValueError(f"--rss-interval-ms must be positive, got {self.rss_interval_s}")
 

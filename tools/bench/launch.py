@@ -60,14 +60,18 @@ def _torchrun_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
     return {name: str(value) for name, value in env.items()}
 
 
-def _rank_main(rank: int, world_size: int, port: int, job, payload, result_conn) -> None:
+def _rank_main(rank: int, world_size: int, port: int, threads: int, job, payload,
+               result_conn) -> None:
     """Body of one rank (spawned process)."""
     os.environ.update(_torchrun_env(rank, world_size, port))
+    # Inherited by the rank's background processes (forked writers, spawned workers).
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     _silence_known_warnings()
     try:
         import torch
         import torch.distributed as dist
 
+        torch.set_num_threads(threads)
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
             backend = "cpu:gloo,cuda:nccl"
@@ -106,6 +110,7 @@ def launch(
     job: Callable[[RankContext], Any],
     payload: Dict[str, Any],
     timeout_s: float,
+    threads_per_rank: int = 1,
 ) -> List[Any]:
     """Run ``job`` on ``world_size`` ranks; return each rank's value, in rank order.
 
@@ -114,6 +119,8 @@ def launch(
         job: a module-level function (it is pickled into spawned processes).
         payload: picklable options passed to every rank.
         timeout_s: bound on the whole launch.
+        threads_per_rank: torch intra-op threads of each rank and of its background
+            processes (``OMP_NUM_THREADS``); torchrun's default for multi-process jobs is 1.
 
     Raises:
         LaunchError: a rank raised or died, or the launch timed out.
@@ -126,7 +133,7 @@ def launch(
         # Not daemonic: ranks start background processes of their own.
         process = ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, job, payload, child_conn),
+            args=(rank, world_size, port, threads_per_rank, job, payload, child_conn),
             name=f"bench-rank-{rank}",
         )
         process.start()

@@ -196,8 +196,12 @@ class GptWorkload(Workload):
         tensors: Dict[str, torch.Tensor] = {}
         for value in nested_values(state_dict):
             if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
-                suffix = "" if value.flattened_range is None else f"@{value.flattened_range.start}"
-                tensors[f"{value.key}{suffix}"] = value.data
+                # A key names a global tensor; its shards (one per layer, for example) differ
+                # by offset and, for the distributed optimizer, by flattened range.
+                where = ",".join(str(o) for o in value.global_offset)
+                if value.flattened_range is not None:
+                    where += f"@{value.flattened_range.start}"
+                tensors[f"{value.key}[{where}]"] = value.data
         return tensors
 
     def dcp_state_dict(self) -> Dict[str, torch.Tensor]:
