@@ -58,6 +58,9 @@ class TorchAsyncCheckpoint:
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
         config: timeouts of the background work.
+
+    In a distributed job, construct it on every rank: its queue creates the gloo
+    coordination group, which is a collective.
     """
 
     def __init__(self, persistent_queue: bool = False, *, config: Optional[AsyncCallerConfig] = None):
