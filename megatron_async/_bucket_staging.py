@@ -21,6 +21,14 @@ stays about the checkpoint size instead of growing with every save. A buffer set
   writer then owns a copy-on-write snapshot (the temporal caller).
 
 A staging that finds its buffers still leased (a pipelined caller) allocates fresh ones.
+Every lease has its own generation number, carried by the staged buckets
+(:class:`StagedBuckets`): only the save that holds the current lease may mark or free the
+buffers, so a save that wrote from fresh buffers can never free buffers that a later save
+has just staged into.
+
+Buffers filled by device-to-host copies (CUDA sources) are not freed at fork: a GPU copy
+into pinned memory need not trigger the copy-on-write that protects the forked writer's
+snapshot, so such buffers stay leased and the next save allocates fresh ones.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from megatron_async._write_buckets import WriteBucket
 from megatron_async.staging import copy_tensor_to_host, synchronize_if_cuda
 
 __all__ = [
+    "StagedBuckets",
     "stage_buckets",
     "release_staging_buffers",
     "mark_staging_buffers_writing",
@@ -59,6 +68,8 @@ class _BufferSet:
     state: str = _FREE
     owner_pid: int = 0
     owner_thread: int = 0
+    generation: int = 0
+    device_copied: bool = False
 
     def num_bytes(self) -> int:
         return sum(
@@ -75,6 +86,7 @@ def _release_staged_after_fork() -> None:
     for entry in list(_cache.values()):
         if (
             entry.state == _STAGED
+            and not entry.device_copied
             and entry.owner_pid == os.getpid()
             and entry.owner_thread == threading.get_ident()
         ):
@@ -86,6 +98,25 @@ os.register_at_fork(after_in_parent=_release_staged_after_fork)
 
 def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
     return buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+
+
+class StagedBuckets(list):
+    """Staged write buckets, plus the lease of the cached buffers they live in (if any).
+
+    ``lease`` is ``(cache_key, generation)`` when the buckets use this process's cached
+    buffers, else None (fresh buffers that nobody else can reuse).
+    """
+
+    lease: Optional[Tuple[Hashable, int]] = None
+
+    def __reduce__(self):
+        return (_rebuild_staged, (list(self), self.lease))
+
+
+def _rebuild_staged(items, lease):
+    staged = StagedBuckets(items)
+    staged.lease = lease
+    return staged
 
 
 def _lease(key: Hashable, buckets: Sequence[WriteBucket]) -> Optional[_BufferSet]:
@@ -105,6 +136,8 @@ def _lease(key: Hashable, buckets: Sequence[WriteBucket]) -> Optional[_BufferSet
             return None
         _cache.move_to_end(key)
         entry.state, entry.owner_pid, entry.owner_thread = _STAGED, os.getpid(), threading.get_ident()
+        entry.generation += 1
+        entry.device_copied = False
         return entry
 
 
@@ -123,9 +156,11 @@ def stage_buckets(
             of that layout instead of allocating new ones.
 
     Returns:
-        Buckets with the same items whose tensors are contiguous host copies.
+        Buckets with the same items whose tensors are contiguous host copies, with the
+        lease of the cached buffers they use (see :class:`StagedBuckets`).
     """
     entry = _lease(cache_key, buckets) if cache_key is not None else None
+    lease = (cache_key, entry.generation) if entry is not None else None
     cuda_sources: List[torch.Tensor] = []
     staged: List[WriteBucket] = []
     try:
@@ -144,31 +179,45 @@ def stage_buckets(
                         entry.buffers[b_idx][t_idx] = buffer
                 copies.append((item, buffer))
             staged.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
+        if entry is not None and cuda_sources:
+            entry.device_copied = True
         synchronize_if_cuda(cuda_sources)
     except BaseException:
-        if cache_key is not None and entry is not None:
-            release_staging_buffers(cache_key)
+        release_staging_buffers(lease)
         raise
-    return staged
+    result = StagedBuckets(staged)
+    result.lease = lease
+    return result
 
 
-def mark_staging_buffers_writing(cache_key: Optional[Hashable]) -> None:
-    """Record that this process now writes from the buffers (background writer side)."""
-    if cache_key is None:
-        return
+def _current_entry(lease: Optional[Tuple[Hashable, int]]) -> Optional[_BufferSet]:
+    """The cached buffer set ``lease`` still holds in this process, else None (under _lock)."""
+    if lease is None:
+        return None
+    cache_key, generation = lease
+    entry = _cache.get(cache_key)
+    if entry is None or entry.generation != generation or entry.owner_pid != os.getpid():
+        return None
+    return entry
+
+
+def mark_staging_buffers_writing(lease: Optional[Tuple[Hashable, int]]) -> None:
+    """Record that this process now writes from the leased buffers (background writer)."""
     with _lock:
-        entry = _cache.get(cache_key)
-        if entry is not None and entry.state == _STAGED and entry.owner_pid == os.getpid():
+        entry = _current_entry(lease)
+        if entry is not None and entry.state == _STAGED:
             entry.state = _WRITING
 
 
-def release_staging_buffers(cache_key: Optional[Hashable]) -> None:
-    """Make the buffers of ``cache_key`` reusable once this process is done writing them."""
-    if cache_key is None:
-        return
+def release_staging_buffers(lease: Optional[Tuple[Hashable, int]]) -> None:
+    """Make the leased buffers reusable once this process is done writing them.
+
+    A lease that is no longer current (its buffers were freed and leased again by a later
+    save) releases nothing.
+    """
     with _lock:
-        entry = _cache.get(cache_key)
-        if entry is not None and entry.owner_pid == os.getpid():
+        entry = _current_entry(lease)
+        if entry is not None:
             entry.state = _FREE
 
 

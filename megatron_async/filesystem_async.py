@@ -438,7 +438,10 @@ def _write_and_report(
     may the staging buffers be reused (a hung writer thread may still read them).
     """
     outcome = WriteOutcome(rank)
-    mark_staging_buffers_writing(staging_key)
+    # The lease travels with the staged buckets: only the save that holds the current
+    # lease of the cached buffers may mark or free them (``staging_key`` names the layout).
+    lease = getattr(write_buckets, "lease", None)
+    mark_staging_buffers_writing(lease)
     settled = False
     try:
         if write_buckets is None:
@@ -451,7 +454,7 @@ def _write_and_report(
         outcome.failures[-1] = RankFailure.from_exception(rank, "write", exc)
     finally:
         if settled:
-            release_staging_buffers(staging_key)
+            release_staging_buffers(lease)
     results_file.put(outcome)
 
 

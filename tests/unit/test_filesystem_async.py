@@ -395,3 +395,42 @@ def test_cuda_tensors_are_staged_to_pinned_host_memory(tmp_path):
     writer.finish(metadata, [writer.retrieve_write_results()])
     out = _load(tmp_path, {k: v.cpu() for k, v in state_dict.items()})
     assert torch.equal(out["a"], torch.arange(8.0)) and torch.equal(out["b"], torch.ones(3, 3))
+
+
+def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
+    """Pipelined saves in one process (the persistent worker): write n overlaps staging n+1."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async._bucket_staging import (
+        clear_staging_cache,
+        mark_staging_buffers_writing,
+        release_staging_buffers,
+        stage_buckets,
+    )
+    from megatron_async._write_buckets import WriteBucket
+
+    source = torch.zeros(4)
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
+    key = "pipelined-layout"
+    clear_staging_cache(include_in_use=True)
+    try:
+        source.fill_(1)
+        save1 = stage_buckets(buckets, True, key)  # into the cached buffers
+        mark_staging_buffers_writing(save1.lease)
+        source.fill_(2)
+        save2 = stage_buckets(buckets, True, key)  # cached buffers busy: fresh ones
+        release_staging_buffers(save1.lease)  # save 1 written
+        mark_staging_buffers_writing(save2.lease)
+        source.fill_(3)
+        save3 = stage_buckets(buckets, True, key)  # into the cached buffers again
+        release_staging_buffers(save2.lease)  # save 2 written: must not free save 3's buffers
+        mark_staging_buffers_writing(save3.lease)
+        source.fill_(4)
+        save4 = stage_buckets(buckets, True, key)
+        staged = [s[0].data[1][0][1] for s in (save1, save2, save3, save4)]
+        assert [t[0].item() for t in staged[1:]] == [2.0, 3.0, 4.0]
+        assert staged[2].data_ptr() != staged[3].data_ptr()
+    finally:
+        clear_staging_cache(include_in_use=True)
