@@ -137,6 +137,10 @@ class _Runner:
         self.runs: List[Dict[str, Any]] = []
         self._unsupported: Dict[str, str] = {}
 
+    def log_path(self, tag: str) -> str:
+        """Where the ranks of one launch write their output (``OUT/logs/TAG.log``)."""
+        return _log_path(self.config, tag)
+
     def run(self, variant: str, workload: str, ranks: int, tensor_count: int,
             bytes_per_rank: int, saves: int, sweep: str) -> Dict[str, Any]:
         from bench.launch import LaunchError, launch
@@ -164,16 +168,28 @@ class _Runner:
         }
         started = time.monotonic()
         try:
-            entry = aggregate_run(meta, launch(ranks, variant_job, payload, cfg.launch_timeout_s,
-                                               cfg.threads_per_rank))
+            values = launch(ranks, variant_job, payload, cfg.launch_timeout_s,
+                            cfg.threads_per_rank, _log_path(cfg, tag, truncate=True))
+            entry = aggregate_run(meta, values)
         except LaunchError as exc:
-            entry = dict(meta, status="error", reason=str(exc), notes=[])
+            entry = dict(meta, status="error", reason=str(exc), notes=[],
+                         log=self.log_path(tag))
         entry["launch_s"] = time.monotonic() - started
         if entry["status"] == "unsupported" and variant in MCORE_VARIANTS:
             self._unsupported[variant] = entry["reason"]
         self.runs.append(entry)
         _print_progress(entry)
         return entry
+
+
+def _log_path(config: BenchConfig, tag: str, truncate: bool = False) -> str:
+    """``OUT/logs/TAG.log``: the ranks' output of one launch (emptied before it starts)."""
+    directory = os.path.join(config.out_dir, "logs")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{tag}.log")
+    if truncate:
+        open(path, "w").close()
+    return path
 
 
 def _run_label(run: Dict[str, Any]) -> str:
@@ -212,7 +228,7 @@ def _measure_limits(config: BenchConfig) -> Dict[str, float]:
     payload = {"num_bytes": config.limit_probe_bytes,
                "directory": os.path.abspath(config.checkpoint_root)}
     return launch(config.ranks, limits_job, payload, config.launch_timeout_s,
-                  config.threads_per_rank)[0]
+                  config.threads_per_rank, _log_path(config, "limits", truncate=True))[0]
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import socket
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import multiprocessing as mp
 from multiprocessing import connection as mp_connection
@@ -60,9 +60,15 @@ def _torchrun_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
     return {name: str(value) for name, value in env.items()}
 
 
-def _rank_main(rank: int, world_size: int, port: int, threads: int, job, payload,
+def _rank_main(rank: int, world_size: int, port: int, threads: int, log_path, job, payload,
                result_conn) -> None:
     """Body of one rank (spawned process)."""
+    if log_path is not None:
+        # Everything the rank and its background processes print goes to the log file.
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     os.environ.update(_torchrun_env(rank, world_size, port))
     # Inherited by the rank's background processes (forked writers, spawned workers).
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -111,6 +117,7 @@ def launch(
     payload: Dict[str, Any],
     timeout_s: float,
     threads_per_rank: int = 1,
+    log_path: Optional[str] = None,
 ) -> List[Any]:
     """Run ``job`` on ``world_size`` ranks; return each rank's value, in rank order.
 
@@ -121,6 +128,8 @@ def launch(
         timeout_s: bound on the whole launch.
         threads_per_rank: torch intra-op threads of each rank and of its background
             processes (``OMP_NUM_THREADS``); torchrun's default for multi-process jobs is 1.
+        log_path: file that receives the ranks' standard output and error (appended);
+            None leaves them on the launcher's.
 
     Raises:
         LaunchError: a rank raised or died, or the launch timed out.
@@ -133,7 +142,7 @@ def launch(
         # Not daemonic: ranks start background processes of their own.
         process = ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, job, payload, child_conn),
+            args=(rank, world_size, port, threads_per_rank, log_path, job, payload, child_conn),
             name=f"bench-rank-{rank}",
         )
         process.start()

@@ -27,14 +27,14 @@ __all__ = ["RssSampler", "tree_pss_bytes", "wait_for_quiet_children"]
 def _children(proc: psutil.Process) -> List[psutil.Process]:
     try:
         return proc.children(recursive=True)
-    except psutil.Error:
+    except (psutil.Error, OSError):  # OSError: out of file descriptors, for one
         return []
 
 
 def _rss(proc: psutil.Process) -> int:
     try:
         return proc.memory_info().rss
-    except psutil.Error:  # a child that exited between listing and reading
+    except (psutil.Error, OSError):  # a child that exited between listing and reading
         return 0
 
 
@@ -102,7 +102,7 @@ def tree_pss_bytes() -> int:
         try:
             info = p.memory_full_info()
             total += getattr(info, "pss", info.rss)
-        except psutil.Error:
+        except (psutil.Error, OSError):
             continue
     return total
 
