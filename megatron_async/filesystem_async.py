@@ -386,6 +386,11 @@ class FileSystemWriterAsync(FileSystemWriter):
             from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
             metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
+        # megatron-core writes common.pt without an fsync; the checkpoint must not be marked
+        # complete before it is durable too.
+        common = os.path.join(self.checkpoint_dir, "common.pt")
+        if os.path.exists(common):
+            fsync_path(common)
         _record_checksums(self.checkpoint_dir, results)
         final_path = os.path.join(self.checkpoint_dir, METADATA_FILE_NAME)
         tmp_path = f"{final_path}.tmp"

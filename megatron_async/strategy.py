@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async._agreement import agree_or_raise
+from megatron_async._megatron_finalize import FinalizeFnList
 from megatron_async.common_guard import install_common_guard
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
@@ -333,7 +334,9 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
         finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token)
         # If the request is dropped unfinalized (a failed or aborted save), free the directory.
         weakref.finalize(finalizer, _release_dir, checkpoint_dir, token)
-        return AsyncRequest(save_fn, tuple(save_args or ()), [finalizer], preload_fn=preload_fn)
+        return AsyncRequest(
+            save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
+        )
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
         """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""

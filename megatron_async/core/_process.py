@@ -18,6 +18,7 @@ import weakref
 from typing import Callable, Optional
 
 __all__ = [
+    "raise_open_file_limit",
     "set_parent_death_signal",
     "parent_is_alive",
     "kill_and_reap",
@@ -40,6 +41,24 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on parent polling")
+
+
+def raise_open_file_limit() -> int:
+    """Lift this process's soft limit of open files to its hard limit; return the limit.
+
+    Runs on the trainer and in the persistent worker: torch shares every CPU tensor
+    storage sent to the worker through a file descriptor that stays open on both sides.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            logger.debug("cannot raise RLIMIT_NOFILE to %s: %s", hard, exc)
+    return soft
 
 
 def parent_is_alive(parent_pid: int) -> bool:

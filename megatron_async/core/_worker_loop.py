@@ -20,7 +20,11 @@ import queue
 import threading
 from typing import Any, Optional
 
-from megatron_async.core._process import parent_is_alive, set_parent_death_signal
+from megatron_async.core._process import (
+    parent_is_alive,
+    raise_open_file_limit,
+    set_parent_death_signal,
+)
 from megatron_async.core.request import STAGED_ARG_INDEX
 from megatron_async.errors import RankFailure
 
@@ -84,6 +88,7 @@ def persistent_worker_main(
         cuda_device: device to make current, when the trainer uses CUDA.
     """
     set_parent_death_signal()
+    raise_open_file_limit()  # received tensor storages keep one descriptor each
     logging.basicConfig(level=log_level)
     if cuda_device is not None:
         import torch

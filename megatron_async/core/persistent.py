@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
+import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
-from megatron_async.core._process import kill_and_reap, register_exit_cleanup
+from megatron_async.core._process import kill_and_reap, raise_open_file_limit, register_exit_cleanup
 from megatron_async.core._worker_loop import STOP, persistent_worker_main
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
@@ -24,6 +27,44 @@ __all__ = ["PersistentAsyncCaller"]
 logger = logging.getLogger(__name__)
 
 _WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"  # same name as megatron_async.BACKGROUND_WORKER_ENV
+
+
+class _StorageCounter(pickle.Pickler):
+    """Counts the distinct CPU tensor storages a request would share, without sharing them."""
+
+    def __init__(self):
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: Set[int] = set()
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu" and obj.numel():
+                self.storages.add(obj.untyped_storage().data_ptr())
+            return torch.empty, (0,)
+        return NotImplemented
+
+
+def _check_descriptors_suffice(request: AsyncRequest, rank: int) -> None:
+    """Refuse, before pickling, a request whose tensors need more descriptors than allowed.
+
+    torch shares each CPU tensor storage with the worker through a file descriptor that
+    the trainer keeps open for the storage's lifetime. Pickling a request past the limit
+    fails halfway and leaks the descriptors already duplicated, after which the trainer
+    cannot open files at all; counting first turns that into a clear error.
+    """
+    counter = _StorageCounter()
+    counter.dump(request)
+    needed = len(counter.storages)
+    limit = raise_open_file_limit()
+    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    if open_now + 2 * needed + 64 > limit:
+        raise OSError(
+            errno.EMFILE,
+            f"rank {rank}: this save shares {needed} CPU tensor storages with the persistent "
+            f"worker, which needs about {2 * needed} file descriptors, but only {limit - open_now} "
+            "are available (ulimit -n). Raise the hard limit of open files, or use the temporal "
+            "caller (AsyncCallsQueue(persistent=False)), which shares nothing",
+        )
 
 
 def _current_cuda_device() -> Optional[int]:
@@ -164,7 +205,9 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._worker_died()
             self._start_worker()
         try:
-            payload = bytes(ForkingPickler.dumps(async_req.without_finalize_fns()))
+            request = async_req.without_finalize_fns()
+            _check_descriptors_suffice(request, self.rank)
+            payload = bytes(ForkingPickler.dumps(request))
         except Exception as exc:
             logger.error("rank %d: async call %d cannot be sent to the worker: %s", self.rank, idx, exc)
             self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))

@@ -34,7 +34,12 @@ from megatron_async.errors import (
 )
 from megatron_async.filesystem_async import FileSystemWriterAsync
 from megatron_async.integrity import verify_checkpoint_integrity
-from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, read_tracker
+from megatron_async.manager import (
+    CheckpointManager,
+    CheckpointManagerConfig,
+    is_complete_checkpoint,
+    read_tracker,
+)
 from megatron_async.strategy import TorchDistAsyncSaveStrategy
 from tests.functional.harness import RankContext, run_scenarios
 from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
@@ -191,8 +196,13 @@ def _fault_round(
     save_dir=None,
     before_schedule=None,
     after_schedule=None,
+    data_complete=False,
 ):
-    """Commit iteration 1, fail iteration 2 with the fault, check every guarantee."""
+    """Commit iteration 1, fail iteration 2 with the fault, check every guarantee.
+
+    ``data_complete``: the fault hits after the data and ``.metadata`` are written (at
+    megatron's ``metadata.json`` step), so only "not complete" can be checked there.
+    """
     save_dir = save_dir or _dir(ctx, name)
     manager = CheckpointManager(CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir))
     _managed_save(ctx, manager, queue, TorchDistAsyncSaveStrategy(), 1, state_fn(ctx, 1.0))
@@ -209,8 +219,9 @@ def _fault_round(
     assert caught is not None, f"no {expected_error.__name__} on rank {ctx.rank}"
     dist.barrier()
     failed_path = manager.checkpoint_path(2)
-    for marker in _MARKERS:
-        assert not os.path.exists(os.path.join(failed_path, marker)), f"{marker} marks a failed save complete"
+    assert not is_complete_checkpoint(failed_path), "a failed save looks complete"
+    for marker in _MARKERS[int(data_complete):]:
+        assert not os.path.isfile(os.path.join(failed_path, marker)), f"{marker} marks a failed save complete"
     assert read_tracker(save_dir) == 1, "the tracker advanced past a failed save"
     good = manager.checkpoint_path(1)
     if state_fn is _model_state:
@@ -294,6 +305,22 @@ def exception_while_writing(ctx, persistent):
 def exception_while_finalizing(ctx):
     summary = _fault_round(ctx, "finalize", _queue(False), _Strategy(_FinishFailsWriter))
     return _expect_phase(summary, 0, "finalize", "Disk quota exceeded")
+
+
+def metadata_json_cannot_be_written(ctx):
+    """megatron's metadata.json step fails on rank 0: every rank raises, nobody waits."""
+
+    def block_metadata_json(ctx, path):
+        if ctx.rank == 0:
+            os.makedirs(os.path.join(path, "metadata.json"))
+
+    summary = _fault_round(
+        ctx, "mdjson", _queue(False), TorchDistAsyncSaveStrategy(),
+        after_schedule=block_metadata_json, data_complete=True,
+    )
+    _expect_phase(summary, 0, "finalize", "Is a directory")
+    assert summary["seconds"] < 60, summary
+    return summary
 
 
 def _wait_for_started_write(path):
@@ -486,6 +513,7 @@ def run_all(ctx: RankContext):
     scenarios = {
         "exception_while_planning": exception_while_planning,
         "exception_while_finalizing": exception_while_finalizing,
+        "metadata_json_cannot_be_written": metadata_json_cannot_be_written,
         "damaged_files_are_detected": damaged_files_are_detected,
         "second_save_into_a_directory_being_written": second_save_into_a_directory_being_written,
     }

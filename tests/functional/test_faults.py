@@ -8,6 +8,7 @@ from tests.functional.harness import assert_scenario_ok, launch_once
 SCENARIOS = [
     "exception_while_planning",
     "exception_while_finalizing",
+    "metadata_json_cannot_be_written",
     "damaged_files_are_detected",
     "second_save_into_a_directory_being_written",
 ] + [

@@ -44,3 +44,16 @@ def test_background_process_ends_with_trainer(tmp_path, persistent, how):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), f"background process {pid} outlived its trainer ({how})"
+
+
+@pytest.mark.timeout(120)
+def test_too_many_tensors_for_the_open_file_limit_is_a_clear_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit._fd_limit_script", str(tmp_path), "256", "400"],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "persistent: refused:" in proc.stdout and "file descriptors" in proc.stdout, proc.stdout
+    assert "temporal: saved 400" in proc.stdout
+    assert (tmp_path / "still-writable.txt").read_text() == "ok"
