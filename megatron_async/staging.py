@@ -33,9 +33,14 @@ def copy_tensor_to_host(tensor: torch.Tensor, non_blocking: bool = True) -> torc
 
 
 def synchronize_if_cuda(tensors: List[torch.Tensor]) -> None:
-    """Wait for pending device-to-host copies, only when some source was on CUDA."""
-    if tensors and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    """Wait for pending device-to-host copies from every CUDA device among ``tensors``.
+
+    Each device is synchronized, not just the current one: a copy from another device
+    runs on that device's stream.
+    """
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 def snapshot_to_host(obj: Any) -> Any:

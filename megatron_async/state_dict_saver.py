@@ -160,9 +160,14 @@ def save_state_dict_async_plan(
         )
         if not reused_loaded:
             global_metadata = _gather_and_build_metadata(planner, local_plan, dist_wrapper)
-        central_plan = storage_writer.prepare_decentralized_global_plan(
-            planner.create_decentralized_global_plan(local_plan)
-        )
+        central_plan, plan_error = None, None
+        try:
+            central_plan = storage_writer.prepare_decentralized_global_plan(
+                planner.create_decentralized_global_plan(local_plan)
+            )
+        except Exception as exc:  # agreed on below, so that no rank is left waiting
+            plan_error = exc
+        agree_or_raise(plan_error, "decentralized save planning", (), group)
     else:
         central_plan, global_metadata = _plan_centrally(planner, storage_writer, local_plan, dist_wrapper)
 
@@ -267,11 +272,15 @@ def verify_global_md_reuse(
     Returns:
         True on every rank if every rank agrees, else False on every rank.
     """
-    local_ok = (
-        bool(loaded_all_plans)
-        and len(loaded_all_plans) == dist_wrapper.get_world_size()
-        and _same_plan(local_plan, loaded_all_plans[rank])
-    )
+    try:
+        local_ok = (
+            bool(loaded_all_plans)
+            and len(loaded_all_plans) == dist_wrapper.get_world_size()
+            and _same_plan(local_plan, loaded_all_plans[rank])
+        )
+    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
+        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
+        local_ok = False
     if not local_ok and loaded_all_plans:
         logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
     (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)

@@ -38,7 +38,7 @@ def save_file_atomically(path: Union[str, os.PathLike], state_dict: Any, save_kw
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, target)
-        fsync_path(target.parent)
+        fsync_path(target.parent, best_effort=True)
     except BaseException:
         try:
             tmp.unlink()

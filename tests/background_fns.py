@@ -66,3 +66,18 @@ def write_after_release(path: str, staged, release_path: str) -> None:
             raise TimeoutError(f"{release_path} never appeared")
         time.sleep(0.01)
     write_text(path, staged, "released")
+
+
+def stage_without_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """Stage like megatron-core's preload does for CPU tensors: ``.to("cpu")``, no copy."""
+    return tensor.to("cpu")
+
+
+def save_staged_tensor_after_release(path: str, staged, release_path: str) -> None:
+    """``torch.save`` the staged value once ``release_path`` exists (bounded: 120 s)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release_path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release_path} never appeared")
+        time.sleep(0.01)
+    torch.save(staged, path)

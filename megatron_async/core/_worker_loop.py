@@ -1,7 +1,8 @@
 """The persistent worker's main loop (runs in the background process only).
 
 Protocol, trainer -> worker (a multiprocessing queue):
-    ``(call_idx, pickled_request)``: stage the request's data, acknowledge, then write;
+    ``(call_idx, pickled_request, cuda_device)``: stage the request's data (on that CUDA
+    device, when the trainer uses one), acknowledge, then write;
     ``STOP``: finish the writes already accepted, say ``stopped`` and exit.
 Worker -> trainer (a one-way pipe, so a worker dying mid-message reads as EOF, never as
 a hang): ``("staged", idx)``, ``("done", idx)``, ``("error", idx, RankFailure)``,
@@ -69,6 +70,35 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter) -> None:
             del job, fn, args, kwargs
 
 
+def own_copy_of_shared_tensors(obj: Any) -> Any:
+    """Copy every CPU tensor of ``obj`` that still lives in the trainer's shared memory.
+
+    Tensors reach the worker as shared-memory views of the trainer's own storage. A
+    staging function that does not copy CPU tensors (megatron-core's ``preload_tensors``
+    calls ``tensor.to("cpu")``, which returns the same tensor) would hand the writer
+    memory that the trainer modifies as soon as it hears "staged". Lists and dicts are
+    updated in place (keeping subclasses and their attributes); tuples are rebuilt.
+    """
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.device.type == "cpu" and obj.is_shared() else obj
+    if isinstance(obj, list):
+        for i, value in enumerate(obj):
+            obj[i] = own_copy_of_shared_tensors(value)
+        return obj
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = own_copy_of_shared_tensors(value)
+        return obj
+    if isinstance(obj, tuple):
+        items = [own_copy_of_shared_tensors(value) for value in obj]
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
 def persistent_worker_main(
     rank: int,
     requests,
@@ -81,7 +111,7 @@ def persistent_worker_main(
 
     Args:
         rank: the trainer's global rank (for messages).
-        requests: queue of ``(call_idx, pickled_request)`` or ``STOP``.
+        requests: queue of ``(call_idx, pickled_request, cuda_device)`` or ``STOP``.
         result_conn: sending end of the pipe to the trainer.
         parent_pid: the trainer's pid; the worker exits when the trainer is gone.
         log_level: the trainer's logging level.
@@ -112,13 +142,17 @@ def persistent_worker_main(
             writer.join()
             reporter.send("stopped", None)
             return
-        call_idx, payload = message
+        call_idx, payload, request_device = message
         try:
+            if request_device is not None:
+                import torch
+
+                torch.cuda.set_device(request_device)
             request = pickle.loads(payload)
             del payload
             args = list(request.async_fn_args)
             if request.preload_fn is not None:
-                staged = request.preload_fn()
+                staged = own_copy_of_shared_tensors(request.preload_fn())
                 if len(args) > STAGED_ARG_INDEX:
                     args[STAGED_ARG_INDEX] = staged
                 del staged

@@ -46,6 +46,7 @@ DEFAULT_COORDINATION_TIMEOUT_S = 600.0
 _group_lock = threading.Lock()
 _cached_group: Optional[dist.ProcessGroup] = None
 _cached_for_world: Optional[object] = None
+_cached_timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S
 
 
 def is_distributed() -> bool:
@@ -81,18 +82,24 @@ def get_coordination_group(
     Returns:
         The group, or None outside a distributed job (single process).
     """
-    global _cached_group, _cached_for_world
+    global _cached_group, _cached_for_world, _cached_timeout_s
     if not is_distributed():
         return None
     world = dist.group.WORLD
     with _group_lock:
         if _cached_group is not None and _cached_for_world is world:
+            if timeout_s != _cached_timeout_s:
+                logger.debug(
+                    "the coordination group already exists with timeout %.0fs; %.0fs is ignored",
+                    _cached_timeout_s, timeout_s,
+                )
             return _cached_group
         logger.debug("rank %d: creating the gloo checkpoint-coordination group", dist.get_rank())
         _cached_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=float(timeout_s))
         )
         _cached_for_world = world
+        _cached_timeout_s = float(timeout_s)
         return _cached_group
 
 

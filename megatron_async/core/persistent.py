@@ -203,7 +203,13 @@ class PersistentAsyncCaller(AsyncCaller):
         if self.process is None or not self.process.is_alive():
             if self.process is not None:
                 self._worker_died()
-            self._start_worker()
+            try:
+                self._start_worker()
+            except Exception as exc:  # recorded: raising here would leave this rank out of step
+                logger.error("rank %d: cannot start the persistent worker: %s", self.rank, exc)
+                self._discard_worker(kill=True)
+                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
+                return
         try:
             request = async_req.without_finalize_fns()
             _check_descriptors_suffice(request, self.rank)
@@ -213,7 +219,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
             return
         self._statuses[idx] = CallStatus.running()
-        self._requests.put((idx, payload))
+        self._requests.put((idx, payload, _current_cuda_device()))
         del payload
         self._wait_until_staged(idx)
 

@@ -96,17 +96,23 @@ class TemporalAsyncCaller(AsyncCaller):
         if async_req.async_fn is None:
             self._status = CallStatus.succeeded()
             return
-        _synchronize_cuda_if_used()
-        ctx = mp.get_context("fork")
-        self._result_conn, child_conn = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=_run_forked_call,
-            args=(child_conn, rank, os.getpid(), async_req.async_fn, args, async_req.async_fn_kwargs or {}),
-            name=f"megatron-async-save-{async_req.call_idx}",
-            daemon=False,  # a daemon could not start the writer's own I/O processes
-        )
-        self.process.start()
-        child_conn.close()
+        try:
+            _synchronize_cuda_if_used()
+            ctx = mp.get_context("fork")
+            self._result_conn, child_conn = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_run_forked_call,
+                args=(child_conn, rank, os.getpid(), async_req.async_fn, args, async_req.async_fn_kwargs or {}),
+                name=f"megatron-async-save-{async_req.call_idx}",
+                daemon=False,  # a daemon could not start the writer's own I/O processes
+            )
+            process.start()
+            child_conn.close()
+        except Exception as exc:  # recorded: raising here would leave this rank out of step
+            logger.error("rank %d: cannot start the background save: %s", rank, exc)
+            self._status = CallStatus.failed(RankFailure.from_exception(rank, "schedule", exc))
+            return
+        self.process = process
         self._status = CallStatus.running()
         logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
 

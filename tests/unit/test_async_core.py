@@ -192,6 +192,26 @@ def test_snapshot_is_taken_before_schedule_returns(make_queue, tmp_path, persist
 
 
 @pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_staging_that_does_not_copy_still_yields_a_snapshot(make_queue, tmp_path, persistent):
+    """megatron-core's preload returns CPU tensors as they are; the write must not see later updates."""
+    queue = make_queue(persistent)
+    tensor = torch.arange(1000, dtype=torch.float32)
+    expected = tensor.clone()
+    release = tmp_path / "release"
+    request = AsyncRequest(
+        fns.save_staged_tensor_after_release,
+        (str(tmp_path / "t.pt"), None, str(release)),
+        [],
+        preload_fn=functools.partial(fns.stage_without_copy, tensor),
+    )
+    queue.schedule_async_request(request)
+    tensor.mul_(-1)  # the trainer's update, before the background write reads the data
+    release.touch()
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert torch.equal(torch.load(tmp_path / "t.pt"), expected)
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
 def test_close_abort_kills_background_and_closed_queue_refuses(make_queue, tmp_path, persistent):
     queue = make_queue(persistent)
     pid_file = tmp_path / "pid"
