@@ -301,6 +301,15 @@ class CheckpointManager:
         """
         request.add_finalize_fn(functools.partial(self.commit, iteration))
 
+    def abandon(self, iteration: int) -> None:
+        """Forget a save of ``iteration`` that failed (every rank, no collective).
+
+        Its commit never runs, so without this the iteration would stay in flight: it
+        could not be saved again, and retention would keep its incomplete directory.
+        Call it when the job goes on after an ``AsyncSaveFailedError`` for that save.
+        """
+        self._in_flight.discard(iteration)
+
     def commit(self, iteration: int) -> None:
         """Mark ``iteration``'s checkpoint as the latest, then apply retention.
 

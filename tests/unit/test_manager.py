@@ -236,3 +236,12 @@ def test_commit_applies_retention_on_disk(tmp_path):
 def test_config_rejects_unusable_retention(kwargs, message):
     with pytest.raises(CheckpointValidationError, match=message):
         CheckpointManagerConfig(**kwargs)
+
+
+def test_abandoned_save_can_be_prepared_again(tmp_path):
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=str(tmp_path)))
+    manager.prepare_save(3)
+    assert manager.in_flight == {3}
+    manager.abandon(3)  # its save failed; the job goes on
+    assert manager.in_flight == set()
+    manager.prepare_save(3)
