@@ -325,16 +325,21 @@ def main(argv=None) -> int:
 def _collect_notes(runs: List[Dict[str, Any]]) -> List[str]:
     """One line per method and distinct note or failure, naming the runs it applies to."""
     seen: Dict[tuple, List[str]] = {}
+    runs_of: Dict[str, set] = {}
     for run in runs:
         if run["sweep"] != "main" and run["status"] == "ok":
             continue
+        runs_of.setdefault(run["variant"], set()).add(_run_label(run))
         texts = [f"{run['status']}: {_summarize(run['reason'])}"] if run["status"] != "ok" else []
         for text in texts + list(run.get("notes", [])):
             labels = seen.setdefault((run["variant"], text), [])
             if _run_label(run) not in labels:
                 labels.append(_run_label(run))
-    return [f"- `{variant}` ({'; '.join(labels)}): {text}"
-            for (variant, text), labels in seen.items()]
+    lines = []
+    for (variant, text), labels in seen.items():
+        where = "every run" if set(labels) == runs_of[variant] else "; ".join(labels)
+        lines.append(f"- `{variant}` ({where}): {text}")
+    return lines
 
 
 def _render_markdown(config, host, limits, runs, targets, checksums, gpt, report) -> str:

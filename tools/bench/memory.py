@@ -94,17 +94,20 @@ class RssSampler:
         self._thread.join(timeout=5.0)
 
 
-def tree_pss_bytes() -> int:
-    """PSS of this process plus all its descendants (falls back to RSS without smaps)."""
+def tree_pss_bytes() -> Tuple[int, int]:
+    """PSS of this process and the summed PSS of all its descendants (RSS without smaps)."""
     proc = psutil.Process(os.getpid())
-    total = 0
-    for p in [proc] + _children(proc):
-        try:
-            info = p.memory_full_info()
-            total += getattr(info, "pss", info.rss)
-        except (psutil.Error, OSError):
-            continue
-    return total
+    totals = []
+    for group in ([proc], _children(proc)):
+        total = 0
+        for p in group:
+            try:
+                info = p.memory_full_info()
+                total += getattr(info, "pss", info.rss)
+            except (psutil.Error, OSError):
+                continue
+        totals.append(total)
+    return totals[0], totals[1]
 
 
 def wait_for_quiet_children(timeout_s: float, quiet_s: float = 1.0) -> bool:

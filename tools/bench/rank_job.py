@@ -2,7 +2,8 @@
 
 Order on every rank:
 
-1. build the workload, then read the memory baseline (PSS of the rank);
+1. import every checkpointing module, build the workload, then read the memory baseline
+   (PSS of the rank);
 2. set the save method up (queue, persistent worker, stager); for a persistent worker,
    wait until it finished starting (a training job saves long after start-up), then
    read the idle baseline;
@@ -51,6 +52,16 @@ def _agree_on_reason(reason: str, group) -> str:
     return next((r for r in reasons if r), "")
 
 
+def _import_checkpointing_modules() -> None:
+    """Import what any save method imports, so that no method's baseline includes modules."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import megatron_async  # noqa: F401
+    import megatron_async.strategy  # noqa: F401
+
+
 def variant_job(ctx: RankContext) -> Dict[str, Any]:
     """Run ``payload["saves"]`` saves of ``payload["variant"]`` (every rank).
 
@@ -67,6 +78,7 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
         os.makedirs(stamp_dir)
     dist.barrier(group=group)
 
+    _import_checkpointing_modules()
     sampler = RssSampler(payload["rss_interval_s"])
     workload = build_workload(payload, rank, ctx.world_size)
     saver = build_saver(payload["variant"], payload, stamp_dir)
@@ -76,7 +88,7 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
         "num_bytes": workload.num_bytes,
         "tensor_count": workload.tensor_count,
         "rss_base": psutil.Process().memory_info().rss,
-        "pss_base": tree_pss_bytes(),
+        "pss_base": sum(tree_pss_bytes()),
         "status": "ok",
         "reason": "",
         "saves": [],
@@ -94,7 +106,8 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
         if payload["variant"] == "ours_persistent" or "persistent" in payload["variant"]:
             result["worker_started"] = wait_for_quiet_children(_WORKER_START_TIMEOUT_S)
         gc.collect()
-        result["pss_idle"] = tree_pss_bytes()
+        result["pss_idle_rank"], result["pss_idle_background"] = tree_pss_bytes()
+        result["pss_idle"] = result["pss_idle_rank"] + result["pss_idle_background"]
         sampler.take_peaks()
         previous = None
         for index in range(payload["saves"]):
@@ -113,7 +126,8 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
                 return result
             record["peak_rss"], record["peak_worker_rss"] = sampler.take_peaks()
             gc.collect()
-            record["pss_after"] = tree_pss_bytes()
+            record["pss_rank"], record["pss_background"] = tree_pss_bytes()
+            record["pss_after"] = record["pss_rank"] + record["pss_background"]
             dist.barrier(group=group)
             if rank == 0:
                 record["dir_bytes"] = _directory_bytes(directory)

@@ -69,6 +69,11 @@ def _aggregate_save(records: Sequence[Dict[str, Any]], ranks: Sequence[Dict[str,
         "peak_worker_rss": _max([s["peak_worker_rss"] for s in records]),
         "held_total": _max([s["pss_after"] - r["pss_base"] for s, r in zip(records, ranks)]),
         "held_staging": _max([s["pss_after"] - r["pss_idle"] for s, r in zip(records, ranks)]),
+        # The same, split: what the rank holds, and what its background processes hold.
+        "held_staging_rank": _max([s["pss_rank"] - r["pss_idle_rank"]
+                                   for s, r in zip(records, ranks)]),
+        "held_staging_background": _max([s["pss_background"] - r["pss_idle_background"]
+                                         for s, r in zip(records, ranks)]),
         "dir_bytes": records[0].get("dir_bytes"),
         "reused_plans": all(s.get("reused_plans") for s in records),
     }
