@@ -19,8 +19,8 @@ class AsyncCallerConfig:
     """
 
     timeout_s: float = 3600.0
-    """Longest a single save may run in the background (staging + writing) before its
-    process is killed and the save fails on every rank with a timeout."""
+    """Longest the background part of a save (the write, counted from the end of staging)
+    may run before its process is killed and the save fails on every rank with a timeout."""
 
     staging_timeout_s: float = 600.0
     """Longest a trainer waits at schedule time for the persistent worker to confirm that

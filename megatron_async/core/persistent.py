@@ -230,6 +230,9 @@ class PersistentAsyncCaller(AsyncCaller):
             status = self._statuses[idx]
             if idx in self._staged or status.is_terminal:
                 self._staged.discard(idx)
+                # timeout_s bounds the background part; staging (worker start-up
+                # included) has its own bound, staging_timeout_s.
+                self._start_times[idx] = time.monotonic()
                 return
             if time.monotonic() > deadline:
                 pid = self.process.pid if self.process is not None else None
