@@ -220,7 +220,7 @@ def _print_progress(entry: Dict[str, Any]) -> None:
           f"{warm['e2e_s'] * 1e3:.0f} ms ({entry['launch_s']:.0f} s)", flush=True)
 
 
-def _measure_limits(config: BenchConfig) -> Dict[str, float]:
+def _measure_limits(config: BenchConfig, when: str) -> Dict[str, float]:
     from bench.launch import launch
     from bench.probes import limits_job
 
@@ -228,7 +228,7 @@ def _measure_limits(config: BenchConfig) -> Dict[str, float]:
     payload = {"num_bytes": config.limit_probe_bytes,
                "directory": os.path.abspath(config.checkpoint_root)}
     return launch(config.ranks, limits_job, payload, config.launch_timeout_s,
-                  config.threads_per_rank, _log_path(config, "limits", truncate=True))[0]
+                  config.threads_per_rank, _log_path(config, f"limits_{when}", truncate=True))[0]
 
 
 def main(argv=None) -> int:
@@ -244,8 +244,8 @@ def main(argv=None) -> int:
           f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
           f"({config.memory_saves} for ours), load average {host['load_average_start']}",
           flush=True)
-    limits = _measure_limits(config)
-    print(report.format_limits(limits), flush=True)
+    limits_start = _measure_limits(config, "start")
+    print(report.format_limits([limits_start]), flush=True)
 
     variants = list(config.variants)
     option = checksum_option()
@@ -293,13 +293,18 @@ def main(argv=None) -> int:
                 runner.run(variant, "synthetic", ranks, config.scaling_count,
                            config.scaling_bytes, config.saves, "ranks")
 
+    # Measured again at the end: the machine and disk may be shared, so the best of the two
+    # is taken as the limit.
+    limits_end = _measure_limits(config, "end")
+    limits = report.combine_limits([limits_start, limits_end])
     targets = report.evaluate_targets(runner.runs, limits, config.ranks,
                                       [v for v in OUR_VARIANTS if v in variants])
     plots = report.draw_plots(runner.runs, limits, config.ranks, config.out_dir)
     host["load_average_end"] = os.getloadavg()
     host["elapsed_s"] = time.monotonic() - started
 
-    markdown = _render_markdown(config, host, limits, runner.runs, targets, checksums, gpt,
+    markdown = _render_markdown(config, host, [limits_start, limits_end], runner.runs, targets,
+                                checksums, gpt,
                                 report)
     with open(os.path.join(config.out_dir, "report.md"), "w") as f:
         f.write(markdown)
@@ -308,6 +313,7 @@ def main(argv=None) -> int:
         "config": dataclasses.asdict(config),
         "host": host,
         "limits": limits,
+        "limits_measured": {"start": limits_start, "end": limits_end},
         "runs": runner.runs,
         "targets": targets,
         "checksums": checksums,
@@ -342,11 +348,12 @@ def _collect_notes(runs: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def _render_markdown(config, host, limits, runs, targets, checksums, gpt, report) -> str:
+def _render_markdown(config, host, limit_measurements, runs, targets, checksums, gpt,
+                     report) -> str:
     parts = [f"Load average at start {host['load_average_start']}, at end "
              f"{host['load_average_end']}; {host['cpu_count']} CPUs; torch {host['torch']}, "
              f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", "",
-             "### Physical limits", "", report.format_limits(limits), ""]
+             "### Physical limits", "", report.format_limits(limit_measurements), ""]
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for run in runs:
         if run["sweep"] == "main":
