@@ -8,7 +8,8 @@ One module per role:
 * :mod:`.workloads` the data saved: a synthetic sharded state dict and the GPT example's
   model + optimizer;
 * :mod:`.memory`    resident memory sampling (peak RSS) and proportional set size (PSS);
-* :mod:`.savers`    the save methods compared: ours, PyTorch DCP, megatron-core's own;
+* :mod:`.savers`    the save methods compared: ours and megatron-core's own, behind one interface;
+* :mod:`.dcp_saver` PyTorch DCP's ``save`` and ``async_save`` behind the same interface;
 * :mod:`.rank_job`  what every rank runs: N consecutive saves of one method, timed;
 * :mod:`.report`    aggregation over ranks, the targets, the table, JSON and plots.
 

@@ -34,7 +34,6 @@ __all__ = [
     "Saver",
     "OurSaver",
     "McoreSaver",
-    "DcpSaver",
     "build_saver",
     "checksum_option",
     "checksum_variant",
@@ -298,10 +297,11 @@ class McoreSaver(_MegatronCoreStyleSaver):
             # Not attempted: its worker dies at start-up and the trainer then waits for it
             # without a bound (observed with megatron-core 0.16 on CPU-only torch).
             raise Unsupported(
-                "megatron-core's PersistentAsyncCaller needs CUDA: its worker loop "
-                f"({_cuda_call_site('PersistentAsyncCaller.async_loop')}) sets a CUDA device at start-up, which "
-                "fails on CPU-only torch (ZeroDivisionError: device_count() is 0), and the "
-                "trainer then waits for the dead worker without a bound, so it is not run here"
+                "megatron-core's PersistentAsyncCaller needs CUDA: its worker loop ("
+                f"{_cuda_call_site('PersistentAsyncCaller.async_loop')}) sets a CUDA device at "
+                "start-up, which fails on CPU-only torch (ZeroDivisionError: device_count() is 0), "
+                "and the trainer then waits for the dead worker without a bound, so it is not run "
+                "here"
             )
         super().setup()
 
@@ -353,96 +353,6 @@ def _innermost_megatron_frame(exc: BaseException) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}: {frame.line}"
 
 
-class DcpSaver(Saver):
-    """PyTorch DCP: ``save``, or ``async_save`` with a thread or process executor.
-
-    Args:
-        mode: ``"sync"``, ``"thread"`` or ``"process"``.
-        reuse_stager: pass one ``DefaultStager`` kept across saves (async staging; shared
-            memory for the process executor; pinned memory and non-blocking copies where
-            an accelerator is) instead of letting each call stage a fresh copy.
-        thread_count: ``FileSystemWriter`` threads (files) per rank.
-    """
-
-    def __init__(self, name: str, train_step: bool, stamp_dir: str, *, mode: str,
-                 reuse_stager: bool, thread_count: int):
-        super().__init__(name, train_step, stamp_dir)
-        self._mode = mode
-        self._reuse_stager = reuse_stager
-        self._thread_count = thread_count
-        self._stager = None
-
-    def setup(self) -> None:
-        if not self._reuse_stager:
-            return
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        accelerator = torch.cuda.is_available()
-        if not accelerator:
-            self.notes.append(
-                "DefaultStager without pinned memory and non-blocking copies: StagingOptions "
-                "needs CUDA for both (torch ignores use_pinned_memory and rejects "
-                "use_non_blocking_copy without an accelerator)"
-            )
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=accelerator,
-                use_shared_memory=self._mode == "process",
-                use_async_staging=True,
-                use_non_blocking_copy=accelerator,
-            )
-        )
-
-    def save(self, workload: Workload, checkpoint_dir: str, index: int) -> Dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import (
-            AsyncCheckpointerType,
-            AsyncSaveResponse,
-        )
-
-        t_begin = _now()
-        state_dict = workload.dcp_state_dict()
-        writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self._thread_count)
-        t0 = _now()
-        if self._mode == "sync":
-            dcp.save(state_dict, storage_writer=writer)
-            t2 = _now()
-            train_s = self._maybe_train(workload)
-            return {
-                "build_s": t0 - t_begin, "plan_s": None, "strategy_plan_s": None,
-                "stage_s": None, "stall_s": t2 - t0, "train_step_s": train_s,
-                "finalize_s": 0.0, "e2e_s": t2 - t0, "t_start": t0, "t_stall_end": t2,
-                "write_start": t0, "write_end": t2, "reused_plans": False,
-            }
-        kind = AsyncCheckpointerType.PROCESS if self._mode == "process" else AsyncCheckpointerType.THREAD
-        response = dcp.async_save(
-            state_dict, storage_writer=writer, async_checkpointer_type=kind,
-            async_stager=self._stager,
-        )
-        if isinstance(response, AsyncSaveResponse):
-            response.staging_completion.result()
-            future = response.upload_completion
-        else:
-            future = response
-        t2 = _now()
-        done: Dict[str, float] = {}
-        future.add_done_callback(lambda _f: done.setdefault("at", _now()))
-        train_s = self._maybe_train(workload)
-        future.result()
-        t4 = _now()
-        return {
-            "build_s": t0 - t_begin, "plan_s": None, "strategy_plan_s": None,
-            "stage_s": None, "stall_s": t2 - t0, "train_step_s": train_s,
-            "finalize_s": 0.0, "e2e_s": t4 - t0, "t_start": t0, "t_stall_end": t2,
-            # DCP plans and writes in the background: its write span starts at the stall end.
-            "write_start": t2, "write_end": done.get("at", t4), "reused_plans": False,
-        }
-
-    def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-
-
 def build_saver(name: str, payload: Dict[str, Any], stamp_dir: str) -> Saver:
     """Create the saver a variant name stands for (see ``config.ALL_VARIANTS``)."""
     train_step = payload["train_step"]
@@ -454,6 +364,8 @@ def build_saver(name: str, payload: Dict[str, Any], stamp_dir: str) -> Saver:
         )
     if name.startswith("mcore_async_"):
         return McoreSaver(name, train_step, stamp_dir, persistent=name.endswith("persistent"))
+    from .dcp_saver import DcpSaver
+
     if name == "dcp_save":
         return DcpSaver(name, train_step, stamp_dir, mode="sync", reuse_stager=False,
                         thread_count=threads)
