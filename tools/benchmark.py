@@ -29,7 +29,7 @@ import platform
 import re
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from bench.config import (
     ALL_VARIANTS,
@@ -52,8 +52,8 @@ def _name_list(text: str):
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def parse_args(argv=None) -> BenchConfig:
-    """Read the command line into a :class:`BenchConfig`."""
+def parse_args(argv=None) -> Tuple[BenchConfig, Optional[str]]:
+    """Read the command line: the run's :class:`BenchConfig`, and ``--from-results``."""
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -87,7 +87,12 @@ def parse_args(argv=None) -> BenchConfig:
     parser.add_argument("--launch-timeout-s", type=float, default=defaults.launch_timeout_s)
     parser.add_argument("--profile", action="store_true",
                         help="pyinstrument reports of rank 0's stall in our callers' runs")
+    parser.add_argument("--from-results", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: redo the targets, tables and plots of an earlier "
+                        "run's results.json into --out")
     args = parser.parse_args(argv)
+    if args.from_results is not None:
+        return BenchConfig(out_dir=args.out), args.from_results
     try:
         return BenchConfig(
             ranks=args.ranks, bytes_per_rank=args.bytes_per_rank,
@@ -102,7 +107,7 @@ def parse_args(argv=None) -> BenchConfig:
             train_step=not args.no_train_step, rss_interval_s=args.rss_interval_ms / 1e3,
             launch_timeout_s=args.launch_timeout_s, probe_bytes=args.probe_bytes,
             profile=args.profile,
-        )
+        ), None
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -208,8 +213,7 @@ def _summarize(reason: str) -> str:
 
 
 def _print_progress(entry: Dict[str, Any]) -> None:
-    what = (f"{entry['workload']} {entry['tensor_count']}t {entry['ranks']}r "
-            f"{entry['variant']}")
+    what = f"{entry['variant']} ({_run_label(entry)})"
     if entry["status"] != "ok":
         print(f"  {what}: {entry['status']}: {_summarize(entry['reason'])[:200]}", flush=True)
         return
@@ -231,9 +235,8 @@ def _measure_limits(config: BenchConfig, when: str) -> Dict[str, float]:
                   config.threads_per_rank, _log_path(config, f"limits_{when}", truncate=True))[0]
 
 
-def main(argv=None) -> int:
-    config = parse_args(argv)
-    os.makedirs(config.out_dir, exist_ok=True)
+def _measure(config: BenchConfig) -> Dict[str, Any]:
+    """Run every launch of the benchmark; return the raw results (launching side)."""
     from bench import report
     from bench.savers import checksum_option, checksum_variant
     from bench.workloads import gpt_example_status
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     host = _host_info()
     print(f"benchmark: {config.ranks} ranks, {format_num_bytes(config.bytes_per_rank)}/rank, "
           f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
-          f"({config.memory_saves} for ours), load average {host['load_average_start']}",
+          f"({config.memory_saves} for ours), load average "
+          f"{', '.join(f'{v:.2f}' for v in host['load_average_start'])}",
           flush=True)
     limits_start = _measure_limits(config, "start")
     print(report.format_limits([limits_start]), flush=True)
@@ -257,14 +261,13 @@ def main(argv=None) -> int:
                      "variant": checksum_variant()}
     elif option is not None:
         checksums["reason"] = "ours_persistent is not among --variants"
-    our_variants = [v for v in variants if v.startswith("ours")]
 
     runner = _Runner(config)
     if "synthetic" in config.workloads:
         for count in config.tensor_counts:
             print(f"synthetic workload, {count} tensors per rank:", flush=True)
             for variant in variants:
-                saves = config.memory_saves if variant in our_variants else config.saves
+                saves = config.memory_saves if variant.startswith("ours") else config.saves
                 runner.run(variant, "synthetic", config.ranks, count, config.bytes_per_rank,
                            saves, "main")
 
@@ -296,35 +299,56 @@ def main(argv=None) -> int:
     # Measured again at the end: the machine and disk may be shared, so the best of the two
     # is taken as the limit.
     limits_end = _measure_limits(config, "end")
-    limits = report.combine_limits([limits_start, limits_end])
-    targets = report.evaluate_targets(runner.runs, limits, config.ranks,
-                                      [v for v in OUR_VARIANTS if v in variants])
-    plots = report.draw_plots(runner.runs, limits, config.ranks, config.out_dir)
     host["load_average_end"] = os.getloadavg()
     host["elapsed_s"] = time.monotonic() - started
-
-    markdown = _render_markdown(config, host, [limits_start, limits_end], runner.runs, targets,
-                                checksums, gpt,
-                                report)
-    with open(os.path.join(config.out_dir, "report.md"), "w") as f:
-        f.write(markdown)
-    results = {
+    return {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "config": dataclasses.asdict(config),
         "host": host,
-        "limits": limits,
         "limits_measured": {"start": limits_start, "end": limits_end},
         "runs": runner.runs,
-        "targets": targets,
         "checksums": checksums,
         "gpt": gpt,
-        "plots": plots,
     }
+
+
+def _config_of(results: Dict[str, Any], out_dir: str) -> BenchConfig:
+    """The configuration an earlier results.json was measured with, writing into ``out_dir``."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in results["config"].items()}
+    return BenchConfig(**dict(fields, out_dir=out_dir))
+
+
+def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
+    """Evaluate the targets, draw the plots, write results.json and report.md, print."""
+    from bench import report
+
+    measured = results["limits_measured"]
+    limits = report.combine_limits([measured["start"], measured["end"]])
+    variants = {run["variant"] for run in results["runs"]}
+    results["limits"] = limits
+    results["targets"] = report.evaluate_targets(
+        results["runs"], limits, config.ranks, [v for v in OUR_VARIANTS if v in variants])
+    results["plots"] = report.draw_plots(results["runs"], limits, config.ranks, config.out_dir)
+    markdown = _render_markdown(config, results, report)
+    with open(os.path.join(config.out_dir, "report.md"), "w") as f:
+        f.write(markdown)
     with open(os.path.join(config.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(markdown)
-    print(f"wrote {config.out_dir}/results.json, report.md and {len(plots)} plot(s) in "
-          f"{host['elapsed_s']:.0f} s", flush=True)
+    print(f"wrote {config.out_dir}/results.json, report.md and {len(results['plots'])} plot(s)",
+          flush=True)
+
+
+def main(argv=None) -> int:
+    config, from_results = parse_args(argv)
+    if from_results is not None:
+        with open(from_results) as f:
+            results = json.load(f)
+        config = _config_of(results, config.out_dir)
+    else:
+        results = _measure(config)
+    os.makedirs(config.out_dir, exist_ok=True)
+    _write_outputs(config, results)
     return 0
 
 
@@ -348,10 +372,15 @@ def _collect_notes(runs: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def _render_markdown(config, host, limit_measurements, runs, targets, checksums, gpt,
-                     report) -> str:
-    parts = [f"Load average at start {host['load_average_start']}, at end "
-             f"{host['load_average_end']}; {host['cpu_count']} CPUs; torch {host['torch']}, "
+def _render_markdown(config: BenchConfig, results: Dict[str, Any], report) -> str:
+    """report.md: the limits, one table per workload, the targets, checksums, scaling, notes."""
+    host, runs, targets = results["host"], results["runs"], results["targets"]
+    checksums, gpt = results["checksums"], results["gpt"]
+    limit_measurements = [results["limits_measured"]["start"], results["limits_measured"]["end"]]
+    load = {when: ", ".join(f"{v:.2f}" for v in host[f"load_average_{when}"])
+            for when in ("start", "end")}
+    parts = [f"Load average (1, 5, 15 min) at start {load['start']}, at end {load['end']}; "
+             f"{host['cpu_count']} CPUs; torch {host['torch']}, "
              f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", "",
              "### Physical limits", "", report.format_limits(limit_measurements), ""]
     groups: Dict[tuple, List[Dict[str, Any]]] = {}

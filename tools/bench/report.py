@@ -280,7 +280,7 @@ def format_targets(rows: List[Dict[str, Any]]) -> str:
         column = (row["variant"], row["tensor_count"])
         if column not in columns:
             columns.append(column)
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3g}"
         cells[(row["target"], column)] = f"{ratio} {row['verdict']}"
     body = []
     for name, text in TARGETS.items():
