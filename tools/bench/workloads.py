@@ -113,6 +113,8 @@ class SyntheticWorkload(Workload):
 
     def train_step(self) -> None:
         torch._foreach_add_(self._tensors, 1.0)
+        if self._tensors[0].is_cuda:
+            torch.cuda.synchronize()  # time the update itself, not its launch
 
     @property
     def num_bytes(self) -> int:
