@@ -230,7 +230,6 @@ class FileSystemWriterAsync(FileSystemWriter):
             self.sync_files,
             self.write_timeout_s,
             bucket_writer,
-            self._staging_key,
         )
         preload_fn = partial(self.preload_tensors, self.write_buckets, True, self._staging_key)
         return save_fn, preload_fn, (coordination.get_rank(), None, self.results_file)
@@ -266,7 +265,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         use_fsync: bool,
         timeout_s: float,
         bucket_writer: BucketWriter,
-        staging_key: Optional[Hashable],
         rank: int,
         write_buckets: Optional[Sequence[WriteBucket]],
         results_file: ResultFile,
@@ -278,7 +276,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         every rank.
         """
         runner = partial(_write_with_threads, bucket_writer, transforms, use_fsync, timeout_s)
-        _write_and_report(runner, staging_key, rank, write_buckets, results_file)
+        _write_and_report(runner, rank, write_buckets, results_file)
 
     @staticmethod
     def write_preloaded_data_multiproc(
@@ -286,7 +284,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         use_fsync: bool,
         timeout_s: float,
         bucket_writer: BucketWriter,
-        staging_key: Optional[Hashable],
         rank: int,
         write_buckets: Optional[Sequence[WriteBucket]],
         results_file: ResultFile,
@@ -300,7 +297,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         runner = partial(
             _write_with_processes, bucket_writer, transforms, use_fsync, timeout_s, results_file
         )
-        _write_and_report(runner, staging_key, rank, write_buckets, results_file)
+        _write_and_report(runner, rank, write_buckets, results_file)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """Write the plan synchronously (lets ``torch.distributed.checkpoint.save`` use this writer)."""
@@ -432,7 +429,6 @@ def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> 
 
 def _write_and_report(
     runner: Callable[[Sequence[WriteBucket], WriteOutcome], bool],
-    staging_key: Optional[Hashable],
     rank: int,
     write_buckets: Optional[Sequence[WriteBucket]],
     results_file: ResultFile,
@@ -444,7 +440,7 @@ def _write_and_report(
     """
     outcome = WriteOutcome(rank)
     # The lease travels with the staged buckets: only the save that holds the current
-    # lease of the cached buffers may mark or free them (``staging_key`` names the layout).
+    # lease of the cached buffers may mark or free them.
     lease = getattr(write_buckets, "lease", None)
     mark_staging_buffers_writing(lease)
     settled = False

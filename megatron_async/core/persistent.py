@@ -241,8 +241,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     f"async call {idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s; "
                     "it was killed and a new one starts with the next save"
                 )
-                self._fail_pending(lambda _i: RankFailure.from_exception(self.rank, "timeout", exc))
-                self._discard_worker(kill=True)
+                self._kill_worker_after_timeout(exc)
                 return
             time.sleep(min(self.config.poll_interval_s, 0.005))
 
@@ -262,10 +261,14 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
             )
-            self._fail_pending(lambda _i: RankFailure.from_exception(self.rank, "timeout", exc))
-            self._discard_worker(kill=True)
+            self._kill_worker_after_timeout(exc)
             status = self._statuses[call_idx]
         return status
+
+    def _kill_worker_after_timeout(self, exc: AsyncTimeoutError) -> None:
+        """Fail every pending call with ``exc`` and kill the worker (the next save starts one)."""
+        self._fail_pending(lambda _i: RankFailure.from_exception(self.rank, "timeout", exc))
+        self._discard_worker(kill=True)
 
     def release(self, call_idx: int) -> None:
         """Forget a finalized call (the worker itself stays up)."""
