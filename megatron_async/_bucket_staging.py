@@ -1,34 +1,27 @@
-"""Host staging of write buckets: a real snapshot of every tensor, optionally in reused buffers.
+"""Host staging of write buckets: a real snapshot of every tensor, in shared-memory buffers.
 
-Staging runs wherever the request's preload function runs: in the trainer right before a
-forked writer starts, in the persistent worker, or in the calling thread of a synchronous
-save. It copies every tensor into a host buffer, so the trainer may update its tensors in
-place as soon as scheduling returns:
+Staging runs in the trainer (the request's ``preload_fn``, called by every caller before
+the background part starts). It copies every tensor into a host buffer, so the trainer
+may update its tensors in place as soon as scheduling returns:
 
-* CUDA tensors go to pinned host buffers with non-blocking copies and one synchronize;
-* CPU tensors are copied too (``tensor.to("cpu")`` would return the very same tensor,
-  and an in-place update after scheduling would leak into the file).
+* CPU tensors are copied into one shared-memory segment per bucket
+  (:mod:`megatron_async.core.shared_memory`): ``tensor.to("cpu")`` would return the very
+  same tensor, and an in-place update after scheduling would leak into the file. Shared
+  memory is what lets a forked writer read the buffers without write-protecting them,
+  and the persistent worker map them once instead of receiving every tensor;
+* CUDA tensors go to pinned host buffers with non-blocking copies and one synchronize.
 
 No CUDA API is called unless a tensor is on a CUDA device.
 
-With a *cache key* (``use_cached_data_structure``), the buffers of a given bucket layout
-are kept in this process and reused by the next save of the same layout, so staging memory
-stays about the checkpoint size instead of growing with every save. A buffer set is
-*leased* from staging until the data in it is safe from the next staging:
-
-* the write finished in this process (synchronous save, persistent worker), or
-* the thread that staged forked the process before writing started here: the forked
-  writer then owns a copy-on-write snapshot (the temporal caller).
-
-A staging that finds its buffers still leased (a pipelined caller) allocates fresh ones.
-Every lease has its own generation number, carried by the staged buckets
-(:class:`StagedBuckets`): only the save that holds the current lease may mark or free the
-buffers, so a save that wrote from fresh buffers can never free buffers that a later save
-has just staged into.
-
-Buffers filled by device-to-host copies (CUDA sources) are not freed at fork: a GPU copy
-into pinned memory need not trigger the copy-on-write that protects the forked writer's
-snapshot, so such buffers stay leased and the next save allocates fresh ones.
+The staged buckets (:class:`StagedBuckets`) *lease* their buffers: the caller that ran
+the staging calls :meth:`StagedBuckets.release` once the background part no longer reads
+them (the write finished, failed, or its process is gone). With a *cache key*
+(``use_cached_data_structure``), the buffers of a bucket layout are kept in this process
+after release and reused by the next save of the same layout, so staging memory stays
+about the checkpoint size and warm staging is one memory copy. A staging that finds its
+layout's buffers still leased (a save still being written) uses fresh buffers instead.
+Every lease has its own generation number, so only the save holding the current lease
+can free the cached buffers.
 """
 
 from __future__ import annotations
@@ -43,13 +36,13 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async._write_buckets import WriteBucket
-from megatron_async.staging import copy_tensor_to_host, synchronize_if_cuda
+from megatron_async.core import shared_memory
+from megatron_async.staging import synchronize_if_cuda
 
 __all__ = [
     "StagedBuckets",
     "stage_buckets",
     "release_staging_buffers",
-    "mark_staging_buffers_writing",
     "staging_cache_num_bytes",
     "clear_staging_cache",
 ]
@@ -59,55 +52,90 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_LAYOUTS = 4
 """How many distinct bucket layouts keep their buffers in one process (least recent dropped)."""
 
-_FREE, _STAGED, _WRITING = "free", "staged", "writing"
+_ALIGNMENT = 64
+"""Byte alignment of each tensor in a bucket's segment (cache line; any dtype's element size)."""
+
+
+@dataclasses.dataclass
+class _BucketBuffers:
+    """The host buffers of one bucket: views of one shared segment, or pinned tensors."""
+
+    segment: Optional[torch.Tensor]
+    tensors: List[torch.Tensor]
+    private_bytes: int = 0
+    """Bytes of the buffers outside the segment (pinned buffers of CUDA sources)."""
+
+    def fits(self, sources: Sequence[torch.Tensor]) -> bool:
+        return len(sources) == len(self.tensors) and all(
+            buffer.shape == source.shape
+            and buffer.dtype == source.dtype
+            and (buffer.device.type == "cpu") == (source.device.type == "cpu")
+            for buffer, source in zip(self.tensors, sources)
+        )
+
+    def num_bytes(self) -> int:
+        return (self.segment.numel() if self.segment is not None else 0) + self.private_bytes
+
+
+def _allocate_bucket_buffers(sources: Sequence[torch.Tensor], non_blocking: bool) -> _BucketBuffers:
+    """Allocate one bucket's host buffers: CPU sources share one segment, CUDA ones are pinned."""
+    offsets: List[Optional[int]] = []
+    total = 0
+    for source in sources:
+        if source.device.type == "cpu" and source.numel():
+            start = -(-total // _ALIGNMENT) * _ALIGNMENT
+            offsets.append(start)
+            total = start + source.numel() * source.element_size()
+        else:
+            offsets.append(None)
+    segment = shared_memory.allocate_segment(total) if total else None
+    tensors: List[torch.Tensor] = []
+    private_bytes = 0
+    for source, start in zip(sources, offsets):
+        if start is not None:
+            tensors.append(shared_memory.segment_view(segment, start, tuple(source.shape), source.dtype))
+        else:
+            # Empty tensors need no memory; CUDA sources get pinned memory, so that
+            # their device-to-host copies can run asynchronously.
+            pin = non_blocking and source.device.type == "cuda"
+            tensors.append(torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin))
+            private_bytes += source.numel() * source.element_size()
+    return _BucketBuffers(segment, tensors, private_bytes)
 
 
 @dataclasses.dataclass
 class _BufferSet:
-    buffers: List[List[Optional[torch.Tensor]]]
-    state: str = _FREE
+    """The cached buffers of one bucket layout and the state of their lease."""
+
+    buckets: List[Optional[_BucketBuffers]]
+    leased: bool = False
     owner_pid: int = 0
-    owner_thread: int = 0
     generation: int = 0
-    device_copied: bool = False
 
     def num_bytes(self) -> int:
-        return sum(
-            b.numel() * b.element_size() for bucket in self.buffers for b in bucket if b is not None
-        )
+        return sum(b.num_bytes() for b in self.buckets if b is not None)
 
 
 _lock = threading.Lock()
 _cache: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
 
 
-def _release_staged_after_fork() -> None:
-    """In the parent after a fork by the staging thread: the child owns the staged snapshot."""
-    for entry in list(_cache.values()):
-        if (
-            entry.state == _STAGED
-            and not entry.device_copied
-            and entry.owner_pid == os.getpid()
-            and entry.owner_thread == threading.get_ident()
-        ):
-            entry.state = _FREE
-
-
-os.register_at_fork(after_in_parent=_release_staged_after_fork)
-
-
-def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
-
-
 class StagedBuckets(list):
-    """Staged write buckets, plus the lease of the cached buffers they live in (if any).
+    """Staged write buckets, plus the lease of the buffers they live in.
 
     ``lease`` is ``(cache_key, generation)`` when the buckets use this process's cached
-    buffers, else None (fresh buffers that nobody else can reuse).
+    buffers, else None (fresh buffers, freed with this object). Pickled (to the
+    persistent worker), only the buckets and the lease travel; :meth:`release` is a
+    no-op in any process but the one that staged.
     """
 
     lease: Optional[Tuple[Hashable, int]] = None
+    _fresh: Optional[List[_BucketBuffers]] = None
+
+    def release(self) -> None:
+        """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
+        release_staging_buffers(self.lease)
+        self.lease = None
 
     def __reduce__(self):
         return (_rebuild_staged, (list(self), self.lease))
@@ -119,34 +147,33 @@ def _rebuild_staged(items, lease):
     return staged
 
 
-def _lease(key: Hashable, buckets: Sequence[WriteBucket]) -> Optional[_BufferSet]:
-    """Return this layout's free buffer set, leased to the caller, or None if none is free."""
+def _lease(key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
+    """Return this layout's buffer set, leased to the caller, or None if it is leased already."""
     with _lock:
         entry = _cache.get(key)
         if entry is None:
-            entry = _BufferSet([[None] * len(b.data[1]) for b in buckets])
+            entry = _BufferSet([None] * num_buckets)
             _cache[key] = entry
             while len(_cache) > MAX_CACHED_LAYOUTS:
                 oldest = next(iter(_cache))
-                if _cache[oldest].state != _FREE:
+                if _cache[oldest].leased:
                     break
                 del _cache[oldest]
-        elif entry.state != _FREE:
-            logger.debug("staging buffers of this layout are still in use; allocating new ones")
+        elif entry.leased:
+            logger.debug("staging buffers of this layout are still being written; using new ones")
             return None
         _cache.move_to_end(key)
-        entry.state, entry.owner_pid, entry.owner_thread = _STAGED, os.getpid(), threading.get_ident()
+        entry.leased, entry.owner_pid = True, os.getpid()
         entry.generation += 1
-        entry.device_copied = False
         return entry
 
 
 def stage_buckets(
     buckets: Sequence[WriteBucket], non_blocking: bool = True, cache_key: Optional[Hashable] = None
-) -> List[WriteBucket]:
+) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
-    Runs where the preload function runs (trainer or persistent worker).
+    Runs in the trainer (the request's ``preload_fn``).
 
     Args:
         buckets: planned buckets whose tensors may live anywhere (CPU or CUDA).
@@ -156,37 +183,39 @@ def stage_buckets(
             of that layout instead of allocating new ones.
 
     Returns:
-        Buckets with the same items whose tensors are contiguous host copies, with the
-        lease of the cached buffers they use (see :class:`StagedBuckets`).
+        Buckets with the same items whose tensors are contiguous host copies; call
+        :meth:`StagedBuckets.release` once the background part is done with them.
+
+    Raises:
+        StagingMemoryError: shared memory for the buffers could not be allocated.
     """
-    entry = _lease(cache_key, buckets) if cache_key is not None else None
-    lease = (cache_key, entry.generation) if entry is not None else None
+    entry = _lease(cache_key, len(buckets)) if cache_key is not None else None
+    result = StagedBuckets()
+    result.lease = (cache_key, entry.generation) if entry is not None else None
+    if entry is None:
+        result._fresh = []
     cuda_sources: List[torch.Tensor] = []
-    staged: List[WriteBucket] = []
     try:
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
-            copies: List[Tuple[object, torch.Tensor]] = []
-            for t_idx, (item, tensor) in enumerate(tensor_data):
-                if tensor.device.type == "cuda":
-                    cuda_sources.append(tensor)
-                buffer = entry.buffers[b_idx][t_idx] if entry is not None else None
-                if buffer is not None and _fits(buffer, tensor):
-                    buffer.copy_(tensor.detach(), non_blocking=non_blocking)
+            sources = [tensor.detach() for _, tensor in tensor_data]
+            buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
+            if buffers is None or not buffers.fits(sources):
+                buffers = _allocate_bucket_buffers(sources, non_blocking)
+                if entry is not None and b_idx < len(entry.buckets):
+                    entry.buckets[b_idx] = buffers
                 else:
-                    buffer = copy_tensor_to_host(tensor, non_blocking)
-                    if entry is not None:
-                        entry.buffers[b_idx][t_idx] = buffer
-                copies.append((item, buffer))
-            staged.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
-        if entry is not None and cuda_sources:
-            entry.device_copied = True
+                    result._fresh.append(buffers)
+            for source, buffer in zip(sources, buffers.tensors):
+                if source.device.type == "cuda":
+                    cuda_sources.append(source)
+                buffer.copy_(source, non_blocking=non_blocking and source.device.type == "cuda")
+            copies = [(item, buffer) for (item, _), buffer in zip(tensor_data, buffers.tensors)]
+            result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         synchronize_if_cuda(cuda_sources)
     except BaseException:
-        release_staging_buffers(lease)
+        release_staging_buffers(result.lease)
         raise
-    result = StagedBuckets(staged)
-    result.lease = lease
     return result
 
 
@@ -201,24 +230,16 @@ def _current_entry(lease: Optional[Tuple[Hashable, int]]) -> Optional[_BufferSet
     return entry
 
 
-def mark_staging_buffers_writing(lease: Optional[Tuple[Hashable, int]]) -> None:
-    """Record that this process now writes from the leased buffers (background writer)."""
-    with _lock:
-        entry = _current_entry(lease)
-        if entry is not None and entry.state == _STAGED:
-            entry.state = _WRITING
-
-
 def release_staging_buffers(lease: Optional[Tuple[Hashable, int]]) -> None:
-    """Make the leased buffers reusable once this process is done writing them.
+    """Make the leased buffers reusable once nothing reads them any more (stager).
 
     A lease that is no longer current (its buffers were freed and leased again by a later
-    save) releases nothing.
+    save), or one taken in another process, releases nothing.
     """
     with _lock:
         entry = _current_entry(lease)
         if entry is not None:
-            entry.state = _FREE
+            entry.leased = False
 
 
 def staging_cache_num_bytes() -> int:
@@ -234,5 +255,5 @@ def clear_staging_cache(include_in_use: bool = False) -> None:
     holds it); use it only when no save of this process is in flight, e.g. in tests.
     """
     with _lock:
-        for key in [k for k, e in _cache.items() if include_in_use or e.state == _FREE]:
+        for key in [k for k, e in _cache.items() if include_in_use or not e.leased]:
             del _cache[key]

@@ -26,6 +26,7 @@ __all__ = [
     "CoordinationError",
     "CheckpointIntegrityError",
     "StorageWriteError",
+    "StagingMemoryError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -65,6 +66,10 @@ class CoordinationError(AsyncCheckpointError):
 
 class CheckpointIntegrityError(AsyncCheckpointError):
     """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+class StagingMemoryError(AsyncCheckpointError, MemoryError):
+    """Host memory for staging a checkpoint (shared memory) could not be allocated."""
 
 
 class StorageWriteError(AsyncCheckpointError):

@@ -34,15 +34,11 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megatron_async._bucket_staging import (
-    mark_staging_buffers_writing,
-    release_staging_buffers,
-    stage_buckets,
-)
+from megatron_async._bucket_staging import stage_buckets
 from megatron_async._write_buckets import (
     BucketLayout,
     ResultFile,
@@ -93,6 +89,14 @@ def _layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str
         offset = tuple(item.index.offset) if item.index.offset is not None else None
         digest.update(repr((item.index.fqn, offset, item.type.value, shape)).encode())
     return digest.hexdigest()
+
+
+def _check_storage_prefix(plan: SavePlan) -> None:
+    if not isinstance(plan.storage_data, _StoragePrefix):
+        raise CheckpointValidationError(
+            "the plan has no storage prefix; finish planning (prepare_global_plan or "
+            "prepare_decentralized_global_plan) before prepare_write_data"
+        )
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -172,15 +176,45 @@ class FileSystemWriterAsync(FileSystemWriter):
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             planner: the planner that resolves each write item to its data.
         """
-        if not isinstance(plan.storage_data, _StoragePrefix):
-            raise CheckpointValidationError(
-                "the plan has no storage prefix; finish planning (prepare_global_plan or "
-                "prepare_decentralized_global_plan) before prepare_write_data"
-            )
+        _check_storage_prefix(plan)
         resolved = [(item, planner.resolve_data(item)) for item in plan.items]
-        layout = None
+        self.prepare_resolved_write_data(plan, resolved)
+
+    bucket_layout: Optional[BucketLayout] = None
+    """The bucket layout of the prepared save (set by ``prepare_resolved_write_data``)."""
+
+    @property
+    def staging_key(self) -> Optional[str]:
+        """The key of the prepared layout's reusable staging buffers, or None."""
+        return self._staging_key
+
+    def prepare_resolved_write_data(
+        self,
+        plan: SavePlan,
+        resolved: Sequence[Tuple[WriteItem, Any]],
+        layout: Optional[BucketLayout] = None,
+        staging_key: Optional[str] = None,
+    ) -> None:
+        """Split already resolved items into buckets (trainer, every rank).
+
+        A save whose structure did not change since the previous one resolves its items
+        without a planner and passes the previous save's layout, which skips both the
+        size balancing and the layout digest.
+
+        Args:
+            plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
+            resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
+            layout: a bucket layout made for exactly these items (``bucket_layout`` of an
+                earlier writer), or None to compute it.
+            staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
+                ``layout`` had, or None to compute it.
+        """
+        _check_storage_prefix(plan)
         if self.use_cached_data_structure:
-            self._staging_key = _layout_key(plan, self.thread_count, self.separation_hint)
+            if staging_key is None:
+                staging_key = _layout_key(plan, self.thread_count, self.separation_hint)
+            self._staging_key = staging_key
+        if layout is None and self._staging_key is not None:
             with _layout_lock:
                 layout = _layout_cache.get(self._staging_key)
         if layout is None:
@@ -189,6 +223,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                 with _layout_lock:
                     _layout_cache.clear()  # one structure at a time: no growth across saves
                     _layout_cache[self._staging_key] = layout
+        self.bucket_layout = layout
         self.write_buckets = materialize_buckets(
             resolved, layout, self.checkpoint_dir, plan.storage_data.prefix
         )
@@ -304,7 +339,11 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.prepare_write_data(plan, planner)
         save_fn, preload_fn, args = self.get_save_function_and_args()
         if save_fn is not None:
-            save_fn(args[0], preload_fn(), args[2])
+            staged = preload_fn()
+            try:
+                save_fn(args[0], staged, args[2])
+            finally:
+                staged.release()
         future: Future = Future()
         future.set_result(self.retrieve_write_results())
         return future
@@ -428,34 +467,26 @@ def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> 
 
 
 def _write_and_report(
-    runner: Callable[[Sequence[WriteBucket], WriteOutcome], bool],
+    runner: Callable[[Sequence[WriteBucket], WriteOutcome], None],
     rank: int,
     write_buckets: Optional[Sequence[WriteBucket]],
     results_file: ResultFile,
 ) -> None:
     """Run ``runner`` on the staged buckets and publish the outcome (background writer).
 
-    ``runner`` fills the outcome and returns whether every bucket is settled; only then
-    may the staging buffers be reused (a hung writer thread may still read them).
+    The staging buffers are not released here: the caller that staged them does that
+    once the whole call is over (see :meth:`StagedBuckets.release`).
     """
     outcome = WriteOutcome(rank)
-    # The lease travels with the staged buckets: only the save that holds the current
-    # lease of the cached buffers may mark or free them.
-    lease = getattr(write_buckets, "lease", None)
-    mark_staging_buffers_writing(lease)
-    settled = False
     try:
         if write_buckets is None:
             raise ValueError(
                 "the save function got no staged buckets: the caller must run preload_fn and "
                 "pass its result as args[1]"
             )
-        settled = runner(write_buckets, outcome)
+        runner(write_buckets, outcome)
     except Exception as exc:  # reported through the result file
         outcome.failures[-1] = RankFailure.from_exception(rank, "write", exc)
-    finally:
-        if settled:
-            release_staging_buffers(lease)
     results_file.put(outcome)
 
 
@@ -466,7 +497,7 @@ def _write_with_threads(
     timeout_s: float,
     buckets: Sequence[WriteBucket],
     outcome: WriteOutcome,
-) -> bool:
+) -> None:
     def run(idx: int, bucket: WriteBucket) -> None:
         try:
             outcome.results[idx] = bucket_writer(transforms, bucket, use_fsync)
@@ -483,13 +514,10 @@ def _write_with_threads(
     if buckets:
         run(len(buckets) - 1, buckets[-1])
     deadline = time.monotonic() + timeout_s
-    settled = True
     for idx, thread in enumerate(threads):
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            settled = False
             outcome.failures[idx] = _timeout_failure(outcome.rank, buckets[idx], timeout_s)
-    return settled
 
 
 def _write_with_processes(
@@ -500,7 +528,7 @@ def _write_with_processes(
     results_file: ResultFile,
     buckets: Sequence[WriteBucket],
     outcome: WriteOutcome,
-) -> bool:
+) -> None:
     rank = outcome.rank
     ctx = mp.get_context("fork")
     children = []
@@ -533,7 +561,6 @@ def _write_with_processes(
             outcome.results[idx] = payload
         else:
             outcome.failures[idx] = payload
-    return True
 
 
 def _timeout_failure(rank: int, bucket: WriteBucket, timeout_s: float) -> RankFailure:

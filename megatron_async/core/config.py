@@ -23,11 +23,12 @@ class AsyncCallerConfig:
     may run before its process is killed and the save fails on every rank with a timeout."""
 
     staging_timeout_s: float = 600.0
-    """Longest a trainer waits at schedule time for the persistent worker to confirm that
-    the data was staged (includes the worker's start-up on the first save)."""
+    """Longest the persistent worker may take to pick up a scheduled request (its start-up
+    included, on the first save after a (re)start) before it is killed and the save fails
+    on every rank. Staging itself runs in the trainer and needs no bound."""
 
     poll_interval_s: float = 0.05
-    """Pause between liveness/completion checks while waiting (blocking finalize, staging)."""
+    """Pause between liveness/completion checks while waiting (blocking finalize, close)."""
 
     close_timeout_s: float = 60.0
     """Longest ``close()`` waits for a worker to stop cleanly before killing it."""

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
 import os
-import pickle
 import time
-from multiprocessing.reduction import ForkingPickler
-from typing import Dict, Optional, Set
+from typing import Any, Dict, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
-from megatron_async.core._process import kill_and_reap, raise_open_file_limit, register_exit_cleanup
+from megatron_async.core._process import kill_and_reap, register_exit_cleanup
+from megatron_async.core._request_transport import RequestSender
 from megatron_async.core._worker_loop import STOP, persistent_worker_main
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import AsyncRequest
+from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["PersistentAsyncCaller"]
@@ -27,44 +24,6 @@ __all__ = ["PersistentAsyncCaller"]
 logger = logging.getLogger(__name__)
 
 _WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"  # same name as megatron_async.BACKGROUND_WORKER_ENV
-
-
-class _StorageCounter(pickle.Pickler):
-    """Counts the distinct CPU tensor storages a request would share, without sharing them."""
-
-    def __init__(self):
-        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.storages: Set[int] = set()
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu" and obj.numel():
-                self.storages.add(obj.untyped_storage().data_ptr())
-            return torch.empty, (0,)
-        return NotImplemented
-
-
-def _check_descriptors_suffice(request: AsyncRequest, rank: int) -> None:
-    """Refuse, before pickling, a request whose tensors need more descriptors than allowed.
-
-    torch shares each CPU tensor storage with the worker through a file descriptor that
-    the trainer keeps open for the storage's lifetime. Pickling a request past the limit
-    fails halfway and leaks the descriptors already duplicated, after which the trainer
-    cannot open files at all; counting first turns that into a clear error.
-    """
-    counter = _StorageCounter()
-    counter.dump(request)
-    needed = len(counter.storages)
-    limit = raise_open_file_limit()
-    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
-    if open_now + 2 * needed + 64 > limit:
-        raise OSError(
-            errno.EMFILE,
-            f"rank {rank}: this save shares {needed} CPU tensor storages with the persistent "
-            f"worker, which needs about {2 * needed} file descriptors, but only {limit - open_now} "
-            "are available (ulimit -n). Raise the hard limit of open files, or use the temporal "
-            "caller (AsyncCallsQueue(persistent=False)), which shares nothing",
-        )
 
 
 def _current_cuda_device() -> Optional[int]:
@@ -76,11 +35,15 @@ def _current_cuda_device() -> Optional[int]:
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one spawned worker process that lives across saves (trainer side).
 
-    The worker is started when the caller is created (so its start-up overlaps with
-    training), stages each request's data (``preload_fn``) and acknowledges, then writes
-    on a separate thread. The trainer returns from :meth:`schedule_async_call` as soon as
-    the acknowledgement arrives. If the worker dies or overruns a timeout, its pending
-    calls fail (on every rank, at finalization) and the next save starts a fresh worker.
+    The worker is started when the caller is created, so its start-up overlaps with
+    training. The trainer stages each request's data itself (``preload_fn``, a memory
+    copy into shared-memory buffers) and sends the request with its tensors as
+    references into shared memory (:mod:`megatron_async.core._request_transport`):
+    :meth:`schedule_async_call` returns right after that, without waiting for the worker.
+    The worker acknowledges receipt and writes on a separate thread; the staged data is
+    released for reuse when the worker reports the call done (or the worker is gone).
+    If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
+    finalization) and the next save starts a fresh worker.
 
     Like any spawn-based multiprocessing, the training script needs an
     ``if __name__ == "__main__":`` guard.
@@ -92,9 +55,11 @@ class PersistentAsyncCaller(AsyncCaller):
         self.process: Optional[mp.Process] = None
         self._requests = None
         self._results = None
+        self._sender: Optional[RequestSender] = None
         self._statuses: Dict[int, CallStatus] = {}
         self._start_times: Dict[int, float] = {}
-        self._staged: set = set()
+        self._unreceived: Dict[int, float] = {}  # call -> time it was sent
+        self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
         register_exit_cleanup(self, "_abort_at_exit")
         self._start_worker()
@@ -103,6 +68,7 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _start_worker(self) -> None:
         ctx = mp.get_context("spawn")
+        self._sender = RequestSender()
         self._requests = ctx.Queue()
         self._results, child_conn = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
@@ -139,7 +105,16 @@ class PersistentAsyncCaller(AsyncCaller):
             self._requests.close()
         if self._results is not None:
             self._results.close()
-        self.process, self._requests, self._results = None, None, None
+        self.process, self._requests, self._results, self._sender = None, None, None, None
+        # The worker is gone: nothing reads the staged data any more.
+        for idx in list(self._held):
+            self._release_call(idx)
+        self._unreceived.clear()
+
+    def _release_call(self, idx: int) -> None:
+        held = self._held.pop(idx, None)
+        if held is not None:
+            release_staged_data(held[0])
 
     def _fail_pending(self, make_failure) -> None:
         for idx, status in list(self._statuses.items()):
@@ -174,11 +149,16 @@ class PersistentAsyncCaller(AsyncCaller):
                 kind, idx = message[0], message[1]
                 if kind == "done":
                     self._statuses[idx] = CallStatus.succeeded()
+                    self._release_call(idx)
                 elif kind == "error":
                     self._statuses[idx] = CallStatus.failed(message[2])
-                elif kind == "staged":
-                    self._statuses.setdefault(idx, CallStatus.running())
-                    self._staged.add(idx)
+                    self._release_call(idx)
+                    self._unreceived.pop(idx, None)
+                elif kind == "received":
+                    self._unreceived.pop(idx, None)
+                    # timeout_s bounds the background part from here on; the time
+                    # until the worker took the call is bounded by staging_timeout_s.
+                    self._start_times[idx] = time.monotonic()
         except (EOFError, OSError):
             self._worker_died()
             return
@@ -189,10 +169,11 @@ class PersistentAsyncCaller(AsyncCaller):
     # -- caller interface ----------------------------------------------------------------
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Send the request to the worker and wait (bounded) until its data is staged.
+        """Stage the request's data, send the request to the worker and return.
 
-        Runs on every rank. Failures (unpicklable request, staging error, worker death,
-        staging timeout) are recorded for :meth:`poll`, never raised here.
+        Runs on every rank. Failures (staging error, unpicklable request, no shared
+        memory, a worker that cannot start) are recorded for :meth:`poll`, never raised
+        here. A worker that died since the last call is replaced first.
         """
         idx = async_req.call_idx
         self._current_call_idx = idx
@@ -210,43 +191,36 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._discard_worker(kill=True)
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
                 return
+        args = list(async_req.async_fn_args)
+        staged = None
         try:
-            request = async_req.without_finalize_fns()
-            _check_descriptors_suffice(request, self.rank)
-            payload = bytes(ForkingPickler.dumps(request))
+            if async_req.preload_fn is not None:
+                staged = async_req.preload_fn()
+                if len(args) > STAGED_ARG_INDEX:
+                    args[STAGED_ARG_INDEX] = staged
+        except Exception as exc:
+            logger.error("rank %d: staging of async call %d failed: %s", self.rank, idx, exc)
+            self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "staging", exc))
+            return
+        if async_req.async_fn is None:
+            release_staged_data(staged)
+            self._statuses[idx] = CallStatus.succeeded()
+            return
+        request = async_req._replace(async_fn_args=tuple(args), preload_fn=None, finalize_fns=[])
+        try:
+            encoded, arena = self._sender.encode(request)
         except Exception as exc:
             logger.error("rank %d: async call %d cannot be sent to the worker: %s", self.rank, idx, exc)
+            release_staged_data(staged)
             self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
             return
+        self._held[idx] = (staged, arena)
         self._statuses[idx] = CallStatus.running()
-        self._requests.put((idx, payload, _current_cuda_device()))
-        del payload
-        self._wait_until_staged(idx)
-
-    def _wait_until_staged(self, idx: int) -> None:
-        deadline = time.monotonic() + self.config.staging_timeout_s
-        while True:
-            self._drain_messages()
-            status = self._statuses[idx]
-            if idx in self._staged or status.is_terminal:
-                self._staged.discard(idx)
-                # timeout_s bounds the background part; staging (worker start-up
-                # included) has its own bound, staging_timeout_s.
-                self._start_times[idx] = time.monotonic()
-                return
-            if time.monotonic() > deadline:
-                pid = self.process.pid if self.process is not None else None
-                exc = AsyncTimeoutError(
-                    f"rank {self.rank}: persistent worker (pid {pid}) did not finish staging "
-                    f"async call {idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s; "
-                    "it was killed and a new one starts with the next save"
-                )
-                self._kill_worker_after_timeout(exc)
-                return
-            time.sleep(min(self.config.poll_interval_s, 0.005))
+        self._unreceived[idx] = time.monotonic()
+        self._requests.put((idx, encoded, _current_cuda_device()))
 
     def poll(self, call_idx: int) -> CallStatus:
-        """Local status of the call; detects a dead worker and enforces the timeout."""
+        """Local status of the call; detects a dead worker and enforces the timeouts."""
         status = self._statuses.get(call_idx)
         if status is None:
             raise KeyError(f"async call {call_idx} was never scheduled on this caller")
@@ -254,16 +228,26 @@ class PersistentAsyncCaller(AsyncCaller):
             return status
         self._drain_messages()
         status = self._statuses[call_idx]
-        if not status.is_terminal and time.monotonic() - self._start_times[call_idx] > self.config.timeout_s:
-            pid = self.process.pid if self.process is not None else None
+        if status.is_terminal:
+            return status
+        now = time.monotonic()
+        pid = self.process.pid if self.process is not None else None
+        sent = self._unreceived.get(call_idx)
+        if sent is not None and now - sent > self.config.staging_timeout_s:
+            exc = AsyncTimeoutError(
+                f"rank {self.rank}: persistent worker (pid {pid}) did not take async call "
+                f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s "
+                "(stuck at start-up?); it was killed and a new one starts with the next save"
+            )
+            self._kill_worker_after_timeout(exc)
+        elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
                 f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
             )
             self._kill_worker_after_timeout(exc)
-            status = self._statuses[call_idx]
-        return status
+        return self._statuses[call_idx]
 
     def _kill_worker_after_timeout(self, exc: AsyncTimeoutError) -> None:
         """Fail every pending call with ``exc`` and kill the worker (the next save starts one)."""

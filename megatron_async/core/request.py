@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.errors import FrozenRequestError, RankFailure
 
-__all__ = ["AsyncRequest", "STAGED_ARG_INDEX", "run_staging_and_async_fn"]
+__all__ = ["AsyncRequest", "STAGED_ARG_INDEX", "release_staged_data", "run_staging_and_async_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +90,28 @@ class AsyncRequest(NamedTuple):
             fn()
 
 
+def release_staged_data(staged: Any) -> None:
+    """Tell staged data that the background part is done with it (trainer side).
+
+    Staged data may hold reusable buffers (ours: :class:`StagedBuckets`, whose ``release``
+    makes them available to the next save); callers call this once the call is over:
+    written, failed, or its process gone. Data without a ``release`` method is left alone.
+    """
+    release = getattr(staged, "release", None)
+    if callable(release):
+        release()
+
+
 def run_staging_and_async_fn(request: AsyncRequest) -> None:
     """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
     args = list(request.async_fn_args)
+    staged = None
     if request.preload_fn is not None:
         staged = request.preload_fn()
         if len(args) > STAGED_ARG_INDEX:
             args[STAGED_ARG_INDEX] = staged
-    if request.async_fn is not None:
-        request.async_fn(*args, **(request.async_fn_kwargs or {}))
+    try:
+        if request.async_fn is not None:
+            request.async_fn(*args, **(request.async_fn_kwargs or {}))
+    finally:
+        release_staged_data(staged)

@@ -20,7 +20,7 @@ from megatron_async.core._process import (
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest
+from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
@@ -59,8 +59,11 @@ class TemporalAsyncCaller(AsyncCaller):
     """Runs one request in a freshly forked process (trainer side).
 
     The trainer stages the data itself (``preload_fn``) and then forks; the child
-    inherits the staged snapshot copy-on-write, writes it and exits. A fork costs
-    little and nothing needs to be pickled, but each save pays for a new process.
+    inherits the staged snapshot (our staging buffers are shared memory, which a fork
+    does not write-protect), writes it and exits. The staged data is released for reuse
+    once the child is gone. A fork costs little and nothing needs to be pickled, but each
+    save pays for a new process, and while the child lives the trainer's own private
+    memory is copy-on-write (its first in-place update of each page copies the page).
     One instance serves one call; :class:`AsyncCallsQueue` creates one per request.
     """
 
@@ -70,6 +73,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._result_conn = None
         self._status: CallStatus = CallStatus.succeeded()
         self._start_time = 0.0
+        self._staged: Any = None
         register_exit_cleanup(self, "_abort_at_exit")
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
@@ -86,15 +90,16 @@ class TemporalAsyncCaller(AsyncCaller):
         args = list(async_req.async_fn_args)
         try:
             if async_req.preload_fn is not None:
-                staged = async_req.preload_fn()
+                self._staged = async_req.preload_fn()
                 if len(args) > STAGED_ARG_INDEX:
-                    args[STAGED_ARG_INDEX] = staged
+                    args[STAGED_ARG_INDEX] = self._staged
         except Exception as exc:
             logger.error("rank %d: staging of async call %d failed: %s", rank, async_req.call_idx, exc)
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "staging", exc))
             return
         if async_req.async_fn is None:
             self._status = CallStatus.succeeded()
+            self._release_staged()
             return
         try:
             _synchronize_cuda_if_used()
@@ -111,6 +116,7 @@ class TemporalAsyncCaller(AsyncCaller):
         except Exception as exc:  # recorded: raising here would leave this rank out of step
             logger.error("rank %d: cannot start the background save: %s", rank, exc)
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "schedule", exc))
+            self._release_staged()
             return
         self.process = process
         self._status = CallStatus.running()
@@ -160,10 +166,19 @@ class TemporalAsyncCaller(AsyncCaller):
         """Join the finished child (bounded) so it leaves no zombie."""
         self.close(abort=False)
 
+    def _release_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        release_staged_data(staged)
+
     def close(self, abort: bool = False) -> None:
-        """Join the child; kill it first when ``abort`` or when it outlives the bound."""
+        """Join the child; kill it first when ``abort`` or when it outlives the bound.
+
+        The staged data is released only after the child is reaped: until then it may
+        still be reading the buffers.
+        """
         process = self.process
         if process is None:
+            self._release_staged()
             return
         if abort:
             kill_and_reap(process, self.config.close_timeout_s)
@@ -176,6 +191,7 @@ class TemporalAsyncCaller(AsyncCaller):
             self._result_conn.close()
             self._result_conn = None
         self.process = None
+        self._release_staged()
 
     def _abort_at_exit(self) -> None:
         if self.process is not None and self.process.is_alive():

@@ -6,28 +6,33 @@ import sys
 
 import torch
 
-from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def main(out_dir: str, limit: int, num_tensors: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     state = {f"t{i}": torch.randn(8) for i in range(num_tensors)}
+    expected = {k: v.clone() for k, v in state.items()}
     ckpt = TorchAsyncCheckpoint(persistent_queue=True)
-    try:
-        ckpt.async_save(state, os.path.join(out_dir, "persistent.pt"))
+    for step in range(2):
+        path = os.path.join(out_dir, f"persistent{step}.pt")
+        ckpt.async_save(state, path)
+        for tensor in state.values():
+            tensor.add_(1.0)  # the next training step, while the write runs
         ckpt.finalize_async_save(blocking=True)
-        print("persistent: saved")
-    except AsyncSaveFailedError as exc:
-        print("persistent: refused:", exc.failures[0].message)
+        loaded = torch.load(path)
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected), "wrong data"
+        expected = {k: v.clone() for k, v in state.items()}
+    print("persistent: saved", len(loaded), "tensors twice")
+    print("trainer tensors moved to shared memory:", sum(t.is_shared() for t in state.values()))
+    print("descriptors open:", _open_descriptors())
     ckpt.close()
     with open(os.path.join(out_dir, "still-writable.txt"), "w") as f:  # no descriptors leaked
         f.write("ok")
-    fallback = TorchAsyncCheckpoint(persistent_queue=False)
-    fallback.async_save(state, os.path.join(out_dir, "temporal.pt"))
-    fallback.finalize_async_save(blocking=True)
-    fallback.close()
-    print("temporal: saved", len(torch.load(os.path.join(out_dir, "temporal.pt"))))
 
 
 if __name__ == "__main__":

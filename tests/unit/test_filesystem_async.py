@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async._bucket_staging import clear_staging_cache, staging_cache_num_bytes
+from megatron_async.core import shared_memory
 from megatron_async._write_buckets import assign_buckets, balance_by_size, item_num_bytes
 from megatron_async.errors import (
     CheckpointIntegrityError,
@@ -222,6 +223,7 @@ def test_cached_data_structure_reuses_buffers_without_growth(tmp_path):
         staged = preload_fn()
         pointers.append(sorted(t.data_ptr() for b in staged for _, t in b.data[1]))
         save_fn(args[0], staged, args[2])
+        staged.release()  # what the caller does once the call is over
         writer.finish(metadata, [writer.retrieve_write_results()])
         assert staging_cache_num_bytes() == checkpoint_bytes
         out = _load(target, state_dict)
@@ -248,24 +250,31 @@ def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
     clear_staging_cache(include_in_use=True)
 
 
-def _noop():
-    pass
+def _exit_with_first_value(tensor):
+    os._exit(int(tensor[0].item()))
 
 
-def test_a_fork_after_staging_hands_the_buffers_to_the_child(tmp_path):
+def test_staging_buffers_are_shared_memory_leased_until_released(tmp_path):
+    """A forked writer reads the staged snapshot; the buffers are reused only after release."""
     clear_staging_cache(include_in_use=True)
     state_dict = {"a": torch.zeros(32)}
     pointers = []
     for step in range(2):
+        state_dict["a"].fill_(step + 3)
         target = tmp_path / f"s{step}"
         target.mkdir()
         writer = FileSystemWriterAsync(str(target), use_cached_data_structure=True)
         _prepare(writer, state_dict)
         staged = writer.get_save_function_and_args()[1]()
-        pointers.append(staged[0].data[1][0][1].data_ptr())
-        child = mp.get_context("fork").Process(target=_noop)  # what the temporal caller does
+        buffer = staged[0].data[1][0][1]
+        assert shared_memory.find_segment(buffer) is not None
+        pointers.append(buffer.data_ptr())
+        # What the temporal caller does: fork, let the child read the snapshot.
+        child = mp.get_context("fork").Process(target=_exit_with_first_value, args=(buffer,))
         child.start()
         child.join(30)
+        assert child.exitcode == step + 3
+        staged.release()
     assert pointers[0] == pointers[1]
     clear_staging_cache(include_in_use=True)
 
@@ -402,12 +411,7 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async._bucket_staging import (
-        clear_staging_cache,
-        mark_staging_buffers_writing,
-        release_staging_buffers,
-        stage_buckets,
-    )
+    from megatron_async._bucket_staging import clear_staging_cache, stage_buckets
     from megatron_async._write_buckets import WriteBucket
 
     source = torch.zeros(4)
@@ -418,15 +422,12 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     try:
         source.fill_(1)
         save1 = stage_buckets(buckets, True, key)  # into the cached buffers
-        mark_staging_buffers_writing(save1.lease)
         source.fill_(2)
         save2 = stage_buckets(buckets, True, key)  # cached buffers busy: fresh ones
-        release_staging_buffers(save1.lease)  # save 1 written
-        mark_staging_buffers_writing(save2.lease)
+        save1.release()  # save 1 written
         source.fill_(3)
         save3 = stage_buckets(buckets, True, key)  # into the cached buffers again
-        release_staging_buffers(save2.lease)  # save 2 written: must not free save 3's buffers
-        mark_staging_buffers_writing(save3.lease)
+        save2.release()  # save 2 written: must not free save 3's buffers
         source.fill_(4)
         save4 = stage_buckets(buckets, True, key)
         staged = [s[0].data[1][0][1] for s in (save1, save2, save3, save4)]

@@ -1,0 +1,164 @@
+"""Shared-memory segments: host staging memory that a background process maps as well.
+
+Runs in the trainer. Staging buffers live in *segments*: one-dimensional ``uint8``
+tensors in POSIX shared memory, each with a process-unique id. Two things follow:
+
+* a forked writer (temporal caller) reads the segment through a shared mapping, so the
+  fork write-protects nothing and the next staging into a reused buffer copies at
+  memory speed instead of taking a copy-on-write fault per page;
+* the persistent worker maps a segment once (one file descriptor, at its first use) and
+  from then on receives tensors in it as ``(segment id, byte offset, shape, dtype)``
+  references (see :mod:`megatron_async.core._request_transport`), whatever the number
+  of tensors.
+
+A segment stays registered while the tensor returned by :func:`allocate_segment` is
+alive; ids are never reused, so a stale id can never name other memory.
+
+Shared memory is backed by ``/dev/shm``, often small in containers. Writing beyond a
+full tmpfs kills the process with SIGBUS, so segments are reserved with
+``posix_fallocate`` when torch keeps a descriptor (its default ``file_descriptor``
+sharing strategy): a lack of room becomes :class:`StagingMemoryError` at allocation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+import os
+import threading
+import warnings
+import weakref
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from megatron_async.errors import StagingMemoryError
+
+__all__ = ["Segment", "allocate_segment", "segment_view", "find_segment", "segment_is_alive"]
+
+logger = logging.getLogger(__name__)
+
+_SHM_DIR = "/dev/shm"
+
+
+class Segment(NamedTuple):
+    """Where a tensor lives in a registered segment."""
+
+    segment_id: int
+    tensor: torch.Tensor
+    """The ``uint8`` tensor that owns the segment's memory."""
+    byte_offset: int
+    """Offset of the tensor's first byte in the segment."""
+
+
+_lock = threading.Lock()
+_ids = itertools.count(1)
+_bases: List[int] = []  # sorted start addresses of the live segments
+_by_base: Dict[int, Tuple[int, "weakref.ref[torch.Tensor]", int]] = {}  # id, owner, size
+_live_ids: Dict[int, int] = {}  # segment id -> start address
+
+
+def _unregister(base: int, segment_id: int) -> None:
+    with _lock:
+        entry = _by_base.get(base)
+        if entry is not None and entry[0] == segment_id:
+            del _by_base[base]
+            del _bases[bisect.bisect_left(_bases, base)]
+        _live_ids.pop(segment_id, None)
+
+
+def _reserve(storage: torch.UntypedStorage, num_bytes: int) -> None:
+    """Make tmpfs commit the pages now, so that a full ``/dev/shm`` fails here, not with SIGBUS."""
+    from torch.multiprocessing import get_sharing_strategy
+
+    if get_sharing_strategy() == "file_descriptor":
+        fd, _size = storage._share_fd_cpu_()
+        os.posix_fallocate(fd, 0, num_bytes)
+        return
+    # file_system strategy: no descriptor to reserve through; compare with the free room.
+    stats = os.statvfs(_SHM_DIR)
+    if stats.f_bavail * stats.f_frsize < num_bytes:
+        raise OSError(28, f"{_SHM_DIR} has less than {num_bytes} bytes free")
+
+
+def allocate_segment(num_bytes: int) -> torch.Tensor:
+    """Allocate ``num_bytes`` of shared memory as a registered ``uint8`` tensor (trainer).
+
+    Raises:
+        StagingMemoryError: shared memory is exhausted (``/dev/shm`` too small).
+    """
+    num_bytes = max(int(num_bytes), 1)
+    try:
+        storage = torch.UntypedStorage._new_shared(num_bytes)
+        _reserve(storage, num_bytes)
+    except (OSError, RuntimeError) as exc:
+        free = "unknown"
+        try:
+            stats = os.statvfs(_SHM_DIR)
+            free = f"{stats.f_bavail * stats.f_frsize / 2**20:.0f} MiB"
+        except OSError:
+            pass
+        raise StagingMemoryError(
+            f"cannot allocate {num_bytes / 2**20:.1f} MiB of shared memory for checkpoint "
+            f"staging ({exc}); {_SHM_DIR} has {free} free. Give the job more shared memory "
+            "(e.g. docker --shm-size), or save fewer bytes per rank at once"
+        ) from exc
+    tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+    base = tensor.data_ptr()
+    with _lock:
+        segment_id = next(_ids)
+        _by_base[base] = (segment_id, weakref.ref(tensor), num_bytes)
+        bisect.insort(_bases, base)
+        _live_ids[segment_id] = base
+    weakref.finalize(tensor, _unregister, base, segment_id)
+    return tensor
+
+
+def segment_view(segment: torch.Tensor, byte_offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor over ``segment``'s bytes from ``byte_offset``, with a storage of its own.
+
+    Runs wherever a segment is mapped. The view's storage spans exactly its own bytes
+    (and keeps the segment alive): ``torch.save``, which DCP uses for every item, writes
+    a tensor's whole storage, so a plain slice of the segment would write the segment.
+    """
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    window = segment.numpy()[byte_offset : byte_offset + num_bytes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
+        return torch.frombuffer(window, dtype=dtype).view(shape)
+
+
+def find_segment(tensor: torch.Tensor) -> Optional[Segment]:
+    """Return the registered segment holding all of ``tensor``'s (contiguous) data, or None."""
+    if (
+        tensor.device.type != "cpu"
+        or tensor.layout is not torch.strided
+        or not tensor.is_contiguous()
+        or tensor.numel() == 0
+    ):
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with _lock:
+        idx = bisect.bisect_right(_bases, start) - 1
+        if idx < 0:
+            return None
+        base = _bases[idx]
+        segment_id, owner_ref, size = _by_base[base]
+    if end > base + size:
+        return None
+    owner = owner_ref()
+    # Only a live owner proves the address range still is the registered memory.
+    if owner is None or owner.data_ptr() != base:
+        return None
+    return Segment(segment_id, owner, start - base)
+
+
+def segment_is_alive(segment_id: int) -> bool:
+    """Whether the segment ``segment_id`` is still registered in this process."""
+    with _lock:
+        return segment_id in _live_ids

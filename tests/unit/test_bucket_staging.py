@@ -1,0 +1,103 @@
+"""Staging into shared-memory segments: snapshots, exact-size buffers, reuse, file sizes."""
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from megatron_async._bucket_staging import clear_staging_cache, stage_buckets
+from megatron_async.core import shared_memory
+from megatron_async.filesystem_async import FileSystemWriterAsync
+
+
+def _save(path, state_dict, cached=False):
+    writer = FileSystemWriterAsync(str(path), thread_count=1, use_cached_data_structure=cached)
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(state_dict, is_coordinator=True)
+    writer.set_up_storage_writer(True)
+    local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    _, metadata = planner.create_global_plan([local_plan])
+    writer.prepare_write_data(planner.finish_plan(writer.prepare_decentralized_global_plan(local_plan)), planner)
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
+    staged = preload_fn()
+    save_fn(args[0], staged, args[2])
+    staged.release()
+    writer.finish(metadata, [writer.retrieve_write_results()])
+    return staged
+
+
+def test_each_staged_tensor_has_a_storage_of_its_own_size(tmp_path):
+    """torch.save writes a tensor's whole storage: a plain slice of the segment would write it all."""
+    state_dict = {f"t{i}": torch.full((256,), float(i)) for i in range(200)}
+    staged = _save(tmp_path, state_dict)
+    (bucket,) = staged
+    for _item, tensor in bucket.data[1]:
+        assert tensor.untyped_storage().nbytes() == 256 * 4
+        assert shared_memory.find_segment(tensor) is not None
+    data_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".distcp"))
+    # The data plus torch.save's per-item headers, not 200 copies of the bucket's segment.
+    assert data_bytes < 200 * (256 * 4 + 4096), data_bytes
+    out = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert all(torch.equal(out[k], state_dict[k]) for k in state_dict)
+
+
+def test_staging_is_a_snapshot_of_views_and_odd_dtypes():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async._write_buckets import WriteBucket
+
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    sources = [base[:, 1], torch.ones(3, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0), torch.tensor(7, dtype=torch.int8)]
+    items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(len(sources))]
+    staged = stage_buckets([WriteBucket("/unused", "unused", ([], list(zip(items, sources))))])
+    expected = [s.clone() for s in sources]
+    base.add_(100)
+    for source in sources:
+        source.fill_(0) if source.numel() else None
+    copies = [t for _, t in staged[0].data[1]]
+    for copy, want in zip(copies, expected):
+        assert copy.dtype == want.dtype and copy.shape == want.shape and copy.is_contiguous()
+        assert torch.equal(copy, want)
+    staged.release()
+
+
+def test_cached_buffers_are_reused_only_after_release():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async._write_buckets import WriteBucket
+
+    clear_staging_cache(include_in_use=True)
+    source = torch.zeros(16)
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
+    try:
+        first = stage_buckets(buckets, True, "layout")
+        busy = stage_buckets(buckets, True, "layout")  # first not released: fresh buffers
+        assert first[0].data[1][0][1].data_ptr() != busy[0].data[1][0][1].data_ptr()
+        first.release()
+        again = stage_buckets(buckets, True, "layout")
+        assert again[0].data[1][0][1].data_ptr() == first[0].data[1][0][1].data_ptr()
+        busy.release()  # an old lease: must not free the buffers "again" holds
+        assert stage_buckets(buckets, True, "layout")[0].data[1][0][1].data_ptr() != again[0].data[1][0][1].data_ptr()
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
+    from megatron_async.errors import StagingMemoryError
+
+    def refuse(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    try:
+        shared_memory.allocate_segment(4096)
+    except StagingMemoryError as exc:
+        assert "shm-size" in str(exc)
+    else:
+        raise AssertionError("no StagingMemoryError")

@@ -1,0 +1,75 @@
+"""Requests travel to the persistent worker with tensors as shared-memory references."""
+
+import gc
+
+import torch
+
+from megatron_async.core import shared_memory
+from megatron_async.core._request_transport import RequestSender, SegmentTable
+
+
+def _segment_views(num_tensors: int, numel: int):
+    segment = shared_memory.allocate_segment(num_tensors * numel * 4)
+    views = [segment[i * numel * 4 : (i + 1) * numel * 4].view(torch.float32) for i in range(num_tensors)]
+    return segment, views
+
+
+def test_staged_tensors_go_as_references_and_each_segment_is_sent_once():
+    segment, views = _segment_views(1000, 16)
+    for i, view in enumerate(views):
+        view.fill_(i)
+    sender, table = RequestSender(), SegmentTable()
+    encoded, arena = sender.encode({"tensors": views})
+    assert arena == [] and encoded.call_segments == ()
+    assert len(encoded.new_segment_ids) == 1  # one segment, not 1,000 tensors
+    decoded = table.apply(encoded)["tensors"]
+    assert all(torch.equal(t, torch.full((16,), float(i))) for i, t in enumerate(decoded))
+    # The decoded tensors map the same memory: they see what is staged into it later.
+    views[3].fill_(-1.0)
+    assert torch.equal(decoded[3], torch.full((16,), -1.0))
+
+    again, _ = sender.encode({"tensors": views})
+    assert again.new_segment_ids == ()  # already mapped by the worker
+    assert len(again.payload) < 64 * 1000  # references, not data
+
+
+def test_other_cpu_tensors_are_copied_so_later_updates_do_not_leak():
+    trainer_tensor = torch.arange(10.0)
+    empty_view = trainer_tensor[:0]
+    sender, table = RequestSender(), SegmentTable()
+    encoded, arena = sender.encode((trainer_tensor, trainer_tensor[::2], empty_view))
+    trainer_tensor.add_(100.0)  # the trainer's next step, right after scheduling
+    full, strided, empty = table.apply(encoded)
+    assert torch.equal(full, torch.arange(10.0))
+    assert torch.equal(strided, torch.arange(0.0, 10.0, 2.0))
+    assert empty.numel() == 0
+    assert not trainer_tensor.is_shared()  # the trainer's memory stays where it was
+    assert len(arena) == 1 and len(encoded.call_segments) == 1
+    SegmentTable.drop(encoded.call_segments)
+    assert encoded.call_segments[0] not in SegmentTable.mapped_ids()
+
+
+def test_a_segment_freed_by_the_trainer_is_forgotten_by_the_worker():
+    segment, views = _segment_views(2, 4)
+    sender, table = RequestSender(), SegmentTable()
+    encoded, _ = sender.encode(views)
+    table.apply(encoded)
+    (segment_id,) = encoded.new_segment_ids
+    assert segment_id in SegmentTable.mapped_ids()
+    del segment, views, encoded
+    gc.collect()
+    assert not shared_memory.segment_is_alive(segment_id)
+    nothing, _ = sender.encode([])
+    assert nothing.forget == (segment_id,)
+    table.apply(nothing)
+    assert segment_id not in SegmentTable.mapped_ids()
+
+
+def test_segment_ids_are_never_reused():
+    first = shared_memory.allocate_segment(128)
+    first_id = shared_memory.find_segment(first).segment_id
+    del first
+    gc.collect()
+    second = shared_memory.allocate_segment(128)
+    assert shared_memory.find_segment(second).segment_id != first_id
+    assert shared_memory.find_segment(torch.zeros(4)) is None
