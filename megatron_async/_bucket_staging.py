@@ -4,12 +4,14 @@ Staging runs in the trainer (the request's ``preload_fn``, called by every calle
 the background part starts). It copies every tensor into a host buffer, so the trainer
 may update its tensors in place as soon as scheduling returns:
 
-* CPU tensors are copied into one shared-memory segment per bucket
-  (:mod:`megatron_async.core.shared_memory`): ``tensor.to("cpu")`` would return the very
-  same tensor, and an in-place update after scheduling would leak into the file. Shared
-  memory is what lets a forked writer read the buffers without write-protecting them,
-  and the persistent worker map them once instead of receiving every tensor;
-* CUDA tensors go to pinned host buffers with non-blocking copies and one synchronize.
+* every tensor is copied into one shared-memory segment per bucket
+  (:mod:`megatron_async.core.shared_memory`), CPU tensors included: ``tensor.to("cpu")``
+  would return the very same tensor, and an in-place update after scheduling would leak
+  into the file. Shared memory is what lets a forked writer read the buffers without
+  write-protecting them, and the persistent worker map them once instead of receiving
+  every tensor;
+* with CUDA tensors the segment is also page-locked (``cudaHostRegister``), so their
+  copies are non-blocking, followed by one synchronize.
 
 No CUDA API is called unless a tensor is on a CUDA device.
 
@@ -58,49 +60,49 @@ _ALIGNMENT = 64
 
 @dataclasses.dataclass
 class _BucketBuffers:
-    """The host buffers of one bucket: views of one shared segment, or pinned tensors."""
+    """The host buffers of one bucket: exact-size views of one shared segment."""
 
     segment: Optional[torch.Tensor]
     tensors: List[torch.Tensor]
-    private_bytes: int = 0
-    """Bytes of the buffers outside the segment (pinned buffers of CUDA sources)."""
+    for_cuda: bool = False
+    """Allocated for CUDA sources: the segment was page-locked (if CUDA allowed it)."""
 
     def fits(self, sources: Sequence[torch.Tensor]) -> bool:
+        if not self.for_cuda and any(source.device.type == "cuda" for source in sources):
+            return False
         return len(sources) == len(self.tensors) and all(
-            buffer.shape == source.shape
-            and buffer.dtype == source.dtype
-            and (buffer.device.type == "cpu") == (source.device.type == "cpu")
+            buffer.shape == source.shape and buffer.dtype == source.dtype
             for buffer, source in zip(self.tensors, sources)
         )
 
     def num_bytes(self) -> int:
-        return (self.segment.numel() if self.segment is not None else 0) + self.private_bytes
+        return self.segment.numel() if self.segment is not None else 0
 
 
 def _allocate_bucket_buffers(sources: Sequence[torch.Tensor], non_blocking: bool) -> _BucketBuffers:
-    """Allocate one bucket's host buffers: CPU sources share one segment, CUDA ones are pinned."""
+    """Allocate one bucket's host buffers in one shared segment, pinned for CUDA sources."""
     offsets: List[Optional[int]] = []
     total = 0
     for source in sources:
-        if source.device.type == "cpu" and source.numel():
+        if source.numel():
             start = -(-total // _ALIGNMENT) * _ALIGNMENT
             offsets.append(start)
             total = start + source.numel() * source.element_size()
         else:
             offsets.append(None)
     segment = shared_memory.allocate_segment(total) if total else None
-    tensors: List[torch.Tensor] = []
-    private_bytes = 0
-    for source, start in zip(sources, offsets):
-        if start is not None:
-            tensors.append(shared_memory.segment_view(segment, start, tuple(source.shape), source.dtype))
-        else:
-            # Empty tensors need no memory; CUDA sources get pinned memory, so that
-            # their device-to-host copies can run asynchronously.
-            pin = non_blocking and source.device.type == "cuda"
-            tensors.append(torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin))
-            private_bytes += source.numel() * source.element_size()
-    return _BucketBuffers(segment, tensors, private_bytes)
+    for_cuda = non_blocking and any(s.device.type == "cuda" for s in sources)
+    if segment is not None and for_cuda:
+        # Like DCP's shared + pinned staging: register the shared pages with CUDA, so
+        # device-to-host copies run asynchronously and the worker still maps the segment.
+        shared_memory.pin_segment(segment)
+    tensors = [
+        shared_memory.segment_view(segment, start, tuple(source.shape), source.dtype)
+        if start is not None
+        else torch.empty(source.shape, dtype=source.dtype)
+        for source, start in zip(sources, offsets)
+    ]
+    return _BucketBuffers(segment, tensors, for_cuda)
 
 
 @dataclasses.dataclass

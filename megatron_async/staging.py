@@ -9,11 +9,16 @@ after scheduling.
 
 from __future__ import annotations
 
-from typing import Any, List
+import logging
+from typing import Any, List, Optional
 
 import torch
 
 __all__ = ["copy_tensor_to_host", "snapshot_to_host", "synchronize_if_cuda"]
+
+logger = logging.getLogger(__name__)
+
+_ALIGNMENT = 64
 
 
 def copy_tensor_to_host(tensor: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
@@ -48,17 +53,36 @@ def snapshot_to_host(obj: Any) -> Any:
 
     Containers are rebuilt with their own type (dict subclasses such as OrderedDict
     included); other leaves are returned as they are, since the caller snapshots them
-    anyway (a fork or a pickle happens before the trainer continues).
+    anyway (a fork or a pickle happens before the trainer continues). Tensors are
+    copied into one shared-memory segment (a forked writer then reads it without
+    copy-on-write, and the persistent worker maps it once), page-locked when some are
+    on a CUDA device; if shared memory is short, into private memory.
     """
-    copied: List[torch.Tensor] = []
+    tensors: List[torch.Tensor] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.device.type in ("cpu", "cuda") and value.layout is torch.strided and value.numel():
+                tensors.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    collect(obj)
+    place = _segment_places(tensors)
     cuda_sources: List[torch.Tensor] = []
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if value.device.type == "cuda":
                 cuda_sources.append(value)
-            host = copy_tensor_to_host(value)
-            copied.append(host)
+            host = place(value)
+            if host is None:
+                return copy_tensor_to_host(value)
+            host.copy_(value.detach(), non_blocking=value.device.type == "cuda")
             return host
         if isinstance(value, dict):
             rebuilt = type(value)() if type(value) is not dict else {}
@@ -75,3 +99,32 @@ def snapshot_to_host(obj: Any) -> Any:
     result = visit(obj)
     synchronize_if_cuda(cuda_sources)
     return result
+
+
+def _segment_places(tensors: List[torch.Tensor]):
+    """Allocate one shared segment for ``tensors``; return ``tensor -> its host buffer or None``."""
+    from megatron_async.core import shared_memory
+    from megatron_async.errors import StagingMemoryError
+
+    offsets = {}
+    total = 0
+    for tensor in tensors:
+        if id(tensor) not in offsets:
+            offsets[id(tensor)] = -(-total // _ALIGNMENT) * _ALIGNMENT
+            total = offsets[id(tensor)] + tensor.numel() * tensor.element_size()
+    segment = None
+    if total:
+        try:
+            segment = shared_memory.allocate_segment(total)
+        except StagingMemoryError as exc:
+            logger.warning("staging in private memory: %s", exc)
+    if segment is not None and any(t.device.type == "cuda" for t in tensors):
+        shared_memory.pin_segment(segment)
+
+    def place(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        start = offsets.get(id(tensor))
+        if segment is None or start is None:
+            return None
+        return shared_memory.segment_view(segment, start, tuple(tensor.shape), tensor.dtype)
+
+    return place

@@ -36,7 +36,14 @@ import torch
 
 from megatron_async.errors import StagingMemoryError
 
-__all__ = ["Segment", "allocate_segment", "segment_view", "find_segment", "segment_is_alive"]
+__all__ = [
+    "Segment",
+    "allocate_segment",
+    "pin_segment",
+    "segment_view",
+    "find_segment",
+    "segment_is_alive",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +121,32 @@ def allocate_segment(num_bytes: int) -> torch.Tensor:
         _live_ids[segment_id] = base
     weakref.finalize(tensor, _unregister, base, segment_id)
     return tensor
+
+
+def pin_segment(segment: torch.Tensor) -> bool:
+    """Page-lock a segment for fast asynchronous device-to-host copies (trainer, CUDA only).
+
+    The registration ends with the segment. Returns False, after logging why, when CUDA
+    refuses (copies into the segment then still work, synchronously).
+    """
+    try:
+        from torch.cuda import _pin_memory_utils
+
+        _pin_memory_utils.pin_memory(segment.data_ptr(), segment.numel())
+    except Exception as exc:  # a slower copy, never a failed save
+        logger.warning("cannot pin the staging segment (%s); device copies run synchronously", exc)
+        return False
+    weakref.finalize(segment, _unpin, segment.data_ptr())
+    return True
+
+
+def _unpin(pointer: int) -> None:
+    try:
+        from torch.cuda import _pin_memory_utils
+
+        _pin_memory_utils.unpin_memory(pointer)
+    except Exception as exc:  # at interpreter exit CUDA may be torn down already
+        logger.debug("unpinning a staging segment failed: %s", exc)
 
 
 def segment_view(segment: torch.Tensor, byte_offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
