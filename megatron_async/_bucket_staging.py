@@ -79,7 +79,9 @@ class _BucketBuffers:
         return self.segment.numel() if self.segment is not None else 0
 
 
-def _allocate_bucket_buffers(sources: Sequence[torch.Tensor], non_blocking: bool) -> _BucketBuffers:
+def _allocate_bucket_buffers(
+    sources: Sequence[torch.Tensor], non_blocking: bool, reusable: bool
+) -> _BucketBuffers:
     """Allocate one bucket's host buffers in one shared segment, pinned for CUDA sources."""
     offsets: List[Optional[int]] = []
     total = 0
@@ -90,7 +92,7 @@ def _allocate_bucket_buffers(sources: Sequence[torch.Tensor], non_blocking: bool
             total = start + source.numel() * source.element_size()
         else:
             offsets.append(None)
-    segment = shared_memory.allocate_segment(total) if total else None
+    segment = shared_memory.allocate_segment(total, reusable) if total else None
     for_cuda = non_blocking and any(s.device.type == "cuda" for s in sources)
     if segment is not None and for_cuda:
         # Like DCP's shared + pinned staging: register the shared pages with CUDA, so
@@ -203,8 +205,9 @@ def stage_buckets(
             sources = [tensor.detach() for _, tensor in tensor_data]
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
             if buffers is None or not buffers.fits(sources):
-                buffers = _allocate_bucket_buffers(sources, non_blocking)
-                if entry is not None and b_idx < len(entry.buckets):
+                cached = entry is not None and b_idx < len(entry.buckets)
+                buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
+                if cached:
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)

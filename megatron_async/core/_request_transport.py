@@ -13,8 +13,9 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   so the worker always writes a snapshot.
 
 Each segment crosses the process boundary once (one descriptor), the first time a
-request uses it; the worker keeps it mapped until the trainer says it is gone. Segments
-of a call's arena are dropped by the worker after that call.
+request uses it. The worker keeps a *reusable* segment (cached staging buffers) mapped
+until the trainer says it is gone, and drops any other once the call that used it is
+written, so no staging memory outlives its save in the worker.
 
 Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 """
@@ -61,7 +62,8 @@ class EncodedRequest(NamedTuple):
     forget: Tuple[int, ...]
     """Segments the trainer no longer has: the worker unmaps them first."""
     call_segments: Tuple[int, ...]
-    """This call's arena segments: the worker unmaps them once the call is written."""
+    """Segments used by this call only (fresh staging buffers, the arena): the worker
+    unmaps them once the call is written."""
 
 
 class _CallArena:
@@ -115,11 +117,11 @@ class RequestSender:
 
     def __init__(self):
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
-        self._new: Dict[int, torch.Tensor] = {}
+        self._new: Dict[int, shared_memory.Segment] = {}
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:
-            self._new[segment.segment_id] = segment.tensor
+            self._new[segment.segment_id] = segment
 
     def encode(self, request: Any) -> Tuple[EncodedRequest, List[torch.Tensor]]:
         """Pickle ``request`` for the worker.
@@ -137,7 +139,9 @@ class RequestSender:
         buffer = io.BytesIO()
         try:
             _Pickler(buffer, self, arena).dump(request)
-            new_segments = bytes(ForkingPickler.dumps(self._new))
+            new_segments = bytes(
+                ForkingPickler.dumps({sid: seg.tensor for sid, seg in self._new.items()})
+            )
         finally:
             new, self._new = self._new, {}
         forget = tuple(
@@ -145,15 +149,14 @@ class RequestSender:
         )
         for sid in forget:
             del self._mapped[sid]
-        call_segments = {id(chunk) for chunk in arena.chunks}
-        arena_ids = []
-        for sid, tensor in new.items():
-            if id(tensor) in call_segments:
-                arena_ids.append(sid)
+        call_segments = []
+        for sid, segment in new.items():
+            if segment.reusable:
+                self._mapped[sid] = weakref.ref(segment.tensor)
             else:
-                self._mapped[sid] = weakref.ref(tensor)
+                call_segments.append(sid)
         encoded = EncodedRequest(
-            buffer.getvalue(), new_segments, tuple(new), forget, tuple(arena_ids)
+            buffer.getvalue(), new_segments, tuple(new), forget, tuple(call_segments)
         )
         return encoded, arena.chunks
 

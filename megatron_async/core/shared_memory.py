@@ -58,12 +58,14 @@ class Segment(NamedTuple):
     """The ``uint8`` tensor that owns the segment's memory."""
     byte_offset: int
     """Offset of the tensor's first byte in the segment."""
+    reusable: bool
+    """The segment serves save after save (cached staging buffers); otherwise one call."""
 
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
 _bases: List[int] = []  # sorted start addresses of the live segments
-_by_base: Dict[int, Tuple[int, "weakref.ref[torch.Tensor]", int]] = {}  # id, owner, size
+_by_base: Dict[int, Tuple[int, "weakref.ref[torch.Tensor]", int, bool]] = {}  # id, owner, size, reusable
 _live_ids: Dict[int, int] = {}  # segment id -> start address
 
 
@@ -90,8 +92,11 @@ def _reserve(storage: torch.UntypedStorage, num_bytes: int) -> None:
         raise OSError(28, f"{_SHM_DIR} has less than {num_bytes} bytes free")
 
 
-def allocate_segment(num_bytes: int) -> torch.Tensor:
+def allocate_segment(num_bytes: int, reusable: bool = False) -> torch.Tensor:
     """Allocate ``num_bytes`` of shared memory as a registered ``uint8`` tensor (trainer).
+
+    ``reusable`` marks buffers kept for later saves: a persistent worker keeps such a
+    segment mapped, and drops any other after the call that used it.
 
     Raises:
         StagingMemoryError: shared memory is exhausted (``/dev/shm`` too small).
@@ -116,7 +121,7 @@ def allocate_segment(num_bytes: int) -> torch.Tensor:
     base = tensor.data_ptr()
     with _lock:
         segment_id = next(_ids)
-        _by_base[base] = (segment_id, weakref.ref(tensor), num_bytes)
+        _by_base[base] = (segment_id, weakref.ref(tensor), num_bytes, reusable)
         bisect.insort(_bases, base)
         _live_ids[segment_id] = base
     weakref.finalize(tensor, _unregister, base, segment_id)
@@ -181,14 +186,14 @@ def find_segment(tensor: torch.Tensor) -> Optional[Segment]:
         if idx < 0:
             return None
         base = _bases[idx]
-        segment_id, owner_ref, size = _by_base[base]
+        segment_id, owner_ref, size, reusable = _by_base[base]
     if end > base + size:
         return None
     owner = owner_ref()
     # Only a live owner proves the address range still is the registered memory.
     if owner is None or owner.data_ptr() != base:
         return None
-    return Segment(segment_id, owner, start - base)
+    return Segment(segment_id, owner, start - base, reusable)
 
 
 def segment_is_alive(segment_id: int) -> bool:

@@ -8,9 +8,12 @@ from megatron_async.core import shared_memory
 from megatron_async.core._request_transport import RequestSender, SegmentTable
 
 
-def _segment_views(num_tensors: int, numel: int):
-    segment = shared_memory.allocate_segment(num_tensors * numel * 4)
-    views = [segment[i * numel * 4 : (i + 1) * numel * 4].view(torch.float32) for i in range(num_tensors)]
+def _segment_views(num_tensors: int, numel: int, reusable: bool = True):
+    segment = shared_memory.allocate_segment(num_tensors * numel * 4, reusable)
+    views = [
+        shared_memory.segment_view(segment, i * numel * 4, (numel,), torch.float32)
+        for i in range(num_tensors)
+    ]
     return segment, views
 
 
@@ -73,3 +76,13 @@ def test_segment_ids_are_never_reused():
     second = shared_memory.allocate_segment(128)
     assert shared_memory.find_segment(second).segment_id != first_id
     assert shared_memory.find_segment(torch.zeros(4)) is None
+
+
+def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
+    segment, views = _segment_views(4, 8, reusable=False)
+    sender, table = RequestSender(), SegmentTable()
+    encoded, _ = sender.encode(views)
+    assert encoded.call_segments == encoded.new_segment_ids and len(encoded.call_segments) == 1
+    table.apply(encoded)
+    SegmentTable.drop(encoded.call_segments)
+    assert encoded.call_segments[0] not in SegmentTable.mapped_ids()
