@@ -17,6 +17,11 @@ with the cached one and one small all-reduce tells whether any rank's plan chang
 none did, the cached plans and metadata are reused; if any did, the ranks plan from
 scratch, so a changed structure never produces a wrong checkpoint.
 
+A caller that can tell cheaply that its structure is unchanged (the megatron-core
+strategy compares a fingerprint of the sharded state dict) skips even the local plan:
+it agrees on that with every rank itself and calls :func:`prepare_cached_write` with the
+cached plan and the items resolved to the new data.
+
 All collectives run on the library's gloo coordination group, never on CUDA tensors.
 """
 
@@ -31,16 +36,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async._agreement import agree_or_raise
+from megatron_async._write_buckets import BucketLayout
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointValidationError, RankFailure
 from megatron_async.filesystem_async import FileSystemWriterAsync
 
 __all__ = [
     "save_state_dict_async_plan",
+    "prepare_cached_write",
     "verify_global_md_reuse",
     "save_state_dict_async_finalize",
     "get_plan_gather_count",
@@ -185,6 +192,40 @@ def save_state_dict_async_plan(
         not changed,
         reused_loaded,
     )
+
+
+def prepare_cached_write(
+    storage_writer: FileSystemWriterAsync,
+    central_plan: SavePlan,
+    resolved: Sequence[Tuple[WriteItem, Any]],
+    layout: Optional[BucketLayout] = None,
+    staging_key: Optional[str] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+) -> Tuple[FileSystemWriterAsync, _DistWrapper]:
+    """Prepare the writer of a save that reuses the previous save's plan (every rank, local).
+
+    Runs no collective. The caller must have established, with every rank, that no
+    rank's structure changed since the save that produced ``central_plan`` (one
+    all-reduce) before it schedules the write, and reuses that save's metadata.
+
+    Args:
+        storage_writer: the writer of this save.
+        central_plan: this rank's final plan of the previous save.
+        resolved: ``(write_item, data)`` for every item of ``central_plan``, in plan
+            order, with this save's data.
+        layout: the previous save's bucket layout (computed when None).
+        staging_key: the previous save's staging key (computed when None).
+        process_group: group the plan was made in; defaults to the coordination group.
+        coordinator_rank: rank (in that group) that writes the metadata.
+
+    Returns:
+        ``(writer, dist_wrapper)``, for :func:`save_state_dict_async_finalize`.
+    """
+    dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
+    storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
+    storage_writer.prepare_resolved_write_data(central_plan, resolved, layout, staging_key)
+    return storage_writer, dist_wrapper
 
 
 def _gather_and_build_metadata(

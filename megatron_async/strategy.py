@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies.base import (
@@ -48,6 +48,13 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async._agreement import agree_or_raise
 from megatron_async._megatron_finalize import FinalizeFnList
+from megatron_async._plan_reuse import (
+    PlanBinding,
+    Structure,
+    bind_plan,
+    describe_structure,
+    rebind,
+)
 from megatron_async.common_guard import install_common_guard
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
@@ -58,6 +65,7 @@ from megatron_async.filesystem_async import (
     FileSystemWriterAsync,
 )
 from megatron_async.state_dict_saver import (
+    prepare_cached_write,
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
@@ -68,6 +76,7 @@ __all__ = [
     "REGISTERED_BACKEND",
     "register_strategies",
     "checkpoint_dirs_in_flight",
+    "get_structure_reuse_count",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,7 +97,8 @@ class TorchDistSaveConfig:
 
     cached_metadata: bool = False
     """Reuse the previous save's plans and metadata while the checkpoint structure does not
-    change (verified on every save with one small all-reduce): no plan gather then."""
+    change (verified on every save with one small all-reduce): no plan gather then, and
+    no local planning either while the sharded state dict's fingerprint is unchanged."""
 
     separation_hint: Optional[str] = None
     """Keys starting with this prefix are written to their own files (``{hint}__{rank}_{i}``),
@@ -140,6 +150,51 @@ class TorchDistSaveConfig:
             raise CheckpointValidationError(
                 f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
             )
+
+
+_reuse_lock = threading.Lock()
+_structure_reuse_count = 0
+
+
+def get_structure_reuse_count() -> int:
+    """How many saves of this process reused the previous save's plan without planning.
+
+    Such a save found its sharded state dict's fingerprint unchanged, as did every other
+    rank: it skipped megatron-core's translation, the local plan and the bucket layout.
+    """
+    return _structure_reuse_count
+
+
+def _count_structure_reuse() -> None:
+    global _structure_reuse_count
+    with _reuse_lock:
+        _structure_reuse_count += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanCache:
+    """What the next save of a strategy may reuse from its latest one (every rank, its own).
+
+    Attributes:
+        config: the options it was planned with; a save with other options plans afresh.
+        world: ``(rank, world size)`` it was planned in.
+        metadata: the global metadata on the coordinator (elsewhere whatever the strategy's
+            ``cached_global_metadata`` was); reused only while it is still that object.
+        central_plan: this rank's final plan.
+        local_plan: this rank's local plan, compared with a fresh one when the
+            fingerprint changed.
+        fingerprint: the structure of the state dict it was planned for, or None.
+        binding: where the plan's items take their data from, or None (no reuse without
+            planning).
+    """
+
+    config: TorchDistSaveConfig
+    world: Tuple[int, int]
+    metadata: Optional[Metadata]
+    central_plan: SavePlan
+    local_plan: SavePlan
+    fingerprint: Optional[List[tuple]]
+    binding: Optional[PlanBinding]
 
 
 _in_flight_lock = threading.Lock()
@@ -205,6 +260,13 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
             checkpoint's metadata (``TorchDistLoadShardedStrategy.cached_global_metadata``)
             to let the first save of a resumed job skip the plan gather too.
         last_save_reused_plans: whether the latest ``async_save`` reused cached plans.
+
+    With ``cached_metadata``, a save whose sharded state dict has the same fingerprint as
+    the previous save's (keys, shapes, offsets, dtypes, replica ids, ... of every
+    ShardedTensor and ShardedObject) on every rank skips planning altogether: it binds the
+    new tensors, and the freshly serialized ShardedObjects, to the previous save's write
+    items (see :mod:`megatron_async._plan_reuse`). A change on any rank makes every rank
+    plan again.
     """
 
     def __init__(
@@ -228,8 +290,7 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
                 f"{[f.name for f in dataclasses.fields(TorchDistSaveConfig)]}"
             ) from exc
         self.cached_global_metadata: Optional[Metadata] = None
-        self._cached_central_plan: Optional[SavePlan] = None
-        self._cached_local_plan: Optional[SavePlan] = None
+        self._plan_cache: Optional[_PlanCache] = None
         self.last_save_reused_plans = False
 
     @property
@@ -277,29 +338,122 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
         checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         group = coordination.get_coordination_group()
         is_coordinator = coordination.get_rank() == _COORDINATOR_RANK
-        pyt_state_dict, error = None, None
+        cache = self._usable_cache(is_coordinator)
+        structure: Optional[Structure] = None
+        prepared, pyt_state_dict, error = None, None, None
         try:
             self._check_target(checkpoint_dir, is_coordinator)
-            flat_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.config.keep_only_main_replica
-            )
-            pyt_state_dict = mcore_to_pyt_state_dict(flat_state_dict, False)
+            if self.config.cached_metadata:
+                structure = self._describe(sharded_state_dict, cache)
+            if (
+                cache is not None
+                and cache.binding is not None
+                and structure is not None
+                and structure.fingerprint is cache.fingerprint
+            ):
+                prepared = self._prepare_from_cache(cache, structure, checkpoint_dir)
+            else:
+                pyt_state_dict = self._translate(sharded_state_dict)
         except Exception as exc:  # agreed on below, so that no rank waits for a failed one
             error = exc
-        agree_or_raise(error, f"async save to {checkpoint_dir}", (), group)
+        # The one collective of a save with an unchanged structure: did any rank fail, did
+        # any rank's structure change, did any rank prepare a reuse?
+        changed, any_prepared = agree_or_raise(
+            error,
+            f"async save to {checkpoint_dir}",
+            [int(prepared is None), int(prepared is not None)],
+            group,
+        )
 
         token = _claim_dir(checkpoint_dir)
         try:
-            return self._plan(pyt_state_dict, checkpoint_dir, is_coordinator, token)
+            if not changed:
+                return self._reuse(prepared, cache, checkpoint_dir, token)
+            if any_prepared:  # planning in full after all: translate where it was skipped
+                error = None
+                try:
+                    if pyt_state_dict is None:
+                        pyt_state_dict = self._translate(sharded_state_dict)
+                except Exception as exc:  # agreed on below
+                    error = exc
+                agree_or_raise(error, f"translating the state dict for {checkpoint_dir}", (), group)
+            return self._plan(pyt_state_dict, structure, cache, checkpoint_dir, token)
         except BaseException:
             _release_dir(checkpoint_dir, token)
             raise
 
-    def _plan(self, pyt_state_dict, checkpoint_dir: str, is_coordinator: bool, token: int):
+    def _translate(self, sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+        """megatron-core's translation into a PyTorch DCP state dict (every rank, local)."""
+        flat_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.config.keep_only_main_replica
+        )
+        return mcore_to_pyt_state_dict(flat_state_dict, False)
+
+    def _describe(
+        self, sharded_state_dict: ShardedStateDict, cache: Optional[_PlanCache]
+    ) -> Optional[Structure]:
+        """Fingerprint the state dict against the cached one (every rank, local)."""
+        try:
+            return describe_structure(
+                sharded_state_dict, cache.fingerprint if cache is not None else None
+            )
+        except Exception:  # an optimization only: what it cannot describe is planned in full
+            logger.debug(
+                "rank %d: cannot fingerprint the sharded state dict; planning in full",
+                coordination.get_rank(),
+                exc_info=True,
+            )
+            return None
+
+    def _usable_cache(self, is_coordinator: bool) -> Optional[_PlanCache]:
+        """Return the latest save's plans if this save may reuse them (every rank, local)."""
+        cache = self._plan_cache
+        if cache is None or not self.config.cached_metadata or cache.config != self.config:
+            return None
+        if cache.world != (coordination.get_rank(), coordination.get_world_size()):
+            return None
+        # Replaced by the user (a loaded checkpoint's metadata, for instance): that
+        # metadata is verified against fresh plans instead.
+        if cache.metadata is not self.cached_global_metadata:
+            return None
+        if is_coordinator and cache.metadata is None:
+            return None  # without metadata to reuse, force a fresh plan on every rank
+        return cache
+
+    def _prepare_from_cache(self, cache: _PlanCache, structure: Structure, checkpoint_dir: str):
+        """Bind this save's data to the cached plan and prepare its writer (every rank, local)."""
+        binding = cache.binding
+        return prepare_cached_write(
+            self._create_writer(checkpoint_dir),
+            cache.central_plan,
+            rebind(binding, structure),
+            binding.layout,
+            binding.staging_key,
+            coordinator_rank=_COORDINATOR_RANK,
+        )
+
+    def _reuse(self, prepared, cache: _PlanCache, checkpoint_dir: str, token: int) -> AsyncRequest:
+        """Finish a save that every rank prepared from its cache."""
+        writer, dist_wrapper = prepared
+        _count_structure_reuse()
+        self.last_save_reused_plans = True
+        logger.debug(
+            "rank %d: structure unchanged on every rank; reusing the plan without planning",
+            dist_wrapper.rank,
+        )
+        return self._request(writer, cache.metadata, dist_wrapper, checkpoint_dir, token)
+
+    def _plan(
+        self,
+        pyt_state_dict,
+        structure: Optional[Structure],
+        cache: Optional[_PlanCache],
+        checkpoint_dir: str,
+        token: int,
+    ) -> AsyncRequest:
+        """Plan the save in full (every rank), reusing verified plans where it can."""
         cfg = self.config
-        use_cache = cfg.cached_metadata and self._cached_central_plan is not None
-        if is_coordinator and self.cached_global_metadata is None:
-            use_cache = False  # without metadata to reuse, force a fresh plan on every rank
+        self._plan_cache = None  # until this planning succeeds: never keep an older one
         loaded_all_plans = (
             getattr(self.cached_global_metadata, "all_local_plans", None)
             if cfg.cached_metadata
@@ -317,7 +471,7 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
                 planner=planner,
                 coordinator_rank=_COORDINATOR_RANK,
                 cached_ckpt_structure=(
-                    (self._cached_central_plan, self._cached_local_plan, True) if use_cache else None
+                    (cache.central_plan, cache.local_plan, True) if cache is not None else None
                 ),
                 loaded_all_plans=loaded_all_plans,
             )
@@ -328,8 +482,44 @@ class TorchDistAsyncSaveStrategy(AsyncSaveShardedStrategy):
                 metadata = self.cached_global_metadata
             else:
                 self.cached_global_metadata = metadata
-            self._cached_central_plan, self._cached_local_plan = central, local
+            self._plan_cache = _PlanCache(
+                config=cfg,
+                world=(coordination.get_rank(), coordination.get_world_size()),
+                metadata=metadata,
+                central_plan=central,
+                local_plan=local,
+                fingerprint=structure.fingerprint if structure is not None else None,
+                binding=self._bind(structure, central, writer),
+            )
+        return self._request(writer, metadata, dist_wrapper, checkpoint_dir, token)
 
+    def _bind(
+        self, structure: Optional[Structure], central: SavePlan, writer: FileSystemWriterAsync
+    ) -> Optional[PlanBinding]:
+        """Bind the plan to the structure, for the next saves (every rank, local)."""
+        if structure is None:
+            return None
+        try:
+            return bind_plan(
+                structure,
+                central,
+                writer.write_buckets,
+                writer.bucket_layout,
+                writer.staging_key,
+                self.config.keep_only_main_replica,
+            )
+        except Exception:  # an optimization only: this save goes on, the next ones plan in full
+            logger.warning(
+                "rank %d: cannot bind the plan to the state dict's structure; later saves "
+                "plan in full",
+                coordination.get_rank(),
+                exc_info=True,
+            )
+            return None
+
+    def _request(
+        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int
+    ) -> AsyncRequest:
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token)
         # If the request is dropped unfinalized (a failed or aborted save), free the directory.

@@ -34,7 +34,11 @@ from megatron_async.errors import (
     CheckpointValidationError,
 )
 from megatron_async.filesystem_async import FileSystemWriterAsync
-from megatron_async.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
+from megatron_async.strategy import (
+    TorchDistAsyncSaveStrategy,
+    checkpoint_dirs_in_flight,
+    get_structure_reuse_count,
+)
 from tests.functional.harness import RankContext, run_scenarios
 
 FAILING_RANK = 1
@@ -214,6 +218,76 @@ def cached_metadata_skips_plan_gathers(ctx, persistent):
     # First save plans; the structure is then verified unchanged and reused (the third
     # save gathers nothing); the added key forces a fresh plan, reused again afterwards.
     assert gathered == [1, 0, 0, 1, 0], gathered
+
+
+def _state_changed_on_rank_1(ctx, scale, changes):
+    """``_model_state`` with structural ``changes`` on rank 1 only (others keep theirs).
+
+    "tensor" adds a tensor only rank 1 holds, "wide" widens it, "object" adds a
+    ShardedObject of rank 1, "replica" gives rank 1's copy of "replicated" another
+    non-main replica id (which changes no plan).
+    """
+    state = _model_state(ctx, scale)
+    if ctx.rank != FAILING_RANK:
+        return state
+    if "tensor" in changes:
+        length = 5 if "wide" in changes else 3
+        state["only1"] = ShardedTensor.from_rank_offsets("only1", torch.full((length,), scale))
+    if "object" in changes:
+        state["obj1"] = ShardedObject("obj1", {"scale": scale}, (1,), (0,), replica_id=0)
+    if "replica" in changes:
+        state["replicated"].replica_id = ctx.world_size + 1
+    return state
+
+
+def structure_change_on_one_rank_plans_everywhere(ctx):
+    """A structure changed on one rank makes every rank plan (megatron-core's flow)."""
+    strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
+    queue = _queue(False)
+    # (changes on rank 1, expected (saves reused without planning, plan gathers) per rank)
+    steps = [
+        ((), (0, 1)),
+        ((), (1, 0)),
+        (("tensor",), (0, 1)),
+        (("tensor",), (1, 0)),
+        (("tensor", "wide"), (0, 1)),
+        (("tensor", "wide", "object"), (0, 1)),
+        (("tensor", "wide", "object"), (1, 0)),
+        ((), (0, 1)),
+        # Only the fingerprint changed, not the plan: planned everywhere, nothing gathered.
+        (("replica",), (0, 0)),
+        (("replica",), (1, 0)),
+    ]
+    for step, (changes, expected) in enumerate(steps):
+        scale = float(step + 1)
+        path = _dir(ctx, f"one-rank-change-{step}")
+        reused, gathered = get_structure_reuse_count(), state_dict_saver.get_plan_gather_count()
+        request = dist_checkpointing.save(
+            _state_changed_on_rank_1(ctx, scale, changes),
+            path,
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+            validate_access_integrity=step == 0,  # as Megatron-LM's constant-structure saves
+        )
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        counts = (
+            get_structure_reuse_count() - reused,
+            state_dict_saver.get_plan_gather_count() - gathered,
+        )
+        assert counts == expected, (step, changes, counts, expected)
+
+        expected_state = _state_changed_on_rank_1(ctx, scale, changes)
+        loaded = dist_checkpointing.load(_state_changed_on_rank_1(ctx, 0.0, changes), path)
+        _assert_equal_states(loaded, expected_state, f"megatron, step {step}")
+        whole = _load_dcp(path, ctx.world_size)
+        for key, tensor in _global_tensors(ctx.world_size, scale).items():
+            assert torch.equal(whole[key], tensor), ("dcp", step, key)
+        if "tensor" in changes:
+            assert torch.equal(whole["only1"], torch.full((5 if "wide" in changes else 3,), scale))
+        assert ("only1" in whole) == ("tensor" in changes), (step, sorted(whole))
+        objects = sorted(k for k in whole if k.startswith("obj"))
+        assert len(objects) == ctx.world_size + ("object" in changes), objects
 
 
 def loaded_metadata_skips_the_first_gather(ctx):
@@ -468,6 +542,7 @@ def run_all(ctx: RankContext):
         ):
             scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
     for fn in (
+        structure_change_on_one_rank_plans_everywhere,
         loaded_metadata_skips_the_first_gather,
         all_replicas_with_central_planning,
         separation_hint_files,

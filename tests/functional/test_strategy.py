@@ -19,6 +19,7 @@ SCENARIOS = (
         )
     ]
     + [
+        "structure_change_on_one_rank_plans_everywhere",
         "loaded_metadata_skips_the_first_gather",
         "all_replicas_with_central_planning",
         "separation_hint_files",
