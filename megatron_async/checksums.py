@@ -7,9 +7,9 @@ corruption check (truncation, bit flips, torn writes), not a defence against tam
 
 Where each piece runs:
 
-* :class:`HashingWriter` wraps the output file in the background writer and hashes
-  every byte on its way to the file, so no second read pass and no work on the
-  training thread is needed.
+* The background writer (``megatron_async._write_buckets``) hashes every item's bytes
+  with :func:`new_hasher` on their way to the file, so no second read pass and no
+  work on the training thread is needed.
 * The coordinator writes every rank's item checksums into :data:`CHECKSUM_FILE` next
   to the data files, *before* DCP's ``.metadata`` marks the checkpoint complete. Stock
   loaders ignore the extra file, so the checkpoint stays a plain ``torch_dist`` one.
@@ -20,11 +20,10 @@ Where each piece runs:
 from __future__ import annotations
 
 import dataclasses
-import errno
-import io
 import json
+import operator
 import os
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import xxhash
 
@@ -32,8 +31,9 @@ __all__ = [
     "CHECKSUM_FILE",
     "ALGORITHM",
     "ItemChecksum",
-    "HashingWriter",
+    "new_hasher",
     "write_checksum_file",
+    "write_checksum_records",
     "read_checksum_file",
     "verify_items",
 ]
@@ -55,83 +55,47 @@ class ItemChecksum:
     fqn: str
     chunk_offsets: Optional[List[int]] = None
 
+    def to_record(self) -> Dict[str, Any]:
+        """The item as the checksum file stores it (shallow, unlike ``dataclasses.asdict``)."""
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "digest": self.digest,
+            "fqn": self.fqn,
+            "chunk_offsets": None if self.chunk_offsets is None else list(self.chunk_offsets),
+        }
+
     def describe(self) -> str:
         where = f"{self.fqn}" + (f" chunk {self.chunk_offsets}" if self.chunk_offsets else "")
         return f"{where} in {self.file} (bytes {self.offset}..{self.offset + self.length})"
 
 
-class HashingWriter(io.RawIOBase):
-    """A write-only stream that hashes what it forwards to ``target`` (background side).
-
-    Call :meth:`start_item` before an item is written and :meth:`finish_item` after;
-    the digest covers exactly the bytes written in between. With ``hashing=False`` it
-    only forwards, and still keeps :attr:`write_error`.
-
-    Attributes:
-        write_error: the first ``OSError`` the target raised. ``torch.save`` swallows
-            exceptions of a stream's ``write`` and reports only "unexpected pos"; the
-            writer re-raises this one instead, so a full disk reads as ENOSPC.
-    """
-
-    def __init__(self, target, hashing: bool = True):
-        super().__init__()
-        self._target = target
-        self._hasher = xxhash.xxh3_64() if hashing else None
-        self.write_error: Optional[OSError] = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        # Write everything or raise: a short write (a disk filling up) must surface as the
-        # OSError of the next attempt, not as a silently shorter item.
-        view = memoryview(data).cast("B")
-        done = 0
-        try:
-            while done < view.nbytes:
-                written = self._target.write(view[done:])
-                if written is None:  # a buffered stream that accepted everything
-                    written = view.nbytes - done
-                if written == 0:
-                    raise OSError(errno.EIO, f"the file accepted no bytes after {done} of {view.nbytes}")
-                done += written
-        except OSError as exc:
-            if self.write_error is None:
-                self.write_error = exc
-            raise
-        if self._hasher is not None:
-            self._hasher.update(view)
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self._target.tell()
-
-    def flush(self) -> None:
-        self._target.flush()
-
-    def close(self) -> None:
-        # Closing the wrapper must not close the shared file: DCP closes per-item streams.
-        io.RawIOBase.close(self)
-
-    def start_item(self) -> None:
-        if self._hasher is not None:
-            self._hasher.reset()
-
-    def finish_item(self) -> Optional[str]:
-        return self._hasher.hexdigest() if self._hasher is not None else None
+def new_hasher() -> "xxhash.xxh3_64":
+    """A fresh streaming hasher of :data:`ALGORITHM` (``update``, ``hexdigest``, ``reset``)."""
+    return xxhash.xxh3_64()
 
 
 def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
     """Write the checksum file atomically (coordinator, before ``.metadata``)."""
-    payload = {
-        "format": _FORMAT,
-        "algorithm": ALGORITHM,
-        "items": [dataclasses.asdict(item) for item in sorted(items, key=lambda i: (i.file, i.offset))],
-    }
+    write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
+
+
+def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
+    """Write the checksum file from item records, atomically (coordinator, before ``.metadata``).
+
+    A record is the fields of :class:`ItemChecksum` as a dict (:meth:`ItemChecksum.to_record`).
+    The writer's ``finish`` builds records straight from the write results: with tens of
+    thousands of items per rank, one object per item less is noticeable on the training
+    thread. ``records`` is sorted in place by file and offset.
+    """
+    records.sort(key=operator.itemgetter("file", "offset"))
+    payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}
+    text = json.dumps(payload)  # json.dump would encode in pure Python, item by item
     final_path = os.path.join(checkpoint_dir, CHECKSUM_FILE)
     tmp_path = final_path + ".tmp"
     with open(tmp_path, "w") as f:
-        json.dump(payload, f)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp_path, final_path)
@@ -150,7 +114,7 @@ def read_checksum_file(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
 
 
 def _hash_range(path: str, offset: int, length: int) -> Optional[str]:
-    hasher = xxhash.xxh3_64()
+    hasher = new_hasher()
     with open(path, "rb") as f:
         f.seek(offset)
         remaining = length

@@ -442,23 +442,29 @@ def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> 
     """Write every rank's item digests, or drop a stale checksum file (coordinator).
 
     Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
-    the checksums of exactly its own items (or none at all).
+    the checksums of exactly its own items (or none at all). The records are built as the
+    checksum file stores them, without an intermediate object per item: this runs on the
+    training thread, with every rank's items.
     """
-    items = [
-        checksums.ItemChecksum(
-            file=result.storage_data.relative_path,
-            offset=result.storage_data.offset,
-            length=result.storage_data.length,
-            digest=result.checksum,
-            fqn=result.index.fqn,
-            chunk_offsets=list(result.index.offset) if result.index.offset is not None else None,
-        )
-        for rank_results in results
-        for result in rank_results
-        if getattr(result, "checksum", None) is not None
-    ]
-    if items:
-        checksums.write_checksum_file(checkpoint_dir, items)
+    records = []
+    for rank_results in results:
+        for result in rank_results:
+            digest = getattr(result, "checksum", None)
+            if digest is None:
+                continue
+            storage, index = result.storage_data, result.index
+            records.append(
+                {
+                    "file": storage.relative_path,
+                    "offset": storage.offset,
+                    "length": storage.length,
+                    "digest": digest,
+                    "fqn": index.fqn,
+                    "chunk_offsets": None if index.offset is None else list(index.offset),
+                }
+            )
+    if records:
+        checksums.write_checksum_records(checkpoint_dir, records)
     else:
         try:
             os.remove(os.path.join(checkpoint_dir, checksums.CHECKSUM_FILE))
