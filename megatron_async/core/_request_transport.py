@@ -12,6 +12,9 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   trainer's own tensors) is *copied* into a segment of this call (:class:`_CallArena`),
   so the worker always writes a snapshot.
 
+Plan items (``WriteItem``, immutable and the same objects from save to save while the
+plan is cached) are sent once as well and then referred to by a token.
+
 Each segment crosses the process boundary once (one descriptor), the first time a
 request uses it. The worker keeps a *reusable* segment (cached staging buffers) mapped
 until the trainer says it is gone, and drops any other once the call that used it is
@@ -23,12 +26,14 @@ Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Tuple
 
 import torch
+from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
 
@@ -37,13 +42,23 @@ __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
 _ALIGNMENT = 64
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
-# The worker process's table; set by SegmentTable, read while unpickling a request.
+# The worker process's tables; set by SegmentTable, read while unpickling a request.
 _worker_segments: Dict[int, torch.Tensor] = {}
+_worker_objects: Dict[int, Any] = {}
+
+_KEEP_UNUSED_OBJECTS = 1024
+"""Plan items not used by the latest request that a sender keeps (a structure that
+alternates, e.g. two models saved in turn, still finds its items)."""
 
 
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
     """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
     return shared_memory.segment_view(_worker_segments[segment_id], byte_offset, shape, dtype)
+
+
+def _cached_object(token: int) -> Any:
+    """Unpickling side (worker): a plan item sent with an earlier request."""
+    return _worker_objects[token]
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -64,6 +79,10 @@ class EncodedRequest(NamedTuple):
     call_segments: Tuple[int, ...]
     """Segments used by this call only (fresh staging buffers, the arena): the worker
     unmaps them once the call is written."""
+    new_objects: bytes
+    """Pickled ``{token: write item}`` of the plan items the worker has not seen yet."""
+    forget_objects: Tuple[int, ...]
+    """Tokens of plan items no longer used: the worker drops them first."""
 
 
 class _CallArena:
@@ -86,6 +105,54 @@ class _CallArena:
         return copy
 
 
+class _SentObjects:
+    """The plan items (``WriteItem``) a worker already has, by token (trainer side).
+
+    A warm save with a cached plan sends the same immutable ``WriteItem`` objects again;
+    pickling their ~10 objects each was most of the cost of sending a request with
+    thousands of tensors. Each item is sent once and then referred to by its token. The
+    sender keeps the items it sent alive (so their ``id`` stays theirs) and forgets
+    those the latest request did not use once they exceed ``_KEEP_UNUSED_OBJECTS``.
+    """
+
+    def __init__(self):
+        self._tokens: Dict[int, Tuple[int, Any]] = {}  # id(item) -> (token, item)
+        self._next = itertools.count(1)
+        self._used: set = set()
+        self._new: Dict[int, Tuple[int, Any]] = {}  # token -> (id(item), item)
+
+    def start_request(self) -> None:
+        self._used, self._new = set(), {}
+
+    def token_of(self, item: Any) -> int:
+        entry = self._tokens.get(id(item))
+        if entry is None:
+            entry = (next(self._next), item)
+            self._tokens[id(item)] = entry
+            self._new[entry[0]] = (id(item), item)
+        self._used.add(entry[0])
+        return entry[0]
+
+    def finish_request(self) -> Tuple[bytes, Tuple[int, ...]]:
+        """Return the pickled new items and the tokens the worker may drop."""
+        new_objects = pickle.dumps(
+            {token: item for token, (_, item) in self._new.items()}, pickle.HIGHEST_PROTOCOL
+        )
+        forget: Tuple[int, ...] = ()
+        unused = len(self._tokens) - len(self._used)
+        if unused > _KEEP_UNUSED_OBJECTS:
+            stale = [key for key, (token, _) in self._tokens.items() if token not in self._used]
+            forget = tuple(self._tokens.pop(key)[0] for key in stale)
+        self._new = {}
+        return new_objects, forget
+
+    def abandon_request(self) -> None:
+        """Forget the items first sent by a request that was never sent."""
+        for key, _ in self._new.values():
+            self._tokens.pop(key, None)
+        self._new = {}
+
+
 class _Pickler(ForkingPickler):
     """Pickles CPU tensors as segment references (see the module docstring)."""
 
@@ -95,6 +162,8 @@ class _Pickler(ForkingPickler):
         self._arena = arena
 
     def reducer_override(self, obj):
+        if type(obj) is WriteItem:
+            return _cached_object, (self._sender._objects.token_of(obj),)
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
@@ -118,6 +187,7 @@ class RequestSender:
     def __init__(self):
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
+        self._objects = _SentObjects()
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:
@@ -136,12 +206,17 @@ class RequestSender:
         """
         arena = _CallArena()
         self._new = {}
+        self._objects.start_request()
         buffer = io.BytesIO()
         try:
             _Pickler(buffer, self, arena).dump(request)
             new_segments = bytes(
                 ForkingPickler.dumps({sid: seg.tensor for sid, seg in self._new.items()})
             )
+            new_objects, forget_objects = self._objects.finish_request()
+        except BaseException:
+            self._objects.abandon_request()
+            raise
         finally:
             new, self._new = self._new, {}
         forget = tuple(
@@ -156,7 +231,13 @@ class RequestSender:
             else:
                 call_segments.append(sid)
         encoded = EncodedRequest(
-            buffer.getvalue(), new_segments, tuple(new), forget, tuple(call_segments)
+            buffer.getvalue(),
+            new_segments,
+            tuple(new),
+            forget,
+            tuple(call_segments),
+            new_objects,
+            forget_objects,
         )
         return encoded, arena.chunks
 
@@ -169,6 +250,9 @@ class SegmentTable:
         for sid in encoded.forget:
             _worker_segments.pop(sid, None)
         _worker_segments.update(pickle.loads(encoded.new_segments))
+        for token in encoded.forget_objects:
+            _worker_objects.pop(token, None)
+        _worker_objects.update(pickle.loads(encoded.new_objects))
         return pickle.loads(encoded.payload)
 
     @staticmethod

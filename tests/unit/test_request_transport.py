@@ -86,3 +86,23 @@ def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
     table.apply(encoded)
     SegmentTable.drop(encoded.call_segments)
     assert encoded.call_segments[0] not in SegmentTable.mapped_ids()
+
+
+def test_plan_items_are_sent_once_and_then_by_token():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(1100)]
+    sender, table = RequestSender(), SegmentTable()
+    first, _ = sender.encode(items)
+    assert table.apply(first) == items
+    second, _ = sender.encode(items)
+    assert len(second.new_objects) < 64 and len(second.payload) < len(first.new_objects) / 5
+    decoded = table.apply(second)
+    assert decoded == items and decoded[0] is not items[0]  # the worker's own copies
+
+    # Items a later structure no longer uses are dropped on both sides once there are many.
+    others = [WriteItem(index=MetadataIndex(f"u{i}"), type=WriteItemType.TENSOR) for i in range(10)]
+    third, _ = sender.encode(others)
+    assert len(third.forget_objects) == 1100
+    assert table.apply(third) == others
