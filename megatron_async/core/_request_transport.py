@@ -30,7 +30,7 @@ import itertools
 import pickle
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -160,6 +160,7 @@ class _Pickler(ForkingPickler):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._sender = sender
         self._arena = arena
+        self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
 
     def reducer_override(self, obj):
         if type(obj) is WriteItem:
@@ -171,11 +172,29 @@ class _Pickler(ForkingPickler):
         if obj.numel() == 0:
             # torch would share the whole storage of an empty view; nothing to send.
             return _rebuild_empty, (tuple(obj.shape), obj.dtype)
-        segment = shared_memory.find_segment(obj)
+        segment_id, byte_offset = self._locate(obj)
+        return _rebuild_tensor, (segment_id, byte_offset, tuple(obj.shape), obj.dtype)
+
+    def _locate(self, tensor: torch.Tensor) -> Tuple[int, int]:
+        """``(segment id, byte offset)`` of ``tensor``'s data, copying it into the arena if needed."""
+        start = tensor.data_ptr()
+        last = self._last
+        # Consecutive tensors of a bucket share a segment: check the last one first
+        # (it stays alive for the whole request, so its address range is still its own).
+        if (
+            last is not None
+            and last[0] <= start
+            and start + tensor.numel() * tensor.element_size() <= last[1]
+            and tensor.is_contiguous()
+        ):
+            return last[2], start - last[0]
+        segment = shared_memory.find_segment(tensor)
         if segment is None:
-            segment = shared_memory.find_segment(self._arena.copy_in(obj))
+            segment = shared_memory.find_segment(self._arena.copy_in(tensor))
         self._sender._use(segment)
-        return _rebuild_tensor, (segment.segment_id, segment.byte_offset, tuple(obj.shape), obj.dtype)
+        base = segment.tensor.data_ptr()
+        self._last = (base, base + segment.tensor.numel(), segment.segment_id)
+        return segment.segment_id, segment.byte_offset
 
 
 class RequestSender:
