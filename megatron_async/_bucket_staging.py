@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -50,9 +51,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_CACHED_LAYOUTS = 4
-"""How many distinct bucket layouts keep their buffers in one process (least recent dropped)."""
 
 _ALIGNMENT = 64
 """Byte alignment of each tensor in a bucket's segment (cache line; any dtype's element size)."""
@@ -122,6 +120,7 @@ class _BufferSet:
 
 _lock = threading.Lock()
 _cache: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
+_generations = itertools.count(1)
 
 
 class StagedBuckets(list):
@@ -133,8 +132,10 @@ class StagedBuckets(list):
     no-op in any process but the one that staged.
     """
 
-    lease: Optional[Tuple[Hashable, int]] = None
-    _fresh: Optional[List[_BucketBuffers]] = None
+    def __init__(self, buckets=(), lease: Optional[Tuple[Hashable, int]] = None):
+        super().__init__(buckets)
+        self.lease = lease
+        self._fresh: List[_BucketBuffers] = []  # buffers of this save only
 
     def release(self) -> None:
         """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
@@ -146,29 +147,30 @@ class StagedBuckets(list):
 
 
 def _rebuild_staged(items, lease):
-    staged = StagedBuckets(items)
-    staged.lease = lease
-    return staged
+    return StagedBuckets(items, lease)
 
 
 def _lease(key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
-    """Return this layout's buffer set, leased to the caller, or None if it is leased already."""
+    """Return this layout's buffer set, leased to the caller, or None if it is leased already.
+
+    A new layout replaces the others (one structure at a time, so a changed structure
+    does not leave a checkpoint's worth of shared memory behind); buffers still leased
+    are dropped when their lease ends.
+    """
     with _lock:
         entry = _cache.get(key)
         if entry is None:
             entry = _BufferSet([None] * num_buckets)
+            for other in [k for k, e in _cache.items() if not e.leased]:
+                del _cache[other]
             _cache[key] = entry
-            while len(_cache) > MAX_CACHED_LAYOUTS:
-                oldest = next(iter(_cache))
-                if _cache[oldest].leased:
-                    break
-                del _cache[oldest]
         elif entry.leased:
             logger.debug("staging buffers of this layout are still being written; using new ones")
             return None
         _cache.move_to_end(key)
         entry.leased, entry.owner_pid = True, os.getpid()
-        entry.generation += 1
+        # Unique across entries: a lease on a dropped and re-created entry never matches.
+        entry.generation = next(_generations)
         return entry
 
 
@@ -194,10 +196,7 @@ def stage_buckets(
         StagingMemoryError: shared memory for the buffers could not be allocated.
     """
     entry = _lease(cache_key, len(buckets)) if cache_key is not None else None
-    result = StagedBuckets()
-    result.lease = (cache_key, entry.generation) if entry is not None else None
-    if entry is None:
-        result._fresh = []
+    result = StagedBuckets(lease=(cache_key, entry.generation) if entry is not None else None)
     cuda_sources: List[torch.Tensor] = []
     try:
         for b_idx, bucket in enumerate(buckets):
@@ -245,6 +244,8 @@ def release_staging_buffers(lease: Optional[Tuple[Hashable, int]]) -> None:
         entry = _current_entry(lease)
         if entry is not None:
             entry.leased = False
+            if next(reversed(_cache)) != lease[0]:
+                del _cache[lease[0]]  # a newer layout replaced this one while it was written
 
 
 def staging_cache_num_bytes() -> int:

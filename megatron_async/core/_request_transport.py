@@ -15,8 +15,9 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
 plan is cached) are sent once as well and then referred to by a token.
 
-Each segment crosses the process boundary once (one descriptor), the first time a
-request uses it. The worker keeps a *reusable* segment (cached staging buffers) mapped
+Each segment crosses the process boundary once, the first time a request uses it: its
+descriptor goes over a Unix socket of its own (``SCM_RIGHTS``), so descriptors of a
+request the worker never read die with the worker instead of staying with the trainer. The worker keeps a *reusable* segment (cached staging buffers) mapped
 until the trainer says it is gone, and drops any other once the call that used it is
 written, so no staging memory outlives its save in the worker.
 
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import pickle
+import socket
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -36,10 +39,12 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
+from megatron_async.errors import CoordinationError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
 
 _ALIGNMENT = 64
+_ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
 # The worker process's tables; set by SegmentTable, read while unpickling a request.
@@ -53,12 +58,26 @@ alternates, e.g. two models saved in turn, still finds its items)."""
 
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
     """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
-    return shared_memory.segment_view(_worker_segments[segment_id], byte_offset, shape, dtype)
+    segment = _worker_segments.get(segment_id)
+    if segment is None:
+        raise CoordinationError(
+            f"persistent worker: shared-memory segment {segment_id} was never mapped here; the "
+            "trainer and this worker disagree on what was sent (the worker exits and a new one "
+            "starts with the next save)"
+        )
+    return shared_memory.segment_view(segment, byte_offset, shape, dtype)
 
 
 def _cached_object(token: int) -> Any:
     """Unpickling side (worker): a plan item sent with an earlier request."""
-    return _worker_objects[token]
+    item = _worker_objects.get(token)
+    if item is None:
+        raise CoordinationError(
+            f"persistent worker: plan item {token} was never received here; the trainer and "
+            "this worker disagree on what was sent (the worker exits and a new one starts "
+            "with the next save)"
+        )
+    return item
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -70,10 +89,9 @@ class EncodedRequest(NamedTuple):
     """A pickled request and what the worker must map or unmap before reading it."""
 
     payload: bytes
-    new_segments: bytes
-    """Pickled ``{segment id: uint8 tensor}`` of the segments the worker has not mapped yet
-    (one descriptor each, which can be received only once)."""
-    new_segment_ids: Tuple[int, ...]
+    new_segments: Tuple[Tuple[int, int], ...]
+    """``(segment id, bytes)`` of the segments the worker has not mapped yet; their
+    descriptors travel, in this order, over the descriptor socket."""
     forget: Tuple[int, ...]
     """Segments the trainer no longer has: the worker unmaps them first."""
     call_segments: Tuple[int, ...]
@@ -97,12 +115,52 @@ class _CallArena:
         num_bytes = tensor.numel() * tensor.element_size()
         start = -(-self._used // _ALIGNMENT) * _ALIGNMENT
         if not self.chunks or start + num_bytes > self.chunks[-1].numel():
-            self.chunks.append(shared_memory.allocate_segment(max(num_bytes, _ARENA_CHUNK_BYTES)))
+            # Chunks double with use, so a request with one small tensor takes little.
+            chunk_bytes = min(_ARENA_CHUNK_BYTES, _ARENA_FIRST_CHUNK_BYTES << len(self.chunks))
+            self.chunks.append(shared_memory.allocate_segment(max(num_bytes, chunk_bytes)))
             start = 0
         self._used = start + num_bytes
         copy = shared_memory.segment_view(self.chunks[-1], start, tuple(tensor.shape), tensor.dtype)
         copy.copy_(tensor.detach())
         return copy
+
+
+_MAX_DESCRIPTORS_PER_MESSAGE = 200
+"""SCM_RIGHTS carries at most 253 descriptors per message on Linux."""
+
+DESCRIPTOR_TIMEOUT_S = 60.0
+"""Bound on sending or receiving one batch of segment descriptors."""
+
+
+def _send_descriptors(sock: socket.socket, segments: List[torch.Tensor]) -> None:
+    """Send the segments' shared-memory descriptors to the worker (trainer side).
+
+    The kernel holds descriptors in flight on the socket: if the worker dies before
+    taking them, closing the socket releases them, so a dead worker never pins the
+    shared memory of a request it did not read.
+    """
+    fds = [segment.untyped_storage()._share_fd_cpu_()[0] for segment in segments]
+    for start in range(0, len(fds), _MAX_DESCRIPTORS_PER_MESSAGE):
+        socket.send_fds(sock, [b"\0"], fds[start : start + _MAX_DESCRIPTORS_PER_MESSAGE])
+
+
+def _receive_descriptors(sock: socket.socket, count: int) -> List[int]:
+    """Receive ``count`` descriptors sent by :func:`_send_descriptors` (worker side)."""
+    fds: List[int] = []
+    while len(fds) < count:
+        try:
+            data, received, _flags, _addr = socket.recv_fds(sock, 1, _MAX_DESCRIPTORS_PER_MESSAGE)
+        except socket.timeout as exc:
+            for fd in fds:
+                os.close(fd)
+            raise CoordinationError(
+                f"the trainer announced {count} shared-memory segments but their descriptors "
+                f"did not arrive within {DESCRIPTOR_TIMEOUT_S:.0f}s"
+            ) from exc
+        if not data:
+            raise CoordinationError("the trainer closed the descriptor socket")
+        fds.extend(received)
+    return fds
 
 
 class _SentObjects:
@@ -203,7 +261,8 @@ class RequestSender:
     Tracks which segments that worker has mapped; create a new sender for a new worker.
     """
 
-    def __init__(self):
+    def __init__(self, descriptor_socket: socket.socket):
+        self._socket = descriptor_socket
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = _SentObjects()
@@ -229,10 +288,9 @@ class RequestSender:
         buffer = io.BytesIO()
         try:
             _Pickler(buffer, self, arena).dump(request)
-            new_segments = bytes(
-                ForkingPickler.dumps({sid: seg.tensor for sid, seg in self._new.items()})
-            )
             new_objects, forget_objects = self._objects.finish_request()
+            new_segments = tuple((sid, seg.tensor.numel()) for sid, seg in self._new.items())
+            _send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
         except BaseException:
             self._objects.abandon_request()
             raise
@@ -252,7 +310,6 @@ class RequestSender:
         encoded = EncodedRequest(
             buffer.getvalue(),
             new_segments,
-            tuple(new),
             forget,
             tuple(call_segments),
             new_objects,
@@ -264,11 +321,24 @@ class RequestSender:
 class SegmentTable:
     """The worker's mapped segments (background side)."""
 
+    def __init__(self, descriptor_socket: socket.socket):
+        self._socket = descriptor_socket
+
     def apply(self, encoded: EncodedRequest) -> Any:
-        """Unmap forgotten segments, map new ones, and return the unpickled request."""
+        """Unmap forgotten segments, map new ones, and return the unpickled request.
+
+        Raises:
+            CoordinationError: the descriptors of new segments did not arrive in time.
+        """
         for sid in encoded.forget:
             _worker_segments.pop(sid, None)
-        _worker_segments.update(pickle.loads(encoded.new_segments))
+        descriptors = _receive_descriptors(self._socket, len(encoded.new_segments))
+        for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
+            try:
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
+            finally:
+                os.close(fd)
+            _worker_segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
         for token in encoded.forget_objects:
             _worker_objects.pop(token, None)
         _worker_objects.update(pickle.loads(encoded.new_objects))

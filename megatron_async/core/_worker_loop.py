@@ -6,8 +6,8 @@ Protocol, trainer -> worker (a multiprocessing queue):
     is already staged by the trainer), acknowledge, then write;
     ``STOP``: finish the writes already accepted, say ``stopped`` and exit.
 Worker -> trainer (a one-way pipe, so a worker dying mid-message reads as EOF, never as
-a hang): ``("received", idx)``, ``("done", idx)``, ``("error", idx, RankFailure)``,
-``("stopped", None)``.
+a hang): ``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
+``("error", idx, RankFailure)``, ``("stopped", None)``.
 
 Receiving and writing run on different threads, so a second request is taken while the
 first is still being written.
@@ -26,7 +26,7 @@ from megatron_async.core._process import (
     raise_open_file_limit,
     set_parent_death_signal,
 )
-from megatron_async.core._request_transport import SegmentTable
+from megatron_async.core._request_transport import DESCRIPTOR_TIMEOUT_S, SegmentTable
 from megatron_async.errors import RankFailure
 
 __all__ = ["STOP", "persistent_worker_main"]
@@ -77,6 +77,7 @@ def persistent_worker_main(
     rank: int,
     requests,
     result_conn,
+    descriptor_socket,
     parent_pid: int,
     log_level: int,
     cuda_device: Optional[int],
@@ -87,6 +88,7 @@ def persistent_worker_main(
         rank: the trainer's global rank (for messages).
         requests: queue of ``(call_idx, encoded_request, cuda_device)`` or ``STOP``.
         result_conn: sending end of the pipe to the trainer.
+        descriptor_socket: the worker's end of the socket that carries segment descriptors.
         parent_pid: the trainer's pid; the worker exits when the trainer is gone.
         log_level: the trainer's logging level.
         cuda_device: device to make current, when the trainer uses CUDA.
@@ -99,10 +101,12 @@ def persistent_worker_main(
 
         torch.cuda.set_device(cuda_device)
     reporter = _Reporter(result_conn)
-    table = SegmentTable()
+    descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
+    table = SegmentTable(descriptor_socket)
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter), daemon=True)
     writer.start()
+    reporter.send("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
@@ -125,10 +129,14 @@ def persistent_worker_main(
                 torch.cuda.set_device(request_device)
             request = table.apply(encoded)
         except BaseException as exc:
+            # The trainer now believes segments or plan items reached this worker that
+            # may not have: finish the accepted writes and exit, so that the next save
+            # starts a fresh worker with a fresh view of what was sent.
             logger.error("rank %d worker: cannot read async call %d: %s", rank, call_idx, exc)
-            SegmentTable.drop(encoded.call_segments)
             reporter.send("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
-            continue
+            jobs.put(None)
+            writer.join()
+            os._exit(1)
         reporter.send("received", call_idx)
         jobs.put(
             (

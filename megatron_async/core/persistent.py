@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Any, Dict, Optional
 
@@ -12,7 +13,7 @@ import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
 from megatron_async.core._process import kill_and_reap, register_exit_cleanup
-from megatron_async.core._request_transport import RequestSender
+from megatron_async.core._request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
 from megatron_async.core._worker_loop import STOP, persistent_worker_main
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
@@ -36,10 +37,12 @@ class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one spawned worker process that lives across saves (trainer side).
 
     The worker is started when the caller is created, so its start-up overlaps with
-    training. The trainer stages each request's data itself (``preload_fn``, a memory
-    copy into shared-memory buffers) and sends the request with its tensors as
-    references into shared memory (:mod:`megatron_async.core._request_transport`):
-    :meth:`schedule_async_call` returns right after that, without waiting for the worker.
+    training (a save scheduled before the start-up is over waits for it, bounded by
+    ``staging_timeout_s``). The trainer stages each request's data itself
+    (``preload_fn``, a memory copy into shared-memory buffers) and sends the request with
+    its tensors as references into shared memory
+    (:mod:`megatron_async.core._request_transport`): :meth:`schedule_async_call` returns
+    right after that, without waiting for the worker.
     The worker acknowledges receipt and writes on a separate thread; the staged data is
     released for reuse when the worker reports the call done (or the worker is gone).
     If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
@@ -56,6 +59,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self._requests = None
         self._results = None
         self._sender: Optional[RequestSender] = None
+        self._descriptor_socket: Optional[socket.socket] = None
+        self._ready = False
         self._statuses: Dict[int, CallStatus] = {}
         self._start_times: Dict[int, float] = {}
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
@@ -68,7 +73,11 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _start_worker(self) -> None:
         ctx = mp.get_context("spawn")
-        self._sender = RequestSender()
+        trainer_socket, worker_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        trainer_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
+        self._descriptor_socket = trainer_socket
+        self._sender = RequestSender(trainer_socket)
+        self._ready = False
         self._requests = ctx.Queue()
         self._results, child_conn = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
@@ -77,6 +86,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 self.rank,
                 self._requests,
                 child_conn,
+                worker_socket,
                 os.getpid(),
                 logging.getLogger().getEffectiveLevel(),
                 _current_cuda_device(),
@@ -95,6 +105,7 @@ class PersistentAsyncCaller(AsyncCaller):
             else:
                 os.environ[_WORKER_ENV] = previous
         child_conn.close()
+        worker_socket.close()
         logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self.process.pid)
 
     def _discard_worker(self, kill: bool) -> None:
@@ -105,7 +116,11 @@ class PersistentAsyncCaller(AsyncCaller):
             self._requests.close()
         if self._results is not None:
             self._results.close()
+        if self._descriptor_socket is not None:
+            # Descriptors still in flight (requests the worker never read) are freed with it.
+            self._descriptor_socket.close()
         self.process, self._requests, self._results, self._sender = None, None, None, None
+        self._descriptor_socket = None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
             self._release_call(idx)
@@ -154,6 +169,8 @@ class PersistentAsyncCaller(AsyncCaller):
                     self._statuses[idx] = CallStatus.failed(message[2])
                     self._release_call(idx)
                     self._unreceived.pop(idx, None)
+                elif kind == "ready":
+                    self._ready = True
                 elif kind == "received":
                     self._unreceived.pop(idx, None)
                     # timeout_s bounds the background part from here on; the time
@@ -191,6 +208,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._discard_worker(kill=True)
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
                 return
+        if not self._ready and not self._wait_until_ready(idx):
+            return
         args = list(async_req.async_fn_args)
         staged = None
         try:
@@ -218,6 +237,37 @@ class PersistentAsyncCaller(AsyncCaller):
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
         self._requests.put((idx, encoded, _current_cuda_device()))
+
+    def _wait_until_ready(self, idx: int) -> bool:
+        """Wait (bounded by ``staging_timeout_s``) until a newly started worker is up.
+
+        Only the first save after a (re)start can wait here, and only if the worker's
+        start-up (importing torch) is not over yet: the save is then written as soon as
+        possible rather than queued behind the start-up. Returns False, with call ``idx``
+        failed, when the worker died or did not come up in time.
+        """
+        deadline = time.monotonic() + self.config.staging_timeout_s
+        while not self._ready:
+            self._drain_messages()
+            if self.process is None:  # died while starting
+                self._statuses[idx] = CallStatus.failed(
+                    RankFailure.from_exception(
+                        self.rank, "worker",
+                        WorkerDiedError(f"rank {self.rank}: the persistent worker died while starting"),
+                    )
+                )
+                return False
+            if time.monotonic() > deadline:
+                exc = AsyncTimeoutError(
+                    f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
+                    f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
+                    "and a new one starts with the next save"
+                )
+                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
+                self._discard_worker(kill=True)
+                return False
+            time.sleep(min(self.config.poll_interval_s, 0.005))
+        return True
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead worker and enforces the timeouts."""

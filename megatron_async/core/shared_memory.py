@@ -15,9 +15,9 @@ A segment stays registered while the tensor returned by :func:`allocate_segment`
 alive; ids are never reused, so a stale id can never name other memory.
 
 Shared memory is backed by ``/dev/shm``, often small in containers. Writing beyond a
-full tmpfs kills the process with SIGBUS, so segments are reserved with
-``posix_fallocate`` when torch keeps a descriptor (its default ``file_descriptor``
-sharing strategy): a lack of room becomes :class:`StagingMemoryError` at allocation.
+full tmpfs kills the process with SIGBUS, so every segment is descriptor-backed and
+reserved with ``posix_fallocate``: a lack of room becomes :class:`StagingMemoryError` at
+allocation.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import threading
-import warnings
 import weakref
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -80,16 +79,8 @@ def _unregister(base: int, segment_id: int) -> None:
 
 def _reserve(storage: torch.UntypedStorage, num_bytes: int) -> None:
     """Make tmpfs commit the pages now, so that a full ``/dev/shm`` fails here, not with SIGBUS."""
-    from torch.multiprocessing import get_sharing_strategy
-
-    if get_sharing_strategy() == "file_descriptor":
-        fd, _size = storage._share_fd_cpu_()
-        os.posix_fallocate(fd, 0, num_bytes)
-        return
-    # file_system strategy: no descriptor to reserve through; compare with the free room.
-    stats = os.statvfs(_SHM_DIR)
-    if stats.f_bavail * stats.f_frsize < num_bytes:
-        raise OSError(28, f"{_SHM_DIR} has less than {num_bytes} bytes free")
+    fd, _size = storage._share_fd_cpu_()
+    os.posix_fallocate(fd, 0, num_bytes)
 
 
 def allocate_segment(num_bytes: int, reusable: bool = False) -> torch.Tensor:
@@ -103,7 +94,9 @@ def allocate_segment(num_bytes: int, reusable: bool = False) -> torch.Tensor:
     """
     num_bytes = max(int(num_bytes), 1)
     try:
-        storage = torch.UntypedStorage._new_shared(num_bytes)
+        # Always descriptor-backed, whatever torch's sharing strategy: the descriptor is
+        # what reserves the pages and what the persistent worker receives.
+        storage = torch.UntypedStorage._new_using_fd_cpu(num_bytes)
         _reserve(storage, num_bytes)
     except (OSError, RuntimeError) as exc:
         free = "unknown"
@@ -165,9 +158,7 @@ def segment_view(segment: torch.Tensor, byte_offset: int, shape, dtype: torch.dt
     if num_bytes == 0:
         return torch.empty(shape, dtype=dtype)
     window = segment.numpy()[byte_offset : byte_offset + num_bytes]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot resize
-        return torch.frombuffer(window, dtype=dtype).view(shape)
+    return torch.frombuffer(window, dtype=dtype).view(shape)
 
 
 def find_segment(tensor: torch.Tensor) -> Optional[Segment]:

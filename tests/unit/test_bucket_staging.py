@@ -118,3 +118,59 @@ def test_snapshot_to_host_copies_into_one_segment_and_keeps_the_structure():
     segments = {shared_memory.find_segment(t).segment_id for t in (snapshot["w"], *snapshot["nested"])}
     assert len(segments) == 1
     assert snapshot["w"].untyped_storage().nbytes() == 40  # torch.save writes only its own bytes
+
+
+def _one_tensor_buckets(source, count=1, name="t"):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async._write_buckets import WriteBucket
+
+    item = WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR)
+    return [WriteBucket("/unused", f"b{i}", ([], [(item, source)])) for i in range(count)]
+
+
+def test_a_new_layout_replaces_the_old_one():
+    from megatron_async._bucket_staging import staging_cache_num_bytes
+
+    clear_staging_cache(include_in_use=True)
+    try:
+        stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old").release()
+        in_flight = stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old")
+        in_flight.release()
+        stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new").release()
+        assert staging_cache_num_bytes() == 2048 * 4  # not a checkpoint per layout seen
+        # A layout replaced while its save was still being written goes at release.
+        busy = stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new")
+        stage_buckets(_one_tensor_buckets(torch.zeros(512)), True, "newer").release()
+        busy.release()
+        assert staging_cache_num_bytes() == 512 * 4
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_lease_from_before_a_cache_reset_frees_nothing():
+    clear_staging_cache(include_in_use=True)
+    source = torch.ones(4)
+    try:
+        old = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        clear_staging_cache(include_in_use=True)
+        current = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        old.release()  # must not free the buffers "current" still holds
+        source.fill_(2.0)
+        later = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        assert torch.equal(current[0].data[1][0][1], torch.ones(4))
+        assert later[0].data[1][0][1].data_ptr() != current[0].data[1][0][1].data_ptr()
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_cached_layout_with_more_buckets_stages_the_extra_ones_fresh():
+    clear_staging_cache(include_in_use=True)
+    try:
+        stage_buckets(_one_tensor_buckets(torch.ones(4), 1), True, "layout").release()
+        staged = stage_buckets(_one_tensor_buckets(torch.ones(4), 3), True, "layout")
+        assert [torch.equal(b.data[1][0][1], torch.ones(4)) for b in staged] == [True] * 3
+        staged.release()
+    finally:
+        clear_staging_cache(include_in_use=True)

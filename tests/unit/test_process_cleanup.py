@@ -61,3 +61,17 @@ def test_persistent_worker_needs_no_descriptor_per_tensor(tmp_path):
     open_fds = int(proc.stdout.split("descriptors open:")[1].split()[0])
     assert open_fds < 64, proc.stdout
     assert (tmp_path / "still-writable.txt").read_text() == "ok"
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_before_reading_a_request_frees_its_staging(tmp_path):
+    """Three 32 MiB saves to workers stuck at start-up: the shared memory goes with them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit._worker_stuck_script", str(tmp_path)],
+        cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "phases: timeout,timeout,timeout" in proc.stdout, proc.stdout
+    growth = int(proc.stdout.split("shm growth MiB:")[1].split()[0])
+    assert growth < 32, proc.stdout  # was +32 MiB per killed worker

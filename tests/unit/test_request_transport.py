@@ -1,11 +1,19 @@
 """Requests travel to the persistent worker with tensors as shared-memory references."""
 
 import gc
+import socket
 
 import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core._request_transport import RequestSender, SegmentTable
+
+
+def _pair():
+    """A sender and a table joined by a descriptor socket, as trainer and worker are."""
+    trainer_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker_end.settimeout(10)
+    return RequestSender(trainer_end), SegmentTable(worker_end)
 
 
 def _segment_views(num_tensors: int, numel: int, reusable: bool = True):
@@ -21,10 +29,10 @@ def test_staged_tensors_go_as_references_and_each_segment_is_sent_once():
     segment, views = _segment_views(1000, 16)
     for i, view in enumerate(views):
         view.fill_(i)
-    sender, table = RequestSender(), SegmentTable()
+    sender, table = _pair()
     encoded, arena = sender.encode({"tensors": views})
     assert arena == [] and encoded.call_segments == ()
-    assert len(encoded.new_segment_ids) == 1  # one segment, not 1,000 tensors
+    assert len(encoded.new_segments) == 1  # one segment, not 1,000 tensors
     decoded = table.apply(encoded)["tensors"]
     assert all(torch.equal(t, torch.full((16,), float(i))) for i, t in enumerate(decoded))
     # The decoded tensors map the same memory: they see what is staged into it later.
@@ -32,14 +40,14 @@ def test_staged_tensors_go_as_references_and_each_segment_is_sent_once():
     assert torch.equal(decoded[3], torch.full((16,), -1.0))
 
     again, _ = sender.encode({"tensors": views})
-    assert again.new_segment_ids == ()  # already mapped by the worker
+    assert again.new_segments == ()  # already mapped by the worker
     assert len(again.payload) < 64 * 1000  # references, not data
 
 
 def test_other_cpu_tensors_are_copied_so_later_updates_do_not_leak():
     trainer_tensor = torch.arange(10.0)
     empty_view = trainer_tensor[:0]
-    sender, table = RequestSender(), SegmentTable()
+    sender, table = _pair()
     encoded, arena = sender.encode((trainer_tensor, trainer_tensor[::2], empty_view))
     trainer_tensor.add_(100.0)  # the trainer's next step, right after scheduling
     full, strided, empty = table.apply(encoded)
@@ -54,10 +62,10 @@ def test_other_cpu_tensors_are_copied_so_later_updates_do_not_leak():
 
 def test_a_segment_freed_by_the_trainer_is_forgotten_by_the_worker():
     segment, views = _segment_views(2, 4)
-    sender, table = RequestSender(), SegmentTable()
+    sender, table = _pair()
     encoded, _ = sender.encode(views)
     table.apply(encoded)
-    (segment_id,) = encoded.new_segment_ids
+    ((segment_id, _),) = encoded.new_segments
     assert segment_id in SegmentTable.mapped_ids()
     del segment, views, encoded
     gc.collect()
@@ -80,9 +88,10 @@ def test_segment_ids_are_never_reused():
 
 def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
     segment, views = _segment_views(4, 8, reusable=False)
-    sender, table = RequestSender(), SegmentTable()
+    sender, table = _pair()
     encoded, _ = sender.encode(views)
-    assert encoded.call_segments == encoded.new_segment_ids and len(encoded.call_segments) == 1
+    assert encoded.call_segments == tuple(sid for sid, _ in encoded.new_segments)
+    assert len(encoded.call_segments) == 1
     table.apply(encoded)
     SegmentTable.drop(encoded.call_segments)
     assert encoded.call_segments[0] not in SegmentTable.mapped_ids()
@@ -93,7 +102,7 @@ def test_plan_items_are_sent_once_and_then_by_token():
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(1100)]
-    sender, table = RequestSender(), SegmentTable()
+    sender, table = _pair()
     first, _ = sender.encode(items)
     assert table.apply(first) == items
     second, _ = sender.encode(items)
