@@ -335,7 +335,10 @@ def target_directory_removed_during_write(ctx, persistent):
         dist.barrier()  # every rank has scheduled
         if ctx.rank == 0:
             _wait_for_started_write(path)
-            shutil.rmtree(path)
+            # One atomic step: a recursive delete races with writers still creating files
+            # in it (ENOTEMPTY), which would leave this rank out of step with the others.
+            os.rename(path, path + ".removed")
+            shutil.rmtree(path + ".removed", ignore_errors=True)
         dist.barrier()
 
     summary = _fault_round(
