@@ -52,9 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ALIGNMENT = 64
-"""Byte alignment of each tensor in a bucket's segment (cache line; any dtype's element size)."""
-
 
 @dataclasses.dataclass
 class _BucketBuffers:
@@ -85,7 +82,7 @@ def _allocate_bucket_buffers(
     total = 0
     for source in sources:
         if source.numel():
-            start = -(-total // _ALIGNMENT) * _ALIGNMENT
+            start = shared_memory.aligned(total)
             offsets.append(start)
             total = start + source.numel() * source.element_size()
         else:

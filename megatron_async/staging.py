@@ -18,8 +18,6 @@ __all__ = ["copy_tensor_to_host", "snapshot_to_host", "synchronize_if_cuda"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGNMENT = 64
-
 
 def copy_tensor_to_host(tensor: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
     """Return a host copy of ``tensor`` that shares no memory with it.
@@ -110,7 +108,7 @@ def _segment_places(tensors: List[torch.Tensor]):
     total = 0
     for tensor in tensors:
         if id(tensor) not in offsets:
-            offsets[id(tensor)] = -(-total // _ALIGNMENT) * _ALIGNMENT
+            offsets[id(tensor)] = shared_memory.aligned(total)
             total = offsets[id(tensor)] + tensor.numel() * tensor.element_size()
     segment = None
     if total:

@@ -58,13 +58,17 @@ def record_pid_and_hang(pid_path: str, staged, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def write_after_release(path: str, staged, release_path: str) -> None:
-    """Write ``path`` once ``release_path`` exists (bounded: 120 s)."""
-    deadline = time.monotonic() + 120
+def _wait_for_file(release_path: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while not os.path.exists(release_path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{release_path} never appeared")
         time.sleep(0.01)
+
+
+def write_after_release(path: str, staged, release_path: str) -> None:
+    """Write ``path`` once ``release_path`` exists (bounded: 120 s)."""
+    _wait_for_file(release_path)
     write_text(path, staged, "released")
 
 
@@ -75,9 +79,5 @@ def stage_without_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def save_staged_tensor_after_release(path: str, staged, release_path: str) -> None:
     """``torch.save`` the staged value once ``release_path`` exists (bounded: 120 s)."""
-    deadline = time.monotonic() + 120
-    while not os.path.exists(release_path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{release_path} never appeared")
-        time.sleep(0.01)
+    _wait_for_file(release_path)
     torch.save(staged, path)

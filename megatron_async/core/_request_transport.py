@@ -43,7 +43,6 @@ from megatron_async.errors import CoordinationError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
 
-_ALIGNMENT = 64
 _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
@@ -113,7 +112,7 @@ class _CallArena:
     def copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
         """Copy ``tensor`` into the arena and return the (contiguous) copy."""
         num_bytes = tensor.numel() * tensor.element_size()
-        start = -(-self._used // _ALIGNMENT) * _ALIGNMENT
+        start = shared_memory.aligned(self._used)
         if not self.chunks or start + num_bytes > self.chunks[-1].numel():
             # Chunks double with use, so a request with one small tensor takes little.
             chunk_bytes = min(_ARENA_CHUNK_BYTES, _ARENA_FIRST_CHUNK_BYTES << len(self.chunks))

@@ -36,6 +36,8 @@ import torch
 from megatron_async.errors import StagingMemoryError
 
 __all__ = [
+    "ALIGNMENT",
+    "aligned",
     "Segment",
     "allocate_segment",
     "pin_segment",
@@ -47,6 +49,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm"
+
+ALIGNMENT = 64
+"""Byte alignment of each tensor placed in a segment (a cache line; a multiple of any
+dtype's element size, so every placed tensor can be viewed in its own dtype)."""
+
+
+def aligned(offset: int) -> int:
+    """The first :data:`ALIGNMENT` boundary at or after ``offset`` (where the next tensor goes)."""
+    return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
 class Segment(NamedTuple):

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
