@@ -1,24 +1,29 @@
 """megatron_async: asynchronous torch_dist checkpointing for megatron-core.
 
-Importing the package registers :class:`TorchDistAsyncSaveStrategy` with megatron-core
-as the default save strategy of the backend name ``'megatron_async'`` (see
-:func:`register_strategies`); this imports megatron-core. Background worker processes
-skip that registration (they never look strategies up), which keeps their start-up
-to the cost of importing torch.
+The pipeline of one save, one package per stage::
+
+    core/       requests, the queue, the background callers and their worker
+    staging/    the host snapshot of every tensor (trainer)
+    writer/     the DCP storage writer: buckets, files, checksums, .metadata
+    saver/      plan and finalize a DCP save over the gloo coordination group
+    mcore/      the megatron-core strategy and the per-generation glue
+    integrity/  checksums, completeness, inspection
+    format.py   names on disk and durable writes; manager.py, checkpoint_dirs.py,
+                torch_ckpt.py, cli.py around them
+
+Public names are imported on first use. Importing the package registers
+:class:`TorchDistAsyncSaveStrategy` with megatron-core where megatron-core has a strategy
+registry (0.16.x; see :mod:`megatron_async.mcore.generation`), which imports
+megatron-core. Two kinds of process skip that registration, because they never look a
+strategy up: our background workers (they stay at the cost of importing torch), and the
+command line (``python -m megatron_async``, ``megatron-async``), whose ``list`` needs
+neither torch nor megatron-core.
 """
 
 import os as _os
+import sys as _sys
 
-from megatron_async.core import (
-    AsyncCallerConfig,
-    AsyncCallsQueue,
-    AsyncRequest,
-    PersistentAsyncCaller,
-    TemporalAsyncCaller,
-)
-from megatron_async.errors import AsyncCheckpointError, AsyncSaveFailedError
-
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 BACKGROUND_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"
 """Set to ``1`` in the environment of our background workers (see the docstring above)."""
@@ -42,13 +47,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "FileSystemWriterAsync": "megatron_async.filesystem_async",
-    "save_state_dict_async_finalize": "megatron_async.state_dict_saver",
-    "save_state_dict_async_plan": "megatron_async.state_dict_saver",
-    "verify_global_md_reuse": "megatron_async.state_dict_saver",
-    "TorchDistAsyncSaveStrategy": "megatron_async.strategy",
-    "TorchDistSaveConfig": "megatron_async.strategy",
-    "register_strategies": "megatron_async.strategy",
+    "AsyncCallerConfig": "megatron_async.core",
+    "AsyncCallsQueue": "megatron_async.core",
+    "AsyncRequest": "megatron_async.core",
+    "PersistentAsyncCaller": "megatron_async.core",
+    "TemporalAsyncCaller": "megatron_async.core",
+    "AsyncCheckpointError": "megatron_async.errors",
+    "AsyncSaveFailedError": "megatron_async.errors",
+    "FileSystemWriterAsync": "megatron_async.writer.filesystem",
+    "save_state_dict_async_finalize": "megatron_async.saver.state_dict_saver",
+    "save_state_dict_async_plan": "megatron_async.saver.state_dict_saver",
+    "verify_global_md_reuse": "megatron_async.saver.state_dict_saver",
+    "TorchDistAsyncSaveStrategy": "megatron_async.mcore.strategy",
+    "TorchDistSaveConfig": "megatron_async.mcore.config",
+    "register_strategies": "megatron_async.mcore.strategy",
     "TorchAsyncCheckpoint": "megatron_async.torch_ckpt",
 }
 
@@ -59,17 +71,36 @@ def __getattr__(name):
         raise AttributeError(f"module 'megatron_async' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module_name), name)
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
 
 
-if _os.environ.get(BACKGROUND_WORKER_ENV) != "1":
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _started_as_command_line() -> bool:
+    """Whether this import is the command line's own (``-m megatron_async`` or the script).
+
+    While ``python -m megatron_async`` locates its ``__main__``, ``sys.argv[0]`` is
+    ``"-m"`` and ``sys.orig_argv`` names this package; the console script is called
+    ``megatron-async``.
+    """
+    argv0 = _sys.argv[0] if _sys.argv else ""
+    if argv0 == "-m":
+        orig = list(getattr(_sys, "orig_argv", ()))
+        return "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == [__name__]
+    return _os.path.basename(argv0) == "megatron-async"
+
+
+if _os.environ.get(BACKGROUND_WORKER_ENV) != "1" and not _started_as_command_line():
     import warnings as _warnings
 
     with _warnings.catch_warnings():
         # megatron-core announces on import that optional fused kernels (TE, Apex) are
-        # absent, several times; it changes nothing for checkpointing, and the command
-        # line tools would otherwise open with a screenful of it.
+        # absent, several times; it changes nothing for checkpointing.
         _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-        from megatron_async.strategy import register_strategies as _register_strategies
+        from megatron_async.mcore.strategy import register_strategies as _register_strategies
 
     _register_strategies()

@@ -1,7 +1,8 @@
 """Command line: ``python -m megatron_async {inspect,verify,list} ...``.
 
 Runs in one process, on any machine that can read the checkpoint; no GPU and no
-torch.distributed needed.
+torch.distributed needed. Each command imports only what it needs: ``list`` neither
+torch nor megatron-core, ``inspect`` and ``verify`` torch (to read DCP's metadata).
 
 * ``inspect CKPT``: format, completeness, iteration, tensors (global shape, dtype,
   bytes), files and sizes; ``--json`` for machines.
@@ -18,9 +19,8 @@ import sys
 import time
 from typing import List, Optional, TextIO
 
-from megatron_async import checksums
-from megatron_async.inspection import find_completeness_problems, summarize_checkpoint
-from megatron_async.manager import list_checkpoints, read_tracker
+from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
+from megatron_async.format import CHECKSUM_FILE
 
 __all__ = ["main"]
 
@@ -62,6 +62,8 @@ class _ProgressBar:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from megatron_async.integrity.inspection import summarize_checkpoint
+
     summary = summarize_checkpoint(args.checkpoint)
     if args.json:
         json.dump(summary.to_json(), sys.stdout, indent=2)
@@ -94,12 +96,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from megatron_async.integrity import checksums
+    from megatron_async.integrity.inspection import find_completeness_problems
+
     problems = find_completeness_problems(args.checkpoint)
     items = None
     try:
         items = checksums.read_checksum_file(args.checkpoint)
     except (ValueError, OSError, KeyError, TypeError) as exc:
-        problems.append(f"{checksums.CHECKSUM_FILE} cannot be read: {exc}")
+        problems.append(f"{CHECKSUM_FILE} cannot be read: {exc}")
     if items is not None:
         progress = _ProgressBar(sum(item.length for item in items), sys.stderr)
         problems += checksums.verify_items(args.checkpoint, items, progress.advance)

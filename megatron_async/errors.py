@@ -5,6 +5,10 @@ A failure of a background save is always reported on *every* rank as one
 :class:`AsyncSaveFailedError` that carries each failing rank's :class:`RankFailure`
 (exception type, message, traceback text and the phase it happened in), so that a
 training job can catch a single type and log what went wrong everywhere.
+
+:class:`AsyncSaveFailedError` derives from PyTorch DCP's ``CheckpointException``, so it
+is created on first use (module ``__getattr__``): the command-line tools import this
+module without paying for importing torch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import dataclasses
 import traceback
 from typing import Dict, Mapping, Optional
 
-from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
     "AsyncCheckpointError",
@@ -27,6 +30,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "StorageWriteError",
     "StagingMemoryError",
+    "UnsupportedMegatronError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -66,6 +70,10 @@ class CoordinationError(AsyncCheckpointError):
 
 class CheckpointIntegrityError(AsyncCheckpointError):
     """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
+    """The installed megatron-core lacks the interfaces this package plugs into."""
 
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):
@@ -119,51 +127,67 @@ class RankFailure:
         return f"rank {self.rank} [{self.phase}] {self.exception_type}: {self.message}"
 
 
-class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
-    """A checkpoint save failed on at least one rank; raised identically on every rank.
+def _define_async_save_failed_error() -> type:
+    """Create :class:`AsyncSaveFailedError` (imports torch's DCP exception type)."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    It is also a :class:`torch.distributed.checkpoint.api.CheckpointException`, so code
-    written against megatron-core or PyTorch DCP that catches that type keeps working.
+    class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
+        """A checkpoint save failed on at least one rank; raised identically on every rank.
 
-    Attributes:
-        failures: failing rank -> :class:`RankFailure`.
-        checkpoint: the checkpoint (usually a directory) the save was writing, if known.
-    """
+        It is also a :class:`torch.distributed.checkpoint.api.CheckpointException`, so code
+        written against megatron-core or PyTorch DCP that catches that type keeps working.
 
-    def __init__(
-        self,
-        failures: Mapping[int, RankFailure],
-        checkpoint: Optional[str] = None,
-        hint: str = "",
-    ):
-        self.checkpoint = checkpoint
-        self._hint = hint
-        ordered: Dict[int, RankFailure] = dict(sorted(failures.items()))
-        where = f" of {checkpoint}" if checkpoint else ""
-        lines = [f"async checkpoint save{where} failed on {len(ordered)} rank(s):"]
-        lines += [f"  {failure.summary()}" for failure in ordered.values()]
-        lines.append(
-            hint
-            or "The checkpoint is incomplete and was not marked complete; the previous "
-            "complete checkpoint is untouched. Fix the cause above and save again."
-        )
-        CheckpointException.__init__(self, "\n".join(lines), ordered)
+        Attributes:
+            failures: failing rank -> :class:`RankFailure`.
+            checkpoint: the checkpoint (usually a directory) the save was writing, if known.
+        """
 
-    @property
-    def failures(self) -> Dict[int, RankFailure]:  # type: ignore[override]
-        """Failing rank -> :class:`RankFailure`."""
-        return self._failures
+        def __init__(
+            self,
+            failures: Mapping[int, RankFailure],
+            checkpoint: Optional[str] = None,
+            hint: str = "",
+        ):
+            self.checkpoint = checkpoint
+            self._hint = hint
+            ordered: Dict[int, RankFailure] = dict(sorted(failures.items()))
+            where = f" of {checkpoint}" if checkpoint else ""
+            lines = [f"async checkpoint save{where} failed on {len(ordered)} rank(s):"]
+            lines += [f"  {failure.summary()}" for failure in ordered.values()]
+            lines.append(
+                hint
+                or "The checkpoint is incomplete and was not marked complete; the previous "
+                "complete checkpoint is untouched. Fix the cause above and save again."
+            )
+            CheckpointException.__init__(self, "\n".join(lines), ordered)
 
-    def __str__(self) -> str:
-        return self.args[0]
+        @property
+        def failures(self) -> Dict[int, RankFailure]:  # type: ignore[override]
+            """Failing rank -> :class:`RankFailure`."""
+            return self._failures
 
-    def __reduce__(self):
-        return (type(self), (self._failures, self.checkpoint, self._hint))
+        def __str__(self) -> str:
+            return self.args[0]
 
-    def full_report(self) -> str:
-        """The message followed by every failing rank's traceback."""
-        parts = [str(self)]
-        for failure in self.failures.values():
-            if failure.traceback_text:
-                parts.append(f"--- rank {failure.rank} traceback ---\n{failure.traceback_text}")
-        return "\n".join(parts)
+        def __reduce__(self):
+            return (type(self), (self._failures, self.checkpoint, self._hint))
+
+        def full_report(self) -> str:
+            """The message followed by every failing rank's traceback."""
+            parts = [str(self)]
+            for failure in self.failures.values():
+                if failure.traceback_text:
+                    parts.append(f"--- rank {failure.rank} traceback ---\n{failure.traceback_text}")
+            return "\n".join(parts)
+
+    # Defined in a function only to defer importing torch; pickled by this name.
+    AsyncSaveFailedError.__qualname__ = "AsyncSaveFailedError"
+    return AsyncSaveFailedError
+
+
+def __getattr__(name: str):
+    if name == "AsyncSaveFailedError":
+        cls = _define_async_save_failed_error()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,8 @@
-"""Iteration directories, the "latest" tracker, resume and retention, Megatron-LM style.
+"""Resume, commit and retention of a Megatron-LM save directory, on every rank.
 
-A save directory looks like Megatron-LM's::
-
-    <save>/iter_0000100/            one torch_dist checkpoint per saved iteration
-    <save>/iter_0000200/
-    <save>/latest_checkpointed_iteration.txt    "200"
+The directory layout (``iter_*`` checkpoints, the tracker) and its file operations are
+in :mod:`megatron_async.checkpoint_dirs`; this module decides, for a multi-rank job,
+what to resume from, when the tracker moves and what retention may delete.
 
 A checkpoint directory is *complete* once it holds both ``metadata.json`` (written by
 megatron-core after every rank's shards are written) and ``.metadata`` (the global
@@ -29,9 +27,21 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
-from typing import Iterable, List, Optional, Sequence, Set
+from typing import List, Optional, Set
 
+from megatron_async.checkpoint_dirs import (
+    COMPLETE_MARKERS,
+    TRACKER_FILENAME,
+    CheckpointInfo,
+    checkpoint_dir_name,
+    delete_checkpoint_dir,
+    is_complete_checkpoint,
+    list_checkpoints,
+    purge_trash,
+    read_tracker,
+    select_for_deletion,
+    write_tracker,
+)
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import (
@@ -39,13 +49,9 @@ from megatron_async.errors import (
     CheckpointValidationError,
     RankFailure,
 )
-from megatron_async._fs import fsync_path
-from megatron_async.inspection import (
-    DCP_METADATA_FILE,
-    MEGATRON_METADATA_FILE,
-    iteration_from_path,
-)
+from megatron_async.format import fsync_path
 
+# The directory functions are part of this module's public surface too (older imports).
 __all__ = [
     "TRACKER_FILENAME",
     "COMPLETE_MARKERS",
@@ -62,139 +68,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-"""Name of the tracker file in a save directory (Megatron-LM's name)."""
-
-COMPLETE_MARKERS = (MEGATRON_METADATA_FILE, DCP_METADATA_FILE)
-"""Files whose presence makes a checkpoint directory complete: megatron-core's config and
-PyTorch DCP's global metadata, both written only after every rank's data is written."""
-
-_TRASH_PREFIX = ".deleting-"
-
-
-def checkpoint_dir_name(iteration: int) -> str:
-    """Return the directory name of ``iteration``'s checkpoint: ``iter_0000100``."""
-    if iteration < 0:
-        raise CheckpointValidationError(f"iteration must be >= 0, got {iteration}")
-    return f"iter_{iteration:07d}"
-
-
-def is_complete_checkpoint(path: str) -> bool:
-    """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
-    return os.path.isdir(path) and all(
-        os.path.isfile(os.path.join(path, marker)) for marker in COMPLETE_MARKERS
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """One ``iter_*`` directory of a save directory.
-
-    Attributes:
-        iteration: the iteration in the directory name.
-        path: the directory.
-        complete: whether it holds every file of :data:`COMPLETE_MARKERS`.
-    """
-
-    iteration: int
-    path: str
-    complete: bool
-
-
-def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
-    """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
-    try:
-        names = os.listdir(save_dir)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        path = os.path.join(save_dir, name)
-        iteration = iteration_from_path(path)
-        if iteration is not None and os.path.isdir(path):
-            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
-    return sorted(found, key=lambda info: info.iteration)
-
-
-def read_tracker(save_dir: str) -> Optional[int]:
-    """Return the iteration the tracker of ``save_dir`` names, or None without a tracker.
-
-    Raises:
-        CheckpointValidationError: the tracker exists but does not hold an iteration
-            number (Megatron-LM's ``release`` marker included).
-    """
-    path = os.path.join(save_dir, TRACKER_FILENAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if not text.isdigit():
-        raise CheckpointValidationError(
-            f"tracker {path} contains {text[:40]!r}, expected an iteration number; "
-            "release checkpoints are not supported. Fix or delete the file, or pass the "
-            "iteration to load explicitly."
-        )
-    return int(text)
-
-
-def write_tracker(save_dir: str, iteration: int) -> None:
-    """Point the tracker of ``save_dir`` at ``iteration``, atomically and durably.
-
-    Writes a temporary file, fsyncs it, renames it over the tracker and fsyncs the
-    directory, so that after a crash the tracker holds either the old or the new
-    iteration. Runs on the coordinator rank only.
-    """
-    path = os.path.join(save_dir, TRACKER_FILENAME)
-    tmp_path = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp_path, "w", encoding="utf-8") as f:
-            f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        _remove_quietly(tmp_path)
-        raise
-    fsync_path(save_dir, best_effort=True)
-
-
-def select_for_deletion(
-    checkpoints: Sequence[CheckpointInfo],
-    keep_last_n: int,
-    protected: Iterable[int],
-) -> List[CheckpointInfo]:
-    """Choose the checkpoints that retention deletes; pure, for the coordinator rank.
-
-    Rules:
-      * the newest ``keep_last_n`` complete checkpoints are kept;
-      * a checkpoint whose iteration is in ``protected`` (the one the tracker points to,
-        the ones being written) is never chosen;
-      * an incomplete directory older than the newest kept or protected checkpoint is
-        the remains of a failed or killed save and is chosen; a newer incomplete one may
-        still be written and is left alone.
-
-    Args:
-        checkpoints: the directories, in any order.
-        keep_last_n: how many complete checkpoints to keep (at least 1).
-        protected: iterations that must survive.
-
-    Returns:
-        The checkpoints to delete, oldest first.
-    """
-    if keep_last_n < 1:
-        raise CheckpointValidationError(f"keep_last_n must be >= 1, got {keep_last_n}")
-    protected = set(protected)
-    complete = sorted((c for c in checkpoints if c.complete), key=lambda c: -c.iteration)
-    kept = {c.iteration for c in complete[:keep_last_n]} | protected
-    newest_kept = max(kept, default=-1)
-    victims = [
-        c
-        for c in checkpoints
-        if c.iteration not in kept and (c.complete or c.iteration < newest_kept)
-    ]
-    return sorted(victims, key=lambda c: c.iteration)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,9 +229,9 @@ class CheckpointManager:
             protected.add(tracked)
         deleted = []
         for info in select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected):
-            if _delete_dir(info.path):
+            if delete_checkpoint_dir(info.path):
                 deleted.append(info.path)
-        _purge_trash(save_dir)
+        purge_trash(save_dir)
         if deleted:
             logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
         return deleted
@@ -444,7 +317,7 @@ class CheckpointManager:
             )
         if os.path.exists(path):
             logger.warning("deleting the remains of an earlier save of %s", path)
-            if not _delete_dir(path):
+            if not delete_checkpoint_dir(path):
                 raise CheckpointValidationError(
                     f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
                 )
@@ -475,30 +348,3 @@ class CheckpointManager:
                 "this CheckpointManager has no save_dir; set CheckpointManagerConfig.save_dir"
             )
         return self.config.save_dir
-
-
-def _delete_dir(path: str) -> bool:
-    """Rename ``path`` out of the ``iter_*`` namespace, then delete it; False on failure."""
-    parent, name = os.path.split(path)
-    trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
-    try:
-        os.rename(path, trash)
-    except OSError as exc:
-        logger.warning("could not delete checkpoint %s: %s", path, exc)
-        return False
-    shutil.rmtree(trash, ignore_errors=True)
-    return True
-
-
-def _purge_trash(save_dir: str) -> None:
-    """Finish deletions that a crash interrupted (best effort)."""
-    for name in os.listdir(save_dir):
-        if name.startswith(_TRASH_PREFIX):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError as exc:
-        logger.debug("could not remove temporary file %s: %s", path, exc)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from megatron_async._fs import fsync_path
+from megatron_async.format import atomic_output
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
@@ -30,21 +29,8 @@ def save_file_atomically(path: Union[str, os.PathLike], state_dict: Any, save_kw
     A reader sees either the previous file or the complete new one, never a partial
     file; if anything fails, the temporary file is removed and ``path`` is untouched.
     """
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as stream:
-            torch.save(state_dict, stream, **save_kwargs)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(tmp, target)
-        fsync_path(target.parent, best_effort=True)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_output(path) as stream:
+        torch.save(state_dict, stream, **save_kwargs)
 
 
 class TorchAsyncCheckpoint:

@@ -34,7 +34,7 @@ import megatron_async  # noqa: F401  (registers the "megatron_async" save strate
 from gpt import cpu_compat
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import CheckpointIntegrityError
-from megatron_async.integrity import verify_checkpoint_integrity
+from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
 
 __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]

@@ -12,9 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
-from megatron_async.core._process import kill_and_reap, register_exit_cleanup
-from megatron_async.core._request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
-from megatron_async.core._worker_loop import STOP, persistent_worker_main
+from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
+from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
+from megatron_async.core.worker_loop import STOP, persistent_worker_main
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
@@ -41,7 +41,7 @@ class PersistentAsyncCaller(AsyncCaller):
     ``staging_timeout_s``). The trainer stages each request's data itself
     (``preload_fn``, a memory copy into shared-memory buffers) and sends the request with
     its tensors as references into shared memory
-    (:mod:`megatron_async.core._request_transport`): :meth:`schedule_async_call` returns
+    (:mod:`megatron_async.core.request_transport`): :meth:`schedule_async_call` returns
     right after that, without waiting for the worker.
     The worker acknowledges receipt and writes on a separate thread; the staged data is
     released for reuse when the worker reports the call done (or the worker is gone).

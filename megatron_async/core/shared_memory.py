@@ -8,7 +8,7 @@ tensors in POSIX shared memory, each with a process-unique id. Two things follow
   memory speed instead of taking a copy-on-write fault per page;
 * the persistent worker maps a segment once (one file descriptor, at its first use) and
   from then on receives tensors in it as ``(segment id, byte offset, shape, dtype)``
-  references (see :mod:`megatron_async.core._request_transport`), whatever the number
+  references (see :mod:`megatron_async.core.request_transport`), whatever the number
   of tensors.
 
 A segment stays registered while the tensor returned by :func:`allocate_segment` is

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
-from megatron_async.core._process import (
+from megatron_async.core.process_lifetime import (
     kill_and_reap,
     parent_is_alive,
     register_exit_cleanup,

@@ -15,6 +15,7 @@ killed and :class:`LaunchError` reports each rank's traceback or exit code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import signal
@@ -31,6 +32,10 @@ __all__ = [
     "LaunchError",
     "launch",
     "launch_once",
+    "selected_scenarios",
+    "for_both_callers",
+    "by_name",
+    "only_selected",
     "run_scenarios",
     "ScenarioOutcome",
     "assert_scenario_ok",
@@ -186,18 +191,67 @@ def launch(
 _launch_cache: Dict[tuple, List[Any]] = {}
 
 
-def launch_once(entry: str, world_size: int, tmp_path_factory, timeout_s: float = 240.0) -> List[Any]:
+def launch_once(
+    entry: str,
+    world_size: int,
+    tmp_path_factory,
+    timeout_s: float = 240.0,
+    only: Optional[List[str]] = None,
+) -> List[Any]:
     """:func:`launch` ``entry`` on ``world_size`` ranks once per pytest session.
 
     For module-scoped fixtures: every test of a module reads its scenario's outcome
-    from the same launch.
+    from the same launch. ``only`` names the scenarios to run (None: all of them).
     """
-    key = (entry, world_size)
+    key = (entry, world_size, tuple(only) if only is not None else None)
     if key not in _launch_cache:
         name = entry.rsplit(":", 1)[0].rsplit(".", 1)[-1]
         tmp = tmp_path_factory.mktemp(f"{name}{world_size}")
-        _launch_cache[key] = launch(entry, world_size, str(tmp), timeout_s=timeout_s)
+        options = {"only": list(only)} if only is not None else {}
+        _launch_cache[key] = launch(entry, world_size, str(tmp), timeout_s=timeout_s, options=options)
     return _launch_cache[key]
+
+
+def selected_scenarios(request) -> Optional[List[str]]:
+    """The scenarios that the tests of the requesting module selected (``pytest -k``).
+
+    Returns None when every test of the module runs, so that the launch runs all its
+    scenarios; otherwise the launch runs only these.
+    """
+    names, everything = [], True
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "scenario" in params:
+            names.append(params["scenario"])
+    registry = getattr(request.module, "SCENARIOS", None)
+    if registry is not None:
+        everything = set(names) >= set(registry)
+    return None if everything else sorted(set(names))
+
+
+def for_both_callers(*fns: Callable) -> Dict[str, Callable]:
+    """Scenarios ``name[temporal]`` and ``name[persistent]`` of each ``fn(ctx, persistent)``."""
+    return {
+        f"{fn.__name__}[{kind}]": functools.partial(fn, persistent=kind == "persistent")
+        for kind in ("temporal", "persistent")
+        for fn in fns
+    }
+
+
+def by_name(*fns: Callable) -> Dict[str, Callable]:
+    """Scenarios named after their functions ``fn(ctx)``."""
+    return {fn.__name__: fn for fn in fns}
+
+
+def only_selected(ctx: RankContext, scenarios: Dict[str, Callable]) -> Dict[str, Callable]:
+    """The scenarios ``ctx.options["only"]`` names, in registry order (all without it)."""
+    only = ctx.options.get("only")
+    if only is None:
+        return scenarios
+    unknown = set(only) - set(scenarios)
+    if unknown:
+        raise KeyError(f"unknown scenarios {sorted(unknown)}")
+    return {name: fn for name, fn in scenarios.items() if name in only}
 
 
 def _dump_stacks_and_kill(proc) -> None:

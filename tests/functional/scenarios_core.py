@@ -14,7 +14,7 @@ from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests import background_fns as fns
-from tests.functional.harness import RankContext, run_scenarios
+from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 
 
 def _queue(persistent: bool, **config) -> AsyncCallsQueue:
@@ -171,23 +171,23 @@ def our_request_on_megatron_queue(ctx):
     assert finalized == [1]
 
 
-def run_all(ctx: RankContext):
-    scenarios = {}
-    for kind, persistent in (("temporal", False), ("persistent", True)):
-        for fn in (
-            finalize_waits_for_every_rank,
-            write_error_on_one_rank,
-            staging_error_on_one_rank,
-            worker_killed_on_one_rank,
-            hung_writer_on_one_rank,
-            calls_in_flight_finalize_in_order,
-            torch_async_checkpoint_snapshot,
-        ):
-            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
-    for fn in (
+SCENARIOS = {
+    **for_both_callers(
+        finalize_waits_for_every_rank,
+        write_error_on_one_rank,
+        staging_error_on_one_rank,
+        worker_killed_on_one_rank,
+        hung_writer_on_one_rank,
+        calls_in_flight_finalize_in_order,
+        torch_async_checkpoint_snapshot,
+    ),
+    **by_name(
         our_request_runs_through_megatron_execute_sync,
         megatron_queue_fails_on_cpu_only_torch,
         our_request_on_megatron_queue,
-    ):
-        scenarios[fn.__name__] = fn
-    return run_scenarios(ctx, scenarios)
+    ),
+}
+
+
+def run_all(ctx: RankContext):
+    return run_scenarios(ctx, only_selected(ctx, SCENARIOS))

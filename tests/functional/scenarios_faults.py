@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import os
 import shutil
 import signal
@@ -32,16 +31,16 @@ from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
 )
-from megatron_async.filesystem_async import FileSystemWriterAsync
-from megatron_async.integrity import verify_checkpoint_integrity
+from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import (
     CheckpointManager,
     CheckpointManagerConfig,
     is_complete_checkpoint,
     read_tracker,
 )
-from megatron_async.strategy import TorchDistAsyncSaveStrategy
-from tests.functional.harness import RankContext, run_scenarios
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
 
 FAULTY_RANK = 1
@@ -64,10 +63,12 @@ class _PlanningFailsWriter(FileSystemWriterAsync):
 
 class _StagingFailsWriter(FileSystemWriterAsync):
     @staticmethod
-    def preload_tensors(write_buckets, non_blocking=True, staging_key=None):
+    def preload_tensors(write_buckets, non_blocking=True, staging_key=None, staging_cache=None):
         if _rank() == FAULTY_RANK:
             raise MemoryError("cannot allocate staging buffers (injected)")
-        return FileSystemWriterAsync.preload_tensors(write_buckets, non_blocking, staging_key)
+        return FileSystemWriterAsync.preload_tensors(
+            write_buckets, non_blocking, staging_key, staging_cache
+        )
 
 
 class _WriteFailsWriter(FileSystemWriterAsync):
@@ -512,29 +513,30 @@ def _drop_permission_override() -> None:
         raise OSError(ctypes.get_errno(), "capset failed")
 
 
-def run_all(ctx: RankContext):
-    scenarios = {
-        "exception_while_planning": exception_while_planning,
-        "exception_while_finalizing": exception_while_finalizing,
-        "metadata_json_cannot_be_written": metadata_json_cannot_be_written,
-        "damaged_files_are_detected": damaged_files_are_detected,
-        "second_save_into_a_directory_being_written": second_save_into_a_directory_being_written,
-    }
-    for kind, persistent in (("temporal", False), ("persistent", True)):
-        for fn in (
-            disk_full,
-            exception_while_staging,
-            exception_while_writing,
-            target_directory_removed_during_write,
-            worker_killed_mid_write,
-            worker_hangs,
-            two_saves_in_flight_to_different_directories,
-        ):
-            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
+SCENARIOS = {
+    **by_name(
+        exception_while_planning,
+        exception_while_finalizing,
+        metadata_json_cannot_be_written,
+        damaged_files_are_detected,
+        second_save_into_a_directory_being_written,
+    ),
+    **for_both_callers(
+        disk_full,
+        exception_while_staging,
+        exception_while_writing,
+        target_directory_removed_during_write,
+        worker_killed_mid_write,
+        worker_hangs,
+        two_saves_in_flight_to_different_directories,
+    ),
     # Last: it takes a permission away from the faulty rank for the rest of the launch.
-    for kind, persistent in (("temporal", False), ("persistent", True)):
-        scenarios[f"permission_denied[{kind}]"] = functools.partial(permission_denied, persistent=persistent)
-    outcomes = run_scenarios(ctx, scenarios)
+    **for_both_callers(permission_denied),
+}
+
+
+def run_all(ctx: RankContext):
+    outcomes = run_scenarios(ctx, only_selected(ctx, SCENARIOS))
     for queue in _QUEUES.values():
         queue.close(abort=True)
     return outcomes

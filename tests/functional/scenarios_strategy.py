@@ -8,7 +8,6 @@ through megatron-core's ``dist_checkpointing.load`` and through plain
 from __future__ import annotations
 
 import errno
-import functools
 import io
 import os
 import signal
@@ -26,20 +25,19 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from megatron_async import state_dict_saver
+from megatron_async.saver import state_dict_saver
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointInProgressError,
     CheckpointValidationError,
 )
-from megatron_async.filesystem_async import FileSystemWriterAsync
-from megatron_async.strategy import (
+from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.mcore.strategy import (
     TorchDistAsyncSaveStrategy,
     checkpoint_dirs_in_flight,
-    get_structure_reuse_count,
 )
-from tests.functional.harness import RankContext, run_scenarios
+from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 
 FAILING_RANK = 1
 
@@ -261,7 +259,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
     for step, (changes, expected) in enumerate(steps):
         scale = float(step + 1)
         path = _dir(ctx, f"one-rank-change-{step}")
-        reused, gathered = get_structure_reuse_count(), state_dict_saver.get_plan_gather_count()
+        reused, gathered = strategy.structure_reuse_count, state_dict_saver.get_plan_gather_count()
         request = dist_checkpointing.save(
             _state_changed_on_rank_1(ctx, scale, changes),
             path,
@@ -272,7 +270,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         counts = (
-            get_structure_reuse_count() - reused,
+            strategy.structure_reuse_count - reused,
             state_dict_saver.get_plan_gather_count() - gathered,
         )
         assert counts == expected, (step, changes, counts, expected)
@@ -529,19 +527,17 @@ def _timed(fn):
     return run
 
 
-def run_all(ctx: RankContext):
-    scenarios = {"sync_save_round_trip": sync_save_round_trip}
-    for kind, persistent in (("temporal", False), ("persistent", True)):
-        for fn in (
-            async_equals_sync,
-            in_place_updates_after_schedule_are_not_saved,
-            cached_metadata_skips_plan_gathers,
-            cached_data_structure_and_multiproc_io,
-            write_failure_on_one_rank,
-            killed_worker_on_one_rank,
-        ):
-            scenarios[f"{fn.__name__}[{kind}]"] = functools.partial(fn, persistent=persistent)
-    for fn in (
+SCENARIOS = {
+    **by_name(sync_save_round_trip),
+    **for_both_callers(
+        async_equals_sync,
+        in_place_updates_after_schedule_are_not_saved,
+        cached_metadata_skips_plan_gathers,
+        cached_data_structure_and_multiproc_io,
+        write_failure_on_one_rank,
+        killed_worker_on_one_rank,
+    ),
+    **by_name(
         structure_change_on_one_rank_plans_everywhere,
         loaded_metadata_skips_the_first_gather,
         all_replicas_with_central_planning,
@@ -552,17 +548,17 @@ def run_all(ctx: RankContext):
         registered_backend,
         bad_inputs,
         second_save_into_a_directory_in_flight,
-    ):
-        scenarios[fn.__name__] = fn
+    ),
+}
+
+
+def run_all(ctx: RankContext):
     if ctx.options.get("dump_after_s"):
         import faulthandler
 
         faulthandler.dump_traceback_later(ctx.options["dump_after_s"], exit=False)
-    only = ctx.options.get("only")  # a debugging aid: run a subset by name prefix
-    if only:
-        scenarios = {k: v for k, v in scenarios.items() if k.startswith(tuple(only))}
     try:
-        return run_scenarios(ctx, {k: _timed(v) for k, v in scenarios.items()})
+        return run_scenarios(ctx, {k: _timed(v) for k, v in only_selected(ctx, SCENARIOS).items()})
     finally:
         for queue in _QUEUES.values():
             queue.close(abort=True)

@@ -3,33 +3,21 @@ checkpoint (2 ranks, one launch; see scenarios_faults.py for each fault's set-up
 
 import pytest
 
-from tests.functional.harness import assert_scenario_ok, launch_once
+from tests.functional import scenarios_faults
+from tests.functional.harness import assert_scenario_ok, launch_once, selected_scenarios
 
-SCENARIOS = [
-    "exception_while_planning",
-    "exception_while_finalizing",
-    "metadata_json_cannot_be_written",
-    "damaged_files_are_detected",
-    "second_save_into_a_directory_being_written",
-] + [
-    f"{name}[{kind}]"
-    for kind in ("temporal", "persistent")
-    for name in (
-        "disk_full",
-        "exception_while_staging",
-        "exception_while_writing",
-        "target_directory_removed_during_write",
-        "worker_killed_mid_write",
-        "worker_hangs",
-        "two_saves_in_flight_to_different_directories",
-        "permission_denied",
-    )
-]
+SCENARIOS = list(scenarios_faults.SCENARIOS)
 
 
 @pytest.fixture(scope="module")
-def launch_results(tmp_path_factory):
-    return launch_once("tests.functional.scenarios_faults:run_all", 2, tmp_path_factory, timeout_s=400)
+def launch_results(request, tmp_path_factory):
+    return launch_once(
+        "tests.functional.scenarios_faults:run_all",
+        2,
+        tmp_path_factory,
+        timeout_s=400,
+        only=selected_scenarios(request),
+    )
 
 
 @pytest.mark.timeout(450)

@@ -2,39 +2,20 @@
 
 import pytest
 
-from tests.functional.harness import assert_scenario_ok, launch_once
+from tests.functional import scenarios_strategy
+from tests.functional.harness import assert_scenario_ok, launch_once, selected_scenarios
 
-SCENARIOS = (
-    ["sync_save_round_trip"]
-    + [
-        f"{name}[{kind}]"
-        for kind in ("temporal", "persistent")
-        for name in (
-            "async_equals_sync",
-            "in_place_updates_after_schedule_are_not_saved",
-            "cached_metadata_skips_plan_gathers",
-            "cached_data_structure_and_multiproc_io",
-            "write_failure_on_one_rank",
-            "killed_worker_on_one_rank",
-        )
-    ]
-    + [
-        "structure_change_on_one_rank_plans_everywhere",
-        "loaded_metadata_skips_the_first_gather",
-        "all_replicas_with_central_planning",
-        "separation_hint_files",
-        "fully_parallel_wrapper",
-        "a_rank_with_nothing_to_write",
-        "empty_tensors",
-        "registered_backend",
-        "bad_inputs",
-        "second_save_into_a_directory_in_flight",
-    ]
-)
+SCENARIOS = list(scenarios_strategy.SCENARIOS)
+
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def launch_results(request, tmp_path_factory):
-    return launch_once("tests.functional.scenarios_strategy:run_all", request.param, tmp_path_factory)
+    return launch_once(
+        "tests.functional.scenarios_strategy:run_all",
+        request.param,
+        tmp_path_factory,
+        only=selected_scenarios(request),
+    )
 
 
 @pytest.mark.slow

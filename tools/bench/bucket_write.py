@@ -34,12 +34,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megatron_async import _write_buckets
+from megatron_async.writer import bucket_io, tensor_archive
+from megatron_async.writer.buckets import WriteBucket
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build_bucket(directory: str, total_bytes: int, count: int) -> _write_buckets.WriteBucket:
+def build_bucket(directory: str, total_bytes: int, count: int) -> WriteBucket:
     """A staged bucket of ``count`` contiguous float32 CPU tensors, ``total_bytes`` in all."""
     numel = max(1, total_bytes // 4 // count)
     tensor_data = []
@@ -56,7 +57,7 @@ def build_bucket(directory: str, total_bytes: int, count: int) -> _write_buckets
         )
         tensor_data.append((item, tensor))
     name = "__0_0.distcp"
-    return _write_buckets.WriteBucket(os.path.join(directory, name), name, ([], tensor_data))
+    return WriteBucket(os.path.join(directory, name), name, ([], tensor_data))
 
 
 def _module_at(rev: str, name: str) -> types.ModuleType:
@@ -72,13 +73,23 @@ def _module_at(rev: str, name: str) -> types.ModuleType:
 
 
 def load_write_bucket_at(rev: str) -> Callable:
-    """``write_bucket`` as it was at git revision ``rev``, with that revision's checksums module."""
-    current = sys.modules["megatron_async.checksums"]
-    sys.modules["megatron_async.checksums"] = _module_at(rev, "checksums")
+    """``write_bucket`` as it was at git revision ``rev`` (one from before the package
+    layout of issue 10, when it lived in ``megatron_async/_write_buckets.py``), with that
+    revision's checksums module and today's tensor archive."""
+    aliases = {
+        "megatron_async.checksums": _module_at(rev, "checksums"),
+        "megatron_async._tensor_archive": tensor_archive,
+    }
+    saved = {name: sys.modules.get(name) for name in aliases}
+    sys.modules.update(aliases)
     try:
         return _module_at(rev, "_write_buckets").write_bucket
     finally:
-        sys.modules["megatron_async.checksums"] = current
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def plain_write(path: str, payload: memoryview, overlap_writeback: bool = False) -> None:
@@ -115,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
     total = args.mib << 20
     payload = memoryview(bytearray(os.urandom(1 << 20)) * args.mib)
     transforms = _StorageWriterTransforms()
-    writers: Dict[str, Callable] = {"now": _write_buckets.write_bucket}
+    writers: Dict[str, Callable] = {"now": bucket_io.write_bucket}
     if args.baseline_ref:
         writers[args.baseline_ref] = load_write_bucket_at(args.baseline_ref)
     plain_path = os.path.join(args.dir, "plain.bin")

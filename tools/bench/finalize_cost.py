@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
 import megatron_async
-from megatron_async.filesystem_async import FileSystemWriterAsync
+from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 
 def _timed(fn):

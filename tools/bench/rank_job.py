@@ -59,7 +59,7 @@ def _import_checkpointing_modules() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
     import megatron_async  # noqa: F401
-    import megatron_async.strategy  # noqa: F401
+    import megatron_async.mcore.strategy  # noqa: F401
 
 
 def variant_job(ctx: RankContext) -> Dict[str, Any]:

@@ -54,7 +54,7 @@ def _now() -> float:
 
 def checksum_option() -> Optional[Tuple[str, bool]]:
     """``(name, default)`` of the boolean checksum option of our save config, or None."""
-    from megatron_async.strategy import TorchDistSaveConfig
+    from megatron_async.mcore.strategy import TorchDistSaveConfig
 
     for field in dataclasses.fields(TorchDistSaveConfig):
         if "checksum" in field.name and field.type in (bool, "bool"):

@@ -1,0 +1,189 @@
+"""A Megatron-LM save directory on disk: ``iter_*`` checkpoints and the tracker.
+
+::
+
+    <save>/iter_0000100/            one torch_dist checkpoint per saved iteration
+    <save>/iter_0000200/
+    <save>/latest_checkpointed_iteration.txt    "200"
+
+Pure file-system functions for any single process (the coordinator rank that moves the
+tracker, the command-line tools that list checkpoints); they import neither torch nor
+megatron-core. :class:`~megatron_async.manager.CheckpointManager` builds the multi-rank
+policy (resume, commit, retention) on top of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+from typing import Iterable, List, Optional, Sequence
+
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE, write_atomically
+
+__all__ = [
+    "TRACKER_FILENAME",
+    "COMPLETE_MARKERS",
+    "CheckpointInfo",
+    "checkpoint_dir_name",
+    "delete_checkpoint_dir",
+    "is_complete_checkpoint",
+    "iteration_from_path",
+    "list_checkpoints",
+    "purge_trash",
+    "read_tracker",
+    "select_for_deletion",
+    "write_tracker",
+]
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = TRACKER_FILE
+"""Name of the tracker file in a save directory (Megatron-LM's name)."""
+
+COMPLETE_MARKERS = COMPLETION_MARKERS
+"""Files whose presence makes a checkpoint directory complete (see :mod:`megatron_async.format`)."""
+
+_TRASH_PREFIX = ".deleting-"
+_ITER_DIR = re.compile(r"iter_(\d+)$")
+
+
+def iteration_from_path(path: str) -> Optional[int]:
+    """The iteration of a Megatron-LM ``iter_NNNNNNN`` directory, else None."""
+    match = _ITER_DIR.search(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dir_name(iteration: int) -> str:
+    """Return the directory name of ``iteration``'s checkpoint: ``iter_0000100``."""
+    if iteration < 0:
+        raise CheckpointValidationError(f"iteration must be >= 0, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
+    return os.path.isdir(path) and all(
+        os.path.isfile(os.path.join(path, marker)) for marker in COMPLETE_MARKERS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``iter_*`` directory of a save directory.
+
+    Attributes:
+        iteration: the iteration in the directory name.
+        path: the directory.
+        complete: whether it holds every file of :data:`COMPLETE_MARKERS`.
+    """
+
+    iteration: int
+    path: str
+    complete: bool
+
+
+def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
+    """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(save_dir, name)
+        iteration = iteration_from_path(path)
+        if iteration is not None and os.path.isdir(path):
+            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
+    return sorted(found, key=lambda info: info.iteration)
+
+
+def read_tracker(save_dir: str) -> Optional[int]:
+    """Return the iteration the tracker of ``save_dir`` names, or None without a tracker.
+
+    Raises:
+        CheckpointValidationError: the tracker exists but does not hold an iteration
+            number (Megatron-LM's ``release`` marker included).
+    """
+    path = os.path.join(save_dir, TRACKER_FILENAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointValidationError(
+            f"tracker {path} contains {text[:40]!r}, expected an iteration number; "
+            "release checkpoints are not supported. Fix or delete the file, or pass the "
+            "iteration to load explicitly."
+        )
+    return int(text)
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    """Point the tracker of ``save_dir`` at ``iteration``, atomically and durably.
+
+    After a crash the tracker holds either the old or the new iteration
+    (:func:`megatron_async.format.write_atomically`). Runs on the coordinator rank only.
+    """
+    write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
+
+
+def select_for_deletion(
+    checkpoints: Sequence[CheckpointInfo],
+    keep_last_n: int,
+    protected: Iterable[int],
+) -> List[CheckpointInfo]:
+    """Choose the checkpoints that retention deletes; pure, for the coordinator rank.
+
+    Rules:
+      * the newest ``keep_last_n`` complete checkpoints are kept;
+      * a checkpoint whose iteration is in ``protected`` (the one the tracker points to,
+        the ones being written) is never chosen;
+      * an incomplete directory older than the newest kept or protected checkpoint is
+        the remains of a failed or killed save and is chosen; a newer incomplete one may
+        still be written and is left alone.
+
+    Args:
+        checkpoints: the directories, in any order.
+        keep_last_n: how many complete checkpoints to keep (at least 1).
+        protected: iterations that must survive.
+
+    Returns:
+        The checkpoints to delete, oldest first.
+    """
+    if keep_last_n < 1:
+        raise CheckpointValidationError(f"keep_last_n must be >= 1, got {keep_last_n}")
+    protected = set(protected)
+    complete = sorted((c for c in checkpoints if c.complete), key=lambda c: -c.iteration)
+    kept = {c.iteration for c in complete[:keep_last_n]} | protected
+    newest_kept = max(kept, default=-1)
+    victims = [
+        c
+        for c in checkpoints
+        if c.iteration not in kept and (c.complete or c.iteration < newest_kept)
+    ]
+    return sorted(victims, key=lambda c: c.iteration)
+
+
+def delete_checkpoint_dir(path: str) -> bool:
+    """Rename ``path`` out of the ``iter_*`` namespace, then delete it; False on failure."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except OSError as exc:
+        logger.warning("could not delete checkpoint %s: %s", path, exc)
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+def purge_trash(save_dir: str) -> None:
+    """Finish deletions that a crash interrupted (best effort)."""
+    for name in os.listdir(save_dir):
+        if name.startswith(_TRASH_PREFIX):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

@@ -1,0 +1,185 @@
+"""Read a torch_dist checkpoint's metadata and check that it is complete.
+
+Runs in a single process (a command-line tool or a test); nothing here needs
+torch.distributed. A checkpoint is *complete* when megatron's ``metadata.json`` and
+DCP's ``.metadata`` exist, every tensor chunk listed in the metadata has a storage
+entry, and every storage entry lies inside an existing file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from megatron_async.checkpoint_dirs import iteration_from_path
+from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE
+
+__all__ = [
+    "TensorEntry",
+    "FileEntry",
+    "CheckpointSummary",
+    "read_dcp_metadata",
+    "find_completeness_problems",
+    "summarize_checkpoint",
+]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the checkpoint: global shape, dtype, bytes and number of chunks."""
+
+    name: str
+    global_shape: List[int]
+    dtype: str
+    num_bytes: int
+    num_chunks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One data file of the checkpoint directory and its size."""
+
+    name: str
+    num_bytes: int
+
+
+@dataclasses.dataclass
+class CheckpointSummary:
+    """What ``inspect`` reports about one checkpoint directory."""
+
+    path: str
+    format: Optional[str]
+    format_version: Optional[int]
+    iteration: Optional[int]
+    complete: bool
+    problems: List[str]
+    tensors: List[TensorEntry]
+    objects: List[str]
+    files: List[FileEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.num_bytes for entry in self.files)
+
+    def to_json(self) -> Dict:
+        data = dataclasses.asdict(self)
+        data["total_bytes"] = self.total_bytes
+        return data
+
+
+def read_dcp_metadata(path: str) -> Metadata:
+    """Load DCP's ``.metadata`` of a checkpoint directory."""
+    return FileSystemReader(path).read_metadata()
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
+    """Every reason the checkpoint at ``path`` is not complete; empty when it is.
+
+    Checks the marker files, that each tensor chunk of the metadata has a storage
+    entry, and that each storage entry lies inside an existing file.
+    """
+    problems: List[str] = []
+    if not os.path.isdir(path):
+        return [f"{path} is not a directory"]
+    if not os.path.exists(os.path.join(path, MEGATRON_METADATA_FILE)):
+        problems.append(f"{MEGATRON_METADATA_FILE} is missing (the save never finalized)")
+    if not os.path.exists(os.path.join(path, DCP_METADATA_FILE)):
+        problems.append(f"{DCP_METADATA_FILE} is missing (the save never finalized)")
+        return problems
+    if metadata is None:
+        try:
+            metadata = read_dcp_metadata(path)
+        except Exception as exc:  # a damaged .metadata is a finding, not a crash
+            return problems + [f"{DCP_METADATA_FILE} cannot be read: {exc}"]
+    storage = metadata.storage_data or {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            for chunk in item.chunks:
+                if MetadataIndex(fqn, chunk.offsets) not in storage:
+                    problems.append(f"tensor {fqn} chunk at {list(chunk.offsets)} has no storage entry")
+        elif MetadataIndex(fqn) not in storage:
+            problems.append(f"object {fqn} has no storage entry")
+    sizes: Dict[str, Optional[int]] = {}
+    for index, info in storage.items():
+        name = info.relative_path
+        if name not in sizes:
+            file_path = os.path.join(path, name)
+            sizes[name] = os.path.getsize(file_path) if os.path.exists(file_path) else None
+        size = sizes[name]
+        if size is None:
+            problems.append(f"file {name} (holding {index.fqn}) is missing")
+        elif info.offset + info.length > size:
+            problems.append(
+                f"file {name} is truncated: {index.fqn} needs bytes "
+                f"{info.offset}..{info.offset + info.length} but the file has {size}"
+            )
+    return problems
+
+
+def summarize_checkpoint(path: str) -> CheckpointSummary:
+    """Read everything ``inspect`` shows about the checkpoint at ``path``."""
+    fmt, version = None, None
+    config_path = os.path.join(path, MEGATRON_METADATA_FILE)
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        fmt, version = config.get("sharded_backend"), config.get("sharded_backend_version")
+    tensors: List[TensorEntry] = []
+    objects: List[str] = []
+    metadata = None
+    if os.path.exists(os.path.join(path, DCP_METADATA_FILE)):
+        try:
+            metadata = read_dcp_metadata(path)
+        except Exception:
+            metadata = None
+    if metadata is not None:
+        for fqn, item in sorted(metadata.state_dict_metadata.items()):
+            if isinstance(item, TensorStorageMetadata):
+                numel = 1
+                for dim in item.size:
+                    numel *= dim
+                tensors.append(
+                    TensorEntry(
+                        name=fqn,
+                        global_shape=list(item.size),
+                        dtype=str(item.properties.dtype).replace("torch.", ""),
+                        num_bytes=numel * _dtype_size(item.properties.dtype),
+                        num_chunks=len(item.chunks),
+                    )
+                )
+            elif isinstance(item, BytesStorageMetadata):
+                objects.append(fqn)
+    files = []
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            file_path = os.path.join(path, name)
+            if os.path.isfile(file_path):
+                files.append(FileEntry(name, os.path.getsize(file_path)))
+    problems = find_completeness_problems(path, metadata)
+    return CheckpointSummary(
+        path=os.path.abspath(path),
+        format=fmt,
+        format_version=version,
+        iteration=iteration_from_path(path),
+        complete=not problems,
+        problems=problems,
+        tensors=tensors,
+        objects=objects,
+        files=files,
+    )

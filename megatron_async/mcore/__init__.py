@@ -1,0 +1,17 @@
+"""The megatron-core integration: the save strategy that ``dist_checkpointing.save`` calls.
+
+* :mod:`.generation`: everything that differs between megatron-core generations
+  (0.16.x registry, 0.17+ built-in strategy); the only module to touch when upstream
+  changes again;
+* :mod:`.strategy` and :mod:`.config`: :class:`TorchDistAsyncSaveStrategy` and its options;
+* :mod:`.plan_cache` and :mod:`.structure`: warm saves that skip planning;
+* :mod:`.in_flight`, :mod:`.common_guard`, :mod:`.finalize`: refusing a second save into
+  a directory being written, and a gloo-safe ``metadata.json`` step.
+
+Importing this package imports megatron-core.
+"""
+
+from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, register_strategies
+
+__all__ = ["TorchDistAsyncSaveStrategy", "TorchDistSaveConfig", "register_strategies"]

@@ -1,0 +1,76 @@
+"""Options of the megatron-core save strategy (every rank; the same on all ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.writer.filesystem import DEFAULT_WRITE_TIMEOUT_S
+
+__all__ = ["TorchDistSaveConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchDistSaveConfig:
+    """Options of :class:`TorchDistAsyncSaveStrategy`."""
+
+    thread_count: int = 2
+    """Files (and writer threads or processes) per rank and save."""
+
+    cached_metadata: bool = False
+    """Reuse the previous save's plans and metadata while the checkpoint structure does not
+    change (verified on every save with one small all-reduce): no plan gather then, and
+    no local planning either while the sharded state dict's fingerprint is unchanged."""
+
+    separation_hint: Optional[str] = None
+    """Keys starting with this prefix are written to their own files (``{hint}__{rank}_{i}``),
+    which megatron-core's ``remove_sharded_tensors`` can later drop."""
+
+    keep_only_main_replica: bool = True
+    """Save only main replicas (``replica_id`` 0). False saves every replica and lets DCP
+    deduplicate, which needs central planning (one gather and one scatter per save)."""
+
+    is_multiproc_io: bool = False
+    """Write buckets with forked processes instead of threads."""
+
+    use_cached_data_structure: bool = False
+    """Keep the bucket layout and the host staging buffers from save to save (the structure
+    must be constant; staging memory then stays about one checkpoint's size)."""
+
+    overwrite: bool = True
+    """A directory that holds a complete checkpoint is overwritten (its completion markers
+    removed first, with a warning); False refuses it with a CheckpointValidationError."""
+
+    sync_files: bool = True
+    """fsync every file before the save counts as written."""
+
+    checksums: bool = True
+    """Hash every item while it is written (xxh3, in the background writer) and store the
+    digests next to the data, for ``python -m megatron_async verify`` and
+    :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
+
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
+    """Bound on the background writer's wait for its threads or processes."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
+            raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
+        if self.thread_count < 1:
+            raise CheckpointValidationError(
+                f"thread_count must be >= 1 (files per rank), got {self.thread_count}"
+            )
+        if self.separation_hint is not None and (
+            not isinstance(self.separation_hint, str)
+            or not self.separation_hint
+            or os.sep in self.separation_hint
+        ):
+            raise CheckpointValidationError(
+                f"separation_hint must be a non-empty key prefix without {os.sep!r} (it starts "
+                f"file names), got {self.separation_hint!r}"
+            )
+        if not self.write_timeout_s > 0:
+            raise CheckpointValidationError(
+                f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
+            )

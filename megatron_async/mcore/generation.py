@@ -1,0 +1,140 @@
+"""Everything that differs between megatron-core generations, in one place (every rank).
+
+megatron-core changed how a save strategy plugs in:
+
+* up to 0.16.x a strategy is found in a registry (``strategies.base``:
+  ``register_default_strategy``, ``AsyncSaveShardedStrategy``); ``save()`` writes
+  ``common.pt`` through the registered ``torch`` common strategy before the sharded one;
+* from 0.17 the registry is gone, ``save()`` keeps a sharded strategy only if it is a
+  ``TorchDistSaveShardedStrategy`` (or the fully parallel wrapper) and calls its
+  ``async_save(sharded_state_dict, checkpoint_dir, async_strategy)``; the common state
+  is a ``common_state`` object inside the checkpoint.
+
+The integration is chosen by the features present, never by version strings:
+:data:`GENERATION` is ``"registry"`` when ``strategies.base`` has
+``register_default_strategy`` and ``"builtin"`` when ``strategies.torch`` has
+``TorchDistSaveShardedStrategy`` without it. Anything else raises
+:class:`~megatron_async.errors.UnsupportedMegatronError` at import, naming what is
+missing. The other modules of :mod:`megatron_async.mcore` use only the names below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Optional, Tuple
+
+from megatron_async.errors import UnsupportedMegatronError
+
+__all__ = [
+    "GENERATION",
+    "SUPPORTED_RANGE",
+    "StrategyBase",
+    "to_dcp_state_dict",
+    "create_save_planner",
+    "register_strategies",
+]
+
+SUPPORTED_RANGE = "megatron-core 0.16.x (strategy registry) and 0.17 to 0.19.x"
+
+
+def _find(module_name: str, *names: str) -> Optional[Tuple[Any, ...]]:
+    """Return the attributes ``names`` of ``module_name``, or None if any is missing."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    found = tuple(getattr(module, name, None) for name in names)
+    return None if any(value is None for value in found) else found
+
+
+def _detect() -> str:
+    try:
+        importlib.import_module("megatron.core.dist_checkpointing")
+    except ImportError as exc:
+        raise UnsupportedMegatronError(
+            f"megatron-core is not importable ({exc}); install {SUPPORTED_RANGE}"
+        ) from exc
+    torch_names = _find(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        "MCoreSavePlanner",
+        "_replace_state_dict_keys_with_sharded_keys",
+        "mcore_to_pyt_state_dict",
+    )
+    if torch_names is None:
+        raise UnsupportedMegatronError(
+            "megatron.core.dist_checkpointing.strategies.torch lacks MCoreSavePlanner, "
+            "_replace_state_dict_keys_with_sharded_keys or mcore_to_pyt_state_dict; "
+            f"megatron_async supports {SUPPORTED_RANGE}"
+        )
+    if _find(
+        "megatron.core.dist_checkpointing.strategies.base",
+        "register_default_strategy",
+        "AsyncSaveShardedStrategy",
+        "StrategyAction",
+    ):
+        return "registry"
+    if _find("megatron.core.dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy"):
+        return "builtin"
+    raise UnsupportedMegatronError(
+        "this megatron-core has neither a strategy registry "
+        "(strategies.base.register_default_strategy) nor "
+        "strategies.torch.TorchDistSaveShardedStrategy; megatron_async supports "
+        f"{SUPPORTED_RANGE}"
+    )
+
+
+GENERATION = _detect()
+
+from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402  (after detection)
+    MCoreSavePlanner,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+
+if GENERATION == "registry":
+    from megatron.core.dist_checkpointing.strategies.base import (  # noqa: E402
+        AsyncSaveShardedStrategy as StrategyBase,
+    )
+else:
+    from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402
+        TorchDistSaveShardedStrategy as StrategyBase,
+    )
+
+
+def to_dcp_state_dict(sharded_state_dict: Any, config: Any) -> Dict[str, Any]:
+    """megatron-core's translation of a sharded state dict into a DCP one (every rank, local)."""
+    flat_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+        sharded_state_dict, config.keep_only_main_replica
+    )
+    return mcore_to_pyt_state_dict(flat_state_dict, False)
+
+
+def create_save_planner(config: Any) -> Any:
+    """megatron-core's save planner for ``config`` (every rank)."""
+    return MCoreSavePlanner(
+        flatten_state_dict=False,
+        dedup_replicated_tensors=not config.keep_only_main_replica,
+        can_run_decentralized_global_plan=config.keep_only_main_replica,
+    )
+
+
+def register_strategies(strategy_cls: type, backend_name: str) -> bool:
+    """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry exists.
+
+    Also installs the ``common.pt`` guard (registry generation only: later generations
+    have no ``common.pt``). Returns whether anything was registered.
+    """
+    if GENERATION != "registry":
+        return False
+    from megatron.core.dist_checkpointing.strategies.base import (
+        StrategyAction,
+        register_default_strategy,
+    )
+
+    from megatron_async.mcore.common_guard import GuardedCommonSaveStrategy
+
+    register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON, "torch", 1, GuardedCommonSaveStrategy("torch", 1)
+    )
+    return True

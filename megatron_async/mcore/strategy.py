@@ -1,0 +1,296 @@
+"""The megatron-core save strategy: ``torch_dist`` checkpoints written in the background.
+
+Plug it into megatron-core like its own strategy::
+
+    strategy = TorchDistAsyncSaveStrategy(thread_count=2, cached_metadata=True)
+    request = dist_checkpointing.save(sharded_state_dict, ckpt_dir,
+                                      sharded_strategy=strategy, async_sharded_save=True)
+    queue.schedule_async_request(request)
+
+The checkpoint is megatron-core's ``torch_dist`` format, version 1 (megatron-core writes
+``metadata.json`` from the strategy's backend), so stock megatron-core and PyTorch DCP load
+it without this package. ``register_strategies()`` makes the strategy megatron-core's
+default for the backend name ``'megatron_async'``.
+
+Overwriting: megatron-core's ``save()`` writes ``common.pt`` before the sharded strategy
+runs, so refusing a directory that holds a complete checkpoint at that point would leave
+the old checkpoint with a new ``common.pt``. By default the strategy therefore overwrites,
+like megatron-core, but safely: it logs a warning and first removes the old completion
+markers (``.metadata`` and ``metadata.json``), so a save that then fails leaves a
+directory that every loader sees as incomplete, never a mix of old and new data.
+``overwrite=False`` refuses instead (for callers that do not write ``common.pt`` first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from torch.distributed.checkpoint.metadata import Metadata
+
+from megatron_async.core import coordination
+from megatron_async.core.request import AsyncRequest
+from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
+from megatron_async.format import DCP_METADATA_FILE, remove_completion_markers
+from megatron_async.mcore import generation
+from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.finalize import FinalizeFnList
+from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
+from megatron_async.saver.state_dict_saver import save_state_dict_async_finalize
+from megatron_async.staging.buckets import StagingBufferCache
+from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+__all__ = [
+    "TorchDistSaveConfig",
+    "TorchDistAsyncSaveStrategy",
+    "REGISTERED_BACKEND",
+    "register_strategies",
+    "checkpoint_dirs_in_flight",
+]
+
+logger = logging.getLogger(__name__)
+
+REGISTERED_BACKEND = "megatron_async"
+"""Backend name under which :func:`register_strategies` registers the strategy."""
+
+
+def checkpoint_dirs_in_flight() -> List[str]:
+    """Directories that saves of this process are still writing or finalizing."""
+    return checkpoints_in_flight.directories()
+
+
+class _SaveFinalizer:
+    """Commit one save: runs on every rank once its background write is done everywhere."""
+
+    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int):
+        self._args = (writer, metadata, dist_wrapper)
+        self._release = (checkpoint_dir, token)
+
+    def __call__(self) -> None:
+        try:
+            save_state_dict_async_finalize(*self._args)
+        finally:
+            checkpoints_in_flight.release(*self._release)
+
+
+class TorchDistAsyncSaveStrategy(generation.StrategyBase):
+    """megatron-core async save strategy writing ``torch_dist`` v1 checkpoints.
+
+    Construct it on every rank (the options must be the same everywhere). Its methods
+    run on every rank; the coordinator is rank 0.
+
+    Args:
+        backend: must be ``'torch_dist'`` (megatron-core records it in ``metadata.json``
+            and picks its loader from it).
+        version: must be 1.
+        config: the options; see :class:`TorchDistSaveConfig`.
+        **options: fields of :class:`TorchDistSaveConfig`, overriding ``config``
+            (megatron-core's ``keep_only_main_replica``, ``thread_count``,
+            ``cached_metadata`` and ``separation_hint`` keep their meaning).
+
+    Raises:
+        CheckpointValidationError: an unknown backend or version, or a bad option.
+
+    Attributes:
+        config: the options in force.
+        cached_global_metadata: with ``cached_metadata``, the metadata the coordinator
+            reuses while the structure is unchanged. Set it on every rank to a loaded
+            checkpoint's metadata (``TorchDistLoadShardedStrategy.cached_global_metadata``)
+            to let the first save of a resumed job skip the plan gather too.
+        last_save_reused_plans: whether the latest ``async_save`` reused cached plans.
+
+    With ``cached_metadata``, a save whose sharded state dict has the same fingerprint as
+    the previous save's (keys, shapes, offsets, dtypes, replica ids, ... of every
+    ShardedTensor and ShardedObject) on every rank skips planning altogether: it binds the
+    new tensors, and the freshly serialized ShardedObjects, to the previous save's write
+    items (see :mod:`megatron_async.mcore.structure`). A change on any rank makes every rank
+    plan again.
+    """
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        config: Optional[TorchDistSaveConfig] = None,
+        **options: Any,
+    ):
+        if backend != "torch_dist" or version != 1:
+            raise CheckpointValidationError(
+                f"TorchDistAsyncSaveStrategy writes torch_dist version 1 checkpoints, got "
+                f"backend={backend!r} version={version!r}; use ('torch_dist', 1)"
+            )
+        generation.StrategyBase.__init__(self, backend, version)
+        try:
+            self.config = dataclasses.replace(config or TorchDistSaveConfig(), **options)
+        except TypeError as exc:
+            raise CheckpointValidationError(
+                f"unknown TorchDistAsyncSaveStrategy option: {exc}; valid options are "
+                f"{[f.name for f in dataclasses.fields(TorchDistSaveConfig)]}"
+            ) from exc
+        self.plan_cache = PlanCache()
+        self.staging_cache = StagingBufferCache()
+
+    @property
+    def cached_global_metadata(self) -> Optional[Metadata]:
+        """See :attr:`PlanCache.cached_global_metadata` (settable, on every rank)."""
+        return self.plan_cache.cached_global_metadata
+
+    @cached_global_metadata.setter
+    def cached_global_metadata(self, metadata: Optional[Metadata]) -> None:
+        self.plan_cache.cached_global_metadata = metadata
+
+    @property
+    def last_save_reused_plans(self) -> bool:
+        """Whether the latest ``async_save`` reused cached plans."""
+        return self.plan_cache.last_save_reused_plans
+
+    @property
+    def structure_reuse_count(self) -> int:
+        """How many saves of this strategy skipped planning (unchanged structure everywhere)."""
+        return self.plan_cache.structure_reuse_count
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        """megatron-core's name for ``config.cached_metadata``.
+
+        Megatron-LM sets it on the strategy it looked up for
+        ``--ckpt-assume-constant-structure``; keeping the name makes that code path work
+        with this strategy unchanged.
+        """
+        return self.config.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.config = dataclasses.replace(self.config, cached_metadata=bool(value))
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]
+    ) -> AsyncRequest:
+        """Plan the save and return the request that writes it (every rank, synchronous).
+
+        Nothing is written here: scheduling the returned request stages the data (a
+        snapshot) and writes it in the background; its finalization writes ``.metadata``
+        once every rank's data is written.
+
+        Args:
+            sharded_state_dict: megatron-core sharded state dict (ShardedTensors and
+                ShardedObjects).
+            checkpoint_dir: an existing directory, the same on every rank.
+
+        Returns:
+            The request to schedule on an ``AsyncCallsQueue`` (or run with
+            ``execute_sync``).
+
+        Raises:
+            CheckpointValidationError: on every rank, when the target is unusable on any
+                rank or the sharding is invalid (overlapping or missing shards).
+            CheckpointInProgressError: on every rank, when an unfinalized save of this
+                process still writes ``checkpoint_dir``.
+        """
+        checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        is_coordinator = coordination.get_rank() == COORDINATOR_RANK
+        claims: List[int] = []
+
+        def check_target() -> None:
+            self._check_target(checkpoint_dir, is_coordinator)
+            claims.append(checkpoints_in_flight.claim(checkpoint_dir))
+
+        try:
+            writer, metadata, dist_wrapper = self.plan_cache.plan_save(
+                sharded_state_dict,
+                checkpoint_dir,
+                self.config,
+                lambda: self._create_writer(checkpoint_dir),
+                check_target,
+            )
+            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0])
+        except BaseException:
+            for token in claims:
+                checkpoints_in_flight.release(checkpoint_dir, token)
+            raise
+
+    def _request(
+        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int
+    ) -> AsyncRequest:
+        """Wrap a prepared save into the request that writes and then commits it."""
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token)
+        # If the request is dropped unfinalized (a failed or aborted save), free the directory.
+        checkpoints_in_flight.release_when_dropped(finalizer, checkpoint_dir, token)
+        return AsyncRequest(
+            save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
+        )
+
+    def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
+        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
+        cfg = self.config
+        return FileSystemWriterAsync(
+            checkpoint_dir,
+            thread_count=cfg.thread_count,
+            sync_files=cfg.sync_files,
+            checksums=cfg.checksums,
+            separation_hint=cfg.separation_hint,
+            is_multiproc_io=cfg.is_multiproc_io,
+            use_cached_data_structure=cfg.use_cached_data_structure,
+            write_timeout_s=cfg.write_timeout_s,
+            staging_cache=self.staging_cache,
+        )
+
+    def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
+        """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local)."""
+        rank = coordination.get_rank()
+        if checkpoint_dir in checkpoints_in_flight:
+            raise CheckpointInProgressError(
+                f"an earlier save of this process into {checkpoint_dir} is not finalized yet; "
+                "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
+                "or save into another directory"
+            )
+        if not os.path.exists(checkpoint_dir):
+            raise CheckpointValidationError(
+                f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
+                "(visible to every rank) before saving"
+            )
+        if not os.path.isdir(checkpoint_dir):
+            raise CheckpointValidationError(
+                f"rank {rank}: checkpoint path {checkpoint_dir} is not a directory"
+            )
+        if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
+            raise CheckpointValidationError(
+                f"rank {rank}: checkpoint directory {checkpoint_dir} is not writable"
+            )
+        marker = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
+        if is_coordinator and os.path.exists(marker):
+            if not self.config.overwrite:
+                raise CheckpointValidationError(
+                    f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
+                    "exists) and overwrite=False; save into a new directory or delete it first"
+                )
+            logger.warning(
+                "overwriting the torch_dist checkpoint in %s; its completion markers are removed "
+                "first, so it reads as incomplete until this save is finalized",
+                checkpoint_dir,
+            )
+            remove_completion_markers(checkpoint_dir)
+
+
+def register_strategies() -> None:
+    """Register :class:`TorchDistAsyncSaveStrategy` with megatron-core where it has a registry.
+
+    On megatron-core 0.16.x, ``get_default_strategy(StrategyAction.SAVE_SHARDED,
+    'megatron_async', 1)`` then returns it and ``dist_checkpointing.save(...,
+    sharded_strategy=('megatron_async', 1))`` uses it; the checkpoint still says
+    ``torch_dist`` (the format). It also installs the ``common.pt`` guard
+    (:mod:`megatron_async.mcore.common_guard`). Creating the strategy runs no collective,
+    so this is safe at import time. On 0.17+ there is no registry and this does nothing:
+    pass a :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
+    """
+    generation.register_strategies(TorchDistAsyncSaveStrategy, REGISTERED_BACKEND)

@@ -1,0 +1,288 @@
+"""Host staging of write buckets: a real snapshot of every tensor, in shared-memory buffers.
+
+Staging runs in the trainer (the request's ``preload_fn``, called by every caller before
+the background part starts). It copies every tensor into a host buffer, so the trainer
+may update its tensors in place as soon as scheduling returns:
+
+* every tensor is copied into one shared-memory segment per bucket
+  (:mod:`megatron_async.core.shared_memory`), CPU tensors included: ``tensor.to("cpu")``
+  would return the very same tensor, and an in-place update after scheduling would leak
+  into the file. Shared memory is what lets a forked writer read the buffers without
+  write-protecting them, and the persistent worker map them once instead of receiving
+  every tensor;
+* with CUDA tensors the segment is also page-locked (``cudaHostRegister``), so their
+  copies are non-blocking, followed by one synchronize.
+
+No CUDA API is called unless a tensor is on a CUDA device.
+
+The staged buckets (:class:`StagedBuckets`) *lease* their buffers: the caller that ran
+the staging calls :meth:`StagedBuckets.release` once the background part no longer reads
+them (the write finished, failed, or its process is gone). With a *cache key*
+(``use_cached_data_structure``), the buffers of a bucket layout are kept in this process
+after release and reused by the next save of the same layout, so staging memory stays
+about the checkpoint size and warm staging is one memory copy. A staging that finds its
+layout's buffers still leased (a save still being written) uses fresh buffers instead.
+Every lease has its own generation number, so only the save holding the current lease
+can free the cached buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from typing import Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_async.writer.buckets import WriteBucket
+from megatron_async.core import shared_memory
+from megatron_async.staging.snapshot import synchronize_if_cuda
+
+__all__ = [
+    "StagedBuckets",
+    "StagingBufferCache",
+    "default_staging_cache",
+    "stage_buckets",
+    "staging_cache_num_bytes",
+    "clear_staging_cache",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _BucketBuffers:
+    """The host buffers of one bucket: exact-size views of one shared segment."""
+
+    segment: Optional[torch.Tensor]
+    tensors: List[torch.Tensor]
+    for_cuda: bool = False
+    """Allocated for CUDA sources: the segment was page-locked (if CUDA allowed it)."""
+
+    def fits(self, sources: Sequence[torch.Tensor]) -> bool:
+        if not self.for_cuda and any(source.device.type == "cuda" for source in sources):
+            return False
+        return len(sources) == len(self.tensors) and all(
+            buffer.shape == source.shape and buffer.dtype == source.dtype
+            for buffer, source in zip(self.tensors, sources)
+        )
+
+    def num_bytes(self) -> int:
+        return self.segment.numel() if self.segment is not None else 0
+
+
+def _allocate_bucket_buffers(
+    sources: Sequence[torch.Tensor], non_blocking: bool, reusable: bool
+) -> _BucketBuffers:
+    """Allocate one bucket's host buffers in one shared segment, pinned for CUDA sources."""
+    offsets: List[Optional[int]] = []
+    total = 0
+    for source in sources:
+        if source.numel():
+            start = shared_memory.aligned(total)
+            offsets.append(start)
+            total = start + source.numel() * source.element_size()
+        else:
+            offsets.append(None)
+    segment = shared_memory.allocate_segment(total, reusable) if total else None
+    for_cuda = non_blocking and any(s.device.type == "cuda" for s in sources)
+    if segment is not None and for_cuda:
+        # Like DCP's shared + pinned staging: register the shared pages with CUDA, so
+        # device-to-host copies run asynchronously and the worker still maps the segment.
+        shared_memory.pin_segment(segment)
+    tensors = [
+        shared_memory.segment_view(segment, start, tuple(source.shape), source.dtype)
+        if start is not None
+        else torch.empty(source.shape, dtype=source.dtype)
+        for source, start in zip(sources, offsets)
+    ]
+    return _BucketBuffers(segment, tensors, for_cuda)
+
+
+@dataclasses.dataclass
+class _BufferSet:
+    """The cached buffers of one bucket layout and the state of their lease."""
+
+    buckets: List[Optional[_BucketBuffers]]
+    leased: bool = False
+    owner_pid: int = 0
+    generation: int = 0
+
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes() for b in self.buckets if b is not None)
+
+
+_generations = itertools.count(1)
+"""Lease generations, unique across every cache of the process: a lease on a dropped and
+re-created entry never matches."""
+
+
+class StagingBufferCache:
+    """Reusable staging buffers, one bucket layout at a time, each lent to one save at a time.
+
+    Lives in the trainer process that stages (every rank has its own). An owner (a
+    strategy, a writer) passes it explicitly to :func:`stage_buckets`; writers built
+    without one share :func:`default_staging_cache`. A new layout replaces the others
+    (a changed structure does not leave a checkpoint's worth of shared memory behind);
+    buffers still leased are dropped when their lease ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
+
+    def lease(self, key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
+        """Return ``key``'s buffer set, leased to the caller, or None if it is leased already."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = _BufferSet([None] * num_buckets)
+                for other in [k for k, e in self._entries.items() if not e.leased]:
+                    del self._entries[other]
+                self._entries[key] = entry
+            elif entry.leased:
+                logger.debug("staging buffers of this layout are still being written; using new ones")
+                return None
+            self._entries.move_to_end(key)
+            entry.leased, entry.owner_pid = True, os.getpid()
+            entry.generation = next(_generations)
+            return entry
+
+    def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
+        """Make the leased buffers reusable once nothing reads them any more (stager).
+
+        A lease that is no longer current (its buffers were freed and leased again by a
+        later save), or one taken in another process, releases nothing.
+        """
+        if lease is None:
+            return
+        key, generation = lease
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.generation != generation or entry.owner_pid != os.getpid():
+                return
+            entry.leased = False
+            if next(reversed(self._entries)) != key:
+                del self._entries[key]  # a newer layout replaced this one while it was written
+
+    def num_bytes(self) -> int:
+        """Bytes held by the cached buffers."""
+        with self._lock:
+            return sum(entry.num_bytes() for entry in self._entries.values())
+
+    def clear(self, include_in_use: bool = False) -> None:
+        """Drop the cached buffers that are not in use (or all of them).
+
+        ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
+        holds it); use it only when no save is in flight, e.g. in tests.
+        """
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if include_in_use or not e.leased]:
+                del self._entries[key]
+
+
+_default_cache = StagingBufferCache()
+
+
+def default_staging_cache() -> StagingBufferCache:
+    """The cache of writers that were given none (one per process)."""
+    return _default_cache
+
+
+class StagedBuckets(list):
+    """Staged write buckets, plus the lease of the buffers they live in.
+
+    ``lease`` is ``(cache_key, generation)`` of ``cache`` when the buckets use cached
+    buffers, else None (fresh buffers, freed with this object). Pickled (to the
+    persistent worker), only the buckets travel: :meth:`release` is the stager's to call.
+    """
+
+    def __init__(
+        self,
+        buckets=(),
+        lease: Optional[Tuple[Hashable, int]] = None,
+        cache: Optional[StagingBufferCache] = None,
+    ):
+        super().__init__(buckets)
+        self.lease = lease
+        self._cache = cache
+        self._fresh: List[_BucketBuffers] = []  # buffers of this save only
+
+    def release(self) -> None:
+        """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
+        if self._cache is not None:
+            self._cache.release(self.lease)
+        self.lease = None
+
+    def __reduce__(self):
+        return (StagedBuckets, (list(self),))
+
+
+def stage_buckets(
+    buckets: Sequence[WriteBucket],
+    non_blocking: bool = True,
+    cache_key: Optional[Hashable] = None,
+    cache: Optional[StagingBufferCache] = None,
+) -> StagedBuckets:
+    """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
+
+    Runs in the trainer (the request's ``preload_fn``).
+
+    Args:
+        buckets: planned buckets whose tensors may live anywhere (CPU or CUDA).
+        non_blocking: use pinned buffers and asynchronous copies for CUDA tensors
+            (followed by one synchronize).
+        cache_key: the bucket layout's key; when given, reuse the cached buffers of
+            that layout instead of allocating new ones.
+        cache: where buffers are cached; :func:`default_staging_cache` when None.
+
+    Returns:
+        Buckets with the same items whose tensors are contiguous host copies; call
+        :meth:`StagedBuckets.release` once the background part is done with them.
+
+    Raises:
+        StagingMemoryError: shared memory for the buffers could not be allocated.
+    """
+    cache = cache if cache is not None else _default_cache
+    entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
+    result = StagedBuckets(
+        lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
+    )
+    cuda_sources: List[torch.Tensor] = []
+    try:
+        for b_idx, bucket in enumerate(buckets):
+            bytes_data, tensor_data = bucket.data
+            sources = [tensor.detach() for _, tensor in tensor_data]
+            buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
+            if buffers is None or not buffers.fits(sources):
+                cached = entry is not None and b_idx < len(entry.buckets)
+                buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
+                if cached:
+                    entry.buckets[b_idx] = buffers
+                else:
+                    result._fresh.append(buffers)
+            for source, buffer in zip(sources, buffers.tensors):
+                if source.device.type == "cuda":
+                    cuda_sources.append(source)
+                buffer.copy_(source, non_blocking=non_blocking and source.device.type == "cuda")
+            copies = [(item, buffer) for (item, _), buffer in zip(tensor_data, buffers.tensors)]
+            result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
+        synchronize_if_cuda(cuda_sources)
+    except BaseException:
+        result.release()
+        raise
+    return result
+
+
+def staging_cache_num_bytes() -> int:
+    """Bytes held by the default cache's buffers (see :func:`default_staging_cache`)."""
+    return _default_cache.num_bytes()
+
+
+def clear_staging_cache(include_in_use: bool = False) -> None:
+    """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`)."""
+    _default_cache.clear(include_in_use)

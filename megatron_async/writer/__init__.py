@@ -1,0 +1,15 @@
+"""The storage writer: how staged buckets become durable ``.distcp`` files.
+
+* :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
+  DCP storage writer that prepares buckets and hands the write to a background caller;
+* :mod:`.buckets` (trainer): which items share a file (size-balanced layout);
+* :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
+  in DCP's ``torch_save`` layout, hashed on the way;
+* :mod:`.runners` (background writer): threads or forked processes, bounded waits;
+* :mod:`.results` (both sides): the result channel from the writer to the trainer;
+* :mod:`.commit` (coordinator): checksums, then ``.metadata``.
+"""
+
+from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+__all__ = ["FileSystemWriterAsync"]

@@ -1,0 +1,150 @@
+"""Write buckets: which of one rank's checkpoint items share a file, and in what order.
+
+A *bucket* is the content of one ``.distcp`` file: the resolved data of some write items
+of this rank. Buckets are laid out in the trainer on every rank (``prepare_write_data``),
+staged to host memory by :mod:`megatron_async.staging`, and written by the background
+writer (:mod:`.bucket_io`), one bucket per thread or per process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import os
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+__all__ = [
+    "WriteBucket",
+    "BucketLayout",
+    "item_num_bytes",
+    "balance_by_size",
+    "assign_buckets",
+    "materialize_buckets",
+]
+
+T = TypeVar("T")
+
+BytesData = List[Tuple[WriteItem, io.BytesIO]]
+TensorData = List[Tuple[WriteItem, torch.Tensor]]
+
+
+class WriteBucket(NamedTuple):
+    """The content of one checkpoint file.
+
+    Unpacks like megatron-core's ``(file_path, storage_key, (bytes_data, tensor_data))``
+    tuple, so write functions of either library accept it.
+
+    Attributes:
+        file_path: absolute path of the file to write.
+        file_name: the file's name relative to the checkpoint directory; it is the
+            storage key that ``.metadata`` records for every item of the bucket.
+        data: ``(bytes_data, tensor_data)``: lists of ``(write_item, data)`` pairs.
+    """
+
+    file_path: str
+    file_name: str
+    data: Tuple[BytesData, TensorData]
+
+
+def item_num_bytes(item: WriteItem, data: Any = None) -> int:
+    """Return the number of bytes ``item`` occupies: its chunk for tensors, its length for bytes."""
+    if item.type == WriteItemType.BYTE_IO:
+        return len(data.getbuffer()) if isinstance(data, io.BytesIO) else 0
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for size in item.tensor_data.chunk.sizes:
+        numel *= size
+    return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def balance_by_size(sized: Sequence[Tuple[T, int]], bins: int) -> List[List[T]]:
+    """Split ``(value, num_bytes)`` pairs into ``bins`` lists with sums as even as possible.
+
+    Largest first, each into the currently lightest bin; ties go to the lower bin index,
+    so the split is deterministic for a given input.
+    """
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    buckets: List[List[T]] = [[] for _ in range(bins)]
+    heap = [(0, idx) for idx in range(bins)]
+    order = sorted(range(len(sized)), key=lambda i: (-sized[i][1], i))
+    for i in order:
+        total, idx = heapq.heappop(heap)
+        buckets[idx].append(sized[i][0])
+        heapq.heappush(heap, (total + sized[i][1], idx))
+    return buckets
+
+
+def _split_bins(thread_count: int, with_hint: bool) -> Tuple[int, int]:
+    """Return ``(bins for other items, bins for hinted items)``."""
+    if not with_hint:
+        return thread_count, 0
+    hinted = max(1, thread_count // 2)
+    return max(1, thread_count - hinted), hinted
+
+
+BucketLayout = List[Tuple[str, List[int]]]
+"""Which items go to which file: ``(file name prefix, positions of the items)`` per bucket."""
+
+
+def assign_buckets(
+    resolved: Sequence[Tuple[WriteItem, Any]],
+    thread_count: int,
+    separation_hint: Optional[str] = None,
+) -> BucketLayout:
+    """Decide which items share a file: at most ``thread_count`` size-balanced buckets.
+
+    Runs in the trainer on every rank. Items whose key starts with ``separation_hint``
+    never share a file with other items and their file names start with the hint
+    (megatron-core's convention, which its ``remove_sharded_tensors`` relies on). With a
+    hint, a rank that has both kinds of items writes at least two files even when
+    ``thread_count`` is 1.
+
+    Args:
+        resolved: ``(write_item, data)`` pairs, data being a tensor or ``io.BytesIO``.
+        thread_count: the number of buckets to aim for.
+        separation_hint: key prefix of items that go to separate files.
+
+    Returns:
+        The non-empty buckets as ``(file name prefix, item positions)``.
+    """
+    hinted, others = [], []
+    for pos, (item, data) in enumerate(resolved):
+        is_hinted = separation_hint is not None and item.index.fqn.startswith(separation_hint)
+        (hinted if is_hinted else others).append((pos, item_num_bytes(item, data)))
+
+    other_bins, hinted_bins = _split_bins(thread_count, bool(hinted) and bool(others))
+    if not others:
+        other_bins, hinted_bins = 0, thread_count
+    layout: BucketLayout = []
+    for name_prefix, sized, bins in (("", others, other_bins), (separation_hint, hinted, hinted_bins)):
+        if sized and bins:
+            layout += [(name_prefix or "", sorted(b)) for b in balance_by_size(sized, bins) if b]
+    return layout
+
+
+def materialize_buckets(
+    resolved: Sequence[Tuple[WriteItem, Any]],
+    layout: BucketLayout,
+    checkpoint_dir: str,
+    storage_prefix: str,
+) -> List[WriteBucket]:
+    """Build the buckets of ``layout``; file ``idx`` is ``{name prefix}{storage_prefix}{idx}.distcp``.
+
+    Within a bucket, bytes items come first, then tensors in plan order.
+    """
+    buckets = []
+    for idx, (name_prefix, positions) in enumerate(layout):
+        file_name = f"{name_prefix}{storage_prefix}{idx}{DEFAULT_SUFFIX}"
+        content = [resolved[pos] for pos in positions]
+        bytes_data = [(i, d) for i, d in content if i.type == WriteItemType.BYTE_IO]
+        tensor_data = [(i, d) for i, d in content if i.type != WriteItemType.BYTE_IO]
+        buckets.append(
+            WriteBucket(os.path.join(checkpoint_dir, file_name), file_name, (bytes_data, tensor_data))
+        )
+    return buckets

@@ -1,0 +1,176 @@
+"""Staging into shared-memory segments: snapshots, exact-size buffers, reuse, file sizes."""
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from megatron_async.staging.buckets import clear_staging_cache, stage_buckets
+from megatron_async.core import shared_memory
+from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+
+def _save(path, state_dict, cached=False):
+    writer = FileSystemWriterAsync(str(path), thread_count=1, use_cached_data_structure=cached)
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(state_dict, is_coordinator=True)
+    writer.set_up_storage_writer(True)
+    local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    _, metadata = planner.create_global_plan([local_plan])
+    writer.prepare_write_data(planner.finish_plan(writer.prepare_decentralized_global_plan(local_plan)), planner)
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
+    staged = preload_fn()
+    save_fn(args[0], staged, args[2])
+    staged.release()
+    writer.finish(metadata, [writer.retrieve_write_results()])
+    return staged
+
+
+def test_each_staged_tensor_has_a_storage_of_its_own_size(tmp_path):
+    """torch.save writes a tensor's whole storage: a plain slice of the segment would write it all."""
+    state_dict = {f"t{i}": torch.full((256,), float(i)) for i in range(200)}
+    staged = _save(tmp_path, state_dict)
+    (bucket,) = staged
+    for _item, tensor in bucket.data[1]:
+        assert tensor.untyped_storage().nbytes() == 256 * 4
+        assert shared_memory.find_segment(tensor) is not None
+    data_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".distcp"))
+    # The data plus torch.save's per-item headers, not 200 copies of the bucket's segment.
+    assert data_bytes < 200 * (256 * 4 + 4096), data_bytes
+    out = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert all(torch.equal(out[k], state_dict[k]) for k in state_dict)
+
+
+def test_staging_is_a_snapshot_of_views_and_odd_dtypes():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async.writer.buckets import WriteBucket
+
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    sources = [base[:, 1], torch.ones(3, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0), torch.tensor(7, dtype=torch.int8)]
+    items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(len(sources))]
+    staged = stage_buckets([WriteBucket("/unused", "unused", ([], list(zip(items, sources))))])
+    expected = [s.clone() for s in sources]
+    base.add_(100)
+    for source in sources:
+        source.fill_(0) if source.numel() else None
+    copies = [t for _, t in staged[0].data[1]]
+    for copy, want in zip(copies, expected):
+        assert copy.dtype == want.dtype and copy.shape == want.shape and copy.is_contiguous()
+        assert torch.equal(copy, want)
+    staged.release()
+
+
+def test_cached_buffers_are_reused_only_after_release():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async.writer.buckets import WriteBucket
+
+    clear_staging_cache(include_in_use=True)
+    source = torch.zeros(16)
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
+    try:
+        first = stage_buckets(buckets, True, "layout")
+        busy = stage_buckets(buckets, True, "layout")  # first not released: fresh buffers
+        assert first[0].data[1][0][1].data_ptr() != busy[0].data[1][0][1].data_ptr()
+        first.release()
+        again = stage_buckets(buckets, True, "layout")
+        assert again[0].data[1][0][1].data_ptr() == first[0].data[1][0][1].data_ptr()
+        busy.release()  # an old lease: must not free the buffers "again" holds
+        assert stage_buckets(buckets, True, "layout")[0].data[1][0][1].data_ptr() != again[0].data[1][0][1].data_ptr()
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
+    from megatron_async.errors import StagingMemoryError
+
+    def refuse(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    try:
+        shared_memory.allocate_segment(4096)
+    except StagingMemoryError as exc:
+        assert "shm-size" in str(exc)
+    else:
+        raise AssertionError("no StagingMemoryError")
+
+
+def test_snapshot_to_host_copies_into_one_segment_and_keeps_the_structure():
+    import collections
+
+    from megatron_async.staging import snapshot_to_host
+
+    weights = torch.arange(10.0)
+    state = collections.OrderedDict(w=weights, nested=[weights[::2], torch.tensor(3)], meta=(1, torch.empty(0)))
+    snapshot = snapshot_to_host(state)
+    weights.add_(100.0)
+    assert type(snapshot) is collections.OrderedDict and snapshot["meta"][0] == 1
+    assert torch.equal(snapshot["w"], torch.arange(10.0))
+    assert torch.equal(snapshot["nested"][0], torch.arange(0.0, 10.0, 2.0))
+    segments = {shared_memory.find_segment(t).segment_id for t in (snapshot["w"], *snapshot["nested"])}
+    assert len(segments) == 1
+    assert snapshot["w"].untyped_storage().nbytes() == 40  # torch.save writes only its own bytes
+
+
+def _one_tensor_buckets(source, count=1, name="t"):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async.writer.buckets import WriteBucket
+
+    item = WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR)
+    return [WriteBucket("/unused", f"b{i}", ([], [(item, source)])) for i in range(count)]
+
+
+def test_a_new_layout_replaces_the_old_one():
+    from megatron_async.staging.buckets import staging_cache_num_bytes
+
+    clear_staging_cache(include_in_use=True)
+    try:
+        stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old").release()
+        in_flight = stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old")
+        in_flight.release()
+        stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new").release()
+        assert staging_cache_num_bytes() == 2048 * 4  # not a checkpoint per layout seen
+        # A layout replaced while its save was still being written goes at release.
+        busy = stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new")
+        stage_buckets(_one_tensor_buckets(torch.zeros(512)), True, "newer").release()
+        busy.release()
+        assert staging_cache_num_bytes() == 512 * 4
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_lease_from_before_a_cache_reset_frees_nothing():
+    clear_staging_cache(include_in_use=True)
+    source = torch.ones(4)
+    try:
+        old = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        clear_staging_cache(include_in_use=True)
+        current = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        old.release()  # must not free the buffers "current" still holds
+        source.fill_(2.0)
+        later = stage_buckets(_one_tensor_buckets(source), True, "layout")
+        assert torch.equal(current[0].data[1][0][1], torch.ones(4))
+        assert later[0].data[1][0][1].data_ptr() != current[0].data[1][0][1].data_ptr()
+    finally:
+        clear_staging_cache(include_in_use=True)
+
+
+def test_a_cached_layout_with_more_buckets_stages_the_extra_ones_fresh():
+    clear_staging_cache(include_in_use=True)
+    try:
+        stage_buckets(_one_tensor_buckets(torch.ones(4), 1), True, "layout").release()
+        staged = stage_buckets(_one_tensor_buckets(torch.ones(4), 3), True, "layout")
+        assert [torch.equal(b.data[1][0][1], torch.ones(4)) for b in staged] == [True] * 3
+        staged.release()
+    finally:
+        clear_staging_cache(include_in_use=True)

@@ -1,0 +1,101 @@
+"""The on-disk format module: atomic, durable small files and the completion markers."""
+
+import os
+import pickle
+
+import pytest
+
+from megatron_async import format as fmt
+from megatron_async.integrity import checksums
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """Record every path handed to ``format.fsync_path`` (the directory fsyncs)."""
+    seen = []
+    real = fmt.fsync_path
+
+    def record(path, best_effort=False):
+        seen.append(os.path.abspath(os.fspath(path)))
+        real(path, best_effort)
+
+    monkeypatch.setattr(fmt, "fsync_path", record)
+    return seen
+
+
+def test_write_atomically_replaces_the_file_and_fsyncs_its_directory(tmp_path, fsynced):
+    target = tmp_path / "file.txt"
+    target.write_text("old")
+    fmt.write_atomically(target, "new")
+    assert target.read_text() == "new"
+    assert str(tmp_path) in fsynced
+    assert os.listdir(tmp_path) == ["file.txt"]  # no temporary file left
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError):
+        with fmt.atomic_output(target) as stream:
+            stream.write(b"half of the new con")
+            raise RuntimeError("the writer died")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["data.bin"]
+
+
+def test_the_checksum_file_is_written_durably_with_its_directory(tmp_path, fsynced):
+    # Regression: the checksum file used to be renamed into place without a directory
+    # fsync, so a crash right after a "complete" save could lose it.
+    record = {"file": "__0_0.distcp", "offset": 0, "length": 4, "digest": "ab", "fqn": "x",
+              "chunk_offsets": [0]}
+    checksums.write_checksum_records(str(tmp_path), [record])
+    assert str(tmp_path) in fsynced
+    assert checksums.read_checksum_file(str(tmp_path))[0].digest == "ab"
+    assert sorted(os.listdir(tmp_path)) == [fmt.CHECKSUM_FILE]
+
+
+def test_commit_writes_checksums_then_metadata_each_with_a_directory_fsync(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from megatron_async.writer import commit
+
+    order = []
+    real_write = fmt.write_atomically
+
+    def record(path, data):
+        order.append(os.path.basename(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(commit, "write_atomically", record)
+    commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
+    assert order == [fmt.DCP_METADATA_FILE]  # no item carried a checksum: no checksum file
+    with open(tmp_path / fmt.DCP_METADATA_FILE, "rb") as stream:
+        assert isinstance(pickle.load(stream), Metadata)
+
+
+def test_completion_markers_are_removed_before_an_overwrite(tmp_path, fsynced):
+    for name in fmt.COMPLETION_MARKERS:
+        (tmp_path / name).write_text("{}")
+    assert fmt.has_completion_markers(tmp_path)
+    assert sorted(fmt.remove_completion_markers(tmp_path)) == sorted(fmt.COMPLETION_MARKERS)
+    assert not fmt.has_completion_markers(tmp_path)
+    assert str(tmp_path) in fsynced
+    assert fmt.remove_completion_markers(tmp_path) == []
+
+
+def test_the_command_line_list_imports_neither_torch_nor_megatron(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "iter_0000005").mkdir()
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "megatron_async", "list", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "INCOMPLETE" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "megatron_async.cli" in imported
+    assert not {"torch", "megatron.core"} & imported
