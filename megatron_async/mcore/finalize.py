@@ -1,4 +1,4 @@
-"""A gloo-safe replacement for megatron-core's ``metadata.json`` finalize step.
+"""Gloo-safe replacements for megatron-core's finalize steps (``metadata.json``, manifest).
 
 megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)`` appends a
 finalize function to the returned request that writes ``metadata.json`` on rank 0 and then
@@ -10,6 +10,13 @@ Our requests therefore carry a :class:`FinalizeFnList`: when megatron-core appen
 step, the list stores an equivalent one instead, which writes ``metadata.json`` atomically
 (temporary file, fsync, rename) on rank 0 and agrees on the outcome over the gloo
 coordination group, so a failure raises the same error on every rank. Runs on every rank.
+
+megatron-core 0.18+ appends a second such step with ``save(..., verify_integrity=True)``:
+rank 0 writes a SHA-256 manifest of the checkpoint's files, then a default-group barrier.
+It is replaced the same way: rank 0 calls megatron-core's own manifest writer, and the
+outcome is agreed on over the gloo group. Both steps are recognized by where megatron-core
+defines them (``serialization.save``'s local functions); this is generation glue, kept
+here next to :mod:`.generation`.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from megatron_async.format import MEGATRON_METADATA_FILE, write_atomically
 from megatron_async.core import coordination
 from megatron_async.errors import RankFailure
 
-__all__ = ["FinalizeFnList", "write_megatron_config"]
+__all__ = ["FinalizeFnList", "write_megatron_config", "write_integrity_manifest"]
 
 logger = logging.getLogger(__name__)
 
-_MEGATRON_STEP = ("megatron.core.dist_checkpointing.serialization", "save.<locals>.metadata_finalize_fn")
+_SAVE_MODULE = "megatron.core.dist_checkpointing.serialization"
+_CONFIG_STEP = "save.<locals>.metadata_finalize_fn"
+_MANIFEST_STEP = "save.<locals>.integrity_finalize_fn"
 
 
 def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> None:
@@ -49,23 +58,42 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     coordination.raise_if_any_rank_failed(failure, checkpoint=checkpoint_dir)
 
 
+def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str], None]) -> None:
+    """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
+    failure: Optional[RankFailure] = None
+    if coordination.get_rank() == 0:
+        try:
+            write_manifest(checkpoint_dir)
+        except Exception as exc:  # raised on every rank below
+            logger.error("rank 0: writing the integrity manifest of %s failed: %s", checkpoint_dir, exc)
+            failure = RankFailure.from_exception(0, "finalize", exc)
+    coordination.raise_if_any_rank_failed(failure, checkpoint=checkpoint_dir)
+
+
 def _replacement_for(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
-    """Our equivalent of megatron-core's ``metadata.json`` step, or None for other functions."""
-    if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) != _MEGATRON_STEP:
+    """Our equivalent of one of megatron-core's finalize steps, or None for other functions."""
+    if getattr(fn, "__module__", None) != _SAVE_MODULE:
+        return None
+    step = getattr(fn, "__qualname__", None)
+    if step not in (_CONFIG_STEP, _MANIFEST_STEP):
         return None
     try:
-        captured = inspect.getclosurevars(fn).nonlocals
-        strategy, checkpoint_dir = captured["sharded_strategy"], captured["checkpoint_dir"]
-        return functools.partial(
-            write_megatron_config, os.fspath(checkpoint_dir), strategy.backend, strategy.version
-        )
+        captured = inspect.getclosurevars(fn)
+        checkpoint_dir = os.fspath(captured.nonlocals["checkpoint_dir"])
+        if step == _CONFIG_STEP:
+            strategy = captured.nonlocals["sharded_strategy"]
+            return functools.partial(
+                write_megatron_config, checkpoint_dir, strategy.backend, strategy.version
+            )
+        write_manifest = captured.globals["save_integrity_manifest"]
+        return functools.partial(write_integrity_manifest, checkpoint_dir, write_manifest)
     except (KeyError, AttributeError, TypeError) as exc:  # another megatron-core layout
-        logger.warning("keeping megatron-core's own metadata.json step (%s)", exc)
+        logger.warning("keeping megatron-core's own finalize step %s (%s)", step, exc)
         return None
 
 
 class FinalizeFnList(list):
-    """Finalize functions of a request; swaps in the gloo-safe ``metadata.json`` step."""
+    """Finalize functions of a request; swaps in the gloo-safe megatron-core steps."""
 
     def __init__(self, fns: Iterable[Callable[[], Any]] = ()):
         super().__init__()

@@ -78,6 +78,18 @@ class _SaveFinalizer:
             checkpoints_in_flight.release(*self._release)
 
 
+def _config_property(field: str) -> property:
+    """A strategy attribute that reads and writes ``config.<field>``."""
+
+    def read(self):
+        return getattr(self.config, field)
+
+    def write(self, value):
+        self.config = dataclasses.replace(self.config, **{field: value})
+
+    return property(read, write, doc=f"``config.{field}`` under megatron-core's name.")
+
+
 class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     """megatron-core async save strategy writing ``torch_dist`` v1 checkpoints.
 
@@ -124,14 +136,20 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 f"TorchDistAsyncSaveStrategy writes torch_dist version 1 checkpoints, got "
                 f"backend={backend!r} version={version!r}; use ('torch_dist', 1)"
             )
-        generation.StrategyBase.__init__(self, backend, version)
         try:
-            self.config = dataclasses.replace(config or TorchDistSaveConfig(), **options)
+            chosen = dataclasses.replace(config or TorchDistSaveConfig(), **options)
         except TypeError as exc:
             raise CheckpointValidationError(
                 f"unknown TorchDistAsyncSaveStrategy option: {exc}; valid options are "
                 f"{[f.name for f in dataclasses.fields(TorchDistSaveConfig)]}"
             ) from exc
+        # megatron-core 0.17+'s base __init__ assigns its own defaults to the attributes
+        # that are properties here (thread_count, use_cached_ckpt_structure, ...): let it
+        # write into a throw-away config, then put the chosen options in force.
+        self.config = TorchDistSaveConfig()
+        self.plan_cache = PlanCache()
+        generation.StrategyBase.__init__(self, backend, version)
+        self.config = chosen
         self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
 
@@ -160,20 +178,37 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     @property
     def use_cached_ckpt_structure(self) -> bool:
-        """megatron-core's name for ``config.cached_metadata``.
+        """megatron-core's switch for a constant checkpoint structure.
 
-        Megatron-LM sets it on the strategy it looked up for
-        ``--ckpt-assume-constant-structure``; keeping the name makes that code path work
-        with this strategy unchanged.
+        Megatron-LM sets it on its save strategy for ``--ckpt-assume-constant-structure``;
+        as in megatron-core, it turns on both the plan and metadata cache
+        (``config.cached_metadata``) and the reuse of staging buffers
+        (``config.use_cached_data_structure``).
         """
-        return self.config.cached_metadata
+        return self.config.cached_metadata and self.config.use_cached_data_structure
 
     @use_cached_ckpt_structure.setter
     def use_cached_ckpt_structure(self, value: bool) -> None:
-        self.config = dataclasses.replace(self.config, cached_metadata=bool(value))
+        self.config = dataclasses.replace(
+            self.config, cached_metadata=bool(value), use_cached_data_structure=bool(value)
+        )
+
+    # megatron-core's attribute names for options that live in ``config`` here; its
+    # fully parallel wrapper and Megatron-LM read or set them on the strategy.
+    thread_count = _config_property("thread_count")
+    keep_only_main_replica = _config_property("keep_only_main_replica")
+    separation_hint = _config_property("separation_hint")
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
+        """Save synchronously through the same pipeline (every rank): plan, stage, write,
+        commit, then return. megatron-core's ``save(..., async_sharded_save=False)`` calls it."""
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
     def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: Union[str, Path],
+        async_strategy: Optional[str] = None,
     ) -> AsyncRequest:
         """Plan the save and return the request that writes it (every rank, synchronous).
 
@@ -185,6 +220,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             sharded_state_dict: megatron-core sharded state dict (ShardedTensors and
                 ShardedObjects).
             checkpoint_dir: an existing directory, the same on every rank.
+            async_strategy: megatron-core 0.17+ passes which async module set it would
+                use (``"nvrx"`` or ``"mcore"``); accepted and ignored: this strategy
+                always runs its own pipeline (staging, callers, writer, checksums).
 
         Returns:
             The request to schedule on an ``AsyncCallsQueue`` (or run with

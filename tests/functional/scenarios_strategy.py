@@ -8,6 +8,7 @@ through megatron-core's ``dist_checkpointing.load`` and through plain
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import os
 import signal
@@ -18,15 +19,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from megatron_async.mcore import generation
 from megatron_async.saver import state_dict_saver
 from megatron_async.core import AsyncCallsQueue
+from megatron_async.format import CHECKSUM_FILE, COMMON_FILE
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointInProgressError,
@@ -40,6 +42,9 @@ from megatron_async.mcore.strategy import (
 from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 
 FAILING_RANK = 1
+
+_SAVE_VERIFIES_INTEGRITY = "verify_integrity" in inspect.signature(dist_checkpointing.save).parameters
+"""megatron-core 0.18+ can write a SHA-256 manifest after a save."""
 
 
 # -- the state dict --------------------------------------------------------------------
@@ -292,7 +297,9 @@ def loaded_metadata_skips_the_first_gather(ctx):
     """A resumed job reuses the metadata of the checkpoint it loaded (megatron-core's flow)."""
     first = _dir(ctx, "resume-from")
     _save_async(_queue(False), ctx, first, TorchDistAsyncSaveStrategy(), 1.5)
-    load_strategy = TorchDistLoadShardedStrategy()
+    # megatron-core 0.17+ keeps the loaded metadata only when asked to (cache_metadata).
+    caches = "cache_metadata" in inspect.signature(TorchDistLoadShardedStrategy).parameters
+    load_strategy = TorchDistLoadShardedStrategy(**({"cache_metadata": True} if caches else {}))
     dist_checkpointing.load(_model_state(ctx, 0.0), first, sharded_strategy=load_strategy)
     strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
     strategy.cached_global_metadata = load_strategy.cached_global_metadata
@@ -382,11 +389,73 @@ def empty_tensors(ctx):
 
 
 def registered_backend(ctx):
+    """megatron-core 0.16.x: the strategy is found by its registered backend name."""
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+
     strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
     assert isinstance(strategy, TorchDistAsyncSaveStrategy) and strategy.backend == "torch_dist"
     path = _dir(ctx, "registered")
     _save_async(_queue(False), ctx, path, ("megatron_async", 1), 7.0)
     _check_checkpoint(ctx, path, 7.0)
+
+
+def stock_save_keeps_our_writer(ctx):
+    """megatron-core's ``save()`` runs our pipeline, sync and async, on either generation.
+
+    From 0.17 ``save()`` silently replaces a strategy that is not its own kind; only our
+    writer leaves the checksum file, so its presence proves which pipeline ran.
+    """
+    for mode in ("sync", "async"):
+        path = _dir(ctx, f"stock-save-{mode}")
+        strategy = TorchDistAsyncSaveStrategy()
+        state = _model_state(ctx, 3.0)
+        if mode == "sync":
+            dist_checkpointing.save(state, path, sharded_strategy=strategy)
+        else:
+            request = dist_checkpointing.save(
+                state, path, sharded_strategy=strategy, async_sharded_save=True
+            )
+            _queue(False).schedule_async_request(request)
+            _queue(False).maybe_finalize_async_calls(blocking=True)
+        assert os.path.exists(os.path.join(path, CHECKSUM_FILE)), (mode, sorted(os.listdir(path)))
+        assert generation.GENERATION == "registry" or not os.path.exists(
+            os.path.join(path, COMMON_FILE)
+        ), "0.17+ keeps the common state inside the checkpoint"
+        _check_checkpoint(ctx, path, 3.0)
+
+
+def integrity_manifest_on_gloo(ctx, persistent):
+    """megatron-core 0.18+'s ``verify_integrity=True``: its manifest step runs after ours,
+    agreed on over gloo, and megatron-core's own check accepts the checkpoint."""
+    path = _dir(ctx, f"manifest-{persistent}")
+    request = dist_checkpointing.save(
+        _model_state(ctx, 4.0),
+        path,
+        sharded_strategy=TorchDistAsyncSaveStrategy(),
+        async_sharded_save=True,
+        verify_integrity=True,
+    )
+    queue = _queue(persistent)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert os.path.exists(os.path.join(path, "integrity.json"))
+    loaded = dist_checkpointing.load(_model_state(ctx, 0.0), path, verify_integrity=True)
+    _assert_equal_states(loaded, _model_state(ctx, 4.0), "megatron verify_integrity")
+
+
+def megatron_lm_constant_structure_switch(ctx):
+    """Megatron-LM's ``--ckpt-assume-constant-structure`` sets one attribute on the strategy;
+    it must mean plan caching and staging-buffer reuse, as in megatron-core."""
+    strategy = TorchDistAsyncSaveStrategy()
+    strategy.use_cached_ckpt_structure = True
+    assert strategy.config.cached_metadata and strategy.config.use_cached_data_structure
+    queue = _queue(False)
+    for step in range(3):
+        path = _dir(ctx, f"constant-structure-{step}")
+        _save_async(queue, ctx, path, strategy, 5.0 + step)
+        _check_checkpoint(ctx, path, 5.0 + step)
+    assert strategy.structure_reuse_count == 2, strategy.structure_reuse_count
+    assert strategy.staging_cache.num_bytes() > 0
 
 
 class _FailOnRankWriter(FileSystemWriterAsync):
@@ -545,10 +614,12 @@ SCENARIOS = {
         fully_parallel_wrapper,
         a_rank_with_nothing_to_write,
         empty_tensors,
-        registered_backend,
         bad_inputs,
         second_save_into_a_directory_in_flight,
     ),
+    **by_name(stock_save_keeps_our_writer, megatron_lm_constant_structure_switch),
+    **(by_name(registered_backend) if generation.GENERATION == "registry" else {}),
+    **(for_both_callers(integrity_manifest_on_gloo) if _SAVE_VERIFIES_INTEGRITY else {}),
 }
 
 
