@@ -123,8 +123,21 @@ class RankFailure:
         )
 
     def summary(self) -> str:
-        """One line: rank, phase, exception type and message."""
-        return f"rank {self.rank} [{self.phase}] {self.exception_type}: {self.message}"
+        """One line: rank, phase, exception type and message.
+
+        A failure of the background part reads "Worker failure: ...", megatron-core's
+        wording (``FileSystemWriterAsync.retrieve_write_results``), which log alerts and
+        Megatron-LM's tests search for.
+        """
+        text = f"{self.exception_type}: {self.message}"
+        if self.phase in _WORKER_PHASES and "worker failure" not in text.lower():
+            text = f"Worker failure: {text}"
+        return f"rank {self.rank} [{self.phase}] {text}"
+
+
+_WORKER_PHASES = frozenset({"write", "worker", "timeout"})
+"""Phases of a :class:`RankFailure` in the background part of a save: a write that
+raised, a worker that died, a bounded wait that expired."""
 
 
 def _define_async_save_failed_error() -> type:

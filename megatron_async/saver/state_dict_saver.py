@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.saver.agreement import agree_or_raise
-from megatron_async.writer.buckets import BucketLayout
+from megatron_async.writer.buckets import BucketLayout, is_empty_chunk
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointValidationError, RankFailure
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -49,6 +49,7 @@ __all__ = [
     "save_state_dict_async_plan",
     "prepare_cached_write",
     "verify_global_md_reuse",
+    "build_global_metadata",
     "save_state_dict_async_finalize",
     "get_plan_gather_count",
 ]
@@ -237,13 +238,41 @@ def _gather_and_build_metadata(
     metadata, error = None, None
     if dist_wrapper.is_coordinator:
         try:
-            _raise_on_duplicate_items(all_local_plans)
-            _, metadata = planner.create_global_plan(all_local_plans)
-            # Stored in .metadata so that a resumed job can skip this gather.
-            metadata.all_local_plans = all_local_plans
+            metadata = build_global_metadata(planner, all_local_plans)
         except Exception as exc:  # e.g. overlapping shards; raised on every rank below
             error = exc
     agree_or_raise(error, "global save planning", (), dist_wrapper.group)
+    return metadata
+
+
+def build_global_metadata(planner: SavePlanner, all_local_plans: List[SavePlan]) -> Metadata:
+    """Build the global metadata of a decentralized save from every rank's local plan.
+
+    Runs on the coordinator. With decentralized planning every rank writes its own local
+    plan as it is, so no item may be planned by two ranks; the one exception is a tensor
+    chunk without elements, which several ranks may hold at the same offset (uneven
+    splits). The metadata lists each ``(fqn, offset)`` once, as megatron-core's does: an
+    empty chunk at the offset of a chunk with data is left out, and of several empty
+    chunks at one offset only one zero-size chunk is listed.
+
+    Args:
+        planner: the save planner (it validates the global plan: bounds, overlaps, fill).
+        all_local_plans: every rank's local plan, in rank order.
+
+    Returns:
+        The metadata, with ``all_local_plans`` (unchanged) attached, so that a resumed job
+        can skip the plan gather.
+
+    Raises:
+        CheckpointValidationError: overlapping or missing shards, or another invalid plan.
+    """
+    _raise_on_duplicate_items(all_local_plans)
+    try:
+        _, metadata = planner.create_global_plan(_without_redundant_empty_chunks(all_local_plans))
+    except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
+        raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
+    # Stored in .metadata so that a resumed job can skip this gather.
+    metadata.all_local_plans = all_local_plans
     return metadata
 
 
@@ -252,12 +281,14 @@ def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
 
     DCP's global planning silently deduplicates identical chunks, but with decentralized
     planning every rank writes its own plan, so which copy the metadata points to would
-    depend on the order of the results.
+    depend on the order of the results. Chunks without elements are exempt: they overlap
+    nothing, and the commit points the metadata at one of them.
     """
     owners: dict = {}
     for rank, plan in enumerate(all_local_plans):
         for item in plan.items:
-            owners.setdefault(item.index, []).append(rank)
+            if not is_empty_chunk(item):
+                owners.setdefault(item.index, []).append(rank)
     duplicates = [(index, ranks) for index, ranks in owners.items() if len(ranks) > 1]
     if duplicates:
         shown = "; ".join(
@@ -270,6 +301,36 @@ def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
         )
 
 
+def _without_redundant_empty_chunks(all_local_plans: List[SavePlan]) -> List[SavePlan]:
+    """Leave out the empty chunks that another item already describes (coordinator).
+
+    ``MetadataIndex`` equality ignores the index hint, so the metadata (and DCP's
+    deduplication) treat items at the same ``(fqn, offset)`` as one. Left to DCP, which
+    copy survives depends on plan sizes, and an empty chunk could replace a chunk with
+    data at its offset (a "missing shard" error). Here the chunk with data is kept, else
+    the lowest rank's empty chunk; the plans are returned unchanged when nothing is left
+    out.
+    """
+    empty = [item for plan in all_local_plans for item in plan.items if is_empty_chunk(item)]
+    if not empty:
+        return all_local_plans
+    described = {
+        item.index for plan in all_local_plans for item in plan.items if not is_empty_chunk(item)
+    }
+    left_out = set()
+    for item in empty:  # in rank order
+        if item.index in described:
+            left_out.add(id(item))
+        else:
+            described.add(item.index)
+    if not left_out:
+        return all_local_plans
+    return [
+        dataclasses.replace(plan, items=[item for item in plan.items if id(item) not in left_out])
+        for plan in all_local_plans
+    ]
+
+
 def _plan_centrally(
     planner: SavePlanner,
     storage_writer: FileSystemWriterAsync,
@@ -280,7 +341,10 @@ def _plan_centrally(
     built: List[Metadata] = []
 
     def global_step(all_local_plans: List[SavePlan]) -> List[SavePlan]:
-        global_plans, metadata = planner.create_global_plan(all_local_plans)
+        # Deduplicated by DCP; one rank writes each empty chunk, and never in place of data.
+        global_plans, metadata = planner.create_global_plan(
+            _without_redundant_empty_chunks(all_local_plans)
+        )
         built.append(metadata)
         return storage_writer.prepare_global_plan(global_plans)
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.integrity import checksums
-from megatron_async.writer.buckets import WriteBucket
+from megatron_async.writer.buckets import WriteBucket, is_empty_chunk
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 __all__ = ["ChecksummedWriteResult", "BucketFile", "write_bucket"]
@@ -47,25 +47,35 @@ _WRITE_ITEM_KWARGS = _write_item_kwargs()
 class ChecksummedWriteResult(WriteResult):
     """A DCP ``WriteResult`` that also carries the xxh3 digest of the item's stored bytes.
 
-    ``checksum`` is None when the writer computes no checksums. Pickles as one flat tuple
-    of plain values: results cross from the background writer to the trainer and are
-    gathered on the coordinator, where unpickling tens of thousands of nested dataclasses
-    (each with a state dict, a ``MetadataIndex`` and a ``_StorageInfo``) used to dominate
-    the finalization on the training thread.
+    ``checksum`` is None when the writer computes no checksums. ``empty_chunk`` tells a
+    tensor chunk without elements: with uneven splits several ranks write one at the same
+    offset, sometimes at the offset of another rank's chunk with data, and the commit
+    must point the metadata at the chunk with data (see
+    :func:`megatron_async.writer.commit.commit_checkpoint`).
+
+    Pickles as one flat tuple of plain values: results cross from the background writer
+    to the trainer and are gathered on the coordinator, where unpickling tens of
+    thousands of nested dataclasses (each with a state dict, a ``MetadataIndex`` and a
+    ``_StorageInfo``) used to dominate the finalization on the training thread.
     """
 
     checksum: Optional[str] = None
+    empty_chunk: bool = False
 
     def __reduce__(self):
         storage, index = self.storage_data, self.index
         if type(storage) is not _StorageInfo or storage.transform_descriptors is not None:
-            return (ChecksummedWriteResult, (index, self.size_in_bytes, storage, self.checksum))
+            return (
+                ChecksummedWriteResult,
+                (index, self.size_in_bytes, storage, self.checksum, self.empty_chunk),
+            )
         chunk_offsets = None if index.offset is None else tuple(index.offset)
         return (
             _rebuild_checksummed_result,
             (
                 index.fqn, chunk_offsets, index.index, self.size_in_bytes,
                 storage.relative_path, storage.offset, storage.length, self.checksum,
+                self.empty_chunk,
             ),
         )
 
@@ -79,12 +89,14 @@ def _rebuild_checksummed_result(
     offset: int,
     length: int,
     checksum: Optional[str],
+    empty_chunk: bool,
 ) -> ChecksummedWriteResult:
     return ChecksummedWriteResult(
         MetadataIndex(fqn, chunk_offsets, index_hint),
         size_in_bytes,
         _StorageInfo(relative_path, offset, length),
         checksum,
+        empty_chunk,
     )
 
 
@@ -288,7 +300,8 @@ def write_bucket(
                 length = file.tell() - offset
                 storage = _StorageInfo(bucket.file_name, offset, length)
                 digest = file.finish_item()
-                results.append(ChecksummedWriteResult(item.index, length, storage, digest))
+                empty = is_empty_chunk(item)
+                results.append(ChecksummedWriteResult(item.index, length, storage, digest, empty))
                 return
             if isinstance(data, torch.Tensor) and _saves_more_than_itself(data):
                 data = data.clone()  # as DCP's writer does: torch.save writes whole storages
@@ -302,7 +315,11 @@ def write_bucket(
                 raise
             results.append(
                 ChecksummedWriteResult(
-                    result.index, result.size_in_bytes, result.storage_data, file.finish_item()
+                    result.index,
+                    result.size_in_bytes,
+                    result.storage_data,
+                    file.finish_item(),
+                    is_empty_chunk(item),
                 )
             )
 

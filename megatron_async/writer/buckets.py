@@ -21,6 +21,7 @@ __all__ = [
     "WriteBucket",
     "BucketLayout",
     "item_num_bytes",
+    "is_empty_chunk",
     "balance_by_size",
     "assign_buckets",
     "materialize_buckets",
@@ -60,6 +61,17 @@ def item_num_bytes(item: WriteItem, data: Any = None) -> int:
     for size in item.tensor_data.chunk.sizes:
         numel *= size
     return numel * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def is_empty_chunk(item: WriteItem) -> bool:
+    """Whether ``item`` is a tensor chunk without elements (a zero-length shard).
+
+    With uneven splits several ranks hold such a chunk at the same offset (often the
+    end of the tensor) without overlapping: it covers no element.
+    """
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return False
+    return 0 in tuple(item.tensor_data.chunk.sizes)
 
 
 def balance_by_size(sized: Sequence[Tuple[T, int]], bins: int) -> List[List[T]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from typing import Any, List
+from typing import Any, Dict, Iterable, List
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, fsync_path, write_atomically
@@ -38,10 +38,9 @@ def commit_checkpoint(
         results: every rank's write results, in rank order.
         storage_meta: the writer's ``storage_meta()``.
     """
+    stored = _stored_results(results)
     metadata = copy.copy(metadata)
-    metadata.storage_data = {
-        result.index: result.storage_data for rank_results in results for result in rank_results
-    }
+    metadata.storage_data = {index: result.storage_data for index, result in stored.items()}
     metadata.storage_meta = storage_meta
     if hasattr(metadata, "version"):
         from torch.distributed.checkpoint import filesystem as dcp_filesystem
@@ -52,35 +51,61 @@ def commit_checkpoint(
     common = os.path.join(checkpoint_dir, COMMON_FILE)
     if os.path.exists(common):
         fsync_path(common)
-    _record_checksums(checkpoint_dir, results)
+    _record_checksums(checkpoint_dir, stored.values())
     write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
 
 
-def _record_checksums(checkpoint_dir: str, results: List[List[WriteResult]]) -> None:
-    """Write every rank's item digests, or drop a stale checksum file (coordinator).
+def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, WriteResult]:
+    """The one write result that ``.metadata`` records per item (coordinator).
 
-    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
-    the checksums of exactly its own items (or none at all). The records are built as the
-    checksum file stores them, without an intermediate object per item: this runs on the
-    training thread, with every rank's items.
+    Each item is written by one rank, except tensor chunks without elements: with uneven
+    splits (distributed optimizer buckets, MoE) several ranks hold one at the same offset,
+    sometimes at the offset of another rank's chunk with data, and decentralized plans
+    are not deduplicated, so each of them writes its own. ``.metadata`` can record one
+    storage entry per ``(fqn, offset)`` (``MetadataIndex`` equality ignores the index
+    hint): the chunk with data wins, else the lowest rank's empty chunk. Nothing is lost,
+    since an empty chunk is never read.
     """
-    records = []
+    stored = {result.index: result for rank_results in results for result in rank_results}
+    if len(stored) == sum(len(rank_results) for rank_results in results):
+        return stored  # no item written twice: the usual case, kept cheap
+    stored = {}
     for rank_results in results:
         for result in rank_results:
-            digest = getattr(result, "checksum", None)
-            if digest is None:
-                continue
-            storage, index = result.storage_data, result.index
-            records.append(
-                {
-                    "file": storage.relative_path,
-                    "offset": storage.offset,
-                    "length": storage.length,
-                    "digest": digest,
-                    "fqn": index.fqn,
-                    "chunk_offsets": None if index.offset is None else list(index.offset),
-                }
-            )
+            kept = stored.setdefault(result.index, result)
+            if kept is not result and _is_empty(kept) and not _is_empty(result):
+                stored[result.index] = result
+    return stored
+
+
+def _is_empty(result: WriteResult) -> bool:
+    return getattr(result, "empty_chunk", False)
+
+
+def _record_checksums(checkpoint_dir: str, results: Iterable[WriteResult]) -> None:
+    """Write the digests of the stored items, or drop a stale checksum file (coordinator).
+
+    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
+    the checksums of exactly the items its metadata records (or none at all). The
+    records are built as the checksum file stores them, without an intermediate object
+    per item: this runs on the training thread, with every rank's items.
+    """
+    records = []
+    for result in results:
+        digest = getattr(result, "checksum", None)
+        if digest is None:
+            continue
+        storage, index = result.storage_data, result.index
+        records.append(
+            {
+                "file": storage.relative_path,
+                "offset": storage.offset,
+                "length": storage.length,
+                "digest": digest,
+                "fqn": index.fqn,
+                "chunk_offsets": None if index.offset is None else list(index.offset),
+            }
+        )
     if records:
         checksums.write_checksum_records(checkpoint_dir, records)
     else:

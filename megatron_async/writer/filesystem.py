@@ -351,6 +351,10 @@ class FileSystemWriterAsync(FileSystemWriter):
             WorkerDiedError: the writer reported nothing (it was killed or crashed).
             StorageWriteError: a bucket failed; ``failure`` holds the writer's traceback.
             CheckpointIntegrityError: a bucket reported no or too few results.
+
+        The messages of the errors from the background writer keep megatron-core's
+        wording ("Worker failure: ...", "... This probably indicates a worker failure."),
+        which log alerts and Megatron-LM's tests search for.
         """
         if self._write_results is not None:
             return self._write_results
@@ -367,15 +371,17 @@ class FileSystemWriterAsync(FileSystemWriter):
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             self.results_file.discard()
             raise WorkerDiedError(
-                f"rank {rank}: the background writer of {self.checkpoint_dir} reported no "
-                f"result ({exc}); it was probably killed (out of memory, signal) before "
-                "finishing. The checkpoint is incomplete: save again."
+                f"Worker failure on rank {rank}: the background writer of "
+                f"{self.checkpoint_dir} reported no result ({exc}); it was probably killed "
+                "(out of memory, signal) before finishing. The checkpoint is incomplete: "
+                "save again."
             ) from exc
         if outcome.failures:
             failures = [outcome.failures[idx] for idx in sorted(outcome.failures)]
-            summary = "; ".join(f.summary() for f in failures)
+            causes = "; ".join(f"[{f.phase}] {f.exception_type}: {f.message}" for f in failures)
             raise StorageWriteError(
-                f"rank {rank}: writing {self.checkpoint_dir} failed: {summary}", failures[0]
+                f"Worker failure on rank {rank}: writing {self.checkpoint_dir} failed: {causes}",
+                failures[0],
             )
         for idx, bucket in enumerate(self.write_buckets):
             expected = len(bucket.data[0]) + len(bucket.data[1])
@@ -383,7 +389,8 @@ class FileSystemWriterAsync(FileSystemWriter):
             if got != expected:
                 raise CheckpointIntegrityError(
                     f"rank {rank}: {bucket.file_name} in {self.checkpoint_dir} reported {got} of "
-                    f"{expected} written items; its writer stopped early. Save again."
+                    f"{expected} written items; its writer stopped early. This probably "
+                    "indicates a worker failure. Save again."
                 )
         self._write_results = list(
             itertools.chain.from_iterable(outcome.results[i] for i in sorted(outcome.results))

@@ -236,6 +236,9 @@ def _fault_round(
     summary = {"error": type(caught).__name__, "seconds": round(elapsed, 2)}
     if isinstance(caught, AsyncSaveFailedError):
         summary["failures"] = {r: (f.phase, f.message[:120]) for r, f in caught.failures.items()}
+        # Each failing rank's line of the message that every rank raises.
+        lines = str(caught).splitlines()
+        summary["lines"] = [line.strip()[:200] for line in lines if line.startswith("  rank ")]
     else:
         summary["message"] = str(caught)[:300]
     return summary
@@ -245,6 +248,9 @@ def _expect_phase(summary, rank, phase, text=""):
     failures = summary.get("failures", {})
     assert rank in failures, summary
     assert failures[rank][0] == phase and text in failures[rank][1], summary
+    if phase in ("write", "worker", "timeout"):  # megatron-core's wording, which alerts grep for
+        prefix = f"rank {rank} [{phase}] Worker failure: "
+        assert any(line.startswith(prefix) for line in summary["lines"]), summary
     return summary
 
 

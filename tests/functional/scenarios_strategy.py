@@ -7,6 +7,7 @@ through megatron-core's ``dist_checkpointing.load`` and through plain
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import io
@@ -23,8 +24,11 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from megatron_async import cli
+from megatron_async.integrity import checksums
+from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.mcore import generation
 from megatron_async.saver import state_dict_saver
 from megatron_async.core import AsyncCallsQueue
@@ -388,6 +392,102 @@ def empty_tensors(ctx):
     assert whole["empty"].shape == (0, 4) and whole["empty_rows"].shape == (3 * ws, 0)
 
 
+def _uneven_shard(key, whole, sizes, rank):
+    """``rank``'s shard of ``whole`` split along axis 0 into ``sizes`` (zeros allowed).
+
+    An uneven split has no regular grid, so megatron-core leaves its validation to DCP.
+    """
+    offset, length = sum(sizes[:rank]), sizes[rank]
+    data = whole[offset : offset + length].clone()
+    return ShardedTensor(
+        key, data, data.dtype, tuple(data.shape), tuple(whole.shape),
+        (offset,) + (0,) * (whole.dim() - 1), None,
+    )
+
+
+def _uneven_state(ctx, scale: float):
+    """Tensors split unevenly, the way distributed optimizer buckets and MoE experts are.
+
+    * "tail": the first half of the ranks share 30 elements; the others hold nothing, at
+      offset 30 (at 4 ranks two empty shards at one offset);
+    * "head": rank 0 holds nothing, at offset 0, where the next rank's data starts;
+    * "rows": 2-D, rows split like "tail": empty (0, 4) shards at offset (30, 0).
+    """
+    r, ws = ctx.rank, ctx.world_size
+    holders = max(1, ws // 2)
+    tail = [30 // holders + (i < 30 % holders) if i < holders else 0 for i in range(ws)]
+    head = [0] + [30 // (ws - 1) + (i < 30 % (ws - 1)) for i in range(ws - 1)]
+    whole = _uneven_tensors(scale)
+    return {
+        "tail": _uneven_shard("tail", whole["tail"], tail, r),
+        "head": _uneven_shard("head", whole["head"], head, r),
+        "rows": _uneven_shard("rows", whole["rows"], tail, r),
+    }
+
+
+def _uneven_tensors(scale: float):
+    return {
+        "tail": torch.arange(30, dtype=torch.float32) * scale,
+        "head": torch.arange(30, dtype=torch.int64) - int(scale),
+        "rows": torch.arange(120, dtype=torch.float32).reshape(30, 4) + scale,
+    }
+
+
+def _check_uneven_checkpoint(ctx, path, scale) -> None:
+    """Both loaders read the split back, the metadata lists each chunk once, verify passes."""
+    expected = _uneven_state(ctx, scale)
+    loaded = dist_checkpointing.load(_uneven_state(ctx, 0.0), path)
+    _assert_equal_states(loaded, expected, "megatron")
+    whole = _load_dcp(path, ctx.world_size)
+    for key, tensor in _uneven_tensors(scale).items():
+        assert torch.equal(whole[key], tensor), ("dcp", key)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    for key, md in metadata.state_dict_metadata.items():
+        chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        assert len(set(offsets for offsets, _ in chunks)) == len(chunks), (key, chunks)
+        assert all(MetadataIndex(key, offsets) in metadata.storage_data for offsets, _ in chunks)
+    empty = [c for c in metadata.state_dict_metadata["tail"].chunks if not c.sizes.numel()]
+    assert [tuple(c.offsets) for c in empty] == [(30,)], empty  # one zero-size chunk
+    head = metadata.state_dict_metadata["head"].chunks
+    assert all(c.sizes.numel() for c in head), head  # the empty one is covered by data
+    records = checksums.read_checksum_file(path)
+    assert len(records) == len(metadata.storage_data), (len(records), len(metadata.storage_data))
+    verify_checkpoint_integrity(path, require_checksums=True)
+    if ctx.rank == 0:
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            assert cli.main(["verify", path]) == 0, report.getvalue()
+        assert report.getvalue().startswith("INTACT"), report.getvalue()
+
+
+def empty_shards_of_uneven_splits(ctx, persistent):
+    """Zero-length shards at one offset on several ranks save and load as with megatron-core.
+
+    Planned in full, with the cached structure (the later saves skip planning), and
+    centrally (every replica planned, DCP deduplicates).
+    """
+    queue = _queue(persistent)
+    # (options, saves, saves expected to skip planning)
+    variants = [
+        ({}, 1, 0),
+        ({"cached_metadata": True, "use_cached_data_structure": True}, 3, 2),
+        ({"keep_only_main_replica": False}, 1, 0),
+    ]
+    for variant, (options, saves, unplanned) in enumerate(variants):
+        strategy = TorchDistAsyncSaveStrategy(**options)
+        for step in range(saves):
+            scale = float(step + 2)
+            path = _dir(ctx, f"uneven-{persistent}-{variant}-{step}")
+            request = dist_checkpointing.save(
+                _uneven_state(ctx, scale), path, sharded_strategy=strategy, async_sharded_save=True
+            )
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+            _check_uneven_checkpoint(ctx, path, scale)
+        reused = strategy.structure_reuse_count
+        assert reused == unplanned, (options, reused)
+
+
 def registered_backend(ctx):
     """megatron-core 0.16.x: the strategy is found by its registered backend name."""
     from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
@@ -603,6 +703,7 @@ SCENARIOS = {
         in_place_updates_after_schedule_are_not_saved,
         cached_metadata_skips_plan_gathers,
         cached_data_structure_and_multiproc_io,
+        empty_shards_of_uneven_splits,
         write_failure_on_one_rank,
         killed_worker_on_one_rank,
     ),

@@ -138,6 +138,8 @@ def test_background_failure_raises_and_queue_stays_usable(
     failure = info.value.failures[0]
     assert failure.phase == phase
     assert message in failure.message
+    # megatron-core's wording, which log alerts and Megatron-LM's tests search for.
+    assert f"rank 0 [{phase}] Worker failure: " in str(info.value), str(info.value)
     assert finalized == [], "a failed save must not be finalized"
     if phase == "write":
         assert "Traceback" in failure.traceback_text and message in failure.traceback_text
@@ -157,6 +159,7 @@ def test_staging_failure_raises_at_finalize(make_queue, tmp_path, persistent):
     with pytest.raises(AsyncSaveFailedError, match="no host memory") as info:
         queue.maybe_finalize_async_calls(blocking=True)
     assert info.value.failures[0].phase == "staging"
+    assert "worker failure" not in str(info.value).lower()  # the trainer's side failed
     assert not (tmp_path / "out").exists()
 
 
@@ -170,6 +173,7 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
         queue.maybe_finalize_async_calls(blocking=True)
     assert time.monotonic() - started < 30
     assert info.value.failures[0].phase == "timeout"
+    assert "Worker failure: " in str(info.value), str(info.value)
     pid = int(pid_file.read_text())
     assert not _pid_alive(pid), "the hanging background process must be killed"
 

@@ -316,7 +316,8 @@ def test_a_failed_bucket_raises_storage_write_error_with_traceback(tmp_path, mul
     writer = _FailingWriter(str(tmp_path), thread_count=2, is_multiproc_io=multiproc)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    with pytest.raises(StorageWriteError, match="No space left") as excinfo:
+    expected = "^Worker failure on rank 0: .*No space left"
+    with pytest.raises(StorageWriteError, match=expected) as excinfo:
         writer.retrieve_write_results()
     assert "injected" in excinfo.value.failure.traceback_text
 
@@ -325,22 +326,23 @@ def test_too_few_results_raise_integrity_error(tmp_path):
     writer = _ShortWriter(str(tmp_path), thread_count=2)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    with pytest.raises(CheckpointIntegrityError, match="1 written items|0 of 1"):
+    with pytest.raises(CheckpointIntegrityError, match="of 1 written items") as excinfo:
         writer.retrieve_write_results()
+    assert "This probably indicates a worker failure." in str(excinfo.value)
 
 
 def test_a_dead_bucket_process_is_reported(tmp_path):
     writer = _DyingWriter(str(tmp_path), thread_count=2, is_multiproc_io=True)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    with pytest.raises(StorageWriteError, match="exited with code 3"):
+    with pytest.raises(StorageWriteError, match="^Worker failure on rank 0: .*exited with code 3"):
         writer.retrieve_write_results()
 
 
 def test_no_result_from_the_writer_raises_worker_died(tmp_path):
     writer = FileSystemWriterAsync(str(tmp_path), thread_count=2)
     _prepare(writer, _TWO_BUCKETS)  # the background part never runs (killed worker)
-    with pytest.raises(WorkerDiedError, match="reported no result"):
+    with pytest.raises(WorkerDiedError, match="^Worker failure on rank 0: .*reported no result"):
         writer.retrieve_write_results()
 
 
