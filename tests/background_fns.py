@@ -1,7 +1,7 @@
 """Module-level functions for tests to run in background processes.
 
-They must be importable by name (the persistent worker unpickles them in a spawned
-process), so they live here rather than inside test functions.
+They must be importable by name (the persistent worker, a fresh interpreter, unpickles
+them by module and name), so they live here rather than inside test functions or scripts.
 """
 
 import ctypes
@@ -81,3 +81,18 @@ def save_staged_tensor_after_release(path: str, staged, release_path: str) -> No
     """``torch.save`` the staged value once ``release_path`` exists (bounded: 120 s)."""
     _wait_for_file(release_path)
     torch.save(staged, path)
+
+
+def write_worker_facts(path: str, staged, _unused=None) -> None:
+    """Write what the background process is: its pid, where it imported us from, its env."""
+    import json
+    import sys
+
+    facts = {
+        "pid": os.getpid(),
+        "package_file": sys.modules["megatron_async"].__file__,
+        "worker_env": os.environ.get("MEGATRON_ASYNC_BACKGROUND_WORKER"),
+    }
+    with open(path + ".tmp", "w") as f:
+        json.dump(facts, f)
+    os.replace(path + ".tmp", path)

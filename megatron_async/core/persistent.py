@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
+import sys
 import time
 from typing import Any, Dict, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from megatron_async.core import coordination
 from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
 from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
-from megatron_async.core.worker_loop import STOP, persistent_worker_main
+from megatron_async.core.worker_loop import STOP
+from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, start_worker_process
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
@@ -24,8 +23,6 @@ __all__ = ["PersistentAsyncCaller"]
 
 logger = logging.getLogger(__name__)
 
-_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"  # same name as megatron_async.BACKGROUND_WORKER_ENV
-
 
 def _current_cuda_device() -> Optional[int]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -34,11 +31,16 @@ def _current_cuda_device() -> Optional[int]:
 
 
 class PersistentAsyncCaller(AsyncCaller):
-    """Sends requests to one spawned worker process that lives across saves (trainer side).
+    """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker is started when the caller is created, so its start-up overlaps with
-    training (a save scheduled before the start-up is over waits for it, bounded by
-    ``staging_timeout_s``). The trainer stages each request's data itself
+    The worker is a fresh interpreter that imports only the worker's module (see
+    :mod:`megatron_async.core.worker_process`): it never runs the training script, so the
+    script needs no ``if __name__ == "__main__":`` guard, but what a request refers to
+    (its functions and classes) must be importable from a module. The worker is started
+    when the caller is created, so its start-up overlaps with training (a save scheduled
+    before the start-up is over waits for it, bounded by ``staging_timeout_s``; a worker
+    that exits while starting fails that save at once, with the worker's stderr). The
+    trainer stages each request's data itself
     (``preload_fn``, a memory copy into shared-memory buffers) and sends the request with
     its tensors as references into shared memory
     (:mod:`megatron_async.core.request_transport`): :meth:`schedule_async_call` returns
@@ -47,80 +49,46 @@ class PersistentAsyncCaller(AsyncCaller):
     released for reuse when the worker reports the call done (or the worker is gone).
     If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
     finalization) and the next save starts a fresh worker.
-
-    Like any spawn-based multiprocessing, the training script needs an
-    ``if __name__ == "__main__":`` guard.
     """
 
     def __init__(self, config: Optional[AsyncCallerConfig] = None):
         super().__init__(config)
         self.rank = coordination.get_rank()
-        self.process: Optional[mp.Process] = None
-        self._requests = None
-        self._results = None
+        self.process: Optional[WorkerProcess] = None
         self._sender: Optional[RequestSender] = None
-        self._descriptor_socket: Optional[socket.socket] = None
         self._ready = False
+        self._startup_failure: Optional[str] = None  # why the last worker did not start
         self._statuses: Dict[int, CallStatus] = {}
         self._start_times: Dict[int, float] = {}
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
         register_exit_cleanup(self, "_abort_at_exit")
-        self._start_worker()
+        try:
+            self._start_worker()
+        except WorkerDiedError as exc:
+            # Not raised here: the first save tries again and fails on every rank.
+            logger.error("rank %d: cannot start the persistent checkpoint worker: %s", self.rank, exc)
 
     # -- worker lifetime -------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        ctx = mp.get_context("spawn")
-        trainer_socket, worker_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        trainer_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
-        self._descriptor_socket = trainer_socket
-        self._sender = RequestSender(trainer_socket)
         self._ready = False
-        self._requests = ctx.Queue()
-        self._results, child_conn = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=persistent_worker_main,
-            args=(
-                self.rank,
-                self._requests,
-                child_conn,
-                worker_socket,
-                os.getpid(),
-                logging.getLogger().getEffectiveLevel(),
-                _current_cuda_device(),
-            ),
-            name=f"megatron-async-worker-{self.rank}",
-            daemon=False,  # a daemon could not start the writer's own I/O processes
+        self._startup_failure = None
+        self.process = start_worker_process(
+            self.rank, logging.getLogger().getEffectiveLevel(), _current_cuda_device()
         )
-        # The worker inherits the environment at start: tell the package it is a worker.
-        previous = os.environ.get(_WORKER_ENV)
-        os.environ[_WORKER_ENV] = "1"
-        try:
-            self.process.start()
-        finally:
-            if previous is None:
-                del os.environ[_WORKER_ENV]
-            else:
-                os.environ[_WORKER_ENV] = previous
-        child_conn.close()
-        worker_socket.close()
+        self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
+        self._sender = RequestSender(self.process.descriptor_socket)
         logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self.process.pid)
 
     def _discard_worker(self, kill: bool) -> None:
-        if self.process is not None and kill:
-            kill_and_reap(self.process, self.config.close_timeout_s)
-        if self._requests is not None:
-            self._requests.cancel_join_thread()
-            self._requests.close()
-        if self._results is not None:
-            self._results.close()
-        if self._descriptor_socket is not None:
-            # Descriptors still in flight (requests the worker never read) are freed with it.
-            self._descriptor_socket.close()
-        self.process, self._requests, self._results, self._sender = None, None, None, None
-        self._descriptor_socket = None
+        if self.process is not None:
+            if kill:
+                kill_and_reap(self.process, self.config.close_timeout_s)
+            # Descriptors still in flight (requests the worker never read) are freed here.
+            self.process.close_channels()
+        self.process, self._sender = None, None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
             self._release_call(idx)
@@ -141,6 +109,13 @@ class PersistentAsyncCaller(AsyncCaller):
         process.join(timeout=1.0)
         code = process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if not self._ready:
+            self._startup_failure = _startup_failure_message(
+                f"rank {self.rank}: the persistent checkpoint worker (pid {process.pid}) {how} "
+                "while starting, before it could take a save",
+                process.startup_output(),
+            )
+            logger.error("%s", self._startup_failure)
 
         def failure(idx: int) -> RankFailure:
             exc = WorkerDiedError(
@@ -156,11 +131,11 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _drain_messages(self) -> None:
         """Apply every message the worker sent so far; notice a dead worker."""
-        if self._results is None:
+        if self.process is None:
             return
         try:
-            while self._results.poll(0):
-                message = self._results.recv()
+            while self.process.control.poll(0):
+                message = self.process.control.recv()
                 kind, idx = message[0], message[1]
                 if kind == "done":
                     self._statuses[idx] = CallStatus.succeeded()
@@ -171,6 +146,7 @@ class PersistentAsyncCaller(AsyncCaller):
                     self._unreceived.pop(idx, None)
                 elif kind == "ready":
                     self._ready = True
+                    self.process.startup_finished()
                 elif kind == "received":
                     self._unreceived.pop(idx, None)
                     # timeout_s bounds the background part from here on; the time
@@ -236,7 +212,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._held[idx] = (staged, arena)
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
-        self._requests.put((idx, encoded, _current_cuda_device()))
+        self.process.send((idx, encoded, _current_cuda_device()))
 
     def _wait_until_ready(self, idx: int) -> bool:
         """Wait (bounded by ``staging_timeout_s``) until a newly started worker is up.
@@ -250,18 +226,19 @@ class PersistentAsyncCaller(AsyncCaller):
         while not self._ready:
             self._drain_messages()
             if self.process is None:  # died while starting
-                self._statuses[idx] = CallStatus.failed(
-                    RankFailure.from_exception(
-                        self.rank, "worker",
-                        WorkerDiedError(f"rank {self.rank}: the persistent worker died while starting"),
-                    )
+                exc = WorkerDiedError(
+                    self._startup_failure or f"rank {self.rank}: the persistent worker died while starting"
                 )
+                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "worker", exc))
                 return False
             if time.monotonic() > deadline:
                 exc = AsyncTimeoutError(
-                    f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
-                    f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
-                    "and a new one starts with the next save"
+                    _startup_failure_message(
+                        f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
+                        f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
+                        "and a new one starts with the next save",
+                        self.process.startup_output(),
+                    )
                 )
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
                 self._discard_worker(kill=True)
@@ -319,7 +296,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if abort or not self.process.is_alive():
             self._discard_worker(kill=True)
             return
-        self._requests.put(STOP)
+        self.process.send(STOP)
         deadline = time.monotonic() + self.config.close_timeout_s
         while time.monotonic() < deadline and self.process.is_alive():
             self.process.join(timeout=self.config.poll_interval_s)
@@ -340,3 +317,18 @@ class PersistentAsyncCaller(AsyncCaller):
                 self.rank, pending,
             )
         self.close(abort=True)
+
+
+def _startup_failure_message(what: str, output: str) -> str:
+    """Say why a worker did not start, with its stderr, and what to check."""
+    said = (
+        "Its stderr while starting:\n    " + "\n    ".join(output.splitlines())
+        if output
+        else "It wrote nothing to stderr."
+    )
+    return (
+        f"{what}. {said}\nThe worker is a fresh interpreter ({sys.executable}) that imports "
+        f"{WORKER_MODULE} with this process's sys.path; check that "
+        f"`{sys.executable} -c 'import {WORKER_MODULE}'` works in this environment, or use "
+        "the temporal caller (AsyncCallsQueue(persistent=False))."
+    )

@@ -31,11 +31,13 @@ import itertools
 import os
 import pickle
 import socket
+import types
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler reductions (CUDA tensors)
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
@@ -210,6 +212,15 @@ class _SentObjects:
         self._new = {}
 
 
+def _defined_in_main(obj: Any) -> str:
+    return (
+        f"the request refers to {obj.__qualname__}, defined in the training script itself "
+        "(__main__); the persistent worker does not run the training script, so it cannot "
+        "find it: move it into an importable module, or use the temporal caller "
+        "(AsyncCallsQueue(persistent=False))"
+    )
+
+
 class _Pickler(ForkingPickler):
     """Pickles CPU tensors as segment references (see the module docstring)."""
 
@@ -223,6 +234,8 @@ class _Pickler(ForkingPickler):
         if type(obj) is WriteItem:
             return _cached_object, (self._sender._objects.token_of(obj),)
         if not isinstance(obj, torch.Tensor):
+            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+                raise pickle.PicklingError(_defined_in_main(obj))
             return NotImplemented
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
             return NotImplemented  # CUDA tensors go as CUDA IPC handles, as torch sends them

@@ -1,12 +1,16 @@
 """The persistent worker's main loop (runs in the background process only).
 
-Protocol, trainer -> worker (a multiprocessing queue):
+The worker is a fresh interpreter started by
+:func:`megatron_async.core.worker_process.start_worker_process`; :func:`main` is its
+entry point. It imports this module and what it needs, never the trainer's ``__main__``.
+
+Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request, cuda_device)``: map the request's new shared-memory
     segments, unpickle it (see :mod:`megatron_async.core.request_transport`; its data
     is already staged by the trainer), acknowledge, then write;
     ``STOP``: finish the writes already accepted, say ``stopped`` and exit.
-Worker -> trainer (a one-way pipe, so a worker dying mid-message reads as EOF, never as
-a hang): ``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
+Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
+``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
 ``("error", idx, RankFailure)``, ``("stopped", None)``.
 
 Receiving and writing run on different threads, so a second request is taken while the
@@ -18,8 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
+import sys
 import threading
-from typing import Any, Optional
+from multiprocessing.connection import Connection
+from typing import Any, Dict, Optional
 
 from megatron_async.core.process_lifetime import (
     parent_is_alive,
@@ -29,13 +36,16 @@ from megatron_async.core.process_lifetime import (
 from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, SegmentTable
 from megatron_async.errors import RankFailure
 
-__all__ = ["STOP", "persistent_worker_main"]
+__all__ = ["STOP", "main", "persistent_worker_main"]
 
 STOP = "STOP"
 
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 1.0
+
+_STARTUP_REPLAY_BYTES = 64 * 1024
+"""At most this much start-up output is copied to the trainer's stderr."""
 
 
 class _Reporter:
@@ -73,49 +83,93 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter) -> None:
             reporter.send("done", call_idx)
 
 
+def main(options: Dict[str, Any]) -> None:
+    """Entry point of the worker interpreter (background side).
+
+    Args:
+        options: what :func:`~megatron_async.core.worker_process.start_worker_process`
+            passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, and the
+            inherited descriptors ``control_fd``, ``descriptor_fd`` and ``stderr_fd`` (the
+            trainer's stderr, or None when start-up output is not captured).
+    """
+    persistent_worker_main(
+        options["rank"],
+        Connection(options["control_fd"]),
+        socket.socket(fileno=options["descriptor_fd"]),
+        options["parent_pid"],
+        options["log_level"],
+        options["cuda_device"],
+        options["stderr_fd"],
+    )
+
+
+def _leave_startup_log(stderr_fd: Optional[int]) -> None:
+    """Write to the trainer's stderr from now on, first copying what start-up wrote.
+
+    Until here stderr was a file that the trainer reads only if start-up fails.
+    """
+    if stderr_fd is None:
+        return
+    sys.stderr.flush()
+    size = os.fstat(2).st_size
+    start = max(0, size - _STARTUP_REPLAY_BYTES)
+    output = os.pread(2, size - start, start) if size else b""
+    with open(stderr_fd, "wb", closefd=False) as trainer_stderr:
+        trainer_stderr.write(output)
+    os.dup2(stderr_fd, 2)
+    os.close(stderr_fd)
+
+
 def persistent_worker_main(
     rank: int,
-    requests,
-    result_conn,
-    descriptor_socket,
+    control: Connection,
+    descriptor_socket: socket.socket,
     parent_pid: int,
     log_level: int,
     cuda_device: Optional[int],
+    stderr_fd: Optional[int] = None,
 ) -> None:
-    """Entry point of the persistent worker process (background side).
+    """Serve requests until ``STOP`` (background side).
 
     Args:
         rank: the trainer's global rank (for messages).
-        requests: queue of ``(call_idx, encoded_request, cuda_device)`` or ``STOP``.
-        result_conn: sending end of the pipe to the trainer.
+        control: the connection to the trainer: requests in, results out.
         descriptor_socket: the worker's end of the socket that carries segment descriptors.
         parent_pid: the trainer's pid; the worker exits when the trainer is gone.
         log_level: the trainer's logging level.
         cuda_device: device to make current, when the trainer uses CUDA.
+        stderr_fd: the trainer's stderr, to write to once started (see
+            :func:`_leave_startup_log`).
     """
     set_parent_death_signal()
+    if not parent_is_alive(parent_pid):  # died before the death signal was armed
+        os._exit(1)
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
     logging.basicConfig(level=log_level)
     if cuda_device is not None:
         import torch
 
         torch.cuda.set_device(cuda_device)
-    reporter = _Reporter(result_conn)
+    reporter = _Reporter(control)
     descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
     table = SegmentTable(descriptor_socket)
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter), daemon=True)
     writer.start()
+    _leave_startup_log(stderr_fd)
     reporter.send("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
-            message = requests.get(timeout=_PARENT_CHECK_INTERVAL_S)
-        except queue.Empty:
-            if not parent_is_alive(parent_pid):
-                logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
-                os._exit(1)
-            continue
+            if not control.poll(_PARENT_CHECK_INTERVAL_S):
+                if not parent_is_alive(parent_pid):
+                    logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
+                    os._exit(1)
+                continue
+            message = control.recv()
+        except (EOFError, OSError):
+            logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
+            os._exit(1)
         if message == STOP:
             jobs.put(None)
             writer.join()

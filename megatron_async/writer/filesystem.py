@@ -231,7 +231,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         """Return ``(save_fn, preload_fn, args)``, or ``(None, None, None)`` with nothing to write.
 
         Runs in the trainer. Both functions are ``functools.partial`` objects of static
-        methods, so they pickle to a spawned persistent worker. ``args`` is
+        methods, so they pickle to the persistent worker. ``args`` is
         ``(rank, None, results_file)``: the caller replaces ``args[1]`` by the result of
         ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``.
         """

@@ -1,8 +1,8 @@
 """The channel through which a background writer reports one save's results.
 
 The background writer hands its results back through a :class:`ResultFile` rather than a
-multiprocessing queue: a queue cannot be pickled into an already running (spawned)
-persistent worker, and a pipe blocks the writer as soon as its results outgrow the pipe
+multiprocessing queue: a queue cannot be pickled into an already running persistent
+worker, and a pipe blocks the writer as soon as its results outgrow the pipe
 buffer while the trainer is not reading yet. A small file works the same for a forked
 child, the persistent worker and a synchronous call. The trainer creates the channel;
 the writer (a thread, a forked process or the persistent worker) fills it.
@@ -63,7 +63,7 @@ def _get_results_dir() -> str:
 class ResultFile:
     """A one-shot channel from a background writer to the trainer, through a small file.
 
-    Created in the trainer; pickles as a path, so it reaches a forked child, a spawned
+    Created in the trainer; pickles as a path, so it reaches a forked child, the
     persistent worker or the calling thread alike. The writer :meth:`put` s one object
     (written to a temporary name and renamed, so the reader never sees half a file); the
     trainer :meth:`take` s it once the background part is done.

@@ -1,8 +1,10 @@
 """Requests travel to the persistent worker with tensors as shared-memory references."""
 
 import gc
+import pickle
 import socket
 
+import pytest
 import torch
 
 from megatron_async.core import shared_memory
@@ -115,3 +117,15 @@ def test_plan_items_are_sent_once_and_then_by_token():
     third, _ = sender.encode(others)
     assert len(third.forget_objects) == 1100
     assert table.apply(third) == others
+
+
+def test_a_request_that_refers_to_the_training_script_is_refused_clearly():
+    """The worker never runs ``__main__``, so what is defined there cannot reach it."""
+
+    def save_fn(path, staged):
+        pass
+
+    save_fn.__module__ = "__main__"  # as if defined in the training script
+    sender, _ = _pair()
+    with pytest.raises(pickle.PicklingError, match="defined in the training script itself"):
+        sender.encode((save_fn, ("path", None)))

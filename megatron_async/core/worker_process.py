@@ -1,0 +1,273 @@
+"""Start the persistent worker as a fresh interpreter and talk to it (trainer side).
+
+The worker is ``sys.executable -c <bootstrap>``: a new interpreter that sets ``sys.path``
+to the trainer's and imports :mod:`megatron_async.core.worker_loop`, nothing else. It never
+runs the trainer's ``__main__`` module, so it behaves the same under ``torchrun``,
+``python script.py`` (with or without an ``if __name__ == "__main__":`` guard),
+``python -c``, stdin and notebooks. (multiprocessing's *spawn* re-imports ``__main__`` in
+the child; it has no public switch to skip that.) The trainer's ``sys.path`` is passed
+explicitly, as spawn does, rather than through ``PYTHONPATH``: the child finds the package
+where the trainer found it, even from a source tree or under ``python -I``.
+
+Channels, both Unix sockets whose worker ends the child inherits (``pass_fds``):
+
+* *control*: messages both ways as :class:`multiprocessing.connection.Connection`
+  frames. Trainer -> worker messages go through a sender thread, so scheduling a save
+  never blocks on the worker (a stuck worker is caught by the bounded waits instead).
+  A dead worker reads as EOF, never as a hang.
+* *descriptors*: the shared-memory segments' descriptors (``SCM_RIGHTS``), see
+  :mod:`megatron_async.core.request_transport`.
+
+Until the worker says it is ready, its stderr goes to an unlinked temporary file, so a
+worker that cannot start (a broken interpreter, a failing import) is reported with its
+own words. Once ready, the worker replays that output to the trainer's stderr and
+writes there directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, List, Optional, Tuple
+
+from megatron_async import BACKGROUND_WORKER_ENV
+from megatron_async.errors import WorkerDiedError
+
+__all__ = ["WorkerProcess", "start_worker_process"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "megatron_async.core.worker_loop"
+
+_BOOTSTRAP = (
+    "import json, sys\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
+    f"from {WORKER_MODULE} import main\n"
+    "main(json.loads(sys.argv[2]))\n"
+)
+
+_STARTUP_OUTPUT_CHARS = 3000
+"""How much of a failed start-up's stderr goes into the error message."""
+
+_SENDER_JOIN_TIMEOUT_S = 5.0
+
+_CLOSED = object()
+
+
+def _interpreter_flags() -> List[str]:
+    """The trainer's interpreter flags (``-W``, ``-X``, ``-O``...), as spawn passes them.
+
+    ``subprocess._args_from_interpreter_flags`` is what multiprocessing itself uses.
+    """
+    flags = getattr(subprocess, "_args_from_interpreter_flags", None)
+    return list(flags()) if flags is not None else []
+
+
+def _worker_sys_path() -> List[str]:
+    """The trainer's ``sys.path``, as strings, with the current directory spelled out."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the current directory was removed: it cannot hold modules either
+        cwd = None
+    entries = [os.fsdecode(e) for e in sys.path if isinstance(e, (str, bytes, os.PathLike))]
+    return [cwd if entry == "" else entry for entry in entries if entry != "" or cwd is not None]
+
+
+class WorkerProcess:
+    """A started persistent worker and the trainer's ends of its channels (trainer side).
+
+    Has the part of :class:`multiprocessing.Process`'s interface the callers and
+    :func:`~megatron_async.core.process_lifetime.kill_and_reap` use: ``pid``,
+    ``is_alive()``, ``join(timeout)``, ``exitcode``.
+    """
+
+    def __init__(
+        self,
+        popen: subprocess.Popen,
+        control: Connection,
+        descriptor_socket: socket.socket,
+        startup_log: Optional[Any],
+        rank: int,
+    ):
+        self._popen = popen
+        self.pid = popen.pid
+        self.control = control
+        """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
+        self.descriptor_socket = descriptor_socket
+        self._startup_log = startup_log
+        self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"megatron-async-sender-{rank}", daemon=True
+        )
+        self._sender.start()
+
+    # -- the multiprocessing.Process part -----------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The exit code, ``-N`` if killed by signal N, None while running."""
+        return self._popen.poll()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    # -- messages -----------------------------------------------------------------------
+
+    def send(self, message: Any) -> None:
+        """Queue ``message`` for the worker; never blocks (the sender thread writes it)."""
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is _CLOSED:
+                return
+            try:
+                self.control.send(message)
+            except (OSError, ValueError) as exc:
+                # The worker is gone; the caller's liveness checks report it.
+                logger.debug("worker %d: cannot send to it any more: %s", self.pid, exc)
+                return
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def startup_finished(self) -> None:
+        """Drop the start-up log once the worker is ready (it writes to our stderr now)."""
+        if self._startup_log is not None:
+            self._startup_log.close()
+            self._startup_log = None
+
+    def startup_output(self) -> str:
+        """The end of what the worker wrote to stderr while starting ("" if unknown)."""
+        log = self._startup_log
+        if log is None:
+            return ""
+        try:
+            size = os.fstat(log.fileno()).st_size
+            start = max(0, size - _STARTUP_OUTPUT_CHARS)
+            data = os.pread(log.fileno(), size - start, start)
+        except OSError as exc:
+            logger.debug("cannot read the worker's start-up output: %s", exc)
+            return ""
+        return data.decode("utf-8", errors="replace").strip()
+
+    # -- end ------------------------------------------------------------------------------
+
+    def close_channels(self) -> None:
+        """Close the trainer's ends; call once the worker has exited or was killed."""
+        self._outbox.put(_CLOSED)
+        _shutdown(self.control.fileno())  # wakes a sender blocked on a worker that is gone
+        self._sender.join(_SENDER_JOIN_TIMEOUT_S)
+        if self._sender.is_alive():
+            # Closing a descriptor another thread still writes to could hit a reused number.
+            logger.warning("worker %d: sender thread did not stop; leaving its socket open", self.pid)
+        else:
+            self.control.close()
+        self.descriptor_socket.close()
+        self.startup_finished()
+
+
+def _shutdown(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already disconnected
+    finally:
+        sock.detach()
+
+
+def _capture_startup_output() -> Tuple[Optional[Any], Optional[int]]:
+    """An unlinked file for the worker's start-up stderr, and a copy of our stderr for later.
+
+    ``(None, None)`` when either is unavailable: the worker then inherits our stderr.
+    """
+    try:
+        startup_log = tempfile.TemporaryFile(prefix="megatron-async-worker-")
+    except OSError as exc:
+        logger.debug("worker start-up output is not captured: %s", exc)
+        return None, None
+    try:
+        return startup_log, os.dup(2)
+    except OSError as exc:  # no stderr at all
+        logger.debug("worker start-up output is not captured: %s", exc)
+        startup_log.close()
+        return None, None
+
+
+def start_worker_process(rank: int, log_level: int, cuda_device: Optional[int]) -> WorkerProcess:
+    """Start the persistent worker of ``rank`` (trainer side); return at once.
+
+    The worker runs :func:`megatron_async.core.worker_loop.main` and sends ``("ready",
+    None)`` once it can take requests.
+
+    Raises:
+        WorkerDiedError: the interpreter could not be started at all (no executable, no
+            descriptors left). A worker that starts and then fails is reported by the
+            caller, from its exit code and :meth:`WorkerProcess.startup_output`.
+    """
+    executable = sys.executable
+    if not executable:
+        raise WorkerDiedError(
+            f"rank {rank}: cannot start the persistent checkpoint worker: sys.executable is "
+            "empty (an embedded interpreter?); use the temporal caller "
+            "(AsyncCallsQueue(persistent=False))"
+        )
+    control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    startup_log, trainer_stderr = _capture_startup_output()
+    options = {
+        "rank": rank,
+        "parent_pid": os.getpid(),
+        "log_level": log_level,
+        "cuda_device": cuda_device,
+        "control_fd": worker_control.fileno(),
+        "descriptor_fd": worker_descriptors.fileno(),
+        "stderr_fd": trainer_stderr,
+    }
+    inherited = [worker_control.fileno(), worker_descriptors.fileno()]
+    if trainer_stderr is not None:
+        inherited.append(trainer_stderr)
+    command = [
+        executable, *_interpreter_flags(), "-c", _BOOTSTRAP,
+        json.dumps(_worker_sys_path()), json.dumps(options),
+    ]
+    try:
+        popen = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stderr=startup_log,
+            pass_fds=inherited,
+            env={**os.environ, BACKGROUND_WORKER_ENV: "1"},  # skips strategy registration
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        control.close()
+        descriptors.close()
+        if startup_log is not None:
+            startup_log.close()
+        raise WorkerDiedError(
+            f"rank {rank}: cannot start the persistent checkpoint worker ({executable}): {exc}; "
+            "use the temporal caller (AsyncCallsQueue(persistent=False)) if this interpreter "
+            "cannot be started"
+        ) from exc
+    finally:
+        # The worker has its own copies now.
+        worker_control.close()
+        worker_descriptors.close()
+        if trainer_stderr is not None:
+            os.close(trainer_stderr)
+    return WorkerProcess(popen, Connection(control.detach()), descriptors, startup_log, rank)
