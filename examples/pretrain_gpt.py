@@ -65,7 +65,8 @@ def main(argv=None) -> None:
     cpu_compat.install()
     validate_parallel_args(args, dist.get_world_size())
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
     )
     rank = dist.get_rank()
     logging.basicConfig(level=logging.WARNING,
@@ -74,14 +75,18 @@ def main(argv=None) -> None:
     set_seed(args.seed)
     progress = Progress(args.train_iters, enabled=rank == 0, log_interval=args.log_interval,
                         metrics_file=args.metrics_file)
-    optimizer_kind = "distributed" if args.use_distributed_optimizer else "plain"
+    optimizer_kind = "plain"
+    if args.use_distributed_optimizer:
+        optimizer_kind = ("distributed (fully reshardable checkpoints)"
+                          if args.dist_ckpt_optim_fully_reshardable else "distributed")
     save_kind = "sync"
     if args.async_save:
         save_kind = "async (persistent worker)" if args.use_persistent_ckpt_worker else "async"
     progress.event(
         f"GPT {args.num_layers}x{args.hidden_size} ({args.transformer_impl} layers) on "
         f"{dist.get_world_size()} rank(s): TP={args.tensor_model_parallel_size} "
-        f"DP={args.data_parallel_size}, {optimizer_kind} optimizer, {save_kind} saves"
+        f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}, "
+        f"{optimizer_kind} optimizer, {save_kind} saves"
     )
 
     # Model, optimizer, data.
@@ -110,7 +115,7 @@ def main(argv=None) -> None:
         report_saves(checkpointer.maybe_finalize(blocking=False), progress, saves)
         batches = micro_batches(dataset, consumed_samples, args.global_batch_size,
                                 args.micro_batch_size, dp_rank, dp_size)
-        loss = train_step(model, optimizer, batches, args.num_micro_batches)
+        loss = train_step(model, optimizer, batches, args.num_micro_batches, args)
         iteration += 1
         consumed_samples += args.global_batch_size
         progress.update(iteration, loss, checkpointer.in_flight)

@@ -44,6 +44,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                          help="split the layers evenly over this many stages (1F1B schedule)")
     parallel.add_argument("--use-distributed-optimizer", action="store_true")
 
     ckpt = parser.add_argument_group("checkpointing")
@@ -61,6 +63,12 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="reuse the save plan of the first save for later ones")
     ckpt.add_argument("--ckpt-fully-parallel-save", action="store_true",
                       help="spread replicated shards over the data-parallel ranks")
+    ckpt.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                      help="save the distributed optimizer in the model-space format "
+                      "(fully_reshardable: gathered over data-parallel ranks at save time) that "
+                      "a run with different tensor/pipeline/data parallelism can load; default: "
+                      "the bucket format (dp_reshardable), which only a change of the "
+                      "data-parallel size can load")
     ckpt.add_argument("--no-save-optim", action="store_true")
     ckpt.add_argument("--no-save-rng", action="store_true")
     ckpt.add_argument("--no-load-optim", action="store_true")
@@ -78,7 +86,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = _build_parser()
     args = parser.parse_args(argv)
     positive = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                "train_iters", "micro_batch_size", "log_interval", "tensor_model_parallel_size"]
+                "train_iters", "micro_batch_size", "log_interval", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size"]
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -92,6 +101,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--save needs --save-interval >= 1")
     if args.use_persistent_ckpt_worker and not args.async_save:
         parser.error("--use-persistent-ckpt-worker only applies with --async-save")
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        parser.error("--dist-ckpt-optim-fully-reshardable only applies with "
+                     "--use-distributed-optimizer")
     if args.keep_last_n is not None and (args.keep_last_n < 1 or args.save is None):
         parser.error("--keep-last-n needs --save and a value of at least 1")
     if args.ckpt_step is not None and args.load is None:
@@ -105,13 +117,17 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
     """Check the parallel layout against the world size; set ``data_parallel_size`` and
     ``num_micro_batches``. Raises SystemExit with a message, like argparse."""
     tp = args.tensor_model_parallel_size
-    if world_size % tp:
+    pp = args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
         raise SystemExit(f"world size {world_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+                         f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
     if args.num_attention_heads % tp or args.vocab_size % tp:
         raise SystemExit("--num-attention-heads and the vocabulary size must be multiples of "
                          "--tensor-model-parallel-size")
-    args.data_parallel_size = world_size // tp
+    if args.num_layers % pp:
+        raise SystemExit(f"--num-layers {args.num_layers} must be a multiple of "
+                         f"--pipeline-model-parallel-size {pp} (every stage gets as many layers)")
+    args.data_parallel_size = world_size // (tp * pp)
     samples_per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = samples_per_step

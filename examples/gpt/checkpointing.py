@@ -1,11 +1,15 @@
 """Save and resume the whole training state with megatron-core's dist_checkpointing.
 
 A checkpoint holds the model and optimizer as sharded tensors, each rank's RNG states
-as a :class:`ShardedObject`, and (in the common part that rank 0 writes) the iteration
-and the data position. Saving goes through the ``megatron_async`` strategy that
-``import megatron_async`` registers; with ``--async-save`` the write runs in the
-background and :class:`~megatron_async.manager.CheckpointManager` moves the tracker only
-once every rank's data is durable.
+as a :class:`ShardedObject`, and (in the common part that rank 0 writes) the iteration,
+the data position, the parallel layout that saved it and its content metadata (the
+format of the optimizer state, see ``resharding.py``). A run may resume with another
+parallel layout wherever megatron-core can reshard the checkpoint; where it cannot, the
+load stops before reading any shard and names the flag to use. Saving goes through the
+``megatron_async`` strategy that ``import megatron_async`` registers; with
+``--async-save`` the write runs in the background and
+:class:`~megatron_async.manager.CheckpointManager` moves the tracker only once every
+rank's data is durable.
 
 Every method of :class:`Checkpointer` runs on every rank, in the training thread.
 """
@@ -32,6 +36,13 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 import megatron_async  # noqa: F401  (registers the "megatron_async" save strategy)
 from gpt import cpu_compat
+from gpt.resharding import (
+    LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
+    ParallelLayout,
+    build_content_metadata,
+    check_optimizer_resume,
+    with_process_groups,
+)
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
@@ -41,17 +52,13 @@ __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+"""2: RNG states are sharded over (pipeline, tensor, data) ranks; 1 had no pipeline axis."""
 
 DEBUG_SAVE_DELAY_ENV = "PRETRAIN_GPT_DEBUG_SAVE_DELAY"
 """Debugging knob ``"ITERATION:SECONDS"``: the background write of that iteration's
 checkpoint sleeps for SECONDS after writing its shards, before the save can finalize.
 Used to kill a job in the middle of an async save (tests/functional/test_pretrain_gpt.py)."""
-
-# Megatron-LM's default for the distributed optimizer with fully parallel saves: each
-# data-parallel rank writes its own buffer shard, no gather, reshardable across DP.
-_DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
 
 @dataclasses.dataclass
 class SaveRecord:
@@ -129,15 +136,17 @@ def _restore_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _rng_sharded_object(state: Optional[Dict[str, Any]]) -> ShardedObject:
-    """One RNG record per (tensor-parallel, data-parallel) rank; no replicas."""
+    """One RNG record per (pipeline, tensor-parallel, data-parallel) rank; no replicas."""
     return ShardedObject(
         "rng_state",
         state,
         (
+            parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_data_parallel_world_size(),
         ),
         (
+            parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_data_parallel_rank(),
         ),
@@ -172,6 +181,8 @@ class Checkpointer:
         self._finished: List[SaveRecord] = []
         self._pending: Dict[int, SaveRecord] = {}
         self._debug_delay = _read_debug_save_delay()
+        # What every save records as its format (Megatron-LM's sharded_state_dict metadata).
+        self._content_metadata = build_content_metadata(args)
 
     @property
     def in_flight(self) -> List[int]:
@@ -191,6 +202,7 @@ class Checkpointer:
         state_dict = self._state_dict(
             iteration,
             consumed_samples,
+            self._content_metadata,
             is_loading=False,
             with_optimizer=not args.no_save_optim,
             with_rng=not args.no_save_rng,
@@ -200,6 +212,7 @@ class Checkpointer:
             path,
             sharded_strategy=self._save_strategy(),
             async_sharded_save=args.async_save,
+            content_metadata=self._content_metadata,
         )
         if request is None:
             self.manager.commit(iteration)
@@ -240,6 +253,10 @@ class Checkpointer:
         With ``--ckpt-verify-on-load`` every rank first re-hashes its share of the
         checkpoint's files, and a damaged checkpoint stops the job on every rank.
 
+        The checkpoint's content metadata selects the format of the load template, and
+        before anything is read every rank checks that megatron-core can load the saved
+        state into this run's parallel layout (see ``resharding.py``).
+
         Returns:
             ``(resume point, iteration, consumed_samples)``, or None for a fresh start.
         """
@@ -265,14 +282,24 @@ class Checkpointer:
         if with_rng and not content["rng"]:
             raise SystemExit(f"{point.path} was saved with --no-save-rng; "
                              "pass --no-load-rng to resume with fresh RNG states")
-        layout = self._layout()
-        if with_rng and content["layout"] != layout:
-            raise SystemExit(f"{point.path} was saved with layout {content['layout']}, this run "
-                             f"is {layout}; RNG states are per rank: pass --no-load-rng")
+        saved_layout = ParallelLayout.from_dict(content["layout"])
+        layout = ParallelLayout.current()
+        if with_rng and saved_layout != layout:
+            raise SystemExit(f"{point.path} was saved with {saved_layout}, this run is {layout}; "
+                             "RNG states are per rank: pass --no-load-rng")
+        if with_rng and common.get("checkpoint_version", 1) < CHECKPOINT_VERSION:
+            raise SystemExit(f"{point.path} was written by an older version of this example, "
+                             "whose RNG records this one cannot read: pass --no-load-rng")
+        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+        if metadata is None:
+            metadata = (dict(LEGACY_DISTRIBUTED_OPTIMIZER_METADATA)
+                        if args.use_distributed_optimizer else {})
         if with_optimizer:
+            check_optimizer_resume(point.path, metadata, saved_layout, layout,
+                                   args.use_distributed_optimizer)
             cpu_compat.prepare_optimizer_for_load(self.optimizer)
         template = self._state_dict(
-            0, 0, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
+            0, 0, metadata, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
         )
         state_dict = dist_checkpointing.load(template, point.path)
         # no_grad: with fp32 parameters the distributed optimizer's main parameters are
@@ -286,31 +313,33 @@ class Checkpointer:
             _restore_rng_state(state_dict["rng_state"])
         return point, common["iteration"], common["consumed_samples"]
 
-    def _layout(self) -> Dict[str, int]:
-        return {
-            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
-        }
-
     def _state_dict(
         self,
         iteration: int,
         consumed_samples: int,
+        metadata: Dict[str, Any],
         *,
         is_loading: bool,
         with_optimizer: bool,
         with_rng: bool,
     ) -> Dict[str, Any]:
-        model_sd = self.model.module.sharded_state_dict()
+        """The sharded state dict to save, or the template to load into; ``metadata`` is
+        the format (this run's to save, the checkpoint's to load)."""
+        metadata = with_process_groups(metadata)
+        model_sd = self.model.module.sharded_state_dict(metadata=metadata)
+        content = {
+            "optimizer": with_optimizer,
+            "rng": with_rng,
+            "layout": ParallelLayout.current().as_dict(),
+        }
         state_dict: Dict[str, Any] = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "content": {"optimizer": with_optimizer, "rng": with_rng, "layout": self._layout()},
+            "content": content,
             "model": model_sd,
         }
         if with_optimizer:
-            metadata = _DIST_OPTIM_METADATA if self.args.use_distributed_optimizer else None
             state_dict["optimizer"] = self.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata=metadata
             )

@@ -17,8 +17,10 @@ changes, for this process only:
 2. **``torch.cuda.current_device``** returns ``"cpu"``. DDP grad buffers, the distributed
    optimizer's shards and tensor-parallel all-gathers allocate with
    ``device=torch.cuda.current_device()``.
-3. **``torch.cuda.synchronize``** becomes a no-op (it raises on a CPU build); DDP and the
-   fully parallel save wrapper call it. CPU work is synchronous, so nothing is lost.
+3. **``torch.cuda.synchronize``** becomes a no-op (it raises on a CPU build); DDP, the
+   fully parallel save wrapper and the pipeline schedules' point-to-point exchange
+   (``P2PCommunicator``, after every batch of sends and receives) call it. CPU work and
+   waited-on gloo requests are synchronous, so nothing is lost.
 4. **A torch function mode** (:class:`_CudaToCpuMode`) entered for the life of the main
    thread maps CUDA devices to the CPU: ``device="cuda"`` arguments of factory functions
    (the optimizers' ``torch.tensor([1.0], device='cuda')``, ``clip_grads``' buffers),
@@ -27,11 +29,16 @@ changes, for this process only:
    optimizer and ``clip_grads`` accept parameters only when
    ``param.type() == 'torch.cuda.FloatTensor'``. Only the main thread runs megatron-core
    code, so other threads (background checkpoint writers) never see the mode.
+   The pipeline schedules need nothing more: they count tokens in
+   ``torch.zeros(..., device="cuda")`` and ``P2PCommunicator`` allocates its receive
+   buffers with ``device=torch.cuda.current_device()`` (items 2 and 4), and
+   ``torch.distributed.batch_isend_irecv`` sends CPU tensors over gloo one by one, since
+   gloo cannot coalesce.
 
 Without Transformer Engine or Apex (always the case on a CPU-only host) megatron-core
 falls back to torch's Adam, and its *distributed optimizer* then mishandles Adam's
-``step`` when loading a checkpoint. Two functions, called around the load by
-``checkpointing.py``, cover that; they act only when megatron-core uses torch's Adam:
+``step`` when loading a checkpoint. One patch and two functions, called around the load
+by ``checkpointing.py``, cover that; they act only when megatron-core uses torch's Adam:
 
 5. :func:`prepare_optimizer_for_load`: ``DistributedOptimizer.state_dict()`` (needed to
    build the load template) reads ``step`` from the per-parameter state, which torch's
@@ -41,10 +48,16 @@ falls back to torch's Adam, and its *distributed optimizer* then mishandles Adam
    state, where megatron-core's distributed optimizer does not expect it. Its
    ``dp_reshardable`` load restores ``step`` from the checkpoint's param groups and then
    overwrites it with the *template's* value (a non-persistent entry of the parameter
-   state), and it hands one shared ``step`` tensor to every parameter, which torch's
-   Adam then increments once per parameter and step. Either way a resumed run's bias
-   correction differs from the uninterrupted run's. Each parameter gets its own
+   state), and both formats hand one shared ``step`` tensor to every parameter, which
+   torch's Adam then increments once per parameter and step. Either way a resumed run's
+   bias correction differs from the uninterrupted run's. Each parameter gets its own
    ``step`` again, with the value from the checkpoint.
+7. **``DistributedOptimizer._set_main_param_and_optimizer_states``** (patched by
+   :func:`install`): the ``fully_reshardable`` load
+   (``--dist-ckpt-optim-fully-reshardable``) skips ``step`` when it collects a
+   parameter's saved tensors, then copies into *every* entry of the parameter's state,
+   ``step`` included, and fails with ``KeyError: 'step'``. The patch copies only what was
+   loaded and leaves ``step`` to item 6.
 
 None of this is used by the ``megatron_async`` library, which supports CPU hosts on its
 own.
@@ -164,6 +177,7 @@ def install() -> bool:
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_synchronize
+    _patch_distributed_optimizer_state_setter()
     # Entered and never exited: the mode must cover the whole training run.
     _CudaToCpuMode().__enter__()
     _installed = True
@@ -177,6 +191,32 @@ def _cpu_current_device() -> str:
 
 def _no_synchronize(device: Optional[Any] = None) -> None:
     return None
+
+
+def _patch_distributed_optimizer_state_setter() -> None:
+    """Item 7: make the ``fully_reshardable`` load skip torch Adam's ``step``."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states_except_missing_step(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        if "step" not in state:
+            return original(self, model_param, tensors)
+        step = state.pop("step")
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            state["step"] = step
+
+    cls._set_main_param_and_optimizer_states = set_states_except_missing_step
 
 
 def _torch_adam_optimizers(optimizer) -> List[torch.optim.Optimizer]:

@@ -1,24 +1,34 @@
 """Model, optimizer and one training step, all from megatron-core.
 
-Every function here runs on every rank.
+Every function here runs on every rank. With pipeline parallelism each rank builds the
+layers of its own stage (the first stage also the embeddings, the last stage also the
+final norm and output layer) and :func:`train_step` runs megatron-core's pipeline
+schedule, which moves activations and their gradients between stages with point-to-point
+sends and receives.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import random
+from functools import partial
 from typing import Iterable, Tuple
 
 import numpy as np
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -44,10 +54,11 @@ def set_seed(seed: int) -> None:
 
 
 def build_model(args) -> DistributedDataParallel:
-    """Build the GPT model (weights initialized on the CPU) and wrap it in megatron-core DDP.
+    """Build this rank's pipeline stage of the GPT model and wrap it in megatron-core DDP.
 
     Initializing on the CPU gives the same weights for every tensor-parallel size and on
-    every device, which keeps runs comparable.
+    every device, which keeps runs comparable (a pipeline stage draws only its own layers,
+    so its weights differ from those of an unsplit model with the same seed).
     """
     config = TransformerConfig(
         num_layers=args.num_layers,
@@ -56,6 +67,9 @@ def build_model(args) -> DistributedDataParallel:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        # The dtype of the activations sent between stages.
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
     )
@@ -69,6 +83,8 @@ def build_model(args) -> DistributedDataParallel:
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
         position_embedding_type="learned_absolute",
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -76,7 +92,13 @@ def build_model(args) -> DistributedDataParallel:
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=False,
     )
-    return DistributedDataParallel(config, ddp_config, model)
+    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    # What the pipeline schedules call: gradients are reduced once, after the last micro
+    # batch (no_sync before), by finalize_model_grads (data-parallel reduction, then the
+    # reductions that span pipeline stages).
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp_model
 
 
 def build_optimizer(args, model: DistributedDataParallel):
@@ -91,33 +113,71 @@ def build_optimizer(args, model: DistributedDataParallel):
     return get_megatron_optimizer(config, [model])
 
 
+def _loss(labels_loss: torch.Tensor):
+    """Last stage: the mean per-token loss of one micro batch, and a copy of it to log.
+
+    A copy, because the schedule scales the returned loss in place (by the number of
+    micro batches) before its backward pass.
+    """
+    loss = labels_loss.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model, device):
+    """One micro batch through this rank's stage (the schedule feeds other stages' inputs)."""
+    tokens, labels = next(data_iterator)
+    tokens, labels = tokens.to(device), labels.to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    # The first stage embeds the tokens; only the last stage computes the loss from labels.
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, _loss
+
+
 def train_step(
     model: DistributedDataParallel,
     optimizer,
     micro_batches: Iterable[Tuple[torch.Tensor, torch.Tensor]],
     num_micro_batches: int,
+    args,
 ) -> float:
     """Run forward/backward over the micro batches, reduce gradients, step the optimizer.
 
+    Every stage of the pipeline reads the same micro batches: the first uses the tokens,
+    the last the labels. megatron-core's schedule (no pipelining, or 1F1B across stages)
+    divides each micro batch's loss by ``num_micro_batches`` before its backward pass.
+
     Returns:
         The mean loss of the global batch (averaged over micro batches and data-parallel
-        ranks), the same on every rank.
+        ranks), computed on the last pipeline stage and broadcast to the others, so that it
+        is the same on every rank.
     """
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for tokens, labels in micro_batches:
-        tokens, labels = tokens.to(device), labels.to(device)
-        position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        per_token_loss = model(tokens, position_ids, None, labels=labels)
-        loss = per_token_loss.float().mean()
-        (loss / num_micro_batches).backward()
-        total += loss.detach()
-    model.finish_grad_sync()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=partial(_forward_step, device=device),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=num_micro_batches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
     update_ok, _, _ = optimizer.step()
     if not update_ok:
         raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
-    total /= num_micro_batches
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return (total / parallel_state.get_data_parallel_world_size()).item()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if parallel_state.is_pipeline_last_stage():
+        for micro_batch in losses:
+            total += micro_batch["lm loss"]
+        total /= num_micro_batches
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total /= parallel_state.get_data_parallel_world_size()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            total,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return total.item()

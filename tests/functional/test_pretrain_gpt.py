@@ -1,8 +1,10 @@
-"""End-to-end tests of examples/pretrain_gpt.py: exact resume and crash consistency.
+"""End-to-end tests of examples/pretrain_gpt.py: exact resume, resume with other
+parallelism, and crash consistency.
 
 Each launch is a real ``torchrun --nproc-per-node 2`` job on gloo with a tiny GPT
 (2 layers, hidden 64, sequence 32, vocabulary 256) and dropout on, so a resume is exact
-only if model, optimizer, every RNG state and the data position all come back.
+only if model, optimizer, every RNG state and the data position all come back. The
+resharding tests turn dropout off (see ``NO_DROPOUT_FIXED_BATCH``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ RESUME_CASES = {
         "--async-save", "--use-persistent-ckpt-worker", "--tensor-model-parallel-size", "2",
         "--ckpt-assume-constant-structure"],
     "sync-tp1-plain-accumulation": ["--global-batch-size", "8"],
+    "async-persistent-pp2-distopt-1f1b": [
+        "--async-save", "--use-persistent-ckpt-worker", "--pipeline-model-parallel-size", "2",
+        "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable",
+        "--global-batch-size", "8"],
 }
 
 
@@ -198,6 +204,83 @@ def test_verify_on_load_stops_on_a_damaged_file(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-6000:]
     assert "is damaged" in output and damaged.name in output, output[-6000:]
+    assert not events(read_metrics(resumed_metrics), "resume")
+    assert not losses(read_metrics(resumed_metrics))
+
+
+NO_DROPOUT_FIXED_BATCH = ["--hidden-dropout", "0", "--attention-dropout", "0",
+                          "--global-batch-size", "4"]
+"""Flags of the resharding tests: without dropout and with the same global batch, a run
+in another parallel layout computes the same function of the same samples, so a resumed
+run's losses differ from the original run's only by floating-point summation order (and
+the RNG states, which a layout change cannot load, draw nothing)."""
+RESHARD_RTOL = 1e-5
+"""Relative tolerance on the resumed losses. Splitting matmuls over tensor-parallel ranks
+and summing gradients over other ranks reorders fp32 sums: measured here, the first three
+resumed losses agree with the original run's to at most 2e-7 (relative) after TP 2 -> 1,
+TP1xDP2 -> TP2xDP1 and PP 2 -> 1. Losing the optimizer state instead (--no-load-optim)
+moves the second resumed loss by about 1e-3. 1e-5 sits well between the two."""
+RESHARD_CASES = {
+    "tp2-to-tp1": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"]),
+    "tp1dp2-to-tp2dp1": (["--tensor-model-parallel-size", "1"],
+                         ["--tensor-model-parallel-size", "2"]),
+    "pp2-to-pp1": (["--pipeline-model-parallel-size", "2"],
+                   ["--pipeline-model-parallel-size", "1"]),
+}
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 30)
+@pytest.mark.parametrize("case", sorted(RESHARD_CASES))
+def test_resume_with_other_parallelism_continues_the_losses(tmp_path, case):
+    """Train 2N iterations with the distributed optimizer saved fully reshardable
+    (async, persistent worker); resume from N in another parallel layout: the run starts
+    at N and its losses N+1..2N match the original run's within RESHARD_RTOL. Loss N+1 is
+    computed before any update (it checks the model); the later ones check the optimizer
+    state (Adam's moments and step)."""
+    saved_layout, resumed_layout = RESHARD_CASES[case]
+    flags = [*NO_DROPOUT_FIXED_BATCH, "--use-distributed-optimizer",
+             "--dist-ckpt-optim-fully-reshardable", "--async-save", "--use-persistent-ckpt-worker",
+             "--train-iters", str(2 * N), "--save-interval", str(N)]
+    original = run_pretrain([*flags, *saved_layout, "--save", str(tmp_path / "a")],
+                            tmp_path / "original.jsonl")
+    assert [e["iteration"] for e in events(original, "save")] == [N, 2 * N]
+
+    resumed = run_pretrain(
+        [*flags, *resumed_layout, "--load", str(tmp_path / "a"), "--ckpt-step", str(N),
+         "--no-load-rng", "--save", str(tmp_path / "b")],
+        tmp_path / "resumed.jsonl",
+    )
+    assert [e["iteration"] for e in events(resumed, "resume")] == [N]
+    resumed_losses = losses(resumed)
+    assert sorted(resumed_losses) == list(range(N + 1, 2 * N + 1))
+    expected = {i: loss for i, loss in losses(original).items() if i > N}
+    for i, loss in sorted(resumed_losses.items()):
+        assert loss == pytest.approx(expected[i], rel=RESHARD_RTOL), (
+            f"iteration {i}: resumed {loss!r}, original {expected[i]!r}")
+    # The resharded run saves in its own layout.
+    assert [e["iteration"] for e in events(resumed, "save")] == [2 * N]
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 30)
+def test_bucket_format_with_other_tensor_parallelism_stops_before_loading(tmp_path):
+    """The distributed optimizer saved in its default bucket format (dp_reshardable) with
+    TP 2 cannot load with TP 1: the job stops before reading any shard (no megatron-core
+    shape mismatch) with a message naming both ways out."""
+    save_dir = tmp_path / "ckpt"
+    run_pretrain(["--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+                  "--train-iters", "2", "--save", str(save_dir), "--save-interval", "2"],
+                 tmp_path / "saved.jsonl")
+
+    resumed_metrics = tmp_path / "resumed.jsonl"
+    proc = launch_pretrain(["--use-distributed-optimizer", "--tensor-model-parallel-size", "1",
+                            "--train-iters", "4", "--load", str(save_dir), "--no-load-rng"],
+                           resumed_metrics)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-6000:]
+    assert "'dp_reshardable' format" in output, output[-6000:]
+    assert "tensor-parallel size 2 -> 1" in output, output[-6000:]
+    assert "--dist-ckpt-optim-fully-reshardable" in output and "--no-load-optim" in output
+    assert "shape mismatch" not in output.lower(), output[-6000:]
     assert not events(read_metrics(resumed_metrics), "resume")
     assert not losses(read_metrics(resumed_metrics))
 
