@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up fresh test environments and run the tests against both megatron-core generations.
+#
+#   bash tools/ci/run_tests.sh            (what .ci/run calls)
+#
+# 1. megatron-core 0.16.1: the whole suite, plus the cross-generation checkpoint test
+#    (which drives the 0.19.2 environment's interpreter).
+# 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults).
+# Every environment is created anew under .venv-ci/, so nothing installed by hand on the
+# machine can hide a missing install step. Exits non-zero when any test fails.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$REPO_ROOT"
+ENVS="$REPO_ROOT/.venv-ci"
+mkdir -p "$ENVS"
+
+bash tools/ci/make_venv.sh "$ENVS/mcore016" 0.16.1
+bash tools/ci/make_venv.sh "$ENVS/mcore019" 0.19.2
+
+echo "== megatron-core 0.16.1: full suite =="
+MEGATRON_ASYNC_OTHER_GENERATION_PYTHON="$ENVS/mcore019/bin/python" \
+PATH="$ENVS/mcore016/bin:$PATH" \
+    "$ENVS/mcore016/bin/python" -m pytest -q -p no:cacheprovider tests
+
+echo "== megatron-core 0.19.2: strategy scenarios, faults =="
+PATH="$ENVS/mcore019/bin:$PATH" \
+    "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/unit/mcore tests/unit/test_format.py \
+    tests/functional/test_strategy.py tests/functional/test_faults.py -k "not 4ranks"
