@@ -11,6 +11,9 @@
 Importing this package imports megatron-core.
 """
 
+# First: an unsupported megatron-core fails here with one clear error, before any other
+# module of this package imports a megatron-core interface that may be missing.
+from megatron_async.mcore import generation  # noqa: F401  isort: skip
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, register_strategies
 
