@@ -22,7 +22,12 @@ import shutil
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE, write_atomically
+from megatron_async.format import (
+    COMPLETION_MARKERS,
+    TRACKER_FILE,
+    has_completion_markers,
+    write_atomically,
+)
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -66,9 +71,7 @@ def checkpoint_dir_name(iteration: int) -> str:
 
 def is_complete_checkpoint(path: str) -> bool:
     """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
-    return os.path.isdir(path) and all(
-        os.path.isfile(os.path.join(path, marker)) for marker in COMPLETE_MARKERS
-    )
+    return has_completion_markers(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,8 +131,14 @@ def write_atomically(path: PathLike, data: Union[bytes, str]) -> None:
 
 
 def has_completion_markers(checkpoint_dir: PathLike) -> bool:
-    """Whether both completion markers exist in ``checkpoint_dir`` (no content check)."""
-    return all(os.path.exists(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS)
+    """Whether ``checkpoint_dir`` is a directory holding every completion marker as a file.
+
+    The one completeness rule of the format (no content check); listing, resume and the
+    tracker all use it.
+    """
+    return os.path.isdir(checkpoint_dir) and all(
+        os.path.isfile(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS
+    )
 
 
 def remove_completion_markers(checkpoint_dir: PathLike) -> List[str]:

@@ -150,7 +150,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         self.plan_cache = PlanCache()
         generation.StrategyBase.__init__(self, backend, version)
         self.config = chosen
-        self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
 
     @property
