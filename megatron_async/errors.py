@@ -31,6 +31,7 @@ __all__ = [
     "StorageWriteError",
     "StagingMemoryError",
     "UnsupportedMegatronError",
+    "ModuleSurfaceConflictError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -74,6 +75,10 @@ class CheckpointIntegrityError(AsyncCheckpointError):
 
 class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
     """The installed megatron-core lacks the interfaces this package plugs into."""
+
+
+class ModuleSurfaceConflictError(AsyncCheckpointError, RuntimeError):
+    """Our nvidia-resiliency-ext module surface cannot be served: the real package is installed."""
 
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):

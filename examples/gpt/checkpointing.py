@@ -5,9 +5,11 @@ as a :class:`ShardedObject`, and (in the common part that rank 0 writes) the ite
 the data position, the parallel layout that saved it and its content metadata (the
 format of the optimizer state, see ``resharding.py``). A run may resume with another
 parallel layout wherever megatron-core can reshard the checkpoint; where it cannot, the
-load stops before reading any shard and names the flag to use. Saving goes through the
-``megatron_async`` strategy that ``import megatron_async`` registers; with
-``--async-save`` the write runs in the background and
+load stops before reading any shard and names the flag to use. Saving goes through
+:class:`~megatron_async.TorchDistAsyncSaveStrategy` (on megatron-core 0.16.x the class
+that the registered ``megatron_async`` backend returns; on 0.17+ a subclass of the
+strategy that ``save()`` keeps), configured the way Megatron-LM configures megatron-core's
+own; with ``--async-save`` the write runs in the background and
 :class:`~megatron_async.manager.CheckpointManager` moves the tracker only once every
 rank's data is durable.
 
@@ -28,13 +30,12 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-import megatron_async  # noqa: F401  (registers the "megatron_async" save strategy)
+from megatron_async import TorchDistAsyncSaveStrategy
 from gpt import cpu_compat
 from gpt.resharding import (
     LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
@@ -352,17 +353,11 @@ class Checkpointer:
     def _save_strategy(self):
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
-            strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
+            strategy = TorchDistAsyncSaveStrategy()
             if self.args.ckpt_assume_constant_structure:
-                # A configured copy: the registered instance is shared process-wide.
-                # Reuse the plans and metadata of the first save, and its staging buffers.
-                strategy = type(strategy)(
-                    strategy.backend,
-                    strategy.version,
-                    config=dataclasses.replace(
-                        strategy.config, cached_metadata=True, use_cached_data_structure=True
-                    ),
-                )
+                # Megatron-LM's switch: reuse the first save's plans, metadata and
+                # staging buffers while the structure is unchanged.
+                strategy.use_cached_ckpt_structure = True
             if self.args.ckpt_fully_parallel_save:
                 strategy = FullyParallelSaveStrategyWrapper(
                     strategy,

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 training code on a CPU-only host (gloo, no CUDA).
+"""Run megatron-core training code (0.16.x to 0.19.x) on a CPU-only host (gloo, no CUDA).
 
 Everything in this example that exists only because megatron-core assumes CUDA (and
 Transformer Engine or Apex) lives here, so that it is easy to see, review and delete once
@@ -21,6 +21,9 @@ changes, for this process only:
    fully parallel save wrapper and the pipeline schedules' point-to-point exchange
    (``P2PCommunicator``, after every batch of sends and receives) call it. CPU work and
    waited-on gloo requests are synchronous, so nothing is lost.
+   **``torch.cuda.current_stream``** likewise returns a :class:`_HostStream` whose waits
+   and synchronizations return at once: megatron-core 0.19's DDP grad-sync asks the
+   current stream to wait for CUDA-graph events before every gradient reduction.
 4. **A torch function mode** (:class:`_CudaToCpuMode`) entered for the life of the main
    thread maps CUDA devices to the CPU: ``device="cuda"`` arguments of factory functions
    (the optimizers' ``torch.tensor([1.0], device='cuda')``, ``clip_grads``' buffers),
@@ -177,6 +180,7 @@ def install() -> bool:
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_synchronize
+    torch.cuda.current_stream = _host_stream
     _patch_distributed_optimizer_state_setter()
     # Entered and never exited: the mode must cover the whole training run.
     _CudaToCpuMode().__enter__()
@@ -191,6 +195,29 @@ def _cpu_current_device() -> str:
 
 def _no_synchronize(device: Optional[Any] = None) -> None:
     return None
+
+
+class _HostStream:
+    """The "current stream" of a CPU-only host: work is already done when issued."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_stream(device: Optional[Any] = None) -> _HostStream:
+    return _HOST_STREAM
 
 
 def _patch_distributed_optimizer_state_setter() -> None:

@@ -7,8 +7,9 @@ megatron-core changed how a save strategy plugs in:
   ``common.pt`` through the registered ``torch`` common strategy before the sharded one;
 * from 0.17 the registry is gone, ``save()`` keeps a sharded strategy only if it is a
   ``TorchDistSaveShardedStrategy`` (or the fully parallel wrapper) and calls its
-  ``async_save(sharded_state_dict, checkpoint_dir, async_strategy)``; the common state
-  is a ``common_state`` object inside the checkpoint.
+  ``async_save(sharded_state_dict, checkpoint_dir, async_strategy)``. 0.17 and 0.18
+  still write ``common.pt``, through a plain ``serialization.save_common`` function;
+  from 0.19 the common state is a ``common_state`` object inside the checkpoint.
 
 The integration is chosen by the features present, never by version strings:
 :data:`GENERATION` is ``"registry"`` when ``strategies.base`` has
@@ -121,20 +122,24 @@ def create_save_planner(config: Any) -> Any:
 def register_strategies(strategy_cls: type, backend_name: str) -> bool:
     """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry exists.
 
-    Also installs the ``common.pt`` guard (registry generation only: later generations
-    have no ``common.pt``). Returns whether anything was registered.
+    Also guards megatron-core's ``common.pt`` write where it has one: the registered
+    common strategy (registry generation) or the plain ``save_common`` function that
+    ``serialization.save()`` calls (0.17 / 0.18; 0.19+ keeps the common state inside the
+    checkpoint). Returns whether a strategy was registered.
     """
+    from megatron_async.mcore import common_guard
+
     if GENERATION != "registry":
+        serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+        if callable(getattr(serialization, "save_common", None)):
+            common_guard.guard_save_common_function(serialization)
         return False
     from megatron.core.dist_checkpointing.strategies.base import (
         StrategyAction,
         register_default_strategy,
     )
 
-    from megatron_async.mcore.common_guard import GuardedCommonSaveStrategy
-
+    guarded_cls = common_guard.guarded_common_strategy_class()
     register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
-    register_default_strategy(
-        StrategyAction.SAVE_COMMON, "torch", 1, GuardedCommonSaveStrategy("torch", 1)
-    )
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, guarded_cls("torch", 1))
     return True

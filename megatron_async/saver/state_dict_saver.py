@@ -40,12 +40,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.saver.agreement import agree_or_raise
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache, default_metadata_cache
 from megatron_async.writer.buckets import BucketLayout, is_empty_chunk
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointValidationError, RankFailure
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
+    "CheckpointMetadataCache",
     "save_state_dict_async_plan",
     "prepare_cached_write",
     "verify_global_md_reuse",
@@ -102,8 +104,20 @@ def save_state_dict_async_plan(
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
     loaded_all_plans: Optional[List[SavePlan]] = None,
-) -> PlanResult:
+    enable_cache: Optional[bool] = None,
+    metadata_cache: Optional[CheckpointMetadataCache] = None,
+):
     """Plan a save and prepare the writer's buckets (every rank, synchronous).
+
+    Two calling conventions share this function:
+
+    * megatron-core's (``cached_ckpt_structure`` / ``loaded_all_plans``): returns the
+      five-element :data:`PlanResult` described below;
+    * nvidia-resiliency-ext's, chosen by passing ``enable_cache`` or ``metadata_cache``:
+      the cached plans live in a :class:`CheckpointMetadataCache` (the process-wide one
+      when ``enable_cache=True`` comes without one) and the result is only
+      ``(writer, metadata, dist_wrapper)``, with the cached metadata filled in on the
+      coordinator. With ``enable_cache=False`` the cache is neither read nor updated.
 
     Planning is, from cheapest to most expensive:
 
@@ -137,6 +151,11 @@ def save_state_dict_async_plan(
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
+    if enable_cache is not None or metadata_cache is not None:
+        return _plan_with_metadata_cache(
+            state_dict, storage_writer, process_group, coordinator_rank, planner,
+            bool(enable_cache), metadata_cache,
+        )
     dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
@@ -193,6 +212,44 @@ def save_state_dict_async_plan(
         not changed,
         reused_loaded,
     )
+
+
+def _plan_with_metadata_cache(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: FileSystemWriterAsync,
+    process_group: Optional[dist.ProcessGroup],
+    coordinator_rank: int,
+    planner: Optional[SavePlanner],
+    enable_cache: bool,
+    metadata_cache: Optional[CheckpointMetadataCache],
+) -> Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper]:
+    """Plan through a :class:`CheckpointMetadataCache` (every rank, nvidia-resiliency-ext style)."""
+    if not enable_cache:
+        prepared, *_ = save_state_dict_async_plan(
+            state_dict, storage_writer, process_group, coordinator_rank, planner
+        )
+        return prepared
+    cache = metadata_cache if metadata_cache is not None else default_metadata_cache()
+    if process_group is not None and coordination.is_distributed():
+        rank = dist.get_rank(process_group)
+    else:
+        rank = coordination.get_rank()
+    cached_structure = None
+    if cache.can_offer_cached_plans(rank == coordinator_rank):
+        cached_structure = (cache.cached_central_plan, cache.cached_local_plan, True)
+    (writer, metadata, dist_wrapper), central_plan, local_plan, reused, reused_loaded = (
+        save_state_dict_async_plan(
+            state_dict,
+            storage_writer,
+            process_group,
+            coordinator_rank,
+            planner,
+            cached_ckpt_structure=cached_structure,
+            loaded_all_plans=cache.loaded_all_plans,
+        )
+    )
+    metadata = cache.record_plan(central_plan, local_plan, metadata, reused, reused_loaded)
+    return writer, metadata, dist_wrapper
 
 
 def prepare_cached_write(

@@ -8,6 +8,7 @@ through megatron-core's ``dist_checkpointing.load`` and through plain
 from __future__ import annotations
 
 import contextlib
+import importlib
 import errno
 import inspect
 import io
@@ -49,6 +50,11 @@ FAILING_RANK = 1
 
 _SAVE_VERIFIES_INTEGRITY = "verify_integrity" in inspect.signature(dist_checkpointing.save).parameters
 """megatron-core 0.18+ can write a SHA-256 manifest after a save."""
+
+_SAVE_WRITES_COMMON_PT = generation.GENERATION == "registry" or callable(
+    getattr(importlib.import_module("megatron.core.dist_checkpointing.serialization"), "save_common", None)
+)
+"""Up to 0.18.x ``save()`` writes ``common.pt``; 0.19+ stores a ``common_state`` object."""
 
 
 # -- the state dict --------------------------------------------------------------------
@@ -520,9 +526,9 @@ def stock_save_keeps_our_writer(ctx):
             _queue(False).schedule_async_request(request)
             _queue(False).maybe_finalize_async_calls(blocking=True)
         assert os.path.exists(os.path.join(path, CHECKSUM_FILE)), (mode, sorted(os.listdir(path)))
-        assert generation.GENERATION == "registry" or not os.path.exists(
-            os.path.join(path, COMMON_FILE)
-        ), "0.17+ keeps the common state inside the checkpoint"
+        assert os.path.exists(os.path.join(path, COMMON_FILE)) == _SAVE_WRITES_COMMON_PT, (
+            "common.pt up to 0.18.x; 0.19+ keeps the common state inside the checkpoint"
+        )
         _check_checkpoint(ctx, path, 3.0)
 
 

@@ -1,0 +1,141 @@
+"""Multi-rank scenarios of the nvidia-resiliency-ext module surface; run by test_nvrx_surface.py.
+
+* code written against ``nvidia_resiliency_ext.checkpointing.async_ckpt`` switched to
+  ``megatron_async.nvrx`` by its import prefix (both generations, both callers);
+* megatron-core 0.17+'s own stock strategy with ``async_strategy="nvrx"`` (its default)
+  after :func:`megatron_async.nvrx.serve_as_nvidia_resiliency_ext` (0.17+ only).
+
+Checkpoints are loaded back through plain DCP and, for the megatron-core ones, through
+megatron-core's loader.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from megatron_async.format import CHECKSUM_FILE
+from megatron_async.mcore import generation
+from megatron_async.saver import state_dict_saver as saver_internals
+from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
+from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
+
+_QUEUES = {}
+
+
+def _queue(persistent: bool):
+    """One queue of each kind per launch, built from the switched import."""
+    from megatron_async.nvrx.core import AsyncCallsQueue
+
+    if persistent not in _QUEUES:
+        _QUEUES[persistent] = AsyncCallsQueue(persistent=persistent)
+    return _QUEUES[persistent]
+
+
+def _rank_state(ctx: RankContext, scale: float):
+    """A plain DCP state dict: every rank owns distinct keys, of uneven sizes."""
+    return {
+        f"rank{ctx.rank}/weight": torch.arange(8 * (ctx.rank + 1), dtype=torch.float32) * scale,
+        f"rank{ctx.rank}/bias": torch.full((3,), scale + ctx.rank, dtype=torch.bfloat16),
+    }
+
+
+def nvrx_modules_switch_by_import(ctx, persistent):
+    """The plan / write / finalize sequence as nvidia-resiliency-ext users write it,
+    with a :class:`CheckpointMetadataCache`: the later saves reuse the plans."""
+    from megatron_async.nvrx.core import AsyncRequest
+    from megatron_async.nvrx.filesystem_async import FileSystemWriterAsync
+    from megatron_async.nvrx.state_dict_saver import (
+        CheckpointMetadataCache,
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    cache = CheckpointMetadataCache()
+    gathered = []
+    for step in range(3):
+        path = _dir(ctx, f"nvrx-direct-{persistent}-{step}")
+        state = _rank_state(ctx, float(step + 1))
+        before = saver_internals.get_plan_gather_count()
+        writer = FileSystemWriterAsync(path, thread_count=2)
+        planned = save_state_dict_async_plan(
+            state, writer, None, 0, DefaultSavePlanner(), enable_cache=True, metadata_cache=cache
+        )
+        assert len(planned) == 3 and planned[0] is writer, planned
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        request = AsyncRequest(
+            save_fn,
+            save_args,
+            [functools.partial(save_state_dict_async_finalize, *planned)],
+            preload_fn=preload_fn,
+        )
+        _queue(persistent).schedule_async_request(request)
+        for tensor in state.values():  # the next training step: must not reach the file
+            tensor.add_(100)
+        _queue(persistent).maybe_finalize_async_calls(blocking=True)
+        gathered.append(saver_internals.get_plan_gather_count() - before)
+        assert cache.validated_cache_reuse == (step > 0), (step, cache.validated_cache_reuse)
+        expected = _rank_state(ctx, float(step + 1))
+        loaded = {key: torch.zeros_like(value) for key, value in expected.items()}
+        dcp.load(loaded, checkpoint_id=path)
+        for key, value in expected.items():
+            assert torch.equal(loaded[key], value), (step, key)
+    assert gathered == [1, 0, 0], gathered
+
+
+def stock_megatron_through_served_modules(ctx, persistent):
+    """megatron-core 0.17+'s own ``TorchDistSaveShardedStrategy`` with its default
+    ``async_strategy="nvrx"`` plans, writes and commits through our modules once they are
+    served; Megatron-LM's constant-structure switch reuses the plans."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistSaveShardedStrategy,
+        get_async_strategy,
+    )
+
+    from megatron_async.core import AsyncCallsQueue, AsyncRequest
+    from megatron_async.nvrx import is_served, serve_as_nvidia_resiliency_ext
+
+    serve_as_nvidia_resiliency_ext()
+    serve_as_nvidia_resiliency_ext()  # a second call is a no-op
+    assert is_served()
+    _, modules = get_async_strategy("nvrx")
+    assert modules["AsyncCallsQueue"] is AsyncCallsQueue
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    strategy.use_cached_ckpt_structure = True  # Megatron-LM's --ckpt-assume-constant-structure
+    gathered = []
+    for step in range(3):
+        path = _dir(ctx, f"nvrx-stock-{persistent}-{step}")
+        before = saver_internals.get_plan_gather_count()
+        request = dist_checkpointing.save(
+            _model_state(ctx, 6.0 + step), path, sharded_strategy=strategy, async_sharded_save=True
+        )
+        assert isinstance(request, AsyncRequest), type(request)
+        _queue(persistent).schedule_async_request(request)
+        _queue(persistent).maybe_finalize_async_calls(blocking=True)
+        gathered.append(saver_internals.get_plan_gather_count() - before)
+        assert os.path.exists(os.path.join(path, CHECKSUM_FILE)), sorted(os.listdir(path))
+        _check_checkpoint(ctx, path, 6.0 + step)
+    assert gathered == [1, 0, 0], gathered
+
+
+SCENARIOS = {
+    **for_both_callers(nvrx_modules_switch_by_import),
+    **(
+        for_both_callers(stock_megatron_through_served_modules)
+        if generation.GENERATION == "builtin"
+        else {}
+    ),
+}
+
+
+def run_all(ctx: RankContext):
+    try:
+        return run_scenarios(ctx, only_selected(ctx, SCENARIOS))
+    finally:
+        for queue in _QUEUES.values():
+            queue.close(abort=True)
