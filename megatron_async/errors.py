@@ -31,6 +31,8 @@ __all__ = [
     "StorageWriteError",
     "StagingMemoryError",
     "UnsupportedMegatronError",
+    "ObjectStoreUnavailableError",
+    "ObjectStoreError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -78,6 +80,14 @@ class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):
     """Host memory for staging a checkpoint (shared memory) could not be allocated."""
+
+
+class ObjectStoreUnavailableError(AsyncCheckpointError, ImportError):
+    """Object storage (``use_msc``, ``msc://`` paths) was asked for without the ``msc`` extra."""
+
+
+class ObjectStoreError(AsyncCheckpointError, OSError):
+    """An object store refused or failed a request (endpoint down, credentials, bucket)."""
 
 
 class StorageWriteError(AsyncCheckpointError):

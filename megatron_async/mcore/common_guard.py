@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveSt
 from megatron_async.errors import CheckpointInProgressError
 from megatron_async.format import remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.storage.locations import normalize_checkpoint_path
 
 __all__ = ["GuardedCommonSaveStrategy"]
 
@@ -47,7 +48,7 @@ class GuardedCommonSaveStrategy(TorchCommonSaveStrategy):
             CheckpointInProgressError: an unfinalized async save of this process still
                 writes ``checkpoint_dir``; nothing was written.
         """
-        directory = os.path.abspath(os.fspath(checkpoint_dir))
+        directory = normalize_checkpoint_path(checkpoint_dir)
         if directory in checkpoints_in_flight:
             raise CheckpointInProgressError(
                 f"an earlier async save of this process into {directory} is not finalized yet; "
