@@ -21,7 +21,6 @@ saves, which is the same on all ranks because every rank schedules the same save
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Union
 
