@@ -32,6 +32,8 @@ __all__ = [
     "StagingMemoryError",
     "UnsupportedMegatronError",
     "ModuleSurfaceConflictError",
+    "ObjectStoreUnavailableError",
+    "ObjectStoreError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -83,6 +85,14 @@ class ModuleSurfaceConflictError(AsyncCheckpointError, RuntimeError):
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):
     """Host memory for staging a checkpoint (shared memory) could not be allocated."""
+
+
+class ObjectStoreUnavailableError(AsyncCheckpointError, ImportError):
+    """Object storage (``use_msc``, ``msc://`` paths) was asked for without the ``msc`` extra."""
+
+
+class ObjectStoreError(AsyncCheckpointError, OSError):
+    """An object store refused or failed a request (endpoint down, credentials, bucket)."""
 
 
 class StorageWriteError(AsyncCheckpointError):

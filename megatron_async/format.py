@@ -30,6 +30,8 @@ import os
 import uuid
 from typing import BinaryIO, Iterator, List, Union
 
+from megatron_async.storage.locations import is_object_url
+
 __all__ = [
     "DCP_METADATA_FILE",
     "MEGATRON_METADATA_FILE",
@@ -40,6 +42,7 @@ __all__ = [
     "fsync_path",
     "atomic_output",
     "write_atomically",
+    "remove_file",
     "has_completion_markers",
     "remove_completion_markers",
 ]
@@ -122,12 +125,34 @@ def atomic_output(path: PathLike) -> Iterator[BinaryIO]:
 def write_atomically(path: PathLike, data: Union[bytes, str]) -> None:
     """Replace ``path`` by ``data`` durably and atomically (see :func:`atomic_output`).
 
+    An ``msc://`` URL is one PUT, which the store makes visible whole or not at all
+    (:func:`megatron_async.storage.objects.put_object`).
+
     Args:
-        path: the file to write.
+        path: the file (or object URL) to write.
         data: its whole content; ``str`` is written as UTF-8.
     """
+    payload = data.encode() if isinstance(data, str) else data
+    if is_object_url(path):
+        from megatron_async.storage.objects import put_object
+
+        put_object(os.fspath(path), payload)
+        return
     with atomic_output(path) as stream:
-        stream.write(data.encode() if isinstance(data, str) else data)
+        stream.write(payload)
+
+
+def remove_file(path: PathLike) -> bool:
+    """Remove a file or an ``msc://`` object; return whether there was one."""
+    if is_object_url(path):
+        from megatron_async.storage.objects import delete_object
+
+        return delete_object(os.fspath(path))
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def has_completion_markers(checkpoint_dir: PathLike) -> bool:
@@ -136,6 +161,10 @@ def has_completion_markers(checkpoint_dir: PathLike) -> bool:
     The one completeness rule of the format (no content check); listing, resume and the
     tracker all use it.
     """
+    if is_object_url(checkpoint_dir):
+        from megatron_async.storage.objects import object_exists
+
+        return all(object_exists(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS)
     return os.path.isdir(checkpoint_dir) and all(
         os.path.isfile(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS
     )
@@ -150,13 +179,9 @@ def remove_completion_markers(checkpoint_dir: PathLike) -> List[str]:
     Returns:
         The names of the markers that were removed.
     """
-    removed = []
-    for name in COMPLETION_MARKERS:
-        try:
-            os.remove(os.path.join(checkpoint_dir, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    if removed:
+    removed = [
+        name for name in COMPLETION_MARKERS if remove_file(os.path.join(checkpoint_dir, name))
+    ]
+    if removed and not is_object_url(checkpoint_dir):
         fsync_path(checkpoint_dir, best_effort=True)
     return removed

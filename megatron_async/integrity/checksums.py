@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import xxhash
 
 from megatron_async.format import CHECKSUM_FILE, write_atomically
+from megatron_async.storage.locations import is_object_url
 
 __all__ = [
     "CHECKSUM_FILE",
@@ -99,16 +100,40 @@ def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -
 def read_checksum_file(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
     """The recorded checksums, or None when the checkpoint has none."""
     path = os.path.join(checkpoint_dir, CHECKSUM_FILE)
-    if not os.path.exists(path):
+    if is_object_url(path):
+        from megatron_async.storage.objects import read_object
+
+        try:
+            payload = json.loads(read_object(path))
+        except FileNotFoundError:
+            return None
+    elif not os.path.exists(path):
         return None
-    with open(path) as f:
-        payload = json.load(f)
+    else:
+        with open(path) as f:
+            payload = json.load(f)
     if payload.get("algorithm") != ALGORITHM:
         raise ValueError(f"{path}: unsupported checksum algorithm {payload.get('algorithm')!r}")
     return [ItemChecksum(**item) for item in payload["items"]]
 
 
+def _hash_object_range(url: str, offset: int, length: int) -> Optional[str]:
+    from megatron_async.storage.objects import read_object_range
+
+    hasher = new_hasher()
+    position, end = offset, offset + length
+    while position < end:
+        block = read_object_range(url, position, min(end - position, _READ_CHUNK_BYTES))
+        if not block:
+            return None  # the object ends before the item does
+        hasher.update(block)
+        position += len(block)
+    return hasher.hexdigest()
+
+
 def _hash_range(path: str, offset: int, length: int) -> Optional[str]:
+    if is_object_url(path):
+        return _hash_object_range(path, offset, length)
     hasher = new_hasher()
     with open(path, "rb") as f:
         f.seek(offset)
@@ -137,7 +162,7 @@ def verify_items(
     problems: List[str] = []
     for item in items:
         path = os.path.join(checkpoint_dir, item.file)
-        if not os.path.exists(path):
+        if not _file_exists(path):
             problems.append(f"{item.describe()}: file {item.file} is missing")
             continue
         digest = _hash_range(path, item.offset, item.length)
@@ -148,6 +173,14 @@ def verify_items(
         if on_progress is not None:
             on_progress(item.length)
     return problems
+
+
+def _file_exists(path: str) -> bool:
+    if is_object_url(path):
+        from megatron_async.storage.objects import object_exists
+
+        return object_exists(path)
+    return os.path.exists(path)
 
 
 def group_by_file(items: Iterable[ItemChecksum]) -> Dict[str, List[ItemChecksum]]:

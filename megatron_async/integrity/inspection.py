@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from megatron_async.checkpoint_dirs import iteration_from_path
 from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE
+from megatron_async.storage import objects as object_store
+from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
 
 __all__ = [
     "TensorEntry",
@@ -80,8 +82,39 @@ class CheckpointSummary:
 
 
 def read_dcp_metadata(path: str) -> Metadata:
-    """Load DCP's ``.metadata`` of a checkpoint directory."""
+    """Load DCP's ``.metadata`` of a checkpoint directory (or ``msc://`` prefix)."""
+    if is_object_url(path):
+        from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemReader
+
+        return MultiStorageFileSystemReader(path).read_metadata()
     return FileSystemReader(path).read_metadata()
+
+
+def _is_dir(path: str) -> bool:
+    if is_object_url(path):
+        return object_store.prefix_exists(path)
+    return os.path.isdir(path)
+
+
+def _file_size(path: str) -> Optional[int]:
+    if is_object_url(path):
+        return object_store.object_size(path)
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def _list_files(path: str) -> List["FileEntry"]:
+    if is_object_url(path):
+        names = [name for name, is_dir in object_store.list_children(path) if not is_dir]
+    elif os.path.isdir(path):
+        names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))]
+    else:
+        names = []
+    entries = []
+    for name in names:
+        size = _file_size(os.path.join(path, name))
+        if size is not None:
+            entries.append(FileEntry(name, size))
+    return entries
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
@@ -95,11 +128,11 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
     entry, and that each storage entry lies inside an existing file.
     """
     problems: List[str] = []
-    if not os.path.isdir(path):
+    if not _is_dir(path):
         return [f"{path} is not a directory"]
-    if not os.path.exists(os.path.join(path, MEGATRON_METADATA_FILE)):
+    if _file_size(os.path.join(path, MEGATRON_METADATA_FILE)) is None:
         problems.append(f"{MEGATRON_METADATA_FILE} is missing (the save never finalized)")
-    if not os.path.exists(os.path.join(path, DCP_METADATA_FILE)):
+    if _file_size(os.path.join(path, DCP_METADATA_FILE)) is None:
         problems.append(f"{DCP_METADATA_FILE} is missing (the save never finalized)")
         return problems
     if metadata is None:
@@ -119,8 +152,7 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
     for index, info in storage.items():
         name = info.relative_path
         if name not in sizes:
-            file_path = os.path.join(path, name)
-            sizes[name] = os.path.getsize(file_path) if os.path.exists(file_path) else None
+            sizes[name] = _file_size(os.path.join(path, name))
         size = sizes[name]
         if size is None:
             problems.append(f"file {name} (holding {index.fqn}) is missing")
@@ -136,14 +168,17 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
     """Read everything ``inspect`` shows about the checkpoint at ``path``."""
     fmt, version = None, None
     config_path = os.path.join(path, MEGATRON_METADATA_FILE)
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
+    if _file_size(config_path) is not None:
+        if is_object_url(config_path):
+            config = json.loads(object_store.read_object(config_path))
+        else:
+            with open(config_path) as f:
+                config = json.load(f)
         fmt, version = config.get("sharded_backend"), config.get("sharded_backend_version")
     tensors: List[TensorEntry] = []
     objects: List[str] = []
     metadata = None
-    if os.path.exists(os.path.join(path, DCP_METADATA_FILE)):
+    if _file_size(os.path.join(path, DCP_METADATA_FILE)) is not None:
         try:
             metadata = read_dcp_metadata(path)
         except Exception:
@@ -165,15 +200,10 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
                 )
             elif isinstance(item, BytesStorageMetadata):
                 objects.append(fqn)
-    files = []
-    if os.path.isdir(path):
-        for name in sorted(os.listdir(path)):
-            file_path = os.path.join(path, name)
-            if os.path.isfile(file_path):
-                files.append(FileEntry(name, os.path.getsize(file_path)))
+    files = _list_files(path)
     problems = find_completeness_problems(path, metadata)
     return CheckpointSummary(
-        path=os.path.abspath(path),
+        path=normalize_checkpoint_path(path),
         format=fmt,
         format_version=version,
         iteration=iteration_from_path(path),

@@ -28,7 +28,6 @@ which is the same on all ranks because every rank schedules the same saves.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Union
 
@@ -40,6 +39,7 @@ from megatron.core.dist_checkpointing.mapping import StateDict
 from megatron_async.errors import CheckpointInProgressError
 from megatron_async.format import remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.storage.locations import normalize_checkpoint_path
 
 __all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_common_function"]
 
@@ -53,7 +53,7 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
         CheckpointInProgressError: an unfinalized async save of this process still
             writes ``checkpoint_dir``; nothing was written.
     """
-    directory = os.path.abspath(os.fspath(checkpoint_dir))
+    directory = normalize_checkpoint_path(checkpoint_dir)
     if directory in checkpoints_in_flight:
         raise CheckpointInProgressError(
             f"an earlier async save of this process into {directory} is not finalized yet; "

@@ -7,6 +7,7 @@ import os
 from typing import Optional
 
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer.filesystem import DEFAULT_WRITE_TIMEOUT_S
 
 __all__ = ["TorchDistSaveConfig"]
@@ -54,6 +55,15 @@ class TorchDistSaveConfig:
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     """Bound on the background writer's wait for its threads or processes."""
 
+    object_part_bytes: int = DEFAULT_PART_BYTES
+    """With ``use_msc``: bytes per uploaded part of a multipart upload (at least 5 MiB),
+    about the memory each file's upload holds."""
+
+    use_msc: bool = False
+    """Save to object storage through multi-storage-client: checkpoint directories are
+    ``msc://PROFILE/PREFIX`` URLs (megatron-core's ``--enable-msc``; Megatron-LM's
+    ``use_msc``). Needs the ``msc`` extra (``pip install megatron-async[msc]``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
             raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
@@ -70,6 +80,10 @@ class TorchDistSaveConfig:
                 f"separation_hint must be a non-empty key prefix without {os.sep!r} (it starts "
                 f"file names), got {self.separation_hint!r}"
             )
+        if self.use_msc:
+            from megatron_async.storage.client import import_msc
+
+            import_msc()  # ObjectStoreUnavailableError naming the extra
         if not self.write_timeout_s > 0:
             raise CheckpointValidationError(
                 f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"

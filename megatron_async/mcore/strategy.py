@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.format import DCP_METADATA_FILE, remove_completion_markers
+from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList
@@ -43,6 +43,8 @@ from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.saver.state_dict_saver import save_state_dict_async_finalize
 from megatron_async.staging.buckets import StagingBufferCache
+from megatron_async.storage.client import MSC_EXTRA_HINT
+from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
@@ -233,7 +235,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             CheckpointInProgressError: on every rank, when an unfinalized save of this
                 process still writes ``checkpoint_dir``.
         """
-        checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        checkpoint_dir = normalize_checkpoint_path(checkpoint_dir)
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
         claims: List[int] = []
 
@@ -280,6 +282,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             use_cached_data_structure=cfg.use_cached_data_structure,
             write_timeout_s=cfg.write_timeout_s,
             staging_cache=self.staging_cache,
+            use_msc=cfg.use_msc,
+            object_part_bytes=cfg.object_part_bytes,
         )
 
     def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
@@ -291,6 +295,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
                 "or save into another directory"
             )
+        if is_object_url(checkpoint_dir):
+            self._check_object_target(checkpoint_dir, is_coordinator)
+            return
         if not os.path.exists(checkpoint_dir):
             raise CheckpointValidationError(
                 f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
@@ -310,6 +317,31 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 raise CheckpointValidationError(
                     f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
                     "exists) and overwrite=False; save into a new directory or delete it first"
+                )
+            logger.warning(
+                "overwriting the torch_dist checkpoint in %s; its completion markers are removed "
+                "first, so it reads as incomplete until this save is finalized",
+                checkpoint_dir,
+            )
+            remove_completion_markers(checkpoint_dir)
+
+    def _check_object_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
+        """The checks of :meth:`_check_target` that mean something in an object store.
+
+        A store has no directories to create or permissions to probe: an unreachable
+        endpoint, refused credentials or a missing bucket fail the first request, which
+        the background writer reports on every rank.
+        """
+        if not self.config.use_msc:
+            raise CheckpointValidationError(
+                f"{checkpoint_dir} is an object-storage URL; create the strategy with "
+                f"use_msc=True ({MSC_EXTRA_HINT})"
+            )
+        if is_coordinator and has_completion_markers(checkpoint_dir):
+            if not self.config.overwrite:
+                raise CheckpointValidationError(
+                    f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
+                    "overwrite=False; save under a new prefix or delete it first"
                 )
             logger.warning(
                 "overwriting the torch_dist checkpoint in %s; its completion markers are removed "

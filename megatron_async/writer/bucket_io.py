@@ -14,7 +14,7 @@ import errno
 import inspect
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
@@ -26,7 +26,7 @@ from megatron_async.integrity import checksums
 from megatron_async.writer.buckets import WriteBucket, is_empty_chunk
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
-__all__ = ["ChecksummedWriteResult", "BucketFile", "write_bucket"]
+__all__ = ["ChecksummedWriteResult", "BucketFile", "OpenBucketFile", "write_bucket"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,10 @@ class BucketFile:
 
     def __init__(self, path: str, hashing: bool):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        self._start_stream(hashing)
+
+    def _start_stream(self, hashing: bool) -> None:
+        """Set up the gathering and hashing state (subclasses with another output call it)."""
         self._hasher = checksums.new_hasher() if hashing else None
         self._pending: List[Any] = []
         self._pending_bytes = 0
@@ -260,8 +264,17 @@ def _saves_more_than_itself(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
 
 
+OpenBucketFile = Callable[[str, bool], BucketFile]
+"""``(file_path, hashing) -> BucketFile``: opens a bucket's output (a local file by default;
+:func:`megatron_async.storage.stream.open_object_bucket_file` streams to an object store)."""
+
+
 def write_bucket(
-    transforms: Any, bucket: WriteBucket, use_fsync: bool, compute_checksums: bool = True
+    transforms: Any,
+    bucket: WriteBucket,
+    use_fsync: bool,
+    compute_checksums: bool = True,
+    open_bucket_file: OpenBucketFile = BucketFile,
 ) -> List[WriteResult]:
     """Write one staged bucket to its file in DCP's byte layout and return its results.
 
@@ -282,6 +295,8 @@ def write_bucket(
             change until this function returns.
         use_fsync: flush the file to stable storage before returning.
         compute_checksums: record an xxh3 digest of every item.
+        open_bucket_file: opens the bucket's output (closing it before ``finish`` abandons
+            it: an object upload is aborted, a local file stays partial without .metadata).
 
     Raises:
         ValueError: a tensor is not on the CPU (the bucket was not staged).
@@ -290,7 +305,7 @@ def write_bucket(
     bytes_data, tensor_data = bucket.data
     raw_layout = not getattr(transforms, "extensions", None)
     results: List[WriteResult] = []
-    file = BucketFile(bucket.file_path, compute_checksums)
+    file = open_bucket_file(bucket.file_path, compute_checksums)
     try:
 
         def write(item: WriteItem, data: Any) -> None:

@@ -17,7 +17,15 @@ from typing import Any, Dict, Iterable, List
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, fsync_path, write_atomically
+from megatron_async.format import (
+    CHECKSUM_FILE,
+    COMMON_FILE,
+    DCP_METADATA_FILE,
+    fsync_path,
+    remove_file,
+    write_atomically,
+)
+from megatron_async.storage.locations import is_object_url
 from megatron_async.integrity import checksums
 
 __all__ = ["commit_checkpoint"]
@@ -48,8 +56,9 @@ def commit_checkpoint(
         metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
     # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
+    # (An object in a store is durable once its PUT was acknowledged.)
     common = os.path.join(checkpoint_dir, COMMON_FILE)
-    if os.path.exists(common):
+    if not is_object_url(checkpoint_dir) and os.path.exists(common):
         fsync_path(common)
     _record_checksums(checkpoint_dir, stored.values())
     write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
@@ -109,7 +118,4 @@ def _record_checksums(checkpoint_dir: str, results: Iterable[WriteResult]) -> No
     if records:
         checksums.write_checksum_records(checkpoint_dir, records)
     else:
-        try:
-            os.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))
-        except FileNotFoundError:
-            pass
+        remove_file(os.path.join(checkpoint_dir, CHECKSUM_FILE))

@@ -43,7 +43,14 @@ from megatron_async.errors import (
 )
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buckets import StagingBufferCache, stage_buckets
-from megatron_async.writer.bucket_io import write_bucket
+from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
+from megatron_async.storage.locations import (
+    DEFAULT_PART_BYTES,
+    MIN_PART_BYTES,
+    is_object_url,
+    normalize_checkpoint_path,
+)
+from megatron_async.writer.bucket_io import BucketFile, OpenBucketFile, write_bucket
 from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
 from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.results import ResultFile, WriteOutcome
@@ -116,10 +123,18 @@ class FileSystemWriterAsync(FileSystemWriter):
         write_timeout_s: bound on the background writer's wait for its buckets.
         checksums: hash every item while writing it (xxh3) and store the digests in
             :data:`~megatron_async.integrity.checksums.CHECKSUM_FILE` before ``.metadata``.
+        use_msc: ``path`` is an ``msc://PROFILE/PREFIX`` URL of multi-storage-client:
+            every bucket is streamed to the store as it is written (multipart uploads of
+            ``object_part_bytes``), and the small files are single PUTs, ``.metadata``
+            last (see :mod:`megatron_async.storage`). Needs the ``msc`` extra.
+        object_part_bytes: with ``use_msc``, bytes per uploaded part (at least 5 MiB):
+            about the memory each bucket's upload holds.
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
 
     Raises:
-        CheckpointValidationError: an unusable option.
+        CheckpointValidationError: an unusable option, or an ``msc://`` path without
+            ``use_msc``.
+        ObjectStoreUnavailableError: ``use_msc`` without multi-storage-client installed.
     """
 
     def __init__(
@@ -127,13 +142,27 @@ class FileSystemWriterAsync(FileSystemWriter):
         path: Union[str, os.PathLike],
         *args: Any,
         separation_hint: Optional[str] = None,
+        use_msc: bool = False,
         is_multiproc_io: bool = False,
         use_cached_data_structure: bool = False,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         checksums: bool = True,
         staging_cache: Optional[StagingBufferCache] = None,
+        object_part_bytes: int = DEFAULT_PART_BYTES,
         **kwargs: Any,
     ):
+        if use_msc:
+            import_msc()  # a clear error naming the extra before anything else
+        elif is_object_url(path):
+            raise CheckpointValidationError(
+                f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
+                f"the extra: {MSC_EXTRA_HINT})"
+            )
+        if use_msc and object_part_bytes < MIN_PART_BYTES:
+            raise CheckpointValidationError(
+                f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
+                f"{object_part_bytes}"
+            )
         super().__init__(path, *args, **kwargs)
         if not self.single_file_per_rank:
             raise CheckpointValidationError(
@@ -146,7 +175,21 @@ class FileSystemWriterAsync(FileSystemWriter):
                 f"separation_hint {separation_hint!r} must be a non-empty key prefix without "
                 f"{os.sep!r}: it becomes the start of file names"
             )
-        self.checkpoint_dir = str(path)
+        self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
+        self.use_msc = bool(use_msc)
+        self.object_part_bytes = int(object_part_bytes)
+        if self.use_msc:
+            from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystem
+
+            # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC.
+            self.fs = MultiStorageFileSystem()
+            try:
+                self.path = self.fs.init_path(self.checkpoint_dir)
+            except ValueError as exc:  # an unknown profile, a malformed URL
+                raise CheckpointValidationError(
+                    f"{self.checkpoint_dir}: multi-storage-client cannot resolve it ({exc}); "
+                    "define the profile in MSC's configuration (MSC_CONFIG or ~/.msc_config.yaml)"
+                ) from exc
         self.separation_hint = separation_hint
         self.is_multiproc_io = is_multiproc_io
         self.use_cached_data_structure = use_cached_data_structure
@@ -159,6 +202,14 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.results_file: Optional[ResultFile] = None
         self._staging_key: Optional[str] = None
         self._write_results: Optional[List[WriteResult]] = None
+
+    def storage_meta(self):
+        """DCP's storage metadata; with ``use_msc`` its ``checkpoint_id`` is the URL string,
+        so that ``.metadata`` unpickles without multi-storage-client."""
+        meta = super().storage_meta()
+        if self.use_msc and meta is not None:
+            meta = dataclasses.replace(meta, checkpoint_id=self.checkpoint_dir)
+        return meta
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Resolve the plan's data and split it into buckets (trainer, every rank).
@@ -245,6 +296,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         bucket_writer = type(self).write_preloaded_data
         if not self.checksums:
             bucket_writer = partial(bucket_writer, compute_checksums=False)
+        if self.use_msc:
+            from megatron_async.storage.stream import object_bucket_opener
+
+            bucket_writer = partial(
+                bucket_writer, open_bucket_file=object_bucket_opener(self.object_part_bytes)
+            )
         save_fn = partial(
             write_fn,
             self.transforms,
@@ -278,14 +335,19 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     @staticmethod
     def write_preloaded_data(
-        transforms: Any, write_bucket_: WriteBucket, use_fsync: bool, compute_checksums: bool = True
+        transforms: Any,
+        write_bucket_: WriteBucket,
+        use_fsync: bool,
+        compute_checksums: bool = True,
+        open_bucket_file: OpenBucketFile = BucketFile,
     ) -> List[WriteResult]:
         """Write one staged bucket and return its results (a writer thread or process).
 
         Subclasses may override it (a fault-injecting writer in tests); it must stay a
-        static method so that the save function still pickles.
+        static method so that the save function still pickles. ``open_bucket_file`` is
+        passed only for object storage (``use_msc``).
         """
-        return write_bucket(transforms, write_bucket_, use_fsync, compute_checksums)
+        return write_bucket(transforms, write_bucket_, use_fsync, compute_checksums, open_bucket_file)
 
     @staticmethod
     def write_preloaded_data_multithread(

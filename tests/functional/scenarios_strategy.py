@@ -126,16 +126,16 @@ def _load_megatron(ctx, path, scale_template=0.0, extra_key=False):
     return dist_checkpointing.load(_model_state(ctx, scale_template, extra_key), path)
 
 
-def _load_dcp(path, ws: int):
-    """Load every tensor whole, and every object, with plain PyTorch DCP."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+def _load_dcp(path, ws: int, reader_type=dcp.FileSystemReader):
+    """Load every tensor whole, and every object, with plain PyTorch DCP (and ``reader_type``)."""
+    metadata = reader_type(path).read_metadata()
     state = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             state[key] = io.BytesIO()
         else:
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=reader_type(path))
     return state
 
 

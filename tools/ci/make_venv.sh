@@ -52,6 +52,7 @@ PYEOF
     pip_quiet install --no-deps "triton==3.8.0"
     ;;
 esac
-pip_quiet install -e "$REPO_ROOT[test]"
+# msc: object storage (use_msc); the test extra adds moto's S3 server for the loopback tests
+pip_quiet install -e "$REPO_ROOT[test,msc]"
 "$PY" -W ignore -c "import megatron.core, megatron_async.mcore.generation as g, torch; \
 print('venv', '$VENV_DIR', 'megatron-core', megatron.core.__version__, g.GENERATION, 'torch', torch.__version__)"

@@ -1,0 +1,60 @@
+"""The multi-storage-client import and URL resolution (any process).
+
+MSC is an optional dependency: everything that needs it calls :func:`import_msc`, which
+raises :class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the extra to
+install. Storage clients come from MSC's own per-profile cache, which MSC rebuilds after
+a fork, so a forked writer never shares the trainer's connections.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Tuple
+
+from megatron_async.errors import ObjectStoreUnavailableError
+from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+
+__all__ = ["MSC_EXTRA_HINT", "import_msc", "msc_available", "resolve"]
+
+logger = logging.getLogger(__name__)
+
+MSC_EXTRA_HINT = "pip install megatron-async[msc]"
+"""What to run when object storage is asked for without multi-storage-client."""
+
+
+def import_msc() -> Any:
+    """Return the ``multistorageclient`` module.
+
+    Raises:
+        ObjectStoreUnavailableError: it is not installed; the message names the extra.
+    """
+    try:
+        import multistorageclient
+    except ImportError as exc:
+        raise ObjectStoreUnavailableError(
+            "object storage (use_msc=True or an msc:// path) needs NVIDIA's "
+            f"multi-storage-client: {MSC_EXTRA_HINT} ({exc})"
+        ) from exc
+    return multistorageclient
+
+
+def msc_available() -> bool:
+    """Whether multi-storage-client can be imported."""
+    try:
+        import_msc()
+    except ObjectStoreUnavailableError:
+        return False
+    return True
+
+
+def resolve(url: str) -> Tuple[Any, str]:
+    """Return ``(storage_client, path_in_profile)`` of an ``msc://`` URL.
+
+    Raises:
+        ObjectStoreUnavailableError: multi-storage-client is not installed.
+        ValueError: ``url`` is not an ``msc://`` URL.
+    """
+    if not is_object_url(url):
+        raise ValueError(f"{url!r} is not an msc:// URL")
+    msc = import_msc()
+    return msc.resolve_storage_client(normalize_checkpoint_path(url))

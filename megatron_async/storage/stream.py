@@ -1,0 +1,207 @@
+"""Stream one bucket into an object store as it is written (background writer).
+
+:func:`open_object_bucket_file` is the ``open_bucket_file`` of
+:func:`megatron_async.writer.bucket_io.write_bucket` when the checkpoint is an ``msc://``
+URL. It returns a :class:`~megatron_async.writer.bucket_io.BucketFile` whose bytes go
+to the store instead of a local file, so everything else (DCP's byte layout, the xxh3
+digest of every item while it passes) is the same code as on POSIX:
+
+* an S3-compatible profile gets an :class:`S3MultipartBucketFile`: bytes are gathered
+  into parts of ``part_bytes`` and each full part is uploaded at once (a multipart
+  upload, started with the first full part); memory per bucket stays about one part,
+  and nothing is staged on local disk. A bucket smaller than one part is one PUT.
+  ``finish`` completes the upload: the object exists only once the store acknowledged
+  every part. Closing the file before that aborts the upload, so no part is left
+  behind by a failed save (a killed process leaves its parts to the bucket's lifecycle
+  rule for incomplete multipart uploads);
+* a POSIX profile gets a plain local :class:`BucketFile` on the profile's directory.
+
+The boto3 client is the one MSC built for the profile (its endpoint, credentials,
+timeouts and retries); MSC keeps one per process and rebuilds it after a fork.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, Dict, List, Optional
+
+from megatron_async.errors import ObjectStoreError
+from megatron_async.storage.client import resolve
+from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
+from megatron_async.writer.bucket_io import BucketFile, OpenBucketFile
+
+__all__ = [
+    "DEFAULT_PART_BYTES",
+    "MIN_PART_BYTES",
+    "S3MultipartBucketFile",
+    "open_object_bucket_file",
+    "object_bucket_opener",
+]
+
+logger = logging.getLogger(__name__)
+
+
+_ADVICE = (
+    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
+    "accepted and its bucket must exist"
+)
+
+
+class S3MultipartBucketFile(BucketFile):
+    """A bucket streamed to one S3 object (background writer; one thread per object).
+
+    Args:
+        s3_client: a boto3 S3 client.
+        bucket: the S3 bucket.
+        key: the object key.
+        url: the ``msc://`` URL, for messages.
+        hashing: hash every item (see :class:`BucketFile`).
+        part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`).
+    """
+
+    def __init__(
+        self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int
+    ):
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be >= {MIN_PART_BYTES} (S3's minimum), got {part_bytes}")
+        self._start_stream(hashing)
+        self._advise = False  # no page cache to drop
+        self._s3 = s3_client
+        self._bucket = bucket
+        self._key = key
+        self._url = url
+        self._part_bytes = part_bytes
+        self._part = bytearray()
+        self._upload_id: Optional[str] = None
+        self._parts: List[Dict[str, Any]] = []
+        self._completed = False
+
+    # -- BucketFile's output hooks -----------------------------------------------------
+
+    def _writev(self, pieces: List[Any]) -> int:
+        """Take every piece into the current part; upload each part that fills up."""
+        taken = 0
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            start = 0
+            while start < view.nbytes:
+                room = self._part_bytes - len(self._part)
+                chunk = view[start:start + room]
+                self._part += chunk
+                start += chunk.nbytes
+                if len(self._part) >= self._part_bytes:
+                    self._upload_part()
+            taken += view.nbytes
+        return taken
+
+    def finish(self, use_fsync: bool) -> None:
+        """Upload what is left and complete the object; it exists once this returns.
+
+        ``use_fsync`` has no meaning here: the store acknowledges a part or the object
+        only once it holds it durably.
+        """
+        self._write_pending()
+        if self._upload_id is None:
+            body = bytes(self._part)
+            self._request("PUT", lambda: self._s3.put_object(Bucket=self._bucket, Key=self._key, Body=body))
+        else:
+            if self._part:
+                self._upload_part()
+            parts = {"Parts": self._parts}
+            self._request(
+                "completing the multipart upload of",
+                lambda: self._s3.complete_multipart_upload(
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload=parts
+                ),
+            )
+        self._part = bytearray()
+        self._completed = True
+
+    def close(self) -> None:
+        """Abort an unfinished multipart upload (best effort: the save fails anyway)."""
+        self._part = bytearray()
+        if self._completed or self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        try:
+            self._s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+        except Exception as exc:  # cleanup after a failure that is reported already
+            logger.warning(
+                "aborting the multipart upload of %s failed (%s); the bucket's lifecycle rule "
+                "for incomplete uploads will remove its parts",
+                self._url,
+                exc,
+            )
+
+    # -- the store ---------------------------------------------------------------------
+
+    def _upload_part(self) -> None:
+        if self._upload_id is None:
+            response = self._request(
+                "starting a multipart upload of",
+                lambda: self._s3.create_multipart_upload(Bucket=self._bucket, Key=self._key),
+            )
+            self._upload_id = response["UploadId"]
+        number = len(self._parts) + 1
+        body = bytes(self._part)
+        self._part = bytearray()
+        response = self._request(
+            f"uploading part {number} of",
+            lambda: self._s3.upload_part(
+                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=body
+            ),
+        )
+        self._parts.append({"ETag": response["ETag"], "PartNumber": number})
+
+    def _request(self, what: str, call: Any) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            raise ObjectStoreError(
+                f"{what} {self._url} failed: {type(exc).__name__}: {exc}; {_ADVICE}"
+            ) from exc
+
+
+def _s3_target(client: Any, path: str):
+    """``(boto3 client, bucket, key)`` of an S3-compatible profile, or None for another kind.
+
+    MSC does not expose its boto3 client publicly; this is the one place that reaches
+    into it (multi-storage-client 1.x: ``StorageClient.delegate._storage_provider``).
+    """
+    from multistorageclient.providers.s3 import S3StorageProvider
+
+    delegate = getattr(client, "delegate", client)
+    provider = getattr(delegate, "_storage_provider", None)
+    if not isinstance(provider, S3StorageProvider):
+        return None
+    full = provider._prepend_base_path(path).lstrip("/")
+    bucket, _, key = full.partition("/")
+    return provider._s3_client, bucket, key
+
+
+def open_object_bucket_file(
+    url: str, hashing: bool, part_bytes: int = DEFAULT_PART_BYTES
+) -> BucketFile:
+    """Open the output of one bucket at ``url`` (background writer).
+
+    Raises:
+        ObjectStoreUnavailableError: multi-storage-client is not installed.
+        ObjectStoreError: the profile is neither S3-compatible nor POSIX.
+    """
+    client, path = resolve(url)
+    local = client.get_posix_path(path)
+    if local is not None:
+        return BucketFile(local, hashing)
+    target = _s3_target(client, path)
+    if target is None:
+        raise ObjectStoreError(
+            f"{url}: the profile's storage provider cannot be streamed to; async saves to "
+            "object storage support S3-compatible profiles (type s3, s8k, ...) and POSIX ones"
+        )
+    return S3MultipartBucketFile(*target, url, hashing, part_bytes)
+
+
+def object_bucket_opener(part_bytes: int = DEFAULT_PART_BYTES) -> OpenBucketFile:
+    """The ``open_bucket_file`` for ``msc://`` checkpoints (a partial: it pickles)."""
+    return partial(open_object_bucket_file, part_bytes=part_bytes)

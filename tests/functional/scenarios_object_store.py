@@ -1,0 +1,173 @@
+"""Async saves to an S3-compatible store on loopback; run by test_object_store.py.
+
+The test process starts the store (tests/object_store.py) and writes the MSC profiles
+(``MSC_CONFIG``); every scenario here runs on 2 gloo ranks and saves to ``msc://`` URLs
+with ``TorchDistAsyncSaveStrategy(use_msc=True)``. Checkpoints are read back with stock
+megatron-core (its MSC support: ``dist_checkpointing.load`` on an ``msc://`` URL) and
+with plain DCP through multi-storage-client's ``MultiStorageFileSystemReader``.
+
+The faults hit rank 1 only, through a profile of its own that reaches the same bucket
+another way (a proxy that drops the connection mid-upload, a closed port) or not at all
+(refused credentials, a bucket that does not exist). Rank 0 saves to the healthy store,
+where the completion markers would appear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+from megatron_async import cli
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.integrity.verify import verify_checkpoint_integrity
+from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError
+from megatron_async.format import has_completion_markers
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+from megatron_async.storage.objects import object_exists
+from tests.functional.harness import RankContext, for_both_callers, only_selected, run_scenarios
+from tests.functional.scenarios_strategy import _assert_equal_states, _global_tensors, _model_state
+from tests.functional.scenarios_strategy import _load_dcp as load_with_dcp
+
+PART_BYTES = 5 << 20
+BIG_NUMEL = (6 << 20) // 4
+"""6 MiB of float32 per rank: more than one part, so every save is a multipart upload."""
+
+_QUEUES = {}
+
+
+def _queue(persistent: bool) -> AsyncCallsQueue:
+    if persistent not in _QUEUES:
+        _QUEUES[persistent] = AsyncCallsQueue(persistent=persistent)
+    return _QUEUES[persistent]
+
+
+def _state(ctx: RankContext, scale: float):
+    state = _model_state(ctx, scale)
+    big = torch.arange(BIG_NUMEL, dtype=torch.float32) * scale + ctx.rank
+    state["big"] = ShardedTensor.from_rank_offsets("big", big, (0, ctx.rank, ctx.world_size))
+    return state
+
+
+def _strategy() -> TorchDistAsyncSaveStrategy:
+    return TorchDistAsyncSaveStrategy(use_msc=True, object_part_bytes=PART_BYTES, thread_count=2)
+
+
+def _url(ctx: RankContext, name: str) -> str:
+    return f"msc://{ctx.options['profile']}/{ctx.options['run']}/{name}"
+
+
+def _load_dcp(url: str):
+    """Plain DCP through multi-storage-client's reader."""
+    from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemReader
+
+    return load_with_dcp(url, None, reader_type=MultiStorageFileSystemReader)
+
+
+def _check_loads_back(ctx: RankContext, url: str, scale: float) -> None:
+    """Stock megatron-core and plain DCP both read the state of ``scale`` back from ``url``."""
+    assert has_completion_markers(url), f"{url} is not marked complete"
+    expected = _state(ctx, scale)
+    loaded = dist_checkpointing.load(_state(ctx, 0.0), url)
+    _assert_equal_states(loaded, expected, "megatron")
+    by_dcp = _load_dcp(url)
+    for key, tensor in _global_tensors(ctx.world_size, scale).items():
+        assert torch.equal(by_dcp[key], tensor), ("dcp", key)
+    whole_big = torch.cat([_state(ctx, scale)["big"].data - ctx.rank + r for r in range(ctx.world_size)])
+    assert torch.equal(by_dcp["big"], whole_big), "dcp: big"
+
+
+def _save(ctx: RankContext, url: str, scale: float, persistent: bool, mutate: bool = False) -> None:
+    state = _state(ctx, scale)
+    request = dist_checkpointing.save(state, url, sharded_strategy=_strategy(), async_sharded_save=True)
+    _queue(persistent).schedule_async_request(request)
+    if mutate:  # the trainer's next step, right after scheduling returns
+        for value in state.values():
+            if isinstance(value, ShardedTensor) and value.data.numel() and value.data.is_floating_point():
+                value.data.add_(1000.0)
+    _queue(persistent).maybe_finalize_async_calls(blocking=True)
+
+
+# -- scenarios -----------------------------------------------------------------------------
+
+
+def save_and_load_back(ctx: RankContext, persistent: bool) -> None:
+    """Multipart uploads from both ranks; megatron-core and DCP read the state back equal."""
+    url = _url(ctx, f"good-{persistent}")
+    _save(ctx, url, 1.0, persistent)
+    _check_loads_back(ctx, url, 1.0)
+    verify_checkpoint_integrity(url)  # our checksums, re-hashed from the store by every rank
+    if ctx.rank == 0:
+        assert cli.main(["verify", url]) == 0
+        assert cli.main(["inspect", url]) == 0
+
+
+def snapshot_after_scheduling(ctx: RankContext, persistent: bool) -> None:
+    """Tensors changed right after scheduling do not reach the store."""
+    url = _url(ctx, f"snapshot-{persistent}")
+    _save(ctx, url, 2.0, persistent, mutate=True)
+    _check_loads_back(ctx, url, 2.0)
+
+
+def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, expect: str) -> None:
+    """Save with rank 1 on ``faulty_profile``: an error on every rank, nothing complete,
+    no multipart upload left open, and the previous checkpoint still loads."""
+    previous = _url(ctx, f"previous-{persistent}")
+    if not has_completion_markers(previous):
+        _save(ctx, previous, 3.0, persistent)
+    good = _url(ctx, name)
+    url = good if ctx.rank != 1 else f"msc://{faulty_profile}/{ctx.options['run']}/{name}"
+    # The strategy directly (no common.pt: megatron-core writes that on rank 0 alone,
+    # before any strategy runs, so a store that refuses it fails rank 0 only).
+    sharded = {k: v for k, v in _state(ctx, 4.0).items() if isinstance(v, (ShardedTensor, ShardedObject))}
+    try:
+        # A store that cannot be reached at all fails DCP's planning step (it looks for an
+        # existing .metadata): a CheckpointValidationError on every rank, nothing written.
+        request = _strategy().async_save(sharded, url)
+        _queue(persistent).schedule_async_request(request)
+        _queue(persistent).maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        assert set(exc.failures) == {1}, exc.failures
+        assert expect in str(exc), str(exc)
+    except CheckpointValidationError as exc:
+        assert "rank 1" in str(exc) and expect in str(exc), str(exc)
+    else:
+        raise AssertionError(f"rank {ctx.rank}: the save with a faulty store on rank 1 succeeded")
+    dist.barrier()
+    assert not object_exists(os.path.join(good, ".metadata")), f"{good} has a .metadata"
+    assert not has_completion_markers(good)
+    _check_loads_back(ctx, previous, 3.0)
+
+
+def server_stopped_mid_upload(ctx: RankContext, persistent: bool) -> None:
+    _fault(ctx, f"dropped-{persistent}", f"dropping_{persistent}", persistent, "Worker failure")
+
+
+def endpoint_down(ctx: RankContext, persistent: bool) -> None:
+    _fault(ctx, f"down-{persistent}", "down", persistent, "Could not connect to the endpoint")
+
+
+def credentials_refused(ctx: RankContext, persistent: bool) -> None:
+    _fault(ctx, f"badauth-{persistent}", "badauth", persistent, "403")
+
+
+def missing_bucket(ctx: RankContext, persistent: bool) -> None:
+    _fault(ctx, f"nobucket-{persistent}", "nobucket", persistent, "NoSuchBucket")
+
+
+SCENARIOS = {
+    **for_both_callers(save_and_load_back, snapshot_after_scheduling),
+    **for_both_callers(server_stopped_mid_upload),
+    **{k: v for k, v in for_both_callers(endpoint_down, credentials_refused, missing_bucket).items() if "temporal" in k},
+}
+
+
+def run_all(ctx: RankContext):
+    try:
+        return run_scenarios(ctx, only_selected(ctx, SCENARIOS))
+    finally:
+        for queue in _QUEUES.values():
+            queue.close()

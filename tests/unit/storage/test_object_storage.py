@@ -1,0 +1,146 @@
+"""Object storage pieces on a loopback S3 endpoint: streaming, multipart, abort, errors."""
+
+import os
+import sys
+
+import pytest
+
+from megatron_async.errors import CheckpointValidationError, ObjectStoreError, ObjectStoreUnavailableError
+from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from tests.object_store import LoopbackS3Server, object_store_skip_reason, s3_client, write_msc_config
+
+BUCKET = "unit"
+PART = 5 << 20
+
+needs_store = pytest.mark.skipif(object_store_skip_reason() is not None, reason=str(object_store_skip_reason()))
+
+
+def test_urls_keep_their_profile_and_local_paths_become_absolute():
+    assert normalize_checkpoint_path("msc://p/run/iter_1/") == "msc://p/run/iter_1"
+    assert normalize_checkpoint_path(os.fspath(__import__("pathlib").Path("msc://p/x"))) == "msc://p/x"
+    assert normalize_checkpoint_path("rel") == os.path.abspath("rel")
+    assert is_object_url("msc://p/x") and not is_object_url("/tmp/x")
+
+
+def test_use_msc_without_the_extra_names_it(monkeypatch):
+    from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+    monkeypatch.setitem(sys.modules, "multistorageclient", None)  # import fails
+    with pytest.raises(ObjectStoreUnavailableError, match=r"pip install megatron-async\[msc\]"):
+        FileSystemWriterAsync("msc://p/x", use_msc=True)
+    from megatron_async.mcore.config import TorchDistSaveConfig
+
+    with pytest.raises(ObjectStoreUnavailableError, match=r"megatron-async\[msc\]"):
+        TorchDistSaveConfig(use_msc=True)
+
+
+def test_an_object_url_without_use_msc_is_refused():
+    from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+    with pytest.raises(CheckpointValidationError, match="use_msc=True"):
+        FileSystemWriterAsync("msc://p/x")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    reason = object_store_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("store")
+    server = LoopbackS3Server(str(tmp / "moto.log")).start()
+    try:
+        client = s3_client(server.endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        config = write_msc_config(
+            str(tmp / "msc.json"),
+            {
+                "unit": {"endpoint": server.endpoint, "bucket": BUCKET},
+                "unit_nobucket": {"endpoint": server.endpoint, "bucket": "missing"},
+            },
+        )
+        old = os.environ.get("MSC_CONFIG")
+        os.environ["MSC_CONFIG"] = config
+        yield client
+    finally:
+        if "config" in locals():
+            if old is None:
+                os.environ.pop("MSC_CONFIG", None)
+            else:
+                os.environ["MSC_CONFIG"] = old
+        server.stop()
+
+
+def _open(url):
+    from megatron_async.storage.stream import open_object_bucket_file
+
+    return open_object_bucket_file(url, True, part_bytes=PART)
+
+
+@needs_store
+def test_a_large_bucket_is_a_multipart_upload_hashed_on_the_way(store):
+    from megatron_async.integrity import checksums
+    from megatron_async.storage.objects import read_object
+
+    data = os.urandom(PART * 2 + 12345)
+    out = _open("msc://unit/stream/big.distcp")
+    out.start_item()
+    out.append(memoryview(data)[:1000], memoryview(data)[1000:])
+    digest = out.finish_item()
+    out._write_pending()
+    assert len(store.list_multipart_uploads(Bucket=BUCKET)["Uploads"]) == 1  # streaming, not buffered
+    out.finish(True)
+    out.close()
+    assert read_object("msc://unit/stream/big.distcp") == data
+    hasher = checksums.new_hasher()
+    hasher.update(data)
+    assert digest == hasher.hexdigest()
+    assert not store.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+@needs_store
+def test_a_small_bucket_is_one_put(store):
+    from megatron_async.storage.objects import read_object
+
+    out = _open("msc://unit/stream/small.distcp")
+    out.append(b"abc", b"def")
+    out.finish(True)
+    out.close()
+    assert read_object("msc://unit/stream/small.distcp") == b"abcdef"
+
+
+@needs_store
+def test_closing_an_unfinished_upload_aborts_it(store):
+    from megatron_async.storage.objects import object_exists
+
+    out = _open("msc://unit/stream/aborted.distcp")
+    out.append(os.urandom(PART + 1))
+    out._write_pending()
+    assert store.list_multipart_uploads(Bucket=BUCKET)["Uploads"]
+    out.close()
+    assert not store.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    assert not object_exists("msc://unit/stream/aborted.distcp")
+
+
+@needs_store
+def test_a_missing_bucket_is_an_object_store_error_naming_the_url(store):
+    out = _open("msc://unit_nobucket/x/file.distcp")
+    out.append(b"x")
+    with pytest.raises(ObjectStoreError, match="msc://unit_nobucket/x/file.distcp"):
+        out.finish(True)
+    out.close()
+
+
+@needs_store
+def test_small_objects_listing_and_completion_markers(store):
+    from megatron_async.format import has_completion_markers, remove_completion_markers, write_atomically
+    from megatron_async.storage.objects import list_children
+
+    url = "msc://unit/ckpt/iter_0000001"
+    assert not has_completion_markers(url)
+    write_atomically(url + "/.metadata", b"m")
+    write_atomically(url + "/metadata.json", "{}")
+    assert has_completion_markers(url)
+    assert [name for name, _ in list_children(url)] == [".metadata", "metadata.json"]
+    assert list_children("msc://unit/ckpt") == [("iter_0000001", True)]
+    assert sorted(remove_completion_markers(url)) == [".metadata", "metadata.json"]
+    assert not has_completion_markers(url)
