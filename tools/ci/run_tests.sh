@@ -8,6 +8,9 @@
 # 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults, the
 #    nvidia-resiliency-ext module surface with megatron-core's stock strategy, and two GPT
 #    example resume runs: both callers, distributed optimizer, PP 2, fully parallel save).
+# 3. megatron-core 0.17.1 and 0.18.2 (the generation in between: no registry, but still a
+#    common.pt written by a plain function): the strategy-config unit tests and the strategy
+#    scenarios that differ between generations, at 2 ranks.
 # Every environment is created anew under .venv-ci/, so nothing installed by hand on the
 # machine can hide a missing install step. Exits non-zero when any test fails.
 set -euo pipefail
@@ -18,6 +21,8 @@ mkdir -p "$ENVS"
 
 bash tools/ci/make_venv.sh "$ENVS/mcore016" 0.16.1
 bash tools/ci/make_venv.sh "$ENVS/mcore019" 0.19.2
+bash tools/ci/make_venv.sh "$ENVS/mcore017" 0.17.1
+bash tools/ci/make_venv.sh "$ENVS/mcore018" 0.18.2
 
 echo "== megatron-core 0.16.1: full suite =="
 MEGATRON_ASYNC_OTHER_GENERATION_PYTHON="$ENVS/mcore019/bin/python" \
@@ -33,3 +38,12 @@ PATH="$ENVS/mcore019/bin:$PATH" \
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
     tests/functional/test_pretrain_gpt.py -k "resume_reproduces and (fullyparallel or pp2)"
+
+for version in 017 018; do
+    echo "== megatron-core ${version:0:1}.${version:1}: strategy config, generation-specific scenarios =="
+    PATH="$ENVS/mcore$version/bin:$PATH" \
+        "$ENVS/mcore$version/bin/python" -m pytest -q -p no:cacheprovider \
+        tests/unit/mcore tests/functional/test_strategy.py \
+        -k "not 4ranks and (not test_scenario or stock_save or second_save or megatron_lm \
+            or integrity or async_equals or fully_parallel or cached_metadata)"
+done
