@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "StorageWriteError",
     "StagingMemoryError",
+    "StagingRaceError",
     "UnsupportedMegatronError",
     "RankFailure",
     "AsyncSaveFailedError",
@@ -78,6 +79,10 @@ class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):
     """Host memory for staging a checkpoint (shared memory) could not be allocated."""
+
+
+class StagingRaceError(AsyncCheckpointError):
+    """A saved tensor changed before overlapped staging had copied it; the save fails."""
 
 
 class StorageWriteError(AsyncCheckpointError):

@@ -280,6 +280,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             use_cached_data_structure=cfg.use_cached_data_structure,
             write_timeout_s=cfg.write_timeout_s,
             staging_cache=self.staging_cache,
+            overlap_staging=cfg.overlap_staging,
         )
 
     def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
