@@ -47,6 +47,7 @@ from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
+from megatron_async.staging.overlapped import refuse_overlap_param_gather
 
 __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
 
@@ -353,15 +354,20 @@ class Checkpointer:
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
             strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
+            options = {}
             if self.args.ckpt_assume_constant_structure:
-                # A configured copy: the registered instance is shared process-wide.
                 # Reuse the plans and metadata of the first save, and its staging buffers.
+                options.update(cached_metadata=True, use_cached_data_structure=True)
+            if self.args.ckpt_overlap_staging and self.args.async_save:
+                # The copy overlaps the next forward/backward; the optimizer step waits.
+                refuse_overlap_param_gather([self.model, self.optimizer])
+                options.update(overlap_staging=True)
+            if options:
+                # A configured copy: the registered instance is shared process-wide.
                 strategy = type(strategy)(
                     strategy.backend,
                     strategy.version,
-                    config=dataclasses.replace(
-                        strategy.config, cached_metadata=True, use_cached_data_structure=True
-                    ),
+                    config=dataclasses.replace(strategy.config, **options),
                 )
             if self.args.ckpt_fully_parallel_save:
                 strategy = FullyParallelSaveStrategyWrapper(
