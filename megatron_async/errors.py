@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "StorageWriteError",
     "StagingMemoryError",
+    "StagingRaceError",
     "UnsupportedMegatronError",
     "ModuleSurfaceConflictError",
     "ObjectStoreUnavailableError",
@@ -93,6 +94,10 @@ class ObjectStoreUnavailableError(AsyncCheckpointError, ImportError):
 
 class ObjectStoreError(AsyncCheckpointError, OSError):
     """An object store refused or failed a request (endpoint down, credentials, bucket)."""
+
+
+class StagingRaceError(AsyncCheckpointError):
+    """A saved tensor changed before overlapped staging had copied it; the save fails."""
 
 
 class StorageWriteError(AsyncCheckpointError):

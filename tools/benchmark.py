@@ -31,6 +31,13 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from bench.lost_time_run import (
+    LostTimeOptions,
+    add_lost_time_arguments,
+    lost_time_options,
+    measure_lost_time,
+    render_lost_time,
+)
 from bench.config import (
     ALL_VARIANTS,
     MCORE_VARIANTS,
@@ -40,6 +47,9 @@ from bench.config import (
     format_num_bytes,
     parse_num_bytes,
 )
+
+LOST_TIME = LostTimeOptions()
+"""The ``--lost-time*`` options of this run (set by :func:`parse_args`)."""
 
 _SCALING_VARIANTS = ("ours_temporal", "ours_persistent", "dcp_async_thread")
 
@@ -90,10 +100,13 @@ def parse_args(argv=None) -> Tuple[BenchConfig, Optional[str]]:
     parser.add_argument("--from-results", default=None, metavar="RESULTS_JSON",
                         help="measure nothing: redo the targets, tables and plots of an earlier "
                         "run's results.json into --out")
+    add_lost_time_arguments(parser)
     args = parser.parse_args(argv)
     if args.from_results is not None:
         return BenchConfig(out_dir=args.out), args.from_results
     try:
+        global LOST_TIME
+        LOST_TIME = lost_time_options(args)
         return BenchConfig(
             ranks=args.ranks, bytes_per_rank=args.bytes_per_rank,
             tensor_counts=args.tensor_counts, saves=args.saves,
@@ -243,6 +256,12 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
 
     started = time.monotonic()
     host = _host_info()
+    if LOST_TIME.mode == "only":
+        lost = _measure_lost_time(config)
+        host["load_average_end"] = os.getloadavg()
+        host["elapsed_s"] = time.monotonic() - started
+        return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                "config": dataclasses.asdict(config), "host": host, "lost_time": lost}
     print(f"benchmark: {config.ranks} ranks, {format_num_bytes(config.bytes_per_rank)}/rank, "
           f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
           f"({config.memory_saves} for ours), load average "
@@ -296,6 +315,8 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
                 runner.run(variant, "synthetic", ranks, config.scaling_count,
                            config.scaling_bytes, config.saves, "ranks")
 
+    lost = _measure_lost_time(config) if LOST_TIME.mode == "on" else None
+
     # Measured again at the end: the machine and disk may be shared, so the best of the two
     # is taken as the limit.
     limits_end = _measure_limits(config, "end")
@@ -309,7 +330,14 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
         "runs": runner.runs,
         "checksums": checksums,
         "gpt": gpt,
+        **({"lost_time": lost} if lost is not None else {}),
     }
+
+
+def _measure_lost_time(config: BenchConfig) -> Dict[str, Any]:
+    """The lost-time launches (see ``bench/lost_time.py``), logged under ``OUT/logs``."""
+    return measure_lost_time(LOST_TIME, config.checkpoint_root, config.launch_timeout_s,
+                             config.threads_per_rank, lambda tag: _log_path(config, tag, True))
 
 
 def _config_of(results: Dict[str, Any], out_dir: str) -> BenchConfig:
@@ -322,6 +350,11 @@ def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
     """Evaluate the targets, draw the plots, write results.json and report.md, print."""
     from bench import report
 
+    if "runs" not in results:  # --lost-time-only
+        lines = _lost_time_header(results) + render_lost_time(results["lost_time"],
+                                                              config.out_dir)
+        _write_report(config, results, "\n".join(lines))
+        return
     measured = results["limits_measured"]
     limits = report.combine_limits([measured["start"], measured["end"]])
     variants = {run["variant"] for run in results["runs"]}
@@ -330,13 +363,29 @@ def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
         results["runs"], limits, config.ranks, [v for v in OUR_VARIANTS if v in variants])
     results["plots"] = report.draw_plots(results["runs"], limits, config.ranks, config.out_dir)
     markdown = _render_markdown(config, results, report)
+    if "lost_time" in results:
+        markdown += "\n" + "\n".join(render_lost_time(results["lost_time"], config.out_dir))
+    _write_report(config, results, markdown)
+
+
+def _lost_time_header(results: Dict[str, Any]) -> List[str]:
+    host = results["host"]
+    load = {when: ", ".join(f"{v:.2f}" for v in host[f"load_average_{when}"])
+            for when in ("start", "end")}
+    return [f"Load average (1, 5, 15 min) at start {load['start']}, at end {load['end']}; "
+            f"{host['cpu_count']} CPUs; torch {host['torch']}, "
+            f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", ""]
+
+
+def _write_report(config: BenchConfig, results: Dict[str, Any], markdown: str) -> None:
+    """Write report.md and results.json, and print the report."""
     with open(os.path.join(config.out_dir, "report.md"), "w") as f:
         f.write(markdown)
     with open(os.path.join(config.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    plots = len(results.get("plots", [])) + len(results.get("lost_time", {}).get("plots", []))
     print(markdown)
-    print(f"wrote {config.out_dir}/results.json, report.md and {len(results['plots'])} plot(s)",
-          flush=True)
+    print(f"wrote {config.out_dir}/results.json, report.md and {plots} plot(s)", flush=True)
 
 
 def main(argv=None) -> int:

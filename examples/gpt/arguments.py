@@ -61,6 +61,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="one long-lived background process instead of a fork per save")
     ckpt.add_argument("--ckpt-assume-constant-structure", action="store_true",
                       help="reuse the save plan of the first save for later ones")
+    ckpt.add_argument("--ckpt-overlap-staging", action="store_true",
+                      help="with --async-save: the save returns after planning and the host "
+                      "copy runs while the next forward/backward runs (the optimizer step "
+                      "waits for it)")
     ckpt.add_argument("--ckpt-fully-parallel-save", action="store_true",
                       help="spread replicated shards over the data-parallel ranks")
     ckpt.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",

@@ -48,6 +48,7 @@ from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
+from megatron_async.staging.overlapped import refuse_overlap_param_gather
 
 __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
 
@@ -353,7 +354,12 @@ class Checkpointer:
     def _save_strategy(self):
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
-            strategy = TorchDistAsyncSaveStrategy()
+            options = {}
+            if self.args.ckpt_overlap_staging and self.args.async_save:
+                # The copy overlaps the next forward/backward; the optimizer step waits.
+                refuse_overlap_param_gather([self.model, self.optimizer])
+                options.update(overlap_staging=True)
+            strategy = TorchDistAsyncSaveStrategy(**options)
             if self.args.ckpt_assume_constant_structure:
                 # Megatron-LM's switch: reuse the first save's plans, metadata and
                 # staging buffers while the structure is unchanged.

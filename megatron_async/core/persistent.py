@@ -16,7 +16,12 @@ from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, start_worker_process
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
+from megatron_async.core.request import (
+    STAGED_ARG_INDEX,
+    AsyncRequest,
+    release_staged_data,
+    start_background_copy,
+)
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["PersistentAsyncCaller"]
@@ -213,6 +218,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
         self.process.send((idx, encoded, _current_cuda_device()))
+        start_background_copy(staged)  # overlapped staging: the worker waits for it
 
     def _wait_until_ready(self, idx: int) -> bool:
         """Wait (bounded by ``staging_timeout_s``) until a newly started worker is up.

@@ -8,7 +8,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.errors import FrozenRequestError, RankFailure
 
-__all__ = ["AsyncRequest", "STAGED_ARG_INDEX", "release_staged_data", "run_staging_and_async_fn"]
+__all__ = [
+    "AsyncRequest",
+    "STAGED_ARG_INDEX",
+    "release_staged_data",
+    "run_staging_and_async_fn",
+    "start_background_copy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +108,19 @@ def release_staged_data(staged: Any) -> None:
         release()
 
 
+def start_background_copy(staged: Any) -> None:
+    """Start the copy of staged data whose staging was only prepared (trainer side).
+
+    Overlapped staging (:mod:`megatron_async.staging.overlapped`) leases the buffers in
+    ``preload_fn`` and copies in a background thread; callers call this once the request
+    is handed to its background writer (after the fork, after the send), so that
+    nothing copies while the process forks. Other staged data is left alone.
+    """
+    start = getattr(staged, "start_background_copy", None)
+    if callable(start):
+        start()
+
+
 def run_staging_and_async_fn(request: AsyncRequest) -> None:
     """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
     args = list(request.async_fn_args)
@@ -110,6 +129,7 @@ def run_staging_and_async_fn(request: AsyncRequest) -> None:
         staged = request.preload_fn()
         if len(args) > STAGED_ARG_INDEX:
             args[STAGED_ARG_INDEX] = staged
+        start_background_copy(staged)
     try:
         if request.async_fn is not None:
             request.async_fn(*args, **(request.async_fn_kwargs or {}))

@@ -20,7 +20,12 @@ from megatron_async.core.process_lifetime import (
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
+from megatron_async.core.request import (
+    STAGED_ARG_INDEX,
+    AsyncRequest,
+    release_staged_data,
+    start_background_copy,
+)
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
@@ -120,6 +125,7 @@ class TemporalAsyncCaller(AsyncCaller):
             return
         self.process = process
         self._status = CallStatus.running()
+        start_background_copy(self._staged)  # overlapped staging: the child waits for it
         logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
 
     def poll(self, call_idx: int) -> CallStatus:

@@ -52,6 +52,11 @@ class TorchDistSaveConfig:
     digests next to the data, for ``python -m megatron_async verify`` and
     :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
 
+    overlap_staging: bool = False
+    """Overlapped staging: scheduling returns after planning, and the host copy runs in a
+    background thread while the next forward/backward runs; the next optimizer step waits
+    for it (see :mod:`megatron_async.staging.overlapped` for the rules)."""
+
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     """Bound on the background writer's wait for its threads or processes."""
 

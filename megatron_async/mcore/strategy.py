@@ -284,6 +284,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             staging_cache=self.staging_cache,
             use_msc=cfg.use_msc,
             object_part_bytes=cfg.object_part_bytes,
+            overlap_staging=cfg.overlap_staging,
         )
 
     def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:

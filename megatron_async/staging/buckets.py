@@ -211,6 +211,7 @@ class StagedBuckets(list):
         self.lease = lease
         self._cache = cache
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
+        self.uncopied: List[tuple] = []  # (item, source, buffer) left to copy (copy_now=False)
 
     def release(self) -> None:
         """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
@@ -227,6 +228,7 @@ def stage_buckets(
     non_blocking: bool = True,
     cache_key: Optional[Hashable] = None,
     cache: Optional[StagingBufferCache] = None,
+    copy_now: bool = True,
 ) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
@@ -239,6 +241,9 @@ def stage_buckets(
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
         cache: where buffers are cached; :func:`default_staging_cache` when None.
+        copy_now: False only leases the buffers and leaves the copies to the caller:
+            ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
+            (overlapped staging, :mod:`megatron_async.staging.overlapped`).
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -265,7 +270,10 @@ def stage_buckets(
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
-            for source, buffer in zip(sources, buffers.tensors):
+            for (item, _), source, buffer in zip(tensor_data, sources, buffers.tensors):
+                if not copy_now:
+                    result.uncopied.append((item, source, buffer))
+                    continue
                 if source.device.type == "cuda":
                     cuda_sources.append(source)
                 buffer.copy_(source, non_blocking=non_blocking and source.device.type == "cuda")

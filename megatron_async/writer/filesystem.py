@@ -129,6 +129,9 @@ class FileSystemWriterAsync(FileSystemWriter):
             last (see :mod:`megatron_async.storage`). Needs the ``msc`` extra.
         object_part_bytes: with ``use_msc``, bytes per uploaded part (at least 5 MiB):
             about the memory each bucket's upload holds.
+        overlap_staging: ``preload_fn`` only leases the staging buffers; the copy runs in
+            a background thread of the trainer while training goes on, and ``save_fn``
+            waits for it (see :mod:`megatron_async.staging.overlapped`).
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
 
     Raises:
@@ -149,6 +152,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         checksums: bool = True,
         staging_cache: Optional[StagingBufferCache] = None,
         object_part_bytes: int = DEFAULT_PART_BYTES,
+        overlap_staging: bool = False,
         **kwargs: Any,
     ):
         if use_msc:
@@ -196,6 +200,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.write_timeout_s = float(write_timeout_s)
         self.checksums = bool(checksums)
         self.staging_cache = staging_cache
+        self.overlap_staging = bool(overlap_staging)
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -309,6 +314,8 @@ class FileSystemWriterAsync(FileSystemWriter):
             self.write_timeout_s,
             bucket_writer,
         )
+        if self.overlap_staging:
+            return self._overlapped_functions(save_fn)
         preload_fn = partial(
             self.preload_tensors,
             self.write_buckets,
@@ -317,6 +324,25 @@ class FileSystemWriterAsync(FileSystemWriter):
             staging_cache=self.staging_cache,
         )
         return save_fn, preload_fn, (coordination.get_rank(), None, self.results_file)
+
+    def _overlapped_functions(self, save_fn):
+        """``(save_fn, preload_fn, args)`` of overlapped staging: ``preload_fn`` leases the
+        buffers, a trainer thread copies, and ``save_fn`` waits for the copy first."""
+        from megatron_async.staging.overlapped import (
+            DEFAULT_STAGING_WAIT_S,
+            StagingGate,
+            stage_buckets_overlapped,
+            write_after_staging,
+        )
+
+        gate = StagingGate()
+        rank = coordination.get_rank()
+        preload_fn = partial(
+            stage_buckets_overlapped, gate, rank, self.write_buckets, True, self._staging_key,
+            self.staging_cache,
+        )
+        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
+        return save_fn, preload_fn, (rank, None, self.results_file)
 
     @staticmethod
     def preload_tensors(

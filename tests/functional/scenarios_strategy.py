@@ -40,6 +40,7 @@ from megatron_async.errors import (
     CheckpointValidationError,
 )
 from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.staging import overlapped
 from megatron_async.mcore.strategy import (
     TorchDistAsyncSaveStrategy,
     checkpoint_dirs_in_flight,
@@ -693,6 +694,64 @@ def second_save_into_a_directory_in_flight(ctx):
     _check_checkpoint(ctx, path, 12.0)
 
 
+def _mutate(state) -> None:
+    """The trainer's next step: change every saved tensor in place."""
+    for value in state.values():
+        if isinstance(value, ShardedTensor) and value.data.numel():
+            if value.data.dtype == torch.bool:
+                value.data.logical_not_()
+            else:
+                value.data.add_(1000)
+
+
+def overlapped_staging_update_after_the_guard(ctx, persistent):
+    """Overlapped staging: scheduling returns before the copy; an in-place update right
+    after the guarded point (the wait an optimizer step makes) leaves the checkpoint
+    equal to the state at scheduling."""
+    queue = _queue(persistent)
+    strategy = TorchDistAsyncSaveStrategy(overlap_staging=True, cached_metadata=True,
+                                          use_cached_data_structure=True)
+    for scale in (4.0, 5.0):  # the second save reuses the plans and staging buffers
+        path = _dir(ctx, f"overlapped-{persistent}-{scale}")
+        state = _model_state(ctx, scale)
+        request = dist_checkpointing.save(state, path, sharded_strategy=strategy,
+                                          async_sharded_save=True)
+        with overlapped.copies_held():
+            queue.schedule_async_request(request)
+            assert overlapped.staging_in_progress()  # nothing was copied while scheduling
+        overlapped.wait_for_staging()
+        _mutate(state)
+        queue.maybe_finalize_async_calls(blocking=True)
+        _check_checkpoint(ctx, path, scale)
+    assert strategy.last_save_reused_plans
+
+
+def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):
+    """An in-place update on one rank before the copy ran fails the save on every rank,
+    naming the tensor, and marks nothing complete."""
+    path = _dir(ctx, f"overlapped-race-{persistent}")
+    queue = _queue(persistent)
+    state = _model_state(ctx, 6.0)
+    request = dist_checkpointing.save(state, path, sharded_strategy=TorchDistAsyncSaveStrategy(
+        overlap_staging=True), async_sharded_save=True)
+    with overlapped.copies_held():
+        queue.schedule_async_request(request)
+        if ctx.rank == FAILING_RANK:
+            _mutate(state)
+    failures = None
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        failures = {rank: f for rank, f in exc.failures.items()}
+    assert failures is not None, "no AsyncSaveFailedError on this rank"
+    assert set(failures) == {FAILING_RANK}, failures
+    failure = failures[FAILING_RANK]
+    assert failure.exception_type.endswith("StagingRaceError"), failure
+    assert "saved tensor 'rows'" in failure.message and "wait_for_staging()" in failure.message
+    dist.barrier()
+    assert not set(os.listdir(path)) & {".metadata", "metadata.json"}
+
+
 def _timed(fn):
     """Make a scenario return its duration in seconds (to keep the launch within budget)."""
 
@@ -714,6 +773,8 @@ SCENARIOS = {
         empty_shards_of_uneven_splits,
         write_failure_on_one_rank,
         killed_worker_on_one_rank,
+        overlapped_staging_update_after_the_guard,
+        overlapped_staging_unguarded_update_fails_everywhere,
     ),
     **by_name(
         structure_change_on_one_rank_plans_everywhere,

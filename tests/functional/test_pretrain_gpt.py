@@ -127,6 +127,9 @@ RESUME_CASES = {
         "--async-save", "--use-persistent-ckpt-worker", "--tensor-model-parallel-size", "2",
         "--ckpt-assume-constant-structure"],
     "sync-tp1-plain-accumulation": ["--global-batch-size", "8"],
+    "async-persistent-distopt-overlapped-staging": [
+        "--async-save", "--use-persistent-ckpt-worker", "--use-distributed-optimizer",
+        "--ckpt-assume-constant-structure", "--ckpt-overlap-staging"],
     "async-persistent-pp2-distopt-1f1b": [
         "--async-save", "--use-persistent-ckpt-worker", "--pipeline-model-parallel-size", "2",
         "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable",

@@ -12,6 +12,10 @@ One module per role:
 * :mod:`.dcp_saver` PyTorch DCP's ``save`` and ``async_save`` behind the same interface;
 * :mod:`.rank_job`  what every rank runs: N consecutive saves of one method, timed;
 * :mod:`.report`    aggregation over ranks, the targets, the table, JSON and plots.
+* :mod:`.lost_time` what every rank runs for ``--lost-time``: the GPT example's training
+  loop with saves of one method, every iteration timed;
+* :mod:`.lost_time_report` lost time per save, its targets, tables and plot;
+* :mod:`.lost_time_run` the ``--lost-time*`` options and launches.
 
 Two stand-alone micro-benchmarks, run as scripts, isolate one step each:
 

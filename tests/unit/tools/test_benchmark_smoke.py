@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.tools.redo_report import assert_report_redone
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 _RUN_KEYS = {"variant", "workload", "ranks", "tensor_count", "status", "reason", "notes",
@@ -66,11 +68,4 @@ def test_benchmark_writes_results_table_and_plots(tmp_path):
     assert "Targets" in report and "Physical limits" in report
 
     # The tables and plots can be redone from results.json alone, measuring nothing.
-    again = tmp_path / "again"
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "benchmark.py"),
-         "--from-results", str(out / "results.json"), "--out", str(again)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (again / "report.md").read_text() == report
+    assert_report_redone(out, tmp_path)

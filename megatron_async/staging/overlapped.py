@@ -1,0 +1,346 @@
+"""Overlapped staging: a save's host copy runs while the next forward/backward runs.
+
+Opt-in (``TorchDistSaveConfig(overlap_staging=True)``). Without it, scheduling a save
+returns once every saved tensor is copied to host memory. With it:
+
+1. scheduling (the request's ``preload_fn``, trainer) only leases the host buffers and
+   records each saved tensor's version counter; it copies nothing;
+2. once the request is handed to the background writer, one copy thread of the trainer
+   process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
+   on a side stream into page-locked shared memory), while training goes on;
+3. the background writer waits for that copy (a :class:`StagingGate` in shared memory)
+   before it writes a byte.
+
+Nothing may change a saved tensor before it is copied:
+
+* :func:`wait_for_staging` blocks until every copy of this process is done. A global
+  ``torch.optim`` step pre-hook, installed with the first overlapped save, calls it:
+  the step of every torch optimizer waits, which includes the optimizers inside
+  megatron-core's plain and distributed optimizers, so a megatron-core training loop
+  needs nothing more. A loop that changes saved tensors in another way calls
+  :func:`wait_for_staging` first;
+* megatron-core's ``overlap_param_gather`` writes model parameters during the next
+  forward, before any optimizer step: :func:`refuse_overlap_param_gather` refuses that
+  combination (call it once with the model chunks or the optimizer);
+* a saved tensor whose version counter moved before its copy finished fails that save,
+  on every rank, with :class:`~megatron_async.errors.StagingRaceError` naming the tensor
+  and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
+  version counter, e.g. through ``tensor.data``, cannot be detected.)
+
+Runs in the trainer, except :meth:`StagingGate.wait`, which runs in the background writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, List, Optional, Sequence
+
+import torch
+
+from megatron_async.core import shared_memory
+from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
+
+if TYPE_CHECKING:  # the background writer imports this module and needs neither
+    from megatron_async.staging.buckets import StagedBuckets, StagingBufferCache
+
+__all__ = [
+    "StagingGate",
+    "stage_buckets_overlapped",
+    "write_after_staging",
+    "wait_for_staging",
+    "staging_in_progress",
+    "refuse_overlap_param_gather",
+    "copies_held",
+    "DEFAULT_STAGING_WAIT_S",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGING_WAIT_S = 600.0
+"""Bound on every wait for an overlapped copy (trainer and background writer)."""
+
+_PENDING, _STAGED, _FAILED = 0, 1, 2
+_GATE_BYTES = 4096
+_MESSAGE_OFFSET = 16
+
+
+class StagingGate:
+    """Whether one save's overlapped copy is done: a few bytes of shared memory.
+
+    Created by the trainer with the request; the background writer (a forked process or
+    the persistent worker, which receives the segment by reference) waits on it. Holds
+    the state and, after a failure, the error message.
+    """
+
+    def __init__(self, segment: Optional[torch.Tensor] = None):
+        self.segment = segment if segment is not None else shared_memory.allocate_segment(_GATE_BYTES)
+
+    def _words(self) -> torch.Tensor:
+        return self.segment[:_MESSAGE_OFFSET].view(torch.int64)
+
+    @property
+    def state(self) -> int:
+        return int(self._words()[0])
+
+    def mark_staged(self) -> None:
+        """Trainer (copy thread): every tensor is in the host buffers."""
+        self._words()[0] = _STAGED
+
+    def mark_failed(self, message: str) -> None:
+        """Trainer (copy thread): the copy failed; the writer raises ``message``."""
+        data = message.encode("utf-8", "replace")[: _GATE_BYTES - _MESSAGE_OFFSET]
+        if data:
+            self.segment[_MESSAGE_OFFSET : _MESSAGE_OFFSET + len(data)].copy_(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            )
+        words = self._words()
+        words[1] = len(data)
+        words[0] = _FAILED
+
+    def message(self) -> str:
+        length = int(self._words()[1])
+        raw = bytes(self.segment[_MESSAGE_OFFSET : _MESSAGE_OFFSET + length].tolist())
+        return raw.decode("utf-8", "replace")
+
+    def wait(self, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+        """Background writer: return once the copy is done (bounded).
+
+        Raises:
+            StagingRaceError: the copy failed (a saved tensor changed before it was copied).
+            AsyncTimeoutError: the copy did not finish within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0005
+        while self.state == _PENDING:
+            if time.monotonic() > deadline:
+                raise AsyncTimeoutError(
+                    f"the overlapped staging copy did not finish within {timeout_s:.0f}s; the "
+                    "trainer process is stuck or gone. Save without overlap_staging to rule it out"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        if self.state == _FAILED:
+            raise StagingRaceError(self.message())
+
+    def __reduce__(self):
+        return (StagingGate, (self.segment,))
+
+
+def write_after_staging(
+    gate: StagingGate, timeout_s: float, write_fn: Callable[..., None], *args: Any
+) -> None:
+    """Background writer: wait for the trainer's overlapped copy, then write.
+
+    A failed copy raises here, before anything is written: the call fails, and with it
+    the save on every rank at finalization.
+    """
+    gate.wait(timeout_s)
+    write_fn(*args)
+
+
+class _CopyJob:
+    """One save's copies: ``(name, source, buffer, version at scheduling)`` per tensor."""
+
+    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int):
+        self.gate = gate
+        self.copies = copies
+        self.rank = rank
+        self.done = threading.Event()
+        self.stream = None
+        if any(source.device.type == "cuda" for _, source, _, _ in copies):
+            # The side stream starts after the work queued so far on the current stream.
+            self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    def run(self) -> None:
+        """Copy thread: copy every tensor, checking its version before and after."""
+        try:
+            for name, source, buffer, version in self.copies:
+                self._check(name, source, version)
+                if source.device.type == "cuda":
+                    with torch.cuda.stream(self.stream):
+                        buffer.copy_(source, non_blocking=True)
+                else:
+                    buffer.copy_(source)
+                    self._check(name, source, version)  # not changed while it was copied
+            if self.stream is not None:
+                self.stream.synchronize()
+                for name, source, _, version in self.copies:
+                    if source.device.type == "cuda":
+                        self._check(name, source, version)
+        except StagingRaceError as exc:
+            self.gate.mark_failed(str(exc))
+        except BaseException as exc:  # reported by the writer, on every rank at finalization
+            logger.error("rank %d: overlapped staging copy failed: %s", self.rank, exc)
+            self.gate.mark_failed(f"rank {self.rank}: overlapped staging copy failed: "
+                                  f"{type(exc).__name__}: {exc}")
+        else:
+            self.gate.mark_staged()
+        finally:
+            self.copies = []
+            self.done.set()
+
+    def _check(self, name: str, source: torch.Tensor, version: int) -> None:
+        now = source._version
+        if now != version:
+            raise StagingRaceError(
+                f"rank {self.rank}: saved tensor {name!r} was modified in place before "
+                f"overlapped staging had copied it (version {version} -> {now}), so this save "
+                "would mix two training steps and fails on every rank. Call "
+                "megatron_async.staging.overlapped.wait_for_staging() before changing saved "
+                "tensors (every torch optimizer's step() does it automatically), or save "
+                "without overlap_staging"
+            )
+
+
+class _Copier:
+    """The copy thread of this process and the jobs it has not finished (trainer)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: "queue.Queue[_CopyJob]" = queue.Queue()
+        self._pending: List[_CopyJob] = []
+        self._thread: Optional[threading.Thread] = None
+        self._running = threading.Event()  # cleared while copies are held
+        self._running.set()
+
+    def submit(self, job: _CopyJob) -> None:
+        with self._lock:
+            self._pending.append(job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="megatron-async-staging", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            self._running.wait()
+            job.run()
+            with self._lock:
+                self._pending = [j for j in self._pending if j is not job]
+
+    def hold(self, held: bool) -> None:
+        (self._running.clear if held else self._running.set)()
+
+    def pending(self) -> List[_CopyJob]:
+        with self._lock:
+            return [job for job in self._pending if not job.done.is_set()]
+
+
+_copier = _Copier()
+_hook_lock = threading.Lock()
+_hook_handle = None
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    """Global torch optimizer step pre-hook: let pending copies finish first."""
+    if _copier.pending():
+        wait_for_staging()
+
+
+def _install_optimizer_hook() -> None:
+    global _hook_handle
+    with _hook_lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def staging_in_progress() -> bool:
+    """Whether an overlapped copy of this process is still running (trainer)."""
+    return bool(_copier.pending())
+
+
+def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+    """Block until every overlapped staging copy of this process is done (trainer).
+
+    The optimizer step calls it automatically (see the module docstring); a custom loop
+    calls it before changing saved tensors in any other way. Returns at once when no
+    copy is running. A detected race is not raised here: it fails the save itself, on
+    every rank, at finalization.
+
+    Raises:
+        AsyncTimeoutError: the copies did not finish within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    for job in _copier.pending():
+        if not job.done.wait(max(deadline - time.monotonic(), 0.0)):
+            raise AsyncTimeoutError(
+                f"rank {job.rank}: the overlapped staging copy did not finish within "
+                f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
+            )
+
+
+@contextlib.contextmanager
+def copies_held():
+    """Copies submitted inside this block start only when it exits (trainer; a debugging
+    and testing aid that makes "the tensor changed before it was copied" deterministic)."""
+    _copier.hold(True)
+    try:
+        yield
+    finally:
+        _copier.hold(False)
+
+
+def _start_copy(job: _CopyJob) -> None:
+    _copier.submit(job)
+
+
+def stage_buckets_overlapped(
+    gate: StagingGate,
+    rank: int,
+    buckets: Sequence[Any],
+    non_blocking: bool = True,
+    staging_key: Optional[Hashable] = None,
+    staging_cache: Optional[StagingBufferCache] = None,
+) -> StagedBuckets:
+    """Lease the host buffers and prepare the copy without copying (trainer, the
+    request's ``preload_fn`` with overlapped staging).
+
+    The caller starts the copy (``start_background_copy`` of the result, see
+    :func:`megatron_async.core.request.start_background_copy`) once the request is
+    handed to its background writer. A previous overlapped copy is waited for first:
+    copies run one save at a time, in order.
+    """
+    from megatron_async.staging.buckets import stage_buckets
+
+    wait_for_staging()
+    _install_optimizer_hook()
+    staged = stage_buckets(buckets, non_blocking, staging_key, staging_cache, copy_now=False)
+    copies = [
+        (item.index.fqn, source, buffer, source._version)
+        for item, source, buffer in staged.uncopied
+    ]
+    staged.uncopied = []
+    staged.start_background_copy = partial(_start_copy, _CopyJob(gate, copies, rank))
+    return staged
+
+
+def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:
+    """Raise if any of ``objects`` (model chunks, optimizers) gathers parameters during
+    the next forward (megatron-core's ``overlap_param_gather``) (trainer, every rank).
+
+    Those writes happen before the next optimizer step, so the automatic wait cannot
+    protect the copy from them.
+
+    Raises:
+        CheckpointValidationError: ``overlap_param_gather`` is on.
+    """
+    for obj in objects:
+        for holder in (obj, getattr(obj, "ddp_config", None), getattr(obj, "config", None)):
+            if holder is not None and getattr(holder, "overlap_param_gather", False) is True:
+                raise CheckpointValidationError(
+                    f"overlapped checkpoint staging cannot be combined with overlap_param_gather "
+                    f"({type(obj).__name__}): the parameter all-gather of the next forward would "
+                    "change saved parameters before they are copied. Turn off overlap_staging "
+                    "(--ckpt-overlap-staging) or overlap_param_gather"
+                )

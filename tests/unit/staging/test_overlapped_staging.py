@@ -1,0 +1,104 @@
+"""Overlapped staging in one process: the copy runs after scheduling, waits are bounded,
+and a saved tensor changed before its copy fails the save instead of tearing it."""
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from megatron_async.errors import CheckpointValidationError, StagingRaceError
+from megatron_async.staging.buckets import StagingBufferCache
+from megatron_async.staging.overlapped import (
+    StagingGate,
+    copies_held,
+    refuse_overlap_param_gather,
+    stage_buckets_overlapped,
+    staging_in_progress,
+    wait_for_staging,
+    write_after_staging,
+)
+from megatron_async.writer.buckets import WriteBucket
+
+
+def _buckets(tensors):
+    items = [
+        (WriteItem(index=MetadataIndex(f"layer{i}.weight"), type=WriteItemType.TENSOR), t)
+        for i, t in enumerate(tensors)
+    ]
+    return [WriteBucket("/nonexistent/file.distcp", "file.distcp", ([], items))]
+
+
+def _staged_values(staged):
+    return [buffer.clone() for _, buffer in staged[0].data[1]]
+
+
+def test_gate_reports_success_and_failure_with_the_message():
+    gate = StagingGate()
+    gate.mark_staged()
+    gate.wait(timeout_s=1.0)
+    failed = StagingGate()
+    failed.mark_failed("tensor 'x' changed")
+    with pytest.raises(StagingRaceError, match="tensor 'x' changed"):
+        failed.wait(timeout_s=1.0)
+    calls = []
+    with pytest.raises(StagingRaceError):
+        write_after_staging(failed, 1.0, calls.append, "written")
+    assert calls == []
+
+
+def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot():
+    tensors = [torch.full((1000,), float(i)) for i in range(3)]
+    gate = StagingGate()
+    staged = stage_buckets_overlapped(gate, 0, _buckets(tensors), True, "k", StagingBufferCache())
+    assert not staging_in_progress()
+    assert all(not torch.equal(b, t) for b, t in zip(_staged_values(staged), tensors)
+               if t.abs().sum() > 0)
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=60)
+    assert not staging_in_progress()
+    gate.wait(timeout_s=1.0)
+    for tensor in tensors:  # the guarded point is over: the trainer may change them
+        tensor.add_(100)
+    for i, value in enumerate(_staged_values(staged)):
+        assert torch.equal(value, torch.full((1000,), float(i)))
+    staged.release()
+
+
+def test_optimizer_step_waits_for_the_copy():
+    params = [torch.nn.Parameter(torch.full((5000,), 2.0))]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    params[0].grad = torch.ones(5000)
+    gate = StagingGate()
+    staged = stage_buckets_overlapped(gate, 0, _buckets([params[0].detach()]), True, None, None)
+    with copies_held():
+        staged.start_background_copy()
+        assert staging_in_progress()
+    optimizer.step()  # the global step pre-hook waits for the copy
+    gate.wait(timeout_s=1.0)
+    assert torch.equal(_staged_values(staged)[0], torch.full((5000,), 2.0))
+    assert torch.equal(params[0].detach(), torch.full((5000,), 1.0))
+
+
+def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it():
+    tensors = [torch.zeros(100), torch.zeros(100)]
+    gate = StagingGate()
+    staged = stage_buckets_overlapped(gate, 3, _buckets(tensors), True, None, None)
+    with copies_held():
+        staged.start_background_copy()
+        tensors[1].add_(1)  # no wait: an unguarded in-place update
+    wait_for_staging(timeout_s=60)
+    with pytest.raises(StagingRaceError, match=r"rank 3: saved tensor 'layer1.weight'.*"
+                       r"wait_for_staging\(\)"):
+        gate.wait(timeout_s=1.0)
+
+
+def test_overlap_param_gather_is_refused():
+    class DdpConfig:
+        overlap_param_gather = True
+
+    class Model:
+        ddp_config = DdpConfig()
+
+    with pytest.raises(CheckpointValidationError, match="overlap_param_gather"):
+        refuse_overlap_param_gather([Model()])
+    refuse_overlap_param_gather([object()])
