@@ -186,7 +186,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 return
         if not self._ready and not self._wait_until_ready(idx):
             return
-        args = list(async_req.async_fn_args)
+        args = list(async_req.async_fn_args or ())
         staged = None
         try:
             if async_req.preload_fn is not None:

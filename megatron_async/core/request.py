@@ -104,7 +104,7 @@ def release_staged_data(staged: Any) -> None:
 
 def run_staging_and_async_fn(request: AsyncRequest) -> None:
     """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
-    args = list(request.async_fn_args)
+    args = list(request.async_fn_args or ())
     staged = None
     if request.preload_fn is not None:
         staged = request.preload_fn()

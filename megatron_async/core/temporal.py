@@ -87,7 +87,7 @@ class TemporalAsyncCaller(AsyncCaller):
         rank = coordination.get_rank()
         self._current_call_idx = async_req.call_idx
         self._start_time = time.monotonic()
-        args = list(async_req.async_fn_args)
+        args = list(async_req.async_fn_args or ())
         try:
             if async_req.preload_fn is not None:
                 self._staged = async_req.preload_fn()

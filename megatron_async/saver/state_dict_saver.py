@@ -392,6 +392,11 @@ def verify_global_md_reuse(
     return not any_mismatch
 
 
+def _is_wrapped_exception(results: Any) -> bool:
+    """Whether ``results`` is DCP's ``(exception, traceback)`` instead of write results."""
+    return isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException)
+
+
 def save_state_dict_async_finalize(
     storage_writer: FileSystemWriterAsync,
     global_metadata: Optional[Metadata],
@@ -414,9 +419,12 @@ def save_state_dict_async_finalize(
     failure: Optional[RankFailure] = None
     try:
         results = storage_writer.retrieve_write_results()
+        if _is_wrapped_exception(results):  # the reference API returns background failures
+            raise results[0]
     except Exception as exc:  # reported on every rank below
         logger.error("rank %d: background write of %s failed: %s", rank, checkpoint, exc)
         failure = getattr(exc, "failure", None) or RankFailure.from_exception(rank, "write", exc)
+        results = []
     coordination.raise_if_any_rank_failed(failure, group, checkpoint)
 
     all_results = dist_wrapper.gather_object(results)

@@ -60,8 +60,8 @@ def _expect_failure_everywhere(ctx, queue, odd_request, phase, text):
     except AsyncSaveFailedError as exc:
         odd = ctx.world_size - 1
         assert set(exc.failures) == {odd}, exc.failures
-        assert exc.failures[odd].phase == phase, exc.failures[odd]
-        assert text in exc.failures[odd].message, exc.failures[odd]
+        assert exc.rank_failures[odd].phase == phase, exc.rank_failures[odd]
+        assert text in exc.rank_failures[odd].message, exc.rank_failures[odd]
     else:
         raise AssertionError("no AsyncSaveFailedError on this rank")
     # The queue serves the next save on every rank.
