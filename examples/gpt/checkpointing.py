@@ -355,14 +355,10 @@ class Checkpointer:
             strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
             if self.args.ckpt_assume_constant_structure:
                 # A configured copy: the registered instance is shared process-wide.
-                # Reuse the plans and metadata of the first save, and its staging buffers.
-                strategy = type(strategy)(
-                    strategy.backend,
-                    strategy.version,
-                    config=dataclasses.replace(
-                        strategy.config, cached_metadata=True, use_cached_data_structure=True
-                    ),
-                )
+                # Reuse the plans and metadata of the first save (as Megatron-LM does it;
+                # staging buffers are reused by default).
+                strategy = type(strategy)(strategy.backend, strategy.version, config=strategy.config)
+                strategy.use_cached_ckpt_structure = True
             if self.args.ckpt_fully_parallel_save:
                 strategy = FullyParallelSaveStrategyWrapper(
                     strategy,

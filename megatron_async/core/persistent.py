@@ -49,10 +49,18 @@ class PersistentAsyncCaller(AsyncCaller):
     released for reuse when the worker reports the call done (or the worker is gone).
     If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
     finalization) and the next save starts a fresh worker.
+
+    Args:
+        config: bounds of every wait, and the worker's CPU and I/O priority.
+        is_daemon: accepted for the reference API, where it makes the worker a
+            multiprocessing daemon. Ours is never one: it always dies with the trainer
+            (parent-death signal, exit hook) and may always start writer processes
+            (``is_multiproc_io``), so both values behave the same.
     """
 
-    def __init__(self, config: Optional[AsyncCallerConfig] = None):
+    def __init__(self, config: Optional[AsyncCallerConfig] = None, *, is_daemon: bool = False):
         super().__init__(config)
+        self.is_daemon = bool(is_daemon)
         self.rank = coordination.get_rank()
         self.process: Optional[WorkerProcess] = None
         self._sender: Optional[RequestSender] = None
@@ -76,7 +84,10 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._startup_failure = None
         self.process = start_worker_process(
-            self.rank, logging.getLogger().getEffectiveLevel(), _current_cuda_device()
+            self.rank,
+            logging.getLogger().getEffectiveLevel(),
+            _current_cuda_device(),
+            self.config.writer_priority.to_options(),
         )
         self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
         self._sender = RequestSender(self.process.descriptor_socket)

@@ -690,6 +690,13 @@ class FileSystemWriterAsync(FileSystemWriter):
         )
         return self._write_results
 
+    @property
+    def bytes_written(self) -> Optional[int]:
+        """Bytes this rank's background write stored, once ``retrieve_write_results`` succeeded."""
+        if self._write_results is None:
+            return None
+        return sum(result.size_in_bytes for result in self._write_results)
+
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
         """Give the plan the storage prefix ``__{rank}_`` without asking the coordinator.
 
