@@ -34,6 +34,7 @@ __all__ = [
     "StagingMemoryError",
     "UnsupportedMegatronError",
     "RemoteFailureError",
+    "ReplacedReferenceAPIError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -81,6 +82,11 @@ class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
 
 class StagingMemoryError(AsyncCheckpointError, MemoryError):
     """Host memory for staging a checkpoint (shared memory) could not be allocated."""
+
+
+class ReplacedReferenceAPIError(AsyncCheckpointError, NotImplementedError):
+    """A reference-API entry point whose mechanism this package replaces by a safer one;
+    the message says what to use instead."""
 
 
 class RemoteFailureError(AsyncCheckpointError):

@@ -17,7 +17,12 @@ from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, sta
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import STAGED_ARG_INDEX, AsyncRequest, release_staged_data
-from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+from megatron_async.errors import (
+    AsyncTimeoutError,
+    RankFailure,
+    ReplacedReferenceAPIError,
+    WorkerDiedError,
+)
 
 __all__ = ["PersistentAsyncCaller"]
 
@@ -318,6 +323,25 @@ class PersistentAsyncCaller(AsyncCaller):
             )
         self._drain_messages()
         self._discard_worker(kill=True)
+
+    @staticmethod
+    def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
+        """The reference API's worker main loop over three multiprocessing queues.
+
+        Our worker is a fresh interpreter that runs
+        :func:`megatron_async.core.worker_loop.main` and receives requests with their
+        staged tensors as shared-memory references (a queue cannot carry them into a running
+        process without pickling every tensor), so this loop has no counterpart here.
+
+        Raises:
+            ReplacedReferenceAPIError: always; create a :class:`PersistentAsyncCaller` (or
+                ``AsyncCallsQueue(persistent=True)``), which starts and drives the worker.
+        """
+        raise ReplacedReferenceAPIError(
+            f"rank {rank}: PersistentAsyncCaller.async_loop is not how this package's worker "
+            "runs: create PersistentAsyncCaller() or AsyncCallsQueue(persistent=True), which "
+            "start a worker (megatron_async.core.worker_loop) and send it requests"
+        )
 
     def _abort_at_exit(self) -> None:
         pending = [i for i, s in self._statuses.items() if not s.is_terminal]

@@ -43,7 +43,6 @@ from megatron_async.core import coordination
 from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
-    StorageWriteError,
     WorkerDiedError,
 )
 from megatron_async.format import DCP_METADATA_FILE
@@ -566,7 +565,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         the outcome, not raised: the trainer's finalization turns it into an error on
         every rank. What goes to ``global_results_queue`` (the writer's results file, or
         any object with ``put``, e.g. :func:`get_write_results_queue`) is a dict bucket
-        index -> write results, or the :class:`StorageWriteError` that says what failed.
+        index -> write results, or the :class:`~megatron_async.errors.StorageWriteError` that says what failed.
 
         Args:
             transform_list, use_msc, open_file: see :meth:`write_preloaded_data`.
@@ -639,7 +638,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             or, when the background write failed, DCP's wrapped exception
             ``(exception, traceback.StackSummary)`` as the reference API specifies:
 
-            * :class:`StorageWriteError`: a bucket failed; its ``failure`` holds the
+            * :class:`~megatron_async.errors.StorageWriteError`: a bucket failed; its ``failure`` holds the
               original exception and traceback;
             * :class:`WorkerDiedError`: the writer reported nothing (killed or crashed);
             * :class:`CheckpointIntegrityError`: a bucket reported too few results.

@@ -13,10 +13,16 @@ import traceback
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, WriterPriority
+from megatron_async.core import (
+    AsyncCallerConfig,
+    AsyncCallsQueue,
+    AsyncRequest,
+    PersistentAsyncCaller,
+    WriterPriority,
+)
 from megatron_async.core.priority import current_io_priority
 from megatron_async.core.save_report import SaveDetails
-from megatron_async.errors import AsyncSaveFailedError, RemoteFailureError
+from megatron_async.errors import AsyncSaveFailedError, RemoteFailureError, ReplacedReferenceAPIError
 from tests import background_fns as fns
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,3 +156,8 @@ def test_priority_options_are_checked():
         WriterPriority(io_class="realtime")
     with pytest.raises(ValueError, match="writer_priority"):
         AsyncCallerConfig(writer_priority=10)
+
+
+def test_the_reference_worker_loop_says_what_to_use_instead():
+    with pytest.raises(ReplacedReferenceAPIError, match=r"AsyncCallsQueue\(persistent=True\)"):
+        PersistentAsyncCaller.async_loop(0, None, None, None)
