@@ -40,6 +40,7 @@ __all__ = [
     "TorchAsyncCheckpoint",
     "TorchDistAsyncSaveStrategy",
     "TorchDistSaveConfig",
+    "WriterPriority",
     "register_strategies",
     "save_state_dict_async_finalize",
     "save_state_dict_async_plan",
@@ -62,6 +63,7 @@ _LAZY = {
     "TorchDistSaveConfig": "megatron_async.mcore.config",
     "register_strategies": "megatron_async.mcore.strategy",
     "TorchAsyncCheckpoint": "megatron_async.torch_ckpt",
+    "WriterPriority": "megatron_async.core.priority",
 }
 
 

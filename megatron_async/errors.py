@@ -2,9 +2,10 @@
 
 Every error the library raises on purpose derives from :class:`AsyncCheckpointError`.
 A failure of a background save is always reported on *every* rank as one
-:class:`AsyncSaveFailedError` that carries each failing rank's :class:`RankFailure`
-(exception type, message, traceback text and the phase it happened in), so that a
-training job can catch a single type and log what went wrong everywhere.
+:class:`AsyncSaveFailedError` that carries each failing rank's exception and traceback
+(``failures``, DCP's contract) and its :class:`RankFailure` (``rank_failures``: exception
+type, message, traceback text and the phase it happened in), so that a training job can
+catch a single type and log what went wrong everywhere.
 
 :class:`AsyncSaveFailedError` derives from PyTorch DCP's ``CheckpointException``, so it
 is created on first use (module ``__getattr__``): the command-line tools import this
@@ -14,8 +15,9 @@ module without paying for importing torch.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import traceback
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "ModuleSurfaceConflictError",
     "ObjectStoreUnavailableError",
     "ObjectStoreError",
+    "RemoteFailureError",
+    "ReplacedReferenceAPIError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -100,6 +104,16 @@ class StagingRaceError(AsyncCheckpointError):
     """A saved tensor changed before overlapped staging had copied it; the save fails."""
 
 
+class ReplacedReferenceAPIError(AsyncCheckpointError, NotImplementedError):
+    """A reference-API entry point whose mechanism this package replaces by a safer one;
+    the message says what to use instead."""
+
+
+class RemoteFailureError(AsyncCheckpointError):
+    """Stands in for an exception of a background process or another rank that could not
+    be pickled: its message names the original type and repeats the original message."""
+
+
 class StorageWriteError(AsyncCheckpointError):
     """A background writer failed to write checkpoint files; ``failure`` keeps its traceback."""
 
@@ -122,6 +136,9 @@ class RankFailure:
         exception_type: qualified name of the original exception class.
         message: ``str()`` of the original exception.
         traceback_text: the formatted traceback, as captured where the exception happened.
+        stack: the traceback's frames (DCP's form, a ``traceback.StackSummary``).
+        exception_pickle: the original exception, pickled where it happened (None when it
+            cannot be pickled); :meth:`exception` restores it.
     """
 
     rank: int
@@ -129,10 +146,12 @@ class RankFailure:
     exception_type: str
     message: str
     traceback_text: str = ""
+    stack: Optional[traceback.StackSummary] = None
+    exception_pickle: Optional[bytes] = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_exception(cls, rank: int, phase: str, exc: BaseException) -> "RankFailure":
-        """Capture ``exc`` (with its traceback) as a picklable record."""
+        """Capture ``exc`` (with its traceback and, if it pickles, the object) as a record."""
         exc_type = type(exc)
         return cls(
             rank=rank,
@@ -140,7 +159,27 @@ class RankFailure:
             exception_type=f"{exc_type.__module__}.{exc_type.__qualname__}",
             message=str(exc),
             traceback_text="".join(traceback.format_exception(exc_type, exc, exc.__traceback__)),
+            stack=traceback.extract_tb(exc.__traceback__),
+            exception_pickle=_pickle_if_possible(exc),
         )
+
+    def exception(self) -> BaseException:
+        """Return the original exception object, or a :class:`RemoteFailureError` naming it.
+
+        The object is a copy made where the failure happened: its type, arguments and
+        attributes are the original's; its traceback is in :attr:`stack` and
+        :attr:`traceback_text`.
+        """
+        if self.exception_pickle is not None:
+            try:
+                return pickle.loads(self.exception_pickle)
+            except Exception:  # a class that is not importable here: fall back to the text
+                pass
+        return RemoteFailureError(f"{self.exception_type}: {self.message}")
+
+    def as_wrapped_exception(self) -> Tuple[BaseException, traceback.StackSummary]:
+        """``(exception, stack)``: PyTorch DCP's form of one rank's failure."""
+        return self.exception(), self.stack or traceback.StackSummary()
 
     def summary(self) -> str:
         """One line: rank, phase, exception type and message.
@@ -153,6 +192,17 @@ class RankFailure:
         if self.phase in _WORKER_PHASES and "worker failure" not in text.lower():
             text = f"Worker failure: {text}"
         return f"rank {self.rank} [{self.phase}] {text}"
+
+
+def _pickle_if_possible(exc: BaseException) -> Optional[bytes]:
+    """Pickle ``exc`` if it survives a round trip (many exception classes pickle but cannot
+    be unpickled, e.g. with required ``__init__`` arguments they do not pass on)."""
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return data
 
 
 _WORKER_PHASES = frozenset({"write", "worker", "timeout"})
@@ -171,7 +221,11 @@ def _define_async_save_failed_error() -> type:
         written against megatron-core or PyTorch DCP that catches that type keeps working.
 
         Attributes:
-            failures: failing rank -> :class:`RankFailure`.
+            failures: failing rank -> ``(exception, traceback.StackSummary)``, DCP's
+                contract. The exception is the original object (a copy made where it was
+                raised) when it could be pickled, else a :class:`RemoteFailureError`.
+            rank_failures: failing rank -> :class:`RankFailure`, the full record (phase,
+                exception type, message, formatted traceback).
             checkpoint: the checkpoint (usually a directory) the save was writing, if known.
         """
 
@@ -183,32 +237,28 @@ def _define_async_save_failed_error() -> type:
         ):
             self.checkpoint = checkpoint
             self._hint = hint
-            ordered: Dict[int, RankFailure] = dict(sorted(failures.items()))
+            self.rank_failures: Dict[int, RankFailure] = dict(sorted(failures.items()))
             where = f" of {checkpoint}" if checkpoint else ""
-            lines = [f"async checkpoint save{where} failed on {len(ordered)} rank(s):"]
-            lines += [f"  {failure.summary()}" for failure in ordered.values()]
+            lines = [f"async checkpoint save{where} failed on {len(self.rank_failures)} rank(s):"]
+            lines += [f"  {failure.summary()}" for failure in self.rank_failures.values()]
             lines.append(
                 hint
                 or "The checkpoint is incomplete and was not marked complete; the previous "
                 "complete checkpoint is untouched. Fix the cause above and save again."
             )
-            CheckpointException.__init__(self, "\n".join(lines), ordered)
-
-        @property
-        def failures(self) -> Dict[int, RankFailure]:  # type: ignore[override]
-            """Failing rank -> :class:`RankFailure`."""
-            return self._failures
+            wrapped = {rank: f.as_wrapped_exception() for rank, f in self.rank_failures.items()}
+            CheckpointException.__init__(self, "\n".join(lines), wrapped)
 
         def __str__(self) -> str:
             return self.args[0]
 
         def __reduce__(self):
-            return (type(self), (self._failures, self.checkpoint, self._hint))
+            return (type(self), (self.rank_failures, self.checkpoint, self._hint))
 
         def full_report(self) -> str:
             """The message followed by every failing rank's traceback."""
             parts = [str(self)]
-            for failure in self.failures.values():
+            for failure in self.rank_failures.values():
                 if failure.traceback_text:
                     parts.append(f"--- rank {failure.rank} traceback ---\n{failure.traceback_text}")
             return "\n".join(parts)

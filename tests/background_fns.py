@@ -96,3 +96,22 @@ def write_worker_facts(path: str, staged, _unused=None) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(facts, f)
     os.replace(path + ".tmp", path)
+
+
+def record_priority(path: str, staged, _unused=None) -> None:
+    """Write the writer thread's nice value and raw I/O priority to ``path``."""
+    from megatron_async.core.priority import current_io_priority
+
+    with open(path, "w") as f:
+        f.write(f"{os.nice(0)} {current_io_priority()}")
+
+
+class UnpicklableError(Exception):
+    """An exception that pickles but cannot be unpickled (a required argument it drops)."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"{path}: {reason}")
+
+
+def raise_unpicklable(path: str, staged, reason: str) -> None:
+    raise UnpicklableError(path, reason)

@@ -361,8 +361,8 @@ class Checkpointer:
                 options.update(overlap_staging=True)
             strategy = TorchDistAsyncSaveStrategy(**options)
             if self.args.ckpt_assume_constant_structure:
-                # Megatron-LM's switch: reuse the first save's plans, metadata and
-                # staging buffers while the structure is unchanged.
+                # Megatron-LM's switch: reuse the first save's plans and metadata while
+                # the structure is unchanged (staging buffers are reused by default).
                 strategy.use_cached_ckpt_structure = True
             if self.args.ckpt_fully_parallel_save:
                 strategy = FullyParallelSaveStrategyWrapper(

@@ -7,6 +7,7 @@ nvidia-resiliency-ext's ``checkpointing.async_ckpt.core``, so switching is one i
 from megatron_async.core.caller import AsyncCaller, CallState, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
+from megatron_async.core.priority import WriterPriority
 from megatron_async.core.queue import AsyncCallsQueue, _ActiveAsyncRequest
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.temporal import TemporalAsyncCaller
@@ -18,6 +19,7 @@ __all__ = [
     "PersistentAsyncCaller",
     "AsyncCallsQueue",
     "AsyncCallerConfig",
+    "WriterPriority",
     "CallState",
     "CallStatus",
 ]

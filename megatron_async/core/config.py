@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_async.core.coordination import DEFAULT_COORDINATION_TIMEOUT_S
+from megatron_async.core.priority import WriterPriority
 
 __all__ = ["AsyncCallerConfig"]
 
@@ -37,8 +38,21 @@ class AsyncCallerConfig:
     """Bound on each checkpoint-coordination collective (how long a rank waits for a peer
     that stopped calling ``maybe_finalize_async_calls``)."""
 
+    writer_priority: WriterPriority = dataclasses.field(default_factory=WriterPriority)
+    """CPU and I/O priority of the background processes (forked writers, the persistent
+    worker): by default nice +10 and best-effort I/O level 7, so that the writer yields
+    to the training loop. ``WriterPriority(nice_increment=0, io_class="inherit")`` keeps
+    the trainer's priority."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.writer_priority, WriterPriority):
+            raise ValueError(
+                "AsyncCallerConfig.writer_priority must be a megatron_async.core.priority."
+                f"WriterPriority, got {self.writer_priority!r}"
+            )
         for field in dataclasses.fields(self):
+            if field.name == "writer_priority":
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(

@@ -22,7 +22,12 @@ from megatron_async.core.request import (
     release_staged_data,
     start_background_copy,
 )
-from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+from megatron_async.errors import (
+    AsyncTimeoutError,
+    RankFailure,
+    ReplacedReferenceAPIError,
+    WorkerDiedError,
+)
 
 __all__ = ["PersistentAsyncCaller"]
 
@@ -54,10 +59,18 @@ class PersistentAsyncCaller(AsyncCaller):
     released for reuse when the worker reports the call done (or the worker is gone).
     If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
     finalization) and the next save starts a fresh worker.
+
+    Args:
+        config: bounds of every wait, and the worker's CPU and I/O priority.
+        is_daemon: accepted for the reference API, where it makes the worker a
+            multiprocessing daemon. Ours is never one: it always dies with the trainer
+            (parent-death signal, exit hook) and may always start writer processes
+            (``is_multiproc_io``), so both values behave the same.
     """
 
-    def __init__(self, config: Optional[AsyncCallerConfig] = None):
+    def __init__(self, config: Optional[AsyncCallerConfig] = None, *, is_daemon: bool = False):
         super().__init__(config)
+        self.is_daemon = bool(is_daemon)
         self.rank = coordination.get_rank()
         self.process: Optional[WorkerProcess] = None
         self._sender: Optional[RequestSender] = None
@@ -81,7 +94,10 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._startup_failure = None
         self.process = start_worker_process(
-            self.rank, logging.getLogger().getEffectiveLevel(), _current_cuda_device()
+            self.rank,
+            logging.getLogger().getEffectiveLevel(),
+            _current_cuda_device(),
+            self.config.writer_priority.to_options(),
         )
         self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
         self._sender = RequestSender(self.process.descriptor_socket)
@@ -191,7 +207,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 return
         if not self._ready and not self._wait_until_ready(idx):
             return
-        args = list(async_req.async_fn_args)
+        args = list(async_req.async_fn_args or ())
         staged = None
         try:
             if async_req.preload_fn is not None:
@@ -313,6 +329,25 @@ class PersistentAsyncCaller(AsyncCaller):
             )
         self._drain_messages()
         self._discard_worker(kill=True)
+
+    @staticmethod
+    def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
+        """The reference API's worker main loop over three multiprocessing queues.
+
+        Our worker is a fresh interpreter that runs
+        :func:`megatron_async.core.worker_loop.main` and receives requests with their
+        staged tensors as shared-memory references (a queue cannot carry them into a running
+        process without pickling every tensor), so this loop has no counterpart here.
+
+        Raises:
+            ReplacedReferenceAPIError: always; create a :class:`PersistentAsyncCaller` (or
+                ``AsyncCallsQueue(persistent=True)``), which starts and drives the worker.
+        """
+        raise ReplacedReferenceAPIError(
+            f"rank {rank}: PersistentAsyncCaller.async_loop is not how this package's worker "
+            "runs: create PersistentAsyncCaller() or AsyncCallsQueue(persistent=True), which "
+            "start a worker (megatron_async.core.worker_loop) and send it requests"
+        )
 
     def _abort_at_exit(self) -> None:
         pending = [i for i, s in self._statuses.items() if not s.is_terminal]

@@ -12,6 +12,7 @@ from megatron_async.core.caller import AsyncCaller, agree_on_call
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.request import AsyncRequest
+from megatron_async.core.save_report import details_of, log_finalized_save
 from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.errors import AsyncSaveFailedError, QueueClosedError
 
@@ -21,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class _ActiveAsyncRequest(NamedTuple):
-    """A scheduled call: its index, the caller running it and the request to finalize."""
+    """A scheduled call: its index, the caller running it, the request to finalize and
+    how long scheduling it took (for the save's INFO line)."""
 
     idx: int
     async_caller: AsyncCaller
     async_request: AsyncRequest
+    schedule_s: float = 0.0
 
 
 def as_async_request(request: Any) -> AsyncRequest:
@@ -62,13 +65,22 @@ class AsyncCallsQueue:
         persistent: run saves in one long-lived worker per rank
             (:class:`PersistentAsyncCaller`) instead of a forked process per save
             (:class:`TemporalAsyncCaller`).
-        config: timeouts and polling pace; see :class:`AsyncCallerConfig`.
+        config: timeouts, polling pace and the background processes' CPU and I/O
+            priority; see :class:`AsyncCallerConfig`.
+        is_daemon: passed to :class:`PersistentAsyncCaller` (accepted for the reference
+            API; our worker behaves the same either way).
 
     Constructing the queue in a distributed job creates the gloo coordination group, a
     collective: construct it on every rank.
     """
 
-    def __init__(self, persistent: bool = False, *, config: Optional[AsyncCallerConfig] = None):
+    def __init__(
+        self,
+        persistent: bool = False,
+        *,
+        config: Optional[AsyncCallerConfig] = None,
+        is_daemon: bool = False,
+    ):
         self.persistent = persistent
         self.config = config or AsyncCallerConfig()
         self.call_idx = -1
@@ -76,7 +88,7 @@ class AsyncCallsQueue:
         self._closed = False
         coordination.get_coordination_group(self.config.coordination_timeout_s)
         self.persistent_caller: Optional[PersistentAsyncCaller] = (
-            PersistentAsyncCaller(self.config) if persistent else None
+            PersistentAsyncCaller(self.config, is_daemon=is_daemon) if persistent else None
         )
 
     def _get_async_caller(self) -> AsyncCaller:
@@ -104,9 +116,14 @@ class AsyncCallsQueue:
         request = as_async_request(async_request)
         self.call_idx += 1
         request = request._replace(call_idx=self.call_idx).freeze()
+        start = time.monotonic()
         caller = self._get_async_caller()
         caller.schedule_async_call(request.without_finalize_fns())
-        self.async_calls.append(_ActiveAsyncRequest(self.call_idx, caller, request))
+        schedule_s = time.monotonic() - start
+        logger.debug(
+            "rank %d: scheduled async call %d in %.3fs", coordination.get_rank(), self.call_idx, schedule_s
+        )
+        self.async_calls.append(_ActiveAsyncRequest(self.call_idx, caller, request, schedule_s))
         return self.call_idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
@@ -133,7 +150,7 @@ class AsyncCallsQueue:
         """
         finalized: List[int] = []
         while self.async_calls:
-            idx, caller, request = self.async_calls[0]
+            idx, caller, request, schedule_s = self.async_calls[0]
             agreement = agree_on_call(idx, caller.poll(idx), no_dist)
             if not agreement.done_everywhere:
                 if not blocking:
@@ -147,8 +164,13 @@ class AsyncCallsQueue:
                 # request's resources (an in-flight directory claim) must be freed now.
                 del request, caller
                 raise AsyncSaveFailedError(agreement.failures)
+            start = time.monotonic()
             for finalize_fn in request.finalize_fns:
                 finalize_fn()
+            finalize_s = time.monotonic() - start
+            log_finalized_save(
+                coordination.get_rank(), idx, schedule_s, finalize_s, details_of(request)
+            )
             finalized.append(idx)
         return finalized
 

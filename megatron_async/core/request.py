@@ -123,7 +123,7 @@ def start_background_copy(staged: Any) -> None:
 
 def run_staging_and_async_fn(request: AsyncRequest) -> None:
     """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
-    args = list(request.async_fn_args)
+    args = list(request.async_fn_args or ())
     staged = None
     if request.preload_fn is not None:
         staged = request.preload_fn()

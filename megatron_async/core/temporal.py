@@ -20,6 +20,7 @@ from megatron_async.core.process_lifetime import (
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request import (
     STAGED_ARG_INDEX,
     AsyncRequest,
@@ -39,11 +40,14 @@ def _synchronize_cuda_if_used() -> None:
         torch.cuda.synchronize()
 
 
-def _run_forked_call(result_conn, rank: int, parent_pid: int, fn, args: Sequence[Any], kwargs):
+def _run_forked_call(
+    result_conn, rank: int, parent_pid: int, priority: WriterPriority, fn, args: Sequence[Any], kwargs
+):
     """Body of the forked child (background side): run ``fn`` and report how it ended."""
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):
         os._exit(1)
+    lower_writer_priority(priority)  # before any writer thread starts: they inherit it
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
     # garbage collection here could run their destructors: freeing CUDA memory from a
@@ -92,7 +96,7 @@ class TemporalAsyncCaller(AsyncCaller):
         rank = coordination.get_rank()
         self._current_call_idx = async_req.call_idx
         self._start_time = time.monotonic()
-        args = list(async_req.async_fn_args)
+        args = list(async_req.async_fn_args or ())
         try:
             if async_req.preload_fn is not None:
                 self._staged = async_req.preload_fn()
@@ -112,7 +116,10 @@ class TemporalAsyncCaller(AsyncCaller):
             self._result_conn, child_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=_run_forked_call,
-                args=(child_conn, rank, os.getpid(), async_req.async_fn, args, async_req.async_fn_kwargs or {}),
+                args=(
+                    child_conn, rank, os.getpid(), self.config.writer_priority,
+                    async_req.async_fn, args, async_req.async_fn_kwargs or {},
+                ),
                 name=f"megatron-async-save-{async_req.call_idx}",
                 daemon=False,  # a daemon could not start the writer's own I/O processes
             )

@@ -33,6 +33,7 @@ from megatron_async.core.process_lifetime import (
     raise_open_file_limit,
     set_parent_death_signal,
 )
+from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, SegmentTable
 from megatron_async.errors import RankFailure
 
@@ -88,10 +89,13 @@ def main(options: Dict[str, Any]) -> None:
 
     Args:
         options: what :func:`~megatron_async.core.worker_process.start_worker_process`
-            passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, and the
+            passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, ``priority``
+            (see :class:`~megatron_async.core.priority.WriterPriority`), and the
             inherited descriptors ``control_fd``, ``descriptor_fd`` and ``stderr_fd`` (the
             trainer's stderr, or None when start-up output is not captured).
     """
+    # First, before any thread exists: every thread of the worker inherits it.
+    lower_writer_priority(WriterPriority.from_options(options.get("priority")))
     persistent_worker_main(
         options["rank"],
         Connection(options["control_fd"]),

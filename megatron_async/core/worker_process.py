@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 from multiprocessing.connection import Connection
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.errors import WorkerDiedError
@@ -209,11 +209,18 @@ def _capture_startup_output() -> Tuple[Optional[Any], Optional[int]]:
         return None, None
 
 
-def start_worker_process(rank: int, log_level: int, cuda_device: Optional[int]) -> WorkerProcess:
+def start_worker_process(
+    rank: int,
+    log_level: int,
+    cuda_device: Optional[int],
+    priority: Optional[Dict[str, Any]] = None,
+) -> WorkerProcess:
     """Start the persistent worker of ``rank`` (trainer side); return at once.
 
     The worker runs :func:`megatron_async.core.worker_loop.main` and sends ``("ready",
-    None)`` once it can take requests.
+    None)`` once it can take requests. ``priority`` is a
+    :meth:`~megatron_async.core.priority.WriterPriority.to_options` dict (None: the
+    trainer's priority).
 
     Raises:
         WorkerDiedError: the interpreter could not be started at all (no executable, no
@@ -238,6 +245,7 @@ def start_worker_process(rank: int, log_level: int, cuda_device: Optional[int]) 
         "control_fd": worker_control.fileno(),
         "descriptor_fd": worker_descriptors.fileno(),
         "stderr_fd": trainer_stderr,
+        "priority": priority,
     }
     inherited = [worker_control.fileno(), worker_descriptors.fileno()]
     if trainer_stderr is not None:

@@ -23,7 +23,9 @@ class TorchDistSaveConfig:
     cached_metadata: bool = False
     """Reuse the previous save's plans and metadata while the checkpoint structure does not
     change (verified on every save with one small all-reduce): no plan gather then, and
-    no local planning either while the sharded state dict's fingerprint is unchanged."""
+    no local planning either while the sharded state dict's fingerprint is unchanged.
+    megatron-core's ``use_cached_ckpt_structure`` (Megatron-LM's
+    ``--ckpt-assume-constant-structure``) sets it."""
 
     separation_hint: Optional[str] = None
     """Keys starting with this prefix are written to their own files (``{hint}__{rank}_{i}``),
@@ -36,9 +38,13 @@ class TorchDistSaveConfig:
     is_multiproc_io: bool = False
     """Write buckets with forked processes instead of threads."""
 
-    use_cached_data_structure: bool = False
-    """Keep the bucket layout and the host staging buffers from save to save (the structure
-    must be constant; staging memory then stays about one checkpoint's size)."""
+    use_cached_data_structure: bool = True
+    """Keep the host staging buffers from save to save: a save whose bucket layout is the
+    previous save's stages into that save's buffers (already mapped; one memory copy),
+    a changed layout frees them and allocates anew, so at most one checkpoint's bytes stay
+    held between saves (:meth:`TorchDistAsyncSaveStrategy.release_staging_buffers` frees
+    them on request). Safe with any structure: the layout is compared on every save.
+    False frees the staging memory after every save, for jobs short on host memory."""
 
     overwrite: bool = True
     """A directory that holds a complete checkpoint is overwritten (its completion markers

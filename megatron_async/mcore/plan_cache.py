@@ -219,8 +219,10 @@ class PlanCache:
                 writer,
                 planner=generation.create_save_planner(config),
                 coordinator_rank=COORDINATOR_RANK,
+                # Not vouched for (False): the structure may have changed, so the cached
+                # plans are reused only if a fresh local plan matches them on every rank.
                 cached_ckpt_structure=(
-                    (cached.central_plan, cached.local_plan, True) if cached is not None else None
+                    (cached.central_plan, cached.local_plan, False) if cached is not None else None
                 ),
                 loaded_all_plans=loaded_all_plans,
             )

@@ -2,7 +2,8 @@
 
 Plug it into megatron-core like its own strategy::
 
-    strategy = TorchDistAsyncSaveStrategy(thread_count=2, cached_metadata=True)
+    strategy = TorchDistAsyncSaveStrategy(thread_count=2)
+    strategy.use_cached_ckpt_structure = True    # Megatron-LM: --ckpt-assume-constant-structure
     request = dist_checkpointing.save(sharded_state_dict, ckpt_dir,
                                       sharded_strategy=strategy, async_sharded_save=True)
     queue.schedule_async_request(request)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
+from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
 from megatron_async.mcore import generation
@@ -69,15 +72,21 @@ def checkpoint_dirs_in_flight() -> List[str]:
 class _SaveFinalizer:
     """Commit one save: runs on every rank once its background write is done everywhere."""
 
-    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int):
+    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float):
         self._args = (writer, metadata, dist_wrapper)
         self._release = (checkpoint_dir, token)
+        self._plan_s = plan_s
 
     def __call__(self) -> None:
         try:
             save_state_dict_async_finalize(*self._args)
         finally:
             checkpoints_in_flight.release(*self._release)
+
+    def save_details(self) -> SaveDetails:
+        """What this save cost on this rank (for the queue's INFO line)."""
+        writer = self._args[0]
+        return SaveDetails(self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written)
 
 
 def _config_property(field: str) -> property:
@@ -179,20 +188,28 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     @property
     def use_cached_ckpt_structure(self) -> bool:
-        """megatron-core's switch for a constant checkpoint structure.
+        """megatron-core's switch for a constant checkpoint structure (``config.cached_metadata``).
 
-        Megatron-LM sets it on its save strategy for ``--ckpt-assume-constant-structure``;
-        as in megatron-core, it turns on both the plan and metadata cache
-        (``config.cached_metadata``) and the reuse of staging buffers
-        (``config.use_cached_data_structure``).
+        Megatron-LM sets it on its save strategy for ``--ckpt-assume-constant-structure``.
+        In megatron-core 0.19 it turns on plan and metadata caching and staging-buffer
+        reuse; here staging buffers are reused by default whatever this switch says
+        (``config.use_cached_data_structure``, checked against the layout on every save),
+        so True turns on the plan and metadata cache, and False turns off only that.
         """
-        return self.config.cached_metadata and self.config.use_cached_data_structure
+        return self.config.cached_metadata
 
     @use_cached_ckpt_structure.setter
     def use_cached_ckpt_structure(self, value: bool) -> None:
-        self.config = dataclasses.replace(
-            self.config, cached_metadata=bool(value), use_cached_data_structure=bool(value)
-        )
+        self.config = dataclasses.replace(self.config, cached_metadata=bool(value))
+
+    def release_staging_buffers(self) -> None:
+        """Free the staging buffers kept for the next save (every rank, between saves).
+
+        Buffers of a save still being written are freed when that write is over. The next
+        save allocates new ones (and keeps them again, unless
+        ``config.use_cached_data_structure`` is False).
+        """
+        self.staging_cache.clear()
 
     # megatron-core's attribute names for options that live in ``config`` here; its
     # fully parallel wrapper and Megatron-LM read or set them on the strategy.
@@ -243,6 +260,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             self._check_target(checkpoint_dir, is_coordinator)
             claims.append(checkpoints_in_flight.claim(checkpoint_dir))
 
+        start = time.monotonic()
         try:
             writer, metadata, dist_wrapper = self.plan_cache.plan_save(
                 sharded_state_dict,
@@ -251,18 +269,23 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 lambda: self._create_writer(checkpoint_dir),
                 check_target,
             )
-            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0])
+            plan_s = time.monotonic() - start
+            logger.debug(
+                "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
+                coordination.get_rank(), checkpoint_dir, plan_s, self.last_save_reused_plans,
+            )
+            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s)
         except BaseException:
             for token in claims:
                 checkpoints_in_flight.release(checkpoint_dir, token)
             raise
 
     def _request(
-        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int
+        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float
     ) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token)
+        finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s)
         # If the request is dropped unfinalized (a failed or aborted save), free the directory.
         checkpoints_in_flight.release_when_dropped(finalizer, checkpoint_dir, token)
         return AsyncRequest(

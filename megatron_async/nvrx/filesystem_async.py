@@ -1,5 +1,18 @@
-"""``nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async``: the storage writer."""
+"""``nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async``: the storage writer.
 
-from megatron_async.filesystem_async import FileSystemWriterAsync
+``_results_queue`` is, as there, the process's write-results queue once
+:func:`get_write_results_queue` created it (the default ``"spawn"`` one), else None.
+"""
 
-__all__ = ["FileSystemWriterAsync"]
+from typing import Any
+
+from megatron_async.writer import filesystem as _filesystem
+from megatron_async.writer.filesystem import FileSystemWriterAsync, get_write_results_queue
+
+__all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_results_queue":
+        return _filesystem._results_queues.get("spawn")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

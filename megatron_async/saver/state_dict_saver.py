@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -136,9 +137,12 @@ def save_state_dict_async_plan(
         process_group: group to plan in; defaults to the gloo coordination group.
         coordinator_rank: rank (in that group) that builds and writes the metadata.
         planner: the save planner; defaults to DCP's ``DefaultSavePlanner``.
-        cached_ckpt_structure: ``(central_plan, local_plan, validated)`` returned by the
-            previous call; the third element is accepted for compatibility and unused
-            (reuse is always verified against fresh local plans).
+        cached_ckpt_structure: ``(central_plan, local_plan, validated_cache_reuse)``
+            from the previous call. With ``validated_cache_reuse`` the caller vouches that
+            this rank's structure is unchanged: the local plan is not computed again (the
+            cached one is used), as in megatron-core. Unlike megatron-core, the one small
+            all-reduce stays, so ranks that disagree plan afresh together instead of
+            waiting on each other. Without it, reuse is verified against a fresh local plan.
         loaded_all_plans: local plans stored in a loaded checkpoint's metadata.
 
     Returns:
@@ -159,18 +163,23 @@ def save_state_dict_async_plan(
     dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
-    cached_central, cached_local, _ = cached_ckpt_structure or (None, None, False)
+    cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
+    # The caller vouches that nothing changed: skip the local planning, as megatron-core does.
+    vouched = bool(validated) and cached_central is not None and cached_local is not None
 
     local_plan: Optional[SavePlan] = None
     local_error: Optional[BaseException] = None
     try:
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
-        local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
+        fresh_plan = cached_local if vouched else planner.create_local_plan()
+        local_plan = storage_writer.prepare_local_plan(fresh_plan)
     except Exception as exc:  # agreed on below, so that no rank is left waiting
         local_error = exc
     unchanged = (
-        local_error is None and cached_central is not None and _same_plan(local_plan, cached_local)
+        local_error is None
+        and cached_central is not None
+        and (vouched or _same_plan(local_plan, cached_local))
     )
     (changed,) = agree_or_raise(local_error, "local save planning", [int(not unchanged)], group)
 
@@ -449,6 +458,11 @@ def verify_global_md_reuse(
     return not any_mismatch
 
 
+def _is_wrapped_exception(results: Any) -> bool:
+    """Whether ``results`` is DCP's ``(exception, traceback)`` instead of write results."""
+    return isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException)
+
+
 def save_state_dict_async_finalize(
     storage_writer: FileSystemWriterAsync,
     global_metadata: Optional[Metadata],
@@ -471,19 +485,28 @@ def save_state_dict_async_finalize(
     failure: Optional[RankFailure] = None
     try:
         results = storage_writer.retrieve_write_results()
+        if _is_wrapped_exception(results):  # the reference API returns background failures
+            raise results[0]
     except Exception as exc:  # reported on every rank below
         logger.error("rank %d: background write of %s failed: %s", rank, checkpoint, exc)
         failure = getattr(exc, "failure", None) or RankFailure.from_exception(rank, "write", exc)
+        results = []
     coordination.raise_if_any_rank_failed(failure, group, checkpoint)
 
+    start = time.monotonic()
     all_results = dist_wrapper.gather_object(results)
+    logger.debug("rank %d: gathered the write results of %s in %.3fs", rank, checkpoint, time.monotonic() - start)
     if dist_wrapper.is_coordinator:
         try:
             if global_metadata is None:
                 raise CheckpointValidationError(
                     f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
                 )
+            start = time.monotonic()
             storage_writer.finish(global_metadata, all_results)
+            logger.debug(
+                "rank %d: wrote the metadata of %s in %.3fs", rank, checkpoint, time.monotonic() - start
+            )
         except Exception as exc:
             logger.error("rank %d: writing the metadata of %s failed: %s", rank, checkpoint, exc)
             failure = RankFailure.from_exception(rank, "finalize", exc)

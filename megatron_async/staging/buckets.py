@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -252,12 +253,14 @@ def stage_buckets(
     Raises:
         StagingMemoryError: shared memory for the buffers could not be allocated.
     """
+    start = time.monotonic()
     cache = cache if cache is not None else _default_cache
     entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
     cuda_sources: List[torch.Tensor] = []
+    allocated = 0
     try:
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
@@ -266,6 +269,7 @@ def stage_buckets(
             if buffers is None or not buffers.fits(sources):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
+                allocated += 1
                 if cached:
                     entry.buckets[b_idx] = buffers
                 else:
@@ -283,6 +287,12 @@ def stage_buckets(
     except BaseException:
         result.release()
         raise
+    if logger.isEnabledFor(logging.DEBUG):
+        copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])
+        logger.debug(
+            "staged %d bytes in %d buckets in %.3fs (%d of them into new buffers)",
+            copied, len(result), time.monotonic() - start, allocated,
+        )
     return result
 
 

@@ -1,8 +1,9 @@
 """Stream one bucket into an object store as it is written (background writer).
 
-:func:`open_object_bucket_file` is the ``open_bucket_file`` of
-:func:`megatron_async.writer.bucket_io.write_bucket` when the checkpoint is an ``msc://``
-URL. It returns a :class:`~megatron_async.writer.bucket_io.BucketFile` whose bytes go
+:class:`ObjectStoreFileOpener` is the ``open_file`` that the writer's write paths get
+when the checkpoint is an ``msc://`` URL: called, it opens like multi-storage-client's
+``open`` (the reference API's ``open_file``); :func:`megatron_async.writer.bucket_io.write_bucket`
+instead asks it for the bucket file, :func:`open_object_bucket_file`. It returns a :class:`~megatron_async.writer.bucket_io.BucketFile` whose bytes go
 to the store instead of a local file, so everything else (DCP's byte layout, the xxh3
 digest of every item while it passes) is the same code as on POSIX:
 
@@ -23,20 +24,19 @@ timeouts and retries); MSC keeps one per process and rebuilds it after a fork.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
-from megatron_async.storage.client import resolve
+from megatron_async.storage.client import import_msc, resolve
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
-from megatron_async.writer.bucket_io import BucketFile, OpenBucketFile
+from megatron_async.writer.bucket_io import BucketFile
 
 __all__ = [
     "DEFAULT_PART_BYTES",
     "MIN_PART_BYTES",
     "S3MultipartBucketFile",
     "open_object_bucket_file",
-    "object_bucket_opener",
+    "ObjectStoreFileOpener",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,21 @@ def open_object_bucket_file(
     return S3MultipartBucketFile(*target, url, hashing, part_bytes)
 
 
-def object_bucket_opener(part_bytes: int = DEFAULT_PART_BYTES) -> OpenBucketFile:
-    """The ``open_bucket_file`` for ``msc://`` checkpoints (a partial: it pickles)."""
-    return partial(open_object_bucket_file, part_bytes=part_bytes)
+class ObjectStoreFileOpener:
+    """``open_file`` for ``msc://`` checkpoints (pickles to the background writer).
+
+    Args:
+        part_bytes: bytes per uploaded part of a bucket's multipart upload.
+    """
+
+    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES):
+        self.part_bytes = part_bytes
+
+    def __call__(self, url: str, mode: str = "rb", **kwargs: Any) -> Any:
+        """Open ``url`` with multi-storage-client's ``open`` (code written to the reference API)."""
+        return import_msc().open(url, mode, **kwargs)
+
+    def open_bucket_file(self, url: str, hashing: bool) -> BucketFile:
+        """The streamed bucket file our write path uses (multipart, digests on the way)."""
+        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes)
+

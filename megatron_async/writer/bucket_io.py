@@ -26,7 +26,7 @@ from megatron_async.integrity import checksums
 from megatron_async.writer.buckets import WriteBucket, is_empty_chunk
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
-__all__ = ["ChecksummedWriteResult", "BucketFile", "OpenBucketFile", "write_bucket"]
+__all__ = ["ChecksummedWriteResult", "BucketFile", "OpenedBucketFile", "OpenBucketFile", "write_bucket"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,48 @@ class BucketFile:
         self._writeback_start = self._written
 
 
+class OpenedBucketFile(BucketFile):
+    """A bucket's file opened by a caller-given ``open_file`` (object stores, custom I/O).
+
+    Runs in the background writer. The same gathering and hashing as :class:`BucketFile`,
+    but every system call goes through the stream ``open_file(path, "wb")`` returned:
+    pieces are written with its ``write``, ``fsync`` applies only when the stream has a
+    real file descriptor, and no page-cache hints are given.
+    """
+
+    def __init__(self, path: str, hashing: bool, open_file: Callable[..., Any]):
+        self._stream = open_file(path, "wb")
+        self._hasher = checksums.new_hasher() if hashing else None
+        self._pending = []
+        self._pending_bytes = 0
+        self._written = 0
+        self._writeback_start = 0
+        self._advise = False
+        self.write_error = None
+
+    def finish(self, use_fsync: bool) -> None:
+        self._write_pending()
+        self._stream.flush()
+        if use_fsync:
+            try:
+                fd = self._stream.fileno()
+            except (AttributeError, OSError, ValueError):  # an object store: durable on close
+                return
+            os.fsync(fd)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def _writev(self, pieces: List[Any]) -> int:
+        written = 0
+        for piece in pieces:
+            count = self._stream.write(piece)
+            written += len(piece) if count is None else count
+            if count is not None and count < len(piece):
+                break
+        return written
+
+
 def _append_raw_item(file: BucketFile, item: WriteItem, data: Any) -> bool:
     """Append one item in DCP's torch_save layout without ``torch.save``, if it can be.
 
@@ -274,7 +316,7 @@ def write_bucket(
     bucket: WriteBucket,
     use_fsync: bool,
     compute_checksums: bool = True,
-    open_bucket_file: OpenBucketFile = BucketFile,
+    open_file: Optional[Callable[..., Any]] = None,
 ) -> List[WriteResult]:
     """Write one staged bucket to its file in DCP's byte layout and return its results.
 
@@ -295,8 +337,11 @@ def write_bucket(
             change until this function returns.
         use_fsync: flush the file to stable storage before returning.
         compute_checksums: record an xxh3 digest of every item.
-        open_bucket_file: opens the bucket's output (closing it before ``finish`` abandons
-            it: an object upload is aborted, a local file stays partial without .metadata).
+        open_file: opens the file (``open_file(path, "wb")``) when it is not the built-in
+            ``open``: how object stores plug in. None or ``open``: direct system calls.
+            An opener with an ``open_bucket_file(path, hashing)`` method (our object-store
+            opener) gives the bucket file itself: a streamed upload that is abandoned
+            (aborted) if closed before ``finish``.
 
     Raises:
         ValueError: a tensor is not on the CPU (the bucket was not staged).
@@ -305,7 +350,13 @@ def write_bucket(
     bytes_data, tensor_data = bucket.data
     raw_layout = not getattr(transforms, "extensions", None)
     results: List[WriteResult] = []
-    file = open_bucket_file(bucket.file_path, compute_checksums)
+    open_bucket_file: Optional[OpenBucketFile] = getattr(open_file, "open_bucket_file", None)
+    if open_bucket_file is not None:
+        file = open_bucket_file(bucket.file_path, compute_checksums)
+    elif open_file is None or open_file is open:
+        file = BucketFile(bucket.file_path, compute_checksums)
+    else:
+        file = OpenedBucketFile(bucket.file_path, compute_checksums, open_file)
     try:
 
         def write(item: WriteItem, data: Any) -> None:

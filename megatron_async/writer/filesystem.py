@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import itertools
 import logging
+import multiprocessing as mp
 import os
 import pickle
+import queue
+import threading
+import traceback
 from functools import partial
-from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
@@ -38,7 +43,6 @@ from megatron_async.core import coordination
 from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
-    StorageWriteError,
     WorkerDiedError,
 )
 from megatron_async.format import DCP_METADATA_FILE
@@ -50,18 +54,19 @@ from megatron_async.storage.locations import (
     is_object_url,
     normalize_checkpoint_path,
 )
-from megatron_async.writer.bucket_io import BucketFile, OpenBucketFile, write_bucket
+from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
 from megatron_async.writer.commit import commit_checkpoint
-from megatron_async.writer.results import ResultFile, WriteOutcome
-from megatron_async.writer.runners import (
-    BucketWriter,
-    write_and_report,
-    write_with_processes,
-    write_with_threads,
-)
+from megatron_async.writer.results import ResultFile
+from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
 
-__all__ = ["FileSystemWriterAsync", "DEFAULT_WRITE_TIMEOUT_S", "METADATA_FILE_NAME"]
+__all__ = [
+    "FileSystemWriterAsync",
+    "ConsistentDataIdentifier",
+    "get_write_results_queue",
+    "DEFAULT_WRITE_TIMEOUT_S",
+    "METADATA_FILE_NAME",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,165 @@ DEFAULT_WRITE_TIMEOUT_S = 3600.0
 
 METADATA_FILE_NAME = DCP_METADATA_FILE
 """DCP's global metadata file (kept under this name for older imports)."""
+
+
+WrappedException = Tuple[BaseException, traceback.StackSummary]
+"""PyTorch DCP's form of a failure that is returned rather than raised."""
+
+SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
+"""``write_preloaded_data``'s signature (see :meth:`FileSystemWriterAsync.write_preloaded_data`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsistentDataIdentifier:
+    """Names the reusable staging buffers of one bucket layout (trainer side).
+
+    Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
+    in the stager's :class:`~megatron_async.staging.buckets.StagingBufferCache`.
+
+    Attributes:
+        key: a digest of everything that decides the buffers' shapes.
+    """
+
+    key: str
+
+
+ResolvedPlanData = Tuple[str, Tuple[Optional[ConsistentDataIdentifier], List[WriteBucket]]]
+"""``(checkpoint_dir, (identifier, write_buckets))``: what ``preload_tensors`` stages."""
+
+
+_results_queues: Dict[str, Any] = {}
+_results_queues_lock = threading.Lock()
+
+
+def get_write_results_queue(mp_mode: str = "spawn") -> Any:
+    """Return this process's queue for write results, created on first use (trainer side).
+
+    A multiprocessing manager's queue of the given start method (``"spawn"``, ``"fork"``
+    or ``"forkserver"``): its handle pickles, so background processes of any kind can
+    ``put`` into it. Our writers report through a results file instead (see
+    :mod:`megatron_async.writer.results`); this queue is for code written against the
+    reference API that passes its own ``global_results_queue`` to the write paths or sets
+    a writer's ``results_queue``: ``retrieve_write_results`` reads either.
+
+    Raises:
+        CheckpointValidationError: an unknown start method.
+    """
+    if mp_mode not in mp.get_all_start_methods():
+        raise CheckpointValidationError(
+            f"mp_mode must be one of {mp.get_all_start_methods()}, got {mp_mode!r}"
+        )
+    with _results_queues_lock:
+        if mp_mode not in _results_queues:
+            _results_queues[mp_mode] = mp.get_context(mp_mode).Manager().Queue()
+        return _results_queues[mp_mode]
+
+
+_RESULTS_QUEUE_WAIT_S = 5.0
+"""How long ``retrieve_write_results`` waits on a results queue for an outcome that the
+finished background part must already have put (a manager queue delivers with a delay)."""
+
+
+def _take_payload(channel: Any) -> Tuple[Any, Optional[BaseException]]:
+    """Read a save's outcome from its channel (trainer side): ``(payload, None)`` or
+    ``(None, why nothing could be read)``."""
+    try:
+        if isinstance(channel, ResultFile):
+            return channel.take(), None
+        return channel.get(timeout=_RESULTS_QUEUE_WAIT_S), None
+    except (OSError, EOFError, pickle.UnpicklingError, queue.Empty) as exc:
+        if isinstance(channel, ResultFile):
+            channel.discard()
+        return None, exc
+
+
+def _wrap(exc: BaseException) -> WrappedException:
+    """DCP's wrapped form of ``exc``, with the traceback where it was first raised."""
+    failure = getattr(exc, "failure", None)
+    stack = getattr(failure, "stack", None) or traceback.extract_tb(exc.__traceback__)
+    return exc, stack
+
+
+def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
+    """``partial(fn, *args, **options)`` without the options ``fn`` does not take.
+
+    A subclass may override a write path with the reference API's signature only; it
+    then runs without our extra options (checksums, bounded waits) instead of failing.
+    """
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        options = {k: v for k, v in options.items() if k in params}
+    return partial(fn, *args, **options)
+
+
+def _unpack_resolved_plan_data(
+    resolved_plan_data: Any,
+) -> Tuple[Optional[ConsistentDataIdentifier], Sequence[WriteBucket]]:
+    try:
+        _, (identifier, write_buckets) = resolved_plan_data
+    except (TypeError, ValueError):
+        identifier, write_buckets = None, None
+    if (identifier is not None and not isinstance(identifier, ConsistentDataIdentifier)) or not (
+        isinstance(write_buckets, (list, tuple))
+        and all(isinstance(b, WriteBucket) for b in write_buckets)
+    ):
+        raise CheckpointValidationError(
+            "preload_tensors expects (checkpoint_dir, (ConsistentDataIdentifier or None, "
+            "write_buckets)), the writer's resolved_plan_data after prepare_write_data; got "
+            f"{type(resolved_plan_data).__name__}"
+        )
+    return identifier, write_buckets
+
+
+def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
+    """Refuse ``use_msc`` without an object-store ``open_file`` (background writer)."""
+    if use_msc and (open_file is None or open_file is open):
+        raise CheckpointValidationError(
+            "use_msc=True needs an object-store open_file (for example multistorageclient's "
+            "msc.open), got the local file system's open; pass use_msc=False for local and "
+            "shared file systems, or the object store's open callable"
+        )
+
+
+def _write_one_bucket(
+    bucket_writer: SpecBucketWriter,
+    transform_list: Any,
+    open_file: Callable[..., Any],
+    use_fsync: bool,
+    options: Dict[str, Any],
+    idx: int,
+    bucket: WriteBucket,
+) -> List[WriteResult]:
+    """Write one bucket through ``write_preloaded_data`` and raise what it returns as failed."""
+    output = bucket_writer(transform_list, open_file, idx, bucket, None, None, use_fsync, **options)
+    if output is None:
+        raise CheckpointIntegrityError(
+            f"write_preloaded_data returned nothing for {bucket.file_name} although no "
+            "results_queue was given; an override must return (index, results or exception)"
+        )
+    result = output[1]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _one_bucket_writer(
+    bucket_writer: Optional[SpecBucketWriter],
+    transform_list: Any,
+    use_msc: bool,
+    open_file: Callable[..., Any],
+    use_fsync: bool,
+    compute_checksums: bool,
+) -> Callable[[int, WriteBucket], List[WriteResult]]:
+    """``(index, bucket) -> results`` through ``bucket_writer`` (``write_preloaded_data``)."""
+    return partial(
+        _write_one_bucket,
+        bucket_writer or FileSystemWriterAsync.write_preloaded_data,
+        transform_list,
+        open_file,
+        use_fsync,
+        {"use_msc": use_msc, "compute_checksums": compute_checksums},
+    )
 
 
 def _layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str]) -> str:
@@ -204,7 +368,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
-        self.results_file: Optional[ResultFile] = None
+        self.resolved_plan_data: Optional[ResolvedPlanData] = None
+        self.results_queue: Any = None
+        """Where the background writer reports (a :class:`ResultFile` per save; anything
+        with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
+        self.write_elapsed_s: Optional[float] = None
+        """How long the background write took, once ``retrieve_write_results`` succeeded."""
         self._staging_key: Optional[str] = None
         self._write_results: Optional[List[WriteResult]] = None
 
@@ -269,7 +438,11 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.write_buckets = materialize_buckets(
             resolved, layout, self.checkpoint_dir, plan.storage_data.prefix
         )
-        self.results_file = (
+        identifier = (
+            ConsistentDataIdentifier(self._staging_key) if self.use_cached_data_structure else None
+        )
+        self.resolved_plan_data = (self.checkpoint_dir, (identifier, self.write_buckets))
+        self.results_queue = (
             ResultFile.create(f"rank{coordination.get_rank()}") if self.write_buckets else None
         )
         self._write_results = None
@@ -283,12 +456,15 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def get_save_function_and_args(
         self,
-    ) -> Tuple[Optional[Callable[..., None]], Optional[Callable[[], Any]], Optional[tuple]]:
+    ) -> Tuple[Optional[Callable[..., None]], Optional[Callable[[], Any]], Optional[List[Any]]]:
         """Return ``(save_fn, preload_fn, args)``, or ``(None, None, None)`` with nothing to write.
 
-        Runs in the trainer. Both functions are ``functools.partial`` objects of static
-        methods, so they pickle to the persistent worker. ``args`` is
-        ``(rank, None, results_file)``: the caller replaces ``args[1]`` by the result of
+        Runs in the trainer. ``save_fn`` is ``write_preloaded_data_multithread`` (or
+        ``_multiproc``) with ``(transform_list, use_msc, open_file)`` bound, ``preload_fn``
+        is ``preload_tensors`` with ``(resolved_plan_data, non_blocking)`` bound; both are
+        ``functools.partial`` objects of static methods, so they pickle to the persistent
+        worker, and a subclass's overrides are the ones used. ``args`` is
+        ``[rank, None, results_queue]``: the caller replaces ``args[1]`` by the result of
         ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``.
         """
         if not self.write_buckets:
@@ -298,32 +474,20 @@ class FileSystemWriterAsync(FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
-        bucket_writer = type(self).write_preloaded_data
-        if not self.checksums:
-            bucket_writer = partial(bucket_writer, compute_checksums=False)
-        if self.use_msc:
-            from megatron_async.storage.stream import object_bucket_opener
-
-            bucket_writer = partial(
-                bucket_writer, open_bucket_file=object_bucket_opener(self.object_part_bytes)
-            )
-        save_fn = partial(
+        save_fn = _bind_supported(
             write_fn,
-            self.transforms,
-            self.sync_files,
-            self.write_timeout_s,
-            bucket_writer,
+            (self.transforms, self.use_msc, self._open_file()),
+            use_fsync=self.sync_files,
+            write_timeout_s=self.write_timeout_s,
+            bucket_writer=type(self).write_preloaded_data,
+            compute_checksums=self.checksums,
         )
         if self.overlap_staging:
             return self._overlapped_functions(save_fn)
-        preload_fn = partial(
-            self.preload_tensors,
-            self.write_buckets,
-            True,
-            self._staging_key,
-            staging_cache=self.staging_cache,
+        preload_fn = _bind_supported(
+            self.preload_tensors, (self.resolved_plan_data, True), staging_cache=self.staging_cache
         )
-        return save_fn, preload_fn, (coordination.get_rank(), None, self.results_file)
+        return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
 
     def _overlapped_functions(self, save_fn):
         """``(save_fn, preload_fn, args)`` of overlapped staging: ``preload_fn`` leases the
@@ -337,86 +501,207 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         gate = StagingGate()
         rank = coordination.get_rank()
+        identifier, write_buckets = _unpack_resolved_plan_data(self.resolved_plan_data)
         preload_fn = partial(
-            stage_buckets_overlapped, gate, rank, self.write_buckets, True, self._staging_key,
-            self.staging_cache,
+            stage_buckets_overlapped, gate, rank, write_buckets, True,
+            identifier.key if identifier is not None else None, self.staging_cache,
         )
         save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
-        return save_fn, preload_fn, (rank, None, self.results_file)
+        return save_fn, preload_fn, [rank, None, self.results_queue]
+
+    def _open_file(self) -> Callable[..., Any]:
+        """The ``open_file`` the write paths get: ``open``, or the object store's opener."""
+        if not self.use_msc:
+            return open
+        from megatron_async.storage.stream import ObjectStoreFileOpener
+
+        return ObjectStoreFileOpener(self.object_part_bytes)
 
     @staticmethod
     def preload_tensors(
-        write_buckets: Sequence[WriteBucket],
+        resolved_plan_data: ResolvedPlanData,
         non_blocking: bool = True,
-        staging_key: Optional[Hashable] = None,
+        *,
         staging_cache: Optional[StagingBufferCache] = None,
     ) -> List[WriteBucket]:
-        """Stage the buckets' tensors to host memory: a snapshot (trainer, every rank).
+        """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
 
         CUDA tensors go to pinned buffers (non-blocking copies, one synchronize); CPU
         tensors are copied as well, so later in-place updates never reach the file.
-        With ``staging_key``, the buffers of that layout in ``staging_cache`` are reused.
+
+        Args:
+            resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
+                ``prepare_write_data`` left it in :attr:`resolved_plan_data`. With a
+                :class:`ConsistentDataIdentifier`, the buffers staged under that key by an
+                earlier save are reused (``use_cached_data_structure``); None stages into
+                fresh buffers.
+            non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
+            staging_cache: where the reusable buffers live (the trainer's);
+                :func:`~megatron_async.staging.buckets.default_staging_cache` when None.
+
+        Returns:
+            The staged buckets (a :class:`~megatron_async.staging.buckets.StagedBuckets`).
         """
-        return stage_buckets(write_buckets, non_blocking, staging_key, staging_cache)
+        identifier, write_buckets = _unpack_resolved_plan_data(resolved_plan_data)
+        key = identifier.key if identifier is not None else None
+        return stage_buckets(write_buckets, non_blocking, key, staging_cache)
 
     @staticmethod
     def write_preloaded_data(
-        transforms: Any,
-        write_bucket_: WriteBucket,
+        transform_list: Any,
+        open_file: Callable[..., Any],
+        local_thread_idx: int,
+        write_bucket: WriteBucket,
+        results_queue: Any,
+        count_queue: Any,
         use_fsync: bool,
-        compute_checksums: bool = True,
-        open_bucket_file: OpenBucketFile = BucketFile,
-    ) -> List[WriteResult]:
-        """Write one staged bucket and return its results (a writer thread or process).
+        **kwargs: Any,
+    ) -> Optional[Tuple[int, Union[List[WriteResult], Exception]]]:
+        """Write one staged bucket (a writer thread or process, or the calling thread).
 
-        Subclasses may override it (a fault-injecting writer in tests); it must stay a
-        static method so that the save function still pickles. ``open_bucket_file`` is
-        passed only for object storage (``use_msc``).
+        Subclasses may override it (a fault-injecting writer in tests): the write paths
+        call ``type(writer).write_preloaded_data``. It must stay a static method so that
+        the save function still pickles.
+
+        Args:
+            transform_list: the writer's stream transforms (DCP extensions).
+            open_file: opens the file; the built-in ``open`` writes with direct system
+                calls, any other callable (an object store's ``open``) is used as is.
+            local_thread_idx: index of the bucket among this save's buckets.
+            write_bucket: the staged bucket.
+            results_queue: where ``(local_thread_idx, results or exception)`` goes; None
+                returns it instead.
+            count_queue: a joinable queue whose ``get`` / ``task_done`` marks this worker
+                done, or None.
+            use_fsync: make the file durable before returning.
+            **kwargs: ``compute_checksums`` (default True) and ``use_msc`` (default False).
+
+        Returns:
+            ``(local_thread_idx, results or the exception raised)`` when ``results_queue``
+            is None, else None.
         """
-        return write_bucket(transforms, write_bucket_, use_fsync, compute_checksums, open_bucket_file)
+        try:
+            _check_opener(kwargs.get("use_msc", False), open_file)
+            output: Tuple[int, Union[List[WriteResult], Exception]] = (
+                local_thread_idx,
+                write_bucket_file(
+                    transform_list,
+                    write_bucket,
+                    use_fsync,
+                    kwargs.get("compute_checksums", True),
+                    open_file=open_file,
+                ),
+            )
+        except Exception as exc:  # returned or queued, as the reference API specifies
+            output = (local_thread_idx, exc)
+        if results_queue is None:
+            return output
+        results_queue.put(output)
+        if count_queue is not None:
+            count_queue.get()
+            count_queue.task_done()
+        return None
+
+    @staticmethod
+    def write_preloaded_data_proc(
+        transform_list: Any,
+        open_file: Callable[..., Any],
+        local_proc_idx: int,
+        write_bucket: WriteBucket,
+        results_queue: Any,
+        count_queue: Any,
+        use_fsync: bool,
+        **kwargs: Any,
+    ) -> None:
+        """Write one staged bucket in a worker process and queue its outcome.
+
+        The same as :meth:`write_preloaded_data` with a ``results_queue``, for code that
+        starts its own writer processes with it as target.
+
+        Raises:
+            CheckpointValidationError: ``results_queue`` is None (the outcome would be lost).
+        """
+        if results_queue is None:
+            raise CheckpointValidationError(
+                "write_preloaded_data_proc reports through results_queue; pass a queue "
+                "(or call write_preloaded_data, which returns the outcome without one)"
+            )
+        FileSystemWriterAsync.write_preloaded_data(
+            transform_list, open_file, local_proc_idx, write_bucket, results_queue,
+            count_queue, use_fsync, **kwargs,
+        )
 
     @staticmethod
     def write_preloaded_data_multithread(
-        transforms: Any,
-        use_fsync: bool,
-        timeout_s: float,
-        bucket_writer: BucketWriter,
+        transform_list: Any,
+        use_msc: bool,
+        open_file: Callable[..., Any],
         rank: int,
         write_buckets: Optional[Sequence[WriteBucket]],
-        results_file: ResultFile,
+        global_results_queue: Any,
+        *,
+        use_fsync: bool = True,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        bucket_writer: Optional[SpecBucketWriter] = None,
+        compute_checksums: bool = True,
     ) -> None:
-        """Write the staged buckets, one thread each, and publish the outcome (background).
+        """Write the staged buckets, one thread each, and report the outcome (background).
 
         The last bucket is written by the calling thread. A failed bucket is recorded in
         the outcome, not raised: the trainer's finalization turns it into an error on
-        every rank.
+        every rank. What goes to ``global_results_queue`` (the writer's results file, or
+        any object with ``put``, e.g. :func:`get_write_results_queue`) is a dict bucket
+        index -> write results, or the :class:`~megatron_async.errors.StorageWriteError` that says what failed.
+
+        Args:
+            transform_list, use_msc, open_file: see :meth:`write_preloaded_data`.
+            rank: the training rank (for messages).
+            write_buckets: the staged buckets (``preload_fn``'s result).
+            global_results_queue: where the outcome goes.
+            use_fsync: make every file durable.
+            write_timeout_s: bound on the wait for the writer threads.
+            bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
+            compute_checksums: hash every item while writing it.
         """
-        runner = partial(write_with_threads, bucket_writer, transforms, use_fsync, timeout_s)
-        write_and_report(runner, rank, write_buckets, results_file)
+        write_one = _one_bucket_writer(
+            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums
+        )
+        runner = partial(write_with_threads, write_one, write_timeout_s)
+        write_and_report(runner, rank, write_buckets, global_results_queue)
 
     @staticmethod
     def write_preloaded_data_multiproc(
-        transforms: Any,
-        use_fsync: bool,
-        timeout_s: float,
-        bucket_writer: BucketWriter,
+        transform_list: Any,
+        use_msc: bool,
+        open_file: Callable[..., Any],
         rank: int,
         write_buckets: Optional[Sequence[WriteBucket]],
-        results_file: ResultFile,
+        global_results_queue: Any,
+        *,
+        use_fsync: bool = True,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        bucket_writer: Optional[SpecBucketWriter] = None,
+        compute_checksums: bool = True,
     ) -> None:
-        """Write the staged buckets, one forked process each, and publish the outcome.
+        """Write the staged buckets, one forked process each, and report the outcome.
 
-        Runs in the background writer, which must be allowed to have children. Forked
-        children share the staged buffers copy-on-write; each reports through its own
-        result file, so a child that dies is detected (no result) instead of awaited.
+        Runs in the background writer, which must be allowed to have children (ours
+        always are). Forked children share the staged buffers; each reports through its
+        own result file, so a child that dies is detected (no result) instead of awaited.
+        Arguments as for :meth:`write_preloaded_data_multithread`.
         """
-        runner = partial(
-            write_with_processes, bucket_writer, transforms, use_fsync, timeout_s, results_file
+        write_one = _one_bucket_writer(
+            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums
         )
-        write_and_report(runner, rank, write_buckets, results_file)
+        runner = partial(write_with_processes, write_one, write_timeout_s)
+        write_and_report(runner, rank, write_buckets, global_results_queue)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
-        """Write the plan synchronously (lets ``torch.distributed.checkpoint.save`` use this writer)."""
+        """Write the plan synchronously (lets ``torch.distributed.checkpoint.save`` use this writer).
+
+        A failed write is the future's result as DCP's wrapped exception, which DCP's
+        ``save`` turns into a ``CheckpointException`` on every rank.
+        """
         self.prepare_write_data(plan, planner)
         save_fn, preload_fn, args = self.get_save_function_and_args()
         if save_fn is not None:
@@ -424,25 +709,32 @@ class FileSystemWriterAsync(FileSystemWriter):
             try:
                 save_fn(args[0], staged, args[2])
             finally:
-                staged.release()
+                release = getattr(staged, "release", None)
+                if release is not None:
+                    release()
         future: Future = Future()
         future.set_result(self.retrieve_write_results())
         return future
 
-    def retrieve_write_results(self) -> List[WriteResult]:
+    def retrieve_write_results(self) -> Union[List[WriteResult], WrappedException]:
         """Collect what the background writer reported (trainer, in finalization).
 
         Returns:
-            The write results of every item of this rank (empty with nothing to write).
+            The write results of every item of this rank (empty with nothing to write),
+            or, when the background write failed, DCP's wrapped exception
+            ``(exception, traceback.StackSummary)`` as the reference API specifies:
+
+            * :class:`~megatron_async.errors.StorageWriteError`: a bucket failed; its ``failure`` holds the
+              original exception and traceback;
+            * :class:`WorkerDiedError`: the writer reported nothing (killed or crashed);
+            * :class:`CheckpointIntegrityError`: a bucket reported too few results.
+
+            Their messages keep megatron-core's wording ("Worker failure: ...", "... This
+            probably indicates a worker failure."), which log alerts and Megatron-LM's
+            tests search for.
 
         Raises:
-            WorkerDiedError: the writer reported nothing (it was killed or crashed).
-            StorageWriteError: a bucket failed; ``failure`` holds the writer's traceback.
-            CheckpointIntegrityError: a bucket reported no or too few results.
-
-        The messages of the errors from the background writer keep megatron-core's
-        wording ("Worker failure: ...", "... This probably indicates a worker failure."),
-        which log alerts and Megatron-LM's tests search for.
+            CheckpointIntegrityError: no write was prepared (a programming error).
         """
         if self._write_results is not None:
             return self._write_results
@@ -454,36 +746,41 @@ class FileSystemWriterAsync(FileSystemWriter):
             self._write_results = []
             return self._write_results
         rank = coordination.get_rank()
-        try:
-            outcome: WriteOutcome = self.results_file.take()
-        except (OSError, EOFError, pickle.UnpicklingError) as exc:
-            self.results_file.discard()
-            raise WorkerDiedError(
-                f"Worker failure on rank {rank}: the background writer of "
-                f"{self.checkpoint_dir} reported no result ({exc}); it was probably killed "
-                "(out of memory, signal) before finishing. The checkpoint is incomplete: "
-                "save again."
-            ) from exc
-        if outcome.failures:
-            failures = [outcome.failures[idx] for idx in sorted(outcome.failures)]
-            causes = "; ".join(f"[{f.phase}] {f.exception_type}: {f.message}" for f in failures)
-            raise StorageWriteError(
-                f"Worker failure on rank {rank}: writing {self.checkpoint_dir} failed: {causes}",
-                failures[0],
+        payload, error = _take_payload(self.results_queue)
+        if error is not None:
+            return _wrap(
+                WorkerDiedError(
+                    f"Worker failure on rank {rank}: the background writer of "
+                    f"{self.checkpoint_dir} reported no result ({error}); it was probably "
+                    "killed (out of memory, signal) before finishing. The checkpoint is "
+                    "incomplete: save again."
+                )
             )
+        if isinstance(payload, BaseException):
+            return _wrap(payload)
         for idx, bucket in enumerate(self.write_buckets):
             expected = len(bucket.data[0]) + len(bucket.data[1])
-            got = len(outcome.results.get(idx, ()))
+            got = len(payload.get(idx, ()))
             if got != expected:
-                raise CheckpointIntegrityError(
-                    f"rank {rank}: {bucket.file_name} in {self.checkpoint_dir} reported {got} of "
-                    f"{expected} written items; its writer stopped early. This probably "
-                    "indicates a worker failure. Save again."
+                return _wrap(
+                    CheckpointIntegrityError(
+                        f"rank {rank}: {bucket.file_name} in {self.checkpoint_dir} reported {got} "
+                        f"of {expected} written items; its writer stopped early. This probably "
+                        "indicates a worker failure. Save again."
+                    )
                 )
+        self.write_elapsed_s = getattr(payload, "elapsed_s", None)
         self._write_results = list(
-            itertools.chain.from_iterable(outcome.results[i] for i in sorted(outcome.results))
+            itertools.chain.from_iterable(payload[i] for i in sorted(payload))
         )
         return self._write_results
+
+    @property
+    def bytes_written(self) -> Optional[int]:
+        """Bytes this rank's background write stored, once ``retrieve_write_results`` succeeded."""
+        if self._write_results is None:
+            return None
+        return sum(result.size_in_bytes for result in self._write_results)
 
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
         """Give the plan the storage prefix ``__{rank}_`` without asking the coordinator.

@@ -19,30 +19,63 @@ import shutil
 import tempfile
 import threading
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.errors import RankFailure
+from megatron_async.errors import RankFailure, StorageWriteError
 
-__all__ = ["WriteOutcome", "ResultFile"]
+__all__ = ["BucketResults", "WriteOutcome", "ResultFile"]
 
 logger = logging.getLogger(__name__)
 
 
+class BucketResults(dict):
+    """What a successful background write reports: bucket index -> that bucket's results.
+
+    A plain dict to code written against the reference API (``Dict[int,
+    List[WriteResult]]``); ``elapsed_s`` adds how long the background write took.
+    """
+
+    elapsed_s: Optional[float] = None
+
+
 @dataclasses.dataclass
 class WriteOutcome:
-    """What a background writer reports for one save of one rank.
+    """What a background writer collects for one save of one rank (background side).
 
     Attributes:
         rank: the training rank the writer works for.
+        checkpoint_dir: the directory written (for messages).
         results: bucket index -> the write results of that bucket's items.
         failures: bucket index -> what went wrong while writing that bucket.
+        elapsed_s: how long writing every bucket took.
     """
 
     rank: int
+    checkpoint_dir: str = ""
     results: Dict[int, List[WriteResult]] = dataclasses.field(default_factory=dict)
     failures: Dict[int, RankFailure] = dataclasses.field(default_factory=dict)
+    elapsed_s: Optional[float] = None
+
+    def payload(self) -> Union["BucketResults", StorageWriteError]:
+        """What goes to the results channel: the results, or the error that says what failed.
+
+        The error's message keeps megatron-core's wording ("Worker failure ..."), which log
+        alerts and Megatron-LM's tests search for; its ``failure`` is the first failed
+        bucket's record (with the original exception).
+        """
+        if self.failures:
+            failures = [self.failures[idx] for idx in sorted(self.failures)]
+            causes = "; ".join(f"[{f.phase}] {f.exception_type}: {f.message}" for f in failures)
+            where = self.checkpoint_dir or "the checkpoint"
+            return StorageWriteError(
+                f"Worker failure on rank {self.rank}: writing {where} failed: {causes}",
+                failures[0],
+            )
+        results = BucketResults(self.results)
+        results.elapsed_s = self.elapsed_s
+        return results
 
 
 _results_dir_lock = threading.Lock()
@@ -75,10 +108,6 @@ class ResultFile:
     def create(cls, tag: str) -> "ResultFile":
         """Return a fresh channel in this process's results folder (trainer side)."""
         return cls(os.path.join(_get_results_dir(), f"{tag}_{uuid.uuid4().hex}.pkl"))
-
-    def derive(self, suffix: str) -> "ResultFile":
-        """Return a sibling channel (for a sub-process of the writer)."""
-        return ResultFile(f"{self.path}.{suffix}")
 
     def put(self, obj: Any) -> None:
         """Publish ``obj`` (background writer side)."""

@@ -2,15 +2,17 @@
 
 Runs in the background writer (a forked writer, or the persistent worker's write
 thread). Every bucket's outcome, success or failure, lands in one
-:class:`~.results.WriteOutcome`, published through a :class:`~.results.ResultFile`; a
-failure is recorded, never raised, so that the trainer's finalization can turn it into
-an error on every rank. Every wait is bounded by the writer's ``timeout_s``.
+:class:`~.results.WriteOutcome`, whose :meth:`~.results.WriteOutcome.payload` goes to the
+save's results channel; a failure is recorded, never raised, so that the trainer's
+finalization can turn it into an error on every rank. Every wait is bounded by the
+writer's ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
@@ -27,22 +29,26 @@ __all__ = ["BucketWriter", "write_and_report", "write_with_threads", "write_with
 
 logger = logging.getLogger(__name__)
 
-BucketWriter = Callable[[Any, WriteBucket, bool], List[WriteResult]]
-"""``(transforms, bucket, use_fsync) -> results``: writes one staged bucket."""
+BucketWriter = Callable[[int, WriteBucket], List[WriteResult]]
+"""``(bucket_index, bucket) -> results``: writes one staged bucket, raises on failure."""
 
 
 def write_and_report(
     runner: Callable[[Sequence[WriteBucket], WriteOutcome], None],
     rank: int,
     write_buckets: Optional[Sequence[WriteBucket]],
-    results_file: ResultFile,
+    results_channel: Any,
 ) -> None:
-    """Run ``runner`` on the staged buckets and publish the outcome (background writer).
+    """Run ``runner`` on the staged buckets and put the outcome into ``results_channel``.
 
-    The staging buffers are not released here: the caller that staged them does that
-    once the whole call is over (see :meth:`StagedBuckets.release`).
+    Runs in the background writer. ``results_channel`` is anything with ``put``: the
+    writer's :class:`ResultFile`, or a queue from ``get_write_results_queue``. The staging
+    buffers are not released here: the caller that staged them does that once the whole
+    call is over (see :meth:`StagedBuckets.release`).
     """
-    outcome = WriteOutcome(rank)
+    directory = os.path.dirname(write_buckets[0].file_path) if write_buckets else ""
+    outcome = WriteOutcome(rank, checkpoint_dir=directory)
+    start = time.monotonic()
     try:
         if write_buckets is None:
             raise ValueError(
@@ -50,23 +56,28 @@ def write_and_report(
                 "pass its result as args[1]"
             )
         runner(write_buckets, outcome)
-    except Exception as exc:  # reported through the result file
+    except Exception as exc:  # reported through the results channel
         outcome.failures[-1] = RankFailure.from_exception(rank, "write", exc)
-    results_file.put(outcome)
+    outcome.elapsed_s = time.monotonic() - start
+    logger.debug(
+        "rank %d: background write of %s took %.3fs (%d buckets, %d failed)",
+        rank, directory, outcome.elapsed_s, len(write_buckets or ()), len(outcome.failures),
+    )
+    results_channel.put(outcome.payload())
 
 
 def write_with_threads(
-    bucket_writer: BucketWriter,
-    transforms: Any,
-    use_fsync: bool,
+    write_one: BucketWriter,
     timeout_s: float,
     buckets: Sequence[WriteBucket],
     outcome: WriteOutcome,
 ) -> None:
+    """Write each bucket on its own thread, the last one on the calling thread."""
+
     def run(idx: int, bucket: WriteBucket) -> None:
         try:
-            outcome.results[idx] = bucket_writer(transforms, bucket, use_fsync)
-        except Exception as exc:  # reported through the result file
+            outcome.results[idx] = write_one(idx, bucket)
+        except Exception as exc:  # reported through the results channel
             logger.error("rank %d: writing %s failed: %s", outcome.rank, bucket.file_name, exc)
             outcome.failures[idx] = RankFailure.from_exception(outcome.rank, "write", exc)
 
@@ -86,22 +97,20 @@ def write_with_threads(
 
 
 def write_with_processes(
-    bucket_writer: BucketWriter,
-    transforms: Any,
-    use_fsync: bool,
+    write_one: BucketWriter,
     timeout_s: float,
-    results_file: ResultFile,
     buckets: Sequence[WriteBucket],
     outcome: WriteOutcome,
 ) -> None:
+    """Write each bucket in its own forked process; each reports through its own file."""
     rank = outcome.rank
     ctx = mp.get_context("fork")
     children = []
     for idx, bucket in enumerate(buckets):
-        channel = results_file.derive(f"bucket{idx}")
+        channel = ResultFile.create(f"rank{rank}_bucket{idx}")
         proc = ctx.Process(
             target=_bucket_process_main,
-            args=(bucket_writer, transforms, bucket, use_fsync, rank, channel),
+            args=(write_one, idx, bucket, rank, channel),
             name=f"ckpt-write-{idx}",
         )
         proc.start()
@@ -112,11 +121,13 @@ def write_with_processes(
         if proc.is_alive():
             proc.kill()
             proc.join(5.0)
+            channel.discard()
             outcome.failures[idx] = _timeout_failure(rank, bucket, timeout_s)
             continue
         try:
             status, payload = channel.take()
         except (OSError, EOFError, pickle.UnpicklingError):
+            channel.discard()
             exc = WorkerDiedError(
                 f"rank {rank}: the process writing {bucket.file_name} exited with code "
                 f"{proc.exitcode} without reporting a result"
@@ -137,12 +148,7 @@ def _timeout_failure(rank: int, bucket: WriteBucket, timeout_s: float) -> RankFa
 
 
 def _bucket_process_main(
-    bucket_writer: BucketWriter,
-    transforms: Any,
-    bucket: WriteBucket,
-    use_fsync: bool,
-    rank: int,
-    channel: ResultFile,
+    write_one: BucketWriter, idx: int, bucket: WriteBucket, rank: int, channel: ResultFile
 ) -> None:
     """Entry point of one forked bucket-writing process (background side).
 
@@ -151,6 +157,6 @@ def _bucket_process_main(
     """
     set_parent_death_signal()
     try:
-        channel.put(("ok", bucket_writer(transforms, bucket, use_fsync)))
+        channel.put(("ok", write_one(idx, bucket)))
     except Exception as exc:  # reported through the channel
         channel.put(("error", RankFailure.from_exception(rank, "write", exc)))

@@ -60,8 +60,8 @@ def _expect_failure_everywhere(ctx, queue, odd_request, phase, text):
     except AsyncSaveFailedError as exc:
         odd = ctx.world_size - 1
         assert set(exc.failures) == {odd}, exc.failures
-        assert exc.failures[odd].phase == phase, exc.failures[odd]
-        assert text in exc.failures[odd].message, exc.failures[odd]
+        assert exc.rank_failures[odd].phase == phase, exc.rank_failures[odd]
+        assert text in exc.rank_failures[odd].message, exc.rank_failures[odd]
     else:
         raise AssertionError("no AsyncSaveFailedError on this rank")
     # The queue serves the next save on every rank.
@@ -171,8 +171,46 @@ def our_request_on_megatron_queue(ctx):
     assert finalized == [1]
 
 
+def foreign_request_with_nothing_to_write_on_one_rank(ctx, persistent):
+    """A request built the megatron-core way (its AsyncRequest class, from the writer's
+    ``get_save_function_and_args()``), on a rank with nothing to write: ``(None, None,
+    None)`` becomes ``AsyncRequest(None, None, [finalize], preload_fn=None)``. It must run
+    on our queue like any other, and the checkpoint must hold the other ranks' data."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest as McoreRequest
+
+    from megatron_async.filesystem_async import FileSystemWriterAsync
+    from megatron_async.state_dict_saver import (
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    directory = os.path.join(ctx.tmp_dir, f"foreign-{persistent}")
+    if ctx.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    state = {} if _is_odd_one(ctx) else {f"t{ctx.rank}": torch.full((8,), float(ctx.rank))}
+    queue = _queue(persistent)
+    planned, *_ = save_state_dict_async_plan(state, FileSystemWriterAsync(directory))
+    save_fn, preload_fn, save_args = planned[0].get_save_function_and_args()
+    assert (save_fn is None) == _is_odd_one(ctx)
+    request = McoreRequest(
+        save_fn, save_args, [functools.partial(save_state_dict_async_finalize, *planned)],
+        preload_fn=preload_fn,
+    )
+    assert queue.schedule_async_request(request) == 0
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    queue.close()
+    expected = {f"t{r}": torch.full((8,), float(r)) for r in range(ctx.world_size - 1)}
+    loaded = {name: torch.zeros(8) for name in expected}
+    dcp.load(loaded, checkpoint_id=directory, no_dist=True)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 SCENARIOS = {
     **for_both_callers(
+        foreign_request_with_nothing_to_write_on_one_rank,
         finalize_waits_for_every_rank,
         write_error_on_one_rank,
         staging_error_on_one_rank,

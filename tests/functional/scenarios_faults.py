@@ -63,20 +63,18 @@ class _PlanningFailsWriter(FileSystemWriterAsync):
 
 class _StagingFailsWriter(FileSystemWriterAsync):
     @staticmethod
-    def preload_tensors(write_buckets, non_blocking=True, staging_key=None, staging_cache=None):
+    def preload_tensors(resolved_plan_data, non_blocking=True):  # the reference signature
         if _rank() == FAULTY_RANK:
             raise MemoryError("cannot allocate staging buffers (injected)")
-        return FileSystemWriterAsync.preload_tensors(
-            write_buckets, non_blocking, staging_key, staging_cache
-        )
+        return FileSystemWriterAsync.preload_tensors(resolved_plan_data, non_blocking)
 
 
 class _WriteFailsWriter(FileSystemWriterAsync):
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         if _rank() == FAULTY_RANK:
             raise OSError(errno.EIO, "Input/output error (injected)")
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _FinishFailsWriter(FileSystemWriterAsync):
@@ -90,35 +88,35 @@ class _SlowWriter(FileSystemWriterAsync):
     """Waits before writing; marks that the write started (mid-write faults hit then)."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
-        with open(write_bucket_.file_path + ".started", "w"):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
+        with open(bucket.file_path + ".started", "w"):
             pass
         time.sleep(float(os.environ.get("FAULT_WRITE_DELAY_S", "1.5")))
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _FrozenWriter(FileSystemWriterAsync):
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         if _rank() == FAULTY_RANK:
             time.sleep(600)
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _FileSizeLimitedWriter(FileSystemWriterAsync):
     """A full disk where no tmpfs can be mounted: a tiny RLIMIT_FSIZE while writing."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums=True):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         import resource
 
         if _rank() != FAULTY_RANK:
-            return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+            return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
         previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         previous = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, previous[1]))
         try:
-            return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync, compute_checksums)
+            return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, previous)
             signal.signal(signal.SIGXFSZ, previous_handler)
@@ -235,7 +233,7 @@ def _fault_round(
     _assert_no_process_left_behind()
     summary = {"error": type(caught).__name__, "seconds": round(elapsed, 2)}
     if isinstance(caught, AsyncSaveFailedError):
-        summary["failures"] = {r: (f.phase, f.message[:120]) for r, f in caught.failures.items()}
+        summary["failures"] = {r: (f.phase, f.message[:120]) for r, f in caught.rank_failures.items()}
         # Each failing rank's line of the message that every rank raises.
         lines = str(caught).splitlines()
         summary["lines"] = [line.strip()[:200] for line in lines if line.startswith("  rank ")]

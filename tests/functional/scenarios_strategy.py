@@ -571,20 +571,20 @@ class _FailOnRankWriter(FileSystemWriterAsync):
     """A disk that is full on FAILING_RANK."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         if int(os.environ["RANK"]) == FAILING_RANK:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _KilledOnRankWriter(FileSystemWriterAsync):
     """The writing process of FAILING_RANK is killed (the OOM killer, an operator)."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         if int(os.environ["RANK"]) == FAILING_RANK:
             os.kill(os.getpid(), signal.SIGKILL)
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _StrategyWithWriter(TorchDistAsyncSaveStrategy):
@@ -605,7 +605,7 @@ def _expect_failure_on_every_rank(ctx, persistent, writer_cls, phase):
     try:
         _save_async(queue, ctx, path, _StrategyWithWriter(writer_cls), 9.0)
     except AsyncSaveFailedError as exc:
-        failures = {rank: (f.phase, f.message) for rank, f in exc.failures.items()}
+        failures = {rank: (f.phase, f.message) for rank, f in exc.rank_failures.items()}
     assert failures is not None, "no AsyncSaveFailedError on this rank"
     assert set(failures) == {FAILING_RANK} and failures[FAILING_RANK][0] == phase, failures
     dist.barrier()

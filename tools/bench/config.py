@@ -13,6 +13,7 @@ __all__ = [
     "MCORE_VARIANTS",
     "ALL_VARIANTS",
     "CHECKSUM_VARIANTS",
+    "PRIORITY_VARIANTS",
     "WORKLOADS",
     "parse_num_bytes",
     "format_num_bytes",
@@ -40,6 +41,11 @@ ALL_VARIANTS = OUR_VARIANTS + DCP_VARIANTS + MCORE_VARIANTS
 CHECKSUM_VARIANTS = ("ours_persistent_checksums", "ours_persistent_no_checksums")
 """Added by the benchmark itself when our save config has a checksum option: the
 persistent caller with checksums opposite to their default."""
+
+PRIORITY_VARIANTS = ("ours_temporal_trainer_priority", "ours_persistent_trainer_priority")
+"""Opt-in (``--variants``): our callers with the background writer at the trainer's CPU and
+I/O priority instead of the default lower one (``AsyncCallerConfig.writer_priority``), to
+measure what yielding to training buys in the GPT workload's "train step" column."""
 
 WORKLOADS = ("synthetic", "gpt")
 
@@ -164,9 +170,12 @@ class BenchConfig:
             raise ValueError(
                 f"--memory-saves ({self.memory_saves}) must be at least --saves ({self.saves})"
             )
-        unknown = sorted(set(self.variants) - set(ALL_VARIANTS) - set(CHECKSUM_VARIANTS))
+        known = set(ALL_VARIANTS) | set(CHECKSUM_VARIANTS) | set(PRIORITY_VARIANTS)
+        unknown = sorted(set(self.variants) - known)
         if unknown:
-            raise ValueError(f"unknown variants {unknown}; choose from {list(ALL_VARIANTS)}")
+            raise ValueError(
+                f"unknown variants {unknown}; choose from {list(ALL_VARIANTS + PRIORITY_VARIANTS)}"
+            )
         unknown = sorted(set(self.workloads) - set(WORKLOADS))
         if unknown:
             raise ValueError(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")

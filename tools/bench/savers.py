@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._bg_timing import read_stamps, timed_call
+from .config import OUR_VARIANTS, PRIORITY_VARIANTS
 from .workloads import Workload
 
 __all__ = [
@@ -192,18 +193,22 @@ class _MegatronCoreStyleSaver(Saver):
 class OurSaver(_MegatronCoreStyleSaver):
     """Our strategy (megatron-core's default for ``'megatron_async'``) on our queue.
 
-    Warm saves reuse the plans and metadata (``cached_metadata``), the bucket layout and
-    staging buffers (``use_cached_data_structure``), and skip megatron-core's sharding
-    validation, as Megatron-LM does with ``--ckpt-assume-constant-structure``.
+    Configured as a Megatron-LM user gets it from flags: ``--ckpt-assume-constant-structure``
+    sets ``use_cached_ckpt_structure`` on the strategy (warm saves reuse plans and
+    metadata, and skip megatron-core's sharding validation); the staging buffers are
+    reused by default; ``thread_count`` is the run's files per rank. With
+    ``trainer_priority`` the writer runs at the trainer's CPU and I/O priority instead of
+    the default lower one.
     """
 
     constant_structure = True
 
     def __init__(self, name: str, train_step: bool, stamp_dir: str, *, persistent: bool,
                  thread_count: int, checksums: Optional[bool] = None,
-                 profile_dir: Optional[str] = None):
+                 profile_dir: Optional[str] = None, trainer_priority: bool = False):
         super().__init__(name, train_step, stamp_dir)
         self._persistent = persistent
+        self._trainer_priority = trainer_priority
         self._thread_count = thread_count
         self._checksums = checksums
         self._profile_dir = profile_dir
@@ -216,9 +221,7 @@ class OurSaver(_MegatronCoreStyleSaver):
         )
 
         registered = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
-        options = dict(
-            thread_count=self._thread_count, cached_metadata=True, use_cached_data_structure=True
-        )
+        options = dict(thread_count=self._thread_count)
         if self._checksums is not None:
             option = checksum_option()
             if option is None:
@@ -236,15 +239,19 @@ class OurSaver(_MegatronCoreStyleSaver):
                 finally:
                     saver._strategy_plan_s = _now() - start
 
-        return _TimedStrategy(config=dataclasses.replace(registered.config, **options))
+        strategy = _TimedStrategy(config=dataclasses.replace(registered.config, **options))
+        strategy.use_cached_ckpt_structure = True  # what --ckpt-assume-constant-structure does
+        return strategy
 
     def _make_queue(self):
-        from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
+        from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, WriterPriority
 
         # A short poll interval so that the measured wait is not mostly polling pauses.
-        return AsyncCallsQueue(
-            persistent=self._persistent, config=AsyncCallerConfig(poll_interval_s=0.005)
-        )
+        config = AsyncCallerConfig(poll_interval_s=0.005)
+        if self._trainer_priority:
+            trainer_priority = WriterPriority(nice_increment=0, io_class="inherit")
+            config = dataclasses.replace(config, writer_priority=trainer_priority)
+        return AsyncCallsQueue(persistent=self._persistent, config=config)
 
     def _profiled(self, index: int):
         """Start profiling this save's stall (rank 0, with ``--profile``)."""
@@ -357,10 +364,11 @@ def build_saver(name: str, payload: Dict[str, Any], stamp_dir: str) -> Saver:
     """Create the saver a variant name stands for (see ``config.ALL_VARIANTS``)."""
     train_step = payload["train_step"]
     threads = payload["thread_count"]
-    if name in ("ours_temporal", "ours_persistent") or name in _CHECKSUM_VARIANTS:
+    if name in OUR_VARIANTS or name in PRIORITY_VARIANTS or name in _CHECKSUM_VARIANTS:
         return OurSaver(
-            name, train_step, stamp_dir, persistent=name != "ours_temporal", thread_count=threads,
-            checksums=_CHECKSUM_VARIANTS.get(name), profile_dir=payload.get("profile_dir"),
+            name, train_step, stamp_dir, persistent=not name.startswith("ours_temporal"),
+            thread_count=threads, checksums=_CHECKSUM_VARIANTS.get(name),
+            profile_dir=payload.get("profile_dir"), trainer_priority=name in PRIORITY_VARIANTS,
         )
     if name.startswith("mcore_async_"):
         return McoreSaver(name, train_step, stamp_dir, persistent=name.endswith("persistent"))

@@ -28,7 +28,7 @@ queue.schedule_async_request(AsyncRequest(fns.raise_error, (facts_path, None, "d
 try:
     queue.maybe_finalize_async_calls(blocking=True)
 except megatron_async.AsyncSaveFailedError as exc:
-    print("failed save:", exc.failures[0].message)
+    print("failed save:", exc.rank_failures[0].message)
 queue.close()
 
 with open(facts_path) as f:

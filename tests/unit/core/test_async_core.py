@@ -135,7 +135,7 @@ def test_background_failure_raises_and_queue_stays_usable(
     queue.schedule_async_request(_request(fn, tmp_path / "bad", arg, [lambda: finalized.append(1)]))
     with pytest.raises(AsyncSaveFailedError) as info:
         queue.maybe_finalize_async_calls(blocking=True)
-    failure = info.value.failures[0]
+    failure = info.value.rank_failures[0]
     assert failure.phase == phase
     assert message in failure.message
     # megatron-core's wording, which log alerts and Megatron-LM's tests search for.
@@ -158,7 +158,7 @@ def test_staging_failure_raises_at_finalize(make_queue, tmp_path, persistent):
     queue.schedule_async_request(request)
     with pytest.raises(AsyncSaveFailedError, match="no host memory") as info:
         queue.maybe_finalize_async_calls(blocking=True)
-    assert info.value.failures[0].phase == "staging"
+    assert info.value.rank_failures[0].phase == "staging"
     assert "worker failure" not in str(info.value).lower()  # the trainer's side failed
     assert not (tmp_path / "out").exists()
 
@@ -172,7 +172,7 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
     with pytest.raises(AsyncSaveFailedError, match="timeout_s=2") as info:
         queue.maybe_finalize_async_calls(blocking=True)
     assert time.monotonic() - started < 30
-    assert info.value.failures[0].phase == "timeout"
+    assert info.value.rank_failures[0].phase == "timeout"
     assert "Worker failure: " in str(info.value), str(info.value)
     pid = int(pid_file.read_text())
     assert not _pid_alive(pid), "the hanging background process must be killed"

@@ -72,7 +72,7 @@ def test_worker_that_cannot_start_fails_the_save_fast_with_its_stderr(tmp_path, 
         with pytest.raises(AsyncSaveFailedError) as info:
             queue.maybe_finalize_async_calls(blocking=True)
         assert time.monotonic() - started < 60, "waited for staging_timeout_s"
-        failure = info.value.failures[0]
+        failure = info.value.rank_failures[0]
         assert failure.phase == "worker"
         for text in expected:
             assert text in failure.message, failure.message

@@ -31,10 +31,25 @@ def test_on_megatron_core_0_17_plus_save_keeps_our_strategy():
 
 def test_megatron_lm_constant_structure_switch_reuses_plans_and_staging_buffers():
     strategy = megatron_async.TorchDistAsyncSaveStrategy()
+    # Without any switch: no plan cache, but staging buffers are reused (checked per save).
     assert strategy.use_cached_ckpt_structure is False
+    assert strategy.config.use_cached_data_structure is True
     strategy.use_cached_ckpt_structure = True
     assert strategy.config.cached_metadata is True
     assert strategy.config.use_cached_data_structure is True
+    # NeMo sets it to False explicitly: that turns off the plan cache only.
+    strategy.use_cached_ckpt_structure = False
+    assert strategy.config.cached_metadata is False
+    assert strategy.config.use_cached_data_structure is True
+    # megatron-core's constructor name means the same switch.
+    assert megatron_async.TorchDistAsyncSaveStrategy(cached_metadata=True).use_cached_ckpt_structure
+
+
+def test_staging_buffers_can_be_given_up_for_memory():
+    strategy = megatron_async.TorchDistAsyncSaveStrategy(use_cached_data_structure=False)
+    assert strategy.config.use_cached_data_structure is False
+    strategy.release_staging_buffers()  # nothing held: a no-op
+    assert strategy.staging_cache.num_bytes() == 0
 
 
 def test_megatron_attribute_names_read_and_write_the_config():

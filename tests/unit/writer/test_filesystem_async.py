@@ -6,6 +6,8 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import re
+import traceback
 
 import pytest
 import torch
@@ -286,64 +288,82 @@ class _FailingWriter(FileSystemWriterAsync):
     """Fails every bucket whose file name ends in ``_1.distcp``."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync):
-        if write_bucket_.file_name.endswith("_1.distcp"):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
+        if bucket.file_name.endswith("_1.distcp"):
             raise OSError(28, "No space left on device (injected)")
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)
+        return FileSystemWriterAsync.write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs)
 
 
 class _ShortWriter(FileSystemWriterAsync):
     """Reports one result too few for every bucket."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync):
-        return FileSystemWriterAsync.write_preloaded_data(transforms, write_bucket_, use_fsync)[:-1]
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
+        index, results = FileSystemWriterAsync.write_preloaded_data(
+            transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs
+        )
+        return index, results[:-1]
 
 
 class _DyingWriter(FileSystemWriterAsync):
     """The bucket process exits without reporting (multiproc path)."""
 
     @staticmethod
-    def write_preloaded_data(transforms, write_bucket_, use_fsync):
+    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
         os._exit(3)
 
 
 _TWO_BUCKETS = {"a": torch.ones(16), "b": torch.ones(16)}
 
 
+def _wrapped_failure(writer):
+    """The wrapped exception retrieve_write_results returns for a failed write."""
+    outcome = writer.retrieve_write_results()
+    assert isinstance(outcome, tuple) and len(outcome) == 2, outcome
+    exc, stack = outcome
+    assert isinstance(exc, BaseException) and isinstance(stack, traceback.StackSummary)
+    return exc
+
+
 @pytest.mark.parametrize("multiproc", [False, True], ids=["threads", "processes"])
-def test_a_failed_bucket_raises_storage_write_error_with_traceback(tmp_path, multiproc):
+def test_a_failed_bucket_returns_storage_write_error_with_traceback(tmp_path, multiproc):
     writer = _FailingWriter(str(tmp_path), thread_count=2, is_multiproc_io=multiproc)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    expected = "^Worker failure on rank 0: .*No space left"
-    with pytest.raises(StorageWriteError, match=expected) as excinfo:
-        writer.retrieve_write_results()
-    assert "injected" in excinfo.value.failure.traceback_text
+    exc = _wrapped_failure(writer)
+    assert isinstance(exc, StorageWriteError)
+    assert re.match("^Worker failure on rank 0: .*No space left", str(exc)), str(exc)
+    assert "injected" in exc.failure.traceback_text
+    # The original exception object travels with it, of its own type.
+    original = exc.failure.exception()
+    assert isinstance(original, OSError) and original.errno == 28
 
 
-def test_too_few_results_raise_integrity_error(tmp_path):
+def test_too_few_results_return_integrity_error(tmp_path):
     writer = _ShortWriter(str(tmp_path), thread_count=2)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    with pytest.raises(CheckpointIntegrityError, match="of 1 written items") as excinfo:
-        writer.retrieve_write_results()
-    assert "This probably indicates a worker failure." in str(excinfo.value)
+    exc = _wrapped_failure(writer)
+    assert isinstance(exc, CheckpointIntegrityError)
+    assert "of 1 written items" in str(exc)
+    assert "This probably indicates a worker failure." in str(exc)
 
 
 def test_a_dead_bucket_process_is_reported(tmp_path):
     writer = _DyingWriter(str(tmp_path), thread_count=2, is_multiproc_io=True)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
-    with pytest.raises(StorageWriteError, match="^Worker failure on rank 0: .*exited with code 3"):
-        writer.retrieve_write_results()
+    exc = _wrapped_failure(writer)
+    assert isinstance(exc, StorageWriteError)
+    assert re.match("^Worker failure on rank 0: .*exited with code 3", str(exc)), str(exc)
 
 
-def test_no_result_from_the_writer_raises_worker_died(tmp_path):
+def test_no_result_from_the_writer_returns_worker_died(tmp_path):
     writer = FileSystemWriterAsync(str(tmp_path), thread_count=2)
     _prepare(writer, _TWO_BUCKETS)  # the background part never runs (killed worker)
-    with pytest.raises(WorkerDiedError, match="^Worker failure on rank 0: .*reported no result"):
-        writer.retrieve_write_results()
+    exc = _wrapped_failure(writer)
+    assert isinstance(exc, WorkerDiedError)
+    assert re.match("^Worker failure on rank 0: .*reported no result", str(exc)), str(exc)
 
 
 def test_save_function_without_staging_fails_clearly(tmp_path):
@@ -351,8 +371,8 @@ def test_save_function_without_staging_fails_clearly(tmp_path):
     _prepare(writer, _TWO_BUCKETS)
     save_fn, _, args = writer.get_save_function_and_args()
     save_fn(*args)  # args[1] is still the None placeholder
-    with pytest.raises(StorageWriteError, match="preload_fn"):
-        writer.retrieve_write_results()
+    exc = _wrapped_failure(writer)
+    assert isinstance(exc, StorageWriteError) and "preload_fn" in str(exc)
 
 
 # -- finish ----------------------------------------------------------------------------

@@ -222,9 +222,9 @@ def test_results_pickle_flat_and_come_back_equal():
         ChecksummedWriteResult(MetadataIndex("a", [0, 4], 3), 10, _StorageInfo("f", 7, 10), "ab"),
         ChecksummedWriteResult(MetadataIndex("obj"), 5, _StorageInfo("f", 17, 5), None),
     ]
-    outcome = pickle.loads(pickle.dumps(WriteOutcome(rank=1, results={0: results})))
-    assert outcome.results[0] == results
-    index = outcome.results[0][0].index
+    payload = pickle.loads(pickle.dumps(WriteOutcome(rank=1, results={0: results}).payload()))
+    assert payload[0] == results
+    index = payload[0][0].index
     assert index.index == 3 and isinstance(index.offset, torch.Size)
     assert b"MetadataIndex" not in pickle.dumps(results)  # one flat tuple per result
 
@@ -297,5 +297,6 @@ def test_a_full_disk_reaches_the_trainer_as_a_storage_write_error(tmp_path):
     writer.prepare_write_data(plan, planner)
     save_fn, preload_fn, args = writer.get_save_function_and_args()
     save_fn(args[0], preload_fn(), args[2])  # the background part, here synchronously
-    with pytest.raises(StorageWriteError, match="No space left"):
-        writer.retrieve_write_results()
+    exc, _ = writer.retrieve_write_results()  # DCP's wrapped exception, returned
+    assert isinstance(exc, StorageWriteError) and "No space left" in str(exc)
+    assert isinstance(exc.failure.exception(), OSError)
