@@ -96,3 +96,8 @@ def write_worker_facts(path: str, staged, _unused=None) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(facts, f)
     os.replace(path + ".tmp", path)
+
+
+def save_staged_tensor_and_pid(path: str, staged, _unused=None) -> None:
+    """``torch.save`` the staged value together with the pid of the process writing it."""
+    torch.save({"tensor": staged, "pid": os.getpid()}, path)

@@ -90,7 +90,8 @@ def main(options: Dict[str, Any]) -> None:
         options: what :func:`~megatron_async.core.worker_process.start_worker_process`
             passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, and the
             inherited descriptors ``control_fd``, ``descriptor_fd`` and ``stderr_fd`` (the
-            trainer's stderr, or None when start-up output is not captured).
+            trainer's stderr, or None when start-up output is not captured), and
+            ``startup_niceness_increment``, which the bootstrap applied to its imports.
     """
     persistent_worker_main(
         options["rank"],

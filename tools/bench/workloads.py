@@ -224,7 +224,7 @@ class GptWorkload(Workload):
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(),
         )
-        train_step(self._model, self._optimizer, batches, args.num_micro_batches)
+        train_step(self._model, self._optimizer, batches, args.num_micro_batches, args)
         self._consumed += args.global_batch_size
 
     @property
