@@ -115,3 +115,8 @@ class UnpicklableError(Exception):
 
 def raise_unpicklable(path: str, staged, reason: str) -> None:
     raise UnpicklableError(path, reason)
+
+
+def save_staged_tensor_and_pid(path: str, staged, _unused=None) -> None:
+    """``torch.save`` the staged value together with the pid of the process writing it."""
+    torch.save({"tensor": staged, "pid": os.getpid()}, path)

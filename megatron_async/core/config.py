@@ -24,9 +24,10 @@ class AsyncCallerConfig:
     may run before its process is killed and the save fails on every rank with a timeout."""
 
     staging_timeout_s: float = 600.0
-    """Longest the persistent worker may take to pick up a scheduled request (its start-up
-    included, on the first save after a (re)start) before it is killed and the save fails
-    on every rank. Staging itself runs in the trainer and needs no bound."""
+    """Longest the persistent worker may take to start (saves scheduled meanwhile run on
+    forked processes), and to pick up a request sent to it, before it is killed and the
+    save scheduled then fails on every rank. Staging itself runs in the trainer and needs
+    no bound."""
 
     poll_interval_s: float = 0.05
     """Pause between liveness/completion checks while waiting (blocking finalize, close)."""

@@ -16,6 +16,7 @@ from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, start_worker_process
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.core.request import (
     STAGED_ARG_INDEX,
     AsyncRequest,
@@ -47,10 +48,16 @@ class PersistentAsyncCaller(AsyncCaller):
     :mod:`megatron_async.core.worker_process`): it never runs the training script, so the
     script needs no ``if __name__ == "__main__":`` guard, but what a request refers to
     (its functions and classes) must be importable from a module. The worker is started
-    when the caller is created, so its start-up overlaps with training (a save scheduled
-    before the start-up is over waits for it, bounded by ``staging_timeout_s``; a worker
-    that exits while starting fails that save at once, with the worker's stderr). The
-    trainer stages each request's data itself
+    when the caller is created, so its start-up (importing torch, at a lowered CPU
+    priority) overlaps with training. A save scheduled before the worker is ready does
+    not wait for it: it runs on a forked process, exactly as with
+    :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at
+    scheduling, same bounded waits, same errors at finalization); the saves after that
+    go to the ready worker. Each rank picks on its own, which is safe because the ranks
+    agree on a call's completion by its index, whatever ran it. A worker that exits
+    while starting fails the next save, with the worker's stderr; one still not ready
+    after ``staging_timeout_s`` is killed and fails the next save with a timeout.
+    Once ready, the trainer stages each request's data itself
     (``preload_fn``, a memory copy into shared-memory buffers) and sends the request with
     its tensors as references into shared memory
     (:mod:`megatron_async.core.request_transport`): :meth:`schedule_async_call` returns
@@ -76,6 +83,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self._sender: Optional[RequestSender] = None
         self._ready = False
         self._startup_failure: Optional[str] = None  # why the last worker did not start
+        self._started_at = 0.0  # when the current worker was started
+        self._calls_while_starting: Dict[int, TemporalAsyncCaller] = {}  # forked, not sent
         self._statuses: Dict[int, CallStatus] = {}
         self._start_times: Dict[int, float] = {}
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
@@ -93,6 +102,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def _start_worker(self) -> None:
         self._ready = False
         self._startup_failure = None
+        self._started_at = time.monotonic()
         self.process = start_worker_process(
             self.rank,
             logging.getLogger().getEffectiveLevel(),
@@ -185,9 +195,11 @@ class PersistentAsyncCaller(AsyncCaller):
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Stage the request's data, send the request to the worker and return.
 
-        Runs on every rank. Failures (staging error, unpicklable request, no shared
-        memory, a worker that cannot start) are recorded for :meth:`poll`, never raised
-        here. A worker that died since the last call is replaced first.
+        Runs on every rank. While the worker is still starting, the request runs on a
+        forked process instead (see the class docstring). Failures (staging error,
+        unpicklable request, no shared memory, a worker that could not start) are
+        recorded for :meth:`poll`, never raised here. A worker that died since the last
+        call is replaced (its start-up failure, if it died starting, fails this call).
         """
         idx = async_req.call_idx
         self._current_call_idx = idx
@@ -195,9 +207,13 @@ class PersistentAsyncCaller(AsyncCaller):
         if async_req.async_fn is None and async_req.preload_fn is None:
             self._statuses[idx] = CallStatus.succeeded()
             return
-        if self.process is None or not self.process.is_alive():
-            if self.process is not None:
-                self._worker_died()
+        self._drain_messages()  # notices a worker that became ready, or died
+        if self.process is None:
+            if self._startup_failure is not None:  # the last worker died while starting
+                exc = WorkerDiedError(self._startup_failure)
+                self._startup_failure = None  # reported once; the next save starts a new worker
+                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "worker", exc))
+                return
             try:
                 self._start_worker()
             except Exception as exc:  # recorded: raising here would leave this rank out of step
@@ -205,7 +221,9 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._discard_worker(kill=True)
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
                 return
-        if not self._ready and not self._wait_until_ready(idx):
+        if not self._ready:
+            if not self._fail_if_startup_overdue(idx):
+                self._run_while_starting(async_req)
             return
         args = list(async_req.async_fn_args or ())
         staged = None
@@ -236,40 +254,47 @@ class PersistentAsyncCaller(AsyncCaller):
         self.process.send((idx, encoded, _current_cuda_device()))
         start_background_copy(staged)  # overlapped staging: the worker waits for it
 
-    def _wait_until_ready(self, idx: int) -> bool:
-        """Wait (bounded by ``staging_timeout_s``) until a newly started worker is up.
+    def _run_while_starting(self, async_req: AsyncRequest) -> None:
+        """Run a save scheduled before the worker is ready on a forked process.
 
-        Only the first save after a (re)start can wait here, and only if the worker's
-        start-up (importing torch) is not over yet: the save is then written as soon as
-        possible rather than queued behind the start-up. Returns False, with call ``idx``
-        failed, when the worker died or did not come up in time.
+        The save does not wait for the worker's start-up (seconds of importing torch):
+        it is staged and forked as :class:`TemporalAsyncCaller` does, and reported by
+        :meth:`poll` like any other call.
         """
-        deadline = time.monotonic() + self.config.staging_timeout_s
-        while not self._ready:
-            self._drain_messages()
-            if self.process is None:  # died while starting
-                exc = WorkerDiedError(
-                    self._startup_failure or f"rank {self.rank}: the persistent worker died while starting"
-                )
-                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "worker", exc))
-                return False
-            if time.monotonic() > deadline:
-                exc = AsyncTimeoutError(
-                    _startup_failure_message(
-                        f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
-                        f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
-                        "and a new one starts with the next save",
-                        self.process.startup_output(),
-                    )
-                )
-                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
-                self._discard_worker(kill=True)
-                return False
-            time.sleep(min(self.config.poll_interval_s, 0.005))
+        forked = TemporalAsyncCaller(self.config)
+        forked.schedule_async_call(async_req)
+        self._calls_while_starting[async_req.call_idx] = forked
+        logger.debug(
+            "rank %d: persistent worker not ready yet; async call %d runs on a forked process",
+            self.rank, async_req.call_idx,
+        )
+
+    def _fail_if_startup_overdue(self, idx: int) -> bool:
+        """Fail call ``idx`` and kill the worker if it is not ready after ``staging_timeout_s``."""
+        if time.monotonic() - self._started_at <= self.config.staging_timeout_s:
+            return False
+        exc = AsyncTimeoutError(
+            _startup_failure_message(
+                f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
+                f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
+                "and a new one starts with the next save",
+                self.process.startup_output(),
+            )
+        )
+        self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
+        self._discard_worker(kill=True)
         return True
+
+    def is_worker_ready(self) -> bool:
+        """Whether the worker has started and takes the next save (trainer side, never blocks)."""
+        self._drain_messages()
+        return self._ready
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead worker and enforces the timeouts."""
+        forked = self._calls_while_starting.get(call_idx)
+        if forked is not None:
+            return forked.poll(call_idx)
         status = self._statuses.get(call_idx)
         if status is None:
             raise KeyError(f"async call {call_idx} was never scheduled on this caller")
@@ -305,14 +330,20 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def release(self, call_idx: int) -> None:
         """Forget a finalized call (the worker itself stays up)."""
+        forked = self._calls_while_starting.pop(call_idx, None)
+        if forked is not None:
+            forked.release(call_idx)
         self._statuses.pop(call_idx, None)
         self._start_times.pop(call_idx, None)
 
     def close(self, abort: bool = False) -> None:
-        """Stop the worker: let it finish accepted writes (bounded), or kill it with ``abort``."""
+        """Stop the worker and the forked saves: let them finish (bounded), or kill them with ``abort``."""
         if self._closed:
             return
         self._closed = True
+        for forked in self._calls_while_starting.values():
+            forked.close(abort=abort)
+        self._calls_while_starting.clear()
         if self.process is None:
             return
         if abort or not self.process.is_alive():

@@ -92,7 +92,8 @@ def main(options: Dict[str, Any]) -> None:
             passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, ``priority``
             (see :class:`~megatron_async.core.priority.WriterPriority`), and the
             inherited descriptors ``control_fd``, ``descriptor_fd`` and ``stderr_fd`` (the
-            trainer's stderr, or None when start-up output is not captured).
+            trainer's stderr, or None when start-up output is not captured), and
+            ``startup_niceness_increment``, which the bootstrap applied to its imports.
     """
     # First, before any thread exists: every thread of the worker inherits it.
     lower_writer_priority(WriterPriority.from_options(options.get("priority")))

@@ -1,7 +1,8 @@
 """Start the persistent worker as a fresh interpreter and talk to it (trainer side).
 
 The worker is ``sys.executable -c <bootstrap>``: a new interpreter that sets ``sys.path``
-to the trainer's and imports :mod:`megatron_async.core.worker_loop`, nothing else. It never
+to the trainer's and imports :mod:`megatron_async.core.worker_loop`, nothing else (on a
+thread of lowered CPU priority, see :data:`STARTUP_NICENESS_INCREMENT`). It never
 runs the trainer's ``__main__`` module, so it behaves the same under ``torchrun``,
 ``python script.py`` (with or without an ``if __name__ == "__main__":`` guard),
 ``python -c``, stdin and notebooks. (multiprocessing's *spawn* re-imports ``__main__`` in
@@ -41,17 +42,46 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.errors import WorkerDiedError
 
-__all__ = ["WorkerProcess", "start_worker_process"]
+__all__ = ["STARTUP_NICENESS_INCREMENT", "WorkerProcess", "start_worker_process"]
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "megatron_async.core.worker_loop"
 
+STARTUP_NICENESS_INCREMENT = 10
+"""How much lower the CPU priority of the worker's start-up (importing torch) is.
+
+The imports run on a thread of their own whose niceness is raised (Linux sets it per
+thread); the threads that then serve requests keep the trainer's priority, which an
+unprivileged process could not restore once lowered. A contested CPU goes to training
+first; the start-up takes the spare time (saves scheduled meanwhile do not wait for it).
+"""
+
+# The worker's imports run on a low-priority thread; an import error still ends the
+# worker with its traceback on stderr (re-raised here), which the trainer reports.
 _BOOTSTRAP = (
-    "import json, sys\n"
+    "import json, os, sys, threading\n"
     "sys.path[:] = json.loads(sys.argv[1])\n"
+    "options = json.loads(sys.argv[2])\n"
+    "failures = []\n"
+    "def import_worker():\n"
+    "    try:\n"
+    "        tid = threading.get_native_id()\n"
+    "        niceness = os.getpriority(os.PRIO_PROCESS, tid) + options['startup_niceness_increment']\n"
+    "        os.setpriority(os.PRIO_PROCESS, tid, min(niceness, 19))\n"
+    "    except (AttributeError, OSError):\n"
+    "        pass  # no per-thread priority here: start at the trainer's\n"
+    "    try:\n"
+    f"        import {WORKER_MODULE}\n"
+    "    except BaseException as exc:\n"
+    "        failures.append(exc)\n"
+    "importer = threading.Thread(target=import_worker)\n"
+    "importer.start()\n"
+    "importer.join()\n"
+    "if failures:\n"
+    "    raise failures[0]\n"
     f"from {WORKER_MODULE} import main\n"
-    "main(json.loads(sys.argv[2]))\n"
+    "main(options)\n"
 )
 
 _STARTUP_OUTPUT_CHARS = 3000
@@ -246,6 +276,7 @@ def start_worker_process(
         "descriptor_fd": worker_descriptors.fileno(),
         "stderr_fd": trainer_stderr,
         "priority": priority,
+        "startup_niceness_increment": STARTUP_NICENESS_INCREMENT,
     }
     inherited = [worker_control.fileno(), worker_descriptors.fileno()]
     if trainer_stderr is not None:

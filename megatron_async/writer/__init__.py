@@ -10,6 +10,15 @@
 * :mod:`.commit` (coordinator): checksums, then ``.metadata``.
 """
 
-from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = ["FileSystemWriterAsync"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, not with the package: the staging package imports
+    # :mod:`.buckets`, and :mod:`.filesystem` imports the staging package back.
+    if name == "FileSystemWriterAsync":
+        from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+        return FileSystemWriterAsync
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

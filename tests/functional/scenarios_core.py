@@ -6,6 +6,7 @@ dying or hanging) so that the others prove they learn about it.
 
 import functools
 import os
+import signal
 import time
 
 import torch
@@ -14,11 +15,13 @@ from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests import background_fns as fns
+from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 
 
 def _queue(persistent: bool, **config) -> AsyncCallsQueue:
-    return AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config))
+    # Persistent saves must reach the worker, not run forked while it starts.
+    return wait_until_worker_ready(AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config)))
 
 
 def _path(ctx: RankContext, name: str) -> str:
@@ -114,6 +117,39 @@ def torch_async_checkpoint_snapshot(ctx, persistent):
     loaded = torch.load(_path(ctx, "model.pt"))
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((256,), float(ctx.rank)))
     ckpt.close()
+
+
+def first_save_while_one_worker_starts(ctx):
+    """The last rank's worker is still starting at the first save, the others' are ready:
+    each rank picks its own path, and the save is one agreed call with the right data."""
+    queue = AsyncCallsQueue(persistent=True)
+    caller = queue.persistent_caller
+    worker_pid = caller.process.pid
+    if _is_odd_one(ctx):
+        os.kill(worker_pid, signal.SIGSTOP)  # its start-up cannot finish before the save
+    else:
+        wait_until_worker_ready(queue)
+    try:
+        weights = torch.full((256,), float(ctx.rank))
+        for idx in range(2):
+            if idx == 1 and _is_odd_one(ctx):
+                os.kill(worker_pid, signal.SIGCONT)
+                wait_until_worker_ready(queue)
+            expected = weights.clone()
+            queue.schedule_async_request(AsyncRequest(
+                fns.save_staged_tensor_and_pid, (_path(ctx, f"first{idx}.pt"), None), [],
+                preload_fn=functools.partial(fns.stage_clone, weights),
+            ))
+            weights.add_(1000.0)  # the optimizer step right after scheduling
+            assert queue.maybe_finalize_async_calls(blocking=True) == [idx]
+            saved = torch.load(_path(ctx, f"first{idx}.pt"))
+            assert torch.equal(saved["tensor"], expected)
+            forked = idx == 0 and _is_odd_one(ctx)
+            assert (saved["pid"] != worker_pid) == forked, (idx, saved["pid"], worker_pid)
+    finally:
+        if _is_odd_one(ctx):
+            os.kill(worker_pid, signal.SIGCONT)
+    queue.close()
 
 
 def our_request_runs_through_megatron_execute_sync(ctx):
@@ -220,6 +256,7 @@ SCENARIOS = {
         torch_async_checkpoint_snapshot,
     ),
     **by_name(
+        first_save_while_one_worker_starts,
         our_request_runs_through_megatron_execute_sync,
         megatron_queue_fails_on_cpu_only_torch,
         our_request_on_megatron_queue,

@@ -7,6 +7,7 @@ import sys
 import torch
 
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+from tests.persistent_worker import wait_until_worker_ready
 
 
 def _open_descriptors() -> int:
@@ -18,6 +19,7 @@ def main(out_dir: str, limit: int, num_tensors: int) -> None:
     state = {f"t{i}": torch.randn(8) for i in range(num_tensors)}
     expected = {k: v.clone() for k, v in state.items()}
     ckpt = TorchAsyncCheckpoint(persistent_queue=True)
+    wait_until_worker_ready(ckpt._queue)  # the tensors must travel to the worker
     for step in range(2):
         path = os.path.join(out_dir, f"persistent{step}.pt")
         ckpt.async_save(state, path)

@@ -8,10 +8,11 @@ import time
 
 from megatron_async.core import AsyncCallsQueue, AsyncRequest
 from tests import background_fns as fns
+from tests.persistent_worker import wait_until_worker_ready
 
 
 def main(persistent: bool, how: str, pid_file: str) -> None:
-    queue = AsyncCallsQueue(persistent=persistent)
+    queue = wait_until_worker_ready(AsyncCallsQueue(persistent=persistent))
     queue.schedule_async_request(AsyncRequest(fns.record_pid_and_hang, (pid_file, None, 600.0), []))
     while not os.path.exists(pid_file):
         time.sleep(0.02)

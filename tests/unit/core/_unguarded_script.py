@@ -19,8 +19,9 @@ with open(os.path.join(out_dir, "top_level_runs"), "a") as f:
 import megatron_async  # noqa: E402
 from megatron_async.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
 from tests import background_fns as fns  # noqa: E402
+from tests.persistent_worker import wait_until_worker_ready  # noqa: E402
 
-queue = AsyncCallsQueue(persistent=True)
+queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))  # this save must reach it
 facts_path = os.path.join(out_dir, "worker_facts.json")
 queue.schedule_async_request(AsyncRequest(fns.write_worker_facts, (facts_path, None, None), []))
 queue.maybe_finalize_async_calls(blocking=True)

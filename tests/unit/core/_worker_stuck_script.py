@@ -25,7 +25,11 @@ def _shm_used() -> int:
 
 def _save_to_a_stuck_worker(out_dir: str, call_idx: int) -> str:
     caller = PersistentAsyncCaller(AsyncCallerConfig(staging_timeout_s=1.0, poll_interval_s=0.05))
-    os.kill(caller.process.pid, signal.SIGSTOP)  # a worker stuck at start-up
+    # Saves scheduled while the worker starts do not reach it: wait until it is ready.
+    deadline = time.monotonic() + 60
+    while not caller.is_worker_ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(caller.process.pid, signal.SIGSTOP)  # a ready worker that stops reading
     state = {"w": torch.ones(32 * MIB // 4)}
     request = AsyncRequest(
         fns.save_staged_tensor, (os.path.join(out_dir, "never.pt"), None), [],

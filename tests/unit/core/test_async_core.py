@@ -14,6 +14,7 @@ from megatron_async.errors import (
     QueueClosedError,
 )
 from tests import background_fns as fns
+from tests.persistent_worker import wait_until_worker_ready
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +32,7 @@ def make_queue():
     def factory(persistent, **config):
         queue = AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config))
         queues.append(queue)
-        return queue
+        return wait_until_worker_ready(queue)  # so that persistent saves reach the worker
 
     yield factory
     for queue in queues:

@@ -1,17 +1,23 @@
-"""The persistent worker is a fresh interpreter: it never runs the training script, and a
-worker that cannot start fails the save within seconds, saying why."""
+"""The persistent worker is a fresh interpreter: it never runs the training script, a
+save scheduled while it starts does not wait for it, and a worker that cannot start
+fails a save within seconds, saying why."""
 
+import functools
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.errors import AsyncSaveFailedError
 from tests import background_fns as fns
+from tests.persistent_worker import wait_until_worker_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 UNGUARDED_SCRIPT = Path(__file__).with_name("_unguarded_script.py")
@@ -68,6 +74,8 @@ def test_worker_that_cannot_start_fails_the_save_fast_with_its_stderr(tmp_path, 
     queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(staging_timeout_s=600.0))
     try:
         started = time.monotonic()
+        queue.persistent_caller.process.join(timeout=60)  # it dies while starting
+        assert queue.persistent_caller.process.exitcode is not None
         queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "a"), None, "a"), []))
         with pytest.raises(AsyncSaveFailedError) as info:
             queue.maybe_finalize_async_calls(blocking=True)
@@ -79,9 +87,103 @@ def test_worker_that_cannot_start_fails_the_save_fast_with_its_stderr(tmp_path, 
         assert "AsyncCallsQueue(persistent=False)" in failure.message  # what to do
         assert not (tmp_path / "a").exists()
 
-        monkeypatch.undo()  # the environment is repaired: the next save starts a working worker
+        # The environment is repaired: the next save starts a working worker, and runs
+        # forked while it starts; the one after goes to the worker.
+        monkeypatch.undo()
         queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "b"), None, "b"), []))
         assert queue.maybe_finalize_async_calls(blocking=True) == [1]
         assert (tmp_path / "b").read_text() == "b"
+        wait_until_worker_ready(queue)
+        queue.schedule_async_request(AsyncRequest(fns.write_worker_facts, (str(tmp_path / "c"), None), []))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [2]
+        assert json.loads((tmp_path / "c").read_text())["pid"] == queue.persistent_caller.process.pid
     finally:
         queue.close(abort=True)
+
+
+def _stop(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+@pytest.mark.timeout(240)
+def test_save_scheduled_while_the_worker_starts_runs_forked_and_later_saves_use_the_worker(tmp_path):
+    queue = AsyncCallsQueue(persistent=True)
+    caller = queue.persistent_caller
+    worker_pid = caller.process.pid
+    _stop(worker_pid)  # its start-up cannot finish before the first save
+    try:
+        assert not caller.is_worker_ready()
+        tensor = torch.arange(1000, dtype=torch.float32)
+        expected = tensor.clone()
+        for idx in range(2):  # both scheduled before the worker is ready
+            queue.schedule_async_request(AsyncRequest(
+                fns.save_staged_tensor_and_pid, (str(tmp_path / f"{idx}.pt"), None), [],
+                preload_fn=functools.partial(fns.stage_clone, tensor),
+            ))
+            tensor.mul_(-1).add_(7)  # in place, right after scheduling
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+        first, second = (torch.load(tmp_path / f"{idx}.pt") for idx in range(2))
+        assert torch.equal(first["tensor"], expected)
+        assert torch.equal(second["tensor"], expected.mul(-1).add(7))
+        for saved in (first, second):
+            assert saved["pid"] not in (os.getpid(), worker_pid)  # a forked process wrote it
+
+        _resume(worker_pid)
+        wait_until_worker_ready(queue)
+        expected = tensor.clone()
+        queue.schedule_async_request(AsyncRequest(
+            fns.save_staged_tensor_and_pid, (str(tmp_path / "2.pt"), None), [],
+            preload_fn=functools.partial(fns.stage_clone, tensor),
+        ))
+        tensor.add_(1000)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [2]
+        third = torch.load(tmp_path / "2.pt")
+        assert torch.equal(third["tensor"], expected)
+        assert third["pid"] == worker_pid == caller.process.pid  # the same, ready worker
+    finally:
+        _resume(worker_pid)
+        queue.close(abort=True)
+
+
+@pytest.mark.timeout(180)
+def test_worker_that_never_becomes_ready_fails_a_save_after_staging_timeout(tmp_path):
+    queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(staging_timeout_s=1.0))
+    stuck_pid = queue.persistent_caller.process.pid
+    _stop(stuck_pid)  # stuck at start-up
+    try:
+        queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "a"), None, "a"), []))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]  # ran forked meanwhile
+        assert (tmp_path / "a").read_text() == "a"
+        time.sleep(1.5)  # past staging_timeout_s since the worker was started
+        queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "b"), None, "b"), []))
+        with pytest.raises(AsyncSaveFailedError, match="did not start within staging_timeout_s=1s") as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert info.value.failures[0].phase == "timeout"
+        assert not (tmp_path / "b").exists()
+        deadline = time.monotonic() + 30
+        while _alive(stuck_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(stuck_pid), "the worker stuck at start-up must be killed"
+        # The next save starts a fresh worker and, while it starts, runs forked.
+        queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "c"), None, "c"), []))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [2]
+        assert (tmp_path / "c").read_text() == "c"
+        assert queue.persistent_caller.process.pid != stuck_pid
+    finally:
+        _resume(stuck_pid)
+        queue.close(abort=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
