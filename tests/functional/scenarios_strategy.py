@@ -742,7 +742,7 @@ def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):
     try:
         queue.maybe_finalize_async_calls(blocking=True)
     except AsyncSaveFailedError as exc:
-        failures = {rank: f for rank, f in exc.failures.items()}
+        failures = dict(exc.rank_failures)
     assert failures is not None, "no AsyncSaveFailedError on this rank"
     assert set(failures) == {FAILING_RANK}, failures
     failure = failures[FAILING_RANK]

@@ -165,7 +165,7 @@ def test_worker_that_never_becomes_ready_fails_a_save_after_staging_timeout(tmp_
         queue.schedule_async_request(AsyncRequest(fns.write_text, (str(tmp_path / "b"), None, "b"), []))
         with pytest.raises(AsyncSaveFailedError, match="did not start within staging_timeout_s=1s") as info:
             queue.maybe_finalize_async_calls(blocking=True)
-        assert info.value.failures[0].phase == "timeout"
+        assert info.value.rank_failures[0].phase == "timeout"
         assert not (tmp_path / "b").exists()
         deadline = time.monotonic() + 30
         while _alive(stuck_pid) and time.monotonic() < deadline:
