@@ -42,6 +42,7 @@ from megatron_async.manager import (
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
 from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
+from tests.persistent_worker import wait_until_worker_ready
 
 FAULTY_RANK = 1
 _MARKERS = (".metadata", "metadata.json")
@@ -360,8 +361,11 @@ def worker_killed_mid_write(ctx, persistent):
             for child in psutil.Process().children(recursive=True):
                 child.send_signal(signal.SIGKILL)
 
+    # The save must reach the worker (a save scheduled while it starts runs forked, and
+    # killing every child would then also kill the starting worker).
+    queue = wait_until_worker_ready(_queue(persistent))
     summary = _fault_round(
-        ctx, f"kill-{persistent}", _queue(persistent), _Strategy(_SlowWriter), after_schedule=kill_writer
+        ctx, f"kill-{persistent}", queue, _Strategy(_SlowWriter), after_schedule=kill_writer
     )
     return _expect_phase(summary, FAULTY_RANK, "worker", "killed by signal 9")
 
