@@ -8,7 +8,6 @@ saving at N and 2N, then a new job resuming from N, whose losses must be bit-ide
 
 from __future__ import annotations
 
-
 import pytest
 
 from megatron_async import cli
