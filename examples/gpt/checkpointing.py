@@ -376,7 +376,8 @@ class Checkpointer:
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
             # An msc:// --save streams every file to the store from the background writer.
-            strategy = TorchDistAsyncSaveStrategy(use_msc=is_object_url(self.args.save))
+            to_object_store = bool(self.args.save) and is_object_url(self.args.save)
+            strategy = TorchDistAsyncSaveStrategy(use_msc=to_object_store)
             if self.args.ckpt_assume_constant_structure:
                 # Megatron-LM's switch: reuse the first save's plans, metadata and
                 # staging buffers while the structure is unchanged.
