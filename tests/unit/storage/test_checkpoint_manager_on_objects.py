@@ -69,6 +69,12 @@ def test_list_command_on_a_url(store, save_url, capsys):
     assert "iter         1  complete" in text and "<- tracker" in text and "INCOMPLETE" in text
 
 
+def test_list_command_on_an_unreadable_store_says_why(store, capsys):
+    assert cli.main(["list", "msc://unit_nobucket/runs"]) == 2
+    error = capsys.readouterr().err
+    assert "msc://unit_nobucket/runs" in error and "NoSuchBucket" in error and "MSC_CONFIG" in error
+
+
 def test_commit_moves_the_tracker_only_for_a_complete_checkpoint(store, save_url):
     url, prefix = save_url
     manager = CheckpointManager(CheckpointManagerConfig(save_dir=url, load_dir=url))
