@@ -5,6 +5,9 @@ Run on CPU (gloo) or GPU (NCCL), one process per rank::
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --train-iters 20 \\
         --save /tmp/ckpt --load /tmp/ckpt --save-interval 5 --async-save
 
+``--save``/``--load`` may be ``msc://PROFILE/PREFIX`` URLs (object storage through
+multi-storage-client; ``--msc-config FILE`` names the profiles' configuration).
+
 Read top to bottom: set up the process groups, build model, optimizer and data, resume
 from ``--load`` if there is a checkpoint, train, save every ``--save-interval``
 iterations (in the background with ``--async-save``), and wait for the last save
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gpt.arguments import parse_args, validate_parallel_args
-from gpt.checkpointing import Checkpointer
+from gpt.checkpointing import Checkpointer, enable_object_storage
 from gpt.data import build_dataset, micro_batches
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
@@ -56,6 +59,8 @@ def save_checkpoint(checkpointer: Checkpointer, iteration: int, consumed_samples
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.object_storage:  # msc:// --save/--load: object storage through multi-storage-client
+        enable_object_storage(args.msc_config)
 
     # Process groups: NCCL with GPUs, gloo on a CPU-only host (megatron-core then needs
     # the patches of gpt/cpu_compat.py).

@@ -1,4 +1,4 @@
-"""A Megatron-LM save directory on disk: ``iter_*`` checkpoints and the tracker.
+"""A Megatron-LM save directory: ``iter_*`` checkpoints and the tracker.
 
 ::
 
@@ -6,10 +6,21 @@
     <save>/iter_0000200/
     <save>/latest_checkpointed_iteration.txt    "200"
 
-Pure file-system functions for any single process (the coordinator rank that moves the
+Pure storage functions for any single process (the coordinator rank that moves the
 tracker, the command-line tools that list checkpoints); they import neither torch nor
 megatron-core. :class:`~megatron_async.manager.CheckpointManager` builds the multi-rank
 policy (resume, commit, retention) on top of them.
+
+``<save>`` may be a local directory or an ``msc://PROFILE/PREFIX`` URL (object storage,
+:mod:`megatron_async.storage`). An object store has no directories, no rename and no
+fsync; the same guarantees come from other means there:
+
+* the tracker is one PUT, which the store shows whole or not at all;
+* a checkpoint "directory" exists once any object lies under its prefix; creating one
+  creates nothing;
+* deleting one removes its completion markers first, so a deletion that stops halfway
+  leaves an incomplete checkpoint, which no resume picks and the next retention deletes
+  (on disk a rename out of the ``iter_*`` namespace does that job).
 """
 
 from __future__ import annotations
@@ -25,15 +36,20 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import (
     COMPLETION_MARKERS,
     TRACKER_FILE,
+    fsync_path,
     has_completion_markers,
+    remove_completion_markers,
     write_atomically,
 )
+from megatron_async.storage.locations import is_object_url
 
 __all__ = [
     "TRACKER_FILENAME",
     "COMPLETE_MARKERS",
     "CheckpointInfo",
+    "checkpoint_dir_exists",
     "checkpoint_dir_name",
+    "create_checkpoint_dir",
     "delete_checkpoint_dir",
     "is_complete_checkpoint",
     "iteration_from_path",
@@ -74,6 +90,26 @@ def is_complete_checkpoint(path: str) -> bool:
     return has_completion_markers(path)
 
 
+def checkpoint_dir_exists(path: str) -> bool:
+    """Whether anything of a checkpoint lies at ``path`` (for a URL: any object under it)."""
+    if is_object_url(path):
+        from megatron_async.storage.objects import prefix_exists
+
+        return prefix_exists(path)
+    return os.path.exists(path)
+
+
+def create_checkpoint_dir(path: str) -> None:
+    """Create the empty checkpoint directory ``path``, durably (the coordinator rank).
+
+    An ``msc://`` prefix needs nothing: it appears with its first object.
+    """
+    if is_object_url(path):
+        return
+    os.makedirs(path)
+    fsync_path(os.path.dirname(os.path.normpath(path)), best_effort=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
     """One ``iter_*`` directory of a save directory.
@@ -91,17 +127,25 @@ class CheckpointInfo:
 
 def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
     """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
+    found = []
+    for name in _subdirectory_names(save_dir):
+        path = os.path.join(save_dir, name)
+        iteration = iteration_from_path(path)
+        if iteration is not None:
+            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
+    return sorted(found, key=lambda info: info.iteration)
+
+
+def _subdirectory_names(save_dir: str) -> List[str]:
+    if is_object_url(save_dir):
+        from megatron_async.storage.objects import list_children
+
+        return [name for name, is_dir in list_children(save_dir) if is_dir]
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
         return []
-    found = []
-    for name in names:
-        path = os.path.join(save_dir, name)
-        iteration = iteration_from_path(path)
-        if iteration is not None and os.path.isdir(path):
-            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
-    return sorted(found, key=lambda info: info.iteration)
+    return [name for name in names if os.path.isdir(os.path.join(save_dir, name))]
 
 
 def read_tracker(save_dir: str) -> Optional[int]:
@@ -113,8 +157,7 @@ def read_tracker(save_dir: str) -> Optional[int]:
     """
     path = os.path.join(save_dir, TRACKER_FILENAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
+        text = _read_small_file(path).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
     if not text.isdigit():
@@ -126,11 +169,21 @@ def read_tracker(save_dir: str) -> Optional[int]:
     return int(text)
 
 
+def _read_small_file(path: str) -> bytes:
+    if is_object_url(path):
+        from megatron_async.storage.objects import read_object
+
+        return read_object(path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def write_tracker(save_dir: str, iteration: int) -> None:
     """Point the tracker of ``save_dir`` at ``iteration``, atomically and durably.
 
     After a crash the tracker holds either the old or the new iteration
-    (:func:`megatron_async.format.write_atomically`). Runs on the coordinator rank only.
+    (:func:`megatron_async.format.write_atomically`; in object storage one PUT). Runs on
+    the coordinator rank only.
     """
     write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
 
@@ -173,7 +226,13 @@ def select_for_deletion(
 
 
 def delete_checkpoint_dir(path: str) -> bool:
-    """Rename ``path`` out of the ``iter_*`` namespace, then delete it; False on failure."""
+    """Take ``path`` out of the complete checkpoints, then delete it; False on failure.
+
+    On disk the directory is renamed out of the ``iter_*`` namespace first; under an
+    ``msc://`` prefix its completion markers are deleted first (see the module notes).
+    """
+    if is_object_url(path):
+        return _delete_object_checkpoint(path)
     parent, name = os.path.split(path)
     trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
     try:
@@ -185,8 +244,27 @@ def delete_checkpoint_dir(path: str) -> bool:
     return True
 
 
+def _delete_object_checkpoint(url: str) -> bool:
+    from megatron_async.errors import ObjectStoreError
+    from megatron_async.storage.objects import delete_prefix
+
+    try:
+        remove_completion_markers(url)
+        delete_prefix(url)
+    except ObjectStoreError as exc:
+        logger.warning("could not delete checkpoint %s: %s", url, exc)
+        return False
+    return True
+
+
 def purge_trash(save_dir: str) -> None:
-    """Finish deletions that a crash interrupted (best effort)."""
+    """Finish deletions that a crash interrupted (best effort).
+
+    Under an ``msc://`` prefix there is no trash: an interrupted deletion left an
+    incomplete checkpoint, which retention deletes like any other.
+    """
+    if is_object_url(save_dir):
+        return
     for name in os.listdir(save_dir):
         if name.startswith(_TRASH_PREFIX):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

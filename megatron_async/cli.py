@@ -20,6 +20,7 @@ import time
 from typing import List, Optional, TextIO
 
 from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
+from megatron_async.errors import ObjectStoreError, ObjectStoreUnavailableError
 from megatron_async.format import CHECKSUM_FILE
 
 __all__ = ["main"]
@@ -170,4 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (ObjectStoreError, ObjectStoreUnavailableError) as exc:
+        # An msc:// URL whose store cannot be read: the message names the URL and the fix.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

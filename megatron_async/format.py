@@ -44,6 +44,7 @@ __all__ = [
     "write_atomically",
     "remove_file",
     "has_completion_markers",
+    "missing_completion_markers",
     "remove_completion_markers",
 ]
 
@@ -155,19 +156,32 @@ def remove_file(path: PathLike) -> bool:
     return True
 
 
-def has_completion_markers(checkpoint_dir: PathLike) -> bool:
-    """Whether ``checkpoint_dir`` is a directory holding every completion marker as a file.
+def missing_completion_markers(checkpoint_dir: PathLike) -> List[str]:
+    """The completion markers that ``checkpoint_dir`` lacks (all of them without a directory).
 
     The one completeness rule of the format (no content check); listing, resume and the
-    tracker all use it.
+    tracker all use it. An ``msc://`` prefix has no directory of its own: its markers are
+    objects looked up in the store.
     """
     if is_object_url(checkpoint_dir):
         from megatron_async.storage.objects import object_exists
 
-        return all(object_exists(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS)
-    return os.path.isdir(checkpoint_dir) and all(
-        os.path.isfile(os.path.join(checkpoint_dir, name)) for name in COMPLETION_MARKERS
-    )
+        return [
+            name for name in COMPLETION_MARKERS
+            if not object_exists(os.path.join(checkpoint_dir, name))
+        ]
+    if not os.path.isdir(checkpoint_dir):
+        return list(COMPLETION_MARKERS)
+    return [
+        name for name in COMPLETION_MARKERS
+        if not os.path.isfile(os.path.join(checkpoint_dir, name))
+    ]
+
+
+def has_completion_markers(checkpoint_dir: PathLike) -> bool:
+    """Whether ``checkpoint_dir`` holds every completion marker (see
+    :func:`missing_completion_markers`)."""
+    return not missing_completion_markers(checkpoint_dir)
 
 
 def remove_completion_markers(checkpoint_dir: PathLike) -> List[str]:

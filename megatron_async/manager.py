@@ -33,7 +33,9 @@ from megatron_async.checkpoint_dirs import (
     COMPLETE_MARKERS,
     TRACKER_FILENAME,
     CheckpointInfo,
+    checkpoint_dir_exists,
     checkpoint_dir_name,
+    create_checkpoint_dir,
     delete_checkpoint_dir,
     is_complete_checkpoint,
     list_checkpoints,
@@ -49,7 +51,8 @@ from megatron_async.errors import (
     CheckpointValidationError,
     RankFailure,
 )
-from megatron_async.format import fsync_path
+from megatron_async.format import fsync_path, missing_completion_markers
+from megatron_async.storage.locations import is_object_url
 
 # The directory functions are part of this module's public surface too (older imports).
 __all__ = [
@@ -315,25 +318,26 @@ class CheckpointManager:
                 "overwriting would leave no complete checkpoint while the save runs. Save "
                 "under a new iteration or into another directory."
             )
-        if os.path.exists(path):
+        if checkpoint_dir_exists(path):
             logger.warning("deleting the remains of an earlier save of %s", path)
             if not delete_checkpoint_dir(path):
                 raise CheckpointValidationError(
                     f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
                 )
-        os.makedirs(path)
-        fsync_path(save_dir, best_effort=True)
+        create_checkpoint_dir(path)
 
     def _write_tracker_for(self, iteration: int, path: str) -> None:
-        if not is_complete_checkpoint(path):
-            missing = [m for m in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, m))]
+        missing = missing_completion_markers(path)
+        if missing:
             raise CheckpointIntegrityError(
                 f"checkpoint {path} is missing {missing} after its save finished; not "
                 "marking it as the latest"
             )
-        for marker in COMPLETE_MARKERS:
-            fsync_path(os.path.join(path, marker))
-        fsync_path(path, best_effort=True)
+        if not is_object_url(path):
+            # An object store acknowledged each marker's PUT durably; files need the fsync.
+            for marker in COMPLETE_MARKERS:
+                fsync_path(os.path.join(path, marker))
+            fsync_path(path, best_effort=True)
         write_tracker(self._require_save_dir(), iteration)
         logger.info("checkpoint %s is complete; tracker updated", path)
 

@@ -17,6 +17,8 @@ Example::
 
 It prints the tables, and writes ``results.json``, ``report.md`` and PNG plots into
 ``--out``. Timings are never asserted: the targets are reported as PASS/MISS.
+``python tools/benchmark.py --object-store ...`` (first argument) runs the object-store
+row instead: our async save to an S3 endpoint against boto3 (``bench/object_store.py``).
 """
 
 from __future__ import annotations
@@ -389,6 +391,11 @@ def _write_report(config: BenchConfig, results: Dict[str, Any], markdown: str) -
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--object-store"]:  # the object-store row: its own options (bench/object_store.py)
+        from bench.object_store import main as object_store_main
+
+        return object_store_main(argv[1:])
     config, from_results = parse_args(argv)
     if from_results is not None:
         with open(from_results) as f:

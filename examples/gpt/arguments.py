@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import List, Optional
+
+from megatron_async.storage import is_object_url
+from megatron_async.storage.client import MSC_EXTRA_HINT, msc_available
 
 __all__ = ["parse_args", "validate_parallel_args"]
 
@@ -49,8 +53,14 @@ def _build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--use-distributed-optimizer", action="store_true")
 
     ckpt = parser.add_argument_group("checkpointing")
-    ckpt.add_argument("--save", default=None, help="directory to save checkpoints to")
-    ckpt.add_argument("--load", default=None, help="directory to resume from (its tracker)")
+    ckpt.add_argument("--save", default=None,
+                      help="directory to save checkpoints to, or an msc://PROFILE/PREFIX URL "
+                      "(object storage through multi-storage-client)")
+    ckpt.add_argument("--load", default=None,
+                      help="directory (or msc:// URL) to resume from (its tracker)")
+    ckpt.add_argument("--msc-config", default=None,
+                      help="multi-storage-client configuration that defines the profiles of "
+                      "msc:// URLs (sets MSC_CONFIG); default: MSC_CONFIG or ~/.msc_config.yaml")
     ckpt.add_argument("--ckpt-step", type=int, default=None,
                       help="resume from this iteration instead of the tracker's")
     ckpt.add_argument("--save-interval", type=int, default=None)
@@ -114,6 +124,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--ckpt-step needs --load")
     if args.ckpt_verify_on_load and args.load is None:
         parser.error("--ckpt-verify-on-load needs --load")
+    args.object_storage = any(is_object_url(p) for p in (args.save, args.load) if p)
+    if args.object_storage and not msc_available():
+        parser.error(f"msc:// --save/--load need multi-storage-client: {MSC_EXTRA_HINT}")
+    if args.msc_config is not None and not os.path.isfile(args.msc_config):
+        parser.error(f"--msc-config {args.msc_config}: no such file")
     return args
 
 

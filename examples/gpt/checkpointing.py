@@ -49,8 +49,9 @@ from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
 from megatron_async.staging.overlapped import refuse_overlap_param_gather
+from megatron_async.storage import is_object_url
 
-__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV"]
+__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "enable_object_storage"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,28 @@ def _write_then_stall(async_fn, delay_s: float, *args, **kwargs) -> None:
     time.sleep(delay_s)
 
 
+def enable_object_storage(msc_config: Optional[str]) -> None:
+    """Let ``msc://`` ``--save``/``--load`` URLs through (every rank, before any save or load).
+
+    ``msc_config`` (``--msc-config``) becomes ``MSC_CONFIG``, multi-storage-client's
+    configuration, inherited by background writers; without it MSC looks up
+    ``MSC_CONFIG`` or ``~/.msc_config.yaml`` itself. megatron-core reads ``common.pt``
+    and ``metadata.json`` through MSC only while its ``MultiStorageClientFeature`` is on:
+    the default on 0.16.x once the package is installed, off on 0.17+ until enabled
+    (Megatron-LM's ``--enable-msc``).
+    """
+    if msc_config is not None:
+        os.environ["MSC_CONFIG"] = os.path.abspath(msc_config)
+    from megatron.core.msc_utils import MultiStorageClientFeature
+
+    MultiStorageClientFeature.enable()
+
+
 def _directory_bytes(path: str) -> int:
+    if is_object_url(path):
+        from megatron_async.storage.objects import prefix_bytes
+
+        return prefix_bytes(path)
     return sum(
         os.path.getsize(os.path.join(root, name))
         for root, _, names in os.walk(path)
@@ -354,7 +376,8 @@ class Checkpointer:
     def _save_strategy(self):
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
-            options = {}
+            # An msc:// --save streams every file to the store from the background writer.
+            options = {"use_msc": bool(self.args.save) and is_object_url(self.args.save)}
             if self.args.ckpt_overlap_staging and self.args.async_save:
                 # The copy overlaps the next forward/backward; the optimizer step waits.
                 refuse_overlap_param_gather([self.model, self.optimizer])

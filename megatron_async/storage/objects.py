@@ -33,6 +33,7 @@ __all__ = [
     "delete_prefix",
     "posix_path_of",
     "object_size",
+    "prefix_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -184,3 +185,16 @@ def object_size(url: str) -> Optional[int]:
         return _call("looking up", url, lambda: client.info(path).content_length)
     except FileNotFoundError:
         return None
+
+
+def prefix_bytes(url: str) -> int:
+    """The bytes of every object under ``url/`` (a checkpoint's size), from one listing."""
+    client, path, local = _resolved(url)
+    if local is not None:
+        return sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(local)
+            for name in names
+        )
+    prefix = path.rstrip("/") + "/"
+    return _call("listing", url, lambda: sum(meta.content_length for meta in client.list(path=prefix)))

@@ -3,8 +3,15 @@
 The test process starts the store (tests/object_store.py) and writes the MSC profiles
 (``MSC_CONFIG``); every scenario here runs on 2 gloo ranks and saves to ``msc://`` URLs
 with ``TorchDistAsyncSaveStrategy(use_msc=True)``. Checkpoints are read back with stock
-megatron-core (its MSC support: ``dist_checkpointing.load`` on an ``msc://`` URL) and
-with plain DCP through multi-storage-client's ``MultiStorageFileSystemReader``.
+megatron-core (its MSC support: ``dist_checkpointing.load`` on an ``msc://`` URL; on
+0.17+ it is off until ``MultiStorageClientFeature.enable()``, which ``run_all`` calls as
+Megatron-LM's ``--enable-msc`` does) and with plain DCP, through multi-storage-client's
+``MultiStorageFileSystemReader`` and through PyTorch's ``FsspecReader`` (MSC registers
+the ``msc`` protocol with fsspec).
+
+``checkpoint_manager_on_the_store`` runs :class:`CheckpointManager` on an ``msc://``
+save directory: the tracker moves in the save's finalize, retention deletes objects,
+a failed save leaves the tracker and resume on the previous checkpoint.
 
 The faults hit rank 1 only, through a profile of its own that reaches the same bucket
 another way (a proxy that drops the connection mid-upload, a closed port) or not at all
@@ -22,6 +29,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
 from megatron_async import cli
+from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError
@@ -67,17 +76,25 @@ def _load_dcp(url: str):
     return load_with_dcp(url, None, reader_type=MultiStorageFileSystemReader)
 
 
-def _check_loads_back(ctx: RankContext, url: str, scale: float) -> None:
+def _load_fsspec(url: str):
+    """Plain DCP through PyTorch's fsspec reader (fsspec finds MSC's ``msc`` protocol)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return load_with_dcp(url, None, reader_type=FsspecReader)
+
+
+def _check_loads_back(ctx: RankContext, url: str, scale: float, fsspec: bool = False) -> None:
     """Stock megatron-core and plain DCP both read the state of ``scale`` back from ``url``."""
     assert has_completion_markers(url), f"{url} is not marked complete"
     expected = _state(ctx, scale)
     loaded = dist_checkpointing.load(_state(ctx, 0.0), url)
     _assert_equal_states(loaded, expected, "megatron")
-    by_dcp = _load_dcp(url)
-    for key, tensor in _global_tensors(ctx.world_size, scale).items():
-        assert torch.equal(by_dcp[key], tensor), ("dcp", key)
     whole_big = torch.cat([_state(ctx, scale)["big"].data - ctx.rank + r for r in range(ctx.world_size)])
-    assert torch.equal(by_dcp["big"], whole_big), "dcp: big"
+    for reader, load in (("msc reader", _load_dcp), ("fsspec", _load_fsspec))[: 1 + fsspec]:
+        by_dcp = load(url)
+        for key, tensor in _global_tensors(ctx.world_size, scale).items():
+            assert torch.equal(by_dcp[key], tensor), (reader, key)
+        assert torch.equal(by_dcp["big"], whole_big), (reader, "big")
 
 
 def _save(ctx: RankContext, url: str, scale: float, persistent: bool, mutate: bool = False) -> None:
@@ -98,7 +115,7 @@ def save_and_load_back(ctx: RankContext, persistent: bool) -> None:
     """Multipart uploads from both ranks; megatron-core and DCP read the state back equal."""
     url = _url(ctx, f"good-{persistent}")
     _save(ctx, url, 1.0, persistent)
-    _check_loads_back(ctx, url, 1.0)
+    _check_loads_back(ctx, url, 1.0, fsspec=True)
     verify_checkpoint_integrity(url)  # our checksums, re-hashed from the store by every rank
     if ctx.rank == 0:
         assert cli.main(["verify", url]) == 0
@@ -158,14 +175,67 @@ def missing_bucket(ctx: RankContext, persistent: bool) -> None:
     _fault(ctx, f"nobucket-{persistent}", "nobucket", persistent, "NoSuchBucket")
 
 
+def _managed_save(ctx, manager, iteration, persistent, faulty_profile=None) -> None:
+    """Save ``iteration`` through ``manager``; the tracker moves in the save's finalize."""
+    path = manager.prepare_save(iteration)
+    url = path
+    if faulty_profile is not None and ctx.rank == 1:
+        url = path.replace(f"msc://{ctx.options['profile']}/", f"msc://{faulty_profile}/", 1)
+    request = dist_checkpointing.save(
+        _state(ctx, float(iteration)), url, sharded_strategy=_strategy(), async_sharded_save=True
+    )
+    manager.attach_commit(request, iteration)
+    _queue(persistent).schedule_async_request(request)
+    # Until the finalize saw every rank's objects acknowledged, nothing names the new
+    # checkpoint: not its markers, not the tracker.
+    assert read_tracker(manager.config.save_dir) != iteration
+    assert not has_completion_markers(path)
+    _queue(persistent).maybe_finalize_async_calls(blocking=True)
+
+
+def checkpoint_manager_on_the_store(ctx: RankContext, persistent: bool) -> None:
+    """Tracker, retention and resume of CheckpointManager on an msc:// save directory."""
+    save_dir = _url(ctx, f"managed-{persistent}")
+    manager = CheckpointManager(
+        CheckpointManagerConfig(save_dir=save_dir, load_dir=save_dir, keep_last_n=2)
+    )
+    for iteration in (1, 2, 3):
+        _managed_save(ctx, manager, iteration, persistent)
+        assert read_tracker(save_dir) == iteration
+    dist.barrier()  # retention runs on rank 0 after the commit's collective
+    assert [c.iteration for c in list_checkpoints(save_dir)] == [2, 3]
+    try:
+        _managed_save(ctx, manager, 4, persistent, faulty_profile="nobucket")
+    except (AsyncSaveFailedError, CheckpointValidationError) as exc:
+        assert "NoSuchBucket" in str(exc), str(exc)
+        manager.abandon(4)
+    else:
+        raise AssertionError(f"rank {ctx.rank}: the save with a missing bucket on rank 1 succeeded")
+    assert read_tracker(save_dir) == 3
+    point = manager.find_resume_point()
+    assert (point.iteration, point.reason) == (3, "tracker")
+    _check_loads_back(ctx, point.path, 3.0)
+    _managed_save(ctx, manager, 5, persistent)
+    dist.barrier()
+    # The failed save's objects (rank 0's shard) were older than the newest kept: deleted.
+    assert [(c.iteration, c.complete) for c in list_checkpoints(save_dir)] == [(3, True), (5, True)]
+    assert manager.find_resume_point().iteration == 5
+    if ctx.rank == 0:
+        assert cli.main(["list", save_dir]) == 0
+
+
 SCENARIOS = {
     **for_both_callers(save_and_load_back, snapshot_after_scheduling),
     **for_both_callers(server_stopped_mid_upload),
     **{k: v for k, v in for_both_callers(endpoint_down, credentials_refused, missing_bucket).items() if "temporal" in k},
+    **{k: v for k, v in for_both_callers(checkpoint_manager_on_the_store).items() if "persistent" in k},
 }
 
 
 def run_all(ctx: RankContext):
+    from megatron.core.msc_utils import MultiStorageClientFeature
+
+    MultiStorageClientFeature.enable()  # Megatron-LM's --enable-msc (off by default on 0.17+)
     try:
         return run_scenarios(ctx, only_selected(ctx, SCENARIOS))
     finally:

@@ -17,11 +17,13 @@ One module per role:
 * :mod:`.lost_time_report` lost time per save, its targets, tables and plot;
 * :mod:`.lost_time_run` the ``--lost-time*`` options and launches.
 
-Two stand-alone micro-benchmarks, run as scripts, isolate one step each:
+Stand-alone micro-benchmarks isolate one step each:
 
 * :mod:`.bucket_write`  one bucket written by the background writer against a plain
   write + fsync of the same bytes (``python tools/bench/bucket_write.py -h``);
-* :mod:`.finalize_cost` the phases of a save's finalization at a given item count.
+* :mod:`.finalize_cost` the phases of a save's finalization at a given item count;
+* :mod:`.object_store` our async save to an S3 endpoint against boto3's multipart upload
+  of the same bytes (``python tools/benchmark.py --object-store -h``).
 
 Everything here is tooling: it prints, spawns processes and draws, and never changes the
 library under ``megatron_async/``.

@@ -52,7 +52,11 @@ PYEOF
     pip_quiet install --no-deps "triton==3.8.0"
     ;;
 esac
-# msc: object storage (use_msc); the test extra adds moto's S3 server for the loopback tests
+# msc: object storage (use_msc); the test extra adds moto's S3 server for the loopback tests.
+# Same for every generation (none of them pulls torch); the import check below fails the
+# venv when one is missing, instead of the object-store tests skipping silently.
 pip_quiet install -e "$REPO_ROOT[test,msc]"
+"$PY" -W ignore -c "import multistorageclient, boto3, moto.server" \
+    || { echo "make_venv.sh: the msc/test extras did not install" >&2; exit 1; }
 "$PY" -W ignore -c "import megatron.core, megatron_async.mcore.generation as g, torch; \
 print('venv', '$VENV_DIR', 'megatron-core', megatron.core.__version__, g.GENERATION, 'torch', torch.__version__)"

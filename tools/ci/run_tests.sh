@@ -6,8 +6,9 @@
 # 1. megatron-core 0.16.1: the whole suite, plus the cross-generation checkpoint test
 #    (which drives the 0.19.2 environment's interpreter).
 # 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults, the
-#    nvidia-resiliency-ext module surface with megatron-core's stock strategy, and two GPT
-#    example resume runs: both callers, distributed optimizer, PP 2, fully parallel save).
+#    nvidia-resiliency-ext module surface with megatron-core's stock strategy, object
+#    storage on the loopback S3 server at 2 ranks, and two GPT example resume runs: both
+#    callers, distributed optimizer, PP 2, fully parallel save).
 # 3. megatron-core 0.17.1 and 0.18.2 (the generation in between: no registry, but still a
 #    common.pt written by a plain function): the strategy-config unit tests and the strategy
 #    scenarios that differ between generations, at 2 ranks.
@@ -29,12 +30,12 @@ MEGATRON_ASYNC_OTHER_GENERATION_PYTHON="$ENVS/mcore019/bin/python" \
 PATH="$ENVS/mcore016/bin:$PATH" \
     "$ENVS/mcore016/bin/python" -m pytest -q -p no:cacheprovider tests
 
-echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, GPT resume =="
+echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, object storage, GPT resume =="
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py \
+    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
-    tests/functional/test_nvrx_surface.py -k "not 4ranks"
+    tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py -k "not 4ranks"
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
     tests/functional/test_pretrain_gpt.py -k "resume_reproduces and (fullyparallel or pp2)"

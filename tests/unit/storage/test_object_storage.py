@@ -7,9 +7,9 @@ import pytest
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError, ObjectStoreUnavailableError
 from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
-from tests.object_store import LoopbackS3Server, object_store_skip_reason, s3_client, write_msc_config
+from tests.object_store import object_store_skip_reason
+from tests.unit.storage.conftest import BUCKET
 
-BUCKET = "unit"
 PART = 5 << 20
 
 needs_store = pytest.mark.skipif(object_store_skip_reason() is not None, reason=str(object_store_skip_reason()))
@@ -39,35 +39,6 @@ def test_an_object_url_without_use_msc_is_refused():
 
     with pytest.raises(CheckpointValidationError, match="use_msc=True"):
         FileSystemWriterAsync("msc://p/x")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    reason = object_store_skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("store")
-    server = LoopbackS3Server(str(tmp / "moto.log")).start()
-    try:
-        client = s3_client(server.endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        config = write_msc_config(
-            str(tmp / "msc.json"),
-            {
-                "unit": {"endpoint": server.endpoint, "bucket": BUCKET},
-                "unit_nobucket": {"endpoint": server.endpoint, "bucket": "missing"},
-            },
-        )
-        old = os.environ.get("MSC_CONFIG")
-        os.environ["MSC_CONFIG"] = config
-        yield client
-    finally:
-        if "config" in locals():
-            if old is None:
-                os.environ.pop("MSC_CONFIG", None)
-            else:
-                os.environ["MSC_CONFIG"] = old
-        server.stop()
 
 
 def _open(url):
