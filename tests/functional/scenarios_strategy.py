@@ -161,9 +161,11 @@ def _dir(ctx: RankContext, name: str) -> str:
     return path
 
 
-def _save_async(queue, ctx, path, strategy, scale, extra_key=False, mutate=False):
+def _save_async(queue, ctx, path, strategy, scale, extra_key=False, mutate=False, **save_kwargs):
     state = _model_state(ctx, scale, extra_key)
-    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    request = dist_checkpointing.save(
+        state, path, sharded_strategy=strategy, async_sharded_save=True, **save_kwargs
+    )
     queue.schedule_async_request(request)
     if mutate:  # the trainer's next step, right after scheduling returns
         for value in state.values():
@@ -537,16 +539,7 @@ def integrity_manifest_on_gloo(ctx, persistent):
     """megatron-core 0.18+'s ``verify_integrity=True``: its manifest step runs after ours,
     agreed on over gloo, and megatron-core's own check accepts the checkpoint."""
     path = _dir(ctx, f"manifest-{persistent}")
-    request = dist_checkpointing.save(
-        _model_state(ctx, 4.0),
-        path,
-        sharded_strategy=TorchDistAsyncSaveStrategy(),
-        async_sharded_save=True,
-        verify_integrity=True,
-    )
-    queue = _queue(persistent)
-    queue.schedule_async_request(request)
-    queue.maybe_finalize_async_calls(blocking=True)
+    _save_async(_queue(persistent), ctx, path, TorchDistAsyncSaveStrategy(), 4.0, verify_integrity=True)
     assert os.path.exists(os.path.join(path, "integrity.json"))
     loaded = dist_checkpointing.load(_model_state(ctx, 0.0), path, verify_integrity=True)
     _assert_equal_states(loaded, _model_state(ctx, 4.0), "megatron verify_integrity")
