@@ -308,6 +308,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             use_msc=cfg.use_msc,
             object_part_bytes=cfg.object_part_bytes,
             overlap_staging=cfg.overlap_staging,
+            direct_io=cfg.direct_io,
         )
 
     def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:

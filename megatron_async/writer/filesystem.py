@@ -224,15 +224,19 @@ def _one_bucket_writer(
     open_file: Callable[..., Any],
     use_fsync: bool,
     compute_checksums: bool,
+    direct_io: bool,
 ) -> Callable[[int, WriteBucket], List[WriteResult]]:
     """``(index, bucket) -> results`` through ``bucket_writer`` (``write_preloaded_data``)."""
+    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
+    if not direct_io:  # only when off: overrides then get the reference API's keywords
+        options["direct_io"] = False
     return partial(
         _write_one_bucket,
         bucket_writer or FileSystemWriterAsync.write_preloaded_data,
         transform_list,
         open_file,
         use_fsync,
-        {"use_msc": use_msc, "compute_checksums": compute_checksums},
+        options,
     )
 
 
@@ -296,6 +300,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         overlap_staging: ``preload_fn`` only leases the staging buffers; the copy runs in
             a background thread of the trainer while training goes on, and ``save_fn``
             waits for it (see :mod:`megatron_async.staging.overlapped`).
+        direct_io: write local files with ``O_DIRECT`` (through an aligned bounce
+            buffer), bypassing the page cache, where the file system accepts it; False
+            writes buffered (see :mod:`megatron_async.writer.direct_io`).
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
 
     Raises:
@@ -317,6 +324,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         staging_cache: Optional[StagingBufferCache] = None,
         object_part_bytes: int = DEFAULT_PART_BYTES,
         overlap_staging: bool = False,
+        direct_io: bool = True,
         **kwargs: Any,
     ):
         if use_msc:
@@ -365,6 +373,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.checksums = bool(checksums)
         self.staging_cache = staging_cache
         self.overlap_staging = bool(overlap_staging)
+        self.direct_io = bool(direct_io)
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -481,6 +490,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             write_timeout_s=self.write_timeout_s,
             bucket_writer=type(self).write_preloaded_data,
             compute_checksums=self.checksums,
+            direct_io=self.direct_io,
         )
         if self.overlap_staging:
             return self._overlapped_functions(save_fn)
@@ -574,7 +584,8 @@ class FileSystemWriterAsync(FileSystemWriter):
             count_queue: a joinable queue whose ``get`` / ``task_done`` marks this worker
                 done, or None.
             use_fsync: make the file durable before returning.
-            **kwargs: ``compute_checksums`` (default True) and ``use_msc`` (default False).
+            **kwargs: ``compute_checksums`` (default True), ``use_msc`` (default False)
+                and ``direct_io`` (default True; see :func:`~.bucket_io.write_bucket`).
 
         Returns:
             ``(local_thread_idx, results or the exception raised)`` when ``results_queue``
@@ -590,6 +601,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                     use_fsync,
                     kwargs.get("compute_checksums", True),
                     open_file=open_file,
+                    direct_io=kwargs.get("direct_io", True),
                 ),
             )
         except Exception as exc:  # returned or queued, as the reference API specifies
@@ -644,6 +656,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         bucket_writer: Optional[SpecBucketWriter] = None,
         compute_checksums: bool = True,
+        direct_io: bool = True,
     ) -> None:
         """Write the staged buckets, one thread each, and report the outcome (background).
 
@@ -662,9 +675,11 @@ class FileSystemWriterAsync(FileSystemWriter):
             write_timeout_s: bound on the wait for the writer threads.
             bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
             compute_checksums: hash every item while writing it.
+            direct_io: write local files with ``O_DIRECT`` where accepted.
         """
         write_one = _one_bucket_writer(
-            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums
+            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
+            direct_io,
         )
         runner = partial(write_with_threads, write_one, write_timeout_s)
         write_and_report(runner, rank, write_buckets, global_results_queue)
@@ -682,6 +697,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         bucket_writer: Optional[SpecBucketWriter] = None,
         compute_checksums: bool = True,
+        direct_io: bool = True,
     ) -> None:
         """Write the staged buckets, one forked process each, and report the outcome.
 
@@ -691,7 +707,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         Arguments as for :meth:`write_preloaded_data_multithread`.
         """
         write_one = _one_bucket_writer(
-            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums
+            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
+            direct_io,
         )
         runner = partial(write_with_processes, write_one, write_timeout_s)
         write_and_report(runner, rank, write_buckets, global_results_queue)

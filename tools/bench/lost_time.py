@@ -276,12 +276,67 @@ def _memcpy_seconds(num_bytes: int, group) -> float:
     return best
 
 
-def _timed_iteration(trainer: _Trainer, method: Optional[_Method]) -> tuple:
-    """One loop iteration (poll, then train); returns ``(seconds, durable)``."""
+def _timed_iteration(trainer: _Trainer, method: Optional[_Method], polls: Optional[list] = None
+                     ) -> tuple:
+    """One loop iteration (poll, then train); returns ``(seconds, durable)``.
+
+    With ``polls``, the poll's own time (where a finished save is finalized) is appended.
+    """
     start = _now()
     durable = method.poll() if method is not None else True
+    if polls is not None:
+        polls.append(_now() - start)
     trainer.step()
     return _now() - start, durable
+
+
+class _CpuMeter:
+    """CPU seconds (user + system) used by this rank's process and by its background
+    processes (every descendant: forked writers, the persistent worker), and by the whole
+    machine (``/proc/stat``, all cores), between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+
+    def _background_seconds(self) -> float:
+        """CPU time of every live descendant and of every descendant already reaped.
+
+        A reaped child's time (its own reaped children's included) is in this process's
+        ``children_*`` counters; a live one's reaped children are in its own.
+        """
+        total = 0.0
+        for child in self._me.children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except Exception:  # it ended between listing and reading
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+        own = self._me.cpu_times()
+        return total + own.children_user + own.children_system
+
+    @staticmethod
+    def _machine_seconds() -> Dict[str, float]:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        tick = os.sysconf("SC_CLK_TCK")
+        names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+        return {n: int(v) / tick for n, v in zip(names, fields)}
+
+    def start(self) -> None:
+        times = self._me.cpu_times()
+        self._own = times.user + times.system
+        self._children = self._background_seconds()
+        self._machine = self._machine_seconds()
+
+    def stop(self) -> Dict[str, float]:
+        times = self._me.cpu_times()
+        machine = self._machine_seconds()
+        result = {"rank_cpu_s": times.user + times.system - self._own,
+                  "background_cpu_s": self._background_seconds() - self._children}
+        result.update({f"machine_{n}_s": machine[n] - self._machine[n] for n in machine})
+        return result
 
 
 def lost_time_job(ctx: RankContext) -> Dict[str, Any]:
@@ -312,23 +367,29 @@ def lost_time_job(ctx: RankContext) -> Dict[str, Any]:
     method.setup()
     result["setup_s"] = _now() - start
     windows: List[Dict[str, Any]] = []
+    meter = _CpuMeter()
     try:
         for index in range(payload["saves"]):
-            window: Dict[str, Any] = {"free": [], "save": [], "blocking_wait_s": 0.0}
+            window: Dict[str, Any] = {"free": [], "save": [], "save_polls": [],
+                                      "blocking_wait_s": 0.0}
+            meter.start()
             for _ in range(payload["window"]):
                 window["free"].append(_timed_iteration(trainer, method)[0])
+            window["free_cpu"] = meter.stop()
+            meter.start()
             start = _now()
             method.save(index)
             window["stall_s"] = _now() - start
             durable = False
             while not durable and len(window["save"]) < _MAX_SAVE_WINDOW:
-                seconds, durable = _timed_iteration(trainer, method)
+                seconds, durable = _timed_iteration(trainer, method, window["save_polls"])
                 # The iteration that found the save durable finalized it inside its poll.
                 window["save"].append(seconds)
             if not durable:
                 start = _now()
                 method.wait()
                 window["blocking_wait_s"] = _now() - start
+            window["save_cpu"] = meter.stop()
             windows.append(window)
     finally:
         method.close()

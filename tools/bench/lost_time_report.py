@@ -9,7 +9,14 @@ taken as the maximum over ranks:
   window, that iteration's time minus the free median, plus any blocking wait;
 * ``lost warm``: the median over the saves after the first;
 * ``first + set-up``: the set-up call, plus the excess of the first free window's
-  iterations, plus the first save's lost time.
+  iterations, plus the first save's lost time, plus the *spill-over*: what the later
+  windows lost beyond ``lost warm`` per save and beyond the free median per free
+  iteration (start-up work that outlasts the first window, such as a persistent worker
+  still importing torch, slows those iterations; clamped at zero);
+* ``background CPU / warm save``: CPU seconds of every rank's background processes
+  during a save window, summed over ranks (median over the warm saves); ``finalize
+  warm``: the poll that found the save durable, where it is finalized on the training
+  thread (max over ranks).
 """
 
 from __future__ import annotations
@@ -54,11 +61,27 @@ def aggregate_lost_time(meta: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Di
         save_iterations = _maxima([w["save"] for w in windows])
         stall = max(w["stall_s"] for w in windows)
         excess = sum(t - free for t in save_iterations) + max(w["blocking_wait_s"] for w in windows)
-        records.append({"stall_s": stall, "excess_s": excess, "lost_s": stall + excess,
-                        "save_iterations": len(save_iterations)})
+        record = {"stall_s": stall, "excess_s": excess, "lost_s": stall + excess,
+                  "save_iterations": len(save_iterations)}
+        if all("save_cpu" in w for w in windows):  # results of older runs lack these
+            # The poll that found the save durable finalized it on the training thread.
+            record["finalize_s"] = max(w["save_polls"][-1] if w["save_polls"] else 0.0
+                                       for w in windows)
+            record["background_cpu_s"] = sum(w["save_cpu"]["background_cpu_s"] for w in windows)
+            record["save_window_s"] = stall + sum(save_iterations)
+            record["save_cpu"] = windows[0]["save_cpu"]
+            record["free_cpu"] = windows[0]["free_cpu"]
+        records.append(record)
     setup = max(r["setup_s"] for r in ranks)
     after_setup = sum(t - free for t in _maxima([r["windows"][0]["free"] for r in ranks]))
     warm = records[1:]
+    lost_warm = _median([s["lost_s"] for s in warm])
+    # Start-up work that outlasts the first window (a persistent worker still importing)
+    # slows later iterations too: whatever the launch lost beyond its warm saves' median
+    # is charged to the set-up.
+    spill = sum(s["lost_s"] - lost_warm for s in warm) + sum(
+        t - free for index in range(1, saves)
+        for t in _maxima([r["windows"][index]["free"] for r in ranks]))
     return dict(
         meta, status="ok", reason="",
         num_bytes_per_rank=max(r["num_bytes"] for r in ranks),
@@ -67,9 +90,13 @@ def aggregate_lost_time(meta: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Di
         saves=records,
         stall_first_s=records[0]["stall_s"],
         stall_warm_s=_median([s["stall_s"] for s in warm]),
-        lost_warm_s=_median([s["lost_s"] for s in warm]),
+        lost_warm_s=lost_warm,
         save_iterations_warm=_median([s["save_iterations"] for s in warm]),
-        first_and_setup_s=setup + after_setup + records[0]["lost_s"],
+        finalize_warm_s=_median([s["finalize_s"] for s in warm if "finalize_s" in s]),
+        background_cpu_warm_s=_median([s["background_cpu_s"] for s in warm
+                                       if "background_cpu_s" in s]),
+        first_and_setup_s=setup + after_setup + records[0]["lost_s"] + max(spill, 0.0),
+        setup_spill_s=spill,
     )
 
 
@@ -145,7 +172,8 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
         sync = group.get("sync")
         header = ["method", "stall 1st", "stall warm", "iterations to durable", "lost warm",
                   "lost / memcpy", "lost / sync"] + [f"lost / {m}" for m in DCP_METHODS] + [
-                  "first save + set-up", "set-up call"]
+                  "first save + set-up", "set-up call", "background CPU / warm save",
+                  "finalize warm"]
         rows = []
         for method in METHODS:
             entry = group.get(method)
@@ -161,7 +189,8 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
                        for m in DCP_METHODS]
             rows.append([method, _s(entry["stall_first_s"]), _s(entry["stall_warm_s"]),
                          _x(entry["save_iterations_warm"]), _s(lost), *ratios,
-                         _s(entry["first_and_setup_s"]), _s(entry["setup_s"])])
+                         _s(entry["first_and_setup_s"]), _s(entry["setup_s"]),
+                         _s(entry.get("background_cpu_warm_s")), _s(entry.get("finalize_warm_s"))])
         parts += [f"#### {ranks} rank(s), GPT {num_layers} layers x {hidden}: {size} per rank, "
                   f"free iteration {_s(free)}, one memory copy of the state {_s(memcpy)}", "",
                   _table(header, rows), ""]
