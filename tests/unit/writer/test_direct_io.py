@@ -150,3 +150,29 @@ def test_bounce_chunks_are_reused_and_the_pool_stays_bounded(small_chunks):
     assert len(pool._free) == direct_io._KEEP_CHUNKS
     assert pool.take() is taken[direct_io._KEEP_CHUNKS - 1]
     assert sum(chunk.closed for chunk in taken) == 2
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direct):
+    from megatron_async.writer import bucket_io
+    from tests.unit.writer.test_write_buckets import _save
+
+    asked = []
+    real = bucket_io.open_local_bucket_file
+
+    def recording(path, hashing, direct_io):
+        asked.append(direct_io)
+        return real(path, hashing, direct_io)
+
+    monkeypatch.setattr(bucket_io, "open_local_bucket_file", recording)
+    state_dict = {"w": torch.randn(64, 8), "b": torch.randn(8)}
+    _save(tmp_path, state_dict, direct_io=direct)
+    assert asked and set(asked) == {direct}
+
+
+def test_the_strategy_option_reaches_its_writer(tmp_path):
+    from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+
+    assert TorchDistAsyncSaveStrategy()._create_writer(str(tmp_path)).direct_io is True
+    writer = TorchDistAsyncSaveStrategy(direct_io=False)._create_writer(str(tmp_path))
+    assert writer.direct_io is False
