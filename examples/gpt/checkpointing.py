@@ -44,7 +44,7 @@ from gpt.resharding import (
     check_optimizer_resume,
     with_process_groups,
 )
-from megatron_async.core import AsyncCallsQueue
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
@@ -197,7 +197,10 @@ class Checkpointer:
             )
         )
         self.queue = (
-            AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
+            AsyncCallsQueue(
+                persistent=args.use_persistent_ckpt_worker,
+                config=AsyncCallerConfig(worker_start=args.ckpt_worker_start),
+            )
             if args.async_save
             else None
         )

@@ -7,7 +7,10 @@ import dataclasses
 from megatron_async.core.coordination import DEFAULT_COORDINATION_TIMEOUT_S
 from megatron_async.core.priority import WriterPriority
 
-__all__ = ["AsyncCallerConfig"]
+__all__ = ["AsyncCallerConfig", "WORKER_STARTS"]
+
+WORKER_STARTS = ("fork", "exec")
+"""The values of :attr:`AsyncCallerConfig.worker_start`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,14 +48,28 @@ class AsyncCallerConfig:
     to the training loop. ``WriterPriority(nice_increment=0, io_class="inherit")`` keeps
     the trainer's priority."""
 
+    worker_start: str = "fork"
+    """How the persistent worker starts. ``"fork"``: as a fork of the trainer, ready within
+    milliseconds, with the trainer's modules already imported (it drops its share of the
+    trainer's tensor pages at once; see :mod:`megatron_async.core.worker_fork`).
+    ``"exec"``: as a fresh interpreter that imports torch first (seconds of CPU, at a
+    lowered priority; saves scheduled meanwhile run forked). A worker restarted while
+    staging buffers are alive, or on a system without ``fork``, is always a fresh
+    interpreter."""
+
     def __post_init__(self) -> None:
+        if self.worker_start not in WORKER_STARTS:
+            raise ValueError(
+                f"AsyncCallerConfig.worker_start must be one of {', '.join(WORKER_STARTS)}, "
+                f"got {self.worker_start!r}"
+            )
         if not isinstance(self.writer_priority, WriterPriority):
             raise ValueError(
                 "AsyncCallerConfig.writer_priority must be a megatron_async.core.priority."
                 f"WriterPriority, got {self.writer_priority!r}"
             )
         for field in dataclasses.fields(self):
-            if field.name == "writer_priority":
+            if field.name in ("writer_priority", "worker_start"):
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:

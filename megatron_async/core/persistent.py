@@ -13,6 +13,7 @@ from megatron_async.core import coordination
 from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
 from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
 from megatron_async.core.worker_loop import STOP
+from megatron_async.core.worker_fork import can_fork_worker, fork_worker_process
 from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, start_worker_process
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
@@ -44,12 +45,16 @@ def _current_cuda_device() -> Optional[int]:
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker is a fresh interpreter that imports only the worker's module (see
-    :mod:`megatron_async.core.worker_process`): it never runs the training script, so the
-    script needs no ``if __name__ == "__main__":`` guard, but what a request refers to
-    (its functions and classes) must be importable from a module. The worker is started
-    when the caller is created, so its start-up (importing torch, at a lowered CPU
-    priority) overlaps with training. A save scheduled before the worker is ready does
+    The worker never runs the training script, so the script needs no ``if __name__ ==
+    "__main__":`` guard. By default (``AsyncCallerConfig.worker_start="fork"``) it is a
+    fork of the trainer, created with the caller and ready within milliseconds: it
+    imports nothing and drops its share of the trainer's tensor pages at once (see
+    :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and for a
+    worker restarted while staging buffers are alive) it is a fresh interpreter that
+    imports only the worker's module (see :mod:`megatron_async.core.worker_process`):
+    what a request refers to (its functions and classes) must then be importable from a
+    module, and its start-up (importing torch, at a lowered CPU priority) overlaps with
+    training. A save scheduled before the worker is ready does
     not wait for it: it runs on a forked process, exactly as with
     :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at
     scheduling, same bounded waits, same errors at finalization); the saves after that
@@ -103,14 +108,16 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._startup_failure = None
         self._started_at = time.monotonic()
-        self.process = start_worker_process(
-            self.rank,
-            logging.getLogger().getEffectiveLevel(),
-            _current_cuda_device(),
-            self.config.writer_priority.to_options(),
-        )
+        log_level = logging.getLogger().getEffectiveLevel()
+        priority = self.config.writer_priority.to_options()
+        if self.config.worker_start == "fork" and can_fork_worker():
+            self.process = fork_worker_process(self.rank, log_level, priority)
+        else:
+            self.process = start_worker_process(self.rank, log_level, _current_cuda_device(), priority)
         self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
-        self._sender = RequestSender(self.process.descriptor_socket)
+        self._sender = RequestSender(
+            self.process.descriptor_socket, cuda_allowed=not self.process.forked
+        )
         logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self.process.pid)
 
     def _discard_worker(self, kill: bool) -> None:
@@ -145,6 +152,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"rank {self.rank}: the persistent checkpoint worker (pid {process.pid}) {how} "
                 "while starting, before it could take a save",
                 process.startup_output(),
+                process.forked,
             )
             logger.error("%s", self._startup_failure)
 
@@ -251,7 +259,9 @@ class PersistentAsyncCaller(AsyncCaller):
         self._held[idx] = (staged, arena)
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
-        self.process.send((idx, encoded, _current_cuda_device()))
+        # A forked worker must not touch CUDA (it never needs to: the data is staged).
+        device = None if self.process.forked else _current_cuda_device()
+        self.process.send((idx, encoded, device))
         start_background_copy(staged)  # overlapped staging: the worker waits for it
 
     def _run_while_starting(self, async_req: AsyncRequest) -> None:
@@ -279,6 +289,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
                 "and a new one starts with the next save",
                 self.process.startup_output(),
+                self.process.forked,
             )
         )
         self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
@@ -391,8 +402,15 @@ class PersistentAsyncCaller(AsyncCaller):
         self.close(abort=True)
 
 
-def _startup_failure_message(what: str, output: str) -> str:
+def _startup_failure_message(what: str, output: str, forked: bool = False) -> str:
     """Say why a worker did not start, with its stderr, and what to check."""
+    if forked:  # its traceback went straight to the trainer's stderr
+        return (
+            f"{what}. The worker was a fork of this process; its traceback, if any, is on "
+            "this process's stderr. Start it as a fresh interpreter instead "
+            "(AsyncCallerConfig(worker_start='exec')), or use the temporal caller "
+            "(AsyncCallsQueue(persistent=False))."
+        )
     said = (
         "Its stderr while starting:\n    " + "\n    ".join(output.splitlines())
         if output

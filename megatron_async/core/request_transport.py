@@ -221,6 +221,15 @@ def _defined_in_main(obj: Any) -> str:
     )
 
 
+def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
+    return (
+        f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
+        "was not staged to host memory; the persistent worker is a fork of the trainer and "
+        "cannot use CUDA: copy it to the host in the request's preload_fn, or start the "
+        "worker as a fresh interpreter (AsyncCallerConfig(worker_start='exec'))"
+    )
+
+
 class _Pickler(ForkingPickler):
     """Pickles CPU tensors as segment references (see the module docstring)."""
 
@@ -237,6 +246,8 @@ class _Pickler(ForkingPickler):
             if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
                 raise pickle.PicklingError(_defined_in_main(obj))
             return NotImplemented
+        if obj.device.type == "cuda" and not self._sender.cuda_allowed:
+            raise pickle.PicklingError(_cuda_to_forked_worker(obj))
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
             return NotImplemented  # CUDA tensors go as CUDA IPC handles, as torch sends them
         if obj.numel() == 0:
@@ -273,8 +284,10 @@ class RequestSender:
     Tracks which segments that worker has mapped; create a new sender for a new worker.
     """
 
-    def __init__(self, descriptor_socket: socket.socket):
+    def __init__(self, descriptor_socket: socket.socket, *, cuda_allowed: bool = True):
         self._socket = descriptor_socket
+        self.cuda_allowed = cuda_allowed
+        """False for a worker forked from the trainer: it cannot open CUDA IPC handles."""
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = _SentObjects()
@@ -333,8 +346,10 @@ class RequestSender:
 class SegmentTable:
     """The worker's mapped segments (background side)."""
 
-    def __init__(self, descriptor_socket: socket.socket):
+    def __init__(self, descriptor_socket: socket.socket, *, cuda_allowed: bool = True):
         self._socket = descriptor_socket
+        self.cuda_allowed = cuda_allowed
+        """False for a worker forked from the trainer: it cannot open CUDA IPC handles."""
 
     def apply(self, encoded: EncodedRequest) -> Any:
         """Unmap forgotten segments, map new ones, and return the unpickled request.

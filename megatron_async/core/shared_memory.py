@@ -44,6 +44,7 @@ __all__ = [
     "segment_view",
     "find_segment",
     "segment_is_alive",
+    "has_live_segments",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,3 +203,9 @@ def segment_is_alive(segment_id: int) -> bool:
     """Whether the segment ``segment_id`` is still registered in this process."""
     with _lock:
         return segment_id in _live_ids
+
+
+def has_live_segments() -> bool:
+    """Whether this process holds any registered segment (a fork would keep it mapped)."""
+    with _lock:
+        return bool(_live_ids)

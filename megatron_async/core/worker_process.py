@@ -114,6 +114,9 @@ def _worker_sys_path() -> List[str]:
 class WorkerProcess:
     """A started persistent worker and the trainer's ends of its channels (trainer side).
 
+    ``popen`` is the :class:`subprocess.Popen` of a fresh interpreter, or anything with its
+    ``pid``, ``poll()`` and ``wait(timeout)`` (a forked worker).
+
     Has the part of :class:`multiprocessing.Process`'s interface the callers and
     :func:`~megatron_async.core.process_lifetime.kill_and_reap` use: ``pid``,
     ``is_alive()``, ``join(timeout)``, ``exitcode``.
@@ -126,8 +129,12 @@ class WorkerProcess:
         descriptor_socket: socket.socket,
         startup_log: Optional[Any],
         rank: int,
+        forked: bool = False,
     ):
         self._popen = popen
+        self.forked = forked
+        """Whether the worker is a fork of the trainer (it cannot use CUDA) rather than a
+        fresh interpreter (see :mod:`megatron_async.core.worker_fork`)."""
         self.pid = popen.pid
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""

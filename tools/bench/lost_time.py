@@ -23,7 +23,9 @@ Methods (:data:`METHODS`):
 
 * ``sync``: the example without ``--async-save`` (our strategy, synchronous);
 * ``ours_temporal`` / ``ours_persistent``: ``--async-save`` (``--use-persistent-ckpt-worker``)
-  ``--ckpt-assume-constant-structure``; ``ours_persistent_overlap`` adds
+  ``--ckpt-assume-constant-structure`` (the worker forked from the trainer);
+  ``ours_persistent_exec`` starts the worker as a fresh interpreter instead
+  (``--ckpt-worker-start exec``); ``ours_persistent_overlap`` adds
   ``--ckpt-overlap-staging``;
 * ``dcp_thread`` / ``dcp_process``: ``dcp.async_save`` with its thread or process
   executor and one reused ``DefaultStager`` (synchronous staging; shared memory for the
@@ -49,7 +51,7 @@ from .launch import RankContext
 
 __all__ = ["METHODS", "OUR_METHODS", "DCP_METHODS", "lost_time_job"]
 
-OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_overlap")
+OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_exec", "ours_persistent_overlap")
 DCP_METHODS = ("dcp_thread", "dcp_process", "dcp_async_staging")
 METHODS = ("sync",) + OUR_METHODS + DCP_METHODS
 
@@ -58,6 +60,8 @@ _EXAMPLE_FLAGS = {
     "ours_temporal": ["--async-save", "--ckpt-assume-constant-structure"],
     "ours_persistent": ["--async-save", "--use-persistent-ckpt-worker",
                         "--ckpt-assume-constant-structure"],
+    "ours_persistent_exec": ["--async-save", "--use-persistent-ckpt-worker",
+                             "--ckpt-assume-constant-structure", "--ckpt-worker-start", "exec"],
     "ours_persistent_overlap": ["--async-save", "--use-persistent-ckpt-worker",
                                 "--ckpt-assume-constant-structure", "--ckpt-overlap-staging"],
 }

@@ -1,6 +1,7 @@
-"""The persistent worker is a fresh interpreter: it never runs the training script, a
-save scheduled while it starts does not wait for it, and a worker that cannot start
-fails a save within seconds, saying why."""
+"""The persistent worker never runs the training script, whether forked (the default) or
+a fresh interpreter (``worker_start="exec"``). A fresh interpreter: a save scheduled while
+it starts does not wait for it, and one that cannot start fails a save within seconds,
+saying why."""
 
 import functools
 import json
@@ -23,11 +24,17 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 UNGUARDED_SCRIPT = Path(__file__).with_name("_unguarded_script.py")
 
 
+EXEC = AsyncCallerConfig(worker_start="exec")
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("launch", ["file", "-c", "stdin"])
-def test_script_without_main_guard_saves_and_its_code_runs_once(tmp_path, launch):
+@pytest.mark.parametrize(
+    "launch, worker_start",
+    [("file", "fork"), ("file", "exec"), ("-c", "exec"), ("stdin", "exec")],
+)
+def test_script_without_main_guard_saves_and_its_code_runs_once(tmp_path, launch, worker_start):
     source = UNGUARDED_SCRIPT.read_text()
-    script_args = [str(tmp_path), str(REPO_ROOT)]
+    script_args = [str(tmp_path), str(REPO_ROOT), worker_start]
     command, stdin = {
         "file": ([str(UNGUARDED_SCRIPT), *script_args], None),
         "-c": (["-c", source, *script_args], None),
@@ -71,7 +78,9 @@ def _break_import(tmp_path, monkeypatch):
 @pytest.mark.parametrize("breakage", [_break_interpreter, _break_import], ids=["interpreter", "import"])
 def test_worker_that_cannot_start_fails_the_save_fast_with_its_stderr(tmp_path, monkeypatch, breakage):
     expected = breakage(tmp_path, monkeypatch)
-    queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(staging_timeout_s=600.0))
+    queue = AsyncCallsQueue(
+        persistent=True, config=AsyncCallerConfig(staging_timeout_s=600.0, worker_start="exec")
+    )
     try:
         started = time.monotonic()
         queue.persistent_caller.process.join(timeout=60)  # it dies while starting
@@ -114,7 +123,7 @@ def _resume(pid: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_save_scheduled_while_the_worker_starts_runs_forked_and_later_saves_use_the_worker(tmp_path):
-    queue = AsyncCallsQueue(persistent=True)
+    queue = AsyncCallsQueue(persistent=True, config=EXEC)
     caller = queue.persistent_caller
     worker_pid = caller.process.pid
     _stop(worker_pid)  # its start-up cannot finish before the first save
@@ -154,7 +163,9 @@ def test_save_scheduled_while_the_worker_starts_runs_forked_and_later_saves_use_
 
 @pytest.mark.timeout(180)
 def test_worker_that_never_becomes_ready_fails_a_save_after_staging_timeout(tmp_path):
-    queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(staging_timeout_s=1.0))
+    queue = AsyncCallsQueue(
+        persistent=True, config=AsyncCallerConfig(staging_timeout_s=1.0, worker_start="exec")
+    )
     stuck_pid = queue.persistent_caller.process.pid
     _stop(stuck_pid)  # stuck at start-up
     try:

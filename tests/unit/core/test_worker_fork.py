@@ -1,0 +1,198 @@
+"""The persistent worker started as a fork of the trainer (the default): ready at once,
+it gives up its share of the trainer's tensor pages, resets the trainer's signal
+handlers, and a fork that fails while starting fails the next save, saying what to do."""
+
+import functools
+import os
+import select
+import signal
+import socket
+
+import pytest
+import torch
+
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.core import worker_fork
+from megatron_async.core.shared_memory import allocate_segment
+from megatron_async.errors import AsyncSaveFailedError
+from tests import background_fns as fns
+from tests.persistent_worker import wait_until_worker_ready
+
+MIB = 2**20
+
+
+def _private_dirty_kib(pid: int) -> int:
+    """Memory that ``pid`` alone holds and has written (or whose sharer wrote its copy), in KiB."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1])
+    raise AssertionError("no Private_Dirty line in smaps_rollup")
+
+
+def _save_tensor(queue: AsyncCallsQueue, path, tensor: torch.Tensor) -> None:
+    queue.schedule_async_request(AsyncRequest(
+        fns.save_staged_tensor_and_pid, (str(path), None), [],
+        preload_fn=functools.partial(fns.stage_clone, tensor),
+    ))
+
+
+@pytest.mark.timeout(120)
+def test_forked_worker_is_ready_at_once_and_holds_none_of_the_trainers_tensor_pages(tmp_path):
+    state = torch.ones(256 * MIB // 4)  # CPU-resident state, e.g. an offloaded optimizer
+    queue = AsyncCallsQueue(persistent=True)
+    caller = queue.persistent_caller
+    try:
+        assert caller.process.forked
+        wait_until_worker_ready(queue)  # a fork needs no imports: this takes milliseconds
+        worker_pid = caller.process.pid
+        # The trainer updates its state in place after the fork. A worker that kept its
+        # copy-on-write share would now hold the old 256 MiB privately.
+        state.add_(1)
+        held_kib = _private_dirty_kib(worker_pid)
+        assert held_kib * 1024 < state.nbytes // 2, f"the worker holds {held_kib} KiB privately"
+        assert torch.equal(state[:: 2**20], torch.full_like(state[:: 2**20], 2.0))  # the trainer's own
+
+        small = torch.arange(1000, dtype=torch.float32)
+        expected = small.clone()
+        _save_tensor(queue, tmp_path / "0.pt", small)
+        small.mul_(-1)  # in place, right after scheduling
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        saved = torch.load(tmp_path / "0.pt")
+        assert torch.equal(saved["tensor"], expected)
+        assert saved["pid"] == worker_pid  # the forked worker wrote it
+    finally:
+        queue.close(abort=True)
+
+
+@pytest.mark.timeout(120)
+def test_forked_worker_keeps_none_of_the_trainers_descriptors_open(tmp_path):
+    read_end, write_end = os.pipe()
+    listener = socket.create_server(("127.0.0.1", 0))  # e.g. a rendezvous store's port
+    port = listener.getsockname()[1]
+    queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
+    try:
+        assert queue.persistent_caller.process.forked
+        os.close(write_end)  # the pipe's reader must see EOF now, not when the worker exits
+        readable, _, _ = select.select([read_end], [], [], 5.0)
+        assert readable and os.read(read_end, 1) == b"", "the worker holds the pipe's write end"
+        listener.close()  # the port must be free to bind again
+        socket.create_server(("127.0.0.1", port)).close()
+        # The worker still writes (its own sockets and stderr survived).
+        _save_tensor(queue, tmp_path / "0.pt", torch.ones(3))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert torch.equal(torch.load(tmp_path / "0.pt")["tensor"], torch.ones(3))
+    finally:
+        os.close(read_end)
+        queue.close(abort=True)
+
+
+def _record_signal(path, signum, frame):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+@pytest.mark.timeout(180)
+def test_trainer_signal_handler_does_not_run_in_the_worker_and_a_restart_while_staging_is_alive_execs(
+    tmp_path,
+):
+    ran = tmp_path / "handler_ran"
+    previous = signal.signal(signal.SIGUSR1, functools.partial(_record_signal, str(ran)))
+    queue = AsyncCallsQueue(persistent=True)
+    caller = queue.persistent_caller
+    try:
+        wait_until_worker_ready(queue)
+        worker_pid = caller.process.pid
+        os.kill(worker_pid, signal.SIGUSR1)  # a fresh interpreter dies of it: so must the fork
+        caller.process.join(timeout=30)
+        assert caller.process.exitcode == -signal.SIGUSR1
+        assert not ran.exists(), "the trainer's SIGUSR1 handler ran in the worker"
+
+        # Staging memory is alive now (held here), so the replacement worker is a fresh
+        # interpreter: a fork would keep the segment mapped for its whole life.
+        held = allocate_segment(4096, reusable=True)
+        _save_tensor(queue, tmp_path / "1.pt", torch.zeros(10))
+        assert not caller.process.forked
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]  # ran forked meanwhile
+        wait_until_worker_ready(queue)
+        _save_tensor(queue, tmp_path / "2.pt", torch.ones(10))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        assert torch.load(tmp_path / "2.pt")["pid"] == caller.process.pid != worker_pid
+        assert torch.equal(torch.load(tmp_path / "1.pt")["tensor"], torch.zeros(10))
+        del held
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        queue.close(abort=True)
+
+
+def _fail_to_release(ranges, madvise):
+    raise RuntimeError("simulated failure in the forked worker's set-up")
+
+
+@pytest.mark.timeout(120)
+def test_fork_that_fails_while_starting_fails_the_next_save_saying_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_fork, "release_inherited_pages", _fail_to_release)
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        caller = queue.persistent_caller
+        caller.process.join(timeout=30)  # it dies while starting
+        assert caller.process.exitcode == 1
+        _save_tensor(queue, tmp_path / "0.pt", torch.zeros(10))
+        with pytest.raises(AsyncSaveFailedError) as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+        failure = info.value.rank_failures[0]
+        assert failure.phase == "worker"
+        assert "while starting" in failure.message and "fork of this process" in failure.message
+        assert "worker_start='exec'" in failure.message  # what to do
+        assert not (tmp_path / "0.pt").exists()
+
+        monkeypatch.undo()  # repaired: the next save forks a working worker
+        _save_tensor(queue, tmp_path / "1.pt", torch.ones(10))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        assert torch.equal(torch.load(tmp_path / "1.pt")["tensor"], torch.ones(10))
+    finally:
+        queue.close(abort=True)
+
+
+def test_worker_start_is_validated():
+    with pytest.raises(ValueError, match="worker_start must be one of fork, exec"):
+        AsyncCallerConfig(worker_start="spawn")
+    assert AsyncCallerConfig().worker_start == "fork"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(120)
+def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unstaged_ones(tmp_path):
+    from megatron_async.staging import snapshot_to_host
+
+    torch.cuda.init()
+    weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    expected = weights.cpu()
+    queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
+    try:
+        assert queue.persistent_caller.process.forked
+        queue.schedule_async_request(AsyncRequest(
+            fns.save_staged_tensor, (str(tmp_path / "0.pt"), None), [],
+            preload_fn=functools.partial(snapshot_to_host, weights),
+        ))
+        weights.add_(1)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert torch.equal(torch.load(tmp_path / "0.pt"), expected)
+
+        # A CUDA tensor handed over without staging cannot reach a forked worker.
+        queue.schedule_async_request(AsyncRequest(fns.save_staged_tensor, (str(tmp_path / "1.pt"), weights), []))
+        with pytest.raises(AsyncSaveFailedError, match="cannot use CUDA") as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert info.value.rank_failures[0].phase == "schedule"
+        assert "worker_start='exec'" in info.value.rank_failures[0].message
+        worker_pid = queue.persistent_caller.process.pid
+        queue.schedule_async_request(AsyncRequest(
+            fns.save_staged_tensor, (str(tmp_path / "2.pt"), None), [],
+            preload_fn=functools.partial(snapshot_to_host, weights),
+        ))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [2]
+        assert queue.persistent_caller.process.pid == worker_pid  # the worker stayed up
+        assert torch.equal(torch.load(tmp_path / "2.pt"), expected + 1)
+    finally:
+        queue.close(abort=True)
