@@ -20,6 +20,16 @@ from megatron_async.staging.overlapped import (
 from megatron_async.writer.buckets import WriteBucket
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ]),
+]
+"""CPU tensors are copied by a thread; CUDA tensors on a side stream into page-locked memory."""
+
+
 def _buckets(tensors):
     items = [
         (WriteItem(index=MetadataIndex(f"layer{i}.weight"), type=WriteItemType.TENSOR), t)
@@ -46,12 +56,13 @@ def test_gate_reports_success_and_failure_with_the_message():
     assert calls == []
 
 
-def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot():
-    tensors = [torch.full((1000,), float(i)) for i in range(3)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
+    tensors = [torch.full((1000,), float(i), device=device) for i in range(3)]
     gate = StagingGate()
     staged = stage_buckets_overlapped(gate, 0, _buckets(tensors), True, "k", StagingBufferCache())
     assert not staging_in_progress()
-    assert all(not torch.equal(b, t) for b, t in zip(_staged_values(staged), tensors)
+    assert all(not torch.equal(b, t.cpu()) for b, t in zip(_staged_values(staged), tensors)
                if t.abs().sum() > 0)
     staged.start_background_copy()
     wait_for_staging(timeout_s=60)
@@ -64,10 +75,11 @@ def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot():
     staged.release()
 
 
-def test_optimizer_step_waits_for_the_copy():
-    params = [torch.nn.Parameter(torch.full((5000,), 2.0))]
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_step_waits_for_the_copy(device):
+    params = [torch.nn.Parameter(torch.full((5000,), 2.0, device=device))]
     optimizer = torch.optim.SGD(params, lr=1.0)
-    params[0].grad = torch.ones(5000)
+    params[0].grad = torch.ones(5000, device=device)
     gate = StagingGate()
     staged = stage_buckets_overlapped(gate, 0, _buckets([params[0].detach()]), True, None, None)
     with copies_held():
@@ -76,11 +88,12 @@ def test_optimizer_step_waits_for_the_copy():
     optimizer.step()  # the global step pre-hook waits for the copy
     gate.wait(timeout_s=1.0)
     assert torch.equal(_staged_values(staged)[0], torch.full((5000,), 2.0))
-    assert torch.equal(params[0].detach(), torch.full((5000,), 1.0))
+    assert torch.equal(params[0].detach().cpu(), torch.full((5000,), 1.0))
 
 
-def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it():
-    tensors = [torch.zeros(100), torch.zeros(100)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device):
+    tensors = [torch.zeros(100, device=device), torch.zeros(100, device=device)]
     gate = StagingGate()
     staged = stage_buckets_overlapped(gate, 3, _buckets(tensors), True, None, None)
     with copies_held():
