@@ -3,6 +3,9 @@
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
   DCP storage writer that prepares buckets and hands the write to a background caller;
 * :mod:`.buckets` (trainer): which items share a file (size-balanced layout);
+* :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
+  reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`
+  delegates to;
 * :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
   in DCP's ``torch_save`` layout, hashed on the way;
 * :mod:`.runners` (background writer): threads or forked processes, bounded waits;

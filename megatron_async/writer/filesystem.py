@@ -8,7 +8,9 @@ needs it:
 2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
    tensor to host memory, a real snapshot (see :mod:`megatron_async.staging.buckets`);
 3. ``save_fn`` (background writer): write the staged buckets with threads or processes
-   and report the results through a :class:`~megatron_async.writer.buckets.ResultFile`;
+   and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
+   the ``write_preloaded_data*`` static methods are the reference API's names for these
+   write paths and delegate to :mod:`megatron_async.writer.write_paths`;
 4. ``retrieve_write_results`` and ``finish`` (trainer, in the request's finalization):
    collect the results, and on the coordinator write ``.metadata`` atomically.
 
@@ -54,11 +56,11 @@ from megatron_async.storage.locations import (
     is_object_url,
     normalize_checkpoint_path,
 )
-from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
+from megatron_async.writer import write_paths
 from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
 from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.results import ResultFile
-from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
+from megatron_async.writer.write_paths import SpecBucketWriter
 
 __all__ = [
     "FileSystemWriterAsync",
@@ -79,9 +81,6 @@ METADATA_FILE_NAME = DCP_METADATA_FILE
 
 WrappedException = Tuple[BaseException, traceback.StackSummary]
 """PyTorch DCP's form of a failure that is returned rather than raised."""
-
-SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
-"""``write_preloaded_data``'s signature (see :meth:`FileSystemWriterAsync.write_preloaded_data`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,61 +182,6 @@ def _unpack_resolved_plan_data(
             f"{type(resolved_plan_data).__name__}"
         )
     return identifier, write_buckets
-
-
-def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
-    """Refuse ``use_msc`` without an object-store ``open_file`` (background writer)."""
-    if use_msc and (open_file is None or open_file is open):
-        raise CheckpointValidationError(
-            "use_msc=True needs an object-store open_file (for example multistorageclient's "
-            "msc.open), got the local file system's open; pass use_msc=False for local and "
-            "shared file systems, or the object store's open callable"
-        )
-
-
-def _write_one_bucket(
-    bucket_writer: SpecBucketWriter,
-    transform_list: Any,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    options: Dict[str, Any],
-    idx: int,
-    bucket: WriteBucket,
-) -> List[WriteResult]:
-    """Write one bucket through ``write_preloaded_data`` and raise what it returns as failed."""
-    output = bucket_writer(transform_list, open_file, idx, bucket, None, None, use_fsync, **options)
-    if output is None:
-        raise CheckpointIntegrityError(
-            f"write_preloaded_data returned nothing for {bucket.file_name} although no "
-            "results_queue was given; an override must return (index, results or exception)"
-        )
-    result = output[1]
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-def _one_bucket_writer(
-    bucket_writer: Optional[SpecBucketWriter],
-    transform_list: Any,
-    use_msc: bool,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    compute_checksums: bool,
-    direct_io: bool,
-) -> Callable[[int, WriteBucket], List[WriteResult]]:
-    """``(index, bucket) -> results`` through ``bucket_writer`` (``write_preloaded_data``)."""
-    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
-    if not direct_io:  # only when off: overrides then get the reference API's keywords
-        options["direct_io"] = False
-    return partial(
-        _write_one_bucket,
-        bucket_writer or FileSystemWriterAsync.write_preloaded_data,
-        transform_list,
-        open_file,
-        use_fsync,
-        options,
-    )
 
 
 def _layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str]) -> str:
@@ -556,92 +500,10 @@ class FileSystemWriterAsync(FileSystemWriter):
         key = identifier.key if identifier is not None else None
         return stage_buckets(write_buckets, non_blocking, key, staging_cache)
 
-    @staticmethod
-    def write_preloaded_data(
-        transform_list: Any,
-        open_file: Callable[..., Any],
-        local_thread_idx: int,
-        write_bucket: WriteBucket,
-        results_queue: Any,
-        count_queue: Any,
-        use_fsync: bool,
-        **kwargs: Any,
-    ) -> Optional[Tuple[int, Union[List[WriteResult], Exception]]]:
-        """Write one staged bucket (a writer thread or process, or the calling thread).
-
-        Subclasses may override it (a fault-injecting writer in tests): the write paths
-        call ``type(writer).write_preloaded_data``. It must stay a static method so that
-        the save function still pickles.
-
-        Args:
-            transform_list: the writer's stream transforms (DCP extensions).
-            open_file: opens the file; the built-in ``open`` writes with direct system
-                calls, any other callable (an object store's ``open``) is used as is.
-            local_thread_idx: index of the bucket among this save's buckets.
-            write_bucket: the staged bucket.
-            results_queue: where ``(local_thread_idx, results or exception)`` goes; None
-                returns it instead.
-            count_queue: a joinable queue whose ``get`` / ``task_done`` marks this worker
-                done, or None.
-            use_fsync: make the file durable before returning.
-            **kwargs: ``compute_checksums`` (default True), ``use_msc`` (default False)
-                and ``direct_io`` (default True; see :func:`~.bucket_io.write_bucket`).
-
-        Returns:
-            ``(local_thread_idx, results or the exception raised)`` when ``results_queue``
-            is None, else None.
-        """
-        try:
-            _check_opener(kwargs.get("use_msc", False), open_file)
-            output: Tuple[int, Union[List[WriteResult], Exception]] = (
-                local_thread_idx,
-                write_bucket_file(
-                    transform_list,
-                    write_bucket,
-                    use_fsync,
-                    kwargs.get("compute_checksums", True),
-                    open_file=open_file,
-                    direct_io=kwargs.get("direct_io", True),
-                ),
-            )
-        except Exception as exc:  # returned or queued, as the reference API specifies
-            output = (local_thread_idx, exc)
-        if results_queue is None:
-            return output
-        results_queue.put(output)
-        if count_queue is not None:
-            count_queue.get()
-            count_queue.task_done()
-        return None
-
-    @staticmethod
-    def write_preloaded_data_proc(
-        transform_list: Any,
-        open_file: Callable[..., Any],
-        local_proc_idx: int,
-        write_bucket: WriteBucket,
-        results_queue: Any,
-        count_queue: Any,
-        use_fsync: bool,
-        **kwargs: Any,
-    ) -> None:
-        """Write one staged bucket in a worker process and queue its outcome.
-
-        The same as :meth:`write_preloaded_data` with a ``results_queue``, for code that
-        starts its own writer processes with it as target.
-
-        Raises:
-            CheckpointValidationError: ``results_queue`` is None (the outcome would be lost).
-        """
-        if results_queue is None:
-            raise CheckpointValidationError(
-                "write_preloaded_data_proc reports through results_queue; pass a queue "
-                "(or call write_preloaded_data, which returns the outcome without one)"
-            )
-        FileSystemWriterAsync.write_preloaded_data(
-            transform_list, open_file, local_proc_idx, write_bucket, results_queue,
-            count_queue, use_fsync, **kwargs,
-        )
+    # The reference API's single-bucket write paths (background writer), as static
+    # methods so that subclasses override them and the save function still pickles.
+    write_preloaded_data = staticmethod(write_paths.write_preloaded_data)
+    write_preloaded_data_proc = staticmethod(write_paths.write_preloaded_data_proc)
 
     @staticmethod
     def write_preloaded_data_multithread(
@@ -677,12 +539,12 @@ class FileSystemWriterAsync(FileSystemWriter):
             compute_checksums: hash every item while writing it.
             direct_io: write local files with ``O_DIRECT`` where accepted.
         """
-        write_one = _one_bucket_writer(
-            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
-            direct_io,
+        write_paths.write_staged_buckets(
+            rank, write_buckets, global_results_queue, use_processes=False,
+            transform_list=transform_list, use_msc=use_msc, open_file=open_file,
+            use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
+            compute_checksums=compute_checksums, direct_io=direct_io,
         )
-        runner = partial(write_with_threads, write_one, write_timeout_s)
-        write_and_report(runner, rank, write_buckets, global_results_queue)
 
     @staticmethod
     def write_preloaded_data_multiproc(
@@ -706,12 +568,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         own result file, so a child that dies is detected (no result) instead of awaited.
         Arguments as for :meth:`write_preloaded_data_multithread`.
         """
-        write_one = _one_bucket_writer(
-            bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
-            direct_io,
+        write_paths.write_staged_buckets(
+            rank, write_buckets, global_results_queue, use_processes=True,
+            transform_list=transform_list, use_msc=use_msc, open_file=open_file,
+            use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
+            compute_checksums=compute_checksums, direct_io=direct_io,
         )
-        runner = partial(write_with_processes, write_one, write_timeout_s)
-        write_and_report(runner, rank, write_buckets, global_results_queue)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """Write the plan synchronously (lets ``torch.distributed.checkpoint.save`` use this writer).
