@@ -8,6 +8,8 @@
   delegates to;
 * :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
   in DCP's ``torch_save`` layout, hashed on the way;
+* :mod:`.bucket_file` and :mod:`.direct_io` (background writer): the file a bucket's
+  bytes go to, buffered or with ``O_DIRECT`` through an aligned bounce chunk;
 * :mod:`.runners` (background writer): threads or forked processes, bounded waits;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer;
 * :mod:`.commit` (coordinator): checksums, then ``.metadata``.
