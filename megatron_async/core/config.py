@@ -50,12 +50,13 @@ class AsyncCallerConfig:
 
     worker_start: str = "fork"
     """How the persistent worker starts. ``"fork"``: as a fork of the trainer, ready within
-    milliseconds, with the trainer's modules already imported (it drops its share of the
-    trainer's tensor pages at once; see :mod:`megatron_async.core.worker_fork`).
-    ``"exec"``: as a fresh interpreter that imports torch first (seconds of CPU, at a
-    lowered priority; saves scheduled meanwhile run forked). A worker restarted while
-    staging buffers are alive, or on a system without ``fork``, is always a fresh
-    interpreter."""
+    milliseconds of the fork, with the trainer's modules already imported; the trainer
+    pays one scan of its live objects (about 0.1 s in the GPT example) so that the worker
+    can drop its share of the trainer's tensor pages (see
+    :mod:`megatron_async.core.worker_fork`). ``"exec"``: as a fresh interpreter that
+    imports torch first (seconds of CPU, at a lowered priority; saves scheduled meanwhile
+    run forked). A worker that starts while staging buffers are alive, whose fork fails,
+    or on a system without ``fork`` is a fresh interpreter."""
 
     def __post_init__(self) -> None:
         if self.worker_start not in WORKER_STARTS:

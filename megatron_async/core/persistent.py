@@ -49,8 +49,9 @@ class PersistentAsyncCaller(AsyncCaller):
     "__main__":`` guard. By default (``AsyncCallerConfig.worker_start="fork"``) it is a
     fork of the trainer, created with the caller and ready within milliseconds: it
     imports nothing and drops its share of the trainer's tensor pages at once (see
-    :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and for a
-    worker restarted while staging buffers are alive) it is a fresh interpreter that
+    :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and when a
+    worker starts while staging buffers are alive, or the fork fails) it is a fresh
+    interpreter that
     imports only the worker's module (see :mod:`megatron_async.core.worker_process`):
     what a request refers to (its functions and classes) must then be importable from a
     module, and its start-up (importing torch, at a lowered CPU priority) overlaps with
@@ -110,9 +111,13 @@ class PersistentAsyncCaller(AsyncCaller):
         self._started_at = time.monotonic()
         log_level = logging.getLogger().getEffectiveLevel()
         priority = self.config.writer_priority.to_options()
+        self.process = None
         if self.config.worker_start == "fork" and can_fork_worker():
-            self.process = fork_worker_process(self.rank, log_level, priority)
-        else:
+            try:
+                self.process = fork_worker_process(self.rank, log_level, priority)
+            except WorkerDiedError as exc:
+                logger.warning("%s; starting a fresh interpreter instead", exc)
+        if self.process is None:
             self.process = start_worker_process(self.rank, log_level, _current_cuda_device(), priority)
         self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
         self._sender = RequestSender(
@@ -376,7 +381,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
         """The reference API's worker main loop over three multiprocessing queues.
 
-        Our worker is a fresh interpreter that runs
+        Our worker (a fork of the trainer, or a fresh interpreter) runs
         :func:`megatron_async.core.worker_loop.main` and receives requests with their
         staged tensors as shared-memory references (a queue cannot carry them into a running
         process without pickling every tensor), so this loop has no counterpart here.

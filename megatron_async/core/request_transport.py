@@ -346,10 +346,8 @@ class RequestSender:
 class SegmentTable:
     """The worker's mapped segments (background side)."""
 
-    def __init__(self, descriptor_socket: socket.socket, *, cuda_allowed: bool = True):
+    def __init__(self, descriptor_socket: socket.socket):
         self._socket = descriptor_socket
-        self.cuda_allowed = cuda_allowed
-        """False for a worker forked from the trainer: it cannot open CUDA IPC handles."""
 
     def apply(self, encoded: EncodedRequest) -> Any:
         """Unmap forgotten segments, map new ones, and return the unpickled request.

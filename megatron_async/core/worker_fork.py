@@ -3,36 +3,45 @@
 A fresh interpreter (:mod:`megatron_async.core.worker_process`) spends seconds of CPU
 importing torch before it can take a save, CPU that a busy trainer pays for (the
 lost-time benchmark measured ~3 CPU-seconds per rank). A fork has every module already
-imported and is ready within milliseconds. What it inherits, and how each is kept from
-costing the trainer or the checkpoint:
+imported and is ready within milliseconds of the fork; the trainer's own cost is the
+scan below (about 0.1 s in the GPT example) and copying its page tables. What the child
+inherits, and how each is kept from costing the trainer or the checkpoint:
 
 * **Memory, copy-on-write.** Before forking, the trainer lists the page-aligned insides
-  of its CPU tensor storages (a scan of the live objects, once per worker start); the
-  child discards its share of those pages at once (``MADV_DONTNEED``). The trainer's
-  in-place updates of parameters and optimizer state then neither copy pages nor leave
-  the old ones pinned in the worker, which would double the memory of CPU-resident
-  state. The child also freezes the inherited objects out of its cyclic garbage
-  collection, which would otherwise touch, and so copy, the whole inherited heap.
-  The worker never reads the trainer's tensors: a request and its staged data reach it
-  through its socket and shared memory, exactly as for a fresh interpreter.
+  of its private CPU tensor storages that Python can see (a scan of the live objects,
+  once per worker start), clipped to its private anonymous mappings; the child discards
+  its share of those pages at once (``MADV_DONTNEED``). The trainer's in-place updates
+  of parameters and optimizer state then neither copy pages nor leave the old ones
+  pinned in the worker, which would double the memory of CPU-resident state. (Storages
+  held only by C++ code are not found; their pages stay copy-on-write.) The child also
+  freezes the inherited objects out of its cyclic garbage collection, which would
+  otherwise touch, and so copy, the whole inherited heap. The worker never reads the
+  trainer's tensors: a request and its staged data reach it through its socket and
+  shared memory, exactly as for a fresh interpreter.
 * **Staging segments.** A fork would keep the trainer's shared-memory segments mapped
   (and their descriptors open) for the worker's lifetime. So the worker is forked only
-  while the trainer has no live segment, which is the case when a caller is created;
-  a worker restarted later (after one died) is a fresh interpreter.
+  while the trainer has no live segment, as when a queue is created before the first
+  save; otherwise (a worker restarted while the strategy keeps its staging buffers for
+  the next save, say) it is a fresh interpreter.
 * **CUDA.** A forked child cannot use CUDA; the worker never needs it, since the trainer
   stages every tensor to host shared memory before sending a request.
-* **Signal handlers** the trainer installed are reset to a fresh interpreter's, so a
-  trainer's handler (e.g. one that saves a checkpoint on SIGTERM) never runs in the worker.
+* **Signal handlers** the trainer installed are reset to a fresh interpreter's first
+  thing, so a trainer's handler (e.g. one that saves a checkpoint on SIGTERM) never runs
+  in the worker.
 * **Threads.** Only the forking thread exists in the child; torch's intra-op pool is set to
   one thread so the child never enters a parallel region whose threads it lost.
-* **Descriptors.** The child keeps only what a fresh interpreter would have: standard
-  input and output, the streams of ``sys.stdout``/``sys.stderr`` and of the logging
-  handlers, and its own ends of its two sockets. Everything else the trainer had open is
-  closed in the child: a listening socket (a rendezvous store's port) must be free to
-  bind again once the trainer closes it, a pipe's reader must see EOF when the trainer
-  closes its end, and the trainer's ends of the worker's own sockets must be the only
-  ones, so that a dead worker reads as EOF in the trainer and a gone trainer in the
-  worker.
+* **Descriptors.** The child keeps what a fresh interpreter would have: standard input
+  and output, the streams of ``sys.stdout``/``sys.stderr`` and of the logging handlers,
+  and its own ends of its two sockets. Every other descriptor the trainer had open is
+  pointed at ``/dev/null`` in the child (not closed: an inherited object that still
+  writes to its old number must not land in a checkpoint file that reused it). So a
+  listening socket (a rendezvous store's port) is free to bind again once the trainer
+  closes it, a pipe's reader sees EOF when the trainer closes its end, and the trainer's
+  ends of the worker's own sockets are the only ones: a dead worker reads as EOF in the
+  trainer and a gone trainer in the worker.
+* **Reaping.** The child is a plain ``os.fork``, reaped by its own non-blocking
+  ``waitpid`` polls, so every wait on it is bounded and no exit hook of
+  ``multiprocessing`` joins it.
 """
 
 from __future__ import annotations
@@ -46,11 +55,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.multiprocessing as mp
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core.shared_memory import has_live_segments
@@ -60,7 +70,7 @@ from megatron_async.errors import WorkerDiedError
 __all__ = [
     "MIN_RELEASED_STORAGE_BYTES",
     "can_fork_worker",
-    "close_inherited_descriptors",
+    "retire_inherited_descriptors",
     "fork_worker_process",
     "release_inherited_pages",
     "trainer_tensor_pages",
@@ -91,7 +101,7 @@ _madvise_fn: Any = None
 
 
 def _libc_madvise():
-    """libc's ``madvise``, resolved in the trainer (never ``dlopen`` in a forked child)."""
+    """libc's ``madvise``, resolved in the trainer and passed to the child."""
     global _madvise_fn
     if _madvise_fn is None:
         try:
@@ -105,17 +115,54 @@ def _libc_madvise():
     return _madvise_fn or None
 
 
-def trainer_tensor_pages(min_bytes: int = MIN_RELEASED_STORAGE_BYTES) -> List[PageRange]:
+def _private_anonymous_mappings() -> List[PageRange]:
+    """This process's private, writable, anonymous mappings (heap included), sorted."""
+    mappings: List[PageRange] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            perms, inode = fields[1], fields[4]
+            path = fields[5] if len(fields) > 5 else ""
+            if "w" in perms and perms.endswith("p") and inode == "0" and path in ("", "[heap]"):
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                mappings.append((start, end - start))
+    return sorted(mappings)
+
+
+def _clip(ranges: List[PageRange], mappings: List[PageRange]) -> List[PageRange]:
+    """The parts of ``ranges`` that lie inside ``mappings`` (both sorted by start)."""
+    clipped: List[PageRange] = []
+    index = 0
+    for start, length in sorted(ranges):
+        end = start + length
+        while index < len(mappings) and sum(mappings[index]) <= start:
+            index += 1
+        probe = index
+        while probe < len(mappings) and mappings[probe][0] < end:
+            low = max(start, mappings[probe][0])
+            high = min(end, sum(mappings[probe]))
+            if high > low:
+                clipped.append((low, high - low))
+            probe += 1
+    return clipped
+
+
+def trainer_tensor_pages(
+    min_bytes: int = MIN_RELEASED_STORAGE_BYTES,
+) -> Tuple[List[PageRange], List[torch.UntypedStorage]]:
     """The whole pages inside every live private CPU tensor storage of ``min_bytes`` or more.
 
-    Runs on the trainer, just before the fork. Only whole pages are listed: the partial
-    pages at either end may hold other allocations (or the allocator's bookkeeping), which
-    the child may still touch. Shared-memory storages are skipped (a fork shares them
-    without copy-on-write).
+    Runs on the trainer, just before the fork. Returns the ranges and the storages they
+    belong to: keep the storages referenced until the child exists, so that no range is
+    freed and reused by other data in between. Only whole pages are listed (the partial
+    pages at either end may hold other allocations, or the allocator's bookkeeping,
+    which the child may still touch), and only inside private anonymous mappings.
+    Shared-memory storages are skipped (a fork shares them without copy-on-write).
     """
     page = mmap.PAGESIZE
     seen = set()
     ranges: List[PageRange] = []
+    storages: List[torch.UntypedStorage] = []
     objects = gc.get_objects()
     # Filter by type first (hundreds of thousands of objects: this is the scan's cost).
     # type(), not isinstance(): the latter reads ``__class__``, which some deprecated
@@ -125,11 +172,13 @@ def trainer_tensor_pages(min_bytes: int = MIN_RELEASED_STORAGE_BYTES) -> List[Pa
     del objects
     for obj in tensors:
         try:
-            if obj.device.type != "cpu" or obj.layout is not torch.strided:
+            if obj.layout is not torch.strided:
                 continue
             storage = obj.untyped_storage()
+            if storage.device.type != "cpu":
+                continue
             address, size = storage.data_ptr(), storage.nbytes()
-            if size < min_bytes or address in seen or storage.is_shared():
+            if address == 0 or size < min_bytes or address in seen or storage.is_shared():
                 continue
         except Exception:  # tensor subclasses without a storage (wrappers, fake tensors)
             continue
@@ -138,7 +187,14 @@ def trainer_tensor_pages(min_bytes: int = MIN_RELEASED_STORAGE_BYTES) -> List[Pa
         end = (address + size) // page * page
         if end > start:
             ranges.append((start, end - start))
-    return ranges
+            storages.append(storage)
+    if not ranges:
+        return [], storages
+    try:
+        mappings = _private_anonymous_mappings()
+    except OSError:  # no /proc: release nothing rather than guess
+        return [], storages
+    return _clip(ranges, mappings), storages
 
 
 def release_inherited_pages(ranges: Sequence[PageRange], madvise) -> int:
@@ -192,54 +248,102 @@ def _output_stream_fds() -> Set[int]:
     return fds
 
 
-def close_inherited_descriptors(keep: Set[int]) -> None:
-    """Close every open descriptor of this (forked) process not in ``keep`` (worker side)."""
+def retire_inherited_descriptors(keep: Set[int]) -> None:
+    """Point every open descriptor of this (forked) process not in ``keep`` at ``/dev/null``.
+
+    Runs in the worker. The trainer's files, sockets and pipes lose this process's
+    reference, while their numbers stay taken: a stale inherited object that still
+    writes to one writes to ``/dev/null``, never into a file opened later.
+    """
     try:
         open_fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:  # no /proc: every number up to the limit
-        open_fds = range(os.sysconf("SC_OPEN_MAX"))
-    for fd in open_fds:
-        if fd not in keep:
+        open_fds = list(range(os.sysconf("SC_OPEN_MAX")))
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in open_fds:
+            if fd in keep or fd == null:
+                continue
             try:
-                os.close(fd)
+                os.dup2(null, fd, inheritable=False)
             except OSError:
-                pass  # the listing's own descriptor, already gone
+                pass  # not open any more (the listing's own descriptor)
+    finally:
+        os.close(null)
+    try:
+        signal.set_wakeup_fd(-1)  # the trainer's wakeup descriptor is /dev/null now
+    except (ValueError, OSError):
+        pass
 
 
 def _forked_worker_main(
     options: Dict[str, Any], ranges: Sequence[PageRange], madvise
 ) -> None:
     """Body of the forked worker: shed what the fork inherited, then serve (worker side)."""
+    _reset_signal_handlers()  # first: no trainer handler may run here
     gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
     gc.enable()  # the trainer disabled it around the fork
     keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
-    close_inherited_descriptors(keep)
+    retire_inherited_descriptors(keep)
     release_inherited_pages(ranges, madvise)
     os.environ[BACKGROUND_WORKER_ENV] = "1"  # as in a fresh worker, for what it starts
-    _reset_signal_handlers()
     torch.set_num_threads(1)
     from megatron_async.core.worker_loop import main
 
     main(options)
 
 
-class _ForkedPopen:
-    """The part of :class:`subprocess.Popen` that :class:`WorkerProcess` uses, over a forked
-    :class:`multiprocessing.Process` (trainer side)."""
+_REAP_POLL_S = 0.01
 
-    def __init__(self, process):
-        self._process = process
-        self.pid = process.pid
+
+class _ForkedChild:
+    """The part of :class:`subprocess.Popen` that :class:`WorkerProcess` uses, over a child
+    of ``os.fork`` (trainer side). Every wait polls ``waitpid(WNOHANG)``: bounded."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: Optional[int] = None
 
     def poll(self) -> Optional[int]:
-        return self._process.exitcode
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, how is unknown
+                self.returncode = 1
+            else:
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        self._process.join(timeout)
-        code = self._process.exitcode
-        if code is None:
-            raise subprocess.TimeoutExpired(f"persistent worker {self.pid}", timeout)
-        return code
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"persistent worker {self.pid}", timeout)
+            time.sleep(_REAP_POLL_S)
+        return self.returncode
+
+
+def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) -> None:
+    """What the forked child runs; never returns into the trainer's code (worker side)."""
+    code = 1
+    try:
+        _forked_worker_main(options, ranges, madvise)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # reported on the trainer's stderr; the trainer sees the exit code
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
 
 
 def fork_worker_process(
@@ -270,31 +374,26 @@ def fork_worker_process(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection between the scan and the child's freeze
     try:
-        ranges = trainer_tensor_pages()
-        process = mp.get_context("fork").Process(
-            target=_forked_worker_main,
-            args=(options, ranges, madvise),
-            name=f"megatron-async-worker-{rank}",
-        )
-        process.start()
-    except OSError as exc:
+        ranges, storages = trainer_tensor_pages()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(options, ranges, madvise)
+    except Exception as exc:
         control.close()
         descriptors.close()
         raise WorkerDiedError(
-            f"rank {rank}: cannot fork the persistent checkpoint worker: {exc}; free memory "
-            "or raise the process limit, or start it as a fresh interpreter "
-            "(AsyncCallerConfig(worker_start='exec'))"
+            f"rank {rank}: cannot fork the persistent checkpoint worker: {exc}"
         ) from exc
     finally:
         if gc_was_enabled:
             gc.enable()
         worker_control.close()  # the worker has its own copies now
         worker_descriptors.close()
-    released = sum(length for _start, length in ranges)
+    del storages  # the child has dropped or is dropping its share of them
     logger.debug(
         "rank %d: forked persistent worker pid %d; it drops its share of %.0f MiB of tensor pages",
-        rank, process.pid, released / 2**20,
+        rank, pid, sum(length for _start, length in ranges) / 2**20,
     )
     return WorkerProcess(
-        _ForkedPopen(process), Connection(control.detach()), descriptors, None, rank, forked=True
+        _ForkedChild(pid), Connection(control.detach()), descriptors, None, rank, forked=True
     )

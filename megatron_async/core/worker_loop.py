@@ -1,8 +1,9 @@
 """The persistent worker's main loop (runs in the background process only).
 
-The worker is a fresh interpreter started by
-:func:`megatron_async.core.worker_process.start_worker_process`; :func:`main` is its
-entry point. It imports this module and what it needs, never the trainer's ``__main__``.
+The worker is a fork of the trainer (:func:`megatron_async.core.worker_fork.fork_worker_process`)
+or a fresh interpreter (:func:`megatron_async.core.worker_process.start_worker_process`)
+that imports this module and what it needs, never the trainer's ``__main__``;
+:func:`main` is its entry point either way.
 
 Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request, cuda_device)``: map the request's new shared-memory

@@ -60,7 +60,7 @@ def measure(method: str, state: torch.Tensor) -> Dict[str, float]:
     """Start one worker with ``method``, time it and the trainer's next two updates, stop it."""
     original = worker_fork.trainer_tensor_pages
     if method == "fork, pages kept":
-        worker_fork.trainer_tensor_pages = lambda: []
+        worker_fork.trainer_tensor_pages = lambda: ([], [])
     try:
         config = AsyncCallerConfig(worker_start="exec" if method == "exec" else "fork")
         started = time.monotonic()

@@ -7,6 +7,7 @@ import os
 import select
 import signal
 import socket
+import time
 
 import pytest
 import torch
@@ -196,3 +197,55 @@ def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unsta
         assert torch.equal(torch.load(tmp_path / "2.pt"), expected + 1)
     finally:
         queue.close(abort=True)
+
+
+@pytest.mark.timeout(120)
+def test_closing_a_stuck_forked_worker_is_bounded_by_close_timeout_s(tmp_path):
+    queue = wait_until_worker_ready(
+        AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(close_timeout_s=1.0))
+    )
+    worker_pid = queue.persistent_caller.process.pid
+    os.kill(worker_pid, signal.SIGSTOP)  # e.g. stuck in a write to a hung file system
+    try:
+        started = time.monotonic()
+        queue.close()  # asks it to stop, waits close_timeout_s, then kills it
+        assert time.monotonic() - started < 30, "close() waited past close_timeout_s"
+        with pytest.raises(ChildProcessError):  # killed and reaped
+            os.waitpid(worker_pid, os.WNOHANG)
+    finally:
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _fork_fails():
+    raise OSError(11, "simulated: Resource temporarily unavailable")
+
+
+@pytest.mark.timeout(180)
+def test_a_fork_that_fails_starts_a_fresh_interpreter_instead(tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(worker_fork.os, "fork", _fork_fails)
+        queue = AsyncCallsQueue(persistent=True)
+    try:
+        assert not queue.persistent_caller.process.forked
+        wait_until_worker_ready(queue)
+        _save_tensor(queue, tmp_path / "0.pt", torch.ones(4))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert torch.load(tmp_path / "0.pt")["pid"] == queue.persistent_caller.process.pid
+    finally:
+        queue.close(abort=True)
+
+
+def test_released_ranges_are_clipped_to_private_anonymous_mappings():
+    page = 4096
+    mappings = [(10 * page, 4 * page), (20 * page, 2 * page)]
+    ranges = [
+        (11 * page, 2 * page),  # inside the first mapping
+        (13 * page, 8 * page),  # runs over the hole into the second one
+        (30 * page, page),  # in no mapping (a file mapping, say): dropped
+    ]
+    assert worker_fork._clip(ranges, mappings) == [
+        (11 * page, 2 * page), (13 * page, page), (20 * page, page),
+    ]
