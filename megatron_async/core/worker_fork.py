@@ -265,9 +265,10 @@ def retire_inherited_descriptors(keep: Set[int]) -> None:
             if fd in keep or fd == null:
                 continue
             try:
-                os.dup2(null, fd, inheritable=False)
+                os.fstat(fd)  # dup2 onto a closed number would open it
             except OSError:
-                pass  # not open any more (the listing's own descriptor)
+                continue  # not open (the listing's own descriptor, or never was)
+            os.dup2(null, fd, inheritable=False)
     finally:
         os.close(null)
     try:
