@@ -205,6 +205,9 @@ class Checkpointer:
             else None
         )
         self._strategy = None
+        # Megatron-LM validates the sharding (one all-gather of every rank's shards) on the
+        # first save only when --ckpt-assume-constant-structure says it cannot change.
+        self._sharding_validated = False
         self._finished: List[SaveRecord] = []
         self._pending: Dict[int, SaveRecord] = {}
         self._debug_delay = _read_debug_save_delay()
@@ -239,8 +242,12 @@ class Checkpointer:
             path,
             sharded_strategy=self._save_strategy(),
             async_sharded_save=args.async_save,
+            validate_access_integrity=not self._sharding_validated,
             content_metadata=self._content_metadata,
         )
+        # A structure that changes anyway is still caught: every rank then plans afresh,
+        # and the global plan refuses overlapping or missing shards.
+        self._sharding_validated = bool(args.ckpt_assume_constant_structure)
         if request is None:
             self.manager.commit(iteration)
             record.stall_s = time.perf_counter() - start

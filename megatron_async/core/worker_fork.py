@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import logging
 import mmap
 import os
@@ -164,12 +165,15 @@ def trainer_tensor_pages(
     ranges: List[PageRange] = []
     storages: List[torch.UntypedStorage] = []
     objects = gc.get_objects()
-    # Filter by type first (hundreds of thousands of objects: this is the scan's cost).
+    # Filter by type first (hundreds of thousands of objects: this is the scan's cost),
+    # with map/compress so that the loop over every object runs in C, not in bytecode
+    # (a list comprehension took 60 of the scan's 130 ms in the GPT example).
     # type(), not isinstance(): the latter reads ``__class__``, which some deprecated
     # module attributes turn into a warning.
-    tensor_types = {t for t in set(map(type, objects)) if issubclass(t, torch.Tensor)}
-    tensors = [obj for obj in objects if type(obj) in tensor_types]
-    del objects
+    kinds = list(map(type, objects))
+    tensor_types = {t for t in set(kinds) if issubclass(t, torch.Tensor)}
+    tensors = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))
+    del objects, kinds
     for obj in tensors:
         try:
             if obj.layout is not torch.strided:

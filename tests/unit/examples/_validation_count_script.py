@@ -1,0 +1,51 @@
+"""Save the example's tiny GPT three times on one rank; print how many saves had
+megatron-core validate the sharding (a JSON list, one bool per save)."""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing import state_dict_utils
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+from gpt import cpu_compat  # noqa: E402
+from gpt.arguments import parse_args  # noqa: E402
+from gpt.checkpointing import Checkpointer  # noqa: E402
+from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed  # noqa: E402
+
+
+def main(flags):
+    workdir = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
+    cpu_compat.install()
+    args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                       "--seq-length", "16", "--train-iters", "3", "--save-interval", "1",
+                       "--save", os.path.join(workdir, "ckpt"), *flags])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    args.transformer_impl = resolve_transformer_impl("auto")
+    set_seed(args.seed)
+    model = build_model(args)
+    checkpointer = Checkpointer(args, model, build_optimizer(args, model))
+    validated = []
+    original = state_dict_utils.validate_sharding_integrity
+
+    def counting(*a, **k):
+        validated[-1] = True
+        return original(*a, **k)
+
+    state_dict_utils.validate_sharding_integrity = counting
+    for iteration in (1, 2, 3):
+        validated.append(False)
+        checkpointer.save(iteration, iteration)
+        checkpointer.maybe_finalize(blocking=True)
+    checkpointer.close()
+    print(json.dumps(validated))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
