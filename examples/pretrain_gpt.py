@@ -8,11 +8,11 @@ Run on CPU (gloo) or GPU (NCCL), one process per rank::
 ``--save``/``--load`` may be ``msc://PROFILE/PREFIX`` URLs (object storage through
 multi-storage-client; ``--msc-config FILE`` names the profiles' configuration).
 
-Read top to bottom: set up the process groups, build model, optimizer and data, resume
-from ``--load`` if there is a checkpoint, train, save every ``--save-interval``
-iterations (in the background with ``--async-save``), and wait for the last save
-before exiting. Running the same command again resumes where the last complete
-checkpoint left off and reproduces the losses of an uninterrupted run exactly.
+Read top to bottom: set up the process groups and the background-save queue, build
+model, optimizer and data, resume from ``--load`` if there is a checkpoint, train, save
+every ``--save-interval`` iterations (in the background with ``--async-save``), and wait
+for the last save before exiting. Running the same command again resumes where the last
+complete checkpoint left off and reproduces the losses of an uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gpt.arguments import parse_args, validate_parallel_args
-from gpt.checkpointing import Checkpointer, enable_object_storage
+from gpt.checkpointing import Checkpointer, create_checkpoint_queue, enable_object_storage
 from gpt.data import build_dataset, micro_batches
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
@@ -94,11 +94,15 @@ def main(argv=None) -> None:
         f"{optimizer_kind} optimizer, {save_kind} saves"
     )
 
+    # The background-save queue before the model (Megatron-LM's init_persistent_async_worker):
+    # a worker forked now shares none of the model's memory with the trainer.
+    save_queue = create_checkpoint_queue(args)
+
     # Model, optimizer, data.
     model = build_model(args)
     optimizer = build_optimizer(args, model)
     dataset = build_dataset(args)
-    checkpointer = Checkpointer(args, model, optimizer)
+    checkpointer = Checkpointer(args, model, optimizer, save_queue)
 
     # Resume: model, optimizer, RNG states, iteration and data position.
     iteration, consumed_samples, last_saved = 0, 0, None

@@ -178,6 +178,23 @@ def _rng_sharded_object(state: Optional[Dict[str, Any]]) -> ShardedObject:
     )
 
 
+def create_checkpoint_queue(args) -> Optional[AsyncCallsQueue]:
+    """The queue of background saves for ``--async-save`` (every rank), or None.
+
+    Create it once the process groups exist and before the model is built, as
+    Megatron-LM starts its persistent worker right after ``initialize_megatron``: a
+    worker forked then (the default ``--ckpt-worker-start fork``) shares none of the
+    model's or the optimizer's pages with the trainer, so the trainer's first updates
+    copy nothing, and the fork scans only the few objects that exist yet.
+    """
+    if not args.async_save:
+        return None
+    return AsyncCallsQueue(
+        persistent=args.use_persistent_ckpt_worker,
+        config=AsyncCallerConfig(worker_start=args.ckpt_worker_start),
+    )
+
+
 class Checkpointer:
     """Saves (sync or async) and loads model, optimizer, RNG and data position.
 
@@ -185,9 +202,12 @@ class Checkpointer:
         args: the parsed flags (``--save``, ``--load``, ``--async-save`` ...).
         model: the megatron-core DDP-wrapped model.
         optimizer: the megatron-core optimizer of ``model``.
+        queue: the queue of background saves, from :func:`create_checkpoint_queue`
+            (created early); with ``--async-save`` and None, one is created here.
+            :meth:`close` closes it.
     """
 
-    def __init__(self, args, model, optimizer):
+    def __init__(self, args, model, optimizer, queue: Optional[AsyncCallsQueue] = None):
         self.args = args
         self.model = model
         self.optimizer = optimizer
@@ -196,14 +216,7 @@ class Checkpointer:
                 save_dir=args.save, load_dir=args.load, keep_last_n=args.keep_last_n
             )
         )
-        self.queue = (
-            AsyncCallsQueue(
-                persistent=args.use_persistent_ckpt_worker,
-                config=AsyncCallerConfig(worker_start=args.ckpt_worker_start),
-            )
-            if args.async_save
-            else None
-        )
+        self.queue = queue if queue is not None else create_checkpoint_queue(args)
         self._strategy = None
         # Megatron-LM validates the sharding (one all-gather of every rank's shards) on the
         # first save only when --ckpt-assume-constant-structure says it cannot change.

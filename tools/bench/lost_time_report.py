@@ -16,7 +16,12 @@ taken as the maximum over ranks:
 * ``background CPU / warm save``: CPU seconds of every rank's background processes
   during a save window, summed over ranks (median over the warm saves); ``finalize
   warm``: the poll that found the save durable, where it is finalized on the training
-  thread (max over ranks).
+  thread (max over ranks);
+* ``model build + warm-up``: building the model and optimizer and the three warm-up
+  iterations (max over ranks). Our queue, with its worker, is created before the model
+  (as the example and Megatron-LM do), so whatever that early start costs the trainer
+  later (a worker still importing, pages copied on write) shows here, against the other
+  rows of the same size.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ def aggregate_lost_time(meta: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Di
             record["free_cpu"] = windows[0]["free_cpu"]
         records.append(record)
     setup = max(r["setup_s"] for r in ranks)
+    build = None
+    if all("build_s" in r for r in ranks):  # results of older runs lack it
+        build = max(r["build_s"] + sum(r["warmup"]) for r in ranks)
     after_setup = sum(t - free for t in _maxima([r["windows"][0]["free"] for r in ranks]))
     warm = records[1:]
     lost_warm = _median([s["lost_s"] for s in warm])
@@ -97,6 +105,7 @@ def aggregate_lost_time(meta: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Di
                                        if "background_cpu_s" in s]),
         first_and_setup_s=setup + after_setup + records[0]["lost_s"] + max(spill, 0.0),
         setup_spill_s=spill,
+        build_and_warmup_s=build,
     )
 
 
@@ -173,7 +182,7 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
         header = ["method", "stall 1st", "stall warm", "iterations to durable", "lost warm",
                   "lost / memcpy", "lost / sync"] + [f"lost / {m}" for m in DCP_METHODS] + [
                   "first save + set-up", "set-up call", "background CPU / warm save",
-                  "finalize warm"]
+                  "finalize warm", "model build + warm-up"]
         rows = []
         for method in METHODS:
             entry = group.get(method)
@@ -190,7 +199,8 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
             rows.append([method, _s(entry["stall_first_s"]), _s(entry["stall_warm_s"]),
                          _x(entry["save_iterations_warm"]), _s(lost), *ratios,
                          _s(entry["first_and_setup_s"]), _s(entry["setup_s"]),
-                         _s(entry.get("background_cpu_warm_s")), _s(entry.get("finalize_warm_s"))])
+                         _s(entry.get("background_cpu_warm_s")), _s(entry.get("finalize_warm_s")),
+                         _s(entry.get("build_and_warmup_s"))])
         parts += [f"#### {ranks} rank(s), GPT {num_layers} layers x {hidden}: {size} per rank, "
                   f"free iteration {_s(free)}, one memory copy of the state {_s(memcpy)}", "",
                   _table(header, rows), ""]
