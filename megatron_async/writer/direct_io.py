@@ -42,6 +42,9 @@ DIRECT_IO_ALIGNMENT = 4096
 _CHUNK_BYTES = 8 << 20
 """Bytes per direct ``write``: large enough that the per-request cost vanishes."""
 
+_HASH_BLOCK_BYTES = 1 << 20
+"""Bytes copied into the chunk, then hashed, at a time: small enough to stay in cache."""
+
 _KEEP_CHUNKS = 4
 """Bounce chunks kept for reuse (the writer's threads each hold one while writing)."""
 
@@ -89,7 +92,8 @@ class DirectBucketFile(BucketFile):
     Runs in the background writer. The same item interface as :class:`BucketFile`
     (``start_item``/``append``/``finish_item``, a stream for ``torch.save``); pieces are
     copied into the chunk as they are appended (so, unlike :class:`BucketFile`, they need
-    not stay unchanged), and hashed on the way.
+    not stay unchanged), and hashed from the chunk, block by block, while each block is
+    still in cache.
     """
 
     def __init__(self, fd: int, hashing: bool):
@@ -101,17 +105,20 @@ class DirectBucketFile(BucketFile):
         self._filled = 0
 
     def append(self, *pieces: Any) -> None:
+        hasher = self._hasher
         for piece in pieces:
             view = memoryview(piece).cast("B")
             size = view.nbytes
-            if not size:
-                continue
-            if self._hasher is not None:
-                self._hasher.update(view)
             done = 0
             while done < size:
-                take = min(size - done, _CHUNK_BYTES - self._filled)
-                self._view[self._filled:self._filled + take] = view[done:done + take]
+                take = min(size - done, _CHUNK_BYTES - self._filled, _HASH_BLOCK_BYTES)
+                start = self._filled
+                self._view[start:start + take] = view[done:done + take]
+                if hasher is not None:
+                    # The block just copied is still in cache: hashing it there spares a
+                    # second read of the source from memory (the same digest: same
+                    # bytes, in the same order).
+                    hasher.update(self._view[start:start + take])
                 self._filled += take
                 done += take
                 if self._filled == _CHUNK_BYTES:
