@@ -1,0 +1,41 @@
+"""The profiling tools behind docs/benchmarks.md run end to end at tiny sizes.
+
+Only the shape of their output is checked: timings belong in the benchmark, never in tests.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _run(*command, timeout=150):
+    proc = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source", ["shared", "private"])
+def test_direct_write_cpu_checks_its_files_and_prints_medians(tmp_path, source):
+    out = _run("tools/bench/direct_write_cpu.py", "--dir", str(tmp_path), "--mib", "3",
+               "--reps", "2", "--source", source)
+    assert re.search(rf"3 MiB from {source} memory, median of 2: user \d+ ms, system \d+ ms, "
+                     r"wall \d+ ms", out), out
+    assert not list(tmp_path.iterdir())  # every file was checked, then removed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_save_profile_profiles_the_last_save_and_its_finalize():
+    out = _run("tools/bench/save_profile.py", "--method", "ours_persistent", "--hidden-size", "64",
+               "--num-layers", "1", "--saves", "2", "--lines", "5")
+    assert re.search(r"ours_persistent, GPT 1 x 64, 1 rank: stalls \(ms\) \[[\d.]+, [\d.]+\]", out), out
+    stall, finalize = out.split("== its finalize")
+    assert "checkpointing.py" in stall and "(save)" in stall
+    assert "maybe_finalize" in finalize
