@@ -184,8 +184,9 @@ def create_checkpoint_queue(args) -> Optional[AsyncCallsQueue]:
     Create it once the process groups exist and before the model is built, as
     Megatron-LM starts its persistent worker right after ``initialize_megatron``: a
     worker forked then (the default ``--ckpt-worker-start fork``) shares none of the
-    model's or the optimizer's pages with the trainer, so the trainer's first updates
-    copy nothing, and the fork scans only the few objects that exist yet.
+    model's or the optimizer's pages with the trainer, so the trainer's updates after
+    the fork copy none of them (a worker forked after the model made the next iterations
+    fault on every page of the state).
     """
     if not args.async_save:
         return None

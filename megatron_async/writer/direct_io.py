@@ -104,6 +104,11 @@ class DirectBucketFile(BucketFile):
         self._view = memoryview(self._chunk)
         self._filled = 0
 
+    @property
+    def writes_direct(self) -> bool:
+        """Whether writes still bypass the page cache (False once the file system refused)."""
+        return self._direct
+
     def append(self, *pieces: Any) -> None:
         hasher = self._hasher
         for piece in pieces:

@@ -33,7 +33,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from megatron_async.core import shared_memory  # noqa: E402
-from megatron_async.writer.direct_io import open_local_bucket_file  # noqa: E402
+from megatron_async.writer.direct_io import DirectBucketFile, open_local_bucket_file  # noqa: E402
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame  # noqa: E402
 
 _ELEMENTS = 256 * 1024  # 1 MiB of float32
@@ -56,8 +56,11 @@ def _tensors(mib: int, source: str):
     return tensors
 
 
-def _write(path: str, tensors) -> list:
+def _write(path: str, tensors) -> tuple:
+    """Write the bucket; return its items' ``(offset, length, digest)`` and whether it
+    was written with direct I/O (a file system that refuses it gets a buffered file)."""
     bucket = open_local_bucket_file(path, hashing=True, direct_io=True)
+    direct = isinstance(bucket, DirectBucketFile)
     spans = []
     try:
         for tensor in tensors:
@@ -67,9 +70,10 @@ def _write(path: str, tensors) -> list:
             bucket.append(head, tensor_bytes(tensor), tail)
             spans.append((offset, bucket.tell() - offset, bucket.finish_item()))
         bucket.finish(use_fsync=True)
+        direct = direct and bucket.writes_direct  # refused at the first write: went on buffered
     finally:
         bucket.close()
-    return spans
+    return spans, direct
 
 
 def _check(path: str, tensors, spans) -> None:
@@ -96,14 +100,15 @@ def main(argv=None) -> None:
     for rep in range(args.reps):
         path = os.path.join(args.dir, f"bucket_{rep}.distcp")
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        spans = _write(path, tensors)
+        spans, direct = _write(path, tensors)
         after, end = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         user.append(after.ru_utime - before.ru_utime)
         system.append(after.ru_stime - before.ru_stime)
         wall.append(end - start)
         _check(path, tensors, spans)
         os.remove(path)
-    print(f"{args.mib} MiB from {args.source} memory, median of {args.reps}: "
+    how = "direct I/O" if direct else "buffered (the file system refused O_DIRECT)"
+    print(f"{args.mib} MiB from {args.source} memory, {how}, median of {args.reps}: "
           f"user {statistics.median(user) * 1e3:.0f} ms, system {statistics.median(system) * 1e3:.0f} ms, "
           f"wall {statistics.median(wall) * 1e3:.0f} ms")
 

@@ -15,9 +15,12 @@ Order (the warm-up is three iterations once the model is built):
    rank (the *save window*; the ranks agree each iteration, as the example's finalize
    does).
 
-The first free window follows the set-up, so it carries the set-up's background cost
-(the persistent worker's start-up, for example); the others give the checkpoint-free
-iteration time, interleaved with the saves so that drift cancels. Per-iteration times
+The first free window follows the set-up, so it carries what the set-up still costs
+afterwards; the others give the checkpoint-free iteration time, interleaved with the
+saves so that drift cancels. Since our queue is created before the model, a persistent
+worker's start-up (a fresh interpreter importing torch, with ``ours_persistent_exec``)
+runs during the model's build and warm-up, and during the memory-copy measurement: it
+shows in ``build_s`` and the warm-up times, which the report puts beside every row. Per-iteration times
 are the maximum over ranks (a step is as slow as its slowest rank).
 
 Methods (:data:`METHODS`):
@@ -50,13 +53,13 @@ import torch.distributed as dist
 
 from .launch import RankContext
 
-__all__ = ["METHODS", "OUR_METHODS", "DCP_METHODS", "lost_time_job"]
+__all__ = ["METHODS", "OUR_METHODS", "DCP_METHODS", "EXAMPLE_FLAGS", "ExampleTrainer", "lost_time_job"]
 
 OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_exec", "ours_persistent_overlap")
 DCP_METHODS = ("dcp_thread", "dcp_process", "dcp_async_staging")
 METHODS = ("sync",) + OUR_METHODS + DCP_METHODS
 
-_EXAMPLE_FLAGS = {
+EXAMPLE_FLAGS = {
     "sync": [],
     "ours_temporal": ["--async-save", "--ckpt-assume-constant-structure"],
     "ours_persistent": ["--async-save", "--use-persistent-ckpt-worker",
@@ -77,7 +80,7 @@ def _now() -> float:
     return time.monotonic()
 
 
-class _Trainer:
+class ExampleTrainer:
     """The example's model, distributed optimizer and data on this rank.
 
     Built in the example's order: flags and process groups here, then (after the
@@ -166,10 +169,11 @@ class _Method:
 class _ExampleCheckpointer(_Method):
     """The example's own ``Checkpointer`` (sync, or async with our callers)."""
 
-    def __init__(self, trainer: _Trainer):
+    def __init__(self, trainer: ExampleTrainer):
         self._trainer = trainer
         self._pending = False
         self._queue = None
+        self._checkpointer = None
 
     def start_early(self) -> None:
         from gpt.checkpointing import create_checkpoint_queue
@@ -197,13 +201,16 @@ class _ExampleCheckpointer(_Method):
         self._pending = False
 
     def close(self) -> None:
-        self._checkpointer.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        elif self._queue is not None:  # set-up never ran: the early queue is closed alone
+            self._queue.close()
 
 
 class _Dcp(_Method):
     """PyTorch DCP ``async_save`` with one reused ``DefaultStager``."""
 
-    def __init__(self, trainer: _Trainer, root: str, executor: str, async_staging: bool):
+    def __init__(self, trainer: ExampleTrainer, root: str, executor: str, async_staging: bool):
         self._trainer = trainer
         self._root = root
         self._executor = executor
@@ -211,6 +218,7 @@ class _Dcp(_Method):
         self._upload = None
         self._staging = None
         self._hook = None
+        self._stager = None
 
     def setup(self) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -268,14 +276,16 @@ class _Dcp(_Method):
         dist.barrier()
 
     def close(self) -> None:
+        if self._stager is None:  # set-up never ran
+            return
         self.wait()
         if self._hook is not None:
             self._hook.remove()
         self._stager.close()
 
 
-def _build_method(name: str, trainer: _Trainer, root: str) -> _Method:
-    if name in _EXAMPLE_FLAGS:
+def _build_method(name: str, trainer: ExampleTrainer, root: str) -> _Method:
+    if name in EXAMPLE_FLAGS:
         return _ExampleCheckpointer(trainer)
     if name == "dcp_async_staging":
         return _Dcp(trainer, root, "thread", async_staging=True)
@@ -298,7 +308,7 @@ def _memcpy_seconds(num_bytes: int, group) -> float:
     return best
 
 
-def _timed_iteration(trainer: _Trainer, method: Optional[_Method], polls: Optional[list] = None
+def _timed_iteration(trainer: ExampleTrainer, method: Optional[_Method], polls: Optional[list] = None
                      ) -> tuple:
     """One loop iteration (poll, then train); returns ``(seconds, durable)``.
 
@@ -377,31 +387,31 @@ def lost_time_job(ctx: RankContext) -> Dict[str, Any]:
         os.makedirs(root)
     dist.barrier(group=group)
     name = payload["method"]
-    trainer = _Trainer(payload, root, _EXAMPLE_FLAGS.get(name, []))
+    trainer = ExampleTrainer(payload, root, EXAMPLE_FLAGS.get(name, []))
     method = _build_method(name, trainer, root)
-    # As the example (and Megatron-LM) does: the queue, and with it the persistent
-    # worker, before the model. Its time counts as set-up; the model's build time is
-    # recorded so that any cost the early worker moves into the build stays visible.
-    dist.barrier(group=group)
-    start = _now()
-    method.start_early()
-    early_setup_s = _now() - start
-    start = _now()
-    trainer.build()
-    build_s = _now() - start
-    # Warm-up first: the optimizer state exists only after a step.
-    warmup = [_timed_iteration(trainer, None)[0] for _ in range(_WARMUP_ITERATIONS)]
-    num_bytes = sum(t.numel() * t.element_size() for t in trainer.main_replicas().values())
-    result: Dict[str, Any] = {"rank": ctx.rank, "num_bytes": num_bytes, "warmup": warmup,
-                              "build_s": build_s, "early_setup_s": early_setup_s,
-                              "memcpy_s": _memcpy_seconds(num_bytes, group)}
-    dist.barrier(group=group)
-    start = _now()
-    method.setup()
-    result["setup_s"] = early_setup_s + _now() - start
-    windows: List[Dict[str, Any]] = []
-    meter = _CpuMeter()
     try:
+        # As the example (and Megatron-LM) does: the queue, and with it the persistent
+        # worker, before the model. Its time counts as set-up; the model's build time is
+        # recorded so that any cost the early worker moves into the build stays visible.
+        dist.barrier(group=group)
+        start = _now()
+        method.start_early()
+        early_setup_s = _now() - start
+        start = _now()
+        trainer.build()
+        build_s = _now() - start
+        # Warm-up first: the optimizer state exists only after a step.
+        warmup = [_timed_iteration(trainer, None)[0] for _ in range(_WARMUP_ITERATIONS)]
+        num_bytes = sum(t.numel() * t.element_size() for t in trainer.main_replicas().values())
+        result: Dict[str, Any] = {"rank": ctx.rank, "num_bytes": num_bytes, "warmup": warmup,
+                                  "build_s": build_s, "early_setup_s": early_setup_s,
+                                  "memcpy_s": _memcpy_seconds(num_bytes, group)}
+        dist.barrier(group=group)
+        start = _now()
+        method.setup()
+        result["setup_s"] = early_setup_s + _now() - start
+        windows: List[Dict[str, Any]] = []
+        meter = _CpuMeter()
         for index in range(payload["saves"]):
             window: Dict[str, Any] = {"free": [], "save": [], "save_polls": [],
                                       "blocking_wait_s": 0.0}

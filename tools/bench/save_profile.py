@@ -20,6 +20,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from tools.bench.lost_time import _EXAMPLE_FLAGS, _Trainer  # noqa: E402
+from tools.bench.lost_time import EXAMPLE_FLAGS, ExampleTrainer  # noqa: E402
 
 _WRITE_SETTLE_S = 1.0
 """Pause before the finalize, so that the background write is over and not profiled."""
@@ -45,7 +46,7 @@ def _report(profile: cProfile.Profile, lines: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--method", default="ours_persistent_overlap", choices=sorted(_EXAMPLE_FLAGS))
+    parser.add_argument("--method", default="ours_persistent_overlap", choices=sorted(EXAMPLE_FLAGS))
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--saves", type=int, default=5, help="saves; the last one is profiled")
@@ -55,8 +56,8 @@ def main(argv=None) -> None:
     workdir = tempfile.mkdtemp(prefix="megatron_async_save_profile_")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     torch.set_num_threads(1)
-    trainer = _Trainer({"num_layers": args.num_layers, "hidden_size": args.hidden_size},
-                       os.path.join(workdir, "ckpt"), _EXAMPLE_FLAGS[args.method])
+    trainer = ExampleTrainer({"num_layers": args.num_layers, "hidden_size": args.hidden_size},
+                             os.path.join(workdir, "ckpt"), EXAMPLE_FLAGS[args.method])
     from gpt.checkpointing import Checkpointer, create_checkpoint_queue
 
     queue = create_checkpoint_queue(trainer.args)
@@ -86,6 +87,7 @@ def main(argv=None) -> None:
     finally:
         checkpointer.close()
         dist.destroy_process_group()
+        shutil.rmtree(workdir, ignore_errors=True)  # its checkpoints
     print(f"{args.method}, GPT {args.num_layers} x {args.hidden_size}, 1 rank: stalls (ms)",
           [round(s * 1e3, 1) for s in stalls])
     print("\n== the last save's call (the stall) ==\n" + _report(save_profile, args.lines))

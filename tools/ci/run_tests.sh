@@ -7,8 +7,9 @@
 #    (which drives the 0.19.2 environment's interpreter).
 # 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults, the
 #    nvidia-resiliency-ext module surface with megatron-core's stock strategy, object
-#    storage on the loopback S3 server at 2 ranks, and two GPT example resume runs: both
-#    callers, distributed optimizer, PP 2, fully parallel save).
+#    storage on the loopback S3 server at 2 ranks, the GPT example's checkpointing flags,
+#    and two GPT example resume runs: both callers, distributed optimizer, PP 2, fully
+#    parallel save).
 # 3. megatron-core 0.17.1 and 0.18.2 (the generation in between: no registry, but still a
 #    common.pt written by a plain function): the strategy-config unit tests and the strategy
 #    scenarios that differ between generations, at 2 ranks.
@@ -33,7 +34,7 @@ PATH="$ENVS/mcore016/bin:$PATH" \
 echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, object storage, GPT resume =="
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage \
+    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage tests/unit/examples \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
     tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py -k "not 4ranks"
 PATH="$ENVS/mcore019/bin:$PATH" \

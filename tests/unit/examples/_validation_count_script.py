@@ -1,14 +1,18 @@
-"""Save the example's tiny GPT three times on one rank; print how many saves had
-megatron-core validate the sharding (a JSON list, one bool per save)."""
+"""Save the example's tiny GPT three times on one rank; print, as JSON, which saves had
+megatron-core validate the sharding and which produced a complete checkpoint (one bool
+per save in each list)."""
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import state_dict_utils
+
+from megatron_async.manager import is_complete_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(REPO, "examples"))
@@ -39,12 +43,19 @@ def main(flags):
         return original(*a, **k)
 
     state_dict_utils.validate_sharding_integrity = counting
-    for iteration in (1, 2, 3):
-        validated.append(False)
-        checkpointer.save(iteration, iteration)
-        checkpointer.maybe_finalize(blocking=True)
-    checkpointer.close()
-    print(json.dumps(validated))
+    paths = []
+    try:
+        for iteration in (1, 2, 3):
+            validated.append(False)
+            paths.append(checkpointer.save(iteration, iteration).path)
+            checkpointer.maybe_finalize(blocking=True)
+    finally:
+        checkpointer.close()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    complete = [is_complete_checkpoint(path) for path in paths]
+    shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps({"validated": validated, "complete": complete}))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,14 @@ pytestmark = pytest.mark.timeout(120)
 _CHUNK = 64 * 1024
 """A small bounce chunk, so that tests cross it often."""
 
+_HASH_BLOCK = 24 * 1024
+"""A copy-and-hash block that divides neither the chunk nor the pieces."""
+
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(direct_io, "_CHUNK_BYTES", _CHUNK)
+    monkeypatch.setattr(direct_io, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
     monkeypatch.setattr(direct_io, "_POOL", direct_io._ChunkPool())
 
 
@@ -76,6 +80,7 @@ def test_a_direct_file_holds_exactly_the_appended_bytes(tmp_path, small_chunks):
     assert fcntl.fcntl(file._fd, fcntl.F_GETFL) & direct_io._O_DIRECT
     pieces = _pieces()
     digests, offsets = _write_items(file, pieces)
+    assert file.writes_direct
     expected = b"".join(pieces) + b"tail written through the stream interface"
     assert (tmp_path / "f").read_bytes() == expected  # the padding was cut off
     assert digests == [_digest(p) for p in pieces]
@@ -125,6 +130,7 @@ def test_a_file_system_refusing_direct_writes_is_written_buffered(tmp_path, monk
     pieces = _pieces()
     _write_items(file, pieces)
     assert refused == [_CHUNK]  # the first chunk; the flag was cleared after it
+    assert not file.writes_direct
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) + b"tail written through the stream interface"
 
 
