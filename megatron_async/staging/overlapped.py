@@ -226,6 +226,9 @@ class _Copier:
             job.run()
             with self._lock:
                 self._pending = [j for j in self._pending if j is not job]
+            # Wait for the next job holding nothing of this one: its gate is a shared-memory
+            # segment, and a live segment keeps a restarted persistent worker from forking.
+            del job
 
     def hold(self, held: bool) -> None:
         (self._running.clear if held else self._running.set)()

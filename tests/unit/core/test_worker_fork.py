@@ -3,6 +3,7 @@ it gives up its share of the trainer's tensor pages, resets the trainer's signal
 handlers, and a fork that fails while starting fails the next save, saying what to do."""
 
 import functools
+import gc
 import os
 import select
 import signal
@@ -14,12 +15,23 @@ import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.core import worker_fork
-from megatron_async.core.shared_memory import allocate_segment
+from megatron_async.core.shared_memory import allocate_segment, has_live_segments
 from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.staging.buckets import clear_staging_cache
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
 
 MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def no_live_staging_segments():
+    """A worker is forked only while the trainer holds no staging segment (see
+    ``can_fork_worker``): free what earlier tests of this process left cached, so that
+    these tests do not depend on the order they run in."""
+    clear_staging_cache(include_in_use=True)
+    gc.collect()
+    assert not has_live_segments(), "a staging segment is still referenced by an earlier test"
 
 
 def _private_dirty_kib(pid: int) -> int:

@@ -115,3 +115,25 @@ def test_overlap_param_gather_is_refused():
     with pytest.raises(CheckpointValidationError, match="overlap_param_gather"):
         refuse_overlap_param_gather([Model()])
     refuse_overlap_param_gather([object()])
+
+
+def test_a_finished_copy_leaves_no_shared_memory_behind():
+    # The copy thread outlives its jobs; holding the last one would keep its gate's
+    # shared-memory segment alive, and with a live segment a restarted persistent worker
+    # is started as a fresh interpreter instead of a fork.
+    import gc
+
+    from megatron_async.core.shared_memory import has_live_segments
+
+    gc.collect()
+    assert not has_live_segments(), "an earlier test left a staging segment alive"
+    cache = StagingBufferCache()
+    staged = stage_buckets_overlapped(StagingGate(), 0, _buckets([torch.arange(6.0)]),
+                                      staging_key="leak-check", staging_cache=cache)
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=30.0)
+    staged.release()
+    cache.clear()
+    del staged, cache
+    gc.collect()
+    assert not has_live_segments()
