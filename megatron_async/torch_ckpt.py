@@ -45,8 +45,8 @@ class TorchAsyncCheckpoint:
         persistent_queue: use one long-lived worker instead of a forked process per save.
         config: timeouts of the background work.
 
-    In a distributed job, construct it on every rank: its queue creates the gloo
-    coordination group, which is a collective.
+    In a distributed job, construct it on every rank (each rank's saves take part in
+    the same coordination collectives).
     """
 
     def __init__(self, persistent_queue: bool = False, *, config: Optional[AsyncCallerConfig] = None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from typing import Any, List, Optional, Sequence
 
@@ -43,10 +44,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_COORDINATION_TIMEOUT_S = 600.0
 """How long one coordination collective may wait for the slowest peer to join it."""
 
+COORDINATION_GROUP_NAME = "megatron_async_checkpoint_coordination"
+"""The name of the coordination group in torch's registry of process groups."""
+
 _group_lock = threading.Lock()
 _cached_group: Optional[dist.ProcessGroup] = None
 _cached_for_world: Optional[object] = None
 _cached_timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S
+_recreated_in_world = 0
 
 
 def is_distributed() -> bool:
@@ -69,38 +74,95 @@ def get_coordination_group(
 ) -> Optional[dist.ProcessGroup]:
     """Return the gloo group used for checkpoint coordination, creating it on first use.
 
-    Runs on every rank. Creating a group is itself a collective on the default group:
-    the first call must happen on all ranks in the same order relative to other group
-    creations (constructing an :class:`AsyncCallsQueue` or a save strategy on every rank
-    does that). Later calls return the cached group. When the default group is already
-    gloo it is still separated, so training collectives on it never interleave with
-    checkpoint coordination.
+    Runs on every rank. Unlike ``torch.distributed.new_group``, creating this group is
+    not a step in the job's sequence of group creations, so each rank may create it
+    whenever it first needs it (its first queue, strategy or save), before or after
+    megatron-core (re)creates its model-parallel groups:
+
+    * it has a fixed name instead of the next number of torch's group counter, so it
+      never shifts the names of the groups created after it (torch pairs a group's
+      ranks by that name: a rank that created one group more than its peers would
+      connect its later groups to the wrong peers and hang);
+    * its gloo connections are made by the first collective on it, not at creation,
+      so creating it waits for no peer (torch >= 2.7; older versions connect at
+      creation, which then waits, bounded by ``timeout_s``, until every rank creates it).
+
+    The group belongs to the current default group: when the job destroys and
+    re-initializes the default group, the next call creates a new one. When the
+    torch version lacks the hook for a named group, the group is created with
+    ``new_group`` and a warning: then create it at the same point on every rank, e.g.
+    by constructing the :class:`AsyncCallsQueue` right after ``init_process_group``.
 
     Args:
-        timeout_s: bound on each collective of the group (applied when it is created).
+        timeout_s: bound on each collective of the group (applied when it is created;
+            the first creation in a default group decides it).
 
     Returns:
         The group, or None outside a distributed job (single process).
     """
-    global _cached_group, _cached_for_world, _cached_timeout_s
+    global _cached_group, _cached_for_world, _cached_timeout_s, _recreated_in_world
     if not is_distributed():
         return None
     world = dist.group.WORLD
     with _group_lock:
         if _cached_group is not None and _cached_for_world is world:
-            if timeout_s != _cached_timeout_s:
-                logger.debug(
-                    "the coordination group already exists with timeout %.0fs; %.0fs is ignored",
-                    _cached_timeout_s, timeout_s,
-                )
-            return _cached_group
-        logger.debug("rank %d: creating the gloo checkpoint-coordination group", dist.get_rank())
-        _cached_group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=float(timeout_s))
-        )
+            if _is_registered(_cached_group):
+                if timeout_s != _cached_timeout_s:
+                    logger.debug(
+                        "the coordination group already exists with timeout %.0fs; %.0fs is ignored",
+                        _cached_timeout_s, timeout_s,
+                    )
+                return _cached_group
+            _recreated_in_world += 1  # someone destroyed it: a new name in the same world
+        else:
+            _recreated_in_world = 0
+        name = COORDINATION_GROUP_NAME + (f"_{_recreated_in_world}" if _recreated_in_world else "")
+        logger.debug("rank %d: creating the gloo checkpoint-coordination group %s", dist.get_rank(), name)
+        _cached_group = _create_named_gloo_group(name, float(timeout_s))
         _cached_for_world = world
         _cached_timeout_s = float(timeout_s)
         return _cached_group
+
+
+def _is_registered(group: dist.ProcessGroup) -> bool:
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def _create_named_gloo_group(name: str, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of every rank under ``name``, connected lazily (every rank)."""
+    c10d = dist.distributed_c10d
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        create = c10d._new_process_group_helper
+        group_name = getattr(c10d, "GroupName", str)(name)
+        previous = os.environ.get(_GLOO_LAZY_INIT)
+        os.environ[_GLOO_LAZY_INIT] = "1"
+        try:
+            group, _ = create(
+                world_size, rank, list(range(world_size)), "gloo", c10d._get_default_store(),
+                group_name, timeout=timeout,
+            )
+        finally:
+            if previous is None:
+                os.environ.pop(_GLOO_LAZY_INIT, None)
+            else:
+                os.environ[_GLOO_LAZY_INIT] = previous
+        c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}
+        return group
+    except (AttributeError, TypeError) as exc:  # a torch without the named-group hook
+        logger.warning(
+            "rank %d: this torch cannot create a named process group (%s); the checkpoint "
+            "coordination group is created with new_group, so every rank must create it at "
+            "the same point of its sequence of group creations: construct the "
+            "AsyncCallsQueue right after init_process_group",
+            rank, exc,
+        )
+        return dist.new_group(backend="gloo", timeout=timeout)
+
+
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+"""torch's switch for gloo groups that connect at their first collective."""
 
 
 def _describe_collective_failure(what: str, exc: BaseException) -> CoordinationError:

@@ -70,8 +70,10 @@ class AsyncCallsQueue:
         is_daemon: passed to :class:`PersistentAsyncCaller` (accepted for the reference
             API; our worker behaves the same either way).
 
-    Constructing the queue in a distributed job creates the gloo coordination group, a
-    collective: construct it on every rank.
+    Constructing the queue in a distributed job creates the gloo coordination group if
+    it does not exist yet. That creation waits for no peer and does not change the names
+    of groups created later, so ranks may construct their queues at different points
+    (before or after megatron-core creates its model-parallel groups).
     """
 
     def __init__(
