@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
@@ -133,7 +133,21 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     new tensors, and the freshly serialized ShardedObjects, to the previous save's write
     items (see :mod:`megatron_async.mcore.structure`). A change on any rank makes every rank
     plan again.
+
+    Copies: ``copy.copy``, ``copy.deepcopy`` and pickling give an independent strategy
+    with the same options (``config``) and empty caches: no cached plans or
+    ``cached_global_metadata`` and no staging buffers. megatron-core's tests deep-copy
+    the registered default strategy and then set ``use_cached_ckpt_structure`` on the
+    copy; the options live in the immutable ``config``, which a setter replaces, so that
+    never changes the original. A shallow copy does not share the caches either: they
+    hold the state of one strategy's saves (a staging buffer may still be leased to a
+    save in flight), and a copy that shared them would reuse or evict the original's
+    plans and buffers. Each strategy that saves therefore keeps its own staging
+    buffers; call :meth:`release_staging_buffers` on one you stop using.
     """
+
+    _CACHES = ("plan_cache", "staging_cache")
+    """The attributes that a copy gets empty (see the class docstring)."""
 
     def __init__(
         self,
@@ -158,10 +172,23 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         # that are properties here (thread_count, use_cached_ckpt_structure, ...): let it
         # write into a throw-away config, then put the chosen options in force.
         self.config = TorchDistSaveConfig()
-        self.plan_cache = PlanCache()
+        self._create_caches()
         generation.StrategyBase.__init__(self, backend, version)
         self.config = chosen
+
+    def _create_caches(self) -> None:
+        """Give this strategy empty caches (at construction, and in every copy)."""
+        self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Return what a copy or a pickle keeps: every attribute but the caches."""
+        return {name: value for name, value in vars(self).items() if name not in self._CACHES}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Restore a copy's attributes and give it empty caches of its own."""
+        self.__dict__.update(state)
+        self._create_caches()
 
     @property
     def cached_global_metadata(self) -> Optional[Metadata]:

@@ -5,6 +5,7 @@ Every scenario commits a good checkpoint (iteration 1) with the Megatron-style
 checks the guarantees: every rank raises a clear error, nothing marks iteration 2
 complete, the tracker still names iteration 1, iteration 1 still loads, and no
 background process is left behind. Rank 1 is the faulty rank unless said otherwise.
+:func:`rank_stopped_during_finalize` is an entry point of its own (a launch per call).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
 from megatron_async.errors import (
     AsyncSaveFailedError,
+    CoordinationError,
     CheckpointInProgressError,
     CheckpointIntegrityError,
     CheckpointValidationError,
@@ -39,9 +41,15 @@ from megatron_async.manager import (
     is_complete_checkpoint,
     read_tracker,
 )
-from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
 from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
-from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
+from tests.functional.scenarios_strategy import (
+    _check_checkpoint,
+    _dir,
+    _expect_error_everywhere,
+    _model_state,
+    _save_async,
+)
 from tests.persistent_worker import wait_until_worker_ready
 
 FAULTY_RANK = 1
@@ -548,3 +556,66 @@ def run_all(ctx: RankContext):
     for queue in _QUEUES.values():
         queue.close(abort=True)
     return outcomes
+
+
+# -- a launch of its own -------------------------------------------------------------------
+
+STOPPED_RANK_TIMEOUT_S = 8.0
+"""``coordination_timeout_s`` of the stopped-rank launch."""
+
+
+def _stop_this_process() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _resume_when_stopped(pid: int) -> None:
+    """SIGCONT ``pid`` once it is stopped (a SIGCONT sent earlier would be lost)."""
+    deadline = time.monotonic() + 30
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"rank process {pid} never stopped"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGCONT)
+
+
+def rank_stopped_during_finalize(ctx: RankContext):
+    """A rank stops (SIGSTOP) right before the commit's first collective: the others raise
+    within ``coordination_timeout_s``, nothing marks the save complete, the previous
+    checkpoint still loads.
+
+    A launch of its own (entry point): the coordination group gets its timeout when the
+    process's first queue creates it, and a group that timed out fails every later
+    collective at once (the job has to restart). The survivor wakes the stopped rank with
+    SIGCONT, which then fails its own next collective, so that the launch ends.
+    """
+    queue = AsyncCallsQueue(config=AsyncCallerConfig(coordination_timeout_s=STOPPED_RANK_TIMEOUT_S))
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    good = _dir(ctx, "before-stop")
+    _save_async(queue, ctx, good, TorchDistAsyncSaveStrategy(), 1.0)
+    failed = _dir(ctx, "stopped")
+    request = dist_checkpointing.save(
+        _model_state(ctx, 2.0), failed, sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True
+    )
+    if ctx.rank == FAULTY_RANK:  # after the agreement that the write is done everywhere
+        request.finalize_fns.insert(0, _stop_this_process)
+    queue.schedule_async_request(request)
+    caught, started = None, time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except (CoordinationError, AsyncSaveFailedError) as exc:
+        caught = exc
+    elapsed = time.monotonic() - started
+    if ctx.rank != FAULTY_RANK:
+        _resume_when_stopped(pids[FAULTY_RANK])
+    assert caught is not None, f"no CoordinationError or AsyncSaveFailedError on rank {ctx.rank}"
+    if ctx.rank != FAULTY_RANK:
+        assert elapsed < STOPPED_RANK_TIMEOUT_S + 20, elapsed
+    dist.barrier()
+    leftovers = set(os.listdir(failed)) & set(_MARKERS)
+    assert not leftovers, f"a save that never finalized is marked complete: {leftovers}"
+    assert failed not in checkpoint_dirs_in_flight()
+    _check_checkpoint(ctx, good, 1.0)
+    queue.close(abort=True)
+    _assert_no_process_left_behind()
+    _expect_error_everywhere(CoordinationError, coordination.barrier, "failed")  # at once
+    return {"error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300]}

@@ -8,6 +8,7 @@ through megatron-core's ``dist_checkpointing.load`` and through plain
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import errno
 import inspect
@@ -560,6 +561,31 @@ def megatron_lm_constant_structure_switch(ctx):
     assert strategy.staging_cache.num_bytes() > 0
 
 
+def deep_copy_saves_alternately_with_the_original(ctx, persistent):
+    """megatron-core's tests deep-copy a strategy and set ``use_cached_ckpt_structure``:
+    the copy, taken after a save, starts with empty caches, and both save in turn (sync
+    and async), each reusing only its own plans."""
+    queue = _queue(persistent)
+    original = TorchDistAsyncSaveStrategy()
+    original.use_cached_ckpt_structure = True
+    _save_async(queue, ctx, _dir(ctx, f"deepcopy-{persistent}-0"), original, 1.0)
+    clone = copy.deepcopy(original)
+    assert clone.use_cached_ckpt_structure and clone.structure_reuse_count == 0
+    assert clone.staging_cache.num_bytes() == 0
+    turns = [(clone, "async"), (original, "sync"), (clone, "sync"), (original, "async"), (clone, "async")]
+    for step, (strategy, mode) in enumerate(turns, start=1):
+        path, scale = _dir(ctx, f"deepcopy-{persistent}-{step}"), float(step + 1)
+        if mode == "sync":
+            dist_checkpointing.save(_model_state(ctx, scale), path, sharded_strategy=strategy)
+        else:
+            _save_async(queue, ctx, path, strategy, scale)
+        _check_checkpoint(ctx, path, scale)
+    reused = (original.structure_reuse_count, clone.structure_reuse_count)
+    assert reused == (2, 2), reused  # the first save of each plans, the others do not
+    assert original.staging_cache.num_bytes() > 0 and clone.staging_cache.num_bytes() > 0
+    return reused
+
+
 class _FailOnRankWriter(FileSystemWriterAsync):
     """A disk that is full on FAILING_RANK."""
 
@@ -768,6 +794,7 @@ SCENARIOS = {
         killed_worker_on_one_rank,
         overlapped_staging_update_after_the_guard,
         overlapped_staging_unguarded_update_fails_everywhere,
+        deep_copy_saves_alternately_with_the_original,
     ),
     **by_name(
         structure_change_on_one_rank_plans_everywhere,

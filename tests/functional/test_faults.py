@@ -4,7 +4,7 @@ checkpoint (2 ranks, one launch; see scenarios_faults.py for each fault's set-up
 import pytest
 
 from tests.functional import scenarios_faults
-from tests.functional.harness import assert_scenario_ok, launch_once, selected_scenarios
+from tests.functional.harness import assert_scenario_ok, launch, launch_once, selected_scenarios
 
 SCENARIOS = list(scenarios_faults.SCENARIOS)
 
@@ -24,3 +24,13 @@ def launch_results(request, tmp_path_factory):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_fault(launch_results, scenario):
     assert_scenario_ok(launch_results, scenario)
+
+
+@pytest.mark.timeout(200)
+def test_rank_stopped_during_finalize(tmp_path):
+    """Its own launch: see scenarios_faults.rank_stopped_during_finalize."""
+    survivor, stopped = launch(
+        "tests.functional.scenarios_faults:rank_stopped_during_finalize", 2, str(tmp_path), timeout_s=180
+    )
+    assert survivor["error"] == "CoordinationError" and "all_reduce" in survivor["message"], survivor
+    assert stopped["error"] == "CoordinationError", stopped  # its peer left the collective

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -27,7 +26,7 @@ from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
 from megatron_async.writer.buckets import WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_rank_group")]
 
 
 # -- the state dict --------------------------------------------------------------------
@@ -109,14 +108,6 @@ def _state(step: float, **change):
 
 
 # -- saving and checking --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Saver:
