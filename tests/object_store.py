@@ -9,7 +9,7 @@ middle of an upload, once, to inject a dropped connection deterministically (no 
 
 Why not a real store: Debian's ``radosgw`` (Ceph 16) needs a RADOS cluster behind it (a
 monitor and an OSD with their keyrings); it has no standalone backend in that release.
-See the README's object-storage section for what moto does not prove.
+See docs/object_storage.md for what moto does not prove.
 """
 
 from __future__ import annotations
