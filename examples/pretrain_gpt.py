@@ -49,10 +49,21 @@ def report_saves(records, progress: Progress, finished: list) -> None:
         )
 
 
+def report_failures(checkpointer: Checkpointer, progress: Progress) -> None:
+    """Print each save that failed while training went on (--ckpt-save-failure continue)."""
+    for iteration in checkpointer.take_failed_iterations():
+        progress.event(f"[ckpt] iter {iteration}: save failed (see the error above); training "
+                       "goes on, the next interval saves again", event="save_failed",
+                       iteration=iteration)
+
+
 def save_checkpoint(checkpointer: Checkpointer, iteration: int, consumed_samples: int,
                     progress: Progress) -> None:
     """Save (or schedule) a checkpoint and print how long training was blocked."""
     record = checkpointer.save(iteration, consumed_samples)
+    if record is None:  # failed under --ckpt-save-failure continue: reported below
+        report_failures(checkpointer, progress)
+        return
     what = "async save scheduled" if record.is_async else "saved"
     progress.event(f"[ckpt] iter {iteration}: {what}, training stalled {record.stall_s:.3f} s")
 
@@ -122,6 +133,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     while iteration < args.train_iters:
         report_saves(checkpointer.maybe_finalize(blocking=False), progress, saves)
+        report_failures(checkpointer, progress)
         batches = micro_batches(dataset, consumed_samples, args.global_batch_size,
                                 args.micro_batch_size, dp_rank, dp_size)
         loss = train_step(model, optimizer, batches, args.num_micro_batches, args)
@@ -136,6 +148,7 @@ def main(argv=None) -> None:
     if args.save and iteration != last_saved:
         save_checkpoint(checkpointer, iteration, consumed_samples, progress)
     report_saves(checkpointer.close(), progress, saves)
+    report_failures(checkpointer, progress)
     summary = f"done: {iteration} iterations in {time.perf_counter() - start:.1f} s"
     if saves:
         summary += (

@@ -52,6 +52,7 @@ from megatron_async.errors import (
     RankFailure,
 )
 from megatron_async.format import fsync_path, missing_completion_markers
+from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
 from megatron_async.storage.locations import is_object_url
 
 # The directory functions are part of this module's public surface too (older imports).
@@ -86,6 +87,9 @@ class CheckpointManagerConfig:
     keep_last_n: Optional[int] = None
     """Keep only the newest N complete checkpoints in ``save_dir``; None keeps all. The
     checkpoint the tracker points to and checkpoints still being written are never deleted."""
+
+    save_failure: SaveFailurePolicy = dataclasses.field(default_factory=SaveFailurePolicy)
+    """What :meth:`CheckpointManager.save_failed` does: end the job (default) or go on."""
 
     def __post_init__(self) -> None:
         if self.keep_last_n is not None and self.keep_last_n < 1:
@@ -125,6 +129,7 @@ class CheckpointManager:
     def __init__(self, config: CheckpointManagerConfig):
         self.config = config
         self._in_flight: Set[int] = set()
+        self.save_failures = SaveFailureTracker(config.save_failure)
 
     @property
     def in_flight(self) -> Set[int]:
@@ -186,6 +191,20 @@ class CheckpointManager:
         """
         self._in_flight.discard(iteration)
 
+    def save_failed(self, iteration: int, error: BaseException) -> None:
+        """Apply the save failure policy to a failed save of ``iteration`` (every rank).
+
+        Forgets the save (:meth:`abandon`: its directory stays without completion
+        markers, so no resume picks it, and the next save of that iteration clears it),
+        then returns under the ``continue`` policy or raises.
+
+        Raises:
+            ``error``: under the ``raise`` policy, or when it is no save failure.
+            TooManySaveFailuresError: too many failed saves in a row.
+        """
+        self.abandon(iteration)
+        self.save_failures.failed(error, f"iteration {iteration} ({self.checkpoint_path(iteration)})")
+
     def commit(self, iteration: int) -> None:
         """Mark ``iteration``'s checkpoint as the latest, then apply retention.
 
@@ -207,6 +226,7 @@ class CheckpointManager:
                 failure = RankFailure.from_exception(0, "commit", exc)
         self._in_flight.discard(iteration)
         self._raise_if_failed(failure, path)
+        self.save_failures.succeeded()
         if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
             try:
                 self.apply_retention()

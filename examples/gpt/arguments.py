@@ -96,6 +96,12 @@ def _build_parser() -> argparse.ArgumentParser:
                       "ranks) against the checksums recorded at save time; stop on damage")
     ckpt.add_argument("--keep-last-n", type=int, default=None,
                       help="keep only the newest N checkpoints (never the latest or one in flight)")
+    ckpt.add_argument("--ckpt-save-failure", choices=["raise", "continue"], default="raise",
+                      help="a failed save ends the job (raise) or is logged on every rank while "
+                      "training goes on and the next interval saves again (continue)")
+    ckpt.add_argument("--ckpt-max-consecutive-save-failures", type=int, default=3,
+                      help="with --ckpt-save-failure continue: this many failed saves in a row "
+                      "end the job")
     return parser
 
 

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_async import TorchDistAsyncSaveStrategy
 from gpt import cpu_compat
+from gpt.debug_hooks import DEBUG_SAVE_DELAY_ENV, DEBUG_SAVE_FAULT_ENV, DebugSaveHooks
 from gpt.resharding import (
     LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
     ParallelLayout,
@@ -45,23 +46,19 @@ from gpt.resharding import (
     with_process_groups,
 )
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
-from megatron_async.errors import CheckpointIntegrityError
+from megatron_async.errors import AsyncSaveFailedError, CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
+from megatron_async.save_failures import SaveFailurePolicy
 from megatron_async.staging.overlapped import refuse_overlap_param_gather
 from megatron_async.storage import is_object_url
 
-__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "enable_object_storage"]
+__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "enable_object_storage"]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 2
 """2: RNG states are sharded over (pipeline, tensor, data) ranks; 1 had no pipeline axis."""
-
-DEBUG_SAVE_DELAY_ENV = "PRETRAIN_GPT_DEBUG_SAVE_DELAY"
-"""Debugging knob ``"ITERATION:SECONDS"``: the background write of that iteration's
-checkpoint sleeps for SECONDS after writing its shards, before the save can finalize.
-Used to kill a job in the middle of an async save (tests/functional/test_pretrain_gpt.py)."""
 
 @dataclasses.dataclass
 class SaveRecord:
@@ -92,20 +89,6 @@ class SaveRecord:
         """Bytes per second of the part that wrote: the background for async, the stall for sync."""
         seconds = self.background_s if self.is_async else self.stall_s
         return self.num_bytes / seconds if seconds > 0 else float("nan")
-
-
-def _read_debug_save_delay() -> Optional[Tuple[int, float]]:
-    value = os.environ.get(DEBUG_SAVE_DELAY_ENV)
-    if not value:
-        return None
-    iteration, _, seconds = value.partition(":")
-    return int(iteration), float(seconds)
-
-
-def _write_then_stall(async_fn, delay_s: float, *args, **kwargs) -> None:
-    """Background side of the debug delay: write as usual, then hold the save open."""
-    async_fn(*args, **kwargs)
-    time.sleep(delay_s)
 
 
 def enable_object_storage(msc_config: Optional[str]) -> None:
@@ -214,7 +197,11 @@ class Checkpointer:
         self.optimizer = optimizer
         self.manager = CheckpointManager(
             CheckpointManagerConfig(
-                save_dir=args.save, load_dir=args.load, keep_last_n=args.keep_last_n
+                save_dir=args.save, load_dir=args.load, keep_last_n=args.keep_last_n,
+                save_failure=SaveFailurePolicy(
+                    mode=args.ckpt_save_failure,
+                    max_consecutive_failures=args.ckpt_max_consecutive_save_failures,
+                ),
             )
         )
         self.queue = queue if queue is not None else create_checkpoint_queue(args)
@@ -224,7 +211,8 @@ class Checkpointer:
         self._sharding_validated = False
         self._finished: List[SaveRecord] = []
         self._pending: Dict[int, SaveRecord] = {}
-        self._debug_delay = _read_debug_save_delay()
+        self._debug = DebugSaveHooks.from_environment()
+        self._failed: List[int] = []
         # What every save records as its format (Megatron-LM's sharded_state_dict metadata).
         self._content_metadata = build_content_metadata(args)
 
@@ -233,14 +221,23 @@ class Checkpointer:
         """Iterations whose save was scheduled and is not finalized yet."""
         return sorted(self._pending)
 
-    def save(self, iteration: int, consumed_samples: int) -> SaveRecord:
+    def save(self, iteration: int, consumed_samples: int) -> Optional[SaveRecord]:
         """Save the training state of ``iteration``; with ``--async-save``, in the background.
 
         Returns once the state is staged (async) or written and committed (sync). The
-        record of an async save is completed by the finalize that sees it durable.
+        record of an async save is completed by the finalize that sees it durable. A
+        save that fails here returns None under ``--ckpt-save-failure continue``.
         """
-        args = self.args
         start = time.perf_counter()
+        try:
+            return self._save(iteration, consumed_samples, start)
+        except Exception as exc:  # the failure policy decides: go on, or raise
+            self._pending.pop(iteration, None)
+            self._save_failed(iteration, exc)
+            return None
+
+    def _save(self, iteration: int, consumed_samples: int, start: float) -> SaveRecord:
+        args = self.args
         path = self.manager.prepare_save(iteration)
         record = SaveRecord(iteration, path, args.async_save)
         state_dict = self._state_dict(
@@ -267,11 +264,7 @@ class Checkpointer:
             record.stall_s = time.perf_counter() - start
             self._on_durable(record)
             return record
-        if self._debug_delay is not None and self._debug_delay[0] == iteration:
-            stalling_fn = functools.partial(
-                _write_then_stall, request.async_fn, self._debug_delay[1]
-            )
-            request = request._replace(async_fn=stalling_fn)
+        request = self._debug.wrap(request, iteration)
         self.manager.attach_commit(request, iteration)
         request.add_finalize_fn(functools.partial(self._on_durable, record))
         self.queue.schedule_async_request(request)
@@ -283,10 +276,28 @@ class Checkpointer:
     def maybe_finalize(self, blocking: bool = False) -> List[SaveRecord]:
         """Finalize saves that are done on every rank; return the records finished since
         the last call (sync saves included)."""
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        while self.queue is not None:
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
+                break
+            except AsyncSaveFailedError as exc:
+                # Calls finalize in the order they were scheduled: the failed one is the
+                # oldest save still pending. Later saves are finalized by the next round.
+                iteration = min(self._pending)
+                self._pending.pop(iteration)
+                self._save_failed(iteration, exc)
         finished, self._finished = self._finished, []
         return finished
+
+    def _save_failed(self, iteration: int, error: BaseException) -> None:
+        """Every rank: the save of ``iteration`` failed; the failure policy raises or goes on."""
+        self.manager.save_failed(iteration, error)
+        self._failed.append(iteration)
+
+    def take_failed_iterations(self) -> List[int]:
+        """Iterations whose save failed (and training went on) since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def close(self) -> List[SaveRecord]:
         """Wait for every save, stop the background worker; return the last records."""

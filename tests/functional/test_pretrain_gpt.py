@@ -42,17 +42,17 @@ def _env(extra=None):
     return env
 
 
-def launch_pretrain(flags, metrics_file):
+def launch_pretrain(flags, metrics_file, env=None):
     """Run one job to its end, whatever its exit code; return the finished process."""
     return subprocess.run(
         _command([*flags, "--metrics-file", str(metrics_file)]),
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+        cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
 
 
-def run_pretrain(flags, metrics_file):
+def run_pretrain(flags, metrics_file, env=None):
     """Run one job to completion; return its metrics (rank 0's JSON lines)."""
-    proc = launch_pretrain(flags, metrics_file)
+    proc = launch_pretrain(flags, metrics_file, env)
     if proc.returncode != 0:
         raise AssertionError(
             f"pretrain_gpt.py exited with {proc.returncode}\n--- stdout ---\n"

@@ -1,0 +1,77 @@
+"""Debugging hooks of the example's saves, set through environment variables.
+
+Runs on every rank when a save is scheduled; the wrapped write runs in the background
+process. The functional tests use them to kill a job in the middle of an async save and
+to make saves fail (tests/functional/test_pretrain_gpt.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import os
+import signal
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "DebugSaveHooks"]
+
+DEBUG_SAVE_DELAY_ENV = "PRETRAIN_GPT_DEBUG_SAVE_DELAY"
+"""``"ITERATION:SECONDS"``: the background write of that iteration's checkpoint sleeps for
+SECONDS after writing its shards, before the save can finalize."""
+
+DEBUG_SAVE_FAULT_ENV = "PRETRAIN_GPT_DEBUG_SAVE_FAULT"
+"""``"ITERATION:FAULT[,ITERATION:FAULT...]"``: the background write of that iteration's
+checkpoint fails on the last rank (rank 1 of two), with FAULT ``disk_full`` (the write
+raises ENOSPC) or ``dead_worker`` (the writing process is SIGKILLed)."""
+
+FAULTS = ("disk_full", "dead_worker")
+
+
+def _write_then_stall(async_fn, delay_s: float, *args, **kwargs) -> None:
+    """Background side of the delay: write as usual, then hold the save open."""
+    async_fn(*args, **kwargs)
+    time.sleep(delay_s)
+
+
+def _fail_write(fault: str, *args, **kwargs) -> None:
+    """Background side of a fault: the write of this rank fails instead of writing."""
+    if fault == "dead_worker":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, f"No space left on device (injected by {DEBUG_SAVE_FAULT_ENV})")
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugSaveHooks:
+    """The hooks the environment asks for."""
+
+    delay: Optional[Tuple[int, float]] = None
+    faults: Dict[int, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_environment(cls) -> "DebugSaveHooks":
+        delay = None
+        if os.environ.get(DEBUG_SAVE_DELAY_ENV):
+            iteration, _, seconds = os.environ[DEBUG_SAVE_DELAY_ENV].partition(":")
+            delay = (int(iteration), float(seconds))
+        faults = {}
+        for item in filter(None, os.environ.get(DEBUG_SAVE_FAULT_ENV, "").split(",")):
+            iteration, _, fault = item.partition(":")
+            if fault not in FAULTS:
+                raise ValueError(f"{DEBUG_SAVE_FAULT_ENV}: unknown fault {fault!r} in {item!r}; use one of {FAULTS}")
+            faults[int(iteration)] = fault
+        return cls(delay, faults)
+
+    def wrap(self, request, iteration: int):
+        """The request to schedule for ``iteration``'s save (every rank)."""
+        if self.delay is not None and self.delay[0] == iteration:
+            request = request._replace(
+                async_fn=functools.partial(_write_then_stall, request.async_fn, self.delay[1])
+            )
+        last_rank = torch.distributed.get_world_size() - 1
+        if iteration in self.faults and torch.distributed.get_rank() == last_rank:
+            request = request._replace(async_fn=functools.partial(_fail_write, self.faults[iteration]))
+        return request

@@ -1,0 +1,65 @@
+"""``--ckpt-save-failure continue`` in the GPT example: failed saves do not end the job.
+
+Real 2-rank torchrun jobs; the example's fault injection (``PRETRAIN_GPT_DEBUG_SAVE_FAULT``)
+makes the background write of chosen iterations fail on rank 1: a full disk (ENOSPC) or a
+writer process killed outright.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_async.manager import is_complete_checkpoint, read_tracker
+from tests.functional.test_pretrain_gpt import (
+    LAUNCH_TIMEOUT_S,
+    events,
+    launch_pretrain,
+    losses,
+    read_metrics,
+    run_pretrain,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 30)
+@pytest.mark.parametrize("caller", ["temporal", "persistent"])
+def test_failed_saves_are_logged_and_training_goes_on(tmp_path, caller):
+    """A full disk at iteration 4 and a killed writer at 6: the job trains to the end, the
+    saves of 2, 8 and 10 commit, the tracker names 10, 4 and 6 stay incomplete, and the
+    next run resumes from 10."""
+    save_dir = tmp_path / "ckpt"
+    flags = ["--async-save", "--save", str(save_dir), "--load", str(save_dir),
+             "--save-interval", "2", "--ckpt-save-failure", "continue"]
+    if caller == "persistent":
+        flags.append("--use-persistent-ckpt-worker")
+    faults = {"PRETRAIN_GPT_DEBUG_SAVE_FAULT": "4:disk_full,6:dead_worker"}
+    metrics = run_pretrain([*flags, "--train-iters", "10"], tmp_path / "run.jsonl", faults)
+
+    assert max(losses(metrics)) == 10
+    assert [e["iteration"] for e in events(metrics, "save_failed")] == [4, 6]
+    assert [e["iteration"] for e in events(metrics, "save")] == [2, 8, 10]
+    assert read_tracker(str(save_dir)) == 10
+    for iteration in (4, 6):
+        assert not is_complete_checkpoint(str(save_dir / f"iter_{iteration:07d}"))
+
+    resumed = run_pretrain([*flags, "--train-iters", "12"], tmp_path / "resumed.jsonl")
+    assert [e["iteration"] for e in events(resumed, "resume")] == [10]
+    assert read_tracker(str(save_dir)) == 12
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_consecutive_failures_past_the_limit_end_the_job(tmp_path):
+    """Two failed saves in a row with a limit of 2: the job stops with
+    TooManySaveFailuresError; the tracker still names the last complete checkpoint."""
+    save_dir = tmp_path / "ckpt"
+    flags = ["--async-save", "--save", str(save_dir), "--save-interval", "2",
+             "--train-iters", "10", "--ckpt-save-failure", "continue",
+             "--ckpt-max-consecutive-save-failures", "2"]
+    proc = launch_pretrain(flags, tmp_path / "run.jsonl",
+                           {"PRETRAIN_GPT_DEBUG_SAVE_FAULT": "4:disk_full,6:disk_full"})
+    assert proc.returncode != 0
+    assert "TooManySaveFailuresError" in proc.stderr and "2 checkpoint saves failed in a row" in proc.stderr
+    assert "No space left on device" in proc.stderr
+    assert [e["iteration"] for e in events(read_metrics(tmp_path / "run.jsonl"), "save_failed")] == [4]
+    assert read_tracker(str(save_dir)) == 2
