@@ -30,12 +30,14 @@ class SaveDetails:
         plan_s: time the trainer spent planning (the first part of the stall).
         write_s: time the background write took, as the writer measured it.
         num_bytes: bytes this rank wrote.
+        changes: on the coordinator, how many items changed since the previous save.
     """
 
     checkpoint: str
     plan_s: float
     write_s: Optional[float]
     num_bytes: Optional[int]
+    changes: Optional[str] = None
 
 
 def details_of(request: Any) -> Optional[SaveDetails]:
@@ -80,7 +82,7 @@ def log_finalized_save(
     written = f"{details.num_bytes} bytes" if details.num_bytes is not None else "unknown bytes"
     logger.info(
         "rank %d: checkpoint %s saved (async call %d): stall %.3fs (plan %.3fs + staging "
-        "%.3fs), background write %s, %s, %s, finalize %.3fs",
+        "%.3fs), background write %s, %s, %s, finalize %.3fs%s",
         rank, details.checkpoint, call_idx, stall_s, details.plan_s, schedule_s, write,
-        written, rate, finalize_s,
+        written, rate, finalize_s, f"; {details.changes}" if details.changes else "",
     )

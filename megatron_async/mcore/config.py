@@ -58,6 +58,13 @@ class TorchDistSaveConfig:
     digests next to the data, for ``python -m megatron_async verify`` and
     :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
 
+    fail_on_stale_checkpoint: bool = False
+    """With ``checksums``, the coordinator compares every item's digest with the previous
+    save's of this strategy: when none changed (the same weights written again into a new
+    checkpoint, the symptom of stale cached tensors) it logs a WARNING naming both
+    checkpoints; True fails that save instead (no ``.metadata``). Saves where only some
+    items changed (frozen parameters) are normal and only counted in the per-save INFO line."""
+
     direct_io: bool = True
     """Write local checkpoint files with ``O_DIRECT`` (through an aligned bounce buffer),
     bypassing the page cache, where the file system accepts it: far less CPU per byte

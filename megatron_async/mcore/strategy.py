@@ -39,6 +39,7 @@ from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
+from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList
@@ -86,7 +87,11 @@ class _SaveFinalizer:
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
         writer = self._args[0]
-        return SaveDetails(self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written)
+        report = getattr(writer, "change_report", None)
+        return SaveDetails(
+            self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written,
+            report.summary() if report is not None else None,
+        )
 
 
 def _config_property(field: str) -> property:
@@ -146,7 +151,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     buffers; call :meth:`release_staging_buffers` on one you stop using.
     """
 
-    _CACHES = ("plan_cache", "staging_cache")
+    _CACHES = ("plan_cache", "staging_cache", "digest_history")
     """The attributes that a copy gets empty (see the class docstring)."""
 
     def __init__(
@@ -180,6 +185,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         """Give this strategy empty caches (at construction, and in every copy)."""
         self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
+        self.digest_history = SaveDigestHistory()
 
     def __getstate__(self) -> Dict[str, Any]:
         """Return what a copy or a pickle keeps: every attribute but the caches."""
@@ -293,7 +299,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 sharded_state_dict,
                 checkpoint_dir,
                 self.config,
-                lambda: self._create_writer(checkpoint_dir),
+                lambda: self._with_history(self._create_writer(checkpoint_dir)),
                 check_target,
             )
             plan_s = time.monotonic() - start
@@ -318,6 +324,12 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
         )
+
+    def _with_history(self, writer: FileSystemWriterAsync) -> FileSystemWriterAsync:
+        """Let the writer's commit compare this save's digests with the previous save's."""
+        self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
+        writer.digest_history = self.digest_history
+        return writer
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
         """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""

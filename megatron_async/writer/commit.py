@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
@@ -27,6 +27,7 @@ from megatron_async.format import (
 )
 from megatron_async.storage.locations import is_object_url
 from megatron_async.integrity import checksums
+from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
 
 __all__ = ["commit_checkpoint"]
 
@@ -36,7 +37,8 @@ def commit_checkpoint(
     metadata: Metadata,
     results: List[List[WriteResult]],
     storage_meta: Any,
-) -> None:
+    digest_history: Optional[SaveDigestHistory] = None,
+) -> Optional[ChangeReport]:
     """Write the checksums and ``.metadata`` of a checkpoint whose data is durable (coordinator).
 
     Args:
@@ -45,8 +47,26 @@ def commit_checkpoint(
             save): a copy gets every item's storage location.
         results: every rank's write results, in rank order.
         storage_meta: the writer's ``storage_meta()``.
+        digest_history: the job's previous digests, to report what changed (and warn
+            when nothing did); None skips the comparison.
+
+    Returns:
+        The comparison with the previous save, when there was a history and checksums.
+
+    Raises:
+        StaleCheckpointError: the history is set to fail stale saves and nothing changed;
+            nothing is written then.
     """
     stored = _stored_results(results)
+    report = None
+    if digest_history is not None:
+        digests = [
+            ((index.fqn, None if index.offset is None else tuple(index.offset)), result.checksum)
+            for index, result in stored.items()
+            if getattr(result, "checksum", None) is not None and not _is_empty(result)
+        ]
+        if digests:
+            report = digest_history.record(checkpoint_dir, digests)
     metadata = copy.copy(metadata)
     metadata.storage_data = {index: result.storage_data for index, result in stored.items()}
     metadata.storage_meta = storage_meta
@@ -62,6 +82,7 @@ def commit_checkpoint(
         fsync_path(common)
     _record_checksums(checkpoint_dir, stored.values())
     write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
+    return report
 
 
 def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, WriteResult]:

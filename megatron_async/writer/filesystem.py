@@ -58,6 +58,7 @@ from megatron_async.storage.locations import (
 )
 from megatron_async.writer import write_paths
 from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
+from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
 from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.results import ResultFile
 from megatron_async.writer.write_paths import SpecBucketWriter
@@ -327,6 +328,10 @@ class FileSystemWriterAsync(FileSystemWriter):
         with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
         self.write_elapsed_s: Optional[float] = None
         """How long the background write took, once ``retrieve_write_results`` succeeded."""
+        self.digest_history: Optional[SaveDigestHistory] = None
+        """The job's previous digests (set by the strategy): the commit reports what changed."""
+        self.change_report: Optional[ChangeReport] = None
+        """On the coordinator, after the commit: how the items compare with the previous save."""
         self._staging_key: Optional[str] = None
         self._write_results: Optional[List[WriteResult]] = None
 
@@ -677,4 +682,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         Runs after every rank's data is written; see
         :func:`megatron_async.writer.commit.commit_checkpoint`.
         """
-        commit_checkpoint(self.checkpoint_dir, metadata, results, self.storage_meta())
+        self.change_report = commit_checkpoint(
+            self.checkpoint_dir, metadata, results, self.storage_meta(), self.digest_history
+        )

@@ -13,6 +13,7 @@ import importlib
 import errno
 import inspect
 import io
+import logging
 import os
 import signal
 import time
@@ -561,6 +562,60 @@ def megatron_lm_constant_structure_switch(ctx):
     assert strategy.staging_cache.num_bytes() > 0
 
 
+@contextlib.contextmanager
+def _captured_log(name: str, level: int):
+    """The records of logger ``name`` at ``level`` and above while the block runs."""
+    records = []
+    handler = logging.Handler(level)
+    handler.emit = records.append
+    log = logging.getLogger(name)
+    previous = log.level
+    log.addHandler(handler)
+    log.setLevel(min(level, previous or level))
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(previous)
+
+
+def stale_checkpoint_detection(ctx, persistent):
+    """The same weights saved again into a new checkpoint warn on the coordinator, naming
+    both checkpoints; changed weights are counted in the per-save INFO line; with
+    ``fail_on_stale_checkpoint`` the stale save fails on every rank, unmarked, and the
+    previous checkpoint still loads."""
+    queue = _queue(persistent)
+    strategy = TorchDistAsyncSaveStrategy()
+    strategy.use_cached_ckpt_structure = True
+    first, again, changed = (_dir(ctx, f"stale-{persistent}-{n}") for n in range(3))
+    with _captured_log("megatron_async.integrity.staleness", logging.WARNING) as warnings, \
+            _captured_log("megatron_async.core.save_report", logging.INFO) as lines:
+        _save_async(queue, ctx, first, strategy, 5.0)
+        _save_async(queue, ctx, again, strategy, 5.0)
+        _save_async(queue, ctx, changed, strategy, 6.0)
+    _check_checkpoint(ctx, again, 5.0)
+    messages = [r.getMessage() for r in warnings]
+    infos = [r.getMessage() for r in lines]
+    if ctx.rank == 0:
+        assert len(messages) == 1 and again in messages[0] and first in messages[0], messages
+        assert "first save of this job" in infos[0], infos
+        assert "0 of " in infos[1] and "items changed since the previous save" in infos[1], infos
+        assert "0 of " not in infos[2] and "items changed" in infos[2], infos
+    else:
+        assert not messages and not any("items changed" in line for line in infos), (messages, infos)
+
+    strict = TorchDistAsyncSaveStrategy(fail_on_stale_checkpoint=True)
+    ok, stale = _dir(ctx, f"stale-strict-{persistent}-0"), _dir(ctx, f"stale-strict-{persistent}-1")
+    _save_async(queue, ctx, ok, strict, 7.0)
+    try:
+        _save_async(queue, ctx, stale, strict, 7.0)
+        raise AssertionError("a stale save with fail_on_stale_checkpoint=True succeeded")
+    except AsyncSaveFailedError as exc:
+        assert "holds exactly the data of the previous save" in str(exc), exc
+    assert not os.path.exists(os.path.join(stale, ".metadata"))
+    _check_checkpoint(ctx, ok, 7.0)
+
+
 def deep_copy_saves_alternately_with_the_original(ctx, persistent):
     """megatron-core's tests deep-copy a strategy and set ``use_cached_ckpt_structure``:
     the copy, taken after a save, starts with empty caches, and both save in turn (sync
@@ -795,6 +850,7 @@ SCENARIOS = {
         overlapped_staging_update_after_the_guard,
         overlapped_staging_unguarded_update_fails_everywhere,
         deep_copy_saves_alternately_with_the_original,
+        stale_checkpoint_detection,
     ),
     **by_name(
         structure_change_on_one_rank_plans_everywhere,
