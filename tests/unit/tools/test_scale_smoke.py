@@ -1,0 +1,28 @@
+"""Smoke test of the scale benchmark (tools/bench/scale.py) at a tiny size."""
+
+import pytest
+
+from tools.bench import scale
+
+
+@pytest.mark.parametrize("layout", scale.LAYOUTS)
+def test_synthesized_plans_are_a_valid_global_plan_for_every_method(layout, tmp_path):
+    plans, results = scale.synthesize(layout, 16, 3)
+    assert len(plans) == len(results) == 16 and all(len(p.items) == 3 for p in plans)
+    sizes = {}
+    for method in ("ours", "dcp"):
+        metadata = scale._plan(method, plans)
+        directory = tmp_path / method
+        directory.mkdir()
+        sizes[method] = scale._commit(method, metadata, results, str(directory))
+        chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
+        assert chunks == 16 * 3
+    assert sizes["ours"] > 0 and sizes["dcp"] > 0
+
+
+def test_one_measurement_in_a_child_process_and_the_report(tmp_path):
+    result = scale.measure("ours", "tp8", 16, 3, timeout_s=120)
+    assert (result.ranks, result.items_per_rank, result.items) == (16, 3, 48)
+    assert result.plan_s > 0 and result.commit_s > 0 and result.metadata_bytes > 0
+    table = scale.render([result, scale.measure("dcp", "tp8", 16, 3, timeout_s=120)])
+    assert "| tp8 | 16 x 3 |" in table and "ours / DCP" in table

@@ -1,0 +1,324 @@
+"""How a save's coordinator cost grows with the job: thousands of ranks, by simulation.
+
+Runs in one process per measurement, no distributed job: it synthesizes the local plans
+and the write results of N ranks (the shapes megatron-core's layouts produce) and runs
+the *real* coordinator code on them, the code the coordinator rank runs on the training
+thread while every other rank waits:
+
+* ``plan``: global planning and validation of a first save (``build_global_metadata``
+  with megatron-core's ``MCoreSavePlanner``, which our strategy uses);
+* ``commit``: what every save's finalize does on the coordinator once the write results
+  are gathered (``commit_checkpoint``: storage data, checksum records, ``.metadata``),
+  into a temporary directory.
+
+The anchors run the same plans through PyTorch DCP's ``DefaultSavePlanner`` (global plan)
+and DCP's own commit (storage data on the metadata, one pickle), and through
+megatron-core's planner alone. Each (method, N) runs in a fresh child process, so the
+peak resident memory it reports (``ru_maxrss`` after minus before the phase) belongs to
+that phase alone.
+
+Layouts (``--layouts``):
+
+* ``tp8``: every tensor split along its first axis over a tensor-parallel group of 8;
+* ``dist_optimizer``: the distributed optimizer's fully reshardable state, every tensor
+  flattened and split over all N ranks;
+* ``moe``: experts, each rank owning whole tensors of its own.
+
+Run it as ``python -m tools.bench.scale --ranks 64,256,1024 --items-per-rank 100,300``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import pickle
+import resource
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, List, Sequence
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "synthesize", "measure", "run_sweep", "main"]
+
+LAYOUTS = ("tp8", "dist_optimizer", "moe")
+METHODS = ("ours", "dcp", "mcore_planner")
+"""``ours``: build_global_metadata + commit_checkpoint; ``dcp``: DefaultSavePlanner +
+DCP's commit; ``mcore_planner``: megatron-core's planner's global plan alone."""
+
+_ROWS_PER_CHUNK = 64
+_COLUMNS = 128
+_ITEM_BYTES = _ROWS_PER_CHUNK * _COLUMNS * 2  # bf16
+
+
+@dataclasses.dataclass
+class ScaleResult:
+    """One measurement: a method on the plans of ``ranks`` x ``items_per_rank``."""
+
+    method: str
+    layout: str
+    ranks: int
+    items_per_rank: int
+    plan_s: float
+    commit_s: float
+    metadata_bytes: int
+    plan_peak_mib: float
+    commit_peak_mib: float
+
+    @property
+    def items(self) -> int:
+        return self.ranks * self.items_per_rank
+
+
+def _chunk(fqn: str, offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[int]) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=torch.bfloat16),
+            size=torch.Size(whole),
+        ),
+    )
+
+
+def _rank_items(layout: str, rank: int, ranks: int, items_per_rank: int) -> List[WriteItem]:
+    """The write items of one rank under ``layout`` (deterministic)."""
+    items = []
+    if layout == "tp8":
+        group, tp_rank = divmod(rank, 8)
+        tp_size = min(8, ranks - group * 8)
+        for j in range(items_per_rank):
+            whole = (_ROWS_PER_CHUNK * tp_size, _COLUMNS)
+            items.append(_chunk(f"stage{group}.layer{j}.weight", (tp_rank * _ROWS_PER_CHUNK, 0),
+                                (_ROWS_PER_CHUNK, _COLUMNS), whole))
+    elif layout == "dist_optimizer":
+        numel = _ROWS_PER_CHUNK * _COLUMNS
+        for j in range(items_per_rank):
+            items.append(_chunk(f"optimizer.state.{j}.exp_avg", (rank * numel,), (numel,), (ranks * numel,)))
+    elif layout == "moe":
+        for j in range(items_per_rank):
+            shape = (_ROWS_PER_CHUNK, _COLUMNS)
+            items.append(_chunk(f"experts.{rank}.linear{j}.weight", (0, 0), shape, shape))
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    return items
+
+
+def synthesize(layout: str, ranks: int, items_per_rank: int):
+    """Local plans and write results of every rank, as the coordinator receives them."""
+    from megatron_async.writer.bucket_io import ChecksummedWriteResult
+
+    plans, results = [], []
+    for rank in range(ranks):
+        items = _rank_items(layout, rank, ranks, items_per_rank)
+        plans.append(SavePlan(items))
+        file_name = f"__{rank}_0.distcp"
+        results.append([
+            ChecksummedWriteResult(
+                item.index, _ITEM_BYTES,
+                _StorageInfo(file_name, position * _ITEM_BYTES, _ITEM_BYTES),
+                f"{(rank * 1_000_003 + position) & 0xFFFFFFFFFFFFFFFF:016x}",
+            )
+            for position, item in enumerate(items)
+        ])
+    return plans, results
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _mcore_planner():
+    """The planner our strategy saves with (its default options)."""
+    from megatron_async.mcore import generation
+    from megatron_async.mcore.config import TorchDistSaveConfig
+
+    return generation.create_save_planner(TorchDistSaveConfig())
+
+
+def _plan(method: str, plans):
+    if method == "ours":
+        from megatron_async.saver.state_dict_saver import build_global_metadata
+
+        return build_global_metadata(_mcore_planner(), plans)
+    planner = DefaultSavePlanner(flatten_state_dict=False) if method == "dcp" else _mcore_planner()
+    _, metadata = planner.create_global_plan(plans)
+    return metadata
+
+
+def _commit(method: str, metadata, results, directory: str) -> int:
+    """The coordinator's commit of one save; returns the ``.metadata`` bytes."""
+    if method == "ours":
+        from megatron_async.writer.commit import commit_checkpoint
+
+        commit_checkpoint(directory, metadata, results, None)
+        return os.path.getsize(os.path.join(directory, ".metadata"))
+    # DCP's FileSystemWriter.finish: storage data from the results, one pickle.
+    metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+    data = pickle.dumps(metadata)
+    with open(os.path.join(directory, ".metadata"), "wb") as stream:
+        stream.write(data)
+        os.fsync(stream.fileno())
+    return len(data)
+
+
+def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int, conn) -> None:
+    """Child process: synthesize, then time one method's phases and their peak memory."""
+    plans, results = synthesize(layout, ranks, items_per_rank)
+    directory = tempfile.mkdtemp(prefix="scale-bench-")
+    try:
+        before = _peak_mib()
+        start = time.perf_counter()
+        metadata = _plan(method, plans)
+        plan_s = time.perf_counter() - start
+        after_plan = _peak_mib()
+        commit_s, metadata_bytes = 0.0, 0
+        if method != "mcore_planner":
+            start = time.perf_counter()
+            metadata_bytes = _commit(method, metadata, results, directory)
+            commit_s = time.perf_counter() - start
+        conn.send(ScaleResult(method, layout, ranks, items_per_rank, plan_s, commit_s,
+                              metadata_bytes, after_plan - before, _peak_mib() - after_plan))
+    except BaseException as exc:  # reported to the parent, which raises it
+        conn.send(exc)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        conn.close()
+
+
+def measure(method: str, layout: str, ranks: int, items_per_rank: int, timeout_s: float = 1800.0) -> ScaleResult:
+    """One measurement in a fresh spawned process (bounded by ``timeout_s``)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_measure_in_child, args=(method, layout, ranks, items_per_rank, child))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"{method} at {ranks} ranks x {items_per_rank} items took over {timeout_s:.0f}s")
+        outcome = parent.recv()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def run_sweep(ranks: Sequence[int], items_per_rank: Sequence[int], layouts: Sequence[str],
+              methods: Sequence[str] = METHODS) -> List[ScaleResult]:
+    """Every (layout, N, items per rank, method), smallest first."""
+    results = []
+    for layout in layouts:
+        for items in items_per_rank:
+            for n in sorted(ranks):
+                for method in methods:
+                    result = measure(method, layout, n, items)
+                    print(_format_row(result), flush=True)
+                    results.append(result)
+    return results
+
+
+_HEADER = ("| layout | ranks x items | method | plan (first save) | commit (every save) | "
+           "`.metadata` | peak RSS plan / commit |\n| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def _format_row(r: ScaleResult) -> str:
+    commit = f"{r.commit_s:.3f} s" if r.method != "mcore_planner" else "-"
+    size = f"{r.metadata_bytes / 2**20:.1f} MiB" if r.metadata_bytes else "-"
+    return (f"| {r.layout} | {r.ranks} x {r.items_per_rank} ({r.items:,}) | {r.method} | "
+            f"{r.plan_s:.3f} s | {commit} | {size} | {r.plan_peak_mib:.0f} / {r.commit_peak_mib:.0f} MiB |")
+
+
+def render(results: Sequence[ScaleResult]) -> str:
+    """The markdown table, with ours against DCP per row group."""
+    lines = [_HEADER, *(_format_row(r) for r in results)]
+    by_key: Dict[Any, Dict[str, ScaleResult]] = {}
+    for r in results:
+        by_key.setdefault((r.layout, r.ranks, r.items_per_rank), {})[r.method] = r
+    ratios = []
+    for (layout, n, items), group in by_key.items():
+        if "ours" in group and "dcp" in group:
+            ours, dcp = group["ours"], group["dcp"]
+            ratios.append(
+                f"| {layout} | {n} x {items} | {ours.plan_s / max(dcp.plan_s, 1e-9):.2f} | "
+                f"{ours.commit_s / max(dcp.commit_s, 1e-9):.2f} | "
+                f"{ours.metadata_bytes / max(dcp.metadata_bytes, 1):.2f} |"
+            )
+    if ratios:
+        lines += ["", "| layout | ranks x items | plan, ours / DCP | commit, ours / DCP | `.metadata`, ours / DCP |",
+                  "| --- | --- | --- | --- | --- |", *ratios]
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[ScaleResult], path: str) -> bool:
+    """Plan + commit time against the item count, one line per (layout, method)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: Dict[Any, List[ScaleResult]] = {}
+    for r in results:
+        if r.method != "mcore_planner":
+            series.setdefault((r.layout, r.method), []).append(r)
+    for (layout, method), rows in sorted(series.items()):
+        rows.sort(key=lambda r: r.items)
+        ax.plot([r.items for r in rows], [r.plan_s + r.commit_s for r in rows], marker="o",
+                label=f"{method}, {layout}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("items in the checkpoint (ranks x items per rank)")
+    ax.set_ylabel("coordinator: plan + commit (s)")
+    ax.set_title("First save's coordinator work against job size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=_ints, default=_ints("64,256,1024"))
+    parser.add_argument("--items-per-rank", type=_ints, default=_ints("100,300"))
+    parser.add_argument("--layouts", type=lambda t: t.split(","), default=list(LAYOUTS))
+    parser.add_argument("--methods", type=lambda t: t.split(","), default=list(METHODS))
+    parser.add_argument("--out", default="bench_scale")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = run_sweep(args.ranks, args.items_per_rank, args.layouts, args.methods)
+    table = render(results)
+    with open(os.path.join(args.out, "scale.md"), "w") as stream:
+        stream.write(table + "\n")
+    with open(os.path.join(args.out, "scale.json"), "w") as stream:
+        json.dump([dataclasses.asdict(r) for r in results], stream, indent=1)
+    plotted = plot(results, os.path.join(args.out, "scale.png"))
+    print(table)
+    print(f"wrote {args.out}/scale.md, scale.json" + (", scale.png" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()
