@@ -39,6 +39,7 @@ __all__ = [
     "ObjectStoreError",
     "RemoteFailureError",
     "ReplacedReferenceAPIError",
+    "UnpicklableRequestError",
     "RankFailure",
     "AsyncSaveFailedError",
 ]
@@ -107,6 +108,12 @@ class StagingRaceError(AsyncCheckpointError):
 class ReplacedReferenceAPIError(AsyncCheckpointError, NotImplementedError):
     """A reference-API entry point whose mechanism this package replaces by a safer one;
     the message says what to use instead."""
+
+
+class UnpicklableRequestError(AsyncCheckpointError, pickle.PicklingError):
+    """A request cannot be sent to the persistent worker: something it refers to does not
+    pickle (a lock a routine captures, an enum of the training script, an unstaged CUDA
+    tensor for a forked worker). The message names it and says what to do."""
 
 
 class RemoteFailureError(AsyncCheckpointError):

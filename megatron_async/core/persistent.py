@@ -52,10 +52,12 @@ class PersistentAsyncCaller(AsyncCaller):
     :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and when a
     worker starts while staging buffers are alive, or the fork fails) it is a fresh
     interpreter that
-    imports only the worker's module (see :mod:`megatron_async.core.worker_process`):
-    what a request refers to (its functions and classes) must then be importable from a
-    module, and its start-up (importing torch, at a lowered CPU priority) overlaps with
-    training. A save scheduled before the worker is ready does
+    imports only the worker's module (see :mod:`megatron_async.core.worker_process`),
+    and its start-up (importing torch, at a lowered CPU priority) overlaps with
+    training. Either way, the functions and classes a request refers to that the worker
+    cannot import (those of the training script, lambdas, local functions) are sent by
+    value (:mod:`megatron_async.core.by_value_pickling`), so a script's own routines run
+    on the worker. A save scheduled before the worker is ready does
     not wait for it: it runs on a forked process, exactly as with
     :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at
     scheduling, same bounded waits, same errors at finalization); the saves after that

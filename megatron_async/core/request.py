@@ -35,14 +35,17 @@ class AsyncRequest(NamedTuple):
 
     Attributes:
         async_fn: runs in the background (a forked process or the persistent worker);
-            None means there is nothing to write on this rank.
+            None means there is nothing to write on this rank. It and its arguments may
+            be defined in the training script itself: the persistent worker receives
+            what it cannot import by value
+            (:mod:`megatron_async.core.by_value_pickling`).
         async_fn_args: positional arguments of ``async_fn``. With a ``preload_fn``,
             element 1 is a placeholder that the staged data replaces.
         finalize_fns: run on every rank, in order, once ``async_fn`` is done on all ranks.
         async_fn_kwargs: keyword arguments of ``async_fn``.
         preload_fn: stages the data to host memory (a snapshot) before ``async_fn`` may
-            run; must be self-contained (a ``functools.partial`` of a module-level
-            function) so that it pickles to the persistent worker.
+            run; every caller runs it on the trainer when the request is scheduled, so it
+            is never sent to a background process.
         is_frozen: set once scheduled; finalize functions can then no longer be added.
         call_idx: position in the scheduling order, set by :class:`AsyncCallsQueue`.
     """

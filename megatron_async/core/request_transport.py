@@ -12,6 +12,9 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   trainer's own tensors) is *copied* into a segment of this call (:class:`_CallArena`),
   so the worker always writes a snapshot.
 
+Functions and classes the worker cannot import (the training script's own routines)
+go by value, see :mod:`megatron_async.core.by_value_pickling`.
+
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
 plan is cached) are sent once as well and then referred to by a token.
 
@@ -31,7 +34,6 @@ import itertools
 import os
 import pickle
 import socket
-import types
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -41,7 +43,8 @@ import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler red
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import CoordinationError
+from megatron_async.core.by_value_pickling import ByValueReducer, CodeCache, describe_unpicklable
+from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
 
@@ -212,15 +215,6 @@ class _SentObjects:
         self._new = {}
 
 
-def _defined_in_main(obj: Any) -> str:
-    return (
-        f"the request refers to {obj.__qualname__}, defined in the training script itself "
-        "(__main__); the persistent worker does not run the training script, so it cannot "
-        "find it: move it into an importable module, or use the temporal caller "
-        "(AsyncCallsQueue(persistent=False))"
-    )
-
-
 def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     return (
         f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
@@ -231,23 +225,23 @@ def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
 
 
 class _Pickler(ForkingPickler):
-    """Pickles CPU tensors as segment references (see the module docstring)."""
+    """Pickles CPU tensors as segment references (see the module docstring), and what the
+    training script defines by value (:mod:`megatron_async.core.by_value_pickling`)."""
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._sender = sender
         self._arena = arena
         self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
+        self.by_value = ByValueReducer(sender._code_cache)
 
     def reducer_override(self, obj):
         if type(obj) is WriteItem:
             return _cached_object, (self._sender._objects.token_of(obj),)
         if not isinstance(obj, torch.Tensor):
-            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
-                raise pickle.PicklingError(_defined_in_main(obj))
-            return NotImplemented
+            return self.by_value.reduce(obj)
         if obj.device.type == "cuda" and not self._sender.cuda_allowed:
-            raise pickle.PicklingError(_cuda_to_forked_worker(obj))
+            raise UnpicklableRequestError(_cuda_to_forked_worker(obj))
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
             return NotImplemented  # CUDA tensors go as CUDA IPC handles, as torch sends them
         if obj.numel() == 0:
@@ -291,10 +285,21 @@ class RequestSender:
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = _SentObjects()
+        self._code_cache = CodeCache()
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:
             self._new[segment.segment_id] = segment
+
+    def _dump(self, request: Any, buffer: io.BytesIO, arena: _CallArena) -> None:
+        pickler = _Pickler(buffer, self, arena)
+        try:
+            pickler.dump(request)
+        except UnpicklableRequestError:
+            raise
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            message = describe_unpicklable(pickler.by_value, self._code_cache, exc)
+            raise UnpicklableRequestError(message) from exc
 
     def encode(self, request: Any) -> Tuple[EncodedRequest, List[torch.Tensor]]:
         """Pickle ``request`` for the worker.
@@ -305,14 +310,14 @@ class RequestSender:
 
         Raises:
             StagingMemoryError: no shared memory left for the copies.
-            Whatever pickling raises for an unpicklable request.
+            UnpicklableRequestError: something the request refers to does not pickle.
         """
         arena = _CallArena()
         self._new = {}
         self._objects.start_request()
         buffer = io.BytesIO()
         try:
-            _Pickler(buffer, self, arena).dump(request)
+            self._dump(request, buffer, arena)
             new_objects, forget_objects = self._objects.finish_request()
             new_segments = tuple((sid, seg.tensor.numel()) for sid, seg in self._new.items())
             _send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
