@@ -151,7 +151,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         )
         use_msc = options.use_msc
         if use_msc:
-            import_msc()  # a clear error naming the extra before anything else
+            import_msc()  # WriteOptions already did (a no-op then): kept beside the URL check
         elif is_object_url(path):
             raise CheckpointValidationError(
                 f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
