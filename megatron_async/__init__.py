@@ -57,7 +57,7 @@ _LAZY = {
     "AsyncSaveFailedError": "megatron_async.errors",
     "FileSystemWriterAsync": "megatron_async.writer.filesystem",
     "save_state_dict_async_finalize": "megatron_async.saver.state_dict_saver",
-    "save_state_dict_async_plan": "megatron_async.saver.state_dict_saver",
+    "save_state_dict_async_plan": "megatron_async.state_dict_saver",
     "verify_global_md_reuse": "megatron_async.saver.state_dict_saver",
     "TorchDistAsyncSaveStrategy": "megatron_async.mcore.strategy",
     "TorchDistSaveConfig": "megatron_async.mcore.config",

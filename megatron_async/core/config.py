@@ -6,6 +6,7 @@ import dataclasses
 
 from megatron_async.core.coordination import DEFAULT_COORDINATION_TIMEOUT_S
 from megatron_async.core.priority import WriterPriority
+from megatron_async.errors import CheckpointValidationError
 
 __all__ = ["AsyncCallerConfig", "WORKER_STARTS"]
 
@@ -60,12 +61,12 @@ class AsyncCallerConfig:
 
     def __post_init__(self) -> None:
         if self.worker_start not in WORKER_STARTS:
-            raise ValueError(
+            raise CheckpointValidationError(
                 f"AsyncCallerConfig.worker_start must be one of {', '.join(WORKER_STARTS)}, "
                 f"got {self.worker_start!r}"
             )
         if not isinstance(self.writer_priority, WriterPriority):
-            raise ValueError(
+            raise CheckpointValidationError(
                 "AsyncCallerConfig.writer_priority must be a megatron_async.core.priority."
                 f"WriterPriority, got {self.writer_priority!r}"
             )
@@ -74,12 +75,12 @@ class AsyncCallerConfig:
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(
+                raise CheckpointValidationError(
                     f"AsyncCallerConfig.{field.name} must be a positive number of seconds, "
                     f"got {value!r}"
                 )
         if self.poll_interval_s > min(self.timeout_s, self.staging_timeout_s):
-            raise ValueError(
+            raise CheckpointValidationError(
                 "AsyncCallerConfig.poll_interval_s must not exceed timeout_s or "
                 f"staging_timeout_s (got poll_interval_s={self.poll_interval_s})"
             )

@@ -22,6 +22,8 @@ import os
 import platform
 from typing import Any, Dict, Optional
 
+from megatron_async.errors import CheckpointValidationError
+
 __all__ = ["WriterPriority", "lower_writer_priority", "current_io_priority"]
 
 logger = logging.getLogger(__name__)
@@ -64,19 +66,19 @@ class WriterPriority:
         if isinstance(self.nice_increment, bool) or not isinstance(self.nice_increment, int) or not (
             0 <= self.nice_increment <= 19
         ):
-            raise ValueError(
+            raise CheckpointValidationError(
                 f"WriterPriority.nice_increment must be an int from 0 to 19 (0 keeps the "
                 f"trainer's CPU priority), got {self.nice_increment!r}"
             )
         if self.io_class not in ("best-effort", "idle", "inherit"):
-            raise ValueError(
+            raise CheckpointValidationError(
                 "WriterPriority.io_class must be 'best-effort', 'idle' or 'inherit', got "
                 f"{self.io_class!r} (a real-time class would need privileges and starve training)"
             )
         if isinstance(self.io_level, bool) or not isinstance(self.io_level, int) or not (
             0 <= self.io_level <= 7
         ):
-            raise ValueError(f"WriterPriority.io_level must be an int from 0 to 7, got {self.io_level!r}")
+            raise CheckpointValidationError(f"WriterPriority.io_level must be an int from 0 to 7, got {self.io_level!r}")
 
     def to_options(self) -> Dict[str, Any]:
         """The fields as a plain dict (passed to the persistent worker as JSON)."""

@@ -1,21 +1,29 @@
-"""Options of the megatron-core save strategy (every rank; the same on all ranks)."""
+"""Options of the megatron-core save strategy (every rank; the same on all ranks).
+
+The writer's share of them is a :class:`~megatron_async.writer.options.WriteOptions`
+(:attr:`TorchDistSaveConfig.write_options`), which validates them: an invalid option
+raises :class:`~megatron_async.errors.CheckpointValidationError` when the config is made.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
-from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
-from megatron_async.writer.filesystem import DEFAULT_WRITE_TIMEOUT_S
+from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions
 
 __all__ = ["TorchDistSaveConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchDistSaveConfig:
-    """Options of :class:`TorchDistAsyncSaveStrategy`."""
+    """Options of :class:`TorchDistAsyncSaveStrategy`.
+
+    Raises:
+        CheckpointValidationError: an option out of range, with the rule it breaks.
+        ObjectStoreUnavailableError: ``use_msc`` without multi-storage-client installed.
+    """
 
     thread_count: int = 2
     """Files (and writer threads or processes) per rank and save."""
@@ -89,26 +97,25 @@ class TorchDistSaveConfig:
     ``use_msc``). Needs the ``msc`` extra (``pip install megatron-async[msc]``)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
-            raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
-        if self.thread_count < 1:
-            raise CheckpointValidationError(
-                f"thread_count must be >= 1 (files per rank), got {self.thread_count}"
-            )
-        if self.separation_hint is not None and (
-            not isinstance(self.separation_hint, str)
-            or not self.separation_hint
-            or os.sep in self.separation_hint
-        ):
-            raise CheckpointValidationError(
-                f"separation_hint must be a non-empty key prefix without {os.sep!r} (it starts "
-                f"file names), got {self.separation_hint!r}"
-            )
-        if self.use_msc:
-            from megatron_async.storage.client import import_msc
+        # Built (and so validated) once per config; every save's writer gets this object.
+        object.__setattr__(self, "_write_options", self._make_write_options())
 
-            import_msc()  # ObjectStoreUnavailableError naming the extra
-        if not self.write_timeout_s > 0:
-            raise CheckpointValidationError(
-                f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
-            )
+    @property
+    def write_options(self) -> WriteOptions:
+        """The options of this config's storage writers (every rank)."""
+        return self._write_options
+
+    def _make_write_options(self) -> WriteOptions:
+        return WriteOptions(
+            thread_count=self.thread_count,
+            sync_files=self.sync_files,
+            separation_hint=self.separation_hint,
+            is_multiproc_io=self.is_multiproc_io,
+            use_cached_data_structure=self.use_cached_data_structure,
+            write_timeout_s=self.write_timeout_s,
+            checksums=self.checksums,
+            use_msc=self.use_msc,
+            object_part_bytes=self.object_part_bytes,
+            overlap_staging=self.overlap_staging,
+            direct_io=self.direct_io,
+        )

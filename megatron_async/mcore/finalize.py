@@ -1,4 +1,8 @@
-"""Gloo-safe replacements for megatron-core's finalize steps (``metadata.json``, manifest).
+"""The finalize steps of a strategy's request: our commit, and gloo-safe replacements for
+megatron-core's steps (``metadata.json``, manifest).
+
+:class:`SaveFinalizer` is the request's first step: the DCP commit
+(:func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`).
 
 megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)`` appends a
 finalize function to the returned request that writes ``metadata.json`` on rank 0 and then
@@ -29,13 +33,42 @@ import logging
 import os
 from typing import Any, Callable, Iterable, Optional
 
-from megatron_async.format import MEGATRON_METADATA_FILE, write_atomically
 from megatron_async.core import coordination
+from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure
+from megatron_async.format import MEGATRON_METADATA_FILE, write_atomically
+from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.saver.finalize import save_state_dict_async_finalize
 
-__all__ = ["FinalizeFnList", "write_megatron_config", "write_integrity_manifest"]
+__all__ = ["FinalizeFnList", "SaveFinalizer", "write_megatron_config", "write_integrity_manifest"]
 
 logger = logging.getLogger(__name__)
+
+
+class SaveFinalizer:
+    """Commit one save of the strategy: runs on every rank once its background write is
+    done everywhere, and frees the directory for the next save whatever happens."""
+
+    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float):
+        self._args = (writer, metadata, dist_wrapper)
+        self._release = (checkpoint_dir, token)
+        self._plan_s = plan_s
+
+    def __call__(self) -> None:
+        try:
+            save_state_dict_async_finalize(*self._args)
+        finally:
+            checkpoints_in_flight.release(*self._release)
+
+    def save_details(self) -> SaveDetails:
+        """What this save cost on this rank (for the queue's INFO line)."""
+        writer = self._args[0]
+        report = getattr(writer, "change_report", None)
+        return SaveDetails(
+            self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written,
+            report.summary() if report is not None else None,
+        )
+
 
 _SAVE_MODULE = "megatron.core.dist_checkpointing.serialization"
 _CONFIG_STEP = "save.<locals>.metadata_finalize_fn"

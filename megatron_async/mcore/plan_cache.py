@@ -8,7 +8,7 @@ the sharded state dict to a prepared writer, in three tiers (cheapest first):
    rank (one all-reduce tells): the cached plan is rebound to the new tensors
    (:mod:`.structure`) and the cached metadata reused;
 2. *cached plans*: megatron-core's translation and a local plan run, and
-   :func:`~megatron_async.saver.state_dict_saver.save_state_dict_async_plan` reuses the
+   :func:`~megatron_async.saver.state_dict_saver.plan_save` reuses the
    cached global plan when no rank's local plan changed;
 3. *full planning*: plans are gathered and the global metadata is built anew.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
@@ -30,8 +30,8 @@ from megatron_async.core import coordination
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
-from megatron_async.saver.agreement import agree_or_raise
-from megatron_async.saver.state_dict_saver import prepare_cached_write, save_state_dict_async_plan
+from megatron_async.saver.agreement import agreed_step
+from megatron_async.saver.state_dict_saver import PlanResult, plan_save, prepare_cached_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = ["PlanCache", "PreparedSave", "COORDINATOR_RANK"]
@@ -69,6 +69,26 @@ class _CachedPlan:
     local_plan: SavePlan
     fingerprint: Optional[List[tuple]]
     binding: Optional[PlanBinding]
+
+
+class _LocalStep(NamedTuple):
+    """What one rank's first step of a save produced (every rank, its own).
+
+    Attributes:
+        structure: the state dict's structure, or None (not cached, or not describable).
+        prepared: ``(writer, dist_wrapper)`` when the cached plan was rebound, else None.
+        pyt_state_dict: the translated state dict when planning is needed, else None.
+    """
+
+    structure: Optional[Structure]
+    prepared: Optional[Tuple[FileSystemWriterAsync, Any]]
+    pyt_state_dict: Optional[Dict[str, Any]] = None
+
+    @staticmethod
+    def flags(step: Optional["_LocalStep"]) -> List[int]:
+        """``[planning needed, reuse prepared]`` of this rank (``[1, 0]`` after a failure)."""
+        prepared = step is not None and step.prepared is not None
+        return [int(not prepared), int(prepared)]
 
 
 class PlanCache:
@@ -113,12 +133,10 @@ class PlanCache:
         group = coordination.get_coordination_group()
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
         cached = self._usable(config, is_coordinator)
-        structure: Optional[Structure] = None
-        prepared, pyt_state_dict, error = None, None, None
-        try:
+
+        def local_step() -> _LocalStep:
             check_target()
-            if config.cached_metadata:
-                structure = self._describe(sharded_state_dict, cached)
+            structure = self._describe(sharded_state_dict, cached) if config.cached_metadata else None
             if (
                 cached is not None
                 and cached.binding is not None
@@ -126,30 +144,33 @@ class PlanCache:
                 and structure.fingerprint is cached.fingerprint
             ):
                 prepared = self._prepare_from_cache(cached, structure, create_writer())
-            else:
-                pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
-        except Exception as exc:  # agreed on below, so that no rank waits for a failed one
-            error = exc
+                return _LocalStep(structure, prepared)
+            pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
+            return _LocalStep(structure, None, pyt_state_dict)
+
         # The one collective of a save with an unchanged structure: did any rank fail, did
         # any rank's structure change, did any rank prepare a reuse?
-        changed, any_prepared = agree_or_raise(
-            error, f"async save to {checkpoint_dir}", [int(prepared is None), int(prepared is not None)], group
+        step, (changed, any_prepared) = agreed_step(
+            f"async save to {checkpoint_dir}", local_step, group, _LocalStep.flags
         )
         if not changed:
-            writer, dist_wrapper = prepared
+            writer, dist_wrapper = step.prepared
             self.structure_reuse_count += 1
             self.last_save_reused_plans = True
             logger.debug("rank %d: structure unchanged on every rank; no planning", dist_wrapper.rank)
             return writer, cached.metadata, dist_wrapper
+        pyt_state_dict = step.pyt_state_dict
         if any_prepared:  # planning in full after all: translate where it was skipped
-            error = None
-            try:
-                if pyt_state_dict is None:
-                    pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
-            except Exception as exc:  # agreed on below
-                error = exc
-            agree_or_raise(error, f"translating the state dict for {checkpoint_dir}", (), group)
-        return self._plan(pyt_state_dict, config, structure, cached, create_writer())
+
+            def translate() -> Dict[str, Any]:
+                if pyt_state_dict is not None:
+                    return pyt_state_dict
+                return generation.to_dcp_state_dict(sharded_state_dict, config)
+
+            pyt_state_dict, _ = agreed_step(
+                f"translating the state dict for {checkpoint_dir}", translate, group
+            )
+        return self._plan(pyt_state_dict, config, step.structure, cached, create_writer())
 
     def _usable(self, config: TorchDistSaveConfig, is_coordinator: bool) -> Optional[_CachedPlan]:
         """Return the latest save's plans if this save may reuse them (every rank, local)."""
@@ -213,23 +234,22 @@ class PlanCache:
             if config.cached_metadata
             else None
         )
-        (writer, metadata, dist_wrapper), central, local, reused, reused_loaded = (
-            save_state_dict_async_plan(
-                pyt_state_dict,
-                writer,
-                planner=generation.create_save_planner(config),
-                coordinator_rank=COORDINATOR_RANK,
-                # Not vouched for (False): the structure may have changed, so the cached
-                # plans are reused only if a fresh local plan matches them on every rank.
-                cached_ckpt_structure=(
-                    (cached.central_plan, cached.local_plan, False) if cached is not None else None
-                ),
-                loaded_all_plans=loaded_all_plans,
-            )
+        result = plan_save(
+            pyt_state_dict,
+            writer,
+            planner=generation.create_save_planner(config),
+            coordinator_rank=COORDINATOR_RANK,
+            # Not vouched for (False): the structure may have changed, so the cached
+            # plans are reused only if a fresh local plan matches them on every rank.
+            cached_ckpt_structure=(
+                (cached.central_plan, cached.local_plan, False) if cached is not None else None
+            ),
+            loaded_all_plans=loaded_all_plans,
         )
-        self.last_save_reused_plans = reused
+        self.last_save_reused_plans = result.reused_cached_plans
+        metadata = result.metadata
         if config.cached_metadata:
-            if reused or reused_loaded:
+            if result.reused_cached_plans or result.reused_loaded_metadata:
                 metadata = self.cached_global_metadata
             else:
                 self.cached_global_metadata = metadata
@@ -237,30 +257,28 @@ class PlanCache:
                 config=config,
                 world=(coordination.get_rank(), coordination.get_world_size()),
                 metadata=metadata,
-                central_plan=central,
-                local_plan=local,
+                central_plan=result.central_plan,
+                local_plan=result.local_plan,
                 fingerprint=structure.fingerprint if structure is not None else None,
-                binding=self._bind(structure, central, writer, config),
+                binding=self._bind(structure, result, config),
             )
-        return writer, metadata, dist_wrapper
+        return result.writer, metadata, result.dist_wrapper
 
     @staticmethod
     def _bind(
-        structure: Optional[Structure],
-        central: SavePlan,
-        writer: FileSystemWriterAsync,
-        config: TorchDistSaveConfig,
+        structure: Optional[Structure], result: PlanResult, config: TorchDistSaveConfig
     ) -> Optional[PlanBinding]:
         """Bind the plan to the structure, for the next saves (every rank, local)."""
-        if structure is None:
+        prepared = result.prepared_write
+        if structure is None or prepared is None:
             return None
         try:
             return bind_plan(
                 structure,
-                central,
-                writer.write_buckets,
-                writer.bucket_layout,
-                writer.staging_key,
+                result.central_plan,
+                prepared.write_buckets,
+                prepared.layout,
+                prepared.staging_key,
                 config.keep_only_main_replica,
             )
         except Exception:  # an optimization only: this save goes on, the next ones plan in full

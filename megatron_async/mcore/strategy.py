@@ -36,16 +36,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.mcore.finalize import FinalizeFnList
+from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
-from megatron_async.saver.state_dict_saver import save_state_dict_async_finalize
 from megatron_async.staging.buckets import StagingBufferCache
 from megatron_async.storage.client import MSC_EXTRA_HINT
 from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
@@ -68,30 +66,6 @@ REGISTERED_BACKEND = "megatron_async"
 def checkpoint_dirs_in_flight() -> List[str]:
     """Directories that saves of this process are still writing or finalizing."""
     return checkpoints_in_flight.directories()
-
-
-class _SaveFinalizer:
-    """Commit one save: runs on every rank once its background write is done everywhere."""
-
-    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float):
-        self._args = (writer, metadata, dist_wrapper)
-        self._release = (checkpoint_dir, token)
-        self._plan_s = plan_s
-
-    def __call__(self) -> None:
-        try:
-            save_state_dict_async_finalize(*self._args)
-        finally:
-            checkpoints_in_flight.release(*self._release)
-
-    def save_details(self) -> SaveDetails:
-        """What this save cost on this rank (for the queue's INFO line)."""
-        writer = self._args[0]
-        report = getattr(writer, "change_report", None)
-        return SaveDetails(
-            self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written,
-            report.summary() if report is not None else None,
-        )
 
 
 def _config_property(field: str) -> property:
@@ -318,7 +292,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     ) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = _SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s)
+        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s)
         # If the request is dropped unfinalized (a failed or aborted save), free the directory.
         checkpoints_in_flight.release_when_dropped(finalizer, checkpoint_dir, token)
         return AsyncRequest(
@@ -333,21 +307,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
         """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
-        cfg = self.config
         return FileSystemWriterAsync(
-            checkpoint_dir,
-            thread_count=cfg.thread_count,
-            sync_files=cfg.sync_files,
-            checksums=cfg.checksums,
-            separation_hint=cfg.separation_hint,
-            is_multiproc_io=cfg.is_multiproc_io,
-            use_cached_data_structure=cfg.use_cached_data_structure,
-            write_timeout_s=cfg.write_timeout_s,
-            staging_cache=self.staging_cache,
-            use_msc=cfg.use_msc,
-            object_part_bytes=cfg.object_part_bytes,
-            overlap_staging=cfg.overlap_staging,
-            direct_io=cfg.direct_io,
+            checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
         )
 
     def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:

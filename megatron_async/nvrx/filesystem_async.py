@@ -6,7 +6,7 @@
 
 from typing import Any
 
-from megatron_async.writer import filesystem as _filesystem
+from megatron_async.writer import results as _results
 from megatron_async.writer.filesystem import FileSystemWriterAsync, get_write_results_queue
 
 __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
@@ -14,5 +14,5 @@ __all__ = ["FileSystemWriterAsync", "get_write_results_queue"]
 
 def __getattr__(name: str) -> Any:
     if name == "_results_queue":
-        return _filesystem._results_queues.get("spawn")
+        return _results._results_queues.get("spawn")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

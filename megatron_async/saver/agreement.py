@@ -5,20 +5,26 @@ the global plan) may fail on one rank only. If that rank simply raised, the othe
 walk into the next collective and wait for it until the coordination timeout. Every
 check therefore ends with one small gloo all-reduce: all ranks learn whether any rank
 failed, and if so every rank raises one error that lists all the failures.
+
+:func:`agreed_step` is the pattern of DCP's ``_DistWrapper.reduce_scatter`` for a local
+step: run it, agree on failures, raise the same error everywhere, so that a save reads
+as a sequence of named steps. :func:`agree_or_raise` is the agreement alone, for a step
+whose failure is known without running a function.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch.distributed as dist
 
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 
-__all__ = ["agree_or_raise"]
+__all__ = ["agree_or_raise", "agreed_step"]
 
 _Description = Tuple[int, bool, str]
+T = TypeVar("T")
 
 
 def _describe(error: Optional[BaseException]) -> Optional[_Description]:
@@ -63,3 +69,42 @@ def agree_or_raise(
         else CheckpointValidationError
     )
     raise error_type("\n".join(lines)) from local_error
+
+
+def agreed_step(
+    what: str,
+    local_step: Callable[[], T],
+    group: Optional[dist.ProcessGroup] = None,
+    flags: Optional[Callable[[Optional[T]], Sequence[int]]] = None,
+) -> Tuple[T, List[int]]:
+    """Run ``local_step`` on this rank, then agree with every rank on whether any failed.
+
+    Runs on every rank, which must all call it at the same point: the step itself runs
+    no collective, then one all-reduce (see :func:`agree_or_raise`) tells every rank
+    whether any step raised, so no rank walks into the next collective while another
+    has given up. An ``Exception`` of the step is kept and becomes the cause of the
+    agreed error; a ``BaseException`` (interrupt, exit) propagates at once.
+
+    Args:
+        what: the step, for the message ("local save planning").
+        local_step: this rank's part; its result is returned.
+        group: the coordination group; defaults to the library's gloo group.
+        flags: maps the step's result (None when it raised) to small integers reduced
+            with MAX in the same collective; it must give the same number on every rank
+            and must not raise.
+
+    Returns:
+        ``(result of local_step, element-wise maxima of the flags over all ranks)``.
+
+    Raises:
+        CheckpointInProgressError: every failing rank reported a save still in flight.
+        CheckpointValidationError: any other failure on any rank, the same on all.
+    """
+    result: Optional[T] = None
+    error: Optional[BaseException] = None
+    try:
+        result = local_step()
+    except Exception as exc:  # agreed on below, so that no rank is left waiting
+        error = exc
+    reduced = agree_or_raise(error, what, flags(result) if flags is not None else (), group)
+    return result, reduced

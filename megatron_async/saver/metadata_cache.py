@@ -6,8 +6,9 @@ nvidia-resiliency-ext module set). It keeps the latest save's global plan and lo
 and, on the coordinator, the global metadata, so that a save whose structure is unchanged
 skips the plan gather and the metadata build.
 
-Reuse is decided by :func:`~megatron_async.saver.state_dict_saver.save_state_dict_async_plan`
-against fresh local plans on every rank, never from these flags alone: a cache that says
+Reuse is decided by :func:`~megatron_async.saver.state_dict_saver.plan_save` (called by
+:func:`megatron_async.nvrx.state_dict_saver.save_state_dict_async_plan`) against fresh
+local plans on every rank, never from these flags alone: a cache that says
 "validated" cannot make a changed structure write stale metadata.
 """
 

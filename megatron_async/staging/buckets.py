@@ -39,7 +39,7 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.writer.buckets import WriteBucket
+from megatron_async.writer.buckets import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
 from megatron_async.staging.snapshot import synchronize_if_cuda
 
@@ -48,6 +48,7 @@ __all__ = [
     "StagingBufferCache",
     "default_staging_cache",
     "stage_buckets",
+    "preload_tensors",
     "staging_cache_num_bytes",
     "clear_staging_cache",
 ]
@@ -304,3 +305,33 @@ def staging_cache_num_bytes() -> int:
 def clear_staging_cache(include_in_use: bool = False) -> None:
     """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`)."""
     _default_cache.clear(include_in_use)
+
+
+def preload_tensors(
+    resolved_plan_data: ResolvedPlanData,
+    non_blocking: bool = True,
+    *,
+    staging_cache: Optional[StagingBufferCache] = None,
+) -> List[WriteBucket]:
+    """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
+
+    The reference API's ``FileSystemWriterAsync.preload_tensors``. CUDA tensors go to
+    pinned buffers (non-blocking copies, one synchronize); CPU tensors are copied as
+    well, so later in-place updates never reach the file.
+
+    Args:
+        resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
+            ``prepare_write_data`` left it in the writer's ``resolved_plan_data``. With a
+            :class:`~megatron_async.writer.buckets.ConsistentDataIdentifier`, the buffers
+            staged under that key by an earlier save are reused
+            (``use_cached_data_structure``); None stages into fresh buffers.
+        non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
+        staging_cache: where the reusable buffers live (the trainer's);
+            :func:`~megatron_async.staging.buckets.default_staging_cache` when None.
+
+    Returns:
+        The staged buckets (a :class:`~megatron_async.staging.buckets.StagedBuckets`).
+    """
+    identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
+    key = identifier.key if identifier is not None else None
+    return stage_buckets(write_buckets, non_blocking, key, staging_cache)

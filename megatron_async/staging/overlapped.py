@@ -38,7 +38,9 @@ import queue
 import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, List, Optional, Sequence
+from typing import (
+    TYPE_CHECKING, Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple,
+)
 
 import torch
 
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # the background writer imports this module and needs neither
 __all__ = [
     "StagingGate",
     "stage_buckets_overlapped",
+    "overlapped_save_functions",
     "write_after_staging",
     "wait_for_staging",
     "staging_in_progress",
@@ -326,6 +329,31 @@ def stage_buckets_overlapped(
     staged.uncopied = []
     staged.start_background_copy = partial(_start_copy, _CopyJob(gate, copies, rank))
     return staged
+
+
+def overlapped_save_functions(
+    save_fn: Callable[..., Any],
+    resolved_plan_data: Any,
+    staging_cache: Optional[StagingBufferCache],
+    results_queue: Any,
+) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any]]:
+    """Return ``(save_fn, preload_fn, args)`` of a save with overlapped staging (trainer).
+
+    ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
+    ``save_fn`` waits for the copy before it calls the given one (the writer's).
+    """
+    from megatron_async.core import coordination
+    from megatron_async.writer.buckets import unpack_resolved_plan_data
+
+    gate = StagingGate()
+    rank = coordination.get_rank()
+    identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
+    preload_fn = partial(
+        stage_buckets_overlapped, gate, rank, write_buckets, True,
+        identifier.key if identifier is not None else None, staging_cache,
+    )
+    save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
+    return save_fn, preload_fn, [rank, None, results_queue]
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:

@@ -2,7 +2,9 @@
 
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
   DCP storage writer that prepares buckets and hands the write to a background caller;
-* :mod:`.buckets` (trainer): which items share a file (size-balanced layout);
+* :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
+* :mod:`.buckets` (trainer): which items share a file (size-balanced layout), the
+  prepared write and its staging key;
 * :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
   reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`
   delegates to;
@@ -11,7 +13,8 @@
 * :mod:`.bucket_file` and :mod:`.direct_io` (background writer): the file a bucket's
   bytes go to, buffered or with ``O_DIRECT`` through an aligned bounce chunk;
 * :mod:`.runners` (background writer): threads or forked processes, bounded waits;
-* :mod:`.results` (both sides): the result channel from the writer to the trainer;
+* :mod:`.results` (both sides): the result channel from the writer to the trainer, and
+  the trainer's retrieval of the results from it;
 * :mod:`.commit` (coordinator): checksums, then ``.metadata``.
 """
 

@@ -8,14 +8,18 @@ writer (:mod:`.bucket_io`), one bucket per thread or per process.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import heapq
 import io
 import os
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StoragePrefix
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from megatron_async.errors import CheckpointValidationError
 
 __all__ = [
     "WriteBucket",
@@ -25,6 +29,13 @@ __all__ = [
     "balance_by_size",
     "assign_buckets",
     "materialize_buckets",
+    "ConsistentDataIdentifier",
+    "PreparedWrite",
+    "ResolvedPlanData",
+    "check_storage_prefix",
+    "layout_key",
+    "prepare_buckets",
+    "unpack_resolved_plan_data",
 ]
 
 T = TypeVar("T")
@@ -160,3 +171,117 @@ def materialize_buckets(
             WriteBucket(os.path.join(checkpoint_dir, file_name), file_name, (bytes_data, tensor_data))
         )
     return buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsistentDataIdentifier:
+    """Names the reusable staging buffers of one bucket layout (trainer side).
+
+    Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
+    in the stager's :class:`~megatron_async.staging.buckets.StagingBufferCache`.
+
+    Attributes:
+        key: a digest of everything that decides the buffers' shapes.
+    """
+
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedWrite:
+    """What a writer's ``prepare_write_data`` made of one save's plan (trainer, every rank).
+
+    Returned forward to the saver, which hands it to its caller: a later save of the
+    same structure reuses the layout and the staging key without planning.
+
+    Attributes:
+        write_buckets: the buckets, with this save's data.
+        layout: which items share a file, in which order.
+        staging_key: the key of the layout's reusable staging buffers, or None.
+    """
+
+    write_buckets: List[WriteBucket]
+    layout: "BucketLayout"
+    staging_key: Optional[str]
+
+
+ResolvedPlanData = Tuple[str, Tuple[Optional[ConsistentDataIdentifier], List[WriteBucket]]]
+"""``(checkpoint_dir, (identifier, write_buckets))``: what ``preload_tensors`` stages."""
+
+
+def layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str]) -> str:
+    """A digest of everything that decides the bucket layout and the staging buffers' shapes."""
+    digest = hashlib.sha1(repr((thread_count, separation_hint, plan.storage_data)).encode())
+    for item in plan.items:
+        tensor_data = item.tensor_data
+        shape = (
+            (tuple(tensor_data.chunk.sizes), str(tensor_data.properties.dtype))
+            if tensor_data is not None
+            else None
+        )
+        offset = tuple(item.index.offset) if item.index.offset is not None else None
+        digest.update(repr((item.index.fqn, offset, item.type.value, shape)).encode())
+    return digest.hexdigest()
+
+
+def check_storage_prefix(plan: SavePlan) -> None:
+    """Refuse a plan that planning has not finished: it names no file prefix yet."""
+    if not isinstance(plan.storage_data, _StoragePrefix):
+        raise CheckpointValidationError(
+            "the plan has no storage prefix; finish planning (prepare_global_plan or "
+            "prepare_decentralized_global_plan) before prepare_write_data"
+        )
+
+
+def prepare_buckets(
+    plan: SavePlan,
+    resolved: Sequence[Tuple[WriteItem, Any]],
+    checkpoint_dir: str,
+    thread_count: int,
+    separation_hint: Optional[str],
+    reuse_buffers: bool,
+    layout: Optional[BucketLayout] = None,
+    staging_key: Optional[str] = None,
+) -> PreparedWrite:
+    """Lay out a final plan's resolved items in buckets (trainer, every rank).
+
+    Args:
+        plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
+        resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
+        checkpoint_dir: where the files go.
+        thread_count, separation_hint: the writer's options that decide the layout.
+        reuse_buffers: compute the staging key (``use_cached_data_structure``).
+        layout: a layout made for exactly these items, or None to compute it.
+        staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None.
+    """
+    check_storage_prefix(plan)
+    if reuse_buffers and staging_key is None:
+        staging_key = layout_key(plan, thread_count, separation_hint)
+    if layout is None:  # deterministic: the same items give the same layout (and buffers)
+        layout = assign_buckets(resolved, thread_count, separation_hint)
+    buckets = materialize_buckets(resolved, layout, checkpoint_dir, plan.storage_data.prefix)
+    return PreparedWrite(buckets, layout, staging_key if reuse_buffers else None)
+
+
+def unpack_resolved_plan_data(
+    resolved_plan_data: Any,
+) -> Tuple[Optional[ConsistentDataIdentifier], Sequence[WriteBucket]]:
+    """Return ``(identifier, write_buckets)`` of a writer's ``resolved_plan_data`` (trainer).
+
+    Raises:
+        CheckpointValidationError: anything but what ``prepare_write_data`` leaves.
+    """
+    try:
+        _, (identifier, write_buckets) = resolved_plan_data
+    except (TypeError, ValueError):
+        identifier, write_buckets = None, None
+    if (identifier is not None and not isinstance(identifier, ConsistentDataIdentifier)) or not (
+        isinstance(write_buckets, (list, tuple))
+        and all(isinstance(b, WriteBucket) for b in write_buckets)
+    ):
+        raise CheckpointValidationError(
+            "preload_tensors expects (checkpoint_dir, (ConsistentDataIdentifier or None, "
+            "write_buckets)), the writer's resolved_plan_data after prepare_write_data; got "
+            f"{type(resolved_plan_data).__name__}"
+        )
+    return identifier, write_buckets

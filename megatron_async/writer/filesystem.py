@@ -1,18 +1,21 @@
 """FileSystemWriterAsync: a PyTorch DCP file writer whose writing runs in the background.
 
-A save with this writer is split the way an :class:`~megatron_async.core.AsyncRequest`
-needs it:
+The writer's options are one :class:`~megatron_async.writer.options.WriteOptions`, built
+once by its creator (or from the reference API's keyword arguments). A save with this
+writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
 
 1. ``prepare_write_data`` (trainer, every rank): resolve the plan's data and split it into
    size-balanced buckets, one file each;
 2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
-   tensor to host memory, a real snapshot (see :mod:`megatron_async.staging.buckets`);
+   tensor to host memory, a real snapshot (``preload_tensors``, see
+   :mod:`megatron_async.staging.buckets`);
 3. ``save_fn`` (background writer): write the staged buckets with threads or processes
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
-   write paths and delegate to :mod:`megatron_async.writer.write_paths`;
+   write paths, the functions of :mod:`megatron_async.writer.write_paths`;
 4. ``retrieve_write_results`` and ``finish`` (trainer, in the request's finalization):
-   collect the results, and on the coordinator write ``.metadata`` atomically.
+   collect the results (:mod:`megatron_async.writer.results`), and on the coordinator
+   write ``.metadata`` atomically (:mod:`megatron_async.writer.commit`).
 
 The files are PyTorch DCP's ``torch_save`` layout, so stock ``FileSystemReader``\\ s and
 megatron-core's loader read them.
@@ -21,18 +24,10 @@ megatron-core's loader read them.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
-import itertools
 import logging
-import multiprocessing as mp
 import os
-import pickle
-import queue
-import threading
-import traceback
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
@@ -42,30 +37,37 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_async.core import coordination
-from megatron_async.errors import (
-    CheckpointIntegrityError,
-    CheckpointValidationError,
-    WorkerDiedError,
-)
+from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
-from megatron_async.staging.buckets import StagingBufferCache, stage_buckets
+from megatron_async.staging.buckets import StagingBufferCache, preload_tensors
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
 from megatron_async.storage.locations import (
     DEFAULT_PART_BYTES,
-    MIN_PART_BYTES,
     is_object_url,
     normalize_checkpoint_path,
 )
 from megatron_async.writer import write_paths
-from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
+from megatron_async.writer.buckets import (
+    BucketLayout,
+    ConsistentDataIdentifier,
+    PreparedWrite,
+    ResolvedPlanData,
+    WriteBucket,
+    check_storage_prefix,
+    prepare_buckets,
+)
 from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
 from megatron_async.writer.commit import commit_checkpoint
-from megatron_async.writer.results import ResultFile
-from megatron_async.writer.write_paths import SpecBucketWriter
+from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions, resolve_writer_options
+from megatron_async.writer.results import (
+    ResultFile, WrappedException, collect_write_results, get_write_results_queue,
+)
+from megatron_async.writer.write_paths import bind_supported
 
 __all__ = [
     "FileSystemWriterAsync",
     "ConsistentDataIdentifier",
+    "WriteOptions",
     "get_write_results_queue",
     "DEFAULT_WRITE_TIMEOUT_S",
     "METADATA_FILE_NAME",
@@ -73,139 +75,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_WRITE_TIMEOUT_S = 3600.0
-"""How long the background writer waits for one save's bucket threads or processes."""
-
 METADATA_FILE_NAME = DCP_METADATA_FILE
 """DCP's global metadata file (kept under this name for older imports)."""
 
-
-WrappedException = Tuple[BaseException, traceback.StackSummary]
-"""PyTorch DCP's form of a failure that is returned rather than raised."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ConsistentDataIdentifier:
-    """Names the reusable staging buffers of one bucket layout (trainer side).
-
-    Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
-    in the stager's :class:`~megatron_async.staging.buckets.StagingBufferCache`.
-
-    Attributes:
-        key: a digest of everything that decides the buffers' shapes.
-    """
-
-    key: str
-
-
-ResolvedPlanData = Tuple[str, Tuple[Optional[ConsistentDataIdentifier], List[WriteBucket]]]
-"""``(checkpoint_dir, (identifier, write_buckets))``: what ``preload_tensors`` stages."""
-
-
-_results_queues: Dict[str, Any] = {}
-_results_queues_lock = threading.Lock()
-
-
-def get_write_results_queue(mp_mode: str = "spawn") -> Any:
-    """Return this process's queue for write results, created on first use (trainer side).
-
-    A multiprocessing manager's queue of the given start method (``"spawn"``, ``"fork"``
-    or ``"forkserver"``): its handle pickles, so background processes of any kind can
-    ``put`` into it. Our writers report through a results file instead (see
-    :mod:`megatron_async.writer.results`); this queue is for code written against the
-    reference API that passes its own ``global_results_queue`` to the write paths or sets
-    a writer's ``results_queue``: ``retrieve_write_results`` reads either.
-
-    Raises:
-        CheckpointValidationError: an unknown start method.
-    """
-    if mp_mode not in mp.get_all_start_methods():
-        raise CheckpointValidationError(
-            f"mp_mode must be one of {mp.get_all_start_methods()}, got {mp_mode!r}"
-        )
-    with _results_queues_lock:
-        if mp_mode not in _results_queues:
-            _results_queues[mp_mode] = mp.get_context(mp_mode).Manager().Queue()
-        return _results_queues[mp_mode]
-
-
-_RESULTS_QUEUE_WAIT_S = 5.0
-"""How long ``retrieve_write_results`` waits on a results queue for an outcome that the
-finished background part must already have put (a manager queue delivers with a delay)."""
-
-
-def _take_payload(channel: Any) -> Tuple[Any, Optional[BaseException]]:
-    """Read a save's outcome from its channel (trainer side): ``(payload, None)`` or
-    ``(None, why nothing could be read)``."""
-    try:
-        if isinstance(channel, ResultFile):
-            return channel.take(), None
-        return channel.get(timeout=_RESULTS_QUEUE_WAIT_S), None
-    except (OSError, EOFError, pickle.UnpicklingError, queue.Empty) as exc:
-        if isinstance(channel, ResultFile):
-            channel.discard()
-        return None, exc
-
-
-def _wrap(exc: BaseException) -> WrappedException:
-    """DCP's wrapped form of ``exc``, with the traceback where it was first raised."""
-    failure = getattr(exc, "failure", None)
-    stack = getattr(failure, "stack", None) or traceback.extract_tb(exc.__traceback__)
-    return exc, stack
-
-
-def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
-    """``partial(fn, *args, **options)`` without the options ``fn`` does not take.
-
-    A subclass may override a write path with the reference API's signature only; it
-    then runs without our extra options (checksums, bounded waits) instead of failing.
-    """
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        options = {k: v for k, v in options.items() if k in params}
-    return partial(fn, *args, **options)
-
-
-def _unpack_resolved_plan_data(
-    resolved_plan_data: Any,
-) -> Tuple[Optional[ConsistentDataIdentifier], Sequence[WriteBucket]]:
-    try:
-        _, (identifier, write_buckets) = resolved_plan_data
-    except (TypeError, ValueError):
-        identifier, write_buckets = None, None
-    if (identifier is not None and not isinstance(identifier, ConsistentDataIdentifier)) or not (
-        isinstance(write_buckets, (list, tuple))
-        and all(isinstance(b, WriteBucket) for b in write_buckets)
-    ):
-        raise CheckpointValidationError(
-            "preload_tensors expects (checkpoint_dir, (ConsistentDataIdentifier or None, "
-            "write_buckets)), the writer's resolved_plan_data after prepare_write_data; got "
-            f"{type(resolved_plan_data).__name__}"
-        )
-    return identifier, write_buckets
-
-
-def _layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str]) -> str:
-    """A digest of everything that decides the bucket layout and the staging buffers' shapes."""
-    digest = hashlib.sha1(repr((thread_count, separation_hint, plan.storage_data)).encode())
-    for item in plan.items:
-        tensor_data = item.tensor_data
-        shape = (
-            (tuple(tensor_data.chunk.sizes), str(tensor_data.properties.dtype))
-            if tensor_data is not None
-            else None
-        )
-        offset = tuple(item.index.offset) if item.index.offset is not None else None
-        digest.update(repr((item.index.fqn, offset, item.type.value, shape)).encode())
-    return digest.hexdigest()
-
-
-def _check_storage_prefix(plan: SavePlan) -> None:
-    if not isinstance(plan.storage_data, _StoragePrefix):
-        raise CheckpointValidationError(
-            "the plan has no storage prefix; finish planning (prepare_global_plan or "
-            "prepare_decentralized_global_plan) before prepare_write_data"
-        )
+_PARENT_SIGNATURE = inspect.signature(FileSystemWriter.__init__)
+"""What the writer's positional and extra keyword arguments are bound to."""
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -221,38 +95,26 @@ class FileSystemWriterAsync(FileSystemWriter):
         writer.finish(metadata, all_results)          # coordinator only
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or with ``use_msc`` an ``msc://PROFILE/PREFIX``
+            URL of multi-storage-client.
         *args: forwarded to ``FileSystemWriter`` (``single_file_per_rank`` must stay True).
-        separation_hint: items whose key starts with it are written to separate files
-            named ``{hint}__{rank}_{idx}.distcp``.
-        is_multiproc_io: write buckets with forked processes instead of threads. The
-            process running the save function must be allowed to have children (the
-            persistent worker must not be daemonic).
-        use_cached_data_structure: the checkpoint structure is the same from save to
-            save: reuse the staging buffers of the previous save of the same layout
-            instead of allocating them again.
-        staging_cache: where those buffers are kept (the trainer's); the process's
-            :func:`~megatron_async.staging.buckets.default_staging_cache` when None.
-        write_timeout_s: bound on the background writer's wait for its buckets.
-        checksums: hash every item while writing it (xxh3) and store the digests in
-            :data:`~megatron_async.integrity.checksums.CHECKSUM_FILE` before ``.metadata``.
-        use_msc: ``path`` is an ``msc://PROFILE/PREFIX`` URL of multi-storage-client:
-            every bucket is streamed to the store as it is written (multipart uploads of
-            ``object_part_bytes``), and the small files are single PUTs, ``.metadata``
-            last (see :mod:`megatron_async.storage`). Needs the ``msc`` extra.
-        object_part_bytes: with ``use_msc``, bytes per uploaded part (at least 5 MiB):
-            about the memory each bucket's upload holds.
-        overlap_staging: ``preload_fn`` only leases the staging buffers; the copy runs in
-            a background thread of the trainer while training goes on, and ``save_fn``
-            waits for it (see :mod:`megatron_async.staging.overlapped`).
-        direct_io: write local files with ``O_DIRECT`` (through an aligned bounce
-            buffer), bypassing the page cache, where the file system accepts it; False
-            writes buffered (see :mod:`megatron_async.writer.direct_io`).
-        **kwargs: forwarded to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
+        options: how to write (see :class:`~megatron_async.writer.options.WriteOptions`),
+            built and validated by the caller, e.g. the strategy from its config. Without
+            it the options are the keyword arguments below, as in the reference API.
+        staging_cache: where the reusable staging buffers are kept (the trainer's); the
+            process's :func:`~megatron_async.staging.buckets.default_staging_cache` when
+            None.
+        separation_hint, use_msc, is_multiproc_io, use_cached_data_structure,
+        write_timeout_s, checksums, object_part_bytes, overlap_staging, direct_io: the
+            reference API's keywords for the fields of
+            :class:`~megatron_async.writer.options.WriteOptions`; used only without
+            ``options``.
+        **kwargs: forwarded to ``FileSystemWriter`` (``thread_count`` and ``sync_files``,
+            which are fields of ``WriteOptions`` too, ...).
 
     Raises:
-        CheckpointValidationError: an unusable option, or an ``msc://`` path without
-            ``use_msc``.
+        CheckpointValidationError: an unusable option, ``options`` together with
+            ``thread_count`` or ``sync_files``, or an ``msc://`` path without ``use_msc``.
         ObjectStoreUnavailableError: ``use_msc`` without multi-storage-client installed.
     """
 
@@ -270,36 +132,34 @@ class FileSystemWriterAsync(FileSystemWriter):
         object_part_bytes: int = DEFAULT_PART_BYTES,
         overlap_staging: bool = False,
         direct_io: bool = True,
+        options: Optional[WriteOptions] = None,
         **kwargs: Any,
     ):
+        parent = _PARENT_SIGNATURE.bind(self, path, *args, **kwargs)
+        options = resolve_writer_options(
+            options, parent, separation_hint=separation_hint, use_msc=use_msc,
+            is_multiproc_io=is_multiproc_io, use_cached_data_structure=use_cached_data_structure,
+            write_timeout_s=write_timeout_s, checksums=checksums,
+            object_part_bytes=object_part_bytes, overlap_staging=overlap_staging,
+            direct_io=direct_io,
+        )
+        use_msc = options.use_msc
         if use_msc:
-            import_msc()  # a clear error naming the extra before anything else
+            import_msc()  # WriteOptions already did (a no-op then): kept beside the URL check
         elif is_object_url(path):
             raise CheckpointValidationError(
                 f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
                 f"the extra: {MSC_EXTRA_HINT})"
             )
-        if use_msc and object_part_bytes < MIN_PART_BYTES:
-            raise CheckpointValidationError(
-                f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
-                f"{object_part_bytes}"
-            )
-        super().__init__(path, *args, **kwargs)
+        super().__init__(*parent.args[1:], **parent.kwargs)
         if not self.single_file_per_rank:
             raise CheckpointValidationError(
                 "FileSystemWriterAsync writes one file per bucket; pass single_file_per_rank=True"
             )
-        if self.thread_count < 1:
-            raise CheckpointValidationError(f"thread_count must be >= 1, got {self.thread_count}")
-        if separation_hint is not None and (not separation_hint or os.sep in separation_hint):
-            raise CheckpointValidationError(
-                f"separation_hint {separation_hint!r} must be a non-empty key prefix without "
-                f"{os.sep!r}: it becomes the start of file names"
-            )
+        self.options = options
+        """The options in force (read-only: a writer serves one save)."""
         self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
-        self.use_msc = bool(use_msc)
-        self.object_part_bytes = int(object_part_bytes)
-        if self.use_msc:
+        if use_msc:
             from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystem
 
             # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC.
@@ -311,14 +171,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                     f"{self.checkpoint_dir}: multi-storage-client cannot resolve it ({exc}); "
                     "define the profile in MSC's configuration (MSC_CONFIG or ~/.msc_config.yaml)"
                 ) from exc
-        self.separation_hint = separation_hint
-        self.is_multiproc_io = is_multiproc_io
-        self.use_cached_data_structure = use_cached_data_structure
-        self.write_timeout_s = float(write_timeout_s)
-        self.checksums = bool(checksums)
         self.staging_cache = staging_cache
-        self.overlap_staging = bool(overlap_staging)
-        self.direct_io = bool(direct_io)
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -328,12 +181,22 @@ class FileSystemWriterAsync(FileSystemWriter):
         with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
         self.write_elapsed_s: Optional[float] = None
         """How long the background write took, once ``retrieve_write_results`` succeeded."""
+        # Set by the strategy: the commit compares the digests with the job's previous save
+        # and leaves the comparison in change_report (coordinator).
         self.digest_history: Optional[SaveDigestHistory] = None
-        """The job's previous digests (set by the strategy): the commit reports what changed."""
         self.change_report: Optional[ChangeReport] = None
-        """On the coordinator, after the commit: how the items compare with the previous save."""
-        self._staging_key: Optional[str] = None
         self._write_results: Optional[List[WriteResult]] = None
+
+    # The reference API's attribute names for the options (read-only).
+    separation_hint = property(lambda self: self.options.separation_hint)
+    use_msc = property(lambda self: self.options.use_msc)
+    is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
+    use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)
+    write_timeout_s = property(lambda self: self.options.write_timeout_s)
+    checksums = property(lambda self: self.options.checksums)
+    object_part_bytes = property(lambda self: self.options.object_part_bytes)
+    overlap_staging = property(lambda self: self.options.overlap_staging)
+    direct_io = property(lambda self: self.options.direct_io)
 
     def storage_meta(self):
         """DCP's storage metadata; with ``use_msc`` its ``checkpoint_id`` is the URL string,
@@ -343,7 +206,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             meta = dataclasses.replace(meta, checkpoint_id=self.checkpoint_dir)
         return meta
 
-    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> PreparedWrite:
         """Resolve the plan's data and split it into buckets (trainer, every rank).
 
         No data is copied here: staging happens in the request's ``preload_fn``.
@@ -351,18 +214,13 @@ class FileSystemWriterAsync(FileSystemWriter):
         Args:
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             planner: the planner that resolves each write item to its data.
+
+        Returns:
+            The buckets and their layout (DCP ignores it; the saver passes it on).
         """
-        _check_storage_prefix(plan)
+        check_storage_prefix(plan)
         resolved = [(item, planner.resolve_data(item)) for item in plan.items]
-        self.prepare_resolved_write_data(plan, resolved)
-
-    bucket_layout: Optional[BucketLayout] = None
-    """The bucket layout of the prepared save (set by ``prepare_resolved_write_data``)."""
-
-    @property
-    def staging_key(self) -> Optional[str]:
-        """The key of the prepared layout's reusable staging buffers, or None."""
-        return self._staging_key
+        return self.prepare_resolved_write_data(plan, resolved)
 
     def prepare_resolved_write_data(
         self,
@@ -370,7 +228,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         resolved: Sequence[Tuple[WriteItem, Any]],
         layout: Optional[BucketLayout] = None,
         staging_key: Optional[str] = None,
-    ) -> None:
+    ) -> PreparedWrite:
         """Split already resolved items into buckets (trainer, every rank).
 
         A save whose structure did not change since the previous one resolves its items
@@ -380,24 +238,22 @@ class FileSystemWriterAsync(FileSystemWriter):
         Args:
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
-            layout: a bucket layout made for exactly these items (``bucket_layout`` of an
-                earlier writer), or None to compute it.
+            layout: a bucket layout made for exactly these items (the ``layout`` of an
+                earlier save's :class:`~megatron_async.writer.buckets.PreparedWrite`), or
+                None to compute it.
             staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
                 ``layout`` had, or None to compute it.
+
+        Returns:
+            The buckets, their layout and staging key.
         """
-        _check_storage_prefix(plan)
-        if self.use_cached_data_structure:
-            if staging_key is None:
-                staging_key = _layout_key(plan, self.thread_count, self.separation_hint)
-            self._staging_key = staging_key
-        if layout is None:  # deterministic: the same items give the same layout (and buffers)
-            layout = assign_buckets(resolved, self.thread_count, self.separation_hint)
-        self.bucket_layout = layout
-        self.write_buckets = materialize_buckets(
-            resolved, layout, self.checkpoint_dir, plan.storage_data.prefix
+        prepared = prepare_buckets(
+            plan, resolved, self.checkpoint_dir, self.thread_count, self.separation_hint,
+            self.use_cached_data_structure, layout, staging_key,
         )
+        self.write_buckets = prepared.write_buckets
         identifier = (
-            ConsistentDataIdentifier(self._staging_key) if self.use_cached_data_structure else None
+            ConsistentDataIdentifier(prepared.staging_key) if prepared.staging_key is not None else None
         )
         self.resolved_plan_data = (self.checkpoint_dir, (identifier, self.write_buckets))
         self.results_queue = (
@@ -405,12 +261,10 @@ class FileSystemWriterAsync(FileSystemWriter):
         )
         self._write_results = None
         logger.debug(
-            "rank %d: %d items in %d buckets for %s",
-            coordination.get_rank(),
-            len(resolved),
-            len(self.write_buckets),
-            self.checkpoint_dir,
+            "rank %d: %d items in %d buckets for %s", coordination.get_rank(), len(resolved),
+            len(self.write_buckets), self.checkpoint_dir,
         )
+        return prepared
 
     def get_save_function_and_args(
         self,
@@ -432,7 +286,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
-        save_fn = _bind_supported(
+        save_fn = bind_supported(
             write_fn,
             (self.transforms, self.use_msc, self._open_file()),
             use_fsync=self.sync_files,
@@ -442,31 +296,15 @@ class FileSystemWriterAsync(FileSystemWriter):
             direct_io=self.direct_io,
         )
         if self.overlap_staging:
-            return self._overlapped_functions(save_fn)
-        preload_fn = _bind_supported(
+            from megatron_async.staging.overlapped import overlapped_save_functions
+
+            return overlapped_save_functions(
+                save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
+            )
+        preload_fn = bind_supported(
             self.preload_tensors, (self.resolved_plan_data, True), staging_cache=self.staging_cache
         )
         return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
-
-    def _overlapped_functions(self, save_fn):
-        """``(save_fn, preload_fn, args)`` of overlapped staging: ``preload_fn`` leases the
-        buffers, a trainer thread copies, and ``save_fn`` waits for the copy first."""
-        from megatron_async.staging.overlapped import (
-            DEFAULT_STAGING_WAIT_S,
-            StagingGate,
-            stage_buckets_overlapped,
-            write_after_staging,
-        )
-
-        gate = StagingGate()
-        rank = coordination.get_rank()
-        identifier, write_buckets = _unpack_resolved_plan_data(self.resolved_plan_data)
-        preload_fn = partial(
-            stage_buckets_overlapped, gate, rank, write_buckets, True,
-            identifier.key if identifier is not None else None, self.staging_cache,
-        )
-        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
-        return save_fn, preload_fn, [rank, None, self.results_queue]
 
     def _open_file(self) -> Callable[..., Any]:
         """The ``open_file`` the write paths get: ``open``, or the object store's opener."""
@@ -476,109 +314,13 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         return ObjectStoreFileOpener(self.object_part_bytes)
 
-    @staticmethod
-    def preload_tensors(
-        resolved_plan_data: ResolvedPlanData,
-        non_blocking: bool = True,
-        *,
-        staging_cache: Optional[StagingBufferCache] = None,
-    ) -> List[WriteBucket]:
-        """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
-
-        CUDA tensors go to pinned buffers (non-blocking copies, one synchronize); CPU
-        tensors are copied as well, so later in-place updates never reach the file.
-
-        Args:
-            resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
-                ``prepare_write_data`` left it in :attr:`resolved_plan_data`. With a
-                :class:`ConsistentDataIdentifier`, the buffers staged under that key by an
-                earlier save are reused (``use_cached_data_structure``); None stages into
-                fresh buffers.
-            non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
-            staging_cache: where the reusable buffers live (the trainer's);
-                :func:`~megatron_async.staging.buckets.default_staging_cache` when None.
-
-        Returns:
-            The staged buckets (a :class:`~megatron_async.staging.buckets.StagedBuckets`).
-        """
-        identifier, write_buckets = _unpack_resolved_plan_data(resolved_plan_data)
-        key = identifier.key if identifier is not None else None
-        return stage_buckets(write_buckets, non_blocking, key, staging_cache)
-
-    # The reference API's single-bucket write paths (background writer), as static
-    # methods so that subclasses override them and the save function still pickles.
+    # The reference API's staging step (trainer) and write paths (background writer), as
+    # static methods so that subclasses override them and the save function still pickles.
+    preload_tensors = staticmethod(preload_tensors)
     write_preloaded_data = staticmethod(write_paths.write_preloaded_data)
     write_preloaded_data_proc = staticmethod(write_paths.write_preloaded_data_proc)
-
-    @staticmethod
-    def write_preloaded_data_multithread(
-        transform_list: Any,
-        use_msc: bool,
-        open_file: Callable[..., Any],
-        rank: int,
-        write_buckets: Optional[Sequence[WriteBucket]],
-        global_results_queue: Any,
-        *,
-        use_fsync: bool = True,
-        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-        bucket_writer: Optional[SpecBucketWriter] = None,
-        compute_checksums: bool = True,
-        direct_io: bool = True,
-    ) -> None:
-        """Write the staged buckets, one thread each, and report the outcome (background).
-
-        The last bucket is written by the calling thread. A failed bucket is recorded in
-        the outcome, not raised: the trainer's finalization turns it into an error on
-        every rank. What goes to ``global_results_queue`` (the writer's results file, or
-        any object with ``put``, e.g. :func:`get_write_results_queue`) is a dict bucket
-        index -> write results, or the :class:`~megatron_async.errors.StorageWriteError` that says what failed.
-
-        Args:
-            transform_list, use_msc, open_file: see :meth:`write_preloaded_data`.
-            rank: the training rank (for messages).
-            write_buckets: the staged buckets (``preload_fn``'s result).
-            global_results_queue: where the outcome goes.
-            use_fsync: make every file durable.
-            write_timeout_s: bound on the wait for the writer threads.
-            bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
-            compute_checksums: hash every item while writing it.
-            direct_io: write local files with ``O_DIRECT`` where accepted.
-        """
-        write_paths.write_staged_buckets(
-            rank, write_buckets, global_results_queue, use_processes=False,
-            transform_list=transform_list, use_msc=use_msc, open_file=open_file,
-            use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
-            compute_checksums=compute_checksums, direct_io=direct_io,
-        )
-
-    @staticmethod
-    def write_preloaded_data_multiproc(
-        transform_list: Any,
-        use_msc: bool,
-        open_file: Callable[..., Any],
-        rank: int,
-        write_buckets: Optional[Sequence[WriteBucket]],
-        global_results_queue: Any,
-        *,
-        use_fsync: bool = True,
-        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-        bucket_writer: Optional[SpecBucketWriter] = None,
-        compute_checksums: bool = True,
-        direct_io: bool = True,
-    ) -> None:
-        """Write the staged buckets, one forked process each, and report the outcome.
-
-        Runs in the background writer, which must be allowed to have children (ours
-        always are). Forked children share the staged buffers; each reports through its
-        own result file, so a child that dies is detected (no result) instead of awaited.
-        Arguments as for :meth:`write_preloaded_data_multithread`.
-        """
-        write_paths.write_staged_buckets(
-            rank, write_buckets, global_results_queue, use_processes=True,
-            transform_list=transform_list, use_msc=use_msc, open_file=open_file,
-            use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
-            compute_checksums=compute_checksums, direct_io=direct_io,
-        )
+    write_preloaded_data_multithread = staticmethod(write_paths.write_preloaded_data_multithread)
+    write_preloaded_data_multiproc = staticmethod(write_paths.write_preloaded_data_multiproc)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """Write the plan synchronously (lets ``torch.distributed.checkpoint.save`` use this writer).
@@ -606,16 +348,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         Returns:
             The write results of every item of this rank (empty with nothing to write),
             or, when the background write failed, DCP's wrapped exception
-            ``(exception, traceback.StackSummary)`` as the reference API specifies:
-
-            * :class:`~megatron_async.errors.StorageWriteError`: a bucket failed; its ``failure`` holds the
-              original exception and traceback;
-            * :class:`WorkerDiedError`: the writer reported nothing (killed or crashed);
-            * :class:`CheckpointIntegrityError`: a bucket reported too few results.
-
-            Their messages keep megatron-core's wording ("Worker failure: ...", "... This
-            probably indicates a worker failure."), which log alerts and Megatron-LM's
-            tests search for.
+            ``(exception, traceback.StackSummary)`` as the reference API specifies (see
+            :func:`~megatron_async.writer.results.collect_write_results` for which).
 
         Raises:
             CheckpointIntegrityError: no write was prepared (a programming error).
@@ -629,34 +363,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         if not self.write_buckets:
             self._write_results = []
             return self._write_results
-        rank = coordination.get_rank()
-        payload, error = _take_payload(self.results_queue)
-        if error is not None:
-            return _wrap(
-                WorkerDiedError(
-                    f"Worker failure on rank {rank}: the background writer of "
-                    f"{self.checkpoint_dir} reported no result ({error}); it was probably "
-                    "killed (out of memory, signal) before finishing. The checkpoint is "
-                    "incomplete: save again."
-                )
-            )
-        if isinstance(payload, BaseException):
-            return _wrap(payload)
-        for idx, bucket in enumerate(self.write_buckets):
-            expected = len(bucket.data[0]) + len(bucket.data[1])
-            got = len(payload.get(idx, ()))
-            if got != expected:
-                return _wrap(
-                    CheckpointIntegrityError(
-                        f"rank {rank}: {bucket.file_name} in {self.checkpoint_dir} reported {got} "
-                        f"of {expected} written items; its writer stopped early. This probably "
-                        "indicates a worker failure. Save again."
-                    )
-                )
-        self.write_elapsed_s = getattr(payload, "elapsed_s", None)
-        self._write_results = list(
-            itertools.chain.from_iterable(payload[i] for i in sorted(payload))
+        collected = collect_write_results(
+            self.results_queue, self.write_buckets, self.checkpoint_dir, coordination.get_rank()
         )
+        if len(collected) == 2 and isinstance(collected[0], BaseException):
+            return collected  # DCP's wrapped exception, as the reference API specifies
+        self._write_results, self.write_elapsed_s = collected
         return self._write_results
 
     @property

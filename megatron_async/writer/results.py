@@ -5,27 +5,49 @@ multiprocessing queue: a queue cannot be pickled into an already running persist
 worker, and a pipe blocks the writer as soon as its results outgrow the pipe
 buffer while the trainer is not reading yet. A small file works the same for a forked
 child, the persistent worker and a synchronous call. The trainer creates the channel;
-the writer (a thread, a forked process or the persistent worker) fills it.
+the writer (a thread, a forked process or the persistent worker) fills it, and the
+trainer reads it back with :func:`collect_write_results` in the save's finalization.
+Code written against the reference API may report through a multiprocessing queue of
+:func:`get_write_results_queue` instead; :func:`collect_write_results` reads either.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import logging
+import multiprocessing as mp
 import os
 import pickle
+import queue
 import shutil
 import tempfile
 import threading
+import traceback
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.errors import RankFailure, StorageWriteError
+from megatron_async.errors import (
+    CheckpointIntegrityError,
+    CheckpointValidationError,
+    RankFailure,
+    StorageWriteError,
+    WorkerDiedError,
+)
+from megatron_async.writer.buckets import WriteBucket
 
-__all__ = ["BucketResults", "WriteOutcome", "ResultFile"]
+__all__ = [
+    "BucketResults",
+    "WriteOutcome",
+    "ResultFile",
+    "WrappedException",
+    "collect_write_results",
+    "get_write_results_queue",
+    "wrap_exception",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +161,105 @@ class ResultFile:
                 os.remove(os.path.join(folder, leftover))
             except OSError as exc:
                 logger.debug("could not remove result file %s: %s", leftover, exc)
+
+
+WrappedException = Tuple[BaseException, traceback.StackSummary]
+"""PyTorch DCP's form of a failure that is returned rather than raised."""
+
+_results_queues: Dict[str, Any] = {}
+_results_queues_lock = threading.Lock()
+
+
+def get_write_results_queue(mp_mode: str = "spawn") -> Any:
+    """Return this process's queue for write results, created on first use (trainer side).
+
+    A multiprocessing manager's queue of the given start method (``"spawn"``, ``"fork"``
+    or ``"forkserver"``): its handle pickles, so background processes of any kind can
+    ``put`` into it. Our writers report through a :class:`ResultFile` instead; this queue
+    is for code written against the reference API that passes its own
+    ``global_results_queue`` to the write paths or sets a writer's ``results_queue``.
+
+    Raises:
+        CheckpointValidationError: an unknown start method.
+    """
+    if mp_mode not in mp.get_all_start_methods():
+        raise CheckpointValidationError(
+            f"mp_mode must be one of {mp.get_all_start_methods()}, got {mp_mode!r}"
+        )
+    with _results_queues_lock:
+        if mp_mode not in _results_queues:
+            _results_queues[mp_mode] = mp.get_context(mp_mode).Manager().Queue()
+        return _results_queues[mp_mode]
+
+
+_RESULTS_QUEUE_WAIT_S = 5.0
+"""How long :func:`collect_write_results` waits on a results queue for an outcome that the
+finished background part must already have put (a manager queue delivers with a delay)."""
+
+
+def _take_payload(channel: Any) -> Tuple[Any, Optional[BaseException]]:
+    """Read a save's outcome from its channel (trainer side): ``(payload, None)`` or
+    ``(None, why nothing could be read)``."""
+    try:
+        if isinstance(channel, ResultFile):
+            return channel.take(), None
+        return channel.get(timeout=_RESULTS_QUEUE_WAIT_S), None
+    except (OSError, EOFError, pickle.UnpicklingError, queue.Empty) as exc:
+        if isinstance(channel, ResultFile):
+            channel.discard()
+        return None, exc
+
+
+def wrap_exception(exc: BaseException) -> WrappedException:
+    """DCP's wrapped form of ``exc``, with the traceback where it was first raised."""
+    failure = getattr(exc, "failure", None)
+    stack = getattr(failure, "stack", None) or traceback.extract_tb(exc.__traceback__)
+    return exc, stack
+
+
+def collect_write_results(
+    channel: Any, write_buckets: Sequence[WriteBucket], checkpoint_dir: str, rank: int
+) -> Union[Tuple[List[WriteResult], Optional[float]], WrappedException]:
+    """Read what the background writer reported for these buckets (trainer, finalization).
+
+    Args:
+        channel: the save's :class:`ResultFile`, or any object with ``get``.
+        write_buckets: the save's buckets (at least one), to check that each reported
+            all of its items.
+        checkpoint_dir, rank: for messages.
+
+    Returns:
+        ``(write results in bucket order, elapsed_s)``, or DCP's wrapped exception
+        ``(exception, traceback.StackSummary)``: a
+        :class:`~megatron_async.errors.StorageWriteError` when a bucket failed,
+        :class:`~megatron_async.errors.WorkerDiedError` when the writer reported nothing,
+        :class:`~megatron_async.errors.CheckpointIntegrityError` when a bucket reported
+        too few results. The messages keep megatron-core's wording ("Worker failure:
+        ...", "... This probably indicates a worker failure."), which log alerts and
+        Megatron-LM's tests search for.
+    """
+    payload, error = _take_payload(channel)
+    if error is not None:
+        return wrap_exception(
+            WorkerDiedError(
+                f"Worker failure on rank {rank}: the background writer of "
+                f"{checkpoint_dir} reported no result ({error}); it was probably "
+                "killed (out of memory, signal) before finishing. The checkpoint is "
+                "incomplete: save again."
+            )
+        )
+    if isinstance(payload, BaseException):
+        return wrap_exception(payload)
+    for idx, bucket in enumerate(write_buckets):
+        expected = len(bucket.data[0]) + len(bucket.data[1])
+        got = len(payload.get(idx, ()))
+        if got != expected:
+            return wrap_exception(
+                CheckpointIntegrityError(
+                    f"rank {rank}: {bucket.file_name} in {checkpoint_dir} reported {got} "
+                    f"of {expected} written items; its writer stopped early. This probably "
+                    "indicates a worker failure. Save again."
+                )
+            )
+    results = list(itertools.chain.from_iterable(payload[i] for i in sorted(payload)))
+    return results, getattr(payload, "elapsed_s", None)

@@ -3,15 +3,16 @@
 Runs in the background writer: a forked writer, the persistent worker, or one of their
 bucket writer processes. :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`
 keeps the static methods that megatron-core and nvidia-resiliency-ext name, and that
-subclasses override: ``write_preloaded_data`` and ``write_preloaded_data_proc`` are the
-functions of this module, ``write_preloaded_data_multithread`` and
-``write_preloaded_data_multiproc`` call :func:`write_staged_buckets`. One bucket's bytes are
-written by :func:`~.bucket_io.write_bucket`; the threads or processes are run by
-:mod:`.runners`.
+subclasses override: ``write_preloaded_data``, ``write_preloaded_data_proc``,
+``write_preloaded_data_multithread`` and ``write_preloaded_data_multiproc`` are the
+functions of this module (the last two call :func:`write_staged_buckets`). One bucket's
+bytes are written by :func:`~.bucket_io.write_bucket`; the threads or processes are run
+by :mod:`.runners`.
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -20,17 +21,33 @@ from torch.distributed.checkpoint.storage import WriteResult
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.writer.buckets import WriteBucket
+from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
 from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
 
 __all__ = [
     "SpecBucketWriter",
+    "bind_supported",
     "write_preloaded_data",
     "write_preloaded_data_proc",
+    "write_preloaded_data_multithread",
+    "write_preloaded_data_multiproc",
     "write_staged_buckets",
 ]
 
 SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
 """``write_preloaded_data``'s signature (see :func:`write_preloaded_data`)."""
+
+
+def bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
+    """``partial(fn, *args, **options)`` without the options ``fn`` does not take (trainer).
+
+    A subclass may override a write path with the reference API's signature only; it
+    then runs without our extra options (checksums, bounded waits) instead of failing.
+    """
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        options = {k: v for k, v in options.items() if k in params}
+    return partial(fn, *args, **options)
 
 
 def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
@@ -208,3 +225,74 @@ def write_staged_buckets(
     run_buckets = write_with_processes if use_processes else write_with_threads
     runner = partial(run_buckets, write_one, write_timeout_s)
     write_and_report(runner, rank, write_buckets, global_results_queue)
+
+
+def write_preloaded_data_multithread(
+    transform_list: Any,
+    use_msc: bool,
+    open_file: Callable[..., Any],
+    rank: int,
+    write_buckets: Optional[Sequence[WriteBucket]],
+    global_results_queue: Any,
+    *,
+    use_fsync: bool = True,
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+    bucket_writer: Optional[SpecBucketWriter] = None,
+    compute_checksums: bool = True,
+    direct_io: bool = True,
+) -> None:
+    """Write the staged buckets, one thread each, and report the outcome (background).
+
+    The last bucket is written by the calling thread. A failed bucket is recorded in
+    the outcome, not raised: the trainer's finalization turns it into an error on
+    every rank. What goes to ``global_results_queue`` (the writer's results file, or
+    any object with ``put``, e.g. :func:`~.results.get_write_results_queue`) is a dict bucket
+    index -> write results, or the :class:`~megatron_async.errors.StorageWriteError`
+    that says what failed.
+
+    Args:
+        transform_list, use_msc, open_file: see :func:`write_preloaded_data`.
+        rank: the training rank (for messages).
+        write_buckets: the staged buckets (``preload_fn``'s result).
+        global_results_queue: where the outcome goes.
+        use_fsync: make every file durable.
+        write_timeout_s: bound on the wait for the writer threads.
+        bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
+        compute_checksums: hash every item while writing it.
+        direct_io: write local files with ``O_DIRECT`` where accepted.
+    """
+    write_staged_buckets(
+        rank, write_buckets, global_results_queue, use_processes=False,
+        transform_list=transform_list, use_msc=use_msc, open_file=open_file,
+        use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
+        compute_checksums=compute_checksums, direct_io=direct_io,
+    )
+
+
+def write_preloaded_data_multiproc(
+    transform_list: Any,
+    use_msc: bool,
+    open_file: Callable[..., Any],
+    rank: int,
+    write_buckets: Optional[Sequence[WriteBucket]],
+    global_results_queue: Any,
+    *,
+    use_fsync: bool = True,
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+    bucket_writer: Optional[SpecBucketWriter] = None,
+    compute_checksums: bool = True,
+    direct_io: bool = True,
+) -> None:
+    """Write the staged buckets, one forked process each, and report the outcome.
+
+    Runs in the background writer, which must be allowed to have children (ours
+    always are). Forked children share the staged buffers; each reports through its
+    own result file, so a child that dies is detected (no result) instead of awaited.
+    Arguments as for :func:`write_preloaded_data_multithread`.
+    """
+    write_staged_buckets(
+        rank, write_buckets, global_results_queue, use_processes=True,
+        transform_list=transform_list, use_msc=use_msc, open_file=open_file,
+        use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
+        compute_checksums=compute_checksums, direct_io=direct_io,
+    )

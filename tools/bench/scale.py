@@ -151,7 +151,7 @@ def _mcore_planner():
 
 def _plan(method: str, plans):
     if method == "ours":
-        from megatron_async.saver.state_dict_saver import build_global_metadata
+        from megatron_async.saver.global_metadata import build_global_metadata
 
         return build_global_metadata(_mcore_planner(), plans)
     planner = DefaultSavePlanner(flatten_state_dict=False) if method == "dcp" else _mcore_planner()

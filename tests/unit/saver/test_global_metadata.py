@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.saver.state_dict_saver import build_global_metadata
+from megatron_async.saver.global_metadata import build_global_metadata
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async.integrity import checksums
-from megatron_async.saver.state_dict_saver import build_global_metadata
+from megatron_async.saver.global_metadata import build_global_metadata
 from megatron_async.writer.bucket_io import write_bucket
 from megatron_async.writer.buckets import WriteBucket
 from megatron_async.writer.commit import commit_checkpoint

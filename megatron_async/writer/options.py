@@ -1,0 +1,138 @@
+"""The options of one storage writer, as one validated object (trainer side, every rank).
+
+:class:`WriteOptions` is built once, from the strategy's
+:class:`~megatron_async.mcore.config.TorchDistSaveConfig` or from the keyword arguments
+of :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`, validated in
+``__post_init__``, and passed to the writer as it is. Every invalid option raises
+:class:`~megatron_async.errors.CheckpointValidationError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any, Optional
+
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
+
+__all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options"]
+
+DEFAULT_WRITE_TIMEOUT_S = 3600.0
+"""How long the background writer waits for one save's bucket threads or processes."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """How a :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` writes a save.
+
+    The defaults are the writer's (those of PyTorch DCP's ``FileSystemWriter`` for
+    ``thread_count`` and ``sync_files``); the strategy's config has its own.
+
+    Raises:
+        CheckpointValidationError: an option out of range, with the rule it breaks.
+        ObjectStoreUnavailableError: ``use_msc`` without multi-storage-client installed.
+    """
+
+    thread_count: int = 1
+    """Files (and writer threads or processes) per rank and save; at least 1."""
+
+    sync_files: bool = True
+    """fsync every file before the save counts as written."""
+
+    separation_hint: Optional[str] = None
+    """Items whose key starts with it go to separate files ``{hint}__{rank}_{idx}.distcp``;
+    a non-empty prefix without the path separator, since it starts file names."""
+
+    is_multiproc_io: bool = False
+    """Write buckets with forked processes instead of threads (the process running the
+    save function must be allowed to have children)."""
+
+    use_cached_data_structure: bool = False
+    """Reuse the staging buffers of the previous save of the same bucket layout."""
+
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
+    """Bound on the background writer's wait for its buckets; positive."""
+
+    checksums: bool = True
+    """Hash every item while writing it (xxh3) and store the digests before ``.metadata``."""
+
+    use_msc: bool = False
+    """The checkpoint is an ``msc://PROFILE/PREFIX`` URL of multi-storage-client; every
+    bucket is streamed to the store as it is written. Needs the ``msc`` extra."""
+
+    object_part_bytes: int = DEFAULT_PART_BYTES
+    """With ``use_msc``, bytes per uploaded part (at least S3's smallest, 5 MiB): about
+    the memory each bucket's upload holds."""
+
+    overlap_staging: bool = False
+    """``preload_fn`` only leases the staging buffers; a trainer thread copies while
+    training goes on, and ``save_fn`` waits for the copy."""
+
+    direct_io: bool = True
+    """Write local files with ``O_DIRECT`` where the file system accepts it."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
+            raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
+        if self.thread_count < 1:
+            raise CheckpointValidationError(
+                f"thread_count must be >= 1 (files per rank), got {self.thread_count}"
+            )
+        if self.separation_hint is not None and (
+            not isinstance(self.separation_hint, str)
+            or not self.separation_hint
+            or os.sep in self.separation_hint
+        ):
+            raise CheckpointValidationError(
+                f"separation_hint must be a non-empty key prefix without {os.sep!r} (it starts "
+                f"file names), got {self.separation_hint!r}"
+            )
+        if not isinstance(self.write_timeout_s, (int, float)) or not self.write_timeout_s > 0:
+            raise CheckpointValidationError(
+                f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
+            )
+        if self.use_msc:
+            from megatron_async.storage.client import import_msc
+
+            import_msc()  # ObjectStoreUnavailableError naming the extra
+            if self.object_part_bytes < MIN_PART_BYTES:
+                raise CheckpointValidationError(
+                    f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
+                    f"{self.object_part_bytes}"
+                )
+
+
+def resolve_writer_options(
+    options: Optional[WriteOptions], parent: inspect.BoundArguments, **keywords: Any
+) -> WriteOptions:
+    """Return a writer's options: ``options`` as given, or built from its keywords (trainer).
+
+    ``thread_count`` and ``sync_files`` belong to PyTorch DCP's ``FileSystemWriter`` as
+    well: they are read from, and then set in, ``parent``, the writer's arguments bound
+    to ``FileSystemWriter.__init__``, so that the parent gets the options' values.
+
+    Args:
+        options: the options the writer's creator built, or None.
+        parent: the writer's arguments bound to ``FileSystemWriter.__init__``.
+        **keywords: the reference API's keywords for the other fields; used only when
+            ``options`` is None.
+
+    Raises:
+        CheckpointValidationError: an invalid option, or ``options`` together with
+            ``thread_count`` or ``sync_files``.
+    """
+    if options is None:
+        defaults = parent.signature.parameters
+        options = WriteOptions(
+            thread_count=parent.arguments.get("thread_count", defaults["thread_count"].default),
+            sync_files=parent.arguments.get("sync_files", defaults["sync_files"].default),
+            **keywords,
+        )
+    elif {"thread_count", "sync_files"} & parent.arguments.keys():
+        raise CheckpointValidationError(
+            "pass thread_count and sync_files inside options (WriteOptions), not beside it"
+        )
+    parent.arguments.update(thread_count=options.thread_count, sync_files=options.sync_files)
+    return options
