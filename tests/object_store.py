@@ -128,44 +128,74 @@ def s3_client(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SEC
     )
 
 
-class DroppingProxy:
-    """A TCP proxy on 127.0.0.1 that plays a server stopping in the middle of an upload.
+class FaultyProxy:
+    """A TCP proxy on 127.0.0.1 that plays a store failing in the middle of an upload.
 
-    Bytes from the client are forwarded to ``target_port`` until one connection's client
-    has sent more than ``drop_after_bytes``: then that connection is closed on both
-    sides and the proxy stops listening, so retries and new connections are refused.
+    Bytes are forwarded to ``target_port`` until one connection's client has sent more
+    than ``fault_after_bytes``; from then on, that connection and every later one get
+    the ``fault``:
+
+    * ``"drop"``: the connection is closed on both sides and the proxy stops listening,
+      so retries and new connections are refused (a server gone away);
+    * ``"silent"``: the connection stays open and nothing more is forwarded either way,
+      new connections are accepted and never answered (a store that stopped answering);
+    * ``"drip"``: the client gets an HTTP status line and headers that never end, one
+      byte every ``drip_interval_s`` (each byte resets the client's socket timeout).
     """
 
-    def __init__(self, target_port: int, drop_after_bytes: int):
+    def __init__(self, target_port: int, fault_after_bytes: int, fault: str = "drop",
+                 drip_interval_s: float = 0.5):
+        if fault not in ("drop", "silent", "drip"):
+            raise ValueError(f"unknown fault {fault!r}")
         self.port = _free_port()
         self.endpoint = f"http://{LOOPBACK}:{self.port}"
         self._target_port = target_port
-        self._drop_after = drop_after_bytes
-        self._dropped = threading.Event()
+        self._after = fault_after_bytes
+        self._fault = fault
+        self._drip_interval_s = drip_interval_s
+        self._triggered = threading.Event()
+        self._stop = threading.Event()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((LOOPBACK, self.port))
         self._listener.listen(16)
-        self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
-    def dropped(self) -> bool:
-        return self._dropped.is_set()
+    def triggered(self) -> bool:
+        return self._triggered.is_set()
 
     def close(self) -> None:
-        self._closed = True
+        self._stop.set()
         self._listener.close()
 
     def _accept(self) -> None:
-        while not self._closed:
+        while not self._stop.is_set():
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._triggered.is_set():
+                threading.Thread(target=self._misbehave, args=(client,), daemon=True).start()
+                continue
             upstream = socket.create_connection((LOOPBACK, self._target_port), timeout=30)
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _misbehave(self, client: socket.socket) -> None:
+        """Serve one connection after the fault: hold it open, or drip a response."""
+        try:
+            if self._fault == "drip":
+                head = b"HTTP/1.1 200 OK\r\n" + b"x-slow: " + b"a" * 1_000_000
+                for byte in head:
+                    if self._stop.wait(self._drip_interval_s):
+                        break
+                    client.sendall(bytes([byte]))
+            else:
+                self._stop.wait()
+        except OSError:
+            pass
+        client.close()
 
     def _pump(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
         sent = 0
@@ -175,10 +205,15 @@ class DroppingProxy:
                 if not data:
                     break
                 sent += len(data)
-                if from_client and sent > self._drop_after and not self._dropped.is_set():
-                    self._dropped.set()
-                    self.close()
-                    break
+                if from_client and sent > self._after and not self._triggered.is_set():
+                    self._triggered.set()
+                    if self._fault == "drop":
+                        self.close()
+                        break
+                if self._triggered.is_set() and self._fault != "drop":
+                    if from_client:  # the client that tripped the fault is answered by it
+                        self._misbehave(source)
+                    return  # nothing from upstream reaches the client any more
                 sink.sendall(data)
         except OSError:
             pass

@@ -91,6 +91,15 @@ class TorchDistSaveConfig:
     """With ``use_msc``: bytes per uploaded part of a multipart upload (at least 5 MiB),
     about the memory each file's upload holds."""
 
+    object_request_timeout_s: float = 120.0
+    """With ``use_msc``: the most one request to the store (one uploaded part, the
+    ``.metadata`` PUT) may take, answer included; an endpoint that stops answering, or
+    answers a byte at a time, fails the save on every rank."""
+
+    object_request_retries: int = 3
+    """With ``use_msc``: further attempts of a request after a transient failure
+    (timeouts, dropped connections, throttling, 5xx), with exponential backoff."""
+
     use_msc: bool = False
     """Save to object storage through multi-storage-client: checkpoint directories are
     ``msc://PROFILE/PREFIX`` URLs (megatron-core's ``--enable-msc``; Megatron-LM's
@@ -116,6 +125,8 @@ class TorchDistSaveConfig:
             checksums=self.checksums,
             use_msc=self.use_msc,
             object_part_bytes=self.object_part_bytes,
+            object_request_timeout_s=self.object_request_timeout_s,
+            object_request_retries=self.object_request_retries,
             overlap_staging=self.overlap_staging,
             direct_io=self.direct_io,
         )

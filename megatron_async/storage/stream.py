@@ -23,10 +23,12 @@ timeouts and retries); MSC keeps one per process and rebuilds it after a fork.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
+from megatron_async.storage.bounded_calls import RequestPolicy, call_with_deadline
 from megatron_async.storage.client import import_msc, resolve
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 from megatron_async.writer.bucket_file import BucketFile
@@ -42,12 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-_ADVICE = (
-    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
-    "accepted and its bucket must exist"
-)
-
-
 class S3MultipartBucketFile(BucketFile):
     """A bucket streamed to one S3 object (background writer; one thread per object).
 
@@ -58,10 +54,12 @@ class S3MultipartBucketFile(BucketFile):
         url: the ``msc://`` URL, for messages.
         hashing: hash every item (see :class:`BucketFile`).
         part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`).
+        policy: the deadline and retries of every request (each part is one request).
     """
 
     def __init__(
-        self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int
+        self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int,
+        policy: Optional[RequestPolicy] = None,
     ):
         if part_bytes < MIN_PART_BYTES:
             raise ValueError(f"part_bytes must be >= {MIN_PART_BYTES} (S3's minimum), got {part_bytes}")
@@ -72,6 +70,7 @@ class S3MultipartBucketFile(BucketFile):
         self._key = key
         self._url = url
         self._part_bytes = part_bytes
+        self._policy = policy or RequestPolicy()
         self._part = bytearray()
         self._upload_id: Optional[str] = None
         self._parts: List[Dict[str, Any]] = []
@@ -124,8 +123,12 @@ class S3MultipartBucketFile(BucketFile):
         if self._completed or self._upload_id is None:
             return
         upload_id, self._upload_id = self._upload_id, None
-        try:
-            self._s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+        try:  # one bounded attempt: the store may be the reason the save failed
+            call_with_deadline(
+                "aborting the multipart upload of", self._url,
+                lambda: self._s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=upload_id),
+                dataclasses.replace(self._policy, retries=0),
+            )
         except Exception as exc:  # cleanup after a failure that is reported already
             logger.warning(
                 "aborting the multipart upload of %s failed (%s); the bucket's lifecycle rule "
@@ -155,12 +158,7 @@ class S3MultipartBucketFile(BucketFile):
         self._parts.append({"ETag": response["ETag"], "PartNumber": number})
 
     def _request(self, what: str, call: Any) -> Any:
-        try:
-            return call()
-        except Exception as exc:
-            raise ObjectStoreError(
-                f"{what} {self._url} failed: {type(exc).__name__}: {exc}; {_ADVICE}"
-            ) from exc
+        return call_with_deadline(what, self._url, call, self._policy)
 
 
 def _s3_target(client: Any, path: str):
@@ -181,7 +179,8 @@ def _s3_target(client: Any, path: str):
 
 
 def open_object_bucket_file(
-    url: str, hashing: bool, part_bytes: int = DEFAULT_PART_BYTES
+    url: str, hashing: bool, part_bytes: int = DEFAULT_PART_BYTES,
+    policy: Optional[RequestPolicy] = None,
 ) -> BucketFile:
     """Open the output of one bucket at ``url`` (background writer).
 
@@ -199,7 +198,7 @@ def open_object_bucket_file(
             f"{url}: the profile's storage provider cannot be streamed to; async saves to "
             "object storage support S3-compatible profiles (type s3, s8k, ...) and POSIX ones"
         )
-    return S3MultipartBucketFile(*target, url, hashing, part_bytes)
+    return S3MultipartBucketFile(*target, url, hashing, part_bytes, policy)
 
 
 class ObjectStoreFileOpener:
@@ -207,10 +206,12 @@ class ObjectStoreFileOpener:
 
     Args:
         part_bytes: bytes per uploaded part of a bucket's multipart upload.
+        policy: the deadline and retries of every request of an upload.
     """
 
-    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES):
+    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES, policy: Optional[RequestPolicy] = None):
         self.part_bytes = part_bytes
+        self.policy = policy or RequestPolicy()
 
     def __call__(self, url: str, mode: str = "rb", **kwargs: Any) -> Any:
         """Open ``url`` with multi-storage-client's ``open`` (code written to the reference API)."""
@@ -218,5 +219,5 @@ class ObjectStoreFileOpener:
 
     def open_bucket_file(self, url: str, hashing: bool) -> BucketFile:
         """The streamed bucket file our write path uses (multipart, digests on the way)."""
-        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes)
+        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes, policy=self.policy)
 

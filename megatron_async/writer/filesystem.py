@@ -312,7 +312,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             return open
         from megatron_async.storage.stream import ObjectStoreFileOpener
 
-        return ObjectStoreFileOpener(self.object_part_bytes)
+        return ObjectStoreFileOpener(self.object_part_bytes, self.options.request_policy)
 
     # The reference API's staging step (trainer) and write paths (background writer), as
     # static methods so that subclasses override them and the save function still pickles.

@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.storage.bounded_calls import RequestPolicy
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options"]
@@ -66,6 +67,14 @@ class WriteOptions:
     """With ``use_msc``, bytes per uploaded part (at least S3's smallest, 5 MiB): about
     the memory each bucket's upload holds."""
 
+    object_request_timeout_s: float = 120.0
+    """With ``use_msc``, the most one request to the store (one part of an upload) may take,
+    answer included; a store that stops answering fails the save (see
+    :mod:`megatron_async.storage.bounded_calls`)."""
+
+    object_request_retries: int = 3
+    """With ``use_msc``, further attempts of a request after a transient failure."""
+
     overlap_staging: bool = False
     """``preload_fn`` only leases the staging buffers; a trainer thread copies while
     training goes on, and ``save_fn`` waits for the copy."""
@@ -93,6 +102,7 @@ class WriteOptions:
             raise CheckpointValidationError(
                 f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
             )
+        self.request_policy  # validates the object-store request bounds
         if self.use_msc:
             from megatron_async.storage.client import import_msc
 
@@ -102,6 +112,12 @@ class WriteOptions:
                     f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
                     f"{self.object_part_bytes}"
                 )
+
+
+    @property
+    def request_policy(self) -> RequestPolicy:
+        """The bounds of every object-store request of the write."""
+        return RequestPolicy(timeout_s=self.object_request_timeout_s, retries=self.object_request_retries)
 
 
 def resolve_writer_options(

@@ -22,6 +22,7 @@ where the completion markers would appear.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,8 @@ def snapshot_after_scheduling(ctx: RankContext, persistent: bool) -> None:
     _check_loads_back(ctx, url, 2.0)
 
 
-def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, expect: str) -> None:
+def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, expect: str,
+           strategy=None) -> None:
     """Save with rank 1 on ``faulty_profile``: an error on every rank, nothing complete,
     no multipart upload left open, and the previous checkpoint still loads."""
     previous = _url(ctx, f"previous-{persistent}")
@@ -143,7 +145,7 @@ def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, e
     try:
         # A store that cannot be reached at all fails DCP's planning step (it looks for an
         # existing .metadata): a CheckpointValidationError on every rank, nothing written.
-        request = _strategy().async_save(sharded, url)
+        request = (strategy or _strategy()).async_save(sharded, url)
         _queue(persistent).schedule_async_request(request)
         _queue(persistent).maybe_finalize_async_calls(blocking=True)
     except AsyncSaveFailedError as exc:
@@ -161,6 +163,35 @@ def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, e
 
 def server_stopped_mid_upload(ctx: RankContext, persistent: bool) -> None:
     _fault(ctx, f"dropped-{persistent}", f"dropping_{persistent}", persistent, "Worker failure")
+
+
+REQUEST_TIMEOUT_S = 3.0
+REQUEST_RETRIES = 1
+
+
+def _stalled_store(ctx: RankContext, fault: str, persistent: bool) -> float:
+    """A store that stops answering mid-upload (``silent``) or answers a byte at a time
+    (``drip``): the save fails on every rank within the request bounds; returns seconds."""
+    strategy = TorchDistAsyncSaveStrategy(
+        use_msc=True, object_part_bytes=PART_BYTES, thread_count=2,
+        object_request_timeout_s=REQUEST_TIMEOUT_S, object_request_retries=REQUEST_RETRIES,
+    )
+    start = time.monotonic()
+    _fault(ctx, f"{fault}-{persistent}", f"{fault}_{persistent}", persistent,
+           f"no complete answer within {REQUEST_TIMEOUT_S:.0f}s", strategy=strategy)
+    elapsed = time.monotonic() - start
+    bound_s = strategy.config.write_options.request_policy.bound_s
+    # Two attempts of one part, plus the save, the finalize and the previous checkpoint's load.
+    assert elapsed < bound_s + 40, (elapsed, bound_s)
+    return elapsed
+
+
+def store_stops_answering(ctx: RankContext, persistent: bool) -> float:
+    return _stalled_store(ctx, "silent", persistent)
+
+
+def store_drips_bytes(ctx: RankContext, persistent: bool) -> float:
+    return _stalled_store(ctx, "drip", persistent)
 
 
 def endpoint_down(ctx: RankContext, persistent: bool) -> None:
@@ -226,7 +257,7 @@ def checkpoint_manager_on_the_store(ctx: RankContext, persistent: bool) -> None:
 
 SCENARIOS = {
     **for_both_callers(save_and_load_back, snapshot_after_scheduling),
-    **for_both_callers(server_stopped_mid_upload),
+    **for_both_callers(server_stopped_mid_upload, store_stops_answering, store_drips_bytes),
     **{k: v for k, v in for_both_callers(endpoint_down, credentials_refused, missing_bucket).items() if "temporal" in k},
     **{k: v for k, v in for_both_callers(checkpoint_manager_on_the_store).items() if "persistent" in k},
 }

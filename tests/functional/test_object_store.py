@@ -12,7 +12,7 @@ from tests.functional import scenarios_object_store
 from tests.functional.harness import assert_scenario_ok, launch, selected_scenarios
 from tests.object_store import (
     LOOPBACK,
-    DroppingProxy,
+    FaultyProxy,
     LoopbackS3Server,
     object_store_skip_reason,
     s3_client,
@@ -38,13 +38,20 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("object_store")
     server = LoopbackS3Server(str(tmp / "moto.log")).start()
     auth_server = LoopbackS3Server(str(tmp / "moto-auth.log"), enforce_auth=True).start()
-    proxies = [DroppingProxy(server.port, drop_after_bytes=1 << 20) for _ in range(2)]
+    proxies = [
+        FaultyProxy(server.port, 1 << 20, fault)
+        for fault in ("drop", "drop", "silent", "silent", "drip", "drip")
+    ]
     try:
         s3_client(server.endpoint).create_bucket(Bucket=BUCKET)
         profiles = {
             "loopback": {"endpoint": server.endpoint, "bucket": BUCKET},
             "dropping_False": {"endpoint": proxies[0].endpoint, "bucket": BUCKET},
             "dropping_True": {"endpoint": proxies[1].endpoint, "bucket": BUCKET},
+            "silent_False": {"endpoint": proxies[2].endpoint, "bucket": BUCKET},
+            "silent_True": {"endpoint": proxies[3].endpoint, "bucket": BUCKET},
+            "drip_False": {"endpoint": proxies[4].endpoint, "bucket": BUCKET},
+            "drip_True": {"endpoint": proxies[5].endpoint, "bucket": BUCKET},
             "down": {"endpoint": f"http://{LOOPBACK}:{_closed_port()}", "bucket": BUCKET},
             "badauth": {"endpoint": auth_server.endpoint, "bucket": BUCKET},
             "nobucket": {"endpoint": server.endpoint, "bucket": "no-such-bucket"},
@@ -78,6 +85,8 @@ def launch_results(request, store):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_object_store(launch_results, store, scenario):
     assert_scenario_ok(launch_results, scenario)
-    if scenario.startswith("server_stopped_mid_upload"):
-        proxy = store["proxies"][int("persistent" in scenario)]
-        assert proxy.dropped, "the proxy never saw an upload large enough to drop"
+    faults = {"server_stopped_mid_upload": 0, "store_stops_answering": 2, "store_drips_bytes": 4}
+    for name, first in faults.items():
+        if scenario.startswith(name):
+            proxy = store["proxies"][first + int("persistent" in scenario)]
+            assert proxy.triggered, "the proxy never saw an upload large enough to fail it"

@@ -1,0 +1,155 @@
+"""Object-store requests with a deadline and retries: a store that stops answering fails the save.
+
+Runs wherever the object-store path talks to the network: the background writer
+(each part of a bucket's upload) and the coordinator (small objects: the checksum file,
+``.metadata``, listings). The boto3 client's own timeouts bound each socket operation,
+not a request: an endpoint that accepts the connection and then answers one byte at a
+time never trips them, and its retries multiply them. Here every request runs on a
+helper thread and the caller waits at most ``timeout_s`` for it; a request that has not
+finished by then is abandoned (its thread ends when the client's socket timeout fires)
+and counts as a failed attempt. Transient failures (timeouts, dropped connections,
+throttling, 5xx answers) are retried with exponential backoff, at most ``retries``
+times; anything else (missing bucket, refused credentials) fails at once. So one request
+fails within about ``(retries + 1) * timeout_s`` plus the backoff, always.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+from megatron_async.errors import CheckpointValidationError, ObjectStoreError
+
+__all__ = ["RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = frozenset({
+    "RequestTimeout", "RequestTimeTooSkewed", "SlowDown", "Throttling", "ThrottlingException",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
+})
+
+
+class ObjectStoreTimeoutError(ObjectStoreError, TimeoutError):
+    """An object-store request did not finish within its deadline."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestPolicy:
+    """Bounds of one object-store request."""
+
+    timeout_s: float = 120.0
+    """The most one attempt may take, answer included (a 16 MiB part at 1 MB/s fits)."""
+
+    retries: int = 3
+    """Further attempts after a transient failure (0: one attempt only)."""
+
+    backoff_s: float = 1.0
+    """Wait before the first retry; doubled for each further one."""
+
+    max_backoff_s: float = 20.0
+    """The longest wait between two attempts."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise CheckpointValidationError(
+                f"object request timeout_s must be a positive number of seconds, got {self.timeout_s!r}"
+            )
+        if not isinstance(self.retries, int) or self.retries < 0:
+            raise CheckpointValidationError(f"object request retries must be an int >= 0, got {self.retries!r}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise CheckpointValidationError(
+                f"object request backoff must satisfy 0 <= backoff_s <= max_backoff_s, got "
+                f"{self.backoff_s!r} and {self.max_backoff_s!r}"
+            )
+
+    @property
+    def bound_s(self) -> float:
+        """The longest a request can take, every attempt and wait included."""
+        waits = sum(min(self.backoff_s * 2**n, self.max_backoff_s) for n in range(self.retries))
+        return (self.retries + 1) * self.timeout_s + waits
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed request may succeed when tried again."""
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    try:
+        from botocore import exceptions as boto
+    except ImportError:
+        return False
+    if isinstance(exc, (boto.ConnectionError, boto.HTTPClientError)):  # timeouts, resets, DNS
+        return True
+    if isinstance(exc, boto.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error.get("Code") in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500)
+    return False
+
+
+def _attempt(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    outcome: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the waiting caller
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"object-request: {what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise ObjectStoreTimeoutError(f"no complete answer within {timeout_s:.0f}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def call_with_deadline(
+    what: str, url: str, call: Callable[[], T], policy: Optional[RequestPolicy] = None
+) -> T:
+    """Run one object-store request within ``policy``'s bounds.
+
+    Args:
+        what: the request, for messages (e.g. ``"uploading part 3 of"``).
+        url: the object's URL, for messages.
+        call: the request itself.
+        policy: timeouts and retries; the defaults without one.
+
+    Returns:
+        What ``call`` returned.
+
+    Raises:
+        ObjectStoreError: the request failed for good (the last attempt's error is its
+            cause); an :class:`ObjectStoreTimeoutError` when the last attempt timed out.
+    """
+    policy = policy or RequestPolicy()
+    attempt = 0
+    while True:
+        try:
+            return _attempt(call, policy.timeout_s, what)
+        except Exception as exc:
+            transient = is_transient(exc)
+            if not transient or attempt >= policy.retries:
+                tried = f" after {attempt + 1} attempts" if attempt else ""
+                error_type = ObjectStoreTimeoutError if isinstance(exc, TimeoutError) else ObjectStoreError
+                raise error_type(
+                    f"{what} {url} failed{tried}: {type(exc).__name__}: {exc}; "
+                    + ("the store accepts connections but does not answer in time: check its "
+                       "health, or raise object_request_timeout_s for a slow link"
+                       if isinstance(exc, TimeoutError) else
+                       "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its "
+                       "credentials accepted and its bucket must exist")
+                ) from exc
+            wait_s = min(policy.backoff_s * 2**attempt, policy.max_backoff_s)
+            logger.warning("%s %s failed (%s: %s); attempt %d of %d in %.1fs",
+                           what, url, type(exc).__name__, exc, attempt + 2, policy.retries + 1, wait_s)
+            time.sleep(wait_s)
+            attempt += 1
