@@ -27,7 +27,7 @@ import logging
 from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
-from megatron_async.storage.client import import_msc, resolve
+from megatron_async.storage.client import STORE_ADVICE, import_msc, resolve
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 from megatron_async.writer.bucket_file import BucketFile
 
@@ -40,12 +40,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-_ADVICE = (
-    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
-    "accepted and its bucket must exist"
-)
 
 
 class S3MultipartBucketFile(BucketFile):
@@ -159,7 +153,7 @@ class S3MultipartBucketFile(BucketFile):
             return call()
         except Exception as exc:
             raise ObjectStoreError(
-                f"{what} {self._url} failed: {type(exc).__name__}: {exc}; {_ADVICE}"
+                f"{what} {self._url} failed: {type(exc).__name__}: {exc}; {STORE_ADVICE}"
             ) from exc
 
 

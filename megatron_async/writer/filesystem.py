@@ -50,12 +50,8 @@ from megatron_async.errors import (
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buckets import StagingBufferCache, stage_buckets
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
-from megatron_async.storage.locations import (
-    DEFAULT_PART_BYTES,
-    MIN_PART_BYTES,
-    is_object_url,
-    normalize_checkpoint_path,
-)
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 from megatron_async.writer import write_paths
 from megatron_async.writer.buckets import BucketLayout, WriteBucket, assign_buckets, materialize_buckets
 from megatron_async.writer.commit import commit_checkpoint
@@ -273,7 +269,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     ):
         if use_msc:
             import_msc()  # a clear error naming the extra before anything else
-        elif is_object_url(path):
+        elif storage_for(path).needs_msc:
             raise CheckpointValidationError(
                 f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
                 f"the extra: {MSC_EXTRA_HINT})"
