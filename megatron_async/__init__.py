@@ -8,7 +8,9 @@ The pipeline of one save, one package per stage::
     saver/      plan and finalize a DCP save over the gloo coordination group
     mcore/      the megatron-core strategy and the per-generation glue
     integrity/  checksums, completeness, inspection
-    format.py   names on disk and durable writes; manager.py, checkpoint_dirs.py,
+    storage/    where checkpoints live: one CheckpointStorage per path (local files or
+                multi-storage-client objects), chosen once by storage_for
+    format.py   names on disk and the completeness rule; manager.py, checkpoint_dirs.py,
                 torch_ckpt.py, cli.py around them
 
 Public names are imported on first use. Importing the package registers

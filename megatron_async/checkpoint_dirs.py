@@ -11,8 +11,9 @@ tracker, the command-line tools that list checkpoints); they import neither torc
 megatron-core. :class:`~megatron_async.manager.CheckpointManager` builds the multi-rank
 policy (resume, commit, retention) on top of them.
 
-``<save>`` may be a local directory or an ``msc://PROFILE/PREFIX`` URL (object storage,
-:mod:`megatron_async.storage`). An object store has no directories, no rename and no
+``<save>`` may be a local directory or an ``msc://PROFILE/PREFIX`` URL (object storage);
+each function asks :func:`~megatron_async.storage.storage_for` once for the storage
+that serves its path (:mod:`megatron_async.storage`). An object store has no directories, no rename and no
 fsync; the same guarantees come from other means there:
 
 * the tracker is one PUT, which the store shows whole or not at all;
@@ -29,19 +30,11 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import (
-    COMPLETION_MARKERS,
-    TRACKER_FILE,
-    fsync_path,
-    has_completion_markers,
-    remove_completion_markers,
-    write_atomically,
-)
-from megatron_async.storage.locations import is_object_url
+from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE, has_completion_markers
+from megatron_async.storage.backend import storage_for
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -68,7 +61,6 @@ TRACKER_FILENAME = TRACKER_FILE
 COMPLETE_MARKERS = COMPLETION_MARKERS
 """Files whose presence makes a checkpoint directory complete (see :mod:`megatron_async.format`)."""
 
-_TRASH_PREFIX = ".deleting-"
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 
@@ -87,16 +79,12 @@ def checkpoint_dir_name(iteration: int) -> str:
 
 def is_complete_checkpoint(path: str) -> bool:
     """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
-    return has_completion_markers(path)
+    return has_completion_markers(path, storage_for(path))
 
 
 def checkpoint_dir_exists(path: str) -> bool:
-    """Whether anything of a checkpoint lies at ``path`` (for a URL: any object under it)."""
-    if is_object_url(path):
-        from megatron_async.storage.objects import prefix_exists
-
-        return prefix_exists(path)
-    return os.path.exists(path)
+    """Whether the checkpoint directory ``path`` exists (for a URL: any object under it)."""
+    return storage_for(path).is_dir(path)
 
 
 def create_checkpoint_dir(path: str) -> None:
@@ -104,10 +92,7 @@ def create_checkpoint_dir(path: str) -> None:
 
     An ``msc://`` prefix needs nothing: it appears with its first object.
     """
-    if is_object_url(path):
-        return
-    os.makedirs(path)
-    fsync_path(os.path.dirname(os.path.normpath(path)), best_effort=True)
+    storage_for(path).make_dir(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,25 +112,14 @@ class CheckpointInfo:
 
 def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
     """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
+    storage = storage_for(save_dir)
     found = []
-    for name in _subdirectory_names(save_dir):
+    for name, is_dir in storage.list_dir(save_dir):
         path = os.path.join(save_dir, name)
         iteration = iteration_from_path(path)
-        if iteration is not None:
-            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path)))
+        if is_dir and iteration is not None:
+            found.append(CheckpointInfo(iteration, path, has_completion_markers(path, storage)))
     return sorted(found, key=lambda info: info.iteration)
-
-
-def _subdirectory_names(save_dir: str) -> List[str]:
-    if is_object_url(save_dir):
-        from megatron_async.storage.objects import list_children
-
-        return [name for name, is_dir in list_children(save_dir) if is_dir]
-    try:
-        names = os.listdir(save_dir)
-    except FileNotFoundError:
-        return []
-    return [name for name in names if os.path.isdir(os.path.join(save_dir, name))]
 
 
 def read_tracker(save_dir: str) -> Optional[int]:
@@ -157,7 +131,7 @@ def read_tracker(save_dir: str) -> Optional[int]:
     """
     path = os.path.join(save_dir, TRACKER_FILENAME)
     try:
-        text = _read_small_file(path).decode("utf-8", errors="replace").strip()
+        text = storage_for(path).read(path).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
     if not text.isdigit():
@@ -169,23 +143,14 @@ def read_tracker(save_dir: str) -> Optional[int]:
     return int(text)
 
 
-def _read_small_file(path: str) -> bytes:
-    if is_object_url(path):
-        from megatron_async.storage.objects import read_object
-
-        return read_object(path)
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def write_tracker(save_dir: str, iteration: int) -> None:
     """Point the tracker of ``save_dir`` at ``iteration``, atomically and durably.
 
     After a crash the tracker holds either the old or the new iteration
-    (:func:`megatron_async.format.write_atomically`; in object storage one PUT). Runs on
-    the coordinator rank only.
+    (``CheckpointStorage.write_atomically``; in object storage one PUT). Runs on the
+    coordinator rank only.
     """
-    write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
+    storage_for(save_dir).write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
 
 
 def select_for_deletion(
@@ -231,28 +196,10 @@ def delete_checkpoint_dir(path: str) -> bool:
     On disk the directory is renamed out of the ``iter_*`` namespace first; under an
     ``msc://`` prefix its completion markers are deleted first (see the module notes).
     """
-    if is_object_url(path):
-        return _delete_object_checkpoint(path)
-    parent, name = os.path.split(path)
-    trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
     try:
-        os.rename(path, trash)
-    except OSError as exc:
+        storage_for(path).remove_dir(path, first=COMPLETION_MARKERS)
+    except OSError as exc:  # ObjectStoreError is one too
         logger.warning("could not delete checkpoint %s: %s", path, exc)
-        return False
-    shutil.rmtree(trash, ignore_errors=True)
-    return True
-
-
-def _delete_object_checkpoint(url: str) -> bool:
-    from megatron_async.errors import ObjectStoreError
-    from megatron_async.storage.objects import delete_prefix
-
-    try:
-        remove_completion_markers(url)
-        delete_prefix(url)
-    except ObjectStoreError as exc:
-        logger.warning("could not delete checkpoint %s: %s", url, exc)
         return False
     return True
 
@@ -263,8 +210,4 @@ def purge_trash(save_dir: str) -> None:
     Under an ``msc://`` prefix there is no trash: an interrupted deletion left an
     incomplete checkpoint, which retention deletes like any other.
     """
-    if is_object_url(save_dir):
-        return
-    for name in os.listdir(save_dir):
-        if name.startswith(_TRASH_PREFIX):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    storage_for(save_dir).finish_removals(save_dir)

@@ -51,9 +51,9 @@ from megatron_async.errors import (
     CheckpointValidationError,
     RankFailure,
 )
-from megatron_async.format import fsync_path, missing_completion_markers
+from megatron_async.format import missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
-from megatron_async.storage.locations import is_object_url
+from megatron_async.storage.backend import storage_for
 
 # The directory functions are part of this module's public surface too (older imports).
 __all__ = [
@@ -347,17 +347,17 @@ class CheckpointManager:
         create_checkpoint_dir(path)
 
     def _write_tracker_for(self, iteration: int, path: str) -> None:
-        missing = missing_completion_markers(path)
+        storage = storage_for(path)
+        missing = missing_completion_markers(path, storage)
         if missing:
             raise CheckpointIntegrityError(
                 f"checkpoint {path} is missing {missing} after its save finished; not "
                 "marking it as the latest"
             )
-        if not is_object_url(path):
-            # An object store acknowledged each marker's PUT durably; files need the fsync.
-            for marker in COMPLETE_MARKERS:
-                fsync_path(os.path.join(path, marker))
-            fsync_path(path, best_effort=True)
+        # Files need an fsync; an object store acknowledged each marker's PUT durably.
+        for marker in COMPLETE_MARKERS:
+            storage.sync(os.path.join(path, marker))
+        storage.sync_dir(path)
         write_tracker(self._require_save_dir(), iteration)
         logger.info("checkpoint %s is complete; tracker updated", path)
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from megatron_async.format import atomic_output
+from megatron_async.storage.local import atomic_output
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue

@@ -51,7 +51,7 @@ from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
 from megatron_async.save_failures import SaveFailurePolicy
 from megatron_async.staging.overlapped import refuse_overlap_param_gather
-from megatron_async.storage import is_object_url
+from megatron_async.storage import storage_for
 
 __all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "enable_object_storage"]
 
@@ -106,18 +106,6 @@ def enable_object_storage(msc_config: Optional[str]) -> None:
     from megatron.core.msc_utils import MultiStorageClientFeature
 
     MultiStorageClientFeature.enable()
-
-
-def _directory_bytes(path: str) -> int:
-    if is_object_url(path):
-        from megatron_async.storage.objects import prefix_bytes
-
-        return prefix_bytes(path)
-    return sum(
-        os.path.getsize(os.path.join(root, name))
-        for root, _, names in os.walk(path)
-        for name in names
-    )
 
 
 def _collect_rng_state() -> Dict[str, Any]:
@@ -412,7 +400,7 @@ class Checkpointer:
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
             # An msc:// --save streams every file to the store from the background writer.
-            options = {"use_msc": bool(self.args.save) and is_object_url(self.args.save)}
+            options = {"use_msc": bool(self.args.save) and storage_for(self.args.save).needs_msc}
             if self.args.ckpt_overlap_staging and self.args.async_save:
                 # The copy overlaps the next forward/backward; the optimizer step waits.
                 refuse_overlap_param_gather([self.model, self.optimizer])
@@ -436,6 +424,6 @@ class Checkpointer:
         if record.is_async:
             record.background_s = time.perf_counter() - record.scheduled_at
         if torch.distributed.get_rank() == 0:
-            record.num_bytes = _directory_bytes(record.path)
+            record.num_bytes = storage_for(record.path).total_bytes(record.path)
         self._pending.pop(record.iteration, None)
         self._finished.append(record)

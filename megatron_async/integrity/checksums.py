@@ -25,10 +25,10 @@ import operator
 import os
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-import xxhash
 
-from megatron_async.format import CHECKSUM_FILE, write_atomically
-from megatron_async.storage.locations import is_object_url
+from megatron_async.format import CHECKSUM_FILE
+from megatron_async.integrity.hashing import ALGORITHM, new_hasher
+from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [
     "CHECKSUM_FILE",
@@ -41,7 +41,6 @@ __all__ = [
     "verify_items",
 ]
 
-ALGORITHM = "xxh3_64"
 _FORMAT = "megatron_async.integrity.checksums/1"
 _READ_CHUNK_BYTES = 8 << 20
 
@@ -73,11 +72,6 @@ class ItemChecksum:
         return f"{where} in {self.file} (bytes {self.offset}..{self.offset + self.length})"
 
 
-def new_hasher() -> "xxhash.xxh3_64":
-    """A fresh streaming hasher of :data:`ALGORITHM` (``update``, ``hexdigest``, ``reset``)."""
-    return xxhash.xxh3_64()
-
-
 def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
     """Write the checksum file atomically (coordinator, before ``.metadata``)."""
     write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
@@ -94,56 +88,30 @@ def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -
     records.sort(key=operator.itemgetter("file", "offset"))
     payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}
     text = json.dumps(payload)  # json.dump would encode in pure Python, item by item
-    write_atomically(os.path.join(checkpoint_dir, CHECKSUM_FILE), text)
+    storage_for(checkpoint_dir).write_atomically(os.path.join(checkpoint_dir, CHECKSUM_FILE), text)
 
 
 def read_checksum_file(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
     """The recorded checksums, or None when the checkpoint has none."""
     path = os.path.join(checkpoint_dir, CHECKSUM_FILE)
-    if is_object_url(path):
-        from megatron_async.storage.objects import read_object
-
-        try:
-            payload = json.loads(read_object(path))
-        except FileNotFoundError:
-            return None
-    elif not os.path.exists(path):
+    try:
+        payload = json.loads(storage_for(checkpoint_dir).read(path))
+    except FileNotFoundError:
         return None
-    else:
-        with open(path) as f:
-            payload = json.load(f)
     if payload.get("algorithm") != ALGORITHM:
         raise ValueError(f"{path}: unsupported checksum algorithm {payload.get('algorithm')!r}")
     return [ItemChecksum(**item) for item in payload["items"]]
 
 
-def _hash_object_range(url: str, offset: int, length: int) -> Optional[str]:
-    from megatron_async.storage.objects import read_object_range
-
+def _hash_range(storage: CheckpointStorage, path: str, offset: int, length: int) -> Optional[str]:
     hasher = new_hasher()
     position, end = offset, offset + length
     while position < end:
-        block = read_object_range(url, position, min(end - position, _READ_CHUNK_BYTES))
+        block = storage.read_range(path, position, min(end - position, _READ_CHUNK_BYTES))
         if not block:
-            return None  # the object ends before the item does
+            return None  # the file ends before the item does
         hasher.update(block)
         position += len(block)
-    return hasher.hexdigest()
-
-
-def _hash_range(path: str, offset: int, length: int) -> Optional[str]:
-    if is_object_url(path):
-        return _hash_object_range(path, offset, length)
-    hasher = new_hasher()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        remaining = length
-        while remaining > 0:
-            block = f.read(min(remaining, _READ_CHUNK_BYTES))
-            if not block:
-                return None  # the file ends before the item does
-            hasher.update(block)
-            remaining -= len(block)
     return hasher.hexdigest()
 
 
@@ -159,13 +127,14 @@ def verify_items(
         items: the checksums to check (all of them, or one rank's share).
         on_progress: called with the number of bytes checked after each item.
     """
+    storage = storage_for(checkpoint_dir)
     problems: List[str] = []
     for item in items:
         path = os.path.join(checkpoint_dir, item.file)
-        if not _file_exists(path):
+        if not storage.is_file(path):
             problems.append(f"{item.describe()}: file {item.file} is missing")
             continue
-        digest = _hash_range(path, item.offset, item.length)
+        digest = _hash_range(storage, path, item.offset, item.length)
         if digest is None:
             problems.append(f"{item.describe()}: file {item.file} is truncated")
         elif digest != item.digest:
@@ -173,14 +142,6 @@ def verify_items(
         if on_progress is not None:
             on_progress(item.length)
     return problems
-
-
-def _file_exists(path: str) -> bool:
-    if is_object_url(path):
-        from megatron_async.storage.objects import object_exists
-
-        return object_exists(path)
-    return os.path.exists(path)
 
 
 def group_by_file(items: Iterable[ItemChecksum]) -> Dict[str, List[ItemChecksum]]:

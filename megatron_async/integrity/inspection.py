@@ -14,7 +14,6 @@ import os
 from typing import Dict, List, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -24,8 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from megatron_async.checkpoint_dirs import iteration_from_path
 from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE
-from megatron_async.storage import objects as object_store
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 
 __all__ = [
     "TensorEntry",
@@ -83,35 +81,13 @@ class CheckpointSummary:
 
 def read_dcp_metadata(path: str) -> Metadata:
     """Load DCP's ``.metadata`` of a checkpoint directory (or ``msc://`` prefix)."""
-    if is_object_url(path):
-        from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemReader
-
-        return MultiStorageFileSystemReader(path).read_metadata()
-    return FileSystemReader(path).read_metadata()
+    return storage_for(path).dcp_reader(path).read_metadata()
 
 
-def _is_dir(path: str) -> bool:
-    if is_object_url(path):
-        return object_store.prefix_exists(path)
-    return os.path.isdir(path)
-
-
-def _file_size(path: str) -> Optional[int]:
-    if is_object_url(path):
-        return object_store.object_size(path)
-    return os.path.getsize(path) if os.path.isfile(path) else None
-
-
-def _list_files(path: str) -> List["FileEntry"]:
-    if is_object_url(path):
-        names = [name for name, is_dir in object_store.list_children(path) if not is_dir]
-    elif os.path.isdir(path):
-        names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))]
-    else:
-        names = []
+def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
     entries = []
-    for name in names:
-        size = _file_size(os.path.join(path, name))
+    for name, is_dir in storage.list_dir(path):
+        size = None if is_dir else storage.size(os.path.join(path, name))
         if size is not None:
             entries.append(FileEntry(name, size))
     return entries
@@ -127,12 +103,13 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
     Checks the marker files, that each tensor chunk of the metadata has a storage
     entry, and that each storage entry lies inside an existing file.
     """
+    storage = storage_for(path)
     problems: List[str] = []
-    if not _is_dir(path):
+    if not storage.is_dir(path):
         return [f"{path} is not a directory"]
-    if _file_size(os.path.join(path, MEGATRON_METADATA_FILE)) is None:
+    if storage.size(os.path.join(path, MEGATRON_METADATA_FILE)) is None:
         problems.append(f"{MEGATRON_METADATA_FILE} is missing (the save never finalized)")
-    if _file_size(os.path.join(path, DCP_METADATA_FILE)) is None:
+    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is None:
         problems.append(f"{DCP_METADATA_FILE} is missing (the save never finalized)")
         return problems
     if metadata is None:
@@ -140,19 +117,19 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
             metadata = read_dcp_metadata(path)
         except Exception as exc:  # a damaged .metadata is a finding, not a crash
             return problems + [f"{DCP_METADATA_FILE} cannot be read: {exc}"]
-    storage = metadata.storage_data or {}
+    storage_data = metadata.storage_data or {}
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             for chunk in item.chunks:
-                if MetadataIndex(fqn, chunk.offsets) not in storage:
+                if MetadataIndex(fqn, chunk.offsets) not in storage_data:
                     problems.append(f"tensor {fqn} chunk at {list(chunk.offsets)} has no storage entry")
-        elif MetadataIndex(fqn) not in storage:
+        elif MetadataIndex(fqn) not in storage_data:
             problems.append(f"object {fqn} has no storage entry")
     sizes: Dict[str, Optional[int]] = {}
-    for index, info in storage.items():
+    for index, info in storage_data.items():
         name = info.relative_path
         if name not in sizes:
-            sizes[name] = _file_size(os.path.join(path, name))
+            sizes[name] = storage.size(os.path.join(path, name))
         size = sizes[name]
         if size is None:
             problems.append(f"file {name} (holding {index.fqn}) is missing")
@@ -166,19 +143,16 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
 
 def summarize_checkpoint(path: str) -> CheckpointSummary:
     """Read everything ``inspect`` shows about the checkpoint at ``path``."""
+    storage = storage_for(path)
     fmt, version = None, None
     config_path = os.path.join(path, MEGATRON_METADATA_FILE)
-    if _file_size(config_path) is not None:
-        if is_object_url(config_path):
-            config = json.loads(object_store.read_object(config_path))
-        else:
-            with open(config_path) as f:
-                config = json.load(f)
+    if storage.size(config_path) is not None:
+        config = json.loads(storage.read(config_path))
         fmt, version = config.get("sharded_backend"), config.get("sharded_backend_version")
     tensors: List[TensorEntry] = []
     objects: List[str] = []
     metadata = None
-    if _file_size(os.path.join(path, DCP_METADATA_FILE)) is not None:
+    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is not None:
         try:
             metadata = read_dcp_metadata(path)
         except Exception:
@@ -200,7 +174,7 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
                 )
             elif isinstance(item, BytesStorageMetadata):
                 objects.append(fqn)
-    files = _list_files(path)
+    files = _list_files(storage, path)
     problems = find_completeness_problems(path, metadata)
     return CheckpointSummary(
         path=normalize_checkpoint_path(path),

@@ -10,17 +10,16 @@ naming the damaged file and item.
 from __future__ import annotations
 
 import logging
-import os
 from typing import List, Optional
 
 import torch.distributed as dist
 
-from megatron_async.storage.locations import is_object_url
 from megatron_async.integrity import checksums
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.format import CHECKSUM_FILE
 from megatron_async.integrity.inspection import find_completeness_problems
+from megatron_async.storage.backend import storage_for
 
 __all__ = ["verify_checkpoint_integrity"]
 
@@ -68,13 +67,7 @@ def verify_checkpoint_integrity(
     """
     rank = dist.get_rank(group) if coordination.is_distributed() else 0
     world_size = dist.get_world_size(group) if coordination.is_distributed() else 1
-    if is_object_url(checkpoint_dir):
-        from megatron_async.storage.objects import prefix_exists
-
-        exists = prefix_exists(checkpoint_dir)
-    else:
-        exists = os.path.isdir(checkpoint_dir)
-    if not exists:
+    if not storage_for(checkpoint_dir).is_dir(checkpoint_dir):
         raise CheckpointIntegrityError(f"{checkpoint_dir} is not a directory; nothing to load")
     try:
         problems = _local_problems(checkpoint_dir, require_checksums, rank, world_size)

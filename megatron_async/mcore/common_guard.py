@@ -39,7 +39,7 @@ from megatron.core.dist_checkpointing.mapping import StateDict
 from megatron_async.errors import CheckpointInProgressError
 from megatron_async.format import remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
-from megatron_async.storage.locations import normalize_checkpoint_path
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_common_function"]
 
@@ -63,7 +63,7 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
         )
     import torch.distributed as dist
 
-    if dist.get_rank() == 0 and remove_completion_markers(directory):
+    if dist.get_rank() == 0 and remove_completion_markers(directory, storage_for(directory)):
         logger.warning(
             "overwriting the checkpoint in %s: its completion markers were removed first, "
             "so it reads as incomplete until the new save is finalized",

@@ -36,9 +36,10 @@ from typing import Any, Callable, Iterable, Optional
 from megatron_async.core import coordination
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure
-from megatron_async.format import MEGATRON_METADATA_FILE, write_atomically
+from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.storage.backend import storage_for
 
 __all__ = ["FinalizeFnList", "SaveFinalizer", "write_megatron_config", "write_integrity_manifest"]
 
@@ -84,7 +85,7 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
         final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
         try:
             config = dataclasses.asdict(CheckpointingConfig(backend, version))
-            write_atomically(final_path, json.dumps(config))
+            storage_for(checkpoint_dir).write_atomically(final_path, json.dumps(config))
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing %s failed: %s", final_path, exc)
             failure = RankFailure.from_exception(0, "finalize", exc)

@@ -46,7 +46,7 @@ from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.staging.buckets import StagingBufferCache
 from megatron_async.storage.client import MSC_EXTRA_HINT
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
@@ -320,8 +320,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
                 "or save into another directory"
             )
-        if is_object_url(checkpoint_dir):
-            self._check_object_target(checkpoint_dir, is_coordinator)
+        storage = storage_for(checkpoint_dir)
+        if storage.needs_msc:
+            self._check_object_target(checkpoint_dir, is_coordinator, storage)
             return
         if not os.path.exists(checkpoint_dir):
             raise CheckpointValidationError(
@@ -348,9 +349,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "first, so it reads as incomplete until this save is finalized",
                 checkpoint_dir,
             )
-            remove_completion_markers(checkpoint_dir)
+            remove_completion_markers(checkpoint_dir, storage)
 
-    def _check_object_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
+    def _check_object_target(
+        self, checkpoint_dir: str, is_coordinator: bool, storage: CheckpointStorage
+    ) -> None:
         """The checks of :meth:`_check_target` that mean something in an object store.
 
         A store has no directories to create or permissions to probe: an unreachable
@@ -362,7 +365,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 f"{checkpoint_dir} is an object-storage URL; create the strategy with "
                 f"use_msc=True ({MSC_EXTRA_HINT})"
             )
-        if is_coordinator and has_completion_markers(checkpoint_dir):
+        if is_coordinator and has_completion_markers(checkpoint_dir, storage):
             if not self.config.overwrite:
                 raise CheckpointValidationError(
                     f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
@@ -373,7 +376,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "first, so it reads as incomplete until this save is finalized",
                 checkpoint_dir,
             )
-            remove_completion_markers(checkpoint_dir)
+            remove_completion_markers(checkpoint_dir, storage)
 
 
 def register_strategies() -> None:

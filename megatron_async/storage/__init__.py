@@ -1,18 +1,25 @@
-"""Checkpoints in object storage, reached through NVIDIA's multi-storage-client (MSC).
+"""Where checkpoints live: one storage interface, chosen once from the path.
 
-A checkpoint "directory" may be an ``msc://PROFILE/PREFIX`` URL: MSC's configuration
-(``MSC_CONFIG`` or ``~/.msc_config.yaml``) says which store a profile is (an
-S3-compatible endpoint, or a POSIX directory) and with which credentials. The optional
-``msc`` extra installs it (``pip install megatron-async[msc]``).
+A checkpoint "directory" is a local path or an ``msc://PROFILE/PREFIX`` URL of NVIDIA's
+multi-storage-client (MSC): MSC's configuration (``MSC_CONFIG`` or
+``~/.msc_config.yaml``) says which store a profile is (an S3-compatible endpoint, or a
+POSIX directory) and with which credentials. The optional ``msc`` extra installs it
+(``pip install megatron-async[msc]``).
 
-* :mod:`.locations` (anywhere, imports nothing): which paths are object URLs;
-* :mod:`.client` (anywhere): the MSC import with its typed error, and URL resolution;
-* :mod:`.objects` (the coordinator, loaders, tools): small whole objects (``.metadata``,
-  checksums, the tracker), listing, deletion and ranged reads;
+* :mod:`.backend` (anywhere): the :class:`CheckpointStorage` interface and
+  :func:`storage_for`, which chooses the backend of a path; nothing else asks whether
+  a path is a URL;
+* :mod:`.local` (anywhere): :class:`~.local.LocalStorage`, files with atomic renames and
+  fsyncs;
+* :mod:`.objects` (anywhere): :class:`~.objects.ObjectStorage`, whole objects (one PUT
+  each), listing, deletion and ranged reads;
 * :mod:`.stream` (the background writer): one bucket streamed to the store as it is
-  written, as a multipart upload, hashed on the way.
+  written, as a multipart upload, hashed on the way;
+* :mod:`.client` (anywhere): the MSC import with its typed error, and URL resolution;
+* :mod:`.locations` (anywhere, imports nothing): the URL scheme and upload part sizes.
 """
 
-from megatron_async.storage.locations import MSC_URL_PREFIX, is_object_url, normalize_checkpoint_path
+from megatron_async.storage.backend import CheckpointStorage, is_object_url, normalize_checkpoint_path, storage_for
+from megatron_async.storage.locations import MSC_URL_PREFIX
 
-__all__ = ["MSC_URL_PREFIX", "is_object_url", "normalize_checkpoint_path"]
+__all__ = ["CheckpointStorage", "MSC_URL_PREFIX", "is_object_url", "normalize_checkpoint_path", "storage_for"]

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
+from megatron_async.storage.client import STORE_ADVICE
 
 __all__ = ["RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
 
@@ -137,6 +138,8 @@ def call_with_deadline(
             return _attempt(call, policy.timeout_s, what)
         except Exception as exc:
             transient = is_transient(exc)
+            if isinstance(exc, ObjectStoreError) and not transient:
+                raise  # already says what failed and what to do
             if not transient or attempt >= policy.retries:
                 tried = f" after {attempt + 1} attempts" if attempt else ""
                 error_type = ObjectStoreTimeoutError if isinstance(exc, TimeoutError) else ObjectStoreError
@@ -144,9 +147,7 @@ def call_with_deadline(
                     f"{what} {url} failed{tried}: {type(exc).__name__}: {exc}; "
                     + ("the store accepts connections but does not answer in time: check its "
                        "health, or raise object_request_timeout_s for a slow link"
-                       if isinstance(exc, TimeoutError) else
-                       "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its "
-                       "credentials accepted and its bucket must exist")
+                       if isinstance(exc, TimeoutError) else STORE_ADVICE)
                 ) from exc
             wait_s = min(policy.backoff_s * 2**attempt, policy.max_backoff_s)
             logger.warning("%s %s failed (%s: %s); attempt %d of %d in %.1fs",

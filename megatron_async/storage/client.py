@@ -12,14 +12,21 @@ import logging
 from typing import Any, Tuple
 
 from megatron_async.errors import ObjectStoreUnavailableError
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage.locations import normalize_checkpoint_path
+from megatron_async.storage.locations import MSC_URL_PREFIX
 
-__all__ = ["MSC_EXTRA_HINT", "import_msc", "msc_available", "resolve"]
+__all__ = ["MSC_EXTRA_HINT", "STORE_ADVICE", "import_msc", "msc_available", "resolve"]
 
 logger = logging.getLogger(__name__)
 
 MSC_EXTRA_HINT = "pip install megatron-async[msc]"
 """What to run when object storage is asked for without multi-storage-client."""
+
+STORE_ADVICE = (
+    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
+    "accepted and its bucket must exist"
+)
+"""What an :class:`~megatron_async.errors.ObjectStoreError` message tells the user to check."""
 
 
 def import_msc() -> Any:
@@ -54,7 +61,8 @@ def resolve(url: str) -> Tuple[Any, str]:
         ObjectStoreUnavailableError: multi-storage-client is not installed.
         ValueError: ``url`` is not an ``msc://`` URL.
     """
-    if not is_object_url(url):
+    normalized = normalize_checkpoint_path(url)
+    if not normalized.startswith(MSC_URL_PREFIX):
         raise ValueError(f"{url!r} is not an msc:// URL")
     msc = import_msc()
-    return msc.resolve_storage_client(normalize_checkpoint_path(url))
+    return msc.resolve_storage_client(normalized)

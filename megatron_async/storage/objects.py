@@ -1,13 +1,21 @@
-"""Whole objects in an object store: the small files of a checkpoint, listing and deletion.
+"""Checkpoints in an object store, reached through multi-storage-client (MSC).
 
-Runs wherever a checkpoint's small files are read or written: the coordinator
-(checksums, ``.metadata``, ``metadata.json``, the tracker), loaders, the command-line
-tools and :class:`~megatron_async.manager.CheckpointManager`. One object is one PUT,
-which the store makes visible whole or not at all: that is what "atomic" means here,
-and a completion marker is PUT only after every rank's data objects were acknowledged.
+:class:`ObjectStorage` is the :class:`~megatron_async.storage.backend.CheckpointStorage`
+of ``msc://PROFILE/PREFIX`` URLs. It runs wherever checkpoints are read or written:
+the coordinator (checksums, ``.metadata``, ``metadata.json``, the tracker), every
+rank's checks, loaders, the command-line tools and
+:class:`~megatron_async.manager.CheckpointManager`; the background writer streams its
+buckets through :meth:`ObjectStorage.open_bucket_file` (:mod:`.stream`).
 
-An ``msc://`` profile backed by a POSIX directory is served by the same local code as a
-plain path (atomic rename, fsync), so its durability is the local one.
+One object is one PUT, which the store makes visible whole or not at all: that is
+what "atomic" means here, and a completion marker is PUT only after every rank's data
+objects were acknowledged. A store has no directories, no rename and no fsync: a
+"directory" exists once any object lies under its prefix, and an acknowledged PUT is
+durable, so :meth:`~ObjectStorage.sync` and :meth:`~ObjectStorage.sync_dir` do nothing.
+
+An ``msc://`` profile backed by a POSIX directory is served by
+:class:`~megatron_async.storage.local.LocalStorage` (atomic rename, fsync), so its
+durability is the local one.
 
 Every store failure is raised as :class:`~megatron_async.errors.ObjectStoreError` naming
 the URL; a missing object is ``FileNotFoundError`` where the caller expects that.
@@ -17,184 +25,187 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+import shutil
+from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar, Union
 
 from megatron_async.errors import ObjectStoreError
+from megatron_async.storage.bounded_calls import call_with_deadline
 from megatron_async.storage.client import resolve
+from megatron_async.storage.local import LocalStorage
+from megatron_async.storage.locations import DEFAULT_PART_BYTES
 
-__all__ = [
-    "read_object",
-    "read_object_range",
-    "put_object",
-    "object_exists",
-    "prefix_exists",
-    "list_children",
-    "delete_object",
-    "delete_prefix",
-    "posix_path_of",
-    "object_size",
-    "prefix_bytes",
-]
+__all__ = ["ObjectStorage"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_ADVICE = (
-    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
-    "accepted and its bucket must exist"
-)
+_LOCAL = LocalStorage()
 
 
 def _call(what: str, url: str, fn: Callable[[], T]) -> T:
+    """One request, bounded and retried (:mod:`megatron_async.storage.bounded_calls`);
+    a missing object stays a FileNotFoundError."""
     try:
-        return fn()
-    except FileNotFoundError:
+        return call_with_deadline(what, url, fn)
+    except ObjectStoreError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise exc.__cause__ from None
         raise
-    except ObjectStoreError:
-        raise
-    except Exception as exc:
-        raise ObjectStoreError(f"{what} {url} failed: {type(exc).__name__}: {exc}; {_ADVICE}") from exc
 
 
 def _resolved(url: str) -> Tuple[Any, str, Optional[str]]:
+    """``(storage client, path in the profile, local path of a POSIX profile or None)``."""
     client, path = resolve(url)
     return client, path, client.get_posix_path(path)
 
 
-def posix_path_of(url: str) -> Optional[str]:
-    """The local path behind ``url`` when its profile is a POSIX directory, else None."""
-    return _resolved(url)[2]
+def _prefix(path: str) -> str:
+    return path.rstrip("/") + "/"
 
 
-def read_object(url: str) -> bytes:
-    """Return the whole object at ``url``.
+class ObjectStorage:
+    """Checkpoint objects under ``msc://`` URLs (any process; pickles to the writer).
 
-    Raises:
-        FileNotFoundError: there is no such object.
-        ObjectStoreError: the store failed.
+    Args:
+        part_bytes: bytes per uploaded part of a bucket's multipart upload.
     """
-    client, path, local = _resolved(url)
-    if local is not None:
-        with open(local, "rb") as f:
-            return f.read()
-    return _call("reading", url, lambda: client.read(path))
 
+    needs_msc = True
 
-def read_object_range(url: str, offset: int, length: int) -> bytes:
-    """Return ``length`` bytes of the object at ``url`` from ``offset`` (fewer at its end)."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        with open(local, "rb") as f:
-            f.seek(offset)
-            return f.read(length)
-    from multistorageclient.types import Range
+    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES):
+        self.part_bytes = part_bytes
 
-    return _call("reading", url, lambda: client.read(path, byte_range=Range(offset, length)))
+    def __repr__(self) -> str:
+        return f"ObjectStorage(part_bytes={self.part_bytes})"
 
+    # -- lookups and reads -------------------------------------------------------------
 
-def put_object(url: str, data: bytes) -> None:
-    """Store ``data`` as the object at ``url``, whole or not at all (one PUT)."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        from megatron_async.format import write_atomically
+    def is_file(self, url: str) -> bool:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.is_file(local)
+        return _call("looking up", url, lambda: client.is_file(path))
 
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        write_atomically(local, data)
-        return
-    _call("writing", url, lambda: client.write(path, bytes(data)))
+    def is_dir(self, url: str) -> bool:
+        """Whether any object lives under ``url/`` (a store has no empty directories)."""
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.is_dir(local)
+        return _call("listing", url, lambda: not client.is_empty(_prefix(path)))
 
-
-def object_exists(url: str) -> bool:
-    """Whether an object (a file) exists at ``url``."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        return os.path.isfile(local)
-    return _call("looking up", url, lambda: client.is_file(path))
-
-
-def prefix_exists(url: str) -> bool:
-    """Whether any object lives under ``url/`` (an object store has no empty directories)."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        return os.path.isdir(local)
-    return _call("listing", url, lambda: not client.is_empty(path.rstrip("/") + "/"))
-
-
-def list_children(url: str) -> List[Tuple[str, bool]]:
-    """Return ``(name, is_directory)`` of what lies directly under ``url``, sorted by name."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        if not os.path.isdir(local):
-            return []
-        return sorted((n, os.path.isdir(os.path.join(local, n))) for n in os.listdir(local))
-    prefix = path.rstrip("/") + "/"
-
-    def listing() -> List[Tuple[str, bool]]:
-        children = {}
-        for meta in client.list(path=prefix, include_directories=True):
-            rest = meta.key[len(prefix):] if meta.key.startswith(prefix) else meta.key
-            name = rest.strip("/").split("/", 1)[0]
-            if name:
-                children[name] = children.get(name, False) or meta.type == "directory" or "/" in rest.strip("/")
-        return sorted(children.items())
-
-    return _call("listing", url, listing)
-
-
-def delete_object(url: str) -> bool:
-    """Delete the object at ``url``; return whether there was one."""
-    client, path, local = _resolved(url)
-    if local is not None:
+    def size(self, url: str) -> Optional[int]:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.size(local)
         try:
-            os.remove(local)
+            return _call("looking up", url, lambda: client.info(path).content_length)
+        except FileNotFoundError:
+            return None
+
+    def total_bytes(self, url: str) -> int:
+        """The bytes of every object under ``url/``, from one listing."""
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.total_bytes(local)
+        return _call("listing", url, lambda: sum(meta.content_length for meta in client.list(path=_prefix(path))))
+
+    def list_dir(self, url: str) -> List[Tuple[str, bool]]:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.list_dir(local)
+        prefix = _prefix(path)
+
+        def listing() -> List[Tuple[str, bool]]:
+            children = {}
+            for meta in client.list(path=prefix, include_directories=True):
+                rest = meta.key[len(prefix):] if meta.key.startswith(prefix) else meta.key
+                name = rest.strip("/").split("/", 1)[0]
+                if name:
+                    children[name] = children.get(name, False) or meta.type == "directory" or "/" in rest.strip("/")
+            return sorted(children.items())
+
+        return _call("listing", url, listing)
+
+    def read(self, url: str) -> bytes:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.read(local)
+        return _call("reading", url, lambda: client.read(path))
+
+    def read_range(self, url: str, offset: int, length: int) -> bytes:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.read_range(local, offset, length)
+        from multistorageclient.types import Range
+
+        return _call("reading", url, lambda: client.read(path, byte_range=Range(offset, length)))
+
+    def dcp_reader(self, url: str) -> Any:
+        from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystemReader
+
+        return MultiStorageFileSystemReader(url)
+
+    # -- writes and removals -----------------------------------------------------------
+
+    def write_atomically(self, url: str, data: Union[bytes, str]) -> None:
+        """Store ``data`` as the object at ``url``, whole or not at all (one PUT)."""
+        payload = data.encode() if isinstance(data, str) else data
+        client, path, local = _resolved(url)
+        if local is not None:
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            _LOCAL.write_atomically(local, payload)
+            return
+        _call("writing", url, lambda: client.write(path, bytes(payload)))
+
+    def remove(self, url: str) -> bool:
+        client, path, local = _resolved(url)
+        if local is not None:
+            return _LOCAL.remove(local)
+        try:
+            _call("deleting", url, lambda: client.delete(path))
         except FileNotFoundError:
             return False
         return True
-    try:
-        _call("deleting", url, lambda: client.delete(path))
-    except FileNotFoundError:
-        return False
-    return True
 
+    def make_dir(self, url: str) -> None:
+        """Nothing to do: a prefix appears with its first object."""
 
-def delete_prefix(url: str) -> None:
-    """Delete every object under ``url/`` (a checkpoint "directory")."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        import shutil
+    def remove_dir(self, url: str, first: Iterable[str] = ()) -> None:
+        """Delete ``first`` (the completion markers), then every object under ``url/``.
 
-        shutil.rmtree(local, ignore_errors=False)
-        return
-    prefix = path.rstrip("/") + "/"
+        A store cannot take a prefix away at once: a deletion that stops halfway
+        leaves what ``first`` named deleted, hence an incomplete checkpoint, which no
+        resume picks and the next retention deletes.
+        """
+        for name in first:
+            self.remove(os.path.join(url, name))
+        self._delete_under(url)
 
-    def delete_all() -> None:
-        keys = [meta.key for meta in client.list(path=prefix)]
-        if keys:
-            client.delete_many(keys)
+    def _delete_under(self, url: str) -> None:
+        client, path, local = _resolved(url)
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=False)
+            return
 
-    _call("deleting", url, delete_all)
+        def delete_all() -> None:
+            keys = [meta.key for meta in client.list(path=_prefix(path))]
+            if keys:
+                client.delete_many(keys)
 
+        _call("deleting", url, delete_all)
 
-def object_size(url: str) -> Optional[int]:
-    """The size of the object at ``url`` in bytes, or None when there is none."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        return os.path.getsize(local) if os.path.isfile(local) else None
-    try:
-        return _call("looking up", url, lambda: client.info(path).content_length)
-    except FileNotFoundError:
-        return None
+    def finish_removals(self, url: str) -> None:
+        """Nothing to do: an interrupted removal left an incomplete checkpoint instead."""
 
+    def sync(self, url: str) -> None:
+        """Nothing to do: the store acknowledged the object's PUT durably."""
 
-def prefix_bytes(url: str) -> int:
-    """The bytes of every object under ``url/`` (a checkpoint's size), from one listing."""
-    client, path, local = _resolved(url)
-    if local is not None:
-        return sum(
-            os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(local)
-            for name in names
-        )
-    prefix = path.rstrip("/") + "/"
-    return _call("listing", url, lambda: sum(meta.content_length for meta in client.list(path=prefix)))
+    def sync_dir(self, url: str) -> None:
+        """Nothing to do: a store has no directory entries to flush."""
+
+    def open_bucket_file(self, url: str, hashing: bool) -> Any:
+        """Open a bucket's output at ``url``: a streamed upload (background writer)."""
+        from megatron_async.storage.stream import open_object_bucket_file
+
+        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes)

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any, Callable, List, Optional
 
-from megatron_async.integrity import checksums
+from megatron_async.integrity.hashing import new_hasher
 
 __all__ = ["BucketFile", "OpenedBucketFile"]
 
@@ -62,7 +62,7 @@ class BucketFile:
 
     def _start_stream(self, hashing: bool) -> None:
         """Set up the gathering and hashing state (subclasses with another output call it)."""
-        self._hasher = checksums.new_hasher() if hashing else None
+        self._hasher = new_hasher() if hashing else None
         self._pending: List[Any] = []
         self._pending_bytes = 0
         self._written = 0
@@ -174,7 +174,7 @@ class OpenedBucketFile(BucketFile):
 
     def __init__(self, path: str, hashing: bool, open_file: Callable[..., Any]):
         self._stream = open_file(path, "wb")
-        self._hasher = checksums.new_hasher() if hashing else None
+        self._hasher = new_hasher() if hashing else None
         self._pending = []
         self._pending_bytes = 0
         self._written = 0

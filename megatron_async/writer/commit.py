@@ -4,7 +4,8 @@ Runs on the coordinator only, inside the finalization of a save, after every ran
 reported a successful write. Order matters: the data files are fsynced by their
 writers; here the checksum file (or the removal of a stale one) comes first, then
 DCP's ``.metadata`` (the first completion marker), each written atomically with its
-directory fsynced (:func:`megatron_async.format.write_atomically`).
+directory fsynced (``CheckpointStorage.write_atomically`` of the storage that
+:func:`~megatron_async.storage.storage_for` chooses once per commit).
 """
 
 from __future__ import annotations
@@ -17,17 +18,10 @@ from typing import Any, Dict, Iterable, List, Optional
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.format import (
-    CHECKSUM_FILE,
-    COMMON_FILE,
-    DCP_METADATA_FILE,
-    fsync_path,
-    remove_file,
-    write_atomically,
-)
-from megatron_async.storage.locations import is_object_url
+from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
+from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = ["commit_checkpoint"]
 
@@ -77,11 +71,10 @@ def commit_checkpoint(
     # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
-    common = os.path.join(checkpoint_dir, COMMON_FILE)
-    if not is_object_url(checkpoint_dir) and os.path.exists(common):
-        fsync_path(common)
-    _record_checksums(checkpoint_dir, stored.values())
-    write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
+    storage = storage_for(checkpoint_dir)
+    storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
+    _record_checksums(storage, checkpoint_dir, stored.values())
+    storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
     return report
 
 
@@ -112,7 +105,9 @@ def _is_empty(result: WriteResult) -> bool:
     return getattr(result, "empty_chunk", False)
 
 
-def _record_checksums(checkpoint_dir: str, results: Iterable[WriteResult]) -> None:
+def _record_checksums(
+    storage: CheckpointStorage, checkpoint_dir: str, results: Iterable[WriteResult]
+) -> None:
     """Write the digests of the stored items, or drop a stale checksum file (coordinator).
 
     Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
@@ -139,4 +134,4 @@ def _record_checksums(checkpoint_dir: str, results: Iterable[WriteResult]) -> No
     if records:
         checksums.write_checksum_records(checkpoint_dir, records)
     else:
-        remove_file(os.path.join(checkpoint_dir, CHECKSUM_FILE))
+        storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))

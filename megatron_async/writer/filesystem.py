@@ -41,11 +41,8 @@ from megatron_async.errors import CheckpointIntegrityError, CheckpointValidation
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buckets import StagingBufferCache, preload_tensors
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
-from megatron_async.storage.locations import (
-    DEFAULT_PART_BYTES,
-    is_object_url,
-    normalize_checkpoint_path,
-)
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
 from megatron_async.writer.buckets import (
     BucketLayout,
@@ -146,7 +143,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         use_msc = options.use_msc
         if use_msc:
             import_msc()  # WriteOptions already did (a no-op then): kept beside the URL check
-        elif is_object_url(path):
+        elif storage_for(path).needs_msc:
             raise CheckpointValidationError(
                 f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
                 f"the extra: {MSC_EXTRA_HINT})"

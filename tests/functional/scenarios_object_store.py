@@ -30,14 +30,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
 from megatron_async import cli
-from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
+from megatron_async.checkpoint_dirs import is_complete_checkpoint, list_checkpoints, read_tracker
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError
-from megatron_async.format import has_completion_markers
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
-from megatron_async.storage.objects import object_exists
+from megatron_async.storage import storage_for
 from tests.functional.harness import RankContext, for_both_callers, only_selected, run_scenarios
 from tests.functional.scenarios_strategy import _assert_equal_states, _global_tensors, _model_state
 from tests.functional.scenarios_strategy import _load_dcp as load_with_dcp
@@ -86,7 +85,7 @@ def _load_fsspec(url: str):
 
 def _check_loads_back(ctx: RankContext, url: str, scale: float, fsspec: bool = False) -> None:
     """Stock megatron-core and plain DCP both read the state of ``scale`` back from ``url``."""
-    assert has_completion_markers(url), f"{url} is not marked complete"
+    assert is_complete_checkpoint(url), f"{url} is not marked complete"
     expected = _state(ctx, scale)
     loaded = dist_checkpointing.load(_state(ctx, 0.0), url)
     _assert_equal_states(loaded, expected, "megatron")
@@ -135,7 +134,7 @@ def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, e
     """Save with rank 1 on ``faulty_profile``: an error on every rank, nothing complete,
     no multipart upload left open, and the previous checkpoint still loads."""
     previous = _url(ctx, f"previous-{persistent}")
-    if not has_completion_markers(previous):
+    if not is_complete_checkpoint(previous):
         _save(ctx, previous, 3.0, persistent)
     good = _url(ctx, name)
     url = good if ctx.rank != 1 else f"msc://{faulty_profile}/{ctx.options['run']}/{name}"
@@ -156,8 +155,8 @@ def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, e
     else:
         raise AssertionError(f"rank {ctx.rank}: the save with a faulty store on rank 1 succeeded")
     dist.barrier()
-    assert not object_exists(os.path.join(good, ".metadata")), f"{good} has a .metadata"
-    assert not has_completion_markers(good)
+    assert not storage_for(good).is_file(os.path.join(good, ".metadata")), f"{good} has a .metadata"
+    assert not is_complete_checkpoint(good)
     _check_loads_back(ctx, previous, 3.0)
 
 
@@ -220,7 +219,7 @@ def _managed_save(ctx, manager, iteration, persistent, faulty_profile=None) -> N
     # Until the finalize saw every rank's objects acknowledged, nothing names the new
     # checkpoint: not its markers, not the tracker.
     assert read_tracker(manager.config.save_dir) != iteration
-    assert not has_completion_markers(path)
+    assert not is_complete_checkpoint(path)
     _queue(persistent).maybe_finalize_async_calls(blocking=True)
 
 

@@ -1,4 +1,4 @@
-"""The on-disk format module: atomic, durable small files and the completion markers."""
+"""The on-disk format: atomic, durable small files (local storage) and the completion markers."""
 
 import os
 import pickle
@@ -7,28 +7,30 @@ import pytest
 
 from megatron_async import format as fmt
 from megatron_async.integrity import checksums
+from megatron_async.storage import local
+from megatron_async.storage.local import LocalStorage
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def fsynced(monkeypatch):
-    """Record every path handed to ``format.fsync_path`` (the directory fsyncs)."""
+    """Record every path handed to ``storage.local.fsync_path`` (the directory fsyncs)."""
     seen = []
-    real = fmt.fsync_path
+    real = local.fsync_path
 
     def record(path, best_effort=False):
         seen.append(os.path.abspath(os.fspath(path)))
         real(path, best_effort)
 
-    monkeypatch.setattr(fmt, "fsync_path", record)
+    monkeypatch.setattr(local, "fsync_path", record)
     return seen
 
 
 def test_write_atomically_replaces_the_file_and_fsyncs_its_directory(tmp_path, fsynced):
     target = tmp_path / "file.txt"
     target.write_text("old")
-    fmt.write_atomically(target, "new")
+    LocalStorage().write_atomically(str(target), "new")
     assert target.read_text() == "new"
     assert str(tmp_path) in fsynced
     assert os.listdir(tmp_path) == ["file.txt"]  # no temporary file left
@@ -38,7 +40,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
     target = tmp_path / "data.bin"
     target.write_bytes(b"old")
     with pytest.raises(RuntimeError):
-        with fmt.atomic_output(target) as stream:
+        with local.atomic_output(target) as stream:
             stream.write(b"half of the new con")
             raise RuntimeError("the writer died")
     assert target.read_bytes() == b"old"
@@ -62,13 +64,13 @@ def test_commit_writes_checksums_then_metadata_each_with_a_directory_fsync(tmp_p
     from megatron_async.writer import commit
 
     order = []
-    real_write = fmt.write_atomically
+    real_write = LocalStorage.write_atomically
 
-    def record(path, data):
+    def record(self, path, data):
         order.append(os.path.basename(path))
-        real_write(path, data)
+        real_write(self, path, data)
 
-    monkeypatch.setattr(commit, "write_atomically", record)
+    monkeypatch.setattr(LocalStorage, "write_atomically", record)
     commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     assert order == [fmt.DCP_METADATA_FILE]  # no item carried a checksum: no checksum file
     with open(tmp_path / fmt.DCP_METADATA_FILE, "rb") as stream:
@@ -78,11 +80,12 @@ def test_commit_writes_checksums_then_metadata_each_with_a_directory_fsync(tmp_p
 def test_completion_markers_are_removed_before_an_overwrite(tmp_path, fsynced):
     for name in fmt.COMPLETION_MARKERS:
         (tmp_path / name).write_text("{}")
-    assert fmt.has_completion_markers(tmp_path)
-    assert sorted(fmt.remove_completion_markers(tmp_path)) == sorted(fmt.COMPLETION_MARKERS)
-    assert not fmt.has_completion_markers(tmp_path)
+    storage = LocalStorage()
+    assert fmt.has_completion_markers(tmp_path, storage)
+    assert sorted(fmt.remove_completion_markers(tmp_path, storage)) == sorted(fmt.COMPLETION_MARKERS)
+    assert not fmt.has_completion_markers(tmp_path, storage)
     assert str(tmp_path) in fsynced
-    assert fmt.remove_completion_markers(tmp_path) == []
+    assert fmt.remove_completion_markers(tmp_path, storage) == []
 
 
 def test_the_command_line_list_imports_neither_torch_nor_megatron(tmp_path):

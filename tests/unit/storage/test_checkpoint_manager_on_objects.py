@@ -12,8 +12,9 @@ import pytest
 
 from megatron_async import checkpoint_dirs, cli
 from megatron_async.errors import AsyncSaveFailedError, ObjectStoreError
-from megatron_async.format import COMPLETION_MARKERS, write_atomically
+from megatron_async.format import COMPLETION_MARKERS
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
+from megatron_async.storage import storage_for
 from tests.unit.storage.conftest import BUCKET
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,10 +30,11 @@ def save_url(store):
 def put_checkpoint(save_url, iteration, complete=True):
     """PUT a shard object and, if complete, both completion markers."""
     path = f"{save_url}/{checkpoint_dirs.checkpoint_dir_name(iteration)}"
-    write_atomically(f"{path}/__0_0.distcp", b"shard")
+    storage = storage_for(path)
+    storage.write_atomically(f"{path}/__0_0.distcp", b"shard")
     if complete:
         for marker in COMPLETION_MARKERS:
-            write_atomically(f"{path}/{marker}", b"{}")
+            storage.write_atomically(f"{path}/{marker}", b"{}")
     return path
 
 
@@ -138,10 +140,10 @@ def test_an_interrupted_deletion_leaves_an_incomplete_checkpoint(store, save_url
     path = put_checkpoint(url, 7)
     from megatron_async.storage import objects
 
-    def store_fails(url):
+    def store_fails(self, url):
         raise ObjectStoreError(f"deleting {url} failed: the store went away")
 
-    monkeypatch.setattr(objects, "delete_prefix", store_fails)
+    monkeypatch.setattr(objects.ObjectStorage, "_delete_under", store_fails)
     assert not checkpoint_dirs.delete_checkpoint_dir(path)
     assert not checkpoint_dirs.is_complete_checkpoint(path)
     assert keys_under(store, f"{prefix}/iter_0000007") == ["__0_0.distcp"]

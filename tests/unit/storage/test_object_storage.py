@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError, ObjectStoreUnavailableError
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage import is_object_url, normalize_checkpoint_path
 from tests.object_store import object_store_skip_reason
 from tests.unit.storage.conftest import BUCKET
 
@@ -50,7 +50,7 @@ def _open(url):
 @needs_store
 def test_a_large_bucket_is_a_multipart_upload_hashed_on_the_way(store):
     from megatron_async.integrity import checksums
-    from megatron_async.storage.objects import read_object
+    from megatron_async.storage.objects import ObjectStorage
 
     data = os.urandom(PART * 2 + 12345)
     out = _open("msc://unit/stream/big.distcp")
@@ -61,7 +61,7 @@ def test_a_large_bucket_is_a_multipart_upload_hashed_on_the_way(store):
     assert len(store.list_multipart_uploads(Bucket=BUCKET)["Uploads"]) == 1  # streaming, not buffered
     out.finish(True)
     out.close()
-    assert read_object("msc://unit/stream/big.distcp") == data
+    assert ObjectStorage().read("msc://unit/stream/big.distcp") == data
     hasher = checksums.new_hasher()
     hasher.update(data)
     assert digest == hasher.hexdigest()
@@ -70,18 +70,18 @@ def test_a_large_bucket_is_a_multipart_upload_hashed_on_the_way(store):
 
 @needs_store
 def test_a_small_bucket_is_one_put(store):
-    from megatron_async.storage.objects import read_object
+    from megatron_async.storage.objects import ObjectStorage
 
     out = _open("msc://unit/stream/small.distcp")
     out.append(b"abc", b"def")
     out.finish(True)
     out.close()
-    assert read_object("msc://unit/stream/small.distcp") == b"abcdef"
+    assert ObjectStorage().read("msc://unit/stream/small.distcp") == b"abcdef"
 
 
 @needs_store
 def test_closing_an_unfinished_upload_aborts_it(store):
-    from megatron_async.storage.objects import object_exists
+    from megatron_async.storage.objects import ObjectStorage
 
     out = _open("msc://unit/stream/aborted.distcp")
     out.append(os.urandom(PART + 1))
@@ -89,7 +89,7 @@ def test_closing_an_unfinished_upload_aborts_it(store):
     assert store.list_multipart_uploads(Bucket=BUCKET)["Uploads"]
     out.close()
     assert not store.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
-    assert not object_exists("msc://unit/stream/aborted.distcp")
+    assert not ObjectStorage().is_file("msc://unit/stream/aborted.distcp")
 
 
 @needs_store
@@ -103,15 +103,16 @@ def test_a_missing_bucket_is_an_object_store_error_naming_the_url(store):
 
 @needs_store
 def test_small_objects_listing_and_completion_markers(store):
-    from megatron_async.format import has_completion_markers, remove_completion_markers, write_atomically
-    from megatron_async.storage.objects import list_children
+    from megatron_async.format import has_completion_markers, remove_completion_markers
+    from megatron_async.storage import storage_for
 
     url = "msc://unit/ckpt/iter_0000001"
-    assert not has_completion_markers(url)
-    write_atomically(url + "/.metadata", b"m")
-    write_atomically(url + "/metadata.json", "{}")
-    assert has_completion_markers(url)
-    assert [name for name, _ in list_children(url)] == [".metadata", "metadata.json"]
-    assert list_children("msc://unit/ckpt") == [("iter_0000001", True)]
-    assert sorted(remove_completion_markers(url)) == [".metadata", "metadata.json"]
-    assert not has_completion_markers(url)
+    storage = storage_for(url)
+    assert not has_completion_markers(url, storage)
+    storage.write_atomically(url + "/.metadata", b"m")
+    storage.write_atomically(url + "/metadata.json", "{}")
+    assert has_completion_markers(url, storage)
+    assert [name for name, _ in storage.list_dir(url)] == [".metadata", "metadata.json"]
+    assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", True)]
+    assert sorted(remove_completion_markers(url, storage)) == [".metadata", "metadata.json"]
+    assert not has_completion_markers(url, storage)

@@ -1,0 +1,187 @@
+"""Checkpoints on a local (or network-mounted POSIX) file system.
+
+:class:`LocalStorage` is the :class:`~megatron_async.storage.backend.CheckpointStorage`
+of plain paths; any process uses it (the coordinator rank for the small files and the
+tracker, every rank for its checks, the background writer for bucket files, loaders and
+the command-line tools). It imports neither torch nor multi-storage-client.
+
+Durability on a file system needs two steps: an ``fsync`` of a file's content and one
+of its directory's entries (a create or a rename in it). :func:`atomic_output` does
+both, so every small file of a checkpoint is either the old one or the new one, whole,
+after a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import uuid
+from typing import Any, BinaryIO, Iterable, Iterator, List, Optional, Tuple, Union
+
+__all__ = ["LocalStorage", "atomic_output", "fsync_path"]
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_TRASH_PREFIX = ".deleting-"
+"""A directory being deleted is first renamed to ``.deleting-<name>.<pid>`` beside it."""
+
+
+def fsync_path(path: PathLike, best_effort: bool = False) -> None:
+    """Flush a file's content, or a directory's entries (a rename in it), to stable storage.
+
+    Args:
+        path: a file or a directory.
+        best_effort: log instead of raising where the file system cannot do it (some
+            network file systems refuse to open or fsync directories).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if not best_effort:
+            raise
+        logger.debug("cannot fsync %s: %s", path, exc)
+
+
+@contextlib.contextmanager
+def atomic_output(path: PathLike) -> Iterator[BinaryIO]:
+    """Open a binary stream whose content replaces ``path`` atomically when the block ends.
+
+    The stream is a uniquely named temporary file beside ``path``. When the block ends
+    without an exception, the file is fsynced, renamed over ``path`` and the directory
+    fsynced (best effort: some network file systems cannot), so the rename itself is
+    durable when the block is left; a crash at any moment leaves the old file or the
+    new one, whole. If the block raises, the temporary file is removed and ``path`` is
+    untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    tmp_path = os.path.join(
+        directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
+    try:
+        with open(tmp_path, "wb") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        try:
+            os.remove(tmp_path)
+        except OSError:
+            pass
+        raise
+    fsync_path(directory, best_effort=True)
+
+
+class LocalStorage:
+    """Checkpoint files and directories on a POSIX file system (any process).
+
+    Stateless: one instance serves every path. See
+    :class:`~megatron_async.storage.backend.CheckpointStorage` for the contract.
+    """
+
+    needs_msc = False
+
+    def __repr__(self) -> str:
+        return "LocalStorage()"
+
+    # -- lookups and reads -------------------------------------------------------------
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def size(self, path: str) -> Optional[int]:
+        return os.path.getsize(path) if os.path.isfile(path) else None
+
+    def total_bytes(self, path: str) -> int:
+        return sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(path)
+            for name in names
+        )
+
+    def list_dir(self, path: str) -> List[Tuple[str, bool]]:
+        if not os.path.isdir(path):
+            return []
+        return sorted((name, os.path.isdir(os.path.join(path, name))) for name in os.listdir(path))
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def dcp_reader(self, path: str) -> Any:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(path)
+
+    # -- writes and removals -----------------------------------------------------------
+
+    def write_atomically(self, path: str, data: Union[bytes, str]) -> None:
+        """Replace ``path`` by ``data``, durably and atomically (see :func:`atomic_output`)."""
+        payload = data.encode() if isinstance(data, str) else data
+        with atomic_output(path) as stream:
+            stream.write(payload)
+
+    def remove(self, path: str) -> bool:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def make_dir(self, path: str) -> None:
+        """Create the new directory ``path`` and fsync its parent (best effort)."""
+        os.makedirs(path)
+        fsync_path(os.path.dirname(os.path.normpath(path)), best_effort=True)
+
+    def remove_dir(self, path: str, first: Iterable[str] = ()) -> None:
+        """Rename ``path`` out of its name atomically, then delete it (best effort).
+
+        The rename takes the whole directory away at once, so ``first`` needs no
+        special order here. A crash after it leaves a ``.deleting-*`` directory that
+        :meth:`finish_removals` deletes.
+
+        Raises:
+            OSError: the rename failed; nothing was changed.
+        """
+        parent, name = os.path.split(path)
+        trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def finish_removals(self, path: str) -> None:
+        """Delete what interrupted :meth:`remove_dir` calls left in ``path`` (best effort)."""
+        for name in os.listdir(path):
+            if name.startswith(_TRASH_PREFIX):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+
+    def sync(self, path: str) -> None:
+        """Fsync the file ``path`` that someone else wrote without one; skip a missing one."""
+        if os.path.exists(path):
+            fsync_path(path)
+
+    def sync_dir(self, path: str) -> None:
+        """Fsync the entries of directory ``path`` (best effort)."""
+        fsync_path(path, best_effort=True)
+
+    def open_bucket_file(self, path: str, hashing: bool, direct_io: bool = True) -> Any:
+        """Open a bucket's output file (background writer): direct I/O where it works."""
+        from megatron_async.writer.direct_io import open_local_bucket_file
+
+        return open_local_bucket_file(path, hashing, direct_io)
