@@ -77,7 +77,9 @@ def _rank_main(rank: int, store_path: str, outcomes) -> None:
 
 
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path):
-    ctx = mp.get_context("fork")
+    # spawn, not fork: earlier tests leave threads (gloo's among them) in this process,
+    # and a fork of a threaded process can inherit a lock some thread held.
+    ctx = mp.get_context("spawn")
     outcomes = ctx.Queue()
     store = os.path.join(tmp_path, "store")
     procs = [ctx.Process(target=_rank_main, args=(r, store, outcomes)) for r in range(2)]
