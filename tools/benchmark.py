@@ -18,7 +18,7 @@ Example::
 It prints the tables, and writes ``results.json``, ``report.md`` and PNG plots into
 ``--out``. Timings are never asserted: the targets are reported as PASS/MISS.
 ``python tools/benchmark.py --object-store ...`` (first argument) runs the object-store
-row instead: our async save to an S3 endpoint against boto3 (``bench/object_store.py``).
+row instead: our async save to an S3 endpoint against boto3 (``tools/bench/object_store.py``).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def _measure_limits(config: BenchConfig, when: str) -> Dict[str, float]:
 def _measure(config: BenchConfig) -> Dict[str, Any]:
     """Run every launch of the benchmark; return the raw results (launching side)."""
     from bench import report
-    from bench.savers import checksum_option, checksum_variant
+    from bench.methods.queue import checksum_option, checksum_variant
     from bench.workloads import gpt_example_status
 
     started = time.monotonic()
@@ -337,7 +337,7 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
 
 
 def _measure_lost_time(config: BenchConfig) -> Dict[str, Any]:
-    """The lost-time launches (see ``bench/lost_time.py``), logged under ``OUT/logs``."""
+    """The lost-time launches (see ``tools/bench/lost_time.py``), logged under ``OUT/logs``."""
     return measure_lost_time(LOST_TIME, config.checkpoint_root, config.launch_timeout_s,
                              config.threads_per_rank, lambda tag: _log_path(config, tag, True))
 

@@ -1,30 +1,34 @@
-"""The checkpoint benchmark behind ``tools/benchmark.py``.
+"""The checkpoint benchmarks behind ``tools/benchmark.py``: a map of this folder.
 
-One module per role:
+The launching side (``tools/benchmark.py``'s process) parses options, starts launches and
+reports; the rank side (every spawned rank) saves and times. One module per role:
 
-* :mod:`.config`    the options of one benchmark run (``BenchConfig``);
-* :mod:`.launch`    start N ranks (spawned processes, gloo on CPU, NCCL with GPUs);
-* :mod:`.probes`    the physical limits: memory copy and sequential write + fsync bandwidth;
-* :mod:`.workloads` the data saved: a synthetic sharded state dict and the GPT example's
-  model + optimizer;
-* :mod:`.memory`    resident memory sampling (peak RSS) and proportional set size (PSS);
-* :mod:`.savers`    the save methods compared: ours and megatron-core's own, behind one interface;
-* :mod:`.dcp_saver` PyTorch DCP's ``save`` and ``async_save`` behind the same interface;
-* :mod:`.rank_job`  what every rank runs: N consecutive saves of one method, timed;
-* :mod:`.report`    aggregation over ranks, the targets, the table, JSON and plots.
-* :mod:`.lost_time` what every rank runs for ``--lost-time``: the GPT example's training
-  loop with saves of one method, every iteration timed;
-* :mod:`.lost_time_report` lost time per save, its targets, tables and plot;
-* :mod:`.lost_time_run` the ``--lost-time*`` options and launches.
-
-Stand-alone micro-benchmarks isolate one step each:
-
-* :mod:`.bucket_write`  one bucket written by the background writer against a plain
-  write + fsync of the same bytes (``python tools/bench/bucket_write.py -h``);
-* :mod:`.finalize_cost` the phases of a save's finalization at a given item count;
-* :mod:`.object_store` our async save to an S3 endpoint against boto3's multipart upload
-  of the same bytes (``python tools/benchmark.py --object-store -h``).
+* :mod:`.config`          the options of one run (``BenchConfig``) and the names of what it
+  compares (stall variants, lost-time methods, the GPT example's flags per method);
+* :mod:`.launch`          start N ranks (spawned processes, gloo on CPU, NCCL with GPUs);
+* :mod:`.probes`          rank side: the physical limits, memory copy and sequential
+  write + fsync bandwidth;
+* :mod:`.gpt_example`     rank side: the GPT example's model, distributed optimizer and data,
+  built as ``examples/pretrain_gpt.py`` builds them (``ExampleTrainer``);
+* :mod:`.workloads`       rank side: the data the stall benchmark saves, a synthetic sharded
+  state dict or the GPT example's model + optimizer;
+* :mod:`.memory`          rank side: resident memory sampling (peak RSS) and PSS;
+* :mod:`.methods`         rank side: the save methods every benchmark compares, one
+  hierarchy (ours, megatron-core's own, PyTorch DCP, the GPT example's ``Checkpointer``);
+* :mod:`.rank_job`        rank side of the stall and throughput benchmark: N consecutive
+  saves of one method, timed;
+* :mod:`.report`          launching side: aggregation over ranks, the targets, the tables,
+  JSON and plots;
+* :mod:`.lost_time`       rank side of ``--lost-time``: the GPT example's training loop with
+  saves of one method, every iteration timed;
+* :mod:`.lost_time_run`   launching side of ``--lost-time``: its options and launches;
+* :mod:`.lost_time_report` launching side: lost time per save, its targets, tables and plot;
+* :mod:`.object_store`    ``tools/benchmark.py --object-store``: our async save to an S3
+  endpoint against boto3's multipart upload of the same bytes (both sides);
+* :mod:`.micro`           micro-benchmarks, one step each, run as modules
+  (``python -m tools.bench.micro.bucket_write -h``).
 
 Everything here is tooling: it prints, spawns processes and draws, and never changes the
-library under ``megatron_async/``.
+library under ``megatron_async/``. Kept free of imports: a persistent worker imports this
+package to unpickle a timed write (see :mod:`.methods`).
 """

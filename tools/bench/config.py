@@ -15,6 +15,10 @@ __all__ = [
     "CHECKSUM_VARIANTS",
     "PRIORITY_VARIANTS",
     "WORKLOADS",
+    "LOST_TIME_METHODS",
+    "LOST_TIME_OUR_METHODS",
+    "LOST_TIME_DCP_METHODS",
+    "EXAMPLE_FLAGS",
     "parse_num_bytes",
     "format_num_bytes",
 ]
@@ -48,6 +52,29 @@ I/O priority instead of the default lower one (``AsyncCallerConfig.writer_priori
 measure what yielding to training buys in the GPT workload's "train step" column."""
 
 WORKLOADS = ("synthetic", "gpt")
+
+LOST_TIME_OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_exec",
+                         "ours_persistent_overlap")
+"""The lost-time loop's methods on the GPT example's ``Checkpointer`` with our callers."""
+
+LOST_TIME_DCP_METHODS = ("dcp_thread", "dcp_process", "dcp_async_staging")
+"""The lost-time loop's DCP methods: ``async_save`` with a reused ``DefaultStager``
+(synchronous staging) on its thread or process executor, and with asynchronous staging
+waited for before the next optimizer step."""
+
+LOST_TIME_METHODS = ("sync",) + LOST_TIME_OUR_METHODS + LOST_TIME_DCP_METHODS
+
+EXAMPLE_FLAGS = {
+    "sync": [],
+    "ours_temporal": ["--async-save", "--ckpt-assume-constant-structure"],
+    "ours_persistent": ["--async-save", "--use-persistent-ckpt-worker",
+                        "--ckpt-assume-constant-structure"],
+    "ours_persistent_exec": ["--async-save", "--use-persistent-ckpt-worker",
+                             "--ckpt-assume-constant-structure", "--ckpt-worker-start", "exec"],
+    "ours_persistent_overlap": ["--async-save", "--use-persistent-ckpt-worker",
+                                "--ckpt-assume-constant-structure", "--ckpt-overlap-staging"],
+}
+"""The flags of ``examples/pretrain_gpt.py`` each example-driven lost-time method runs with."""
 
 _UNITS = {
     "": 1, "b": 1,

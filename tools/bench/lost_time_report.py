@@ -30,8 +30,12 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
-from .config import format_num_bytes
-from .lost_time import DCP_METHODS, METHODS, OUR_METHODS
+from .config import (
+    LOST_TIME_DCP_METHODS,
+    LOST_TIME_METHODS,
+    LOST_TIME_OUR_METHODS,
+    format_num_bytes,
+)
 
 __all__ = ["aggregate_lost_time", "evaluate_lost_time_targets", "format_lost_time",
            "format_lost_time_targets", "draw_lost_time_plot", "LOST_TIME_TARGETS"]
@@ -131,9 +135,9 @@ def evaluate_lost_time_targets(entries: List[Dict[str, Any]]) -> List[Dict[str, 
     rows = []
     for (ranks, hidden), group in sorted(_groups(entries).items()):
         sync = group.get("sync")
-        dcp = [group[m] for m in DCP_METHODS if _ok(group.get(m))]
+        dcp = [group[m] for m in LOST_TIME_DCP_METHODS if _ok(group.get(m))]
         best_dcp = min((e["lost_warm_s"] for e in dcp), default=None)
-        for method in OUR_METHODS:
+        for method in LOST_TIME_OUR_METHODS:
             entry = group.get(method)
             if not _ok(entry):
                 continue
@@ -180,11 +184,12 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
         memcpy = max((e["memcpy_s"] for e in group.values() if _ok(e)), default=None)
         sync = group.get("sync")
         header = ["method", "stall 1st", "stall warm", "iterations to durable", "lost warm",
-                  "lost / memcpy", "lost / sync"] + [f"lost / {m}" for m in DCP_METHODS] + [
-                  "first save + set-up", "set-up call", "background CPU / warm save",
-                  "finalize warm", "model build + warm-up"]
+                  "lost / memcpy", "lost / sync"]
+        header += [f"lost / {m}" for m in LOST_TIME_DCP_METHODS]
+        header += ["first save + set-up", "set-up call", "background CPU / warm save",
+                   "finalize warm", "model build + warm-up"]
         rows = []
-        for method in METHODS:
+        for method in LOST_TIME_METHODS:
             entry = group.get(method)
             if entry is None:
                 continue
@@ -195,7 +200,7 @@ def format_lost_time(entries: List[Dict[str, Any]], num_layers: int) -> str:
             ratios = [_x(_ratio(lost, entry["memcpy_s"])),
                       _x(_ratio(lost, sync["lost_warm_s"]) if _ok(sync) else None)]
             ratios += [_x(_ratio(lost, group[m]["lost_warm_s"]) if _ok(group.get(m)) else None)
-                       for m in DCP_METHODS]
+                       for m in LOST_TIME_DCP_METHODS]
             rows.append([method, _s(entry["stall_first_s"]), _s(entry["stall_warm_s"]),
                          _x(entry["save_iterations_warm"]), _s(lost), *ratios,
                          _s(entry["first_and_setup_s"]), _s(entry["setup_s"]),
@@ -233,7 +238,7 @@ def draw_lost_time_plot(entries: List[Dict[str, Any]], out_dir: str) -> List[str
     fig, axes = plt.subplots(1, len(rank_counts), figsize=(6 * len(rank_counts), 4.5),
                              squeeze=False)
     for ax, ranks in zip(axes[0], rank_counts):
-        for method in METHODS:
+        for method in LOST_TIME_METHODS:
             points = sorted((e["num_bytes_per_rank"] / 2**20, e["lost_warm_s"]) for e in ok
                             if e["ranks"] == ranks and e["method"] == method)
             if points:

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
-from .lost_time import METHODS
+from .config import LOST_TIME_METHODS
 from .lost_time_report import (
     aggregate_lost_time,
     draw_lost_time_plot,
@@ -37,7 +37,7 @@ class LostTimeOptions:
     num_layers: int = 4
     saves: int = 4
     window: int = 4
-    methods: Tuple[str, ...] = METHODS
+    methods: Tuple[str, ...] = LOST_TIME_METHODS
 
 
 def _ints(text: str) -> Tuple[int, ...]:
@@ -75,9 +75,10 @@ def lost_time_options(args) -> LostTimeOptions:
         mode=mode, ranks=args.lost_time_ranks, hidden_sizes=args.lost_time_hidden_sizes,
         num_layers=args.lost_time_layers, saves=args.lost_time_saves,
         window=args.lost_time_window, methods=args.lost_time_methods)
-    unknown = sorted(set(options.methods) - set(METHODS))
+    unknown = sorted(set(options.methods) - set(LOST_TIME_METHODS))
     if unknown:
-        raise ValueError(f"unknown --lost-time-methods {unknown}; choose from {list(METHODS)}")
+        raise ValueError(f"unknown --lost-time-methods {unknown}; "
+                         f"choose from {list(LOST_TIME_METHODS)}")
     if options.saves < 2:
         raise ValueError("--lost-time-saves must be at least 2 (the first is reported apart)")
     if options.window < 1:

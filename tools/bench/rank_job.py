@@ -7,11 +7,13 @@ Order on every rank:
 2. set the save method up (queue, persistent worker, stager); for a persistent worker,
    wait until it finished starting (a training job saves long after start-up), then
    read the idle baseline;
-3. per save: a fresh directory, the save itself (see :mod:`.savers`), the peak RSS of the
-   rank and of its background process during the save, then the PSS held once the save
-   is complete; rank 0 records the bytes on disk and deletes the previous checkpoint.
+3. per save: a fresh directory, the save itself the way a training loop runs it (the
+   save call, one training step while the write goes on, then the wait until the
+   checkpoint is complete; see :func:`save_once`), the peak RSS of the rank and of its
+   background process during the save, then the PSS held once the save is complete;
+   rank 0 records the bytes on disk and deletes the previous checkpoint.
 
-A method that cannot run here (:class:`~.savers.Unsupported`, e.g. megatron-core's async
+A method that cannot run here (:class:`~.methods.base.Unsupported`, e.g. megatron-core's async
 save without CUDA) ends the launch with status ``unsupported`` and the reason, the same
 on every rank.
 """
@@ -29,10 +31,11 @@ import torch.distributed as dist
 
 from .launch import RankContext
 from .memory import RssSampler, tree_pss_bytes, wait_for_quiet_children
-from .savers import Unsupported, build_saver
-from .workloads import build_workload
+from .methods.base import SaveMethod, Unsupported, now
+from .methods.catalog import build_variant
+from .workloads import Workload, build_workload
 
-__all__ = ["variant_job"]
+__all__ = ["variant_job", "save_once"]
 
 _WORKER_START_TIMEOUT_S = 120.0
 
@@ -62,11 +65,42 @@ def _import_checkpointing_modules() -> None:
     import megatron_async.mcore.strategy  # noqa: F401
 
 
+def save_once(method: SaveMethod, workload: Workload, directory: str, index: int,
+              train_step: bool) -> Dict[str, Any]:
+    """Save once as a training loop would and return the timings (every rank).
+
+    The save call (the stall), one training step while the write goes on in the background
+    (it changes the saved tensors in place), then the wait until the checkpoint is complete.
+    """
+    method.save(directory, index)
+    start = now()
+    if train_step:
+        workload.train_step()
+    train_step_s = now() - start
+    method.wait()
+    t = method.timings
+    return {
+        "build_s": t["build_s"],
+        "plan_s": t["plan_s"],
+        "strategy_plan_s": t["strategy_plan_s"],
+        "stage_s": t["stage_s"],
+        "stall_s": t["t_stall_end"] - t["t_start"],
+        "train_step_s": train_step_s,
+        "finalize_s": t["finalize_s"],
+        "e2e_s": t["t_end"] - t["t_start"],
+        "t_start": t["t_start"],
+        "t_stall_end": t["t_stall_end"],
+        "write_start": t["write_start"],
+        "write_end": t["write_end"],
+        "reused_plans": t["reused_plans"],
+    }
+
+
 def variant_job(ctx: RankContext) -> Dict[str, Any]:
     """Run ``payload["saves"]`` saves of ``payload["variant"]`` (every rank).
 
     Returns this rank's results: its workload size, memory baselines and one record per
-    save (see :meth:`~.savers.Saver.save`, plus memory and bytes on disk).
+    save (see :func:`save_once`, plus memory and bytes on disk).
     """
     payload = ctx.payload
     rank = ctx.rank
@@ -81,7 +115,7 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
     _import_checkpointing_modules()
     sampler = RssSampler(payload["rss_interval_s"])
     workload = build_workload(payload, rank, ctx.world_size)
-    saver = build_saver(payload["variant"], payload, stamp_dir)
+    method = build_variant(payload["variant"], payload, workload, stamp_dir)
     gc.collect()
     result: Dict[str, Any] = {
         "rank": rank,
@@ -96,7 +130,7 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
     try:
         reason = ""
         try:
-            saver.setup()
+            method.setup()
         except Unsupported as exc:
             reason = str(exc)
         reason = _agree_on_reason(reason, group)
@@ -117,7 +151,7 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
             dist.barrier(group=group)
             reason = ""
             try:
-                record = saver.save(workload, directory, index)
+                record = save_once(method, workload, directory, index, payload["train_step"])
             except Unsupported as exc:
                 reason, record = str(exc), {}
             reason = _agree_on_reason(reason, group)
@@ -136,13 +170,13 @@ def variant_job(ctx: RankContext) -> Dict[str, Any]:
             previous = directory
             result["saves"].append(record)
     finally:
-        result["notes"] = list(saver.notes)
+        result["notes"] = list(method.notes)
         try:
-            saver.close()
+            method.close()
         finally:
             sampler.close()
             dist.barrier(group=group)
             if rank == 0 and not payload.get("keep_checkpoints"):
                 shutil.rmtree(root, ignore_errors=True)
-    result["notes"] = list(saver.notes)
+    result["notes"] = list(method.notes)
     return result

@@ -19,17 +19,13 @@ rank writes its own data there too and DCP's deduplication has nothing to remove
 from __future__ import annotations
 
 import abc
-import argparse
-import os
-import sys
 from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["Workload", "SyntheticWorkload", "GptWorkload", "build_workload", "gpt_example_status"]
+from .gpt_example import ExampleTrainer, collect_main_replicas, gpt_example_status
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_EXAMPLES_DIR = os.path.join(_REPO_ROOT, "examples")
+__all__ = ["Workload", "SyntheticWorkload", "GptWorkload", "build_workload", "gpt_example_status"]
 
 
 def _device() -> torch.device:
@@ -125,25 +121,12 @@ class SyntheticWorkload(Workload):
         return len(self._tensors)
 
 
-def gpt_example_status() -> str:
-    """Say whether the GPT example can be imported here (``"ok"`` or why not)."""
-    if not os.path.isfile(os.path.join(_EXAMPLES_DIR, "gpt", "model.py")):
-        return f"examples/gpt/model.py is missing under {_REPO_ROOT}"
-    if _EXAMPLES_DIR not in sys.path:
-        sys.path.insert(0, _EXAMPLES_DIR)
-    try:
-        from gpt.model import build_model, build_optimizer  # noqa: F401  (import check)
-    except Exception as exc:  # reported in the results instead of the GPT rows
-        return f"importing examples/gpt failed: {type(exc).__name__}: {exc}"
-    return "ok"
-
-
 class GptWorkload(Workload):
     """The GPT example's model and distributed optimizer, after one training step.
 
-    Builds them exactly as ``examples/pretrain_gpt.py`` does (its flags, its
-    ``build_model``/``build_optimizer``/``train_step``); on a CPU-only host that includes
-    the example's ``cpu_compat`` patches, which stay active in this rank process.
+    Builds them exactly as ``examples/pretrain_gpt.py`` does (see
+    :class:`~.gpt_example.ExampleTrainer`); on a CPU-only host that includes the example's
+    ``cpu_compat`` patches, which stay active in this rank process.
     """
 
     name = "gpt"
@@ -152,80 +135,19 @@ class GptWorkload(Workload):
         status = gpt_example_status()
         if status != "ok":
             raise RuntimeError(f"the GPT workload needs the example: {status}")
-        import torch.distributed as dist
-        from gpt import cpu_compat
-        from gpt.arguments import parse_args, validate_parallel_args
-        from gpt.data import build_dataset, micro_batches
-        from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed
-        from megatron.core import parallel_state
-
-        cpu_compat.install()
-        args: argparse.Namespace = parse_args(
-            [
-                "--train-iters", "1",
-                "--num-layers", str(num_layers),
-                "--hidden-size", str(hidden_size),
-                "--num-attention-heads", "8",
-                "--use-distributed-optimizer",
-            ]
-        )
-        validate_parallel_args(args, dist.get_world_size())
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        args.transformer_impl = resolve_transformer_impl("auto")
-        set_seed(args.seed)
-        self._args = args
-        self._model = build_model(args)
-        self._optimizer = build_optimizer(args, self._model)
-        self._dataset = build_dataset(args)
-        self._micro_batches = micro_batches
-        self._consumed = 0
+        self._trainer = ExampleTrainer(num_layers, hidden_size, ["--train-iters", "1"])
+        self._trainer.build()
         self.train_step()  # creates the Adam state
-        self._rank = dist.get_rank()
-        self._main_tensors = self._collect_main_replicas(self.sharded_state_dict(0))
+        self._main_tensors = collect_main_replicas(self._trainer.sharded_state_dict())
 
     def sharded_state_dict(self, iteration: int) -> Dict[str, Any]:
-        model_sd = self._model.module.sharded_state_dict()
-        optimizer_sd = self._optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
-        )
-        return {"iteration": iteration, "model": model_sd, "optimizer": optimizer_sd}
-
-    @staticmethod
-    def _collect_main_replicas(state_dict: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-
-        tensors: Dict[str, torch.Tensor] = {}
-        for value in nested_values(state_dict):
-            if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
-                # A key names a global tensor; its shards (one per layer, for example) differ
-                # by offset and, for the distributed optimizer, by flattened range.
-                where = ",".join(str(o) for o in value.global_offset)
-                if value.flattened_range is not None:
-                    where += f"@{value.flattened_range.start}"
-                tensors[f"{value.key}[{where}]"] = value.data
-        return tensors
+        return {"iteration": iteration, **self._trainer.sharded_state_dict()}
 
     def dcp_state_dict(self) -> Dict[str, torch.Tensor]:
-        # Refreshed like the megatron-core state dict: the optimizer may build new tensors.
-        tensors = self._collect_main_replicas(self.sharded_state_dict(0))
-        return {f"rank{self._rank}/{key}": t for key, t in tensors.items()}
+        return self._trainer.dcp_state_dict()
 
     def train_step(self) -> None:
-        from gpt.model import train_step
-        from megatron.core import parallel_state
-
-        args = self._args
-        batches = self._micro_batches(
-            self._dataset,
-            self._consumed,
-            args.global_batch_size,
-            args.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
-        )
-        train_step(self._model, self._optimizer, batches, args.num_micro_batches, args)
-        self._consumed += args.global_batch_size
+        self._trainer.step()
 
     @property
     def num_bytes(self) -> int:

@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_checks: torch sees no CUDA device (torch " + torch.__version__ + "); run this on a GPU machine with a CUDA build of torch")'
 python -m pytest -q -m gpu -rs -p no:cacheprovider tests
-python tools/bench/d2h_throughput.py --mib 1024
+python -m tools.bench.micro.d2h_throughput --mib 1024

@@ -23,7 +23,7 @@ def _run(*command, timeout=150):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("source", ["shared", "private"])
 def test_direct_write_cpu_checks_its_files_and_prints_medians(tmp_path, source):
-    out = _run("tools/bench/direct_write_cpu.py", "--dir", str(tmp_path), "--mib", "3",
+    out = _run("-m", "tools.bench.micro.direct_write_cpu", "--dir", str(tmp_path), "--mib", "3",
                "--reps", "2", "--source", source)
     assert re.search(rf"3 MiB from {source} memory, (direct I/O|buffered .*), median of 2: "
                      r"user \d+ ms, system \d+ ms, wall \d+ ms", out), out
@@ -32,8 +32,8 @@ def test_direct_write_cpu_checks_its_files_and_prints_medians(tmp_path, source):
 
 @pytest.mark.timeout(180)
 def test_save_profile_profiles_the_last_save_and_its_finalize():
-    out = _run("tools/bench/save_profile.py", "--method", "ours_persistent", "--hidden-size", "64",
-               "--num-layers", "1", "--saves", "2", "--lines", "5")
+    out = _run("-m", "tools.bench.micro.save_profile", "--method", "ours_persistent",
+               "--hidden-size", "64", "--num-layers", "1", "--saves", "2", "--lines", "5")
     assert re.search(r"ours_persistent, GPT 1 x 64, 1 rank: stalls \(ms\) \[[\d.]+, [\d.]+\]", out), out
     stall, finalize = out.split("== its finalize")
     assert "checkpointing.py" in stall and "(save)" in stall

@@ -14,7 +14,7 @@ the worker's CPU until then, the trainer's first in-place update of the whole st
 after the start (copy-on-write faults show here) against a second one, and the memory
 the worker then holds alone (``Private_Dirty``). Run it on a quiet machine::
 
-    python tools/bench/worker_start_cost.py --state-mib 384 --repeats 3
+    python -m tools.bench.micro.worker_start_cost --state-mib 384 --repeats 3
 
 Tooling only: it prints, and never changes the library.
 """
@@ -30,13 +30,9 @@ from typing import Dict, List
 
 import torch
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from megatron_async.core import worker_fork  # noqa: E402
-from megatron_async.core.config import AsyncCallerConfig  # noqa: E402
-from megatron_async.core.persistent import PersistentAsyncCaller  # noqa: E402
+from megatron_async.core import worker_fork
+from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.persistent import PersistentAsyncCaller
 
 METHODS = ("fork", "fork, pages kept", "exec")
 _READY_TIMEOUT_S = 300.0

@@ -9,7 +9,8 @@ the writer on this disk. With ``--baseline-ref REV`` it also times ``write_bucke
 as it was at git revision ``REV`` in the same run, so before/after compare under the same
 machine load::
 
-    python tools/bench/bucket_write.py --dir /tmp/wb --counts 100 2000 --baseline-ref HEAD~1
+    python -m tools.bench.micro.bucket_write --dir /tmp/wb --counts 100 2000 \\
+        --baseline-ref HEAD~1
 
 Tooling only: it prints, and never changes the library.
 """
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from megatron_async.writer import bucket_io, tensor_archive
 from megatron_async.writer.buckets import WriteBucket
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def build_bucket(directory: str, total_bytes: int, count: int) -> WriteBucket:

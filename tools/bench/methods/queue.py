@@ -1,56 +1,26 @@
-"""The save methods compared, each behind one small interface (runs on every rank).
+"""Save methods driven by megatron-core's ``dist_checkpointing.save`` and a queue (every rank).
 
-Every :class:`Saver` performs one complete save per :meth:`Saver.save` call the way a
-training loop would: build the state dict, save (the part that blocks training), run a
-training step while the write goes on in the background, then wait for the save to be
-complete. It returns the moments in between, taken with ``time.monotonic`` (one clock
-for every process of the machine, so background stamps compare with the trainer's).
-
-Stall boundaries, per method:
-
-* ours and megatron-core's: from the ``dist_checkpointing.save(..., async_sharded_save=True)``
-  call until ``schedule_async_request`` returns (planning + staging + scheduling);
-* DCP ``save``: the whole save;
-* DCP ``async_save``: until it returns and, with asynchronous staging, until staging is
-  complete (the training step changes the tensors in place, so it must wait for that).
+Ours (our strategy on our queue) and megatron-core's own (its ``torch_dist`` async strategy
+on its ``AsyncCallsQueue``). The stall runs from the ``dist_checkpointing.save(...,
+async_sharded_save=True)`` call until ``schedule_async_request`` returns (planning +
+staging + scheduling); the background write stamps its own start and end
+(:func:`._bg_timing.timed_call`, run where the write runs).
 """
 
 from __future__ import annotations
 
-import abc
+import contextlib
 import dataclasses
 import functools
 import os
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ._bg_timing import read_stamps, timed_call
-from .config import OUR_VARIANTS, PRIORITY_VARIANTS
-from .workloads import Workload
+from .base import SaveMethod, StateSource, Unsupported, now
 
-__all__ = [
-    "Unsupported",
-    "Saver",
-    "OurSaver",
-    "McoreSaver",
-    "build_saver",
-    "checksum_option",
-    "checksum_variant",
-]
-
-_CHECKSUM_VARIANTS = {"ours_persistent_checksums": True, "ours_persistent_no_checksums": False}
-"""Our persistent caller with the checksum option forced on or off (the opposite of its
-default, so that the default run and this one give the with/without comparison)."""
-
-
-class Unsupported(RuntimeError):
-    """This save method cannot run here; the message says why."""
-
-
-def _now() -> float:
-    return time.monotonic()
+__all__ = ["QueueSave", "OurQueueSave", "McoreQueueSave", "checksum_option", "checksum_variant"]
 
 
 def checksum_option() -> Optional[Tuple[str, bool]]:
@@ -71,46 +41,23 @@ def checksum_variant() -> Optional[str]:
     return "ours_persistent_no_checksums" if option[1] else "ours_persistent_checksums"
 
 
-class Saver(abc.ABC):
-    """One save method on one rank.
+class QueueSave(SaveMethod):
+    """Shared flow of the methods driven by ``dist_checkpointing.save`` and a queue.
 
-    Attributes:
-        notes: what a reader of the results should know about this method here
-            (options that do not apply on this host, for example).
+    Args:
+        source: the state saved.
+        stamp_dir: where the background write leaves its start and end stamps.
     """
 
-    def __init__(self, name: str, train_step: bool, stamp_dir: str):
-        self.name = name
-        self.notes: List[str] = []
-        self._train_step = train_step
-        self._stamp_dir = stamp_dir
-
-    def setup(self) -> None:
-        """Create what lives across saves (queues, workers, stagers); may raise Unsupported."""
-
-    @abc.abstractmethod
-    def save(self, workload: Workload, checkpoint_dir: str, index: int) -> Dict[str, Any]:
-        """Save once and wait until the checkpoint is complete; return the timings."""
-
-    def close(self) -> None:
-        """Release what :meth:`setup` created."""
-
-    def _stamp_path(self, index: int) -> str:
-        from torch.distributed import get_rank
-
-        return os.path.join(self._stamp_dir, f"{self.name}_rank{get_rank()}_save{index}.json")
-
-    def _maybe_train(self, workload: Workload) -> float:
-        start = _now()
-        if self._train_step:
-            workload.train_step()
-        return _now() - start
-
-
-class _MegatronCoreStyleSaver(Saver):
-    """Shared flow of the two methods driven by ``dist_checkpointing.save`` and a queue."""
-
     constant_structure = False
+    """Skip megatron-core's sharding validation after the first save (as Megatron-LM does
+    once the structure is known to be constant)."""
+
+    def __init__(self, name: str, source: StateSource, stamp_dir: str):
+        super().__init__(name)
+        self._source = source
+        self._stamp_dir = stamp_dir
+        self._strategy_plan_s: Optional[float] = None
 
     def _make_queue(self):
         raise NotImplementedError
@@ -118,41 +65,47 @@ class _MegatronCoreStyleSaver(Saver):
     def _make_strategy(self):
         raise NotImplementedError
 
+    def _start_profile(self, index: int) -> None:
+        """Start profiling the stall (a hook; no profiling by default)."""
+
+    def _stop_profile(self) -> None:
+        """Stop what :meth:`_start_profile` started, once the stall is over."""
+
+    def _report_profile(self, index: int) -> None:
+        """Write what the profiler saw, once the save is complete."""
+
     def setup(self) -> None:
         self.strategy = self._make_strategy()
         self.queue = self._make_queue()
-        self._strategy_plan_s: Optional[float] = None
 
-    def _profiled(self, index: int):
-        return None
-
-    def save(self, workload: Workload, checkpoint_dir: str, index: int) -> Dict[str, Any]:
+    def save(self, directory: str, index: int) -> None:
         from megatron.core import dist_checkpointing
+        from torch.distributed import get_rank
 
-        t_begin = _now()
-        state_dict = workload.sharded_state_dict(index)
-        t0 = _now()
-        profiler = self._profiled(index)
-        # Megatron-LM skips the sharding validation (a gather of every rank's sharding)
-        # once the structure is known to be constant; so do we after the first save.
+        t_begin = self._begin()
+        state_dict = self._source.sharded_state_dict(index)
+        t0 = now()
+        self._start_profile(index)
         validate = not (self.constant_structure and index > 0)
         request = dist_checkpointing.save(
             state_dict,
-            checkpoint_dir,
+            directory,
             sharded_strategy=self.strategy,
             async_sharded_save=True,
             validate_access_integrity=validate,
         )
-        t1 = _now()
-        stamp_path = self._stamp_path(index)
-        finalize_marks: Dict[str, float] = {}
+        t1 = now()
+        self._index = index
+        self._stamp_path = os.path.join(self._stamp_dir,
+                                        f"{self.name}_rank{get_rank()}_save{index}.json")
+        self._finalize_marks: Dict[str, float] = {}
 
         def mark(name: str) -> None:
-            finalize_marks[name] = _now()
+            self._finalize_marks[name] = now()
 
         request = request._replace(
             async_fn=(
-                functools.partial(timed_call, stamp_path, request.async_fn)
+                functools.partial(timed_call, self._stamp_path, request.async_fn)
                 if request.async_fn is not None
                 else None
             ),
@@ -161,28 +114,33 @@ class _MegatronCoreStyleSaver(Saver):
             + [functools.partial(mark, "end")],
         )
         self.queue.schedule_async_request(request)
-        t2 = _now()
-        if profiler is not None:
-            profiler.stop()
-        train_s = self._maybe_train(workload)
+        t2 = now()
+        self._stop_profile()
+        self.timings.update(build_s=t0 - t_begin, t_start=t0, t_stall_end=t2, plan_s=t1 - t0,
+                            stage_s=t2 - t1, strategy_plan_s=self._strategy_plan_s)
+
+    def poll(self) -> bool:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+        done = self.queue.get_num_unfinalized_calls() == 0
+        if done:
+            self._complete()
+        return done
+
+    def wait(self) -> None:
         self.queue.maybe_finalize_async_calls(blocking=True)
-        t4 = _now()
-        stamps = read_stamps(stamp_path) or {}
-        return {
-            "build_s": t0 - t_begin,
-            "plan_s": t1 - t0,
-            "strategy_plan_s": self._strategy_plan_s,
-            "stage_s": t2 - t1,
-            "stall_s": t2 - t0,
-            "train_step_s": train_s,
-            "finalize_s": finalize_marks.get("end", t4) - finalize_marks.get("start", t4),
-            "e2e_s": t4 - t0,
-            "t_start": t0,
-            "t_stall_end": t2,
-            "write_start": stamps.get("start"),
-            "write_end": stamps.get("end"),
-            "reused_plans": bool(getattr(self.strategy, "last_save_reused_plans", False)),
-        }
+        self._complete()
+
+    def _complete(self) -> None:
+        if "t_end" in self.timings:  # already seen complete
+            return
+        t4 = now()
+        stamps = read_stamps(self._stamp_path) or {}
+        marks = self._finalize_marks
+        self.timings.update(
+            t_end=t4, finalize_s=marks.get("end", t4) - marks.get("start", t4),
+            write_start=stamps.get("start"), write_end=stamps.get("end"),
+            reused_plans=bool(getattr(self.strategy, "last_save_reused_plans", False)))
+        self._report_profile(self._index)
 
     def close(self) -> None:
         queue = getattr(self, "queue", None)
@@ -190,7 +148,7 @@ class _MegatronCoreStyleSaver(Saver):
             queue.close()
 
 
-class OurSaver(_MegatronCoreStyleSaver):
+class OurQueueSave(QueueSave):
     """Our strategy (megatron-core's default for ``'megatron_async'``) on our queue.
 
     Configured as a Megatron-LM user gets it from flags: ``--ckpt-assume-constant-structure``
@@ -198,20 +156,22 @@ class OurSaver(_MegatronCoreStyleSaver):
     metadata, and skip megatron-core's sharding validation); the staging buffers are
     reused by default; ``thread_count`` is the run's files per rank. With
     ``trainer_priority`` the writer runs at the trainer's CPU and I/O priority instead of
-    the default lower one.
+    the default lower one. With ``profile_path`` (a ``{index}`` template), rank 0 writes a
+    pyinstrument report of each save's stall there.
     """
 
     constant_structure = True
 
-    def __init__(self, name: str, train_step: bool, stamp_dir: str, *, persistent: bool,
+    def __init__(self, name: str, source: StateSource, stamp_dir: str, *, persistent: bool,
                  thread_count: int, checksums: Optional[bool] = None,
-                 profile_dir: Optional[str] = None, trainer_priority: bool = False):
-        super().__init__(name, train_step, stamp_dir)
+                 profile_path: Optional[str] = None, trainer_priority: bool = False):
+        super().__init__(name, source, stamp_dir)
         self._persistent = persistent
         self._trainer_priority = trainer_priority
         self._thread_count = thread_count
         self._checksums = checksums
-        self._profile_dir = profile_dir
+        self._profile_path = profile_path
+        self._profiler = None
 
     def _make_strategy(self):
         import megatron_async  # noqa: F401  (registers the strategy)
@@ -227,17 +187,17 @@ class OurSaver(_MegatronCoreStyleSaver):
             if option is None:
                 raise Unsupported("our save config has no checksum option yet")
             options[option[0]] = self._checksums
-        saver = self
+        method = self
 
         class _TimedStrategy(type(registered)):
             """The registered strategy class, timing its own planning (``async_save``)."""
 
             def async_save(self, sharded_state_dict, checkpoint_dir):
-                start = _now()
+                start = now()
                 try:
                     return super().async_save(sharded_state_dict, checkpoint_dir)
                 finally:
-                    saver._strategy_plan_s = _now() - start
+                    method._strategy_plan_s = now() - start
 
         strategy = _TimedStrategy(config=dataclasses.replace(registered.config, **options))
         strategy.use_cached_ckpt_structure = True  # what --ckpt-assume-constant-structure does
@@ -253,37 +213,36 @@ class OurSaver(_MegatronCoreStyleSaver):
             config = dataclasses.replace(config, writer_priority=trainer_priority)
         return AsyncCallsQueue(persistent=self._persistent, config=config)
 
-    def _profiled(self, index: int):
+    def _start_profile(self, index: int) -> None:
         """Start profiling this save's stall (rank 0, with ``--profile``)."""
         from torch.distributed import get_rank
 
         self._profiler = None
-        if self._profile_dir is None or get_rank() != 0:
-            return None
+        if self._profile_path is None or get_rank() != 0:
+            return
         from pyinstrument import Profiler
 
         self._profiler = Profiler(interval=0.0005)
         self._profiler.start()
-        return self._profiler
 
-    def save(self, workload: Workload, checkpoint_dir: str, index: int) -> Dict[str, Any]:
-        record = super().save(workload, checkpoint_dir, index)
+    def _stop_profile(self) -> None:
         if self._profiler is not None:
-            os.makedirs(self._profile_dir, exist_ok=True)
-            path = os.path.join(
-                self._profile_dir,
-                f"{self.name}_{workload.name}_{workload.tensor_count}t_save{index}.txt",
-            )
-            with open(path, "w") as f:
-                f.write(self._profiler.output_text(unicode=False, color=False))
-        return record
+            self._profiler.stop()
+
+    def _report_profile(self, index: int) -> None:
+        if self._profiler is None:
+            return
+        path = self._profile_path.format(index=index)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(self._profiler.output_text(unicode=False, color=False))
 
 
-class McoreSaver(_MegatronCoreStyleSaver):
+class McoreQueueSave(QueueSave):
     """megatron-core's ``torch_dist`` async strategy on megatron-core's ``AsyncCallsQueue``."""
 
-    def __init__(self, name: str, train_step: bool, stamp_dir: str, *, persistent: bool):
-        super().__init__(name, train_step, stamp_dir)
+    def __init__(self, name: str, source: StateSource, stamp_dir: str, *, persistent: bool):
+        super().__init__(name, source, stamp_dir)
         self._persistent = persistent
 
     def _make_strategy(self):
@@ -312,22 +271,33 @@ class McoreSaver(_MegatronCoreStyleSaver):
             )
         super().setup()
 
-    def save(self, workload: Workload, checkpoint_dir: str, index: int) -> Dict[str, Any]:
-        try:
-            return super().save(workload, checkpoint_dir, index)
-        except Exception as exc:
-            if torch.cuda.is_available():
-                raise
-            raise Unsupported(
-                f"megatron-core's async save needs CUDA, and this torch has none: "
-                f"{type(exc).__name__}: {exc} (raised at {_innermost_megatron_frame(exc)})"
-            ) from exc
+    def save(self, directory: str, index: int) -> None:
+        with _cuda_required():
+            super().save(directory, index)
+
+    def wait(self) -> None:
+        with _cuda_required():
+            super().wait()
 
     def close(self) -> None:
         try:
             super().close()
         except Exception as exc:  # its queue itself calls CUDA; nothing left to release
             self.notes.append(f"closing megatron-core's queue failed: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _cuda_required():
+    """Turn a failure of megatron-core's async save on CPU-only torch into Unsupported."""
+    try:
+        yield
+    except Exception as exc:
+        if torch.cuda.is_available():
+            raise
+        raise Unsupported(
+            f"megatron-core's async save needs CUDA, and this torch has none: "
+            f"{type(exc).__name__}: {exc} (raised at {_innermost_megatron_frame(exc)})"
+        ) from exc
 
 
 def _cuda_call_site(qualified_name: str) -> str:
@@ -358,27 +328,3 @@ def _innermost_megatron_frame(exc: BaseException) -> str:
         return "unknown location"
     frame = frames[-1]
     return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}: {frame.line}"
-
-
-def build_saver(name: str, payload: Dict[str, Any], stamp_dir: str) -> Saver:
-    """Create the saver a variant name stands for (see ``config.ALL_VARIANTS``)."""
-    train_step = payload["train_step"]
-    threads = payload["thread_count"]
-    if name in OUR_VARIANTS or name in PRIORITY_VARIANTS or name in _CHECKSUM_VARIANTS:
-        return OurSaver(
-            name, train_step, stamp_dir, persistent=not name.startswith("ours_temporal"),
-            thread_count=threads, checksums=_CHECKSUM_VARIANTS.get(name),
-            profile_dir=payload.get("profile_dir"), trainer_priority=name in PRIORITY_VARIANTS,
-        )
-    if name.startswith("mcore_async_"):
-        return McoreSaver(name, train_step, stamp_dir, persistent=name.endswith("persistent"))
-    from .dcp_saver import DcpSaver
-
-    if name == "dcp_save":
-        return DcpSaver(name, train_step, stamp_dir, mode="sync", reuse_stager=False,
-                        thread_count=threads)
-    if name.startswith("dcp_async_"):
-        mode = "process" if "process" in name else "thread"
-        return DcpSaver(name, train_step, stamp_dir, mode=mode,
-                        reuse_stager=name.endswith("_staged"), thread_count=threads)
-    raise ValueError(f"unknown save method {name!r}")

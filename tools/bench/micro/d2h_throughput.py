@@ -10,7 +10,7 @@ Copies ``--mib`` of one CUDA tensor to the host, best of ``--repeats``, into:
 The ratio of the segment's throughput to pinned memory's is what our staging gets of the
 physical limit. Run it through ``tools/ci/gpu_checks.sh`` or directly::
 
-    python tools/bench/d2h_throughput.py --mib 1024
+    python -m tools.bench.micro.d2h_throughput --mib 1024
 
 Tooling only: it prints, and never changes the library.
 """
@@ -18,17 +18,12 @@ Tooling only: it prints, and never changes the library.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from megatron_async.core.shared_memory import allocate_segment, pin_segment  # noqa: E402
+from megatron_async.core.shared_memory import allocate_segment, pin_segment
 
 
 def _best_seconds(copy, repeats: int) -> float:

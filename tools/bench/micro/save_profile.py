@@ -7,7 +7,7 @@ last warm save's call (the stall) and over the finalize that commits it (after t
 background write is over, so the finalize is timed alone). Prints the stalls of every
 save and the two profiles, sorted by cumulative time::
 
-    python tools/bench/save_profile.py --method ours_persistent_overlap --hidden-size 512
+    python -m tools.bench.micro.save_profile --method ours_persistent_overlap --hidden-size 512
 
 The lost-time benchmark (``tools/benchmark.py --lost-time-only``) says how much a save
 costs; this says where. Tooling only: it prints, and never changes the library.
@@ -21,18 +21,14 @@ import io
 import os
 import pstats
 import shutil
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from tools.bench.lost_time import EXAMPLE_FLAGS, ExampleTrainer  # noqa: E402
+from ..config import EXAMPLE_FLAGS
+from ..gpt_example import ExampleTrainer
 
 _WRITE_SETTLE_S = 1.0
 """Pause before the finalize, so that the background write is over and not profiled."""
@@ -56,8 +52,9 @@ def main(argv=None) -> None:
     workdir = tempfile.mkdtemp(prefix="megatron_async_save_profile_")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     torch.set_num_threads(1)
-    trainer = ExampleTrainer({"num_layers": args.num_layers, "hidden_size": args.hidden_size},
-                             os.path.join(workdir, "ckpt"), EXAMPLE_FLAGS[args.method])
+    trainer = ExampleTrainer(args.num_layers, args.hidden_size, [
+        "--train-iters", "1000000", "--save", os.path.join(workdir, "ckpt"),
+        "--save-interval", "1", *EXAMPLE_FLAGS[args.method]])
     from gpt.checkpointing import Checkpointer, create_checkpoint_queue
 
     queue = create_checkpoint_queue(trainer.args)

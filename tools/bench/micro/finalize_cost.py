@@ -13,10 +13,13 @@ rank's writer plans, stages and writes its bucket files, then the finalization r
 Each phase starts after a full garbage collection, so the collections it triggers itself
 are counted (with tens of thousands of items they are much of the cost) but not those
 left over from setting up. To compare revisions, run it twice in one go with
-``PYTHONPATH`` pointing at an extracted older ``megatron_async``::
+an extracted older ``megatron_async`` first on the path (``python -m`` puts the current
+folder first, so run that one from the extracted folder, with this repository on
+``PYTHONPATH`` for the tools; the first line printed says which package was timed)::
 
     git archive HEAD~1 megatron_async | tar -x -C /tmp/before
-    PYTHONPATH=/tmp/before python tools/bench/finalize_cost.py; python tools/bench/finalize_cost.py
+    (cd /tmp/before && PYTHONPATH="$OLDPWD" python -m tools.bench.micro.finalize_cost)
+    python -m tools.bench.micro.finalize_cost
 
 Tooling only: it prints, and never changes the library.
 """

@@ -9,7 +9,7 @@ shared-memory segment as staging does (what the worker reads); ``private`` in th
 process's own memory. Each file is checked (digests and ``torch.load`` of every item)
 before it is removed::
 
-    python tools/bench/direct_write_cpu.py --dir /tmp/dwc --source shared
+    python -m tools.bench.micro.direct_write_cpu --dir /tmp/dwc --source shared
 
 Run it on a quiet machine, before and after a change to the writer. Tooling only: it
 prints, and never changes the library.
@@ -22,19 +22,14 @@ import io
 import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
 import xxhash
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from megatron_async.core import shared_memory  # noqa: E402
-from megatron_async.writer.direct_io import DirectBucketFile, open_local_bucket_file  # noqa: E402
-from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame  # noqa: E402
+from megatron_async.core import shared_memory
+from megatron_async.writer.direct_io import DirectBucketFile, open_local_bucket_file
+from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 _ELEMENTS = 256 * 1024  # 1 MiB of float32
 
