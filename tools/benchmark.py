@@ -396,6 +396,11 @@ def main(argv=None) -> int:
         from bench.object_store import main as object_store_main
 
         return object_store_main(argv[1:])
+    if argv[:1] == ["--scale"]:  # the coordinator at thousands of ranks, simulated (bench/scale.py)
+        from bench.scale import main as scale_main
+
+        scale_main(argv[1:])
+        return 0
     config, from_results = parse_args(argv)
     if from_results is not None:
         with open(from_results) as f:

@@ -25,6 +25,8 @@ reports; the rank side (every spawned rank) saves and times. One module per role
 * :mod:`.lost_time_report` launching side: lost time per save, its targets, tables and plot;
 * :mod:`.object_store`    ``tools/benchmark.py --object-store``: our async save to an S3
   endpoint against boto3's multipart upload of the same bytes (both sides);
+* :mod:`.scale`           ``tools/benchmark.py --scale``: the coordinator's planning and
+  commit for N simulated ranks (one process, our real code) against DCP's, per N;
 * :mod:`.micro`           micro-benchmarks, one step each, run as modules
   (``python -m tools.bench.micro.bucket_write -h``).
 

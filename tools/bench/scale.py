@@ -24,7 +24,8 @@ Layouts (``--layouts``):
   flattened and split over all N ranks;
 * ``moe``: experts, each rank owning whole tensors of its own.
 
-Run it as ``python -m tools.bench.scale --ranks 64,256,1024 --items-per-rank 100,300``.
+Run it as ``python tools/benchmark.py --scale --ranks 64,256,1024 --items-per-rank 100,300``
+(or ``python -m tools.bench.scale ...``).
 """
 
 from __future__ import annotations
