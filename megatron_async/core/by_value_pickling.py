@@ -26,14 +26,12 @@ commonly hold and pickle cannot reduce is reduced here too: modules (by name),
 by identity). An enum of the script is refused with a clear error.
 
 Runs on every rank when a request is scheduled (:class:`ByValueReducer`, called by the
-pickler of :mod:`megatron_async.core.request_transport`), and on the worker while it
-unpickles the request (the ``_rebuild_*`` and ``_restore_*`` functions).
+pickler of :mod:`megatron_async.core.request_transport`); the worker rebuilds what it
+sent while it unpickles the request (:mod:`megatron_async.core.by_value_rebuild`).
 """
 
 from __future__ import annotations
 
-import abc
-import builtins
 import dataclasses
 import dis
 import enum
@@ -48,6 +46,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from megatron_async.core.by_value_rebuild import (
+    fresh_namespace,
+    module_namespace,
+    rebuild_cached_property,
+    rebuild_class,
+    rebuild_function,
+    rebuild_mappingproxy,
+    restore_class,
+    restore_function,
+)
 from megatron_async.errors import UnpicklableRequestError
 
 __all__ = ["ByValueReducer", "CodeCache", "describe_unpicklable"]
@@ -154,7 +162,7 @@ class _Namespace:
         self.importable = importable
 
     def __reduce__(self):
-        return (_module_namespace if self.importable else _fresh_namespace), (self.name,)
+        return (module_namespace if self.importable else fresh_namespace), (self.name,)
 
 
 class ByValueReducer:
@@ -208,7 +216,7 @@ class ByValueReducer:
             "doc": func.__doc__,
         }
         args = (code_bytes, namespace, func.__name__, len(func.__closure__ or ()))
-        return _rebuild_function, args, state, None, None, _restore_function
+        return rebuild_function, args, state, None, None, restore_function
 
     def _reduce_class(self, cls: type):
         if isinstance(cls, enum.EnumMeta):
@@ -222,7 +230,7 @@ class ByValueReducer:
         if "__slots__" in cls.__dict__:
             seed["__slots__"] = cls.__dict__["__slots__"]
         args = (type(cls), cls.__name__, cls.__bases__, seed)
-        return _rebuild_class, args, _class_attributes(cls), None, None, _restore_class
+        return rebuild_class, args, _class_attributes(cls), None, None, restore_class
 
 
 def _used_globals(func: types.FunctionType, names: Tuple[str, ...]) -> Dict[str, Any]:
@@ -259,61 +267,6 @@ def _class_attributes(cls: type) -> Dict[str, Any]:
     }
 
 
-# -- worker side: rebuilding ----------------------------------------------------------
-
-
-def _fresh_namespace(name: Optional[str]) -> Dict[str, Any]:
-    """The worker's namespace for the globals of ``__main__`` functions in one request."""
-    return {"__name__": name, "__builtins__": builtins}
-
-
-def _module_namespace(name: str) -> Dict[str, Any]:
-    """The worker's namespace of an importable module (imported if need be)."""
-    return importlib.import_module(name).__dict__
-
-
-def _rebuild_function(code_bytes: bytes, namespace: Dict[str, Any], name: str, closure_size: int):
-    """An empty function: code, namespace and empty closure cells (worker side)."""
-    closure = tuple(types.CellType() for _ in range(closure_size)) if closure_size else None
-    return types.FunctionType(marshal.loads(code_bytes), namespace, name, None, closure)
-
-
-def _restore_function(func: types.FunctionType, state: Dict[str, Any]) -> None:
-    """Fill a function rebuilt by :func:`_rebuild_function` (worker side)."""
-    func.__globals__.update(state["globals"])
-    for index, value in state["closure"].items():
-        func.__closure__[index].cell_contents = value
-    func.__defaults__ = state["defaults"]
-    func.__kwdefaults__ = state["kwdefaults"]
-    func.__dict__.update(state["dict"])
-    func.__qualname__ = state["qualname"]
-    func.__module__ = state["module"]
-    func.__doc__ = state["doc"]
-
-
-def _rebuild_class(metaclass: type, name: str, bases: Tuple[type, ...], seed: Dict[str, Any]) -> type:
-    """An empty class with the original's metaclass, bases and slots (worker side)."""
-    return types.new_class(name, bases, {"metaclass": metaclass}, lambda ns: ns.update(seed))
-
-
-def _restore_class(cls: type, attributes: Dict[str, Any]) -> None:
-    """Give a class rebuilt by :func:`_rebuild_class` its attributes (worker side)."""
-    for key, value in attributes.items():
-        setattr(cls, key, value)
-    if isinstance(cls, abc.ABCMeta):  # its abstract methods were computed without them
-        abc.update_abstractmethods(cls)
-
-
-def _rebuild_cached_property(func: Callable, attrname: Optional[str], doc: Optional[str]):
-    prop = functools.cached_property(func)
-    prop.attrname, prop.__doc__ = attrname, doc
-    return prop
-
-
-def _rebuild_mappingproxy(mapping: Dict[Any, Any]) -> types.MappingProxyType:
-    return types.MappingProxyType(mapping)  # the type is not found by its name, mappingproxy
-
-
 def _reduce_module(module: types.ModuleType):
     name = module.__name__
     if name in _MAIN_MODULES or sys.modules.get(name) is not module:
@@ -327,9 +280,9 @@ _SPECIAL_REDUCERS: Dict[type, Callable[[Any], Any]] = {
     staticmethod: lambda method: (staticmethod, (method.__func__,)),
     property: lambda prop: (property, (prop.fget, prop.fset, prop.fdel, prop.__doc__)),
     functools.cached_property: lambda prop: (
-        _rebuild_cached_property, (prop.func, prop.attrname, prop.__doc__)
+        rebuild_cached_property, (prop.func, prop.attrname, prop.__doc__)
     ),
-    types.MappingProxyType: lambda proxy: (_rebuild_mappingproxy, (dict(proxy),)),
+    types.MappingProxyType: lambda proxy: (rebuild_mappingproxy, (dict(proxy),)),
 }
 """Types that a class sent by value commonly holds and pickle cannot reduce itself."""
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Dict, Optional
 
-import torch
-
 from megatron_async.core import coordination
 from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
-from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, RequestSender
+from megatron_async.core.request_transport import RequestSender
 from megatron_async.core.worker_loop import STOP
-from megatron_async.core.worker_fork import can_fork_worker, fork_worker_process
-from megatron_async.core.worker_process import WORKER_MODULE, WorkerProcess, start_worker_process
+from megatron_async.core.worker_process import WorkerProcess
+from megatron_async.core.worker_start import current_cuda_device, start_worker, startup_failure_message
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.temporal import TemporalAsyncCaller
@@ -34,12 +31,6 @@ from megatron_async.errors import (
 __all__ = ["PersistentAsyncCaller"]
 
 logger = logging.getLogger(__name__)
-
-
-def _current_cuda_device() -> Optional[int]:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    return None
 
 
 class PersistentAsyncCaller(AsyncCaller):
@@ -111,17 +102,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._startup_failure = None
         self._started_at = time.monotonic()
-        log_level = logging.getLogger().getEffectiveLevel()
-        priority = self.config.writer_priority.to_options()
-        self.process = None
-        if self.config.worker_start == "fork" and can_fork_worker():
-            try:
-                self.process = fork_worker_process(self.rank, log_level, priority)
-            except WorkerDiedError as exc:
-                logger.warning("%s; starting a fresh interpreter instead", exc)
-        if self.process is None:
-            self.process = start_worker_process(self.rank, log_level, _current_cuda_device(), priority)
-        self.process.descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
+        self.process = start_worker(self.rank, self.config)
         self._sender = RequestSender(
             self.process.descriptor_socket, cuda_allowed=not self.process.forked
         )
@@ -155,7 +136,7 @@ class PersistentAsyncCaller(AsyncCaller):
         code = process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         if not self._ready:
-            self._startup_failure = _startup_failure_message(
+            self._startup_failure = startup_failure_message(
                 f"rank {self.rank}: the persistent checkpoint worker (pid {process.pid}) {how} "
                 "while starting, before it could take a save",
                 process.startup_output(),
@@ -267,7 +248,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
         # A forked worker must not touch CUDA (it never needs to: the data is staged).
-        device = None if self.process.forked else _current_cuda_device()
+        device = None if self.process.forked else current_cuda_device()
         self.process.send((idx, encoded, device))
         start_background_copy(staged)  # overlapped staging: the worker waits for it
 
@@ -291,7 +272,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if time.monotonic() - self._started_at <= self.config.staging_timeout_s:
             return False
         exc = AsyncTimeoutError(
-            _startup_failure_message(
+            startup_failure_message(
                 f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
                 f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
                 "and a new one starts with the next save",
@@ -408,24 +389,3 @@ class PersistentAsyncCaller(AsyncCaller):
             )
         self.close(abort=True)
 
-
-def _startup_failure_message(what: str, output: str, forked: bool = False) -> str:
-    """Say why a worker did not start, with its stderr, and what to check."""
-    if forked:  # its traceback went straight to the trainer's stderr
-        return (
-            f"{what}. The worker was a fork of this process; its traceback, if any, is on "
-            "this process's stderr. Start it as a fresh interpreter instead "
-            "(AsyncCallerConfig(worker_start='exec')), or use the temporal caller "
-            "(AsyncCallsQueue(persistent=False))."
-        )
-    said = (
-        "Its stderr while starting:\n    " + "\n    ".join(output.splitlines())
-        if output
-        else "It wrote nothing to stderr."
-    )
-    return (
-        f"{what}. {said}\nThe worker is a fresh interpreter ({sys.executable}) that imports "
-        f"{WORKER_MODULE} with this process's sys.path; check that "
-        f"`{sys.executable} -c 'import {WORKER_MODULE}'` works in this environment, or use "
-        "the temporal caller (AsyncCallsQueue(persistent=False))."
-    )

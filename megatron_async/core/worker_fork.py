@@ -12,8 +12,9 @@ inherits, and how each is kept from costing the trainer or the checkpoint:
   once per worker start), clipped to its private anonymous mappings; the child discards
   its share of those pages at once (``MADV_DONTNEED``). The trainer's in-place updates
   of parameters and optimizer state then neither copy pages nor leave the old ones
-  pinned in the worker, which would double the memory of CPU-resident state. (Storages
-  held only by C++ code are not found; their pages stay copy-on-write.) The child also
+  pinned in the worker, which would double the memory of CPU-resident state
+  (:mod:`megatron_async.core.fork_pages`). (Storages held only by C++ code are not
+  found; their pages stay copy-on-write.) The child also
   freezes the inherited objects out of its cyclic garbage collection, which would
   otherwise touch, and so copy, the whole inherited heap. The worker never reads the
   trainer's tensors: a request and its staged data reach it through its socket and
@@ -46,11 +47,8 @@ inherits, and how each is kept from costing the trainer or the checkpoint:
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import itertools
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -59,11 +57,18 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set
 
 import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
+from megatron_async.core.fork_pages import (
+    MIN_RELEASED_STORAGE_BYTES,
+    PageRange,
+    libc_madvise,
+    release_inherited_pages,
+    trainer_tensor_pages,
+)
 from megatron_async.core.shared_memory import has_live_segments
 from megatron_async.core.worker_process import WorkerProcess
 from megatron_async.errors import WorkerDiedError
@@ -79,15 +84,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MIN_RELEASED_STORAGE_BYTES = 1 << 20
-"""Tensor storages at least this large have their pages released in the forked worker;
-smaller ones share at most a few pages each with the trainer."""
-
-_MADV_DONTNEED = 4
-
-PageRange = Tuple[int, int]
-"""``(start address, length)``, both multiples of the page size."""
-
 
 def can_fork_worker() -> bool:
     """Whether the next worker can start as a fork of this process (trainer side).
@@ -95,123 +91,7 @@ def can_fork_worker() -> bool:
     Needs Linux's ``fork`` and ``madvise``, and no live shared-memory staging segment
     (see the module docstring).
     """
-    return hasattr(os, "fork") and _libc_madvise() is not None and not has_live_segments()
-
-
-_madvise_fn: Any = None
-
-
-def _libc_madvise():
-    """libc's ``madvise``, resolved in the trainer and passed to the child."""
-    global _madvise_fn
-    if _madvise_fn is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            _madvise_fn = False
-        else:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise_fn = fn
-    return _madvise_fn or None
-
-
-def _private_anonymous_mappings() -> List[PageRange]:
-    """This process's private, writable, anonymous mappings (heap included), sorted."""
-    mappings: List[PageRange] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            perms, inode = fields[1], fields[4]
-            path = fields[5] if len(fields) > 5 else ""
-            if "w" in perms and perms.endswith("p") and inode == "0" and path in ("", "[heap]"):
-                start, end = (int(bound, 16) for bound in fields[0].split("-"))
-                mappings.append((start, end - start))
-    return sorted(mappings)
-
-
-def _clip(ranges: List[PageRange], mappings: List[PageRange]) -> List[PageRange]:
-    """The parts of ``ranges`` that lie inside ``mappings`` (both sorted by start)."""
-    clipped: List[PageRange] = []
-    index = 0
-    for start, length in sorted(ranges):
-        end = start + length
-        while index < len(mappings) and sum(mappings[index]) <= start:
-            index += 1
-        probe = index
-        while probe < len(mappings) and mappings[probe][0] < end:
-            low = max(start, mappings[probe][0])
-            high = min(end, sum(mappings[probe]))
-            if high > low:
-                clipped.append((low, high - low))
-            probe += 1
-    return clipped
-
-
-def trainer_tensor_pages(
-    min_bytes: int = MIN_RELEASED_STORAGE_BYTES,
-) -> Tuple[List[PageRange], List[torch.UntypedStorage]]:
-    """The whole pages inside every live private CPU tensor storage of ``min_bytes`` or more.
-
-    Runs on the trainer, just before the fork. Returns the ranges and the storages they
-    belong to: keep the storages referenced until the child exists, so that no range is
-    freed and reused by other data in between. Only whole pages are listed (the partial
-    pages at either end may hold other allocations, or the allocator's bookkeeping,
-    which the child may still touch), and only inside private anonymous mappings.
-    Shared-memory storages are skipped (a fork shares them without copy-on-write).
-    """
-    page = mmap.PAGESIZE
-    seen = set()
-    ranges: List[PageRange] = []
-    storages: List[torch.UntypedStorage] = []
-    objects = gc.get_objects()
-    # Filter by type first (hundreds of thousands of objects: this is the scan's cost),
-    # with map/compress so that the loop over every object runs in C, not in bytecode
-    # (a list comprehension took 60 of the scan's 130 ms in the GPT example).
-    # type(), not isinstance(): the latter reads ``__class__``, which some deprecated
-    # module attributes turn into a warning.
-    kinds = list(map(type, objects))
-    tensor_types = {t for t in set(kinds) if issubclass(t, torch.Tensor)}
-    tensors = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))
-    del objects, kinds
-    for obj in tensors:
-        try:
-            if obj.layout is not torch.strided:
-                continue
-            storage = obj.untyped_storage()
-            if storage.device.type != "cpu":
-                continue
-            address, size = storage.data_ptr(), storage.nbytes()
-            if address == 0 or size < min_bytes or address in seen or storage.is_shared():
-                continue
-        except Exception:  # tensor subclasses without a storage (wrappers, fake tensors)
-            continue
-        seen.add(address)
-        start = -(-address // page) * page
-        end = (address + size) // page * page
-        if end > start:
-            ranges.append((start, end - start))
-            storages.append(storage)
-    if not ranges:
-        return [], storages
-    try:
-        mappings = _private_anonymous_mappings()
-    except OSError:  # no /proc: release nothing rather than guess
-        return [], storages
-    return _clip(ranges, mappings), storages
-
-
-def release_inherited_pages(ranges: Sequence[PageRange], madvise) -> int:
-    """Drop this (forked) process's share of ``ranges``; return the bytes released (worker side).
-
-    After ``MADV_DONTNEED`` the pages read as zeros here, and the trainer owns its copies
-    alone: its next write to each reuses the page instead of copying it.
-    """
-    released = 0
-    for start, length in ranges:
-        if madvise(start, length, _MADV_DONTNEED) == 0:
-            released += length
-    return released
+    return hasattr(os, "fork") and libc_madvise() is not None and not has_live_segments()
 
 
 def _reset_signal_handlers() -> None:
@@ -363,7 +243,7 @@ def fork_worker_process(
     Raises:
         WorkerDiedError: the fork failed (no memory for the page tables, process limit).
     """
-    madvise = _libc_madvise()
+    madvise = libc_madvise()
     control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     options = {
