@@ -31,12 +31,13 @@ MEGATRON_ASYNC_OTHER_GENERATION_PYTHON="$ENVS/mcore019/bin/python" \
 PATH="$ENVS/mcore016/bin:$PATH" \
     "$ENVS/mcore016/bin/python" -m pytest -q -p no:cacheprovider tests
 
-echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, object storage, GPT resume =="
+echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, object storage, group re-creation, GPT resume =="
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
     tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage tests/unit/examples \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
-    tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py -k "not 4ranks"
+    tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py \
+    tests/functional/test_group_lifecycle.py tests/unit/core/test_coordination_group.py -k "not 4ranks"
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
     tests/functional/test_pretrain_gpt.py -k "resume_reproduces and (fullyparallel or pp2)"
