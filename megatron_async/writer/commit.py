@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
@@ -52,15 +52,10 @@ def commit_checkpoint(
             nothing is written then.
     """
     stored = _stored_results(results)
+    records, digests = _checksum_records(stored.values())
     report = None
-    if digest_history is not None:
-        digests = [
-            ((index.fqn, None if index.offset is None else tuple(index.offset)), result.checksum)
-            for index, result in stored.items()
-            if getattr(result, "checksum", None) is not None and not _is_empty(result)
-        ]
-        if digests:
-            report = digest_history.record(checkpoint_dir, digests)
+    if digest_history is not None and digests:
+        report = digest_history.record(checkpoint_dir, digests)
     metadata = copy.copy(metadata)
     metadata.storage_data = {index: result.storage_data for index, result in stored.items()}
     metadata.storage_meta = storage_meta
@@ -73,7 +68,7 @@ def commit_checkpoint(
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
     storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
-    _record_checksums(storage, checkpoint_dir, stored.values())
+    _write_checksums(storage, checkpoint_dir, records)
     storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
     return report
 
@@ -105,32 +100,42 @@ def _is_empty(result: WriteResult) -> bool:
     return getattr(result, "empty_chunk", False)
 
 
-def _record_checksums(
-    storage: CheckpointStorage, checkpoint_dir: str, results: Iterable[WriteResult]
-) -> None:
-    """Write the digests of the stored items, or drop a stale checksum file (coordinator).
+def _checksum_records(results: Iterable[WriteResult]) -> Tuple[List[Dict[str, Any]], List[Tuple[Any, str]]]:
+    """The checksum file's records of the stored items, and the digests of those with data.
 
-    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
-    the checksums of exactly the items its metadata records (or none at all). The
-    records are built as the checksum file stores them, without an intermediate object
-    per item: this runs on the training thread, with every rank's items.
+    One pass over every rank's items (coordinator, training thread): the records are
+    built as the checksum file stores them, without an intermediate object per item;
+    the ``((fqn, chunk offsets), digest)`` pairs feed the stale-checkpoint comparison,
+    which leaves out empty chunks.
     """
-    records = []
+    records, digests = [], []
     for result in results:
         digest = getattr(result, "checksum", None)
         if digest is None:
             continue
-        storage, index = result.storage_data, result.index
+        where, index = result.storage_data, result.index
+        chunk_offsets = None if index.offset is None else tuple(index.offset)
         records.append(
             {
-                "file": storage.relative_path,
-                "offset": storage.offset,
-                "length": storage.length,
+                "file": where.relative_path,
+                "offset": where.offset,
+                "length": where.length,
                 "digest": digest,
                 "fqn": index.fqn,
-                "chunk_offsets": None if index.offset is None else list(index.offset),
+                "chunk_offsets": None if chunk_offsets is None else list(chunk_offsets),
             }
         )
+        if not _is_empty(result):
+            digests.append(((index.fqn, chunk_offsets), digest))
+    return records, digests
+
+
+def _write_checksums(storage: CheckpointStorage, checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
+    """Write the checksum records, or drop a stale checksum file (coordinator).
+
+    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
+    the checksums of exactly the items its metadata records (or none at all).
+    """
     if records:
         checksums.write_checksum_records(checkpoint_dir, records)
     else:
