@@ -44,7 +44,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
-from megatron_async.staging.buckets import StagingBufferCache
+from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.storage.client import MSC_EXTRA_HINT
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 from megatron_async.writer.filesystem import FileSystemWriterAsync

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.writer.buckets import is_empty_chunk
+from megatron_async.writer.layout import is_empty_chunk
 
 __all__ = ["build_global_metadata", "without_redundant_empty_chunks"]
 

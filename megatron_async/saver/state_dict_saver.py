@@ -50,7 +50,7 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
-from megatron_async.writer.buckets import BucketLayout, PreparedWrite
+from megatron_async.writer.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [

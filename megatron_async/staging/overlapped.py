@@ -48,7 +48,7 @@ from megatron_async.core import shared_memory
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
 
 if TYPE_CHECKING:  # the background writer imports this module and needs neither
-    from megatron_async.staging.buckets import StagedBuckets, StagingBufferCache
+    from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
 
 __all__ = [
     "StagingGate",
@@ -317,7 +317,7 @@ def stage_buckets_overlapped(
     handed to its background writer. A previous overlapped copy is waited for first:
     copies run one save at a time, in order.
     """
-    from megatron_async.staging.buckets import stage_buckets
+    from megatron_async.staging.buffers import stage_buckets
 
     wait_for_staging()
     _install_optimizer_hook()
@@ -343,7 +343,7 @@ def overlapped_save_functions(
     ``save_fn`` waits for the copy before it calls the given one (the writer's).
     """
     from megatron_async.core import coordination
-    from megatron_async.writer.buckets import unpack_resolved_plan_data
+    from megatron_async.writer.layout import unpack_resolved_plan_data
 
     gate = StagingGate()
     rank = coordination.get_rank()

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.writer.bucket_file import BucketFile, OpenedBucketFile
-from megatron_async.writer.buckets import WriteBucket, is_empty_chunk
+from megatron_async.writer.layout import WriteBucket, is_empty_chunk
 from megatron_async.writer.direct_io import open_local_bucket_file
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 

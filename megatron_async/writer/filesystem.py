@@ -8,7 +8,7 @@ writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
    size-balanced buckets, one file each;
 2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
    tensor to host memory, a real snapshot (``preload_tensors``, see
-   :mod:`megatron_async.staging.buckets`);
+   :mod:`megatron_async.staging.buffers`);
 3. ``save_fn`` (background writer): write the staged buckets with threads or processes
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
@@ -39,12 +39,12 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
-from megatron_async.staging.buckets import StagingBufferCache, preload_tensors
+from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
-from megatron_async.writer.buckets import (
+from megatron_async.writer.layout import (
     BucketLayout,
     ConsistentDataIdentifier,
     PreparedWrite,
@@ -99,7 +99,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             built and validated by the caller, e.g. the strategy from its config. Without
             it the options are the keyword arguments below, as in the reference API.
         staging_cache: where the reusable staging buffers are kept (the trainer's); the
-            process's :func:`~megatron_async.staging.buckets.default_staging_cache` when
+            process's :func:`~megatron_async.staging.buffers.default_staging_cache` when
             None.
         separation_hint, use_msc, is_multiproc_io, use_cached_data_structure,
         write_timeout_s, checksums, object_part_bytes, overlap_staging, direct_io: the
@@ -236,7 +236,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
             layout: a bucket layout made for exactly these items (the ``layout`` of an
-                earlier save's :class:`~megatron_async.writer.buckets.PreparedWrite`), or
+                earlier save's :class:`~megatron_async.writer.layout.PreparedWrite`), or
                 None to compute it.
             staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
                 ``layout`` had, or None to compute it.

@@ -17,7 +17,7 @@ from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.core import fork_pages, worker_fork
 from megatron_async.core.shared_memory import allocate_segment, has_live_segments
 from megatron_async.errors import AsyncSaveFailedError
-from megatron_async.staging.buckets import clear_staging_cache
+from megatron_async.staging.buffers import clear_staging_cache
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
 

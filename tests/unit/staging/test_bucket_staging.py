@@ -7,7 +7,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megatron_async.staging.buckets import clear_staging_cache, stage_buckets
+from megatron_async.staging.buffers import clear_staging_cache, stage_buckets
 from megatron_async.core import shared_memory
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -48,7 +48,7 @@ def test_staging_is_a_snapshot_of_views_and_odd_dtypes():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.buckets import WriteBucket
+    from megatron_async.writer.layout import WriteBucket
 
     base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     sources = [base[:, 1], torch.ones(3, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0), torch.tensor(7, dtype=torch.int8)]
@@ -69,7 +69,7 @@ def test_cached_buffers_are_reused_only_after_release():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.buckets import WriteBucket
+    from megatron_async.writer.layout import WriteBucket
 
     clear_staging_cache(include_in_use=True)
     source = torch.zeros(16)
@@ -124,14 +124,14 @@ def _one_tensor_buckets(source, count=1, name="t"):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.buckets import WriteBucket
+    from megatron_async.writer.layout import WriteBucket
 
     item = WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR)
     return [WriteBucket("/unused", f"b{i}", ([], [(item, source)])) for i in range(count)]
 
 
 def test_a_new_layout_replaces_the_old_one():
-    from megatron_async.staging.buckets import staging_cache_num_bytes
+    from megatron_async.staging.buffers import staging_cache_num_bytes
 
     clear_staging_cache(include_in_use=True)
     try:

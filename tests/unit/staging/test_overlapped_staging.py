@@ -7,7 +7,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.errors import CheckpointValidationError, StagingRaceError
-from megatron_async.staging.buckets import StagingBufferCache
+from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.overlapped import (
     StagingGate,
     copies_held,
@@ -17,7 +17,7 @@ from megatron_async.staging.overlapped import (
     wait_for_staging,
     write_after_staging,
 )
-from megatron_async.writer.buckets import WriteBucket
+from megatron_async.writer.layout import WriteBucket
 
 
 DEVICES = [

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging.buckets import clear_staging_cache, staging_cache_num_bytes
+from megatron_async.staging.buffers import clear_staging_cache, staging_cache_num_bytes
 from megatron_async.core import shared_memory
-from megatron_async.writer.buckets import assign_buckets, balance_by_size, item_num_bytes
+from megatron_async.writer.layout import assign_buckets, balance_by_size, item_num_bytes
 from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
@@ -433,8 +433,8 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.staging.buckets import clear_staging_cache, stage_buckets
-    from megatron_async.writer.buckets import WriteBucket
+    from megatron_async.staging.buffers import clear_staging_cache, stage_buckets
+    from megatron_async.writer.layout import WriteBucket
 
     source = torch.zeros(4)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)

@@ -26,7 +26,7 @@ from megatron_async.filesystem_async import (
     get_write_results_queue,
 )
 from megatron_async.saver.state_dict_saver import save_state_dict_async_plan
-from megatron_async.staging.buckets import clear_staging_cache
+from megatron_async.staging.buffers import clear_staging_cache
 
 pytestmark = pytest.mark.timeout(120)
 

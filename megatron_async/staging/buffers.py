@@ -39,7 +39,7 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.writer.buckets import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
+from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
 from megatron_async.staging.snapshot import synchronize_if_cuda
 
@@ -322,15 +322,15 @@ def preload_tensors(
     Args:
         resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
             ``prepare_write_data`` left it in the writer's ``resolved_plan_data``. With a
-            :class:`~megatron_async.writer.buckets.ConsistentDataIdentifier`, the buffers
+            :class:`~megatron_async.writer.layout.ConsistentDataIdentifier`, the buffers
             staged under that key by an earlier save are reused
             (``use_cached_data_structure``); None stages into fresh buffers.
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
         staging_cache: where the reusable buffers live (the trainer's);
-            :func:`~megatron_async.staging.buckets.default_staging_cache` when None.
+            :func:`~megatron_async.staging.buffers.default_staging_cache` when None.
 
     Returns:
-        The staged buckets (a :class:`~megatron_async.staging.buckets.StagedBuckets`).
+        The staged buckets (a :class:`~megatron_async.staging.buffers.StagedBuckets`).
     """
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     key = identifier.key if identifier is not None else None

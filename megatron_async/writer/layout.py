@@ -178,7 +178,7 @@ class ConsistentDataIdentifier:
     """Names the reusable staging buffers of one bucket layout (trainer side).
 
     Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
-    in the stager's :class:`~megatron_async.staging.buckets.StagingBufferCache`.
+    in the stager's :class:`~megatron_async.staging.buffers.StagingBufferCache`.
 
     Attributes:
         key: a digest of everything that decides the buffers' shapes.
