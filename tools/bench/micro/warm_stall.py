@@ -12,10 +12,21 @@ The stall runs from the ``dist_checkpointing.save`` call until
 ``schedule_async_request`` returns. It is compared with one memory copy of the same
 bytes (``dst.copy_(src)`` of one flat tensor into a touched buffer, best of five), the
 issue's target being ``stall <= 1.5 x memcpy + 5 ms``. With ``--profile`` the last warm
-save's call runs under cProfile, sorted by own time and by cumulative time::
+save's call runs under cProfile, sorted by own time and by cumulative time; with
+``--phases`` the main steps of every save are timed without a profiler (each function
+wrapped in this process only) and their medians over the warm saves printed::
 
     python -m tools.bench.micro.warm_stall --callers persistent,temporal --saves 12
     python -m tools.bench.micro.warm_stall --callers persistent --profile
+    python -m tools.bench.micro.warm_stall --phases
+
+To compare revisions, run it with an extracted older ``megatron_async`` first on the
+path (``python -m`` puts the current folder first, so run that one from the extracted
+folder, with this repository on ``PYTHONPATH`` for the tools; the first line printed
+says which package was timed)::
+
+    git archive 9ac096e megatron_async | tar -x -C /tmp/before
+    (cd /tmp/before && PYTHONPATH="$OLDPWD" python -m tools.bench.micro.warm_stall)
 
 Tooling only: it prints, and never changes the library.
 """
@@ -50,6 +61,46 @@ def memcpy_seconds(num_bytes: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+_PHASES = (
+    # (module, attribute, label): the steps of a warm save on the training thread
+    ("megatron.core.dist_checkpointing.serialization", "save_preprocess",
+     "megatron-core save_preprocess"),
+    ("megatron_async.mcore.strategy", "TorchDistAsyncSaveStrategy.async_save", "our async_save"),
+    ("megatron_async.mcore.plan_cache", "describe_structure", "  structure fingerprint"),
+    ("megatron_async.mcore.plan_cache", "rebind", "  rebind to the new tensors"),
+    ("megatron_async.mcore.plan_cache", "prepare_cached_write", "  buckets of the cached layout"),
+    ("megatron_async.staging.buffers", "stage_buckets", "staging (copy into shared memory)"),
+    ("megatron_async.core.request_transport", "RequestSender.encode",
+     "encoding the request (persistent)"),
+    ("megatron_async.core.temporal", "TemporalAsyncCaller.schedule_async_call",
+     "temporal schedule (staging + fork)"),
+)
+
+
+def time_phases() -> Dict[str, List[float]]:
+    """Wrap the functions of :data:`_PHASES` with timers (this process only); return the log."""
+    import functools
+    import importlib
+
+    log: Dict[str, List[float]] = {}
+    for module_name, attribute, label in _PHASES:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+
+        def timed(*args, __original=original, __label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                log.setdefault(__label, []).append(time.perf_counter() - start)
+
+        setattr(owner, name, functools.wraps(original)(timed))
+    return log
 
 
 def _report(profile: cProfile.Profile, sort: str, lines: int) -> str:
@@ -126,14 +177,20 @@ def main(argv=None) -> None:
     parser.add_argument("--callers", default="persistent,temporal")
     parser.add_argument("--profile", action="store_true", help="cProfile the last save's call")
     parser.add_argument("--lines", type=int, default=35, help="rows of each profile")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the main steps of each save (medians of the warm saves)")
     args = parser.parse_args(argv)
 
+    import megatron_async
+
+    print(f"megatron_async from {os.path.dirname(megatron_async.__file__)}")
     tensor_bytes = _parse_bytes(args.tensor_bytes)
     workdir = tempfile.mkdtemp(prefix="megatron_async_warm_stall_")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     torch.set_num_threads(1)
     tensors = [torch.rand(tensor_bytes // 4) for _ in range(args.tensors)]
     total = args.tensors * (tensor_bytes // 4) * 4
+    phases = time_phases() if args.phases else {}
     try:
         memcpy_s = memcpy_seconds(total)
         print(f"{args.tensors} tensors x {tensor_bytes} B = {total / 2**20:.1f} MiB, 1 rank; "
@@ -142,6 +199,7 @@ def main(argv=None) -> None:
         for caller in args.callers.split(","):
             run_dir = os.path.join(workdir, caller)
             os.makedirs(run_dir)
+            phases.clear()
             result = run_caller(caller == "persistent", tensors, args.saves, run_dir,
                                 args.profile, args.lines)
             warm = result["stalls"][1:]
@@ -149,6 +207,9 @@ def main(argv=None) -> None:
             print(f"{caller}: warm stall median {median * 1e3:.1f} ms = {median / memcpy_s:.2f} x "
                   f"memcpy (min {min(warm) * 1e3:.1f}, max {max(warm) * 1e3:.1f}; first "
                   f"{result['stalls'][0] * 1e3:.1f} ms; {result['reused']} saves reused the plan)")
+            for label in [label for _, _, label in _PHASES if label in phases]:
+                seconds = phases[label]
+                print(f"  {label:36s} {statistics.median(seconds[1:] or seconds) * 1e3:6.1f} ms")
             if args.profile:
                 by_own, by_cumulative = result["profile"]
                 print(f"== {caller}: the last save's call, by own time ==\n{by_own}")
