@@ -18,6 +18,12 @@ go by value, see :mod:`megatron_async.core.by_value_pickling`.
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
 plan is cached) are sent once as well and then referred to by a token.
 
+A :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list (the stager's
+``(item, staged tensor)`` pairs of one bucket, the same object while the structure and
+its staging buffers stay the same) is pickled once per worker; later requests embed the
+same bytes, so a warm save with thousands of tensors costs no per-tensor pickling on the
+trainer. The worker unpickles them anew each time (into the same shared memory).
+
 Each segment crosses the process boundary once, the first time a request uses it: its
 descriptor goes over a Unix socket of its own (``SCM_RIGHTS``), so descriptors of a
 request the worker never read die with the worker instead of staying with the trainer. The worker keeps a *reusable* segment (cached staging buffers) mapped
@@ -30,7 +36,6 @@ Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import pickle
 import socket
@@ -44,6 +49,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
 from megatron_async.core.by_value_pickling import ByValueReducer, CodeCache, describe_unpicklable
+from megatron_async.core.sent_objects import SentObjects
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
@@ -54,11 +60,6 @@ _ARENA_CHUNK_BYTES = 64 * 2**20
 # The worker process's tables; set by SegmentTable, read while unpickling a request.
 _worker_segments: Dict[int, torch.Tensor] = {}
 _worker_objects: Dict[int, Any] = {}
-
-_KEEP_UNUSED_OBJECTS = 1024
-"""Plan items not used by the latest request that a sender keeps (a structure that
-alternates, e.g. two models saved in turn, still finds its items)."""
-
 
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
     """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
@@ -82,6 +83,11 @@ def _cached_object(token: int) -> Any:
             "with the next save)"
         )
     return item
+
+
+def _load_pairs(payload: bytes) -> List[Tuple[Any, torch.Tensor]]:
+    """Unpickling side (worker): a bucket's ``(item, tensor)`` pairs, pickled once by the trainer."""
+    return pickle.loads(payload)
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -167,54 +173,6 @@ def _receive_descriptors(sock: socket.socket, count: int) -> List[int]:
     return fds
 
 
-class _SentObjects:
-    """The plan items (``WriteItem``) a worker already has, by token (trainer side).
-
-    A warm save with a cached plan sends the same immutable ``WriteItem`` objects again;
-    pickling their ~10 objects each was most of the cost of sending a request with
-    thousands of tensors. Each item is sent once and then referred to by its token. The
-    sender keeps the items it sent alive (so their ``id`` stays theirs) and forgets
-    those the latest request did not use once they exceed ``_KEEP_UNUSED_OBJECTS``.
-    """
-
-    def __init__(self):
-        self._tokens: Dict[int, Tuple[int, Any]] = {}  # id(item) -> (token, item)
-        self._next = itertools.count(1)
-        self._used: set = set()
-        self._new: Dict[int, Tuple[int, Any]] = {}  # token -> (id(item), item)
-
-    def start_request(self) -> None:
-        self._used, self._new = set(), {}
-
-    def token_of(self, item: Any) -> int:
-        entry = self._tokens.get(id(item))
-        if entry is None:
-            entry = (next(self._next), item)
-            self._tokens[id(item)] = entry
-            self._new[entry[0]] = (id(item), item)
-        self._used.add(entry[0])
-        return entry[0]
-
-    def finish_request(self) -> Tuple[bytes, Tuple[int, ...]]:
-        """Return the pickled new items and the tokens the worker may drop."""
-        new_objects = pickle.dumps(
-            {token: item for token, (_, item) in self._new.items()}, pickle.HIGHEST_PROTOCOL
-        )
-        forget: Tuple[int, ...] = ()
-        unused = len(self._tokens) - len(self._used)
-        if unused > _KEEP_UNUSED_OBJECTS:
-            stale = [key for key, (token, _) in self._tokens.items() if token not in self._used]
-            forget = tuple(self._tokens.pop(key)[0] for key in stale)
-        self._new = {}
-        return new_objects, forget
-
-    def abandon_request(self) -> None:
-        """Forget the items first sent by a request that was never sent."""
-        for key, _ in self._new.values():
-            self._tokens.pop(key, None)
-        self._new = {}
-
-
 def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     return (
         f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
@@ -234,10 +192,16 @@ class _Pickler(ForkingPickler):
         self._arena = arena
         self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
         self.by_value = ByValueReducer(sender._code_cache)
+        self.tokens: List[int] = []  # plan items referred to (kept for reused pairs)
+        self.segments: List[shared_memory.Segment] = []  # segments referred to (same)
 
     def reducer_override(self, obj):
         if type(obj) is WriteItem:
-            return _cached_object, (self._sender._objects.token_of(obj),)
+            token = self._sender._objects.token_of(obj)
+            self.tokens.append(token)
+            return _cached_object, (token,)
+        if type(obj) is shared_memory.ReusedTensorPairs:
+            return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
         if not isinstance(obj, torch.Tensor):
             return self.by_value.reduce(obj)
         if obj.device.type == "cuda" and not self._sender.cuda_allowed:
@@ -267,9 +231,20 @@ class _Pickler(ForkingPickler):
         if segment is None:
             segment = shared_memory.find_segment(self._arena.copy_in(tensor))
         self._sender._use(segment)
+        self.segments.append(segment)
         base = segment.tensor.data_ptr()
         self._last = (base, base + segment.tensor.numel(), segment.segment_id)
         return segment.segment_id, segment.byte_offset
+
+
+class _EncodedPairs(NamedTuple):
+    """A :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list, pickled once."""
+
+    payload: bytes
+    tokens: Tuple[int, ...]  # the plan items it names (counted as used by each request)
+    segments: Tuple[shared_memory.Segment, ...]  # the segments it names (mapped first)
+    epoch: int  # the plan-item epoch it was encoded in
+    watch: "weakref.ref"  # drops the entry when the pairs die
 
 
 class RequestSender:
@@ -284,8 +259,33 @@ class RequestSender:
         """False for a worker forked from the trainer: it cannot open CUDA IPC handles."""
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
-        self._objects = _SentObjects()
+        self._objects = SentObjects()
         self._code_cache = CodeCache()
+        self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding
+
+    def _encode_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> bytes:
+        """The pickled ``pairs``: encoded at their first request, then the same bytes.
+
+        Valid while ``pairs`` lives (it is never mutated, and keeps its segments alive)
+        and the worker still has the plan items it names; the entry goes with ``pairs``.
+        """
+        entry = self._pairs.get(id(pairs))
+        if entry is not None and entry.watch() is pairs and entry.epoch == self._objects.epoch:
+            self._objects.use_tokens(entry.tokens)
+            for segment in entry.segments:
+                self._use(segment)
+            return entry.payload
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer, self, arena)
+        pickler.dump(list(pairs))
+        segments = tuple({s.segment_id: s for s in pickler.segments}.values())
+        if all(segment.reusable for segment in segments):  # an arena copy lives one call only
+            cache, key = self._pairs, id(pairs)
+            watch = weakref.ref(pairs, lambda _ref: cache.pop(key, None))
+            self._pairs[key] = _EncodedPairs(
+                buffer.getvalue(), tuple(set(pickler.tokens)), segments, self._objects.epoch, watch
+            )
+        return buffer.getvalue()
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:

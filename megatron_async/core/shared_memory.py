@@ -9,7 +9,8 @@ tensors in POSIX shared memory, each with a process-unique id. Two things follow
 * the persistent worker maps a segment once (one file descriptor, at its first use) and
   from then on receives tensors in it as ``(segment id, byte offset, shape, dtype)``
   references (see :mod:`megatron_async.core.request_transport`), whatever the number
-  of tensors.
+  of tensors. A :class:`ReusedTensorPairs` list, which the stager hands out unchanged
+  from save to save, is encoded once per worker.
 
 A segment stays registered while the tensor returned by :func:`allocate_segment` is
 alive; ids are never reused, so a stale id can never name other memory.
@@ -45,6 +46,7 @@ __all__ = [
     "find_segment",
     "segment_is_alive",
     "has_live_segments",
+    "ReusedTensorPairs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -209,3 +211,17 @@ def has_live_segments() -> bool:
     """Whether this process holds any registered segment (a fork would keep it mapped)."""
     with _lock:
         return bool(_live_ids)
+
+
+class ReusedTensorPairs(list):
+    """``(write item, staged tensor)`` pairs that recur unchanged from save to save (trainer).
+
+    The stager builds one per bucket of a reused staging-buffer set and hands the very
+    same object to every save of that structure (the items are the cached plan's, the
+    tensors views of reusable segments whose contents each save overwrites). The
+    request sender (:mod:`megatron_async.core.request_transport`) therefore encodes it
+    once per worker and reuses the bytes while the object lives. Never mutate one after
+    it was handed out: make a new one instead.
+    """
+
+    __slots__ = ("__weakref__",)

@@ -24,6 +24,13 @@ about the checkpoint size and warm staging is one memory copy. A staging that fi
 layout's buffers still leased (a save still being written) uses fresh buffers instead.
 Every lease has its own generation number, so only the save holding the current lease
 can free the cached buffers.
+
+A warm save costs few Python calls per tensor: the copies are one batched call
+(:func:`copy_batched`), the sources are checked against the buffers with one list
+comparison, and the ``(item, buffer)`` pairs of a cached bucket are built once and handed
+to every save with the same plan items (a
+:class:`~megatron_async.core.shared_memory.ReusedTensorPairs`, which the persistent
+worker's request sender encodes once).
 """
 
 from __future__ import annotations
@@ -32,16 +39,18 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
-from typing import Hashable, List, Optional, Sequence, Tuple
+from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
-from megatron_async.staging.snapshot import synchronize_if_cuda
+from megatron_async.core.shared_memory import ReusedTensorPairs
 
 __all__ = [
     "StagedBuckets",
@@ -51,6 +60,7 @@ __all__ = [
     "preload_tensors",
     "staging_cache_num_bytes",
     "clear_staging_cache",
+    "copy_batched",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,14 +74,42 @@ class _BucketBuffers:
     tensors: List[torch.Tensor]
     for_cuda: bool = False
     """Allocated for CUDA sources: the segment was page-locked (if CUDA allowed it)."""
+    reusable: bool = False
+    """Kept in a :class:`StagingBufferCache` for the next saves of the same layout."""
+    signature: Optional[List[tuple]] = None
+    """``(shape, dtype, device)`` of the sources last found to fit, so that a save of the
+    same sources checks them with one comparison."""
+    cuda_devices: FrozenSet[torch.device] = frozenset()
+    """The CUDA devices among those sources (to synchronize after the copies)."""
+    pairs: Optional[ReusedTensorPairs] = None
+    """``(item, buffer)`` pairs handed to every save whose items are these (reusable only)."""
 
     def fits(self, sources: Sequence[torch.Tensor]) -> bool:
-        if not self.for_cuda and any(source.device.type == "cuda" for source in sources):
+        signature = [(source.shape, source.dtype, source.device) for source in sources]
+        if signature == self.signature:
+            return True
+        devices = {device for _, _, device in signature if device.type == "cuda"}
+        if devices and not self.for_cuda:
             return False
-        return len(sources) == len(self.tensors) and all(
+        if len(sources) != len(self.tensors) or not all(
             buffer.shape == source.shape and buffer.dtype == source.dtype
             for buffer, source in zip(self.tensors, sources)
-        )
+        ):
+            return False
+        self.signature, self.cuda_devices = signature, frozenset(devices)
+        return True
+
+    def pairs_for(self, items: List[WriteItem]) -> List[Tuple[WriteItem, torch.Tensor]]:
+        """The staged ``(item, buffer)`` pairs of ``items``: the same object while the items
+        are the same objects (a cached plan), so the request sender encodes it once."""
+        if not self.reusable:
+            return list(zip(items, self.tensors))
+        pairs = self.pairs
+        if pairs is None or len(pairs) != len(items) or not all(
+            map(operator.is_, items, map(operator.itemgetter(0), pairs))
+        ):
+            pairs = self.pairs = ReusedTensorPairs(zip(items, self.tensors))
+        return pairs
 
     def num_bytes(self) -> int:
         return self.segment.numel() if self.segment is not None else 0
@@ -102,7 +140,7 @@ def _allocate_bucket_buffers(
         else torch.empty(source.shape, dtype=source.dtype)
         for source, start in zip(sources, offsets)
     ]
-    return _BucketBuffers(segment, tensors, for_cuda)
+    return _BucketBuffers(segment, tensors, for_cuda, reusable)
 
 
 @dataclasses.dataclass
@@ -260,31 +298,33 @@ def stage_buckets(
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
-    cuda_sources: List[torch.Tensor] = []
+    cuda_devices: Set[torch.device] = set()
     allocated = 0
     try:
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
-            sources = [tensor.detach() for _, tensor in tensor_data]
+            items = [item for item, _ in tensor_data]
+            sources = [tensor for _, tensor in tensor_data]
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
             if buffers is None or not buffers.fits(sources):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
+                buffers.fits(sources)  # records the sources' signature
                 allocated += 1
                 if cached:
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
-            for (item, _), source, buffer in zip(tensor_data, sources, buffers.tensors):
-                if not copy_now:
-                    result.uncopied.append((item, source, buffer))
-                    continue
-                if source.device.type == "cuda":
-                    cuda_sources.append(source)
-                buffer.copy_(source, non_blocking=non_blocking and source.device.type == "cuda")
-            copies = [(item, buffer) for (item, _), buffer in zip(tensor_data, buffers.tensors)]
+            if copy_now:
+                copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
+                cuda_devices.update(buffers.cuda_devices)
+            else:
+                detached = [source.detach() for source in sources]
+                result.uncopied.extend(zip(items, detached, buffers.tensors))
+            copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
-        synchronize_if_cuda(cuda_sources)
+        for device in cuda_devices:
+            torch.cuda.synchronize(device)
     except BaseException:
         result.release()
         raise
@@ -295,6 +335,17 @@ def stage_buckets(
             copied, len(result), time.monotonic() - start, allocated,
         )
     return result
+
+
+def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:
+    """Copy every source into its buffer of the same shape and dtype, in one call (stager).
+
+    One ``torch._foreach_copy_`` over the two lists instead of one Python call per tensor
+    (thousands per save). Sources may require grad: the copy is not recorded.
+    """
+    if sources:
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, sources, non_blocking=non_blocking)
 
 
 def staging_cache_num_bytes() -> int:

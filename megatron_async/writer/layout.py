@@ -162,11 +162,12 @@ def materialize_buckets(
     Within a bucket, bytes items come first, then tensors in plan order.
     """
     buckets = []
+    byte_io = WriteItemType.BYTE_IO  # looked up once: thousands of items per bucket
     for idx, (name_prefix, positions) in enumerate(layout):
         file_name = f"{name_prefix}{storage_prefix}{idx}{DEFAULT_SUFFIX}"
         content = [resolved[pos] for pos in positions]
-        bytes_data = [(i, d) for i, d in content if i.type == WriteItemType.BYTE_IO]
-        tensor_data = [(i, d) for i, d in content if i.type != WriteItemType.BYTE_IO]
+        bytes_data = [(i, d) for i, d in content if i.type is byte_io]
+        tensor_data = [(i, d) for i, d in content if i.type is not byte_io]
         buckets.append(
             WriteBucket(os.path.join(checkpoint_dir, file_name), file_name, (bytes_data, tensor_data))
         )

@@ -8,6 +8,7 @@ import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core.request_transport import RequestSender, SegmentTable
+from megatron_async.errors import UnpicklableRequestError
 
 
 def _pair():
@@ -129,3 +130,63 @@ def test_a_request_that_refers_to_the_training_script_goes_by_value():
     sender, table = _pair()
     decoded_fn, args = table.apply(sender.encode((save_fn, ("path", None)))[0])
     assert decoded_fn is not save_fn and decoded_fn(*args) == "saved path"
+
+
+def _pairs(count, numel=4, prefix="t"):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    segment, views = _segment_views(count, numel)
+    items = [WriteItem(index=MetadataIndex(f"{prefix}{i}"), type=WriteItemType.TENSOR) for i in range(count)]
+    return segment, shared_memory.ReusedTensorPairs(zip(items, views))
+
+
+def test_reused_pairs_are_encoded_once_and_decode_to_the_staged_values():
+    segment, pairs = _pairs(300)
+    sender, table = _pair()
+    first, _ = sender.encode({"bucket": pairs, "path": "iter_1"})
+    for i, (_, view) in enumerate(pairs):
+        view.fill_(float(i))
+    decoded = table.apply(first)["bucket"]
+    assert [item for item, _ in decoded] == [item for item, _ in pairs]
+    assert all(torch.equal(t, torch.full((4,), float(i))) for i, (_, t) in enumerate(decoded))
+
+    # The next save stages new values into the same buffers and sends the same pairs.
+    for i, (_, view) in enumerate(pairs):
+        view.fill_(float(-i))
+    second, _ = sender.encode({"bucket": pairs, "path": "iter_2"})
+    assert second.new_segments == () and len(second.new_objects) < 64
+    decoded = table.apply(second)
+    assert decoded["path"] == "iter_2"
+    assert all(torch.equal(t, torch.full((4,), float(-i))) for i, (_, t) in enumerate(decoded["bucket"]))
+    assert sender._pairs[id(pairs)].payload in second.payload  # the bytes of the first encoding
+
+
+def test_a_new_pairs_object_is_encoded_anew_and_a_dropped_one_is_forgotten():
+    segment, pairs = _pairs(5)
+    sender, table = _pair()
+    table.apply(sender.encode(pairs)[0])
+    key = id(pairs)
+    assert key in sender._pairs
+    # Another structure (other items, other buffers) is never served the old bytes.
+    other_segment, others = _pairs(3, numel=2)
+    decoded = table.apply(sender.encode(others)[0])
+    assert len(decoded) == 3 and all(t.shape == (2,) for _, t in decoded)
+    del pairs
+    gc.collect()
+    assert key not in sender._pairs  # the encoding went with the pairs
+
+
+def test_reused_pairs_survive_a_request_that_was_never_sent():
+    """A failed encode forgets the items it introduced: the cached bytes must not name them."""
+    segment, pairs = _pairs(4, prefix="never_sent")
+    sender, table = _pair()
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    with pytest.raises(UnpicklableRequestError):
+        sender.encode((pairs, Unpicklable()))
+    decoded = table.apply(sender.encode(pairs)[0])
+    assert [item for item, _ in decoded] == [item for item, _ in pairs]

@@ -174,3 +174,74 @@ def test_a_cached_layout_with_more_buckets_stages_the_extra_ones_fresh():
         staged.release()
     finally:
         clear_staging_cache(include_in_use=True)
+
+
+def _items(count, prefix="t"):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    return [WriteItem(index=MetadataIndex(f"{prefix}{i}"), type=WriteItemType.TENSOR) for i in range(count)]
+
+
+def _buckets(items, sources):
+    from megatron_async.writer.layout import WriteBucket
+
+    return [WriteBucket("/unused", "unused", ([], list(zip(items, sources))))]
+
+
+def test_a_warm_save_gets_the_same_staged_pairs_with_the_new_values():
+    """The (item, buffer) pairs of a reused layout are one object across saves (the request
+    sender encodes them once), and each save still copies the values of its own tensors,
+    replaced tensors of the same shape included."""
+    from megatron_async.core.shared_memory import ReusedTensorPairs
+
+    clear_staging_cache(include_in_use=True)
+    items = _items(50)
+    sources = [torch.full((8,), float(i)) for i in range(50)]
+    first = stage_buckets(_buckets(items, sources), True, "warm")
+    pairs = first[0].data[1]
+    assert isinstance(pairs, ReusedTensorPairs)
+    first.release()
+
+    sources[7] = torch.full((8,), -7.0)  # a tensor replaced by another of the same shape
+    sources[8].add_(100.0)  # and one updated in place
+    second = stage_buckets(_buckets(items, sources), True, "warm")
+    assert second[0].data[1] is pairs
+    staged = [tensor for _, tensor in second[0].data[1]]
+    assert all(torch.equal(copy, source) for copy, source in zip(staged, sources))
+    sources[9].add_(1.0)  # after staging: not in the snapshot
+    assert torch.equal(staged[9], torch.full((8,), 9.0))
+    second.release()
+
+    # Other item objects (a new plan with the same layout): new pairs over the same buffers.
+    third = stage_buckets(_buckets(_items(50), sources), True, "warm")
+    assert third[0].data[1] is not pairs
+    assert [t.data_ptr() for _, t in third[0].data[1]] == [t.data_ptr() for _, t in pairs]
+    third.release()
+    clear_staging_cache(include_in_use=True)
+
+
+def test_a_warm_save_whose_tensor_changed_shape_gets_new_buffers():
+    clear_staging_cache(include_in_use=True)
+    items = _items(3)
+    sources = [torch.ones(4), torch.ones(4), torch.ones(4)]
+    first = stage_buckets(_buckets(items, sources), True, "shape")
+    pairs = first[0].data[1]
+    first.release()
+    sources[1] = torch.arange(6.0)  # same layout key, other shape: never broadcast into 4
+    second = stage_buckets(_buckets(items, sources), True, "shape")
+    staged = [tensor for _, tensor in second[0].data[1]]
+    assert second[0].data[1] is not pairs
+    assert torch.equal(staged[1], torch.arange(6.0))
+    second.release()
+    clear_staging_cache(include_in_use=True)
+
+
+def test_sources_that_require_grad_are_copied_without_autograd():
+    items = _items(2)
+    sources = [torch.ones(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    staged = stage_buckets(_buckets(items, sources))
+    copies = [tensor for _, tensor in staged[0].data[1]]
+    assert not any(copy.requires_grad for copy in copies)
+    assert torch.equal(copies[0], torch.ones(3)) and torch.equal(copies[1], torch.zeros(2, 2))
+    staged.release()

@@ -38,3 +38,16 @@ def test_save_profile_profiles_the_last_save_and_its_finalize():
     stall, finalize = out.split("== its finalize")
     assert "checkpointing.py" in stall and "(save)" in stall
     assert "maybe_finalize" in finalize
+
+
+@pytest.mark.timeout(180)
+def test_warm_stall_times_both_callers_their_phases_and_a_profile():
+    out = _run("-m", "tools.bench.micro.warm_stall", "--tensors", "20", "--tensor-bytes", "1KiB",
+               "--saves", "3", "--phases", "--profile", "--lines", "5")
+    assert re.search(r"20 tensors x 1024 B = [\d.]+ MiB, 1 rank; one memory copy [\d.]+ ms", out), out
+    for caller in ("persistent", "temporal"):
+        assert re.search(rf"{caller}: warm stall median [\d.]+ ms = [\d.]+ x memcpy .* 2 saves "
+                         r"reused the plan", out), out
+        assert f"== {caller}: the last save's call, by own time ==" in out
+    assert re.search(r"encoding the request \(persistent\) +[\d.]+ ms", out), out
+    assert re.search(r"staging \(copy into shared memory\) +[\d.]+ ms", out), out

@@ -11,7 +11,9 @@ Run each as a module from the repository root, for example
   method;
 * :mod:`.d2h_throughput`    device-to-host copies into our staging memory against pinned
   memory (GPU only);
-* :mod:`.save_profile`      cProfile of one warm save of the GPT example and of its finalize.
+* :mod:`.save_profile`      cProfile of one warm save of the GPT example and of its finalize;
+* :mod:`.warm_stall`        the warm stall of thousands of small tensors against one memory
+  copy of them, per caller (``--profile``: cProfile of one warm save).
 
 Tooling only: they print, and never change the library under ``megatron_async/``.
 """
