@@ -37,12 +37,22 @@ class CommittedMetadata:
     """What a full commit wrote, kept to write the next save of the same structure.
 
     Attributes:
-        metadata: the written metadata (with every item's storage location).
+        metadata: the written metadata (with every item's storage location), kept only
+            when there is no template (the template's bytes hold it too: not twice).
         template: its pickle with replaceable ``storage_meta`` (None: pickle afresh).
     """
 
-    metadata: Metadata
+    metadata: Optional[Metadata]
     template: Optional[MetadataTemplate]
+
+    def metadata_with(self, storage_meta: Any) -> Metadata:
+        """The committed metadata with another ``storage_meta`` (O(items): the slow way)."""
+        if self.metadata is not None:
+            metadata = copy.copy(self.metadata)
+        else:
+            metadata = pickle.loads(self.template.data)
+        metadata.storage_meta = storage_meta
+        return metadata
 
 
 def commit_checkpoint(
@@ -74,7 +84,7 @@ def commit_checkpoint(
         metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
     data, template = metadata_pickle(metadata)
     _write_metadata(checkpoint_dir, data)
-    return CommittedMetadata(metadata, template)
+    return CommittedMetadata(None if template is not None else metadata, template)
 
 
 def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_meta: Any) -> None:
@@ -88,10 +98,8 @@ def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_
         storage_meta: this save's writer's ``storage_meta()``.
     """
     data = committed.template.render(storage_meta) if committed.template is not None else None
-    if data is None:
-        metadata = copy.copy(committed.metadata)
-        metadata.storage_meta = storage_meta
-        data = pickle.dumps(metadata, protocol=PICKLE_PROTOCOL)
+    if data is None:  # a value the template cannot take (not a short string)
+        data = pickle.dumps(committed.metadata_with(storage_meta), protocol=PICKLE_PROTOCOL)
     _write_metadata(checkpoint_dir, data)
 
 

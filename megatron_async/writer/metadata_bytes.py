@@ -16,6 +16,7 @@ its length corrected. Memo indices do not change, since only the strings' payloa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pickle
 import struct
@@ -93,8 +94,10 @@ class MetadataTemplate:
         if meta is None or not all(isinstance(getattr(meta, f, None), str) for f in _FIELDS):
             return None
         markers = [f"megatron_async-{field}-{uuid.uuid4().hex}" for field in _FIELDS]
-        marked = dataclasses.replace(metadata)
-        marked.storage_meta = dataclasses.replace(meta, **dict(zip(_FIELDS, markers)))
+        marked = copy.copy(metadata)  # keeps attributes that are not dataclass fields
+        marked.storage_meta = copy.copy(meta)
+        for field, marker in zip(_FIELDS, markers):
+            setattr(marked.storage_meta, field, marker)
         data = pickle.dumps(marked, protocol=protocol)
         frames = _frame_headers(data) if protocol >= 4 else []
         if frames is None:

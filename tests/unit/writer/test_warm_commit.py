@@ -7,6 +7,7 @@ commit run on a single rank; the multi-rank agreement is tested in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pickle
@@ -58,14 +59,16 @@ NEW_IDS = ["/c", "/ckpt/iter_0000002", "/" + "long/" * 60, "/" + "x" * 254, "/" 
 @pytest.mark.parametrize("items", [3, 4000], ids=["one-frame", "many-frames"])
 def test_spliced_metadata_unpickles_equal_to_a_fresh_pickle(protocol, items):
     metadata = _metadata(items)
+    metadata.extra_attribute = ["kept", {"by": "the template"}]  # not a dataclass field
     template = MetadataTemplate.build(metadata, protocol)
     assert template is not None
     for checkpoint_id in NEW_IDS:
         storage_meta = StorageMeta(checkpoint_id=checkpoint_id, save_id="b" * 32)
-        fresh = dataclasses.replace(metadata)
+        fresh = copy.copy(metadata)
         fresh.storage_meta = storage_meta
         spliced = template.render(storage_meta)
-        assert pickle.loads(spliced) == fresh, checkpoint_id
+        unpickled = pickle.loads(spliced)
+        assert unpickled == fresh and vars(unpickled) == vars(fresh), checkpoint_id
         if protocol < 4:  # no frames: the very bytes a pickler writes
             assert spliced == pickle.dumps(fresh, protocol=protocol)
 
@@ -82,10 +85,18 @@ def test_a_path_checkpoint_id_is_pickled_afresh():
     assert template is None and pickle.loads(data) == metadata
 
 
-def test_a_value_that_is_not_a_short_string_is_not_spliced():
-    template = MetadataTemplate.build(_metadata(5))
-    assert template.render(StorageMeta(checkpoint_id=Path("/p"), save_id="s")) is None
+def test_a_value_that_is_not_a_short_string_is_pickled_afresh(tmp_path):
+    from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
+
+    metadata = _metadata(5)
+    template = MetadataTemplate.build(metadata)
+    odd = StorageMeta(checkpoint_id=Path("/p"), save_id="s")
+    assert template.render(odd) is None
     assert template.render(StorageMeta(checkpoint_id="/" + "z" * (1 << 16), save_id="s")) is None
+    commit_unchanged(str(tmp_path), CommittedMetadata(None, template), odd)
+    written = FileSystemReader(str(tmp_path)).read_metadata()
+    assert written.storage_meta.checkpoint_id == Path("/p") and written.storage_meta.save_id == "s"
+    assert written.storage_data == metadata.storage_data
 
 
 def _results(count: int, moved: int = -1):
