@@ -81,17 +81,20 @@ class ItemChecksum:
 
 
 def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
-    """Write the checksum file atomically (coordinator, before ``.metadata``)."""
+    """Write the single checksum file of earlier versions' checkpoints, atomically.
+
+    This package now records checksums per rank (:func:`write_rank_record`); the single
+    file is still read, and written here to make such checkpoints (tests, conversions).
+    """
     write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
 
 
 def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
-    """Write the checksum file from item records, atomically (coordinator, before ``.metadata``).
+    """Write the single checksum file of earlier versions from item records, atomically
+    (see :func:`write_checksum_file`).
 
     A record is the fields of :class:`ItemChecksum` as a dict (:meth:`ItemChecksum.to_record`).
-    The writer's ``finish`` builds records straight from the write results: with tens of
-    thousands of items per rank, one object per item less is noticeable on the training
-    thread. ``records`` is sorted in place by file and offset.
+    ``records`` is sorted in place by file and offset.
     """
     records.sort(key=operator.itemgetter("file", "offset"))
     payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}

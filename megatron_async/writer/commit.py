@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import os
 import pickle
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
@@ -97,13 +97,14 @@ def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_
             structure.
         storage_meta: this save's writer's ``storage_meta()``.
     """
-    data = committed.template.render(storage_meta) if committed.template is not None else None
+    template = committed.template
+    data = template.render_pieces(storage_meta) if template is not None else None
     if data is None:  # a value the template cannot take (not a short string)
         data = pickle.dumps(committed.metadata_with(storage_meta), protocol=PICKLE_PROTOCOL)
     _write_metadata(checkpoint_dir, data)
 
 
-def _write_metadata(checkpoint_dir: str, data: bytes) -> None:
+def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     """Make ``common.pt`` durable, drop an earlier version's checksum file, write ``.metadata``."""
     # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.

@@ -21,7 +21,7 @@ import dataclasses
 import pickle
 import struct
 import uuid
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -122,25 +122,32 @@ class MetadataTemplate:
     def render(self, storage_meta: Any) -> Optional[bytes]:
         """The pickle with ``storage_meta``'s values in place of the markers, or None when a
         value is not a short string (then pickle afresh)."""
+        pieces = self.render_pieces(storage_meta)
+        return None if pieces is None else b"".join(pieces)
+
+    def render_pieces(self, storage_meta: Any) -> Optional[List[Union[bytes, memoryview]]]:
+        """:meth:`render` as pieces to write one after the other: views of the template
+        around the new strings, so that no copy of the whole pickle is made."""
         values = [getattr(storage_meta, field, None) for field in _FIELDS]
         if not all(isinstance(v, str) and len(v) < _MAX_VALUE_BYTES for v in values):
             return None
         replacements = [_encode_str(v, self.protocol) for v in values]
-        growth = {}
+        growth: Dict[int, int] = {}
         for (_, length, header), new in zip(self.edits, replacements):
             if header is not None:
                 growth[header] = growth.get(header, 0) + len(new) - length
-        pieces, cursor = [], 0
         cuts = sorted(
             [(pos, length, new) for (pos, length, _), new in zip(self.edits, replacements)]
             + [(header, 9, self._frame(header, delta)) for header, delta in growth.items()]
         )
+        view = memoryview(self.data)
+        pieces: List[Union[bytes, memoryview]] = []
+        cursor = 0
         for pos, length, new in cuts:
-            pieces.append(self.data[cursor:pos])
-            pieces.append(new)
+            pieces += [view[cursor:pos], new]
             cursor = pos + length
-        pieces.append(self.data[cursor:])
-        return b"".join(pieces)
+        pieces.append(view[cursor:])
+        return pieces
 
     def _frame(self, header: int, delta: int) -> bytes:
         length = int.from_bytes(self.data[header + 1:header + 9], "little") + delta
