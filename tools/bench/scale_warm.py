@@ -94,7 +94,7 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     start = time.perf_counter()
     cache.matches(storage_layout(mine), metadata, True)
     history.compare(second, digests_of(mine))
-    data = committed.template.render(writer.storage_meta())
+    data = committed.template.render_pieces(writer.storage_meta())
     cpu_s = time.perf_counter() - start
     start = time.perf_counter()
     storage_for(second).write_atomically(os.path.join(second, "metadata.copy"), data)
