@@ -121,7 +121,7 @@ def save_state_dict_async_finalize(
     )
     if summed[_FAILED]:
         coordination.raise_agreed_failures(failure, group, checkpoint)
-    report = _judge_staleness(storage_writer, history, summed, comparison, checkpoint, dist_wrapper)
+    report = _judge_staleness(history, summed, comparison, checkpoint, dist_wrapper)
 
     start = time.monotonic()
     warm = not summed[_MOVED]
@@ -160,7 +160,6 @@ def save_state_dict_async_finalize(
 
 
 def _judge_staleness(
-    storage_writer: "FileSystemWriterAsync",
     history: Any,
     summed: List[int],
     comparison: RankComparison,
