@@ -243,7 +243,8 @@ def _state_changed_on_rank_1(ctx, scale, changes):
 
     "tensor" adds a tensor only rank 1 holds, "wide" widens it, "object" adds a
     ShardedObject of rank 1, "replica" gives rank 1's copy of "replicated" another
-    non-main replica id (which changes no plan).
+    non-main replica id (which changes no plan), "payload" makes rank 1's object larger
+    (the same plan, other storage offsets on rank 1).
     """
     state = _model_state(ctx, scale)
     if ctx.rank != FAILING_RANK:
@@ -255,6 +256,11 @@ def _state_changed_on_rank_1(ctx, scale, changes):
         state["obj1"] = ShardedObject("obj1", {"scale": scale}, (1,), (0,), replica_id=0)
     if "replica" in changes:
         state["replicated"].replica_id = ctx.world_size + 1
+    if "payload" in changes:  # same plan, but rank 1's object takes more bytes
+        state["obj"] = ShardedObject(
+            "obj", {"rank": ctx.rank, "scale": scale, "payload": "x" * 100}, (ctx.world_size,),
+            (ctx.rank,), replica_id=0,
+        )
     return state
 
 
@@ -339,15 +345,20 @@ def _counted_object_collectives():
 
 def warm_saves_gather_no_write_results(ctx, persistent):
     """A save of an unchanged structure (cached plans) gathers no write results and no
-    checksums in its finalization; a structure change on rank 1 only takes the full path
+    checksums in its finalization; a structure change on rank 1 only, or an object of
+    rank 1 that grew (same plan, its items stored at other offsets), takes the full path
     on every rank. Every checkpoint loads equal through megatron-core and DCP, its
     ``.metadata`` names it, and ``verify`` checks every stored item of it."""
     from megatron_async.saver import finalize
 
     queue = _queue(persistent)
     strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
-    # (changes on rank 1, whether the finalization gathers the write results)
-    steps = [((), True), ((), False), ((), False), (("tensor",), True), (("tensor",), False)]
+    # (changes on rank 1, whether the finalization gathers the write results): a new plan,
+    # or the same plan with rank 1's items stored elsewhere, takes the full path everywhere.
+    steps = [
+        ((), True), ((), False), ((), False), (("tensor",), True), (("tensor",), False),
+        (("tensor", "payload"), True), (("tensor", "payload"), False), (("tensor",), True),
+    ]
     for step, (changes, full) in enumerate(steps):
         scale = float(step + 1)
         path = _dir(ctx, f"warm-{persistent}-{step}")
@@ -365,6 +376,8 @@ def warm_saves_gather_no_write_results(ctx, persistent):
             counts["all_gather_object"],
         )
         assert gathered == ((1, 1, 0) if full else (0, 0, 0)), (step, changes, gathered)
+        if step == 5:  # the larger object: plans reused, yet rank 1's offsets moved
+            assert strategy.last_save_reused_plans, "the payload changed the plan"
 
         whole = _check_rank_1_change(ctx, path, scale, changes, step)
         assert ("only1" in whole) == ("tensor" in changes), (step, sorted(whole))
