@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import time
 from typing import List, Optional, TextIO
 
 from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
 from megatron_async.errors import ObjectStoreError, ObjectStoreUnavailableError
-from megatron_async.format import CHECKSUM_FILE
 
 __all__ = ["main"]
 
@@ -103,9 +103,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     problems = find_completeness_problems(args.checkpoint)
     items = None
     try:
-        items = checksums.read_checksum_file(args.checkpoint)
-    except (ValueError, OSError, KeyError, TypeError) as exc:
-        problems.append(f"{CHECKSUM_FILE} cannot be read: {exc}")
+        items = checksums.read_checksums(args.checkpoint)
+    except (ValueError, OSError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
+        problems.append(f"the checksum records cannot be read: {exc}")
     if items is not None:
         progress = _ProgressBar(sum(item.length for item in items), sys.stderr)
         problems += checksums.verify_items(args.checkpoint, items, progress.advance)

@@ -11,7 +11,10 @@ A ``torch_dist`` checkpoint directory holds:
 
 * data files ``__{rank}_{bucket}.distcp`` (PyTorch DCP's ``torch_save`` layout), written
   by every rank's background writer;
-* :data:`CHECKSUM_FILE`, the xxh3 digest of every item (ours; stock loaders ignore it);
+* one checksum record per rank, :func:`checksum_record_name` (``megatron_async_checksums_rank{N}.json``):
+  the xxh3 digest of every item that rank wrote, written by its background writer once its
+  data files are durable (ours; stock loaders ignore them). Checkpoints of earlier versions
+  hold one :data:`CHECKSUM_FILE` for all ranks instead, still read;
 * :data:`DCP_METADATA_FILE` (``.metadata``), DCP's global metadata, written by the
   coordinator once every rank's data is durable;
 * :data:`MEGATRON_METADATA_FILE` (``metadata.json``), megatron-core's backend record,
@@ -37,6 +40,8 @@ __all__ = [
     "MEGATRON_METADATA_FILE",
     "COMMON_FILE",
     "CHECKSUM_FILE",
+    "checksum_record_name",
+    "is_checksum_record",
     "COMPLETION_MARKERS",
     "TRACKER_FILE",
     "has_completion_markers",
@@ -56,7 +61,27 @@ COMMON_FILE = "common.pt"
 """megatron-core's non-sharded state, in checkpoints of megatron-core 0.16 and older."""
 
 CHECKSUM_FILE = "megatron_async_checksums.json"
-"""Our per-item xxh3 digests, written before ``.metadata``."""
+"""All ranks' per-item xxh3 digests in one file, as checkpoints of earlier versions hold
+them (the coordinator wrote it before ``.metadata``); read, no longer written."""
+
+CHECKSUM_RECORD_PREFIX = "megatron_async_checksums_rank"
+"""Start of the name of a rank's checksum record (see :func:`checksum_record_name`)."""
+
+
+def checksum_record_name(rank: int) -> str:
+    """The file in which ``rank``'s background writer records the xxh3 digest of every item
+    it wrote; durable before the rank reports its write done, hence before ``.metadata``.
+
+    A record left by an earlier save into the same directory is ignored by readers: only
+    records of items that ``.metadata`` stores count.
+    """
+    return f"{CHECKSUM_RECORD_PREFIX}{int(rank)}.json"
+
+
+def is_checksum_record(name: str) -> bool:
+    """Whether the file ``name`` is a rank's checksum record (:func:`checksum_record_name`)."""
+    middle = name[len(CHECKSUM_RECORD_PREFIX):-len(".json")]
+    return name.startswith(CHECKSUM_RECORD_PREFIX) and name.endswith(".json") and middle.isdigit()
 
 COMPLETION_MARKERS = (MEGATRON_METADATA_FILE, DCP_METADATA_FILE)
 """Files whose presence makes a checkpoint directory complete; both are written only after

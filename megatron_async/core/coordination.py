@@ -34,9 +34,11 @@ __all__ = [
     "get_world_size",
     "get_coordination_group",
     "all_reduce_max",
+    "all_reduce_sum",
     "all_gather_objects",
     "barrier",
     "raise_if_any_rank_failed",
+    "raise_agreed_failures",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,12 +189,25 @@ def all_reduce_max(values: Sequence[int], group: Optional[dist.ProcessGroup] = N
     Raises:
         CoordinationError: the collective failed or timed out.
     """
+    return _all_reduce(values, dist.ReduceOp.MAX if is_distributed() else None, group)
+
+
+def all_reduce_sum(values: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> List[int]:
+    """Element-wise SUM of small integer vectors across ranks (one gloo all-reduce).
+
+    A flag summed is nonzero when any rank set it, so one sum also answers "did any
+    rank ...?" next to counts. Same arguments, result and errors as :func:`all_reduce_max`.
+    """
+    return _all_reduce(values, dist.ReduceOp.SUM if is_distributed() else None, group)
+
+
+def _all_reduce(values: Sequence[int], op: Any, group: Optional[dist.ProcessGroup]) -> List[int]:
     if not is_distributed():
         return list(values)
     group = group if group is not None else get_coordination_group()
     tensor = torch.tensor(list(values), dtype=torch.int64)
     try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(tensor, op=op, group=group)
     except Exception as exc:  # gloo raises RuntimeError subclasses on peer loss/timeout
         raise _describe_collective_failure("all_reduce", exc) from exc
     return [int(v) for v in tensor.tolist()]
@@ -243,8 +258,21 @@ def raise_if_any_rank_failed(
             raise AsyncSaveFailedError({local_failure.rank: local_failure}, checkpoint)
         return
     (any_failed,) = all_reduce_max([int(local_failure is not None)], group)
-    if not any_failed:
-        return
-    gathered = all_gather_objects(local_failure, group)
+    if any_failed:
+        raise_agreed_failures(local_failure, group, checkpoint)
+
+
+def raise_agreed_failures(
+    local_failure: Optional[RankFailure],
+    group: Optional[dist.ProcessGroup] = None,
+    checkpoint: Optional[str] = None,
+) -> None:
+    """Raise every rank's failure on every rank, once all ranks know that one failed (every
+    rank; e.g. from a flag of a larger all-reduce): one all-gather of the failures.
+
+    Raises:
+        AsyncSaveFailedError: always, listing every failed rank's failure.
+    """
+    gathered = all_gather_objects(local_failure, group) if is_distributed() else [local_failure]
     failures = {f.rank: f for f in gathered if f is not None}
     raise AsyncSaveFailedError(failures, checkpoint)

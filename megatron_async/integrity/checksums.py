@@ -10,11 +10,16 @@ Where each piece runs:
 * The background writer (``megatron_async.writer.bucket_io``) hashes every item's bytes
   with :func:`new_hasher` on their way to the file, so no second read pass and no
   work on the training thread is needed.
-* The coordinator writes every rank's item checksums into :data:`CHECKSUM_FILE` next
-  to the data files, *before* DCP's ``.metadata`` marks the checkpoint complete. Stock
-  loaders ignore the extra file, so the checkpoint stays a plain ``torch_dist`` one.
-* :func:`verify_items` re-reads and re-hashes items (the ``verify`` tool and the
-  opt-in load-time check).
+* Each rank's background writer records its items' checksums in its own file
+  (:func:`write_rank_record`, named by :func:`~megatron_async.format.checksum_record_name`)
+  once its data files are durable and before it reports the write done, so every record
+  is durable before the coordinator writes ``.metadata``. Nothing is gathered: a save's
+  commit costs the coordinator nothing per item. Stock loaders ignore the extra files, so
+  the checkpoint stays a plain ``torch_dist`` one.
+* :func:`read_checksums` reads the records of a checkpoint (those of the items its
+  ``.metadata`` stores; or the single :data:`CHECKSUM_FILE` of checkpoints written by
+  earlier versions) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
+  tool and the opt-in load-time check).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import os
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 
-from megatron_async.format import CHECKSUM_FILE
+from megatron_async.format import CHECKSUM_FILE, checksum_record_name, is_checksum_record
 from megatron_async.integrity.hashing import ALGORITHM, new_hasher
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 
@@ -38,6 +43,9 @@ __all__ = [
     "write_checksum_file",
     "write_checksum_records",
     "read_checksum_file",
+    "records_of_results",
+    "write_rank_record",
+    "read_checksums",
     "verify_items",
 ]
 
@@ -73,17 +81,20 @@ class ItemChecksum:
 
 
 def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
-    """Write the checksum file atomically (coordinator, before ``.metadata``)."""
+    """Write the single checksum file of earlier versions' checkpoints, atomically.
+
+    This package now records checksums per rank (:func:`write_rank_record`); the single
+    file is still read, and written here to make such checkpoints (tests, conversions).
+    """
     write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
 
 
 def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
-    """Write the checksum file from item records, atomically (coordinator, before ``.metadata``).
+    """Write the single checksum file of earlier versions from item records, atomically
+    (see :func:`write_checksum_file`).
 
     A record is the fields of :class:`ItemChecksum` as a dict (:meth:`ItemChecksum.to_record`).
-    The writer's ``finish`` builds records straight from the write results: with tens of
-    thousands of items per rank, one object per item less is noticeable on the training
-    thread. ``records`` is sorted in place by file and offset.
+    ``records`` is sorted in place by file and offset.
     """
     records.sort(key=operator.itemgetter("file", "offset"))
     payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}
@@ -91,9 +102,10 @@ def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -
     storage_for(checkpoint_dir).write_atomically(os.path.join(checkpoint_dir, CHECKSUM_FILE), text)
 
 
-def read_checksum_file(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
-    """The recorded checksums, or None when the checkpoint has none."""
-    path = os.path.join(checkpoint_dir, CHECKSUM_FILE)
+def read_checksum_file(checkpoint_dir: str, name: str = CHECKSUM_FILE) -> Optional[List[ItemChecksum]]:
+    """The checksums recorded in one file (default: the single file of checkpoints written
+    by earlier versions), or None when there is no such file."""
+    path = os.path.join(checkpoint_dir, name)
     try:
         payload = json.loads(storage_for(checkpoint_dir).read(path))
     except FileNotFoundError:
@@ -101,6 +113,82 @@ def read_checksum_file(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
     if payload.get("algorithm") != ALGORITHM:
         raise ValueError(f"{path}: unsupported checksum algorithm {payload.get('algorithm')!r}")
     return [ItemChecksum(**item) for item in payload["items"]]
+
+
+def records_of_results(results: Iterable[Any]) -> List[Dict[str, Any]]:
+    """The checksum records of the write results that carry a digest (any side).
+
+    Built as the record files store them, without an intermediate object per item.
+    """
+    records = []
+    for result in results:
+        digest = getattr(result, "checksum", None)
+        if digest is None:
+            continue
+        where, index = result.storage_data, result.index
+        records.append(
+            {
+                "file": where.relative_path,
+                "offset": where.offset,
+                "length": where.length,
+                "digest": digest,
+                "fqn": index.fqn,
+                "chunk_offsets": None if index.offset is None else list(index.offset),
+            }
+        )
+    return records
+
+
+def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) -> None:
+    """Record the checksums of the items ``rank`` wrote, durably (background writer).
+
+    Runs once the rank's data files are durable and before it reports its write done,
+    so the record is durable before the coordinator writes ``.metadata``. A rank whose
+    results carry no digest (checksums off) removes a record an earlier save into the
+    same directory left, which would otherwise describe other bytes.
+    """
+    storage = storage_for(checkpoint_dir)
+    path = os.path.join(checkpoint_dir, checksum_record_name(rank))
+    records = records_of_results(results)
+    if not records:
+        storage.remove(path)
+        return
+    records.sort(key=operator.itemgetter("file", "offset"))
+    payload = {"format": _FORMAT, "algorithm": ALGORITHM, "rank": int(rank), "items": records}
+    storage.write_atomically(path, json.dumps(payload))
+
+
+def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[ItemChecksum]]:
+    """Every recorded checksum of the items of a checkpoint, or None when it has none.
+
+    Reads the per-rank records; a record of an item that ``.metadata`` does not store (a
+    rank that wrote in an earlier, unfinished save into the same directory, or a chunk
+    without elements that several ranks wrote) is left out, so the result describes
+    exactly the checkpoint's stored items. Without per-rank records, the single
+    :data:`CHECKSUM_FILE` of earlier versions is read.
+
+    Args:
+        checkpoint_dir: the checkpoint directory.
+        metadata: its DCP ``Metadata`` if already read; read from ``.metadata`` otherwise.
+    """
+    storage = storage_for(checkpoint_dir)
+    names = [
+        name for name, is_dir in storage.list_dir(checkpoint_dir)
+        if not is_dir and is_checksum_record(name)
+    ]
+    if not names:
+        return read_checksum_file(checkpoint_dir)
+    if metadata is None:
+        metadata = storage.dcp_reader(checkpoint_dir).read_metadata()
+    stored = {
+        (info.relative_path, info.offset, info.length) for info in (metadata.storage_data or {}).values()
+    }
+    items: List[ItemChecksum] = []
+    for name in names:
+        for item in read_checksum_file(checkpoint_dir, name) or ():
+            if (item.file, item.offset, item.length) in stored:
+                items.append(item)
+    return items
 
 
 def _hash_range(storage: CheckpointStorage, path: str, offset: int, length: int) -> Optional[str]:

@@ -1,9 +1,13 @@
 """Stale-checkpoint detection: did anything change since the previous save of this job?
 
-Runs on the coordinator rank, inside the commit of a save, before ``.metadata`` is
-written. Every item's digest is already known there (the background writers hash what
-they write), so comparing them with the previous save's costs one dictionary lookup per
-item and no I/O. A save whose every item has the same digest as in the previous save of
+Runs on every rank, inside the finalization of a save, before ``.metadata`` is written.
+Each rank compares the digests of the items it wrote (the background writer hashes what
+it writes) with its own previous save's: one dictionary lookup per item, no I/O and
+nothing gathered. The per-rank counts are summed in the finalization's one all-reduce
+(:meth:`RankComparison.counts`, :meth:`ChangeReport.from_counts`), so every rank knows
+the job-wide comparison; the coordinator logs it.
+
+A save whose every item has the same digest as in the previous save of
 the same job, into another checkpoint, means the job wrote the same weights again: the
 symptom of a cache that serves stale tensors (an async path that kept the first save's
 buffers), which nobody notices until a resume goes wrong. That case is logged as a
@@ -17,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Dict, Hashable, Iterable, Optional, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["ChangeReport", "SaveDigestHistory", "StaleCheckpointError"]
+__all__ = ["ChangeReport", "RankComparison", "SaveDigestHistory", "StaleCheckpointError", "digests_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,36 @@ ItemKey = Tuple[str, Optional[Tuple[int, ...]]]
 
 class StaleCheckpointError(CheckpointValidationError):
     """Every item of a save equals the previous save's (with ``fail_on_stale``)."""
+
+
+def digests_of(results: Iterable[Any]) -> List[Tuple[ItemKey, str]]:
+    """``(item key, digest)`` of the write results that hold data and carry a digest (any
+    rank); chunks without elements, which several ranks may write, are left out."""
+    digests = []
+    for result in results:
+        digest = getattr(result, "checksum", None)
+        if digest is None or getattr(result, "empty_chunk", False):
+            continue
+        index = result.index
+        digests.append(((index.fqn, None if index.offset is None else tuple(index.offset)), digest))
+    return digests
+
+
+@dataclasses.dataclass(frozen=True)
+class RankComparison:
+    """How one rank's items compare with its previous save's (every rank)."""
+
+    items: int
+    changed: int
+    added: int
+    previous_checkpoint: Optional[str]
+
+    COUNTS = 4
+    """How many integers :meth:`counts` gives."""
+
+    def counts(self) -> List[int]:
+        """``[has a previous save, items, changed, added]``, to be summed over ranks."""
+        return [int(self.previous_checkpoint is not None), self.items, self.changed, self.added]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +83,15 @@ class ChangeReport:
     added: int
     previous_checkpoint: Optional[str]
 
+    @classmethod
+    def from_counts(
+        cls, summed: Sequence[int], world_size: int, previous_checkpoint: Optional[str]
+    ) -> "ChangeReport":
+        """The job-wide report from :meth:`RankComparison.counts` summed over ``world_size``
+        ranks; a save that some rank made without a previous one counts as a first save."""
+        with_previous, items, changed, added = summed
+        return cls(items, changed, added, previous_checkpoint if with_previous == world_size else None)
+
     @property
     def is_stale(self) -> bool:
         """Nothing changed while the checkpoint moved on."""
@@ -64,8 +107,8 @@ class ChangeReport:
 class SaveDigestHistory:
     """The digests of the previous save of one job, compared with each new save's.
 
-    Owned by the save strategy (one per strategy, not copied with it); used on the
-    coordinator rank only.
+    Owned by the save strategy (one per strategy, not copied with it); every rank keeps
+    the digests of the items it wrote.
 
     Args:
         fail_on_stale: raise :class:`StaleCheckpointError` instead of warning.
@@ -76,24 +119,16 @@ class SaveDigestHistory:
         self._lock = threading.Lock()
         self._checkpoint: Optional[str] = None
         self._digests: Dict[Hashable, str] = {}
+        self._pending: Optional[Tuple[str, Dict[Hashable, str]]] = None
 
-    def record(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> ChangeReport:
-        """Compare a save's digests with the previous save's, then remember them.
+    def compare(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> RankComparison:
+        """Compare this rank's digests of a save with its previous save's (every rank).
 
-        A save into the same checkpoint as the previous one (an overwrite) is compared
-        but never called stale.
+        The digests are kept aside until :meth:`accept`; nothing else changes.
 
         Args:
             checkpoint: the checkpoint being committed.
-            digests: ``(item key, digest)`` of every item with data.
-
-        Returns:
-            The comparison.
-
-        Raises:
-            StaleCheckpointError: with ``fail_on_stale``, when nothing changed; the
-                history then still holds the previous save, and the save fails before
-                its ``.metadata`` is written.
+            digests: ``(item key, digest)`` of every item with data (:func:`digests_of`).
         """
         current = dict(digests)
         with self._lock:
@@ -105,17 +140,55 @@ class SaveDigestHistory:
                     added += 1
                 elif before != digest:
                     changed += 1
-            report = ChangeReport(len(current), changed, added, previous_checkpoint)
-            if report.is_stale and previous_checkpoint != checkpoint:
-                message = (
-                    f"checkpoint {checkpoint} holds exactly the data of the previous save "
-                    f"{previous_checkpoint}: none of its {report.items} items changed although "
-                    "training went on. The saved tensors may be stale copies (a cache that "
-                    "keeps serving an old buffer); compare the model's live parameters with "
-                    "the saved ones before relying on this checkpoint."
-                )
-                if self.fail_on_stale:
-                    raise StaleCheckpointError(message)
-                logger.warning(message)
-            self._checkpoint, self._digests = checkpoint, current
+            self._pending = (checkpoint, current)
+        return RankComparison(len(current), changed, added, previous_checkpoint)
+
+    def judge(self, checkpoint: str, report: ChangeReport, warn: bool = True) -> None:
+        """Apply the policy to a job-wide report (every rank, the same decision everywhere).
+
+        A save into the same checkpoint as the previous one (an overwrite) is compared
+        but never called stale.
+
+        Args:
+            checkpoint: the checkpoint being committed.
+            report: the comparison of the whole job's items.
+            warn: log the WARNING (the coordinator; the other ranks stay quiet).
+
+        Raises:
+            StaleCheckpointError: with ``fail_on_stale``, when nothing changed; do not
+                :meth:`accept` then, so that the history still holds the previous save.
+        """
+        if not report.is_stale or report.previous_checkpoint == checkpoint:
+            return
+        message = (
+            f"checkpoint {checkpoint} holds exactly the data of the previous save "
+            f"{report.previous_checkpoint}: none of its {report.items} items changed although "
+            "training went on. The saved tensors may be stale copies (a cache that "
+            "keeps serving an old buffer); compare the model's live parameters with "
+            "the saved ones before relying on this checkpoint."
+        )
+        if self.fail_on_stale:
+            raise StaleCheckpointError(message)
+        if warn:
+            logger.warning(message)
+
+    def accept(self) -> None:
+        """Make the digests of the last :meth:`compare` the previous save's (every rank,
+        once the save is committed)."""
+        with self._lock:
+            if self._pending is not None:
+                self._checkpoint, self._digests = self._pending
+                self._pending = None
+
+    def record(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> ChangeReport:
+        """Compare, judge and accept a save in one process (a job of one rank).
+
+        Raises:
+            StaleCheckpointError: see :meth:`judge`; the history then still holds the
+                previous save.
+        """
+        comparison = self.compare(checkpoint, digests)
+        report = ChangeReport.from_counts(comparison.counts(), 1, comparison.previous_checkpoint)
+        self.judge(checkpoint, report)
+        self.accept()
         return report

@@ -10,6 +10,7 @@ naming the damaged file and item.
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from megatron_async.integrity import checksums
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError
-from megatron_async.format import CHECKSUM_FILE
 from megatron_async.integrity.inspection import find_completeness_problems
 from megatron_async.storage.backend import storage_for
 
@@ -31,13 +31,13 @@ def _local_problems(checkpoint_dir: str, require_checksums: bool, rank: int, wor
     if rank == 0:
         problems += find_completeness_problems(checkpoint_dir)
     try:
-        items = checksums.read_checksum_file(checkpoint_dir)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return problems + [f"{CHECKSUM_FILE} cannot be read: {exc}"]
+        items = checksums.read_checksums(checkpoint_dir)
+    except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
+        return problems + [f"the checksum records cannot be read: {exc}"]
     if items is None:
         if require_checksums and rank == 0:
             problems.append(
-                f"no {CHECKSUM_FILE}: the checkpoint was saved without checksums "
+                "no checksum records: the checkpoint was saved without checksums "
                 "(TorchDistSaveConfig.checksums=False or another writer)"
             )
         return problems

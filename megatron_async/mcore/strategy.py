@@ -47,6 +47,7 @@ from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.storage.client import MSC_EXTRA_HINT
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
+from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
@@ -125,7 +126,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     buffers; call :meth:`release_staging_buffers` on one you stop using.
     """
 
-    _CACHES = ("plan_cache", "staging_cache", "digest_history")
+    _CACHES = ("plan_cache", "staging_cache", "digest_history", "commit_cache")
     """The attributes that a copy gets empty (see the class docstring)."""
 
     def __init__(
@@ -160,6 +161,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
         self.digest_history = SaveDigestHistory()
+        self.commit_cache = CommitCache()
 
     def __getstate__(self) -> Dict[str, Any]:
         """Return what a copy or a pickle keeps: every attribute but the caches."""
@@ -300,9 +302,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         )
 
     def _with_history(self, writer: FileSystemWriterAsync) -> FileSystemWriterAsync:
-        """Let the writer's commit compare this save's digests with the previous save's."""
+        """Let the writer's finalization compare this save's digests with the previous
+        save's, and recognize a save that stores every item where the previous one did."""
         self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
         writer.digest_history = self.digest_history
+        writer.commit_cache = self.commit_cache
         return writer
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:

@@ -4,31 +4,80 @@ The last of a save's three steps (plan, write, finalize; see
 :mod:`megatron_async.saver.state_dict_saver`): every rank reports whether its write
 succeeded, and only if all did does the coordinator write ``.metadata``. A failure
 anywhere raises the same error on every rank.
+
+Each rank's checksums are already in its own record file (its background writer wrote
+it), so finalization gathers no checksum. One all-reduce (SUM, on the coordination
+group) carries, from every rank: did its write fail, did any of its items move since its
+previous committed save (:class:`~megatron_async.writer.commit_cache.CommitCache`), and
+its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). Then:
+
+* *warm* (no rank's items moved; the usual case of a save with cached plans): nothing is
+  gathered; the coordinator writes ``.metadata`` from the bytes of the previous commit
+  with this save's ``storage_meta`` (:func:`~megatron_async.writer.commit.commit_unchanged`);
+* *full* (the first save, a changed structure on any rank, or no cache): every rank's
+  write results are gathered and the coordinator builds ``.metadata`` from them
+  (the writer's ``finish``).
+
+Either way one more small all-reduce agrees on whether the coordinator's commit
+succeeded, so a warm finalization costs two all-reduces of a few integers and no gather.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
-from megatron_async.errors import CheckpointValidationError, RankFailure
+from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
+from megatron_async.integrity.staleness import (
+    ChangeReport, RankComparison, StaleCheckpointError, digests_of,
+)
+from megatron_async.writer.commit import commit_unchanged
+from megatron_async.writer.commit_cache import storage_layout
 
 if TYPE_CHECKING:
     from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-__all__ = ["save_state_dict_async_finalize"]
+__all__ = ["save_state_dict_async_finalize", "get_result_gather_count"]
 
 logger = logging.getLogger(__name__)
+
+_count_lock = threading.Lock()
+_counts = {"result gathers": 0}
+
+_FAILED, _MOVED, _RANKS = 0, 1, 2
+"""Positions in the finalization's all-reduce; the stale-checkpoint counts follow."""
+
+
+def get_result_gather_count() -> int:
+    """How many times this process took part in gathering write results (a warm save adds 0)."""
+    return _counts["result gathers"]
 
 
 def _is_wrapped_exception(results: Any) -> bool:
     """Whether ``results`` is DCP's ``(exception, traceback)`` instead of write results."""
     return isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException)
+
+
+def _local_results(
+    storage_writer: "FileSystemWriterAsync", rank: int
+) -> Tuple[List[Any], Optional[RankFailure]]:
+    """This rank's write results, or its failure (every rank)."""
+    try:
+        results = storage_writer.retrieve_write_results()
+        if _is_wrapped_exception(results):  # the reference API returns background failures
+            raise results[0]
+        return results, None
+    except Exception as exc:  # reported on every rank by the caller
+        logger.error(
+            "rank %d: background write of %s failed: %s", rank, storage_writer.checkpoint_id, exc
+        )
+        return [], getattr(exc, "failure", None) or RankFailure.from_exception(rank, "write", exc)
 
 
 def save_state_dict_async_finalize(
@@ -38,44 +87,104 @@ def save_state_dict_async_finalize(
 ) -> None:
     """Commit the save once the background write is done on every rank (every rank).
 
-    Every rank reports whether its write succeeded; only if all did does the coordinator
-    gather the write results and write ``.metadata`` (atomically). Costs two all-reduces
-    and one gather on the coordination group.
+    Costs two all-reduces on the coordination group, plus a gather of the write results
+    unless every rank stored every item where its previous committed save did (see the
+    module docstring). The writer's optional ``commit_cache`` and ``digest_history``
+    (set by the strategy) enable the warm path and the stale-checkpoint comparison.
 
     Raises:
-        AsyncSaveFailedError: on every rank, when the write failed on any rank or the
-            coordinator could not write the metadata. No ``.metadata`` is written then.
+        AsyncSaveFailedError: on every rank, when the write failed on any rank, the save
+            is stale under ``fail_on_stale``, or the coordinator could not write the
+            metadata. No ``.metadata`` is written then.
     """
     checkpoint = str(storage_writer.checkpoint_id)
     group = dist_wrapper.group
     rank = coordination.get_rank()
-    results: List[Any] = []
-    failure: Optional[RankFailure] = None
-    try:
-        results = storage_writer.retrieve_write_results()
-        if _is_wrapped_exception(results):  # the reference API returns background failures
-            raise results[0]
-    except Exception as exc:  # reported on every rank below
-        logger.error("rank %d: background write of %s failed: %s", rank, checkpoint, exc)
-        failure = getattr(exc, "failure", None) or RankFailure.from_exception(rank, "write", exc)
-        results = []
-    coordination.raise_if_any_rank_failed(failure, group, checkpoint)
+    is_coordinator = dist_wrapper.is_coordinator
+    cache = getattr(storage_writer, "commit_cache", None)
+    history = getattr(storage_writer, "digest_history", None)
+
+    results, failure = _local_results(storage_writer, rank)
+    layout = storage_layout(results) if failure is None else None
+    moved = (
+        failure is not None
+        or cache is None
+        or not cache.matches(layout, global_metadata, is_coordinator)
+    )
+    comparison = (
+        history.compare(checkpoint, digests_of(results))
+        if history is not None and failure is None
+        else RankComparison(0, 0, 0, None)
+    )
+    summed = coordination.all_reduce_sum(
+        [int(failure is not None), int(moved), 1, *comparison.counts()], group
+    )
+    if summed[_FAILED]:
+        coordination.raise_agreed_failures(failure, group, checkpoint)
+    report = _judge_staleness(history, summed, comparison, checkpoint, dist_wrapper)
 
     start = time.monotonic()
-    all_results = dist_wrapper.gather_object(results)
-    logger.debug("rank %d: gathered the write results of %s in %.3fs", rank, checkpoint, time.monotonic() - start)
-    if dist_wrapper.is_coordinator:
+    warm = not summed[_MOVED]
+    if not warm:
+        if cache is not None:
+            cache.forget()
+        with _count_lock:
+            _counts["result gathers"] += 1
+        all_results = dist_wrapper.gather_object(results)
+    committed = None
+    if is_coordinator:
         try:
-            if global_metadata is None:
-                raise CheckpointValidationError(
-                    f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
+            if warm:
+                commit_unchanged(
+                    storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta()
                 )
-            start = time.monotonic()
-            storage_writer.finish(global_metadata, all_results)
-            logger.debug(
-                "rank %d: wrote the metadata of %s in %.3fs", rank, checkpoint, time.monotonic() - start
-            )
+            else:
+                if global_metadata is None:
+                    raise CheckpointValidationError(
+                        f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
+                    )
+                committed = storage_writer.finish(global_metadata, all_results)
+            storage_writer.change_report = report
         except Exception as exc:
             logger.error("rank %d: writing the metadata of %s failed: %s", rank, checkpoint, exc)
             failure = RankFailure.from_exception(rank, "finalize", exc)
     coordination.raise_if_any_rank_failed(failure, group, checkpoint)
+    logger.debug(
+        "rank %d: committed %s in %.3fs (%s)", rank, checkpoint, time.monotonic() - start,
+        "warm: nothing gathered" if warm else "write results gathered",
+    )
+    if history is not None:
+        history.accept()
+    if cache is not None and not warm:
+        cache.remember(layout, global_metadata, committed if is_coordinator else None)
+
+
+def _judge_staleness(
+    history: Any,
+    summed: List[int],
+    comparison: RankComparison,
+    checkpoint: str,
+    dist_wrapper: _DistWrapper,
+) -> Optional[ChangeReport]:
+    """The job-wide comparison with the previous save, judged the same way on every rank.
+
+    Raises:
+        AsyncSaveFailedError: on every rank, a stale save under ``fail_on_stale``; it is
+            recorded as the coordinator's failure, as that rank decides what is committed.
+    """
+    if history is None:
+        return None
+    report = ChangeReport.from_counts(
+        summed[_RANKS + 1:], summed[_RANKS], comparison.previous_checkpoint
+    )
+    if report.items == 0:
+        return None
+    try:
+        history.judge(checkpoint, report, warn=dist_wrapper.is_coordinator)
+    except StaleCheckpointError as exc:
+        coordinator = dist_wrapper.coordinator_rank
+        if dist_wrapper.is_coordinator:
+            logger.error("rank %d: %s", coordination.get_rank(), exc)
+        failure = RankFailure.from_exception(coordinator, "finalize", exc)
+        raise AsyncSaveFailedError({coordinator: failure}, checkpoint) from exc
+    return report

@@ -17,7 +17,7 @@ multi-storage-client.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List, Optional, Protocol, Tuple, Union
+from typing import Any, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 from megatron_async.storage.local import LocalStorage
 from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
@@ -63,9 +63,10 @@ class CheckpointStorage(Protocol):
     def dcp_reader(self, path: str) -> Any:
         """A ``torch.distributed.checkpoint`` ``StorageReader`` of the checkpoint at ``path``."""
 
-    def write_atomically(self, path: str, data: Union[bytes, str]) -> None:
-        """Replace the file at ``path`` by ``data`` (``str`` as UTF-8), atomically and
-        durably: after a crash it is the old content or the new one, whole."""
+    def write_atomically(self, path: str, data: Union[bytes, str, Sequence[Any]]) -> None:
+        """Replace the file at ``path`` by ``data`` (``str`` as UTF-8; or bytes-like pieces,
+        written in order), atomically and durably: after a crash it is the old content or
+        the new one, whole."""
 
     def remove(self, path: str) -> bool:
         """Remove the file at ``path``; return whether there was one."""

@@ -1,8 +1,8 @@
 """Object-store requests with a deadline and retries: a store that stops answering fails the save.
 
 Runs wherever the object-store path talks to the network: the background writer
-(each part of a bucket's upload) and the coordinator (small objects: the checksum file,
-``.metadata``, listings). The boto3 client's own timeouts bound each socket operation,
+(each part of a bucket's upload, its rank's checksum record) and the coordinator (small
+objects: ``.metadata``, listings). The boto3 client's own timeouts bound each socket operation,
 not a request: an endpoint that accepts the connection and then answers one byte at a
 time never trips them, and its retries multiply them. Here every request runs on a
 helper thread and the caller waits at most ``timeout_s`` for it; a request that has not

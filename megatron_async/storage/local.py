@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Any, BinaryIO, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, BinaryIO, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["LocalStorage", "atomic_output", "fsync_path"]
 
@@ -48,6 +48,15 @@ def fsync_path(path: PathLike, best_effort: bool = False) -> None:
         if not best_effort:
             raise
         logger.debug("cannot fsync %s: %s", path, exc)
+
+
+def pieces_of(data: Union[bytes, str, Sequence[Any]]) -> Sequence[Any]:
+    """The bytes-like pieces of what ``write_atomically`` takes (``str`` as UTF-8)."""
+    if isinstance(data, str):
+        return [data.encode()]
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [data]
+    return data
 
 
 @contextlib.contextmanager
@@ -132,11 +141,12 @@ class LocalStorage:
 
     # -- writes and removals -----------------------------------------------------------
 
-    def write_atomically(self, path: str, data: Union[bytes, str]) -> None:
-        """Replace ``path`` by ``data``, durably and atomically (see :func:`atomic_output`)."""
-        payload = data.encode() if isinstance(data, str) else data
+    def write_atomically(self, path: str, data: Union[bytes, str, Sequence[Any]]) -> None:
+        """Replace ``path`` by ``data``, durably and atomically (see :func:`atomic_output`);
+        a sequence of bytes-like pieces is written one after the other, without joining."""
         with atomic_output(path) as stream:
-            stream.write(payload)
+            for piece in pieces_of(data):
+                stream.write(piece)
 
     def remove(self, path: str) -> bool:
         try:

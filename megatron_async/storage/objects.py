@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import call_with_deadline
 from megatron_async.storage.client import resolve
-from megatron_async.storage.local import LocalStorage
+from megatron_async.storage.local import LocalStorage, pieces_of
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 
 __all__ = ["ObjectStorage"]
@@ -148,9 +148,10 @@ class ObjectStorage:
 
     # -- writes and removals -----------------------------------------------------------
 
-    def write_atomically(self, url: str, data: Union[bytes, str]) -> None:
+    def write_atomically(self, url: str, data: Union[bytes, str, Sequence[Any]]) -> None:
         """Store ``data`` as the object at ``url``, whole or not at all (one PUT)."""
-        payload = data.encode() if isinstance(data, str) else data
+        pieces = pieces_of(data)
+        payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         client, path, local = _resolved(url)
         if local is not None:
             os.makedirs(os.path.dirname(local), exist_ok=True)

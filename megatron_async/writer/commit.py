@@ -1,29 +1,58 @@
-"""Commit a checkpoint on the coordinator rank: checksums, then ``.metadata``, both durable.
+"""Commit a checkpoint on the coordinator rank: ``.metadata``, durable, after all the data.
 
 Runs on the coordinator only, inside the finalization of a save, after every rank
-reported a successful write. Order matters: the data files are fsynced by their
-writers; here the checksum file (or the removal of a stale one) comes first, then
-DCP's ``.metadata`` (the first completion marker), each written atomically with its
-directory fsynced (``CheckpointStorage.write_atomically`` of the storage that
-:func:`~megatron_async.storage.storage_for` chooses once per commit).
+reported a successful write. By then every data file and every rank's checksum record
+is durable (their background writers synced them before reporting); here ``common.pt``
+(megatron-core 0.16 and older writes it without an fsync) is synced, the single checksum
+file of an earlier version's checkpoint in the same directory is removed, and DCP's
+``.metadata`` (the first completion marker) is written atomically with its directory
+fsynced (``CheckpointStorage.write_atomically`` of :func:`~megatron_async.storage.storage_for`).
+
+Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
+results (a save whose structure changed, or the first one) and returns the template that
+lets :func:`commit_unchanged` write the next save of the same structure from the same
+bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pickle
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE
-from megatron_async.integrity import checksums
-from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
-from megatron_async.storage.backend import CheckpointStorage, storage_for
+from megatron_async.storage.backend import storage_for
+from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
-__all__ = ["commit_checkpoint"]
+__all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedMetadata:
+    """What a full commit wrote, kept to write the next save of the same structure.
+
+    Attributes:
+        metadata: the written metadata (with every item's storage location), kept only
+            when there is no template (the template's bytes hold it too: not twice).
+        template: its pickle with replaceable ``storage_meta`` (None: pickle afresh).
+    """
+
+    metadata: Optional[Metadata]
+    template: Optional[MetadataTemplate]
+
+    def metadata_with(self, storage_meta: Any) -> Metadata:
+        """The committed metadata with another ``storage_meta`` (O(items): the slow way)."""
+        if self.metadata is not None:
+            metadata = copy.copy(self.metadata)
+        else:
+            metadata = pickle.loads(self.template.data)
+        metadata.storage_meta = storage_meta
+        return metadata
 
 
 def commit_checkpoint(
@@ -31,9 +60,9 @@ def commit_checkpoint(
     metadata: Metadata,
     results: List[List[WriteResult]],
     storage_meta: Any,
-    digest_history: Optional[SaveDigestHistory] = None,
-) -> Optional[ChangeReport]:
-    """Write the checksums and ``.metadata`` of a checkpoint whose data is durable (coordinator).
+) -> CommittedMetadata:
+    """Write ``.metadata`` of a checkpoint whose data is durable, from every rank's results
+    (coordinator).
 
     Args:
         checkpoint_dir: the checkpoint directory.
@@ -41,21 +70,11 @@ def commit_checkpoint(
             save): a copy gets every item's storage location.
         results: every rank's write results, in rank order.
         storage_meta: the writer's ``storage_meta()``.
-        digest_history: the job's previous digests, to report what changed (and warn
-            when nothing did); None skips the comparison.
 
     Returns:
-        The comparison with the previous save, when there was a history and checksums.
-
-    Raises:
-        StaleCheckpointError: the history is set to fail stale saves and nothing changed;
-            nothing is written then.
+        What was written, for :func:`commit_unchanged` of a later save.
     """
     stored = _stored_results(results)
-    records, digests = _checksum_records(stored.values())
-    report = None
-    if digest_history is not None and digests:
-        report = digest_history.record(checkpoint_dir, digests)
     metadata = copy.copy(metadata)
     metadata.storage_data = {index: result.storage_data for index, result in stored.items()}
     metadata.storage_meta = storage_meta
@@ -63,14 +82,38 @@ def commit_checkpoint(
         from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
         metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
+    data, template = metadata_pickle(metadata)
+    _write_metadata(checkpoint_dir, data)
+    return CommittedMetadata(None if template is not None else metadata, template)
+
+
+def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_meta: Any) -> None:
+    """Write ``.metadata`` of a save whose every item is stored where the committed save
+    stored it, from that save's bytes (coordinator; no per-item work).
+
+    Args:
+        checkpoint_dir: the checkpoint directory.
+        committed: what :func:`commit_checkpoint` wrote for the previous save of this
+            structure.
+        storage_meta: this save's writer's ``storage_meta()``.
+    """
+    template = committed.template
+    data = template.render_pieces(storage_meta) if template is not None else None
+    if data is None:  # a value the template cannot take (not a short string)
+        data = pickle.dumps(committed.metadata_with(storage_meta), protocol=PICKLE_PROTOCOL)
+    _write_metadata(checkpoint_dir, data)
+
+
+def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
+    """Make ``common.pt`` durable, drop an earlier version's checksum file, write ``.metadata``."""
     # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
     storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
-    _write_checksums(storage, checkpoint_dir, records)
-    storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
-    return report
+    # Readers prefer the per-rank records, but a save without checksums writes none.
+    storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))
+    storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), data)
 
 
 def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, WriteResult]:
@@ -98,45 +141,3 @@ def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Wri
 
 def _is_empty(result: WriteResult) -> bool:
     return getattr(result, "empty_chunk", False)
-
-
-def _checksum_records(results: Iterable[WriteResult]) -> Tuple[List[Dict[str, Any]], List[Tuple[Any, str]]]:
-    """The checksum file's records of the stored items, and the digests of those with data.
-
-    One pass over every rank's items (coordinator, training thread): the records are
-    built as the checksum file stores them, without an intermediate object per item;
-    the ``((fqn, chunk offsets), digest)`` pairs feed the stale-checkpoint comparison,
-    which leaves out empty chunks.
-    """
-    records, digests = [], []
-    for result in results:
-        digest = getattr(result, "checksum", None)
-        if digest is None:
-            continue
-        where, index = result.storage_data, result.index
-        chunk_offsets = None if index.offset is None else tuple(index.offset)
-        records.append(
-            {
-                "file": where.relative_path,
-                "offset": where.offset,
-                "length": where.length,
-                "digest": digest,
-                "fqn": index.fqn,
-                "chunk_offsets": None if chunk_offsets is None else list(chunk_offsets),
-            }
-        )
-        if not _is_empty(result):
-            digests.append(((index.fqn, chunk_offsets), digest))
-    return records, digests
-
-
-def _write_checksums(storage: CheckpointStorage, checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
-    """Write the checksum records, or drop a stale checksum file (coordinator).
-
-    Runs before ``.metadata`` is written, so a checkpoint that looks complete always has
-    the checksums of exactly the items its metadata records (or none at all).
-    """
-    if records:
-        checksums.write_checksum_records(checkpoint_dir, records)
-    else:
-        storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))

@@ -54,7 +54,8 @@ from megatron_async.writer.layout import (
     prepare_buckets,
 )
 from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
-from megatron_async.writer.commit import commit_checkpoint
+from megatron_async.writer.commit import CommittedMetadata, commit_checkpoint
+from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions, resolve_writer_options
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
@@ -178,9 +179,11 @@ class FileSystemWriterAsync(FileSystemWriter):
         with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
         self.write_elapsed_s: Optional[float] = None
         """How long the background write took, once ``retrieve_write_results`` succeeded."""
-        # Set by the strategy: the commit compares the digests with the job's previous save
-        # and leaves the comparison in change_report (coordinator).
+        # Set by the strategy: the finalization compares the digests with the job's previous
+        # save and leaves the comparison in change_report (coordinator), and recognizes a
+        # save that stores every item where the previous one did (no results gathered).
         self.digest_history: Optional[SaveDigestHistory] = None
+        self.commit_cache: Optional[CommitCache] = None
         self.change_report: Optional[ChangeReport] = None
         self._write_results: Optional[List[WriteResult]] = None
 
@@ -196,11 +199,14 @@ class FileSystemWriterAsync(FileSystemWriter):
     direct_io = property(lambda self: self.options.direct_io)
 
     def storage_meta(self):
-        """DCP's storage metadata; with ``use_msc`` its ``checkpoint_id`` is the URL string,
-        so that ``.metadata`` unpickles without multi-storage-client."""
+        """DCP's storage metadata, with the ``checkpoint_id`` as a string (with ``use_msc``
+        the URL, so that ``.metadata`` unpickles without multi-storage-client): the
+        coordinator then reuses a save's ``.metadata`` bytes for the next save of the same
+        structure (:mod:`~megatron_async.writer.metadata_bytes`)."""
         meta = super().storage_meta()
-        if self.use_msc and meta is not None:
-            meta = dataclasses.replace(meta, checkpoint_id=self.checkpoint_dir)
+        if meta is not None:
+            checkpoint_id = self.checkpoint_dir if self.use_msc else os.fspath(meta.checkpoint_id)
+            meta = dataclasses.replace(meta, checkpoint_id=checkpoint_id)
         return meta
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> PreparedWrite:
@@ -385,12 +391,13 @@ class FileSystemWriterAsync(FileSystemWriter):
             local_plan, storage_data=_StoragePrefix(f"__{coordination.get_rank()}_")
         )
 
-    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
-        """Write the checksums and ``.metadata`` atomically (coordinator only).
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> CommittedMetadata:
+        """Write ``.metadata`` atomically (coordinator only).
 
-        Runs after every rank's data is written; see
+        Runs after every rank's data and checksum record is written; see
         :func:`megatron_async.writer.commit.commit_checkpoint`.
+
+        Returns:
+            What was written (DCP ignores it; the finalization keeps it for a warm save).
         """
-        self.change_report = commit_checkpoint(
-            self.checkpoint_dir, metadata, results, self.storage_meta(), self.digest_history
-        )
+        return commit_checkpoint(self.checkpoint_dir, metadata, results, self.storage_meta())

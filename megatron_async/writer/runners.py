@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.core.process_lifetime import set_parent_death_signal
+from megatron_async.integrity import checksums
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 from megatron_async.writer.layout import WriteBucket
 from megatron_async.writer.results import ResultFile, WriteOutcome
@@ -39,7 +40,8 @@ def write_and_report(
     write_buckets: Optional[Sequence[WriteBucket]],
     results_channel: Any,
 ) -> None:
-    """Run ``runner`` on the staged buckets and put the outcome into ``results_channel``.
+    """Run ``runner`` on the staged buckets, record their checksums, and put the outcome
+    into ``results_channel``.
 
     Runs in the background writer. ``results_channel`` is anything with ``put``: the
     writer's :class:`ResultFile`, or a queue from ``get_write_results_queue``. The staging
@@ -56,6 +58,11 @@ def write_and_report(
                 "pass its result as args[1]"
             )
         runner(write_buckets, outcome)
+        if not outcome.failures:
+            # The data files are durable: record their checksums before reporting done.
+            checksums.write_rank_record(
+                directory, rank, (r for idx in sorted(outcome.results) for r in outcome.results[idx])
+            )
     except Exception as exc:  # reported through the results channel
         outcome.failures[-1] = RankFailure.from_exception(rank, "write", exc)
     outcome.elapsed_s = time.monotonic() - start

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megatron_async.format import CHECKSUM_FILE
+from megatron_async.format import checksum_record_name
 from megatron_async.mcore import generation
 from megatron_async.saver import state_dict_saver as saver_internals
 from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
@@ -118,7 +118,7 @@ def stock_megatron_through_served_modules(ctx, persistent):
         _queue(persistent).schedule_async_request(request)
         _queue(persistent).maybe_finalize_async_calls(blocking=True)
         gathered.append(saver_internals.get_plan_gather_count() - before)
-        assert os.path.exists(os.path.join(path, CHECKSUM_FILE)), sorted(os.listdir(path))
+        assert os.path.exists(os.path.join(path, checksum_record_name(ctx.rank))), sorted(os.listdir(path))
         _check_checkpoint(ctx, path, 6.0 + step)
     assert gathered == [1, 0, 0], gathered
 

@@ -35,7 +35,7 @@ from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.mcore import generation
 from megatron_async.saver import state_dict_saver
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.format import CHECKSUM_FILE, COMMON_FILE
+from megatron_async.format import COMMON_FILE, checksum_record_name
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointInProgressError,
@@ -243,7 +243,8 @@ def _state_changed_on_rank_1(ctx, scale, changes):
 
     "tensor" adds a tensor only rank 1 holds, "wide" widens it, "object" adds a
     ShardedObject of rank 1, "replica" gives rank 1's copy of "replicated" another
-    non-main replica id (which changes no plan).
+    non-main replica id (which changes no plan), "payload" makes rank 1's object larger
+    (the same plan, other storage offsets on rank 1).
     """
     state = _model_state(ctx, scale)
     if ctx.rank != FAILING_RANK:
@@ -255,7 +256,24 @@ def _state_changed_on_rank_1(ctx, scale, changes):
         state["obj1"] = ShardedObject("obj1", {"scale": scale}, (1,), (0,), replica_id=0)
     if "replica" in changes:
         state["replicated"].replica_id = ctx.world_size + 1
+    if "payload" in changes:  # same plan, but rank 1's object takes more bytes
+        state["obj"] = ShardedObject(
+            "obj", {"rank": ctx.rank, "scale": scale, "payload": "x" * 100}, (ctx.world_size,),
+            (ctx.rank,), replica_id=0,
+        )
     return state
+
+
+def _check_rank_1_change(ctx, path, scale, changes, step):
+    """The checkpoint of ``_state_changed_on_rank_1`` loads equal through megatron-core and
+    DCP; returns what DCP loaded."""
+    expected_state = _state_changed_on_rank_1(ctx, scale, changes)
+    loaded = dist_checkpointing.load(_state_changed_on_rank_1(ctx, 0.0, changes), path)
+    _assert_equal_states(loaded, expected_state, f"megatron, step {step}")
+    whole = _load_dcp(path, ctx.world_size)
+    for key, tensor in _global_tensors(ctx.world_size, scale).items():
+        assert torch.equal(whole[key], tensor), ("dcp", step, key)
+    return whole
 
 
 def structure_change_on_one_rank_plans_everywhere(ctx):
@@ -295,17 +313,84 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
         )
         assert counts == expected, (step, changes, counts, expected)
 
-        expected_state = _state_changed_on_rank_1(ctx, scale, changes)
-        loaded = dist_checkpointing.load(_state_changed_on_rank_1(ctx, 0.0, changes), path)
-        _assert_equal_states(loaded, expected_state, f"megatron, step {step}")
-        whole = _load_dcp(path, ctx.world_size)
-        for key, tensor in _global_tensors(ctx.world_size, scale).items():
-            assert torch.equal(whole[key], tensor), ("dcp", step, key)
+        whole = _check_rank_1_change(ctx, path, scale, changes, step)
         if "tensor" in changes:
             assert torch.equal(whole["only1"], torch.full((5 if "wide" in changes else 3,), scale))
         assert ("only1" in whole) == ("tensor" in changes), (step, sorted(whole))
         objects = sorted(k for k in whole if k.startswith("obj"))
         assert len(objects) == ctx.world_size + ("object" in changes), objects
+
+
+@contextlib.contextmanager
+def _counted_object_collectives():
+    """Count this rank's gathers of objects (DCP's ``gather_object``, our ``all_gather_object``)."""
+    counts = {"gather_object": 0, "all_gather_object": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def warm_saves_gather_no_write_results(ctx, persistent):
+    """A save of an unchanged structure (cached plans) gathers no write results and no
+    checksums in its finalization; a structure change on rank 1 only, or an object of
+    rank 1 that grew (same plan, its items stored at other offsets), takes the full path
+    on every rank. Every checkpoint loads equal through megatron-core and DCP, its
+    ``.metadata`` names it, and ``verify`` checks every stored item of it."""
+    from megatron_async.saver import finalize
+
+    queue = _queue(persistent)
+    strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
+    # (changes on rank 1, whether the finalization gathers the write results): a new plan,
+    # or the same plan with rank 1's items stored elsewhere, takes the full path everywhere.
+    steps = [
+        ((), True), ((), False), ((), False), (("tensor",), True), (("tensor",), False),
+        (("tensor", "payload"), True), (("tensor", "payload"), False), (("tensor",), True),
+    ]
+    for step, (changes, full) in enumerate(steps):
+        scale = float(step + 1)
+        path = _dir(ctx, f"warm-{persistent}-{step}")
+        request = dist_checkpointing.save(
+            _state_changed_on_rank_1(ctx, scale, changes), path, sharded_strategy=strategy,
+            async_sharded_save=True, validate_access_integrity=step == 0,
+        )
+        queue.schedule_async_request(request)
+        before = finalize.get_result_gather_count()
+        with _counted_object_collectives() as counts:
+            queue.maybe_finalize_async_calls(blocking=True)
+        gathered = (
+            finalize.get_result_gather_count() - before,
+            counts["gather_object"],
+            counts["all_gather_object"],
+        )
+        assert gathered == ((1, 1, 0) if full else (0, 0, 0)), (step, changes, gathered)
+        if step == 5:  # the larger object: plans reused, yet rank 1's offsets moved
+            assert strategy.last_save_reused_plans, "the payload changed the plan"
+
+        whole = _check_rank_1_change(ctx, path, scale, changes, step)
+        assert ("only1" in whole) == ("tensor" in changes), (step, sorted(whole))
+
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        assert metadata.storage_meta.checkpoint_id == path, metadata.storage_meta
+        records = checksums.read_checksums(path)
+        stored = {(i.relative_path, i.offset, i.length) for i in metadata.storage_data.values()}
+        assert {(r.file, r.offset, r.length) for r in records} == stored, step
+        verify_checkpoint_integrity(path, require_checksums=True)
+        if ctx.rank == 0:
+            assert cli.main(["verify", path]) == 0
+        dist.barrier()
 
 
 def loaded_metadata_skips_the_first_gather(ctx):
@@ -463,7 +548,7 @@ def _check_uneven_checkpoint(ctx, path, scale) -> None:
     assert [tuple(c.offsets) for c in empty] == [(30,)], empty  # one zero-size chunk
     head = metadata.state_dict_metadata["head"].chunks
     assert all(c.sizes.numel() for c in head), head  # the empty one is covered by data
-    records = checksums.read_checksum_file(path)
+    records = checksums.read_checksums(path)
     assert len(records) == len(metadata.storage_data), (len(records), len(metadata.storage_data))
     verify_checkpoint_integrity(path, require_checksums=True)
     if ctx.rank == 0:
@@ -516,7 +601,7 @@ def stock_save_keeps_our_writer(ctx):
     """megatron-core's ``save()`` runs our pipeline, sync and async, on either generation.
 
     From 0.17 ``save()`` silently replaces a strategy that is not its own kind; only our
-    writer leaves the checksum file, so its presence proves which pipeline ran.
+    writer leaves the checksum records, so their presence proves which pipeline ran.
     """
     for mode in ("sync", "async"):
         path = _dir(ctx, f"stock-save-{mode}")
@@ -530,7 +615,9 @@ def stock_save_keeps_our_writer(ctx):
             )
             _queue(False).schedule_async_request(request)
             _queue(False).maybe_finalize_async_calls(blocking=True)
-        assert os.path.exists(os.path.join(path, CHECKSUM_FILE)), (mode, sorted(os.listdir(path)))
+        assert os.path.exists(os.path.join(path, checksum_record_name(ctx.rank))), (
+            mode, sorted(os.listdir(path))
+        )
         assert os.path.exists(os.path.join(path, COMMON_FILE)) == _SAVE_WRITES_COMMON_PT, (
             "common.pt up to 0.18.x; 0.19+ keeps the common state inside the checkpoint"
         )
@@ -851,6 +938,7 @@ SCENARIOS = {
         overlapped_staging_unguarded_update_fails_everywhere,
         deep_copy_saves_alternately_with_the_original,
         stale_checkpoint_detection,
+        warm_saves_gather_no_write_results,
     ),
     **by_name(
         structure_change_on_one_rank_plans_everywhere,

@@ -1,5 +1,6 @@
 """The on-disk format: atomic, durable small files (local storage) and the completion markers."""
 
+import dataclasses
 import os
 import pickle
 
@@ -47,18 +48,28 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == ["data.bin"]
 
 
-def test_the_checksum_file_is_written_durably_with_its_directory(tmp_path, fsynced):
+def test_a_rank_s_checksum_record_is_written_durably_with_its_directory(tmp_path, fsynced):
     # Regression: the checksum file used to be renamed into place without a directory
     # fsync, so a crash right after a "complete" save could lose it.
-    record = {"file": "__0_0.distcp", "offset": 0, "length": 4, "digest": "ab", "fqn": "x",
-              "chunk_offsets": [0]}
-    checksums.write_checksum_records(str(tmp_path), [record])
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from megatron_async.writer.bucket_io import ChecksummedWriteResult
+
+    where = _StorageInfo("__3_0.distcp", 0, 4)
+    result = ChecksummedWriteResult(MetadataIndex("x", [0]), 4, where, checksum="ab")
+    checksums.write_rank_record(str(tmp_path), 3, [result])
     assert str(tmp_path) in fsynced
-    assert checksums.read_checksum_file(str(tmp_path))[0].digest == "ab"
-    assert sorted(os.listdir(tmp_path)) == [fmt.CHECKSUM_FILE]
+    assert checksums.read_checksum_file(str(tmp_path), fmt.checksum_record_name(3))[0].digest == "ab"
+    assert sorted(os.listdir(tmp_path)) == [fmt.checksum_record_name(3)]
+    assert fmt.is_checksum_record(fmt.checksum_record_name(3))
+    assert not fmt.is_checksum_record(fmt.CHECKSUM_FILE)
+    # The same rank saving again without checksums leaves no record of other bytes.
+    checksums.write_rank_record(str(tmp_path), 3, [dataclasses.replace(result, checksum=None)])
+    assert os.listdir(tmp_path) == []
 
 
-def test_commit_writes_checksums_then_metadata_each_with_a_directory_fsync(tmp_path, monkeypatch):
+def test_commit_writes_only_the_metadata_with_a_directory_fsync(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.metadata import Metadata
 
     from megatron_async.writer import commit
@@ -72,7 +83,7 @@ def test_commit_writes_checksums_then_metadata_each_with_a_directory_fsync(tmp_p
 
     monkeypatch.setattr(LocalStorage, "write_atomically", record)
     commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
-    assert order == [fmt.DCP_METADATA_FILE]  # no item carried a checksum: no checksum file
+    assert order == [fmt.DCP_METADATA_FILE]  # the ranks' writers record the checksums
     with open(tmp_path / fmt.DCP_METADATA_FILE, "rb") as stream:
         assert isinstance(pickle.load(stream), Metadata)
 

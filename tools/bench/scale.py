@@ -7,9 +7,13 @@ thread while every other rank waits:
 
 * ``plan``: global planning and validation of a first save (``build_global_metadata``
   with megatron-core's ``MCoreSavePlanner``, which our strategy uses);
-* ``commit``: what every save's finalize does on the coordinator once the write results
-  are gathered (``commit_checkpoint``: storage data, checksum records, ``.metadata``),
-  into a temporary directory.
+* ``commit``: what a save's finalize does on the coordinator once the write results
+  are gathered (``commit_checkpoint``: storage data, ``.metadata``), into a temporary
+  directory: the first save, and any save whose structure changed;
+* ``ours_warm``: the finalization of a warm save (cached plans, unchanged structure),
+  which gathers nothing and writes ``.metadata`` from the previous commit's bytes
+  (:mod:`tools.bench.scale_warm`); its ``commit`` column is that whole finalization on
+  the coordinator, and the ``gathered`` column shows what each path ships to it.
 
 The anchors run the same plans through PyTorch DCP's ``DefaultSavePlanner`` (global plan)
 and DCP's own commit (storage data on the metadata, one pickle), and through
@@ -55,9 +59,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 __all__ = ["LAYOUTS", "METHODS", "ScaleResult", "synthesize", "measure", "run_sweep", "main"]
 
 LAYOUTS = ("tp8", "dist_optimizer", "moe")
-METHODS = ("ours", "dcp", "mcore_planner")
-"""``ours``: build_global_metadata + commit_checkpoint; ``dcp``: DefaultSavePlanner +
-DCP's commit; ``mcore_planner``: megatron-core's planner's global plan alone."""
+METHODS = ("ours", "ours_warm", "dcp", "mcore_planner")
+"""``ours``: build_global_metadata + commit_checkpoint; ``ours_warm``: a warm save's
+finalization (no planning, nothing gathered); ``dcp``: DefaultSavePlanner + DCP's commit;
+``mcore_planner``: megatron-core's planner's global plan alone."""
 
 _ROWS_PER_CHUNK = 64
 _COLUMNS = 128
@@ -77,6 +82,11 @@ class ScaleResult:
     metadata_bytes: int
     plan_peak_mib: float
     commit_peak_mib: float
+    gathered_bytes: int = -1
+    """What the coordinator receives at finalize (write results); -1: not measured."""
+    warm_cpu_s: float = -1.0
+    """``ours_warm``: of ``commit_s``, the checks of the coordinator's own items and the
+    splice of ``.metadata`` (the rest is the durable write of its bytes); -1 elsewhere."""
 
     @property
     def items(self) -> int:
@@ -181,6 +191,9 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
     plans, results = synthesize(layout, ranks, items_per_rank)
     directory = tempfile.mkdtemp(prefix="scale-bench-")
     try:
+        if method == "ours_warm":
+            conn.send(_measure_warm(layout, ranks, items_per_rank, plans, results, directory))
+            return
         before = _peak_mib()
         start = time.perf_counter()
         metadata = _plan(method, plans)
@@ -191,13 +204,29 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
             start = time.perf_counter()
             metadata_bytes = _commit(method, metadata, results, directory)
             commit_s = time.perf_counter() - start
+        gathered = -1
+        if method == "ours":
+            from tools.bench.scale_warm import full_gather_bytes
+
+            gathered = full_gather_bytes(results)
         conn.send(ScaleResult(method, layout, ranks, items_per_rank, plan_s, commit_s,
-                              metadata_bytes, after_plan - before, _peak_mib() - after_plan))
+                              metadata_bytes, after_plan - before, _peak_mib() - after_plan, gathered))
     except BaseException as exc:  # reported to the parent, which raises it
         conn.send(exc)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         conn.close()
+
+
+def _measure_warm(layout, ranks, items_per_rank, plans, results, directory) -> ScaleResult:
+    """A warm save's finalization on the coordinator (planning and the first save untimed)."""
+    from tools.bench.scale_warm import measure_warm_finalize
+
+    metadata = _plan("ours", plans)
+    before = _peak_mib()
+    warm = measure_warm_finalize(metadata, results, directory)
+    return ScaleResult("ours_warm", layout, ranks, items_per_rank, 0.0, warm["warm_s"],
+                       warm["metadata_bytes"], 0.0, _peak_mib() - before, 0, warm["cpu_s"])
 
 
 def measure(method: str, layout: str, ranks: int, items_per_rank: int, timeout_s: float = 1800.0) -> ScaleResult:
@@ -234,15 +263,20 @@ def run_sweep(ranks: Sequence[int], items_per_rank: Sequence[int], layouts: Sequ
     return results
 
 
-_HEADER = ("| layout | ranks x items | method | plan (first save) | commit (every save) | "
-           "`.metadata` | peak RSS plan / commit |\n| --- | --- | --- | --- | --- | --- | --- |")
+_HEADER = ("| layout | ranks x items | method | plan (first save) | commit | gathered | "
+           "`.metadata` | peak RSS plan / commit |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def _format_row(r: ScaleResult) -> str:
     commit = f"{r.commit_s:.3f} s" if r.method != "mcore_planner" else "-"
+    if r.warm_cpu_s >= 0:
+        commit += f" (checks + splice {r.warm_cpu_s * 1000:.1f} ms)"
     size = f"{r.metadata_bytes / 2**20:.1f} MiB" if r.metadata_bytes else "-"
+    plan = "-" if r.method == "ours_warm" else f"{r.plan_s:.3f} s"
+    gathered = "-" if r.gathered_bytes < 0 else f"{r.gathered_bytes / 2**20:.1f} MiB"
     return (f"| {r.layout} | {r.ranks} x {r.items_per_rank} ({r.items:,}) | {r.method} | "
-            f"{r.plan_s:.3f} s | {commit} | {size} | {r.plan_peak_mib:.0f} / {r.commit_peak_mib:.0f} MiB |")
+            f"{plan} | {commit} | {gathered} | {size} | "
+            f"{r.plan_peak_mib:.0f} / {r.commit_peak_mib:.0f} MiB |")
 
 
 def render(results: Sequence[ScaleResult]) -> str:
@@ -275,11 +309,13 @@ def plot(results: Sequence[ScaleResult], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     series: Dict[Any, List[ScaleResult]] = {}
     for r in results:
-        if r.method != "mcore_planner":
+        if r.method not in ("mcore_planner", "ours_warm"):
             series.setdefault((r.layout, r.method), []).append(r)
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for (layout, method), rows in sorted(series.items()):
         rows.sort(key=lambda r: r.items)
         ax.plot([r.items for r in rows], [r.plan_s + r.commit_s for r in rows], marker="o",

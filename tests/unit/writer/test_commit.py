@@ -2,7 +2,8 @@
 
 Zero-length shards of an uneven split are written by every rank that holds one, several
 at one offset, sometimes at the offset of another rank's data. The ranks are simulated
-here: each writes its bucket with the real bucket writer, then the commit runs.
+here: each writes its bucket with the real bucket writer and its checksum record, then
+the commit runs; the checksums read back are those of exactly the stored items.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _write_ranks(tmp_path, rank_order):
         plans.append(SavePlan([item for item, _ in pairs]))
         bucket = WriteBucket(str(tmp_path / name), name, ([], pairs))
         results.append(write_bucket(_StorageWriterTransforms(), bucket, use_fsync=False))
+        checksums.write_rank_record(str(tmp_path), rank, results[-1])
     metadata = build_global_metadata(save_planner(), plans)
     return metadata, [results[rank] for rank in rank_order]
 
@@ -64,7 +66,7 @@ def test_the_metadata_points_at_data_and_lists_each_item_once(tmp_path, rank_ord
     assert where[("head", (0,))] == "__1_0.distcp"  # rank 1's data, never rank 0's empty shard
     assert where[("tail", (30,))] == "__2_0.distcp"
     assert len(where) == 5  # head at 0 and 10; tail at 0, 20 and 30
-    records = checksums.read_checksum_file(str(tmp_path))
+    records = checksums.read_checksums(str(tmp_path))
     assert sorted((r.fqn, tuple(r.chunk_offsets), r.file) for r in records) == sorted(
         (fqn, offsets, name) for (fqn, offsets), name in where.items()
     )
@@ -82,12 +84,13 @@ def test_duplicate_empty_shards_keep_the_lowest_rank_s_entry(tmp_path):
     (empty,) = [r for r in results[2] if r.index.fqn == "tail"]
     elsewhere = dataclasses.replace(empty.storage_data, relative_path="__3_0.distcp")
     results.append([dataclasses.replace(empty, storage_data=elsewhere)])
+    checksums.write_rank_record(str(tmp_path), 3, results[-1])
     commit_checkpoint(str(tmp_path), metadata, results, None)
 
     stored = FileSystemReader(str(tmp_path)).read_metadata().storage_data
     assert len(stored) == 5
     assert stored[MetadataIndex("tail", [30])].relative_path == "__2_0.distcp"
-    records = checksums.read_checksum_file(str(tmp_path))
+    records = checksums.read_checksums(str(tmp_path))
     assert len(records) == 5 and checksums.verify_items(str(tmp_path), records) == []
 
 

@@ -121,7 +121,7 @@ def test_file_names_follow_the_dcp_storage_prefix(tmp_path):
     state_dict = {f"t{i}": torch.full((16,), float(i)) for i in range(6)}
     writer = _save(tmp_path, state_dict, thread_count=3)
     assert sorted(os.listdir(tmp_path)) == [
-        ".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "megatron_async_checksums.json"
+        ".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "megatron_async_checksums_rank0.json"
     ]
     assert len(writer.write_buckets) == 3
 

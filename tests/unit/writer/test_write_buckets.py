@@ -258,7 +258,7 @@ def test_recorded_checksums_verify_and_a_flipped_byte_is_named(tmp_path):
     (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     verify_checkpoint_integrity(str(tmp_path), require_checksums=True)
 
-    items = {i.fqn: i for i in checksums.read_checksum_file(str(tmp_path))}
+    items = {i.fqn: i for i in checksums.read_checksums(str(tmp_path))}
     target = items["w"]
     with open(tmp_path / target.file, "r+b") as f:
         f.seek(target.offset + target.length // 2)

@@ -8,7 +8,8 @@ rank's writer plans, stages and writes its bucket files, then the finalization r
   result file);
 * ``gather pickle``: pickling one rank's results for the gather;
 * ``gather unpickle``: the coordinator unpickling every rank's results;
-* ``finish``: the coordinator's ``finish`` (checksum file, ``.metadata``, fsyncs).
+* ``finish``: the coordinator's ``finish`` (``.metadata``, fsyncs; checksums are
+  recorded per rank by the background writers).
 
 Each phase starts after a full garbage collection, so the collections it triggers itself
 are counted (with tens of thousands of items they are much of the cost) but not those
