@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
@@ -26,6 +27,7 @@ from megatron_async.storage.backend import CheckpointStorage, storage_for
 __all__ = ["commit_checkpoint"]
 
 
+@paused_gc()  # hundreds of thousands of records and index keys; no cycles
 def commit_checkpoint(
     checkpoint_dir: str,
     metadata: Metadata,
