@@ -25,7 +25,11 @@ from torch.distributed.checkpoint.planner import (
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
+from megatron_async.saver.global_metadata import (
+    _plans_like_dcp,
+    build_global_metadata,
+    without_redundant_empty_chunks,
+)
 from megatron_async.saver.global_plan import build_metadata
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,6 +97,7 @@ def test_the_chunks_are_the_items_own_objects():
 def test_the_strategy_planner_gets_the_fast_build_and_its_metadata_set():
     plans = _uneven_plans()
     planner = generation.create_save_planner(TorchDistSaveConfig())
+    assert _plans_like_dcp(planner)  # megatron-core's planner adds nothing to global planning
     metadata = build_global_metadata(planner, plans)
     assert planner.metadata is metadata
     assert metadata.state_dict_metadata == dcp_metadata(plans).state_dict_metadata
@@ -107,6 +112,8 @@ def test_a_planner_with_its_own_global_planning_is_still_run():
             return super().create_global_plan(all_plans)
 
     plans = _uneven_plans()
+    assert not _plans_like_dcp(Custom(flatten_state_dict=False))
+    assert not _plans_like_dcp(DefaultSavePlanner(flatten_state_dict=True))
     metadata = build_global_metadata(Custom(flatten_state_dict=False), plans)
     assert calls == [4]
     assert metadata.state_dict_metadata == dcp_metadata(plans).state_dict_metadata
