@@ -6,8 +6,9 @@ validate) does work whose result nobody uses: only the metadata is kept. At a mi
 items that work is seconds of the coordinator's time with every rank waiting, mostly in
 objects made per item (a copy of every item, dictionaries of every index, hashes of
 dataclasses). Here the metadata is built from the plans as gathered, without a new
-object per chunk (the chunks are the items' own, as DCP lists them), and checked with
-the same rules as DCP's validation:
+object per chunk (the chunks are the items' own, as DCP lists them; equal chunk sizes and
+tensor properties are made one shared object, which the pickle then writes once), and
+checked with the same rules as DCP's validation:
 
 * no chunk outside the tensor's bounds;
 * no two chunks overlap, with DCP's box test (an empty chunk strictly inside another
@@ -21,15 +22,18 @@ of a chunk with data; see :mod:`megatron_async.saver.global_metadata`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from operator import add, le
 import sys
 from bisect import bisect_right, insort
+from operator import add, attrgetter, le
 from typing import Dict, List, Sequence, Set, Tuple
 
+import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -37,6 +41,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from megatron_async.errors import CheckpointValidationError
 
 __all__ = ["build_metadata", "index_items", "validate_chunks"]
+
+_properties_key = attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
 
 _SHOWN_ERRORS = 5
 
@@ -56,6 +62,9 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
     skipped = index_items(all_local_plans)
     state: Dict[str, object] = {}
     shard, byte_io = WriteItemType.SHARD, WriteItemType.BYTE_IO
+    # Equal values shared, so that the pickle writes each once (a reference after that).
+    shared_sizes: Dict[torch.Size, torch.Size] = {}
+    shared_properties: Dict[tuple, TensorProperties] = {}
     for plan in all_local_plans:
         for item in plan.items:
             fqn = item.index.fqn
@@ -77,8 +86,13 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
                 )
             entry = state.get(fqn)
             if entry is None:
-                entry = state[fqn] = TensorStorageMetadata(data.properties, data.size, [])
-            entry.chunks.append(data.chunk)
+                properties = shared_properties.setdefault(_properties_key(data.properties), data.properties)
+                entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
+            chunk = data.chunk
+            sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
+            if sizes is not chunk.sizes:  # an equal value: the chunk is unchanged (frozen)
+                object.__setattr__(chunk, "sizes", sizes)
+            entry.chunks.append(chunk)
     metadata = Metadata(state)
     validate_chunks(metadata, several_ranks=len(all_local_plans) > 1)
     return metadata

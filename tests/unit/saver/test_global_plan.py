@@ -185,9 +185,17 @@ def test_many_errors_are_counted_not_all_listed():
         build_metadata(plans)
 
 
-def test_the_metadata_pickles_as_dcps_does():
+def test_equal_chunk_sizes_and_properties_are_pickled_once():
     plans = _uneven_plans()
-    ours, theirs = io.BytesIO(), io.BytesIO()
-    torch.save(build_metadata(plans), ours)
-    torch.save(dcp_metadata(plans), theirs)
-    assert len(ours.getvalue()) == len(theirs.getvalue())
+    ours, theirs = build_metadata(plans), dcp_metadata(plans)
+    experts = [ours.state_dict_metadata[f"expert{rank}.w"] for rank in range(4)]
+    assert all(e.properties is experts[0].properties for e in experts)
+    assert all(e.chunks[0].sizes is experts[0].chunks[0].sizes for e in experts)
+    assert ours.state_dict_metadata["w2d"].properties is not experts[0].properties  # float32
+    ours_bytes, theirs_bytes = io.BytesIO(), io.BytesIO()
+    torch.save(ours, ours_bytes)
+    torch.save(theirs, theirs_bytes)
+    assert len(ours_bytes.getvalue()) < len(theirs_bytes.getvalue())
+    assert torch.load(io.BytesIO(ours_bytes.getvalue()), weights_only=False).state_dict_metadata == (
+        theirs.state_dict_metadata
+    )
