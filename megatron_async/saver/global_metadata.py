@@ -47,7 +47,8 @@ def build_global_metadata(
     (an override, flattened state dicts, DCP's plan caching) is run as before.
 
     Args:
-        planner: the save planner; its ``metadata`` is set, as DCP's global planning does.
+        planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's
+            global planning sets them.
         all_local_plans: every rank's local plan, in rank order.
         plan_digests: every rank's :func:`~megatron_async.saver.plan_digests.plan_digest`
             of its plan, as the ranks computed them; computed here when None.
@@ -62,7 +63,9 @@ def build_global_metadata(
     """
     if _plans_like_dcp(planner):
         metadata = build_metadata(all_local_plans)
-        planner.metadata = metadata
+        # As DCP's global planning leaves them (the plans keep their index hints: a
+        # decentralized save writes every rank's plan as it is).
+        planner.global_plan, planner.metadata = all_local_plans, metadata
     else:
         _raise_on_duplicate_items(all_local_plans)
         try:

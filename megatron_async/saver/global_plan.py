@@ -205,7 +205,7 @@ def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
     for rank, plan in enumerate(all_local_plans):
         for item in plan.items:
             data = item.tensor_data
-            if data is not None and 0 in data.chunk.sizes:
+            if data is not None and data.chunk is not None and 0 in data.chunk.sizes:
                 empty.append(item)
                 continue
             index = item.index
