@@ -31,6 +31,7 @@ from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
 from megatron_async.saver.agreement import agreed_step
+from megatron_async.saver.plan_digests import loaded_plans
 from megatron_async.saver.state_dict_saver import PlanResult, plan_save, prepare_cached_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -229,11 +230,7 @@ class PlanCache:
     ) -> PreparedSave:
         """Plan the save in full (every rank), reusing verified plans where it can."""
         self._cached = None  # until this planning succeeds: never keep an older one
-        loaded_all_plans = (
-            getattr(self.cached_global_metadata, "all_local_plans", None)
-            if config.cached_metadata
-            else None
-        )
+        loaded_all_plans = loaded_plans(self.cached_global_metadata) if config.cached_metadata else None
         result = plan_save(
             pyt_state_dict,
             writer,

@@ -10,18 +10,27 @@ collective runs here: the saver gathers the plans and agrees on the outcome.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.saver.global_plan import build_metadata, index_items
+from megatron_async.saver.plan_digests import attach_plan_digests
 from megatron_async.writer.layout import is_empty_chunk
 
 __all__ = ["build_global_metadata", "without_redundant_empty_chunks"]
 
 
-def build_global_metadata(planner: SavePlanner, all_local_plans: List[SavePlan]) -> Metadata:
+@paused_gc()  # an index key per item; no cycles
+def build_global_metadata(
+    planner: SavePlanner,
+    all_local_plans: List[SavePlan],
+    plan_digests: Optional[Sequence[bytes]] = None,
+) -> Metadata:
     """Build the global metadata of a decentralized save from every rank's local plan.
 
     Runs on the coordinator. With decentralized planning every rank writes its own local
@@ -31,50 +40,62 @@ def build_global_metadata(planner: SavePlanner, all_local_plans: List[SavePlan])
     empty chunk at the offset of a chunk with data is left out, and of several empty
     chunks at one offset only one zero-size chunk is listed.
 
+    DCP's own planners (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``,
+    which add nothing to its global planning) are not run: their global plan is not used
+    by a decentralized save, and :func:`~megatron_async.saver.global_plan.build_metadata`
+    makes the same metadata in one pass. A planner that plans globally in its own way
+    (an override, flattened state dicts, DCP's plan caching) is run as before.
+
     Args:
-        planner: the save planner (it validates the global plan: bounds, overlaps, fill).
+        planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's
+            global planning sets them.
         all_local_plans: every rank's local plan, in rank order.
+        plan_digests: every rank's :func:`~megatron_async.saver.plan_digests.plan_digest`
+            of its plan, as the ranks computed them; computed here when None.
 
     Returns:
-        The metadata, with ``all_local_plans`` (unchanged) attached, so that a resumed job
-        can skip the plan gather.
+        The metadata, with every rank's plan digest attached
+        (:mod:`~megatron_async.saver.plan_digests`), so that a resumed job can skip the
+        plan gather.
 
     Raises:
         CheckpointValidationError: overlapping or missing shards, or another invalid plan.
     """
-    _raise_on_duplicate_items(all_local_plans)
-    try:
-        _, metadata = planner.create_global_plan(without_redundant_empty_chunks(all_local_plans))
-    except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
-        raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
+    if _plans_like_dcp(planner):
+        metadata = build_metadata(all_local_plans)
+        # As DCP's global planning leaves them (the plans keep their index hints: a
+        # decentralized save writes every rank's plan as it is).
+        planner.global_plan, planner.metadata = all_local_plans, metadata
+    else:
+        _raise_on_duplicate_items(all_local_plans)
+        try:
+            _, metadata = planner.create_global_plan(without_redundant_empty_chunks(all_local_plans))
+        except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
+            raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
     # Stored in .metadata so that a resumed job can skip this gather.
-    metadata.all_local_plans = all_local_plans
+    attach_plan_digests(metadata, all_local_plans, plan_digests)
     return metadata
 
 
-def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
-    """Refuse items that several ranks would write (decentralized plans are not deduplicated).
+def _plans_like_dcp(planner: SavePlanner) -> bool:
+    """Whether ``planner``'s global planning is DCP's default one, unchanged."""
+    if not isinstance(planner, DefaultSavePlanner):
+        return False
+    cls = type(planner)
+    unchanged = all(
+        getattr(cls, name, None) is getattr(DefaultSavePlanner, name, None)
+        for name in ("create_global_plan", "_create_global_plan", "_dedup_save_plans")
+    )
+    return (
+        unchanged
+        and not getattr(planner, "flatten_state_dict", False)
+        and not getattr(planner, "_enable_plan_caching", False)
+    )
 
-    DCP's global planning silently deduplicates identical chunks, but with decentralized
-    planning every rank writes its own plan, so which copy the metadata points to would
-    depend on the order of the results. Chunks without elements are exempt: they overlap
-    nothing, and the commit points the metadata at one of them.
-    """
-    owners: dict = {}
-    for rank, plan in enumerate(all_local_plans):
-        for item in plan.items:
-            if not is_empty_chunk(item):
-                owners.setdefault(item.index, []).append(rank)
-    duplicates = [(index, ranks) for index, ranks in owners.items() if len(ranks) > 1]
-    if duplicates:
-        shown = "; ".join(
-            f"{index.fqn} at offset {tuple(index.offset or ())} on ranks {ranks}"
-            for index, ranks in duplicates[:5]
-        )
-        raise CheckpointValidationError(
-            f"{len(duplicates)} item(s) are saved by more than one rank (overlapping shards): "
-            f"{shown}. Exactly one rank must hold each shard with replica_id 0."
-        )
+
+def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
+    """Refuse items that several ranks would write (planners with their own global planning)."""
+    index_items(all_local_plans)
 
 
 def without_redundant_empty_chunks(all_local_plans: List[SavePlan]) -> List[SavePlan]:

@@ -20,6 +20,8 @@ from typing import List, Optional, Tuple
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from megatron_async.saver.plan_digests import loaded_plans
+
 __all__ = ["CheckpointMetadataCache", "default_metadata_cache"]
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,9 @@ class CheckpointMetadataCache:
         validated_cache_reuse: whether the latest save reused the cached plans.
         validated_loaded_metadata_reuse: whether the latest save reused the loaded
             checkpoint's metadata.
-        loaded_all_plans: the local plans stored in that loaded metadata, or None.
+        loaded_all_plans: what that loaded metadata says of every rank's local plan
+            (digests or plans, see :func:`~megatron_async.saver.plan_digests.loaded_plans`),
+            or None.
     """
 
     def __init__(self) -> None:
@@ -51,13 +55,14 @@ class CheckpointMetadataCache:
     def set_cached_global_metadata(self, cached_global_metadata: Optional[Metadata]) -> None:
         """Seed the cache with a loaded checkpoint's metadata (every rank).
 
-        Its ``all_local_plans`` (written by our saver and by megatron-core's) let the
-        first save of a resumed job skip the plan gather when every rank's plan matches.
+        Its plan digests (written by our saver) or ``all_local_plans`` (megatron-core's,
+        older versions of ours) let the first save of a resumed job skip the plan
+        gather when every rank's plan matches.
         """
         self.cached_global_metadata = cached_global_metadata
-        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
+        self.loaded_all_plans = loaded_plans(cached_global_metadata)
         if cached_global_metadata is not None and self.loaded_all_plans is None:
-            logger.debug("loaded metadata has no all_local_plans; the first save plans in full")
+            logger.debug("loaded metadata has no plans of the ranks; the first save plans in full")
 
     def get_cache_metadata(
         self,

@@ -50,6 +50,7 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
+from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.writer.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -85,17 +86,6 @@ def _count_plan_gather() -> None:
     global _plan_gather_count
     with _gather_lock:
         _plan_gather_count += 1
-
-
-def _same_plan(plan: SavePlan, other: Optional[SavePlan]) -> bool:
-    """Compare two local plans on everything but the storage data."""
-    if other is None:
-        return False
-    return all(
-        getattr(plan, f.name) == getattr(other, f.name)
-        for f in dataclasses.fields(plan)
-        if f.name != "storage_data"
-    )
 
 
 def _make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int):
@@ -155,7 +145,7 @@ def plan_save(
       metadata is None (the caller reuses the metadata it cached);
     * *decentralized* (planner and writer both allow it): local plans are gathered on the
       coordinator only to build the metadata, and each rank derives its final plan
-      itself. The gather is skipped too when ``loaded_all_plans`` (the ``all_local_plans``
+      itself. The gather is skipped too when ``loaded_all_plans`` (the plan digests or ``all_local_plans``
       of a loaded checkpoint's metadata) match every rank's plan;
     * *central*: DCP's gather, global plan, scatter.
 
@@ -194,7 +184,7 @@ def plan_save(
         unchanged = (
             local_plan is not None
             and cached_central is not None
-            and (vouched or _same_plan(local_plan, cached_local))
+            and (vouched or same_plan(local_plan, cached_local))
         )
         return [int(not unchanged)]
 
@@ -314,12 +304,17 @@ def prepare_cached_write(
 def _gather_and_build_metadata(
     planner: SavePlanner, local_plan: SavePlan, dist_wrapper: _DistWrapper
 ) -> Optional[Metadata]:
-    """Gather local plans on the coordinator and build the global metadata there."""
+    """Gather local plans (and their digests) on the coordinator and build the global metadata there."""
     _count_plan_gather()
-    all_local_plans = dist_wrapper.gather_object(local_plan)
+    # Each rank digests its own plan (in parallel) for the metadata's resume record.
+    gathered = dist_wrapper.gather_object((local_plan, plan_digest(local_plan)))
     metadata, _ = agreed_step(
         "global save planning",
-        lambda: build_global_metadata(planner, all_local_plans) if dist_wrapper.is_coordinator else None,
+        lambda: (
+            build_global_metadata(planner, [p for p, _ in gathered], [d for _, d in gathered])
+            if dist_wrapper.is_coordinator
+            else None
+        ),
         dist_wrapper.group,
     )
     return metadata
@@ -363,7 +358,9 @@ def verify_global_md_reuse(
     the same size and its own entry equals ``local_plan`` apart from the storage data.
 
     Args:
-        loaded_all_plans: ``all_local_plans`` of the loaded metadata, or None.
+        loaded_all_plans: what the loaded metadata says of every rank's plan
+            (:func:`~megatron_async.saver.plan_digests.loaded_plans`: digests, or the
+            ``all_local_plans`` of older checkpoints), or None.
         local_plan: this rank's fresh local plan.
         rank: this rank's index in the planning group.
         dist_wrapper: the planning wrapper.
@@ -375,7 +372,7 @@ def verify_global_md_reuse(
         local_ok = (
             bool(loaded_all_plans)
             and len(loaded_all_plans) == dist_wrapper.get_world_size()
-            and _same_plan(local_plan, loaded_all_plans[rank])
+            and same_plan(local_plan, loaded_all_plans[rank])
         )
     except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
         logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)

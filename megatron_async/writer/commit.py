@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE
 from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
@@ -55,6 +56,7 @@ class CommittedMetadata:
         return metadata
 
 
+@paused_gc()  # hundreds of thousands of records and index keys; no cycles
 def commit_checkpoint(
     checkpoint_dir: str,
     metadata: Metadata,

@@ -29,7 +29,8 @@ Layouts (``--layouts``):
 * ``moe``: experts, each rank owning whole tensors of its own.
 
 Run it as ``python tools/benchmark.py --scale --ranks 64,256,1024 --items-per-rank 100,300``
-(or ``python -m tools.bench.scale ...``).
+(or ``python -m tools.bench.scale ...``); ``--sizes 1024x300,4096x250`` measures given
+``ranks x items per rank`` pairs instead of every combination.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class ScaleResult:
     warm_cpu_s: float = -1.0
     """``ours_warm``: of ``commit_s``, the checks of the coordinator's own items and the
     splice of ``.metadata`` (the rest is the durable write of its bytes); -1 elsewhere."""
+    rank_side_s: float = 0.0
+    """``ours``: what one rank spends beside its local plan (its plan's digest), in parallel."""
 
     @property
     def items(self) -> int:
@@ -160,11 +163,11 @@ def _mcore_planner():
     return generation.create_save_planner(TorchDistSaveConfig())
 
 
-def _plan(method: str, plans):
+def _plan(method: str, plans, digests=None):
     if method == "ours":
         from megatron_async.saver.global_metadata import build_global_metadata
 
-        return build_global_metadata(_mcore_planner(), plans)
+        return build_global_metadata(_mcore_planner(), plans, digests)
     planner = DefaultSavePlanner(flatten_state_dict=False) if method == "dcp" else _mcore_planner()
     _, metadata = planner.create_global_plan(plans)
     return metadata
@@ -194,9 +197,16 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
         if method == "ours_warm":
             conn.send(_measure_warm(layout, ranks, items_per_rank, plans, results, directory))
             return
+        digests, rank_side_s = None, 0.0
+        if method == "ours":  # every rank digests its own plan and sends it with the plan
+            from megatron_async.saver.plan_digests import plan_digest
+
+            start = time.perf_counter()
+            digests = [plan_digest(plan) for plan in plans]
+            rank_side_s = (time.perf_counter() - start) / ranks
         before = _peak_mib()
         start = time.perf_counter()
-        metadata = _plan(method, plans)
+        metadata = _plan(method, plans, digests)
         plan_s = time.perf_counter() - start
         after_plan = _peak_mib()
         commit_s, metadata_bytes = 0.0, 0
@@ -210,7 +220,8 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
 
             gathered = full_gather_bytes(results)
         conn.send(ScaleResult(method, layout, ranks, items_per_rank, plan_s, commit_s,
-                              metadata_bytes, after_plan - before, _peak_mib() - after_plan, gathered))
+                              metadata_bytes, after_plan - before, _peak_mib() - after_plan, gathered,
+                              rank_side_s=rank_side_s))
     except BaseException as exc:  # reported to the parent, which raises it
         conn.send(exc)
     finally:
@@ -250,16 +261,16 @@ def measure(method: str, layout: str, ranks: int, items_per_rank: int, timeout_s
 
 
 def run_sweep(ranks: Sequence[int], items_per_rank: Sequence[int], layouts: Sequence[str],
-              methods: Sequence[str] = METHODS) -> List[ScaleResult]:
-    """Every (layout, N, items per rank, method), smallest first."""
+              methods: Sequence[str] = METHODS, sizes: Sequence[Any] = ()) -> List[ScaleResult]:
+    """Every (layout, N, items per rank, method), smallest first (or the given ``sizes``)."""
+    pairs = list(sizes) or [(n, items) for items in items_per_rank for n in sorted(ranks)]
     results = []
     for layout in layouts:
-        for items in items_per_rank:
-            for n in sorted(ranks):
-                for method in methods:
-                    result = measure(method, layout, n, items)
-                    print(_format_row(result), flush=True)
-                    results.append(result)
+        for n, items in pairs:
+            for method in methods:
+                result = measure(method, layout, n, items)
+                print(_format_row(result), flush=True)
+                results.append(result)
     return results
 
 
@@ -272,10 +283,11 @@ def _format_row(r: ScaleResult) -> str:
     if r.warm_cpu_s >= 0:
         commit += f" (checks + splice {r.warm_cpu_s * 1000:.1f} ms)"
     size = f"{r.metadata_bytes / 2**20:.1f} MiB" if r.metadata_bytes else "-"
+    rank_side = f" (+{r.rank_side_s * 1e3:.2f} ms per rank)" if r.rank_side_s else ""
     plan = "-" if r.method == "ours_warm" else f"{r.plan_s:.3f} s"
     gathered = "-" if r.gathered_bytes < 0 else f"{r.gathered_bytes / 2**20:.1f} MiB"
     return (f"| {r.layout} | {r.ranks} x {r.items_per_rank} ({r.items:,}) | {r.method} | "
-            f"{plan} | {commit} | {gathered} | {size} | "
+            f"{plan}{rank_side} | {commit} | {gathered} | {size} | "
             f"{r.plan_peak_mib:.0f} / {r.commit_peak_mib:.0f} MiB |")
 
 
@@ -292,11 +304,13 @@ def render(results: Sequence[ScaleResult]) -> str:
             ratios.append(
                 f"| {layout} | {n} x {items} | {ours.plan_s / max(dcp.plan_s, 1e-9):.2f} | "
                 f"{ours.commit_s / max(dcp.commit_s, 1e-9):.2f} | "
+                f"{(ours.plan_s + ours.commit_s) / max(dcp.plan_s + dcp.commit_s, 1e-9):.2f} | "
                 f"{ours.metadata_bytes / max(dcp.metadata_bytes, 1):.2f} |"
             )
     if ratios:
-        lines += ["", "| layout | ranks x items | plan, ours / DCP | commit, ours / DCP | `.metadata`, ours / DCP |",
-                  "| --- | --- | --- | --- | --- |", *ratios]
+        lines += ["", "| layout | ranks x items | plan, ours / DCP | commit, ours / DCP | "
+                  "plan + commit, ours / DCP | `.metadata`, ours / DCP |",
+                  "| --- | --- | --- | --- | --- | --- |", *ratios]
     return "\n".join(lines)
 
 
@@ -337,16 +351,22 @@ def _ints(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _sizes(text: str) -> List[Any]:
+    return [tuple(int(x) for x in pair.split("x")) for pair in text.split(",") if pair]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=_ints, default=_ints("64,256,1024"))
     parser.add_argument("--items-per-rank", type=_ints, default=_ints("100,300"))
     parser.add_argument("--layouts", type=lambda t: t.split(","), default=list(LAYOUTS))
     parser.add_argument("--methods", type=lambda t: t.split(","), default=list(METHODS))
+    parser.add_argument("--sizes", type=_sizes, default=[],
+                        help="ranks x items pairs, e.g. 1024x300,4096x250 (instead of the grid)")
     parser.add_argument("--out", default="bench_scale")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    results = run_sweep(args.ranks, args.items_per_rank, args.layouts, args.methods)
+    results = run_sweep(args.ranks, args.items_per_rank, args.layouts, args.methods, args.sizes)
     table = render(results)
     with open(os.path.join(args.out, "scale.md"), "w") as stream:
         stream.write(table + "\n")

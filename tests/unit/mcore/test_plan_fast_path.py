@@ -8,6 +8,7 @@ through megatron-core's ``dist_checkpointing.load`` and through plain PyTorch DC
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_async.saver import state_dict_saver
+from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
 from megatron_async.writer.layout import WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
@@ -294,6 +296,47 @@ def test_metadata_replaced_by_the_caller_is_verified_not_reused_blindly(tmp_path
     saver.strategy.cached_global_metadata = other.strategy.cached_global_metadata
     assert saver.save(3.0) == (0, 1)
     assert saver.save(4.0) == (1, 0)
+
+
+def _stored_metadata(saver: _Saver, save: int):
+    """The ``.metadata`` of one of ``saver``'s checkpoints, as a resumed job loads it."""
+    with open(os.path.join(str(saver.tmp_path / f"save{save}"), ".metadata"), "rb") as stream:
+        return pickle.load(stream)
+
+
+def test_a_resumed_job_skips_the_first_gather_with_the_stored_digests(tmp_path):
+    first = _Saver(tmp_path / "first")
+    first.save(1.0)
+    metadata = _stored_metadata(first, 0)
+    # One digest per rank, no plans: .metadata is no larger than DCP's for these plans.
+    assert not hasattr(metadata, "all_local_plans")
+    assert getattr(metadata, PLAN_DIGESTS_ATTR) == [plan_digest(first.strategy.plan_cache._cached.local_plan)]
+    resumed = _Saver(tmp_path / "resumed")
+    resumed.strategy.cached_global_metadata = metadata
+    assert resumed.save(2.0) == (0, 0)  # planned locally, nothing gathered
+    assert resumed.save(3.0) == (1, 0)
+
+
+def test_a_checkpoint_with_whole_plans_still_lets_a_resumed_job_skip_the_gather(tmp_path):
+    # As written by older versions of this package and by megatron-core: all_local_plans.
+    first = _Saver(tmp_path / "first")
+    first.save(1.0)
+    metadata = _stored_metadata(first, 0)
+    delattr(metadata, PLAN_DIGESTS_ATTR)
+    metadata.all_local_plans = [first.strategy.plan_cache._cached.local_plan]
+    resumed = _Saver(tmp_path / "resumed")
+    resumed.strategy.cached_global_metadata = metadata
+    assert resumed.save(2.0) == (0, 0)
+
+
+def test_a_digest_of_another_plan_makes_the_resumed_job_gather(tmp_path):
+    first = _Saver(tmp_path / "first")
+    first.save(1.0)
+    metadata = _stored_metadata(first, 0)
+    setattr(metadata, PLAN_DIGESTS_ATTR, [bytes(16)])
+    resumed = _Saver(tmp_path / "resumed")
+    resumed.strategy.cached_global_metadata = metadata
+    assert resumed.save(2.0) == (0, 1)
 
 
 def test_central_planning_of_all_replicas_is_reused_too(tmp_path):

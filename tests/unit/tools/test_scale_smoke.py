@@ -9,15 +9,22 @@ from tools.bench import scale
 def test_synthesized_plans_are_a_valid_global_plan_for_every_method(layout, tmp_path):
     plans, results = scale.synthesize(layout, 16, 3)
     assert len(plans) == len(results) == 16 and all(len(p.items) == 3 for p in plans)
-    sizes = {}
+    sizes, built = {}, {}
     for method in ("ours", "dcp"):
-        metadata = scale._plan(method, plans)
+        metadata = built[method] = scale._plan(method, plans)
         directory = tmp_path / method
         directory.mkdir()
         sizes[method] = scale._commit(method, metadata, results, str(directory))
         chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
         assert chunks == 16 * 3
     assert sizes["ours"] > 0 and sizes["dcp"] > 0
+    assert built["ours"].state_dict_metadata == built["dcp"].state_dict_metadata
+    # A 16-byte digest per rank more than DCP's, less what equal chunk sizes shared save.
+    assert sizes["ours"] - sizes["dcp"] <= 16 * 24
+
+
+def test_given_sizes_replace_the_grid():
+    assert scale._sizes("1024x300,4096x250") == [(1024, 300), (4096, 250)]
 
 
 def test_one_measurement_in_a_child_process_and_the_report(tmp_path):

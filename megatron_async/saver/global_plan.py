@@ -1,0 +1,233 @@
+"""The global metadata of a decentralized save in one linear pass (coordinator only).
+
+With decentralized planning every rank writes its own local plan as it is, so the global
+plan of DCP's ``DefaultSavePlanner`` (deduplicate, rewrite every item's index hint,
+validate) does work whose result nobody uses: only the metadata is kept. At a million
+items that work is seconds of the coordinator's time with every rank waiting, mostly in
+objects made per item (a copy of every item, dictionaries of every index, hashes of
+dataclasses). Here the metadata is built from the plans as gathered, without a new
+object per chunk (the chunks are the items' own, as DCP lists them; equal chunk sizes and
+tensor properties are made one shared object, which the pickle then writes once), and
+checked with the same rules as DCP's validation:
+
+* no chunk outside the tensor's bounds;
+* no two chunks overlap, with DCP's box test (an empty chunk strictly inside another
+  chunk's range counts as overlapping, as it does for DCP);
+* with several ranks, the chunks' volumes add up to the tensor's volume.
+
+Items that two ranks plan (apart from chunks without elements) are refused before any of
+that, and of the empty chunks at one ``(fqn, offset)`` only one is listed, never in place
+of a chunk with data; see :mod:`megatron_async.saver.global_metadata`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from bisect import bisect_right, insort
+from operator import add, attrgetter, le
+from typing import Dict, List, Sequence, Set, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from megatron_async.errors import CheckpointValidationError
+
+__all__ = ["build_metadata", "index_items", "validate_chunks"]
+
+_properties_key = attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
+
+_SHOWN_ERRORS = 5
+
+
+def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
+    """The metadata DCP's global planning makes of these plans, validated (coordinator).
+
+    Equal to ``DefaultSavePlanner(flatten_state_dict=False).create_global_plan`` on the
+    plans without their redundant empty chunks: one entry per fqn in order of first
+    appearance, each tensor's chunks in rank and item order, the first item's properties
+    and global size.
+
+    Raises:
+        CheckpointValidationError: an item planned by two ranks, or an invalid chunk
+            layout (out of bounds, overlapping, missing).
+    """
+    skipped = index_items(all_local_plans)
+    state: Dict[str, object] = {}
+    shard, byte_io = WriteItemType.SHARD, WriteItemType.BYTE_IO
+    # Equal values shared, so that the pickle writes each once (a reference after that).
+    shared_sizes: Dict[torch.Size, torch.Size] = {}
+    shared_properties: Dict[tuple, TensorProperties] = {}
+    for plan in all_local_plans:
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type is not shard and fqn in state:
+                raise CheckpointValidationError(
+                    f"{fqn!r} is saved whole by more than one rank; each rank must save it "
+                    "under a name of its own, or as a shard with replica_id 0 on one rank."
+                )
+            if item.type is byte_io:
+                state[fqn] = BytesStorageMetadata()
+                continue
+            if skipped and id(item) in skipped:
+                continue
+            data = item.tensor_data
+            if data is None or data.chunk is None:
+                raise CheckpointValidationError(
+                    f"tensor {fqn!r} is planned without its chunk's bounds; plan it as a "
+                    "tensor or a shard with its offsets and sizes."
+                )
+            entry = state.get(fqn)
+            if entry is None:
+                properties = shared_properties.setdefault(_properties_key(data.properties), data.properties)
+                entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
+            chunk = data.chunk
+            sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
+            if sizes is not chunk.sizes:  # an equal value: the chunk is unchanged (frozen)
+                object.__setattr__(chunk, "sizes", sizes)
+            entry.chunks.append(chunk)
+    metadata = Metadata(state)
+    validate_chunks(metadata, several_ranks=len(all_local_plans) > 1)
+    return metadata
+
+
+def validate_chunks(metadata: Metadata, several_ranks: bool) -> None:
+    """Check every tensor's chunks: bounds, overlaps and, with several ranks, the fill.
+
+    Runs on the coordinator. The rules are DCP's (``_validate_global_plan``); the sweep
+    keeps, per tensor, only the chunks that reach past the current one's start along
+    the tensor's longest axis, so tiled layouts cost one comparison per chunk.
+
+    Raises:
+        CheckpointValidationError: listing the first errors and how many there are.
+    """
+    errors: List[str] = []
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata) or len(entry.size) == 0:
+            continue
+        errors.extend(_tensor_errors(fqn, entry, several_ranks))
+    if errors:
+        shown = "; ".join(errors[:_SHOWN_ERRORS])
+        more = f" (and {len(errors) - _SHOWN_ERRORS} more)" if len(errors) > _SHOWN_ERRORS else ""
+        raise CheckpointValidationError(
+            f"invalid global save plan: {shown}{more}. Every element of a tensor must be "
+            "saved by exactly one rank: check the sharding (offsets, global shape, "
+            "replica_id) of these tensors."
+        )
+
+
+def _tensor_errors(fqn: str, entry: TensorStorageMetadata, several_ranks: bool) -> List[str]:
+    size = tuple(entry.size)
+    ndim = len(size)
+    chunks = entry.chunks
+    errors = []
+    volume = 0
+    for chunk in chunks:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if (
+            len(offsets) != ndim
+            or len(sizes) != ndim
+            or min(offsets) < 0
+            or min(sizes) < 0
+            or not all(map(le, map(add, offsets, sizes), size))
+        ):
+            errors.append(
+                f"{fqn}: chunk at offsets {tuple(offsets)} of sizes {tuple(sizes)} is out of "
+                f"bounds of the tensor's size {size}"
+            )
+        volume += math.prod(sizes)
+    if len(chunks) > 1:
+        errors.extend(_overlap_errors(fqn, chunks, size))
+    expected = math.prod(size)
+    if several_ranks and volume != expected:
+        errors.append(
+            f"{fqn}: chunks hold {volume} elements, the tensor {expected} (invalid fill: a "
+            "shard is missing or saved twice)"
+        )
+    return errors
+
+
+def _overlap_errors(fqn: str, chunks: Sequence, size: Tuple[int, ...]) -> List[str]:
+    """Pairs of overlapping chunks, by a sweep along the tensor's longest axis."""
+    axis = max(range(len(size)), key=size.__getitem__)
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].offsets[axis], tuple(chunks[i].offsets)))
+    active: List[Tuple[int, int]] = []  # (end along the axis, chunk), sorted
+    errors = []
+    for i in order:
+        chunk = chunks[i]
+        start = chunk.offsets[axis]
+        if active:
+            passed = bisect_right(active, (start, sys.maxsize))
+            if passed:
+                del active[:passed]
+            for _, j in active:
+                if _boxes_overlap(chunk, chunks[j]):
+                    errors.append(
+                        f"{fqn}: overlapping chunks at offsets {tuple(chunk.offsets)} and "
+                        f"{tuple(chunks[j].offsets)}"
+                    )
+        insort(active, (start + chunk.sizes[axis], i))
+    return errors
+
+
+def _boxes_overlap(one, other) -> bool:
+    """DCP's box test: neither box lies wholly on one side of the other along any axis."""
+    for a_offset, a_size, b_offset, b_size in zip(one.offsets, one.sizes, other.offsets, other.sizes):
+        if a_offset >= b_offset + b_size or b_offset >= a_offset + a_size:
+            return False
+    return True
+
+
+def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
+    """Refuse items that several ranks plan; return the ids of redundant empty chunks.
+
+    DCP's global planning silently deduplicates identical chunks, but with decentralized
+    planning every rank writes its own plan, so which copy the metadata points to would
+    depend on the order of the results. Chunks without elements are exempt: they overlap
+    nothing, and the commit points the metadata at one of them. Of the empty chunks at
+    one ``(fqn, offset)`` only one is listed, never in place of a chunk with data (see
+    ``without_redundant_empty_chunks``): the others' ids are returned. One pass over the
+    items; keys are ``(fqn, offset)`` tuples, hashed in C (a ``MetadataIndex`` is not).
+
+    Raises:
+        CheckpointValidationError: naming the first items planned by several ranks.
+    """
+    owner: Dict[tuple, int] = {}
+    duplicates: Dict[tuple, List[int]] = {}
+    empty = []
+    for rank, plan in enumerate(all_local_plans):
+        for item in plan.items:
+            data = item.tensor_data
+            if data is not None and data.chunk is not None and 0 in data.chunk.sizes:
+                empty.append(item)
+                continue
+            index = item.index
+            key = (index.fqn, index.offset)
+            known = len(owner)
+            first = owner.setdefault(key, rank)
+            if len(owner) == known:  # planned before
+                duplicates.setdefault(key, [first]).append(rank)
+    if duplicates:
+        shown = "; ".join(
+            f"{fqn} at offset {tuple(offset or ())} on ranks {ranks}"
+            for (fqn, offset), ranks in list(duplicates.items())[:_SHOWN_ERRORS]
+        )
+        raise CheckpointValidationError(
+            f"{len(duplicates)} item(s) are saved by more than one rank (overlapping shards): "
+            f"{shown}. Exactly one rank must hold each shard with replica_id 0."
+        )
+    skipped, listed = set(), set()
+    for item in empty:  # in rank order
+        key = (item.index.fqn, item.index.offset)
+        if key in owner or key in listed:
+            skipped.add(id(item))
+        else:
+            listed.add(key)
+    return skipped

@@ -1,0 +1,115 @@
+"""Every rank's local plan, stored in ``.metadata`` as one digest per rank.
+
+A resumed job skips its first save's plan gather when every rank's fresh local plan is
+the one the loaded checkpoint was saved with. megatron-core stores every rank's whole
+local plan in the metadata for that (``all_local_plans``: at a million items that is
+more than half again the size of DCP's ``.metadata``). Here each rank's plan is stored
+as a 16-byte digest of what the comparison looks at (everything but the storage data and
+the index hints), as plain ``bytes``, so the file unpickles with stock torch and
+megatron-core, which ignore it (and plan in full). Checkpoints that carry
+``all_local_plans`` (older versions of this package, megatron-core) are still compared
+item by item.
+
+The digest is of the items' ``repr`` (fqn, offsets, sizes, tensor properties, global
+size, type): deterministic across processes. A change of its rules changes
+``_DIGEST_KEY``, so a checkpoint digested otherwise is simply not reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+from typing import Any, List, Optional, Sequence
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+__all__ = ["PLAN_DIGESTS_ATTR", "attach_plan_digests", "loaded_plans", "plan_digest", "same_plan"]
+
+PLAN_DIGESTS_ATTR = "megatron_async_plan_digests"
+"""Attribute of the metadata: ``[bytes]``, one digest per rank, in rank order."""
+
+_DIGEST_KEY = b"megatron_async.plan.v1"
+_SHARD = WriteItemType.SHARD.name  # the usual type, named without an enum lookup per item
+# In field order: an unpickled TensorProperties holds its attributes in another order.
+_properties = operator.attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
+_PLAN_FIELDS_LEFT_OUT = ("items", "storage_data")
+
+
+def plan_digest(plan: SavePlan) -> bytes:
+    """16 bytes that differ between plans that differ apart from storage data and hints.
+
+    Runs on every rank for its own plan, and on the coordinator for every rank's.
+    """
+    items = [_item_key(item) for item in plan.items]
+    others = [
+        (field.name, getattr(plan, field.name))
+        for field in dataclasses.fields(plan)
+        if field.name not in _PLAN_FIELDS_LEFT_OUT
+    ]
+    digest = hashlib.blake2b(key=_DIGEST_KEY, digest_size=16)
+    digest.update(repr(items).encode())
+    digest.update(repr(others).encode())
+    return digest.digest()
+
+
+def _item_key(item) -> tuple:
+    data = item.tensor_data
+    index = item.index
+    if data is None:
+        return (index.fqn, index.offset, item.type.name, getattr(item, "bytes_io_data", None))
+    chunk = data.chunk
+    return (
+        index.fqn,
+        index.offset,
+        _SHARD if item.type is WriteItemType.SHARD else item.type.name,
+        chunk.offsets,
+        chunk.sizes,
+        _properties(data.properties),
+        data.size,
+    )
+
+
+def attach_plan_digests(
+    metadata: Metadata,
+    all_local_plans: Sequence[SavePlan],
+    digests: Optional[Sequence[bytes]] = None,
+) -> None:
+    """Store every rank's plan digest on the metadata (coordinator, first save).
+
+    ``digests`` are the ranks' own, gathered with their plans; computed here when None
+    (or when they do not match the plans in number).
+    """
+    if digests is None or len(digests) != len(all_local_plans):
+        digests = [plan_digest(plan) for plan in all_local_plans]
+    setattr(metadata, PLAN_DIGESTS_ATTR, [bytes(digest) for digest in digests])
+
+
+def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:
+    """What a loaded checkpoint's metadata says of every rank's plan, or None.
+
+    Runs on every rank. Digests (``bytes``) when the checkpoint has them, else the whole
+    plans of ``all_local_plans`` (megatron-core, older versions of this package).
+    """
+    digests = getattr(metadata, PLAN_DIGESTS_ATTR, None)
+    if isinstance(digests, list) and all(isinstance(d, bytes) for d in digests):
+        return digests
+    return getattr(metadata, "all_local_plans", None)
+
+
+def same_plan(plan: SavePlan, loaded: Any) -> bool:
+    """Whether ``plan`` is the plan that ``loaded`` (a digest or a plan) describes.
+
+    Plans are compared on every field but the storage data; the index hints are left
+    out of digests (``MetadataIndex`` equality ignores them too).
+    """
+    if loaded is None:
+        return False
+    if isinstance(loaded, bytes):
+        return plan_digest(plan) == loaded
+    return all(
+        getattr(plan, field.name) == getattr(loaded, field.name)
+        for field in dataclasses.fields(plan)
+        if field.name != "storage_data"
+    )
