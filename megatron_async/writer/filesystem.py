@@ -39,6 +39,7 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
+from megatron_async.staging.budget import budgeted_save_functions
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -183,6 +184,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.digest_history: Optional[SaveDigestHistory] = None
         self.change_report: Optional[ChangeReport] = None
         self._write_results: Optional[List[WriteResult]] = None
+        self.staging_stats: dict = {}
+        """After staging: ``rounds`` and ``peak_bytes`` (staging memory) of this save."""
 
     # The reference API's attribute names for the options (read-only).
     separation_hint = property(lambda self: self.options.separation_hint)
@@ -194,6 +197,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     object_part_bytes = property(lambda self: self.options.object_part_bytes)
     overlap_staging = property(lambda self: self.options.overlap_staging)
     direct_io = property(lambda self: self.options.direct_io)
+    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)
 
     def storage_meta(self):
         """DCP's storage metadata; with ``use_msc`` its ``checkpoint_id`` is the URL string,
@@ -295,13 +299,23 @@ class FileSystemWriterAsync(FileSystemWriter):
         if self.overlap_staging:
             from megatron_async.staging.overlapped import overlapped_save_functions
 
-            return overlapped_save_functions(
+            save_fn, preload_fn, args = overlapped_save_functions(
                 save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
             )
-        preload_fn = bind_supported(
-            self.preload_tensors, (self.resolved_plan_data, True), staging_cache=self.staging_cache
+        else:
+            preload_fn = bind_supported(
+                self.preload_tensors, (self.resolved_plan_data, True),
+                staging_cache=self.staging_cache,
+            )
+            args = [coordination.get_rank(), None, self.results_queue]
+        # Within the staging memory budget: rounds when the state is larger, and a wait
+        # for an earlier save's memory instead of a second copy (staging/budget.py).
+        self.staging_stats = {}
+        save_fn, preload_fn = budgeted_save_functions(
+            save_fn, preload_fn, self.write_buckets, self.options.staging_memory_limit,
+            self.staging_cache, self.overlap_staging, self.staging_stats,
         )
-        return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
+        return save_fn, preload_fn, args
 
     def _open_file(self) -> Callable[..., Any]:
         """The ``open_file`` the write paths get: ``open``, or the object store's opener."""
@@ -329,6 +343,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         save_fn, preload_fn, args = self.get_save_function_and_args()
         if save_fn is not None:
             staged = preload_fn()
+            start = getattr(staged, "start_background_copy", None)
+            if start is not None:  # staging in rounds (or overlapped) copies beside the write
+                start()
             try:
                 save_fn(args[0], staged, args[2])
             finally:
