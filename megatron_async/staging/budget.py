@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from functools import partial
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -96,21 +97,26 @@ def resolve_budget(limit: Any, state_bytes: int) -> int:
 
 
 class _Hold:
-    """Staging memory held by one save until its writer is done or it is released."""
+    """Staging memory held by one save until its writer is done, the caller releases the
+    staged data, or nothing in this process references that data any more."""
 
     def __init__(self, num_bytes: int, control: RoundsControl):
         self.num_bytes = num_bytes
         self.control = control
         self.released = False
-        self.staged: Any = None
+        self.staged: Optional[weakref.ref] = None
 
     def done(self) -> bool:
-        if not self.released and self.control.writer_done:
+        if self.released:
+            return True
+        staged = self.staged() if self.staged is not None else None
+        if self.staged is not None and staged is None:
+            self.released = True  # dropped without a release: its buffers are gone
+        elif self.control.writer_done:
             self.released = True
-            release = getattr(self.staged, "release", None)
+            release = getattr(staged, "release", None)
             if release is not None:
                 release()  # the writer read everything: reusable now
-            self.staged = None
         return self.released
 
 
@@ -200,8 +206,23 @@ def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
 
 
 def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None:
-    hold.staged = staged
+    """Tie the hold to the staged data: the caller's release ends it too (a killed writer
+    never marks its control block done), and so does dropping the data unreleased."""
     stats.update(rounds=rounds, peak_bytes=peak)
+    try:
+        staged_ref = weakref.ref(staged)
+    except TypeError:  # staged data without weak references: the writer's mark ends it
+        return
+    hold.staged = staged_ref
+    release = getattr(type(staged), "release", None)
+
+    def release_and_end_hold() -> None:  # holds no strong reference: no cycle to collect
+        hold.released = True
+        target = staged_ref()
+        if release is not None and target is not None:
+            release(target)
+
+    staged.release = release_and_end_hold
 
 
 def stage_within_budget(

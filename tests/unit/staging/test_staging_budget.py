@@ -135,3 +135,26 @@ def test_a_refused_save_leaves_nothing_held(tmp_path):
     assert "tensor 't0' alone needs 16384 bytes" in str(error)
     assert not any(f.endswith(".distcp") for f in os.listdir(tmp_path / "refused"))
     assert staging_ledger().held_bytes() == held
+
+
+def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path):
+    from megatron_async.staging.budget import stage_within_budget
+
+    buckets = _buckets([torch.ones(256)])
+    ledger = staging_ledger()
+    held = ledger.held_bytes()
+    stats = {}
+    staged = stage_within_budget(
+        RoundsControl(1), buckets, None, None, 5.0, lambda: _StagedList(), False, stats
+    )
+    assert stats == {"rounds": 1, "peak_bytes": 1024}
+    assert ledger.held_bytes() == held + 1024  # no writer ran: still held
+    staged.release()  # as a caller does once it killed a hung writer
+    assert ledger.held_bytes() == held and staged.released
+
+
+class _StagedList(list):
+    released = False
+
+    def release(self):
+        self.released = True
