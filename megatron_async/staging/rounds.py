@@ -30,11 +30,12 @@ Runs in the trainer, except :func:`write_staged` and :class:`RoundItems` (backgr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence
 
 import torch
 
@@ -179,7 +180,10 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
     """
     offsets: List[Optional[int]] = []
     waits_for: List[List[int]] = []
-    live: List[Tuple[int, int, int]] = []  # (item, start, end) still in the ring
+    # What earlier items still occupy, as [item, start, end] in ring order from the
+    # current position: ``ahead`` (placed before this lap) and ``behind`` (this lap).
+    ahead: Deque[List[int]] = collections.deque()
+    behind: List[List[int]] = []
     position, used = 0, 0
     for idx, size in enumerate(sizes):
         if size == 0:
@@ -195,12 +199,20 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
         start = shared_memory.aligned(position)
         if start + size > budget:
             start = 0
+            ahead.extendleft(reversed(behind))  # this lap's items are next in the ring
+            behind = []
         end = start + size
-        overlapped = [entry for entry in live if entry[1] < end and start < entry[2]]
-        live = [entry for entry in live if not (entry[1] < end and start < entry[2])]
-        live.append((idx, start, end))
+        waits: List[int] = []
+        while ahead and ahead[0][1] < end:
+            entry = ahead[0]
+            waits.append(entry[0])
+            if entry[2] > end:
+                entry[1] = end  # partly overwritten: the rest still holds the older item
+                break
+            ahead.popleft()
+        behind.append([idx, start, end])
         offsets.append(start)
-        waits_for.append([entry[0] for entry in overlapped])
+        waits_for.append(waits)
         position = end
         used = max(used, end)
     return RoundPlan(used, list(sizes), offsets, waits_for)

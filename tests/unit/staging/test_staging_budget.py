@@ -25,8 +25,29 @@ def test_the_ring_plan_stays_in_the_budget_and_waits_for_what_it_overwrites():
     for offset, size in zip(plan.offsets, sizes):
         assert offset is None if size == 0 else offset + size <= 128
     assert plan.offsets == [0, 64, 0, None, 0, 0]  # 64-byte aligned; wraps to the start
-    assert plan.waits_for == [[], [], [0], [], [1, 2], [4]]
+    assert plan.waits_for == [[], [], [0], [], [2, 1], [4]]
     assert plan.rounds == 4
+
+
+def test_an_item_in_the_rest_of_a_partly_overwritten_one_waits_for_it():
+    plan = plan_rounds([1000, 10, 10], ["big", "a", "b"], budget=1000)
+    assert plan.offsets == [0, 0, 64]
+    assert plan.waits_for == [[], [0], [0]]  # "b" lands in what is left of "big"
+
+
+def test_mixed_items_beside_one_budget_sized_tensor_write_the_same_bytes(tmp_path):
+    big = torch.arange((1 << 20) // 4, dtype=torch.float32)
+    state = {"rows": torch.arange(24.0).reshape(4, 6), "half": torch.arange(6.0).bfloat16(),
+             "flags": torch.tensor([True, False, True]), "big": big, "ints": torch.arange(7)}
+    for name, limit in (("one", None), ("rounds", big.numel() * 4)):
+        writer = FileSystemWriterAsync(
+            str(tmp_path / name), options=WriteOptions(thread_count=2, staging_memory_limit=limit)
+        )
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.staging_stats["rounds"] >= 2
+    files = sorted(f for f in os.listdir(tmp_path / "one") if f.endswith(".distcp"))
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "rounds" / name).read_bytes()
 
 
 def test_one_copy_plan_is_one_round():
