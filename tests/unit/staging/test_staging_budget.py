@@ -179,3 +179,15 @@ class _StagedList(list):
 
     def release(self):
         self.released = True
+
+
+def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
+    import logging
+
+    from megatron_async.core.save_report import SaveDetails, log_finalized_save
+
+    caplog.set_level(logging.INFO, logger="megatron_async")
+    details = SaveDetails("ckpt", 0.01, 0.5, 4096, None, staging_bytes=1024, staging_rounds=4)
+    log_finalized_save(0, 3, 0.2, 0.1, details)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "staging peak 1024 bytes in 4 round(s)" in line
