@@ -36,7 +36,7 @@ import torch
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
-from megatron_async.staging.rounds import RoundsControl, check_fits, stage_in_rounds, write_staged
+from megatron_async.staging.rounds import RoundsControl, check_fits, stage_in_rounds
 from megatron_async.writer.layout import WriteBucket
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
     "validate_staging_memory_limit",
     "resolve_budget",
     "stage_within_budget",
-    "budgeted_save_functions",
+    "budgeted_preload",
     "DEFAULT_STAGING_MEMORY_WAIT_S",
 ]
 
@@ -234,6 +234,7 @@ def stage_within_budget(
     stage_one_go: Callable[[], Any],
     overlapped: bool,
     stats: dict,
+    rounds: bool = True,
 ) -> Any:
     """Stage ``buckets`` within the budget (trainer, the request's ``preload_fn``).
 
@@ -256,11 +257,16 @@ def stage_within_budget(
             raise
         _mark(staged, hold, stats, 1, state_bytes)
         return staged
-    if overlapped:
+    if overlapped or not rounds:
+        why = (
+            "overlapped staging cannot stage in rounds yet. Save without overlap_staging"
+            if overlapped else
+            "this writer's write path (an override without staging_control) cannot take "
+            "items in rounds. Accept staging_control in the override"
+        )
         raise StagingMemoryError(
             f"this rank's state ({state_bytes} bytes) is larger than the staging_memory_limit "
-            f"({budget} bytes); overlapped staging cannot stage in rounds yet. Save without "
-            "overlap_staging, or raise staging_memory_limit to at least the state"
+            f"({budget} bytes); {why}, or raise staging_memory_limit to at least the state"
         )
     check_fits(buckets, budget)
     (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
@@ -275,8 +281,8 @@ def stage_within_budget(
     return staged
 
 
-def budgeted_save_functions(
-    save_fn: Callable[..., Any],
+def budgeted_preload(
+    control: RoundsControl,
     preload_fn: Callable[[], Any],
     buckets: Sequence[WriteBucket],
     limit: Any,
@@ -284,16 +290,16 @@ def budgeted_save_functions(
     overlapped: bool,
     stats: dict,
     timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S,
-) -> Tuple[Callable[..., Any], Callable[[], Any]]:
-    """Wrap a writer's ``(save_fn, preload_fn)`` so that the save stays within the budget.
+    rounds: bool = True,
+) -> Callable[[], Any]:
+    """Wrap a writer's ``preload_fn`` so that the save stays within the budget (trainer).
 
-    Runs in the trainer. The returned ``preload_fn`` stages within the budget; the
-    returned ``save_fn`` (background writer) takes the items as they arrive and marks
-    the control block done at its end.
+    ``control`` (one word per tensor item of ``buckets``) also goes to the write path
+    (``staging_control``), which takes the items as they arrive and marks it done.
+    ``rounds`` False: the write path does not take ``staging_control`` (an override with
+    the reference signature), so a state above the budget is refused.
     """
-    control = RoundsControl(sum(len(b.data[1]) for b in buckets))
-    budgeted_preload = partial(
+    return partial(
         stage_within_budget, control, buckets, limit, cache, timeout_s, preload_fn,
-        overlapped, stats,
+        overlapped, stats, rounds,
     )
-    return partial(write_staged, control, timeout_s, save_fn), budgeted_preload

@@ -17,7 +17,7 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   once the writer marked its predecessors in the ring *written*, and waits for it
   (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
   the snapshot is whole when scheduling returns;
-* the background writer (:func:`write_staged`) waits for an item's *copied* mark before
+* the background writer (:func:`writer_view`) waits for an item's *copied* mark before
   writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
   or copied them), which frees its bytes for the next round.
 
@@ -25,7 +25,7 @@ The files are byte-identical to a save staged in one go (same buckets, items, wr
 path). Version counters recorded in ``preload_fn`` are checked around every later copy: a
 tensor changed before its copy fails the save on every rank (``StagingRaceError``).
 
-Runs in the trainer, except :func:`write_staged` and :class:`RoundItems` (background writer).
+Runs in the trainer, except :func:`writer_view` and :class:`RoundItems` (background writer).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = [
     "RoundItems",
     "plan_rounds",
     "stage_in_rounds",
-    "write_staged",
+    "writer_view",
 ]
 
 logger = logging.getLogger(__name__)
@@ -382,30 +382,23 @@ class RoundItems(list):
         self.control.mark_written(self.first + idx)
 
 
-def write_staged(
-    control: RoundsControl,
-    timeout_s: float,
-    write_fn: Callable[..., Any],
-    rank: int,
-    staged: Optional[Sequence[WriteBucket]],
-    *args: Any,
-) -> None:
-    """Background writer: run ``write_fn`` on the staged buckets, items arriving in rounds.
+def writer_view(
+    control: RoundsControl, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
+) -> Optional[Sequence[WriteBucket]]:
+    """Background writer: the staged buckets as the write path reads them.
 
-    With a control block that counts items, each bucket's tensor list waits for its items
-    and frees them (:class:`RoundItems`). Whatever happens, the control block is marked
-    done at the end, which frees this save's staging memory for the next save.
+    Staged in rounds, each bucket's tensor list waits for its items and frees them
+    (:class:`RoundItems`); otherwise the buckets as they are. The write path marks the
+    control block done once it returns, whatever happened (``control.mark_done()``),
+    which frees this save's staging memory for the next save.
     """
-    try:
-        if control.in_rounds and staged is not None:
-            deadline = time.monotonic() + timeout_s
-            first, buckets = 0, []
-            for bucket in staged:
-                bytes_data, tensor_data = bucket.data
-                items = RoundItems(tensor_data, control, first, deadline)
-                first += len(tensor_data)
-                buckets.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, items)))
-            staged = buckets
-        write_fn(rank, staged, *args)
-    finally:
-        control.mark_done()
+    if not control.in_rounds or staged is None:
+        return staged
+    deadline = time.monotonic() + timeout_s
+    first, buckets = 0, []
+    for bucket in staged:
+        bytes_data, tensor_data = bucket.data
+        buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
+                                   (bytes_data, RoundItems(tensor_data, control, first, deadline))))
+        first += len(tensor_data)
+    return buckets

@@ -39,8 +39,9 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
-from megatron_async.staging.budget import budgeted_save_functions
+from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
+from megatron_async.staging.rounds import RoundsControl
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
@@ -287,6 +288,9 @@ class FileSystemWriterAsync(FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
+        # Within the staging memory budget (staging/budget.py): the control block tells
+        # the write path which items arrive in rounds, and the write path marks it done.
+        control = RoundsControl(sum(len(b.data[1]) for b in self.write_buckets))
         save_fn = bind_supported(
             write_fn,
             (self.transforms, self.use_msc, self._open_file()),
@@ -295,6 +299,7 @@ class FileSystemWriterAsync(FileSystemWriter):
             bucket_writer=type(self).write_preloaded_data,
             compute_checksums=self.checksums,
             direct_io=self.direct_io,
+            staging_control=control,
         )
         if self.overlap_staging:
             from megatron_async.staging.overlapped import overlapped_save_functions
@@ -308,12 +313,13 @@ class FileSystemWriterAsync(FileSystemWriter):
                 staging_cache=self.staging_cache,
             )
             args = [coordination.get_rank(), None, self.results_queue]
-        # Within the staging memory budget: rounds when the state is larger, and a wait
-        # for an earlier save's memory instead of a second copy (staging/budget.py).
+        # Rounds when the state is larger than the budget, and a wait for an earlier
+        # save's memory instead of a second copy.
         self.staging_stats = {}
-        save_fn, preload_fn = budgeted_save_functions(
-            save_fn, preload_fn, self.write_buckets, self.options.staging_memory_limit,
+        preload_fn = budgeted_preload(
+            control, preload_fn, self.write_buckets, self.options.staging_memory_limit,
             self.staging_cache, self.overlap_staging, self.staging_stats,
+            rounds="staging_control" in save_fn.keywords,  # not with an override without it
         )
         return save_fn, preload_fn, args
 

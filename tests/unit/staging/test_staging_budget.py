@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError, StagingRaceError
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
-from megatron_async.staging.rounds import RoundsControl, plan_rounds, stage_in_rounds, write_staged
+from megatron_async.staging.rounds import RoundsControl, plan_rounds, stage_in_rounds, writer_view
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from tests.unit.staging.test_overlapped_staging import _buckets
@@ -121,15 +121,14 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
-    def write(rank, buckets, results):
-        for item, tensor in buckets[0].data[1]:
-            buckets[0].data[1].before_item(len(written))
-            written.append(tensor.clone())
-            buckets[0].data[1].after_item(len(written) - 1)
-
     staged.start_background_copy()
+    (bucket,) = writer_view(control, 30.0, list(staged))
     with pytest.raises(StagingRaceError, match="layer3.weight"):
-        write_staged(control, 30.0, write, 0, list(staged), None)
+        for idx, (item, tensor) in enumerate(bucket.data[1]):
+            bucket.data[1].before_item(idx)
+            written.append(tensor.clone())
+            bucket.data[1].after_item(idx)
+    control.mark_done()  # as the write path does at its end
     staged.finish_staging()
     assert len(written) == 3 and control.writer_done  # items 0-2; item 3 raced
 
