@@ -12,6 +12,24 @@ from megatron_async.storage.client import MSC_EXTRA_HINT, msc_available
 __all__ = ["parse_args", "validate_parallel_args"]
 
 
+_SIZE_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _staging_limit(text: str):
+    """``--ckpt-staging-memory-limit``: bytes (``512M``, ``4G``, ``1000000``) or a fraction (``0.1``)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if value and value[-1] in _SIZE_SUFFIXES:
+            return int(float(value[:-1]) * _SIZE_SUFFIXES[value[-1]])
+        if "." in value:
+            return float(value)
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give bytes (e.g. 512M, 4G) or a fraction of the node's memory (e.g. 0.1)"
+        ) from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Pretrain a small GPT with megatron-core and save torch_dist checkpoints "
@@ -79,6 +97,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="with --async-save: the save returns after planning and the host "
                       "copy runs while the next forward/backward runs (the optimizer step "
                       "waits for it)")
+    ckpt.add_argument("--ckpt-staging-memory-limit", type=_staging_limit, default=None,
+                      help="the most host (shared) memory one rank's checkpoint staging may "
+                      "hold: bytes (an integer, K/M/G suffixes allowed) or a fraction of the "
+                      "node's memory shared by its local ranks (e.g. 0.1); a larger state is "
+                      "staged and written in rounds. Default: one copy of the state")
     ckpt.add_argument("--ckpt-fully-parallel-save", action="store_true",
                       help="spread replicated shards over the data-parallel ranks")
     ckpt.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",

@@ -401,6 +401,8 @@ class Checkpointer:
         if self._strategy is None:
             # An msc:// --save streams every file to the store from the background writer.
             options = {"use_msc": bool(self.args.save) and storage_for(self.args.save).needs_msc}
+            if self.args.ckpt_staging_memory_limit is not None:
+                options.update(staging_memory_limit=self.args.ckpt_staging_memory_limit)
             if self.args.ckpt_overlap_staging and self.args.async_save:
                 # The copy overlaps the next forward/backward; the optimizer step waits.
                 refuse_overlap_param_gather([self.model, self.optimizer])

@@ -19,6 +19,7 @@ from megatron_async.core.request import (
     STAGED_ARG_INDEX,
     AsyncRequest,
     release_staged_data,
+    finish_staging,
     start_background_copy,
 )
 from megatron_async.errors import (
@@ -251,6 +252,7 @@ class PersistentAsyncCaller(AsyncCaller):
         device = None if self.process.forked else current_cuda_device()
         self.process.send((idx, encoded, device))
         start_background_copy(staged)  # overlapped staging: the worker waits for it
+        finish_staging(staged)  # staging in rounds: copied while the writer drains
 
     def _run_while_starting(self, async_req: AsyncRequest) -> None:
         """Run a save scheduled before the worker is ready on a forked process.

@@ -14,6 +14,7 @@ __all__ = [
     "release_staged_data",
     "run_staging_and_async_fn",
     "start_background_copy",
+    "finish_staging",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,19 @@ def start_background_copy(staged: Any) -> None:
     start = getattr(staged, "start_background_copy", None)
     if callable(start):
         start()
+
+
+def finish_staging(staged: Any) -> None:
+    """Wait until staged data whose later rounds copy beside the writer is whole (trainer).
+
+    Staging in rounds (:mod:`megatron_async.staging.rounds`) copies what does not fit the
+    staging budget while the writer drains; callers call this after
+    :func:`start_background_copy`, before scheduling returns, so that the trainer changes
+    no saved tensor before it is copied. Other staged data is left alone.
+    """
+    finish = getattr(staged, "finish_staging", None)
+    if callable(finish):
+        finish()
 
 
 def run_staging_and_async_fn(request: AsyncRequest) -> None:

@@ -31,6 +31,9 @@ class SaveDetails:
         write_s: time the background write took, as the writer measured it.
         num_bytes: bytes this rank wrote.
         changes: on the coordinator, how many items changed since the previous save.
+        staging_bytes: the most staging memory the save held (its pool when staged in
+            rounds, else its state).
+        staging_rounds: how many rounds the state was staged in (1: in one go).
     """
 
     checkpoint: str
@@ -38,6 +41,8 @@ class SaveDetails:
     write_s: Optional[float]
     num_bytes: Optional[int]
     changes: Optional[str] = None
+    staging_bytes: Optional[int] = None
+    staging_rounds: Optional[int] = None
 
 
 def details_of(request: Any) -> Optional[SaveDetails]:
@@ -80,9 +85,12 @@ def log_finalized_save(
         rate = "rate unknown"
     write = f"{details.write_s:.3f}s" if details.write_s is not None else "unknown"
     written = f"{details.num_bytes} bytes" if details.num_bytes is not None else "unknown bytes"
+    staging = ""
+    if details.staging_bytes is not None:
+        staging = f", staging peak {details.staging_bytes} bytes in {details.staging_rounds} round(s)"
     logger.info(
         "rank %d: checkpoint %s saved (async call %d): stall %.3fs (plan %.3fs + staging "
-        "%.3fs), background write %s, %s, %s, finalize %.3fs%s",
+        "%.3fs), background write %s, %s, %s%s, finalize %.3fs%s",
         rank, details.checkpoint, call_idx, stall_s, details.plan_s, schedule_s, write,
-        written, rate, finalize_s, f"; {details.changes}" if details.changes else "",
+        written, rate, staging, finalize_s, f"; {details.changes}" if details.changes else "",
     )

@@ -47,6 +47,7 @@ __all__ = [
     "segment_is_alive",
     "has_live_segments",
     "ReusedTensorPairs",
+    "live_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,12 @@ def has_live_segments() -> bool:
     """Whether this process holds any registered segment (a fork would keep it mapped)."""
     with _lock:
         return bool(_live_ids)
+
+
+def live_bytes() -> int:
+    """Bytes of shared memory this process's registered segments hold (staging included)."""
+    with _lock:
+        return sum(entry[2] for entry in _by_base.values())
 
 
 class ReusedTensorPairs(list):

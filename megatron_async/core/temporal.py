@@ -25,6 +25,7 @@ from megatron_async.core.request import (
     STAGED_ARG_INDEX,
     AsyncRequest,
     release_staged_data,
+    finish_staging,
     start_background_copy,
 )
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
@@ -133,6 +134,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process = process
         self._status = CallStatus.running()
         start_background_copy(self._staged)  # overlapped staging: the child waits for it
+        finish_staging(self._staged)  # staging in rounds: copied while the writer drains
         logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
 
     def poll(self, call_idx: int) -> CallStatus:

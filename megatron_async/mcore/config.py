@@ -8,7 +8,7 @@ raises :class:`~megatron_async.errors.CheckpointValidationError` when the config
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions
@@ -105,6 +105,15 @@ class TorchDistSaveConfig:
     ``msc://PROFILE/PREFIX`` URLs (megatron-core's ``--enable-msc``; Megatron-LM's
     ``use_msc``). Needs the ``msc`` extra (``pip install megatron-async[msc]``)."""
 
+    staging_memory_limit: Optional[Union[int, float]] = None
+    """The most host staging memory (shared memory) this rank's saves hold at once: bytes
+    (int), or a fraction of the node's memory shared by its local ranks (float in (0, 1]).
+    None: one copy of the state (a save scheduled while the previous one is still written
+    waits for it instead of staging a second copy). A state larger than the limit is
+    staged and written in rounds through a pool of the limit's size (the trainer waits
+    for the writer to drain); a single tensor larger than the limit is refused with a
+    ``StagingMemoryError`` naming it. Not with ``overlap_staging`` for states above it."""
+
     def __post_init__(self) -> None:
         # Built (and so validated) once per config; every save's writer gets this object.
         object.__setattr__(self, "_write_options", self._make_write_options())
@@ -129,4 +138,5 @@ class TorchDistSaveConfig:
             object_request_retries=self.object_request_retries,
             overlap_staging=self.overlap_staging,
             direct_io=self.direct_io,
+            staging_memory_limit=self.staging_memory_limit,
         )

@@ -65,9 +65,11 @@ class SaveFinalizer:
         """What this save cost on this rank (for the queue's INFO line)."""
         writer = self._args[0]
         report = getattr(writer, "change_report", None)
+        stats = getattr(writer, "staging_stats", None) or {}
         return SaveDetails(
             self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written,
             report.summary() if report is not None else None,
+            stats.get("peak_bytes"), stats.get("rounds"),
         )
 
 

@@ -101,6 +101,11 @@ class BucketFile:
     def close(self) -> None:
         os.close(self._fd)
 
+    def release_pieces(self) -> None:
+        """Write what is pending, so the memory appended so far may change from now on
+        (staging in rounds reuses it for the next items)."""
+        self._write_pending()
+
     # -- the stream DCP's item writer sees ---------------------------------------------
 
     def writable(self) -> bool:

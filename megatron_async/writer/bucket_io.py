@@ -210,13 +210,21 @@ def write_bucket(
 
         for item, data in bytes_data:
             write(item, data)
-        for item, tensor in tensor_data:
+        # Staged in rounds (megatron_async.staging.rounds): wait for each item, free it after.
+        before_item = getattr(tensor_data, "before_item", None)
+        after_item = getattr(tensor_data, "after_item", None)
+        for idx, (item, tensor) in enumerate(tensor_data):
             if not tensor.is_cpu:
                 raise ValueError(
                     f"{item.index.fqn} is on {tensor.device}; run the request's preload_fn "
                     "(staging) before the save function"
                 )
+            if before_item is not None:
+                before_item(idx)
             write(item, tensor)
+            if after_item is not None:
+                file.release_pieces()
+                after_item(idx)
         file.finish(use_fsync)
     finally:
         file.close()

@@ -39,7 +39,9 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
+from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
+from megatron_async.staging.rounds import RoundsControl
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
@@ -186,6 +188,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.commit_cache: Optional[CommitCache] = None
         self.change_report: Optional[ChangeReport] = None
         self._write_results: Optional[List[WriteResult]] = None
+        self.staging_stats: dict = {}
+        """After staging: ``rounds`` and ``peak_bytes`` (staging memory) of this save."""
 
     # The reference API's attribute names for the options (read-only).
     separation_hint = property(lambda self: self.options.separation_hint)
@@ -197,6 +201,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     object_part_bytes = property(lambda self: self.options.object_part_bytes)
     overlap_staging = property(lambda self: self.options.overlap_staging)
     direct_io = property(lambda self: self.options.direct_io)
+    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)
 
     def storage_meta(self):
         """DCP's storage metadata, with the ``checkpoint_id`` as a string (with ``use_msc``
@@ -289,6 +294,9 @@ class FileSystemWriterAsync(FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
+        # Within the staging memory budget (staging/budget.py): the control block tells
+        # the write path which items arrive in rounds, and the write path marks it done.
+        control = RoundsControl(sum(len(b.data[1]) for b in self.write_buckets))
         save_fn = bind_supported(
             write_fn,
             (self.transforms, self.use_msc, self._open_file()),
@@ -297,17 +305,29 @@ class FileSystemWriterAsync(FileSystemWriter):
             bucket_writer=type(self).write_preloaded_data,
             compute_checksums=self.checksums,
             direct_io=self.direct_io,
+            staging_control=control,
         )
         if self.overlap_staging:
             from megatron_async.staging.overlapped import overlapped_save_functions
 
-            return overlapped_save_functions(
+            save_fn, preload_fn, args = overlapped_save_functions(
                 save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
             )
-        preload_fn = bind_supported(
-            self.preload_tensors, (self.resolved_plan_data, True), staging_cache=self.staging_cache
+        else:
+            preload_fn = bind_supported(
+                self.preload_tensors, (self.resolved_plan_data, True),
+                staging_cache=self.staging_cache,
+            )
+            args = [coordination.get_rank(), None, self.results_queue]
+        # Rounds when the state is larger than the budget, and a wait for an earlier
+        # save's memory instead of a second copy.
+        self.staging_stats = {}
+        preload_fn = budgeted_preload(
+            control, preload_fn, self.write_buckets, self.options.staging_memory_limit,
+            self.staging_cache, self.overlap_staging, self.staging_stats,
+            rounds="staging_control" in save_fn.keywords,  # not with an override without it
         )
-        return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
+        return save_fn, preload_fn, args
 
     def _open_file(self) -> Callable[..., Any]:
         """The ``open_file`` the write paths get: ``open``, or the object store's opener."""
@@ -335,6 +355,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         save_fn, preload_fn, args = self.get_save_function_and_args()
         if save_fn is not None:
             staged = preload_fn()
+            start = getattr(staged, "start_background_copy", None)
+            if start is not None:  # staging in rounds (or overlapped) copies beside the write
+                start()
             try:
                 save_fn(args[0], staged, args[2])
             finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import RequestPolicy
@@ -82,6 +82,12 @@ class WriteOptions:
     direct_io: bool = True
     """Write local files with ``O_DIRECT`` where the file system accepts it."""
 
+    staging_memory_limit: Optional[Union[int, float]] = None
+    """The most staging memory this rank's saves hold at once: bytes (int), or a fraction
+    of the node's memory shared by its local ranks (float in (0, 1]); None is one copy of
+    the state. A larger state is staged and written in rounds; a save while another is
+    written waits for its memory (see :mod:`megatron_async.staging.budget`)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
             raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
@@ -103,6 +109,9 @@ class WriteOptions:
                 f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
             )
         self.request_policy  # validates the object-store request bounds
+        from megatron_async.staging.budget import validate_staging_memory_limit
+
+        validate_staging_memory_limit(self.staging_memory_limit)
         if self.use_msc:
             from megatron_async.storage.client import import_msc
 

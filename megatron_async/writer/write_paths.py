@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
+from megatron_async.staging.rounds import writer_view
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.writer.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
@@ -208,6 +209,7 @@ def write_staged_buckets(
     bucket_writer: Optional[SpecBucketWriter],
     compute_checksums: bool,
     direct_io: bool,
+    staging_control: Any = None,
 ) -> None:
     """Write the staged buckets, one thread or forked process each, and report the outcome.
 
@@ -216,7 +218,9 @@ def write_staged_buckets(
     ``write_preloaded_data_multiproc`` (True); the other arguments are theirs. The
     positional ones are a save function's ``args``, the keywords what the writer binds.
     A failed bucket is recorded in the outcome that goes to ``global_results_queue``, not
-    raised.
+    raised. ``staging_control`` (the staging budget's control block,
+    :mod:`megatron_async.staging.rounds`): items may arrive in rounds, and the block is
+    marked done at the end, which frees the save's staging memory.
     """
     write_one = _one_bucket_writer(
         bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
@@ -224,7 +228,14 @@ def write_staged_buckets(
     )
     run_buckets = write_with_processes if use_processes else write_with_threads
     runner = partial(run_buckets, write_one, write_timeout_s)
-    write_and_report(runner, rank, write_buckets, global_results_queue)
+    if staging_control is None:
+        write_and_report(runner, rank, write_buckets, global_results_queue)
+        return
+    try:
+        write_buckets = writer_view(staging_control, write_timeout_s, write_buckets)
+        write_and_report(runner, rank, write_buckets, global_results_queue)
+    finally:
+        staging_control.mark_done()
 
 
 def write_preloaded_data_multithread(
@@ -240,6 +251,7 @@ def write_preloaded_data_multithread(
     bucket_writer: Optional[SpecBucketWriter] = None,
     compute_checksums: bool = True,
     direct_io: bool = True,
+    staging_control: Any = None,
 ) -> None:
     """Write the staged buckets, one thread each, and report the outcome (background).
 
@@ -260,12 +272,14 @@ def write_preloaded_data_multithread(
         bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
         compute_checksums: hash every item while writing it.
         direct_io: write local files with ``O_DIRECT`` where accepted.
+        staging_control: the staging budget's control block (see :func:`write_staged_buckets`).
     """
     write_staged_buckets(
         rank, write_buckets, global_results_queue, use_processes=False,
         transform_list=transform_list, use_msc=use_msc, open_file=open_file,
         use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
         compute_checksums=compute_checksums, direct_io=direct_io,
+        staging_control=staging_control,
     )
 
 
@@ -282,6 +296,7 @@ def write_preloaded_data_multiproc(
     bucket_writer: Optional[SpecBucketWriter] = None,
     compute_checksums: bool = True,
     direct_io: bool = True,
+    staging_control: Any = None,
 ) -> None:
     """Write the staged buckets, one forked process each, and report the outcome.
 
@@ -295,4 +310,5 @@ def write_preloaded_data_multiproc(
         transform_list=transform_list, use_msc=use_msc, open_file=open_file,
         use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
         compute_checksums=compute_checksums, direct_io=direct_io,
+        staging_control=staging_control,
     )

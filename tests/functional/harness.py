@@ -269,6 +269,16 @@ def _dump_stacks_and_kill(proc) -> None:
         pass
 
 
+def run_selected_then_close(ctx: RankContext, scenarios: Dict[str, Callable], queues: Dict[Any, Any]):
+    """Run the selected ``scenarios`` (:func:`run_scenarios`), then close every queue of
+    ``queues`` (the launch's queues, one per caller kind) without waiting."""
+    try:
+        return run_scenarios(ctx, only_selected(ctx, scenarios))
+    finally:
+        for queue in queues.values():
+            queue.close(abort=True)
+
+
 def run_scenarios(ctx: RankContext, scenarios: Dict[str, Callable[[RankContext], Any]]):
     """Run named scenarios in order on this rank; return ``{name: ScenarioOutcome}``.
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megatron_async.format import checksum_record_name
 from megatron_async.mcore import generation
 from megatron_async.saver import state_dict_saver as saver_internals
-from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
+from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
 
 _QUEUES = {}
@@ -134,8 +134,4 @@ SCENARIOS = {
 
 
 def run_all(ctx: RankContext):
-    try:
-        return run_scenarios(ctx, only_selected(ctx, SCENARIOS))
-    finally:
-        for queue in _QUEUES.values():
-            queue.close(abort=True)
+    return run_selected_then_close(ctx, SCENARIOS, _QUEUES)

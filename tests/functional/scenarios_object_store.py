@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import time
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
@@ -97,9 +99,12 @@ def _check_loads_back(ctx: RankContext, url: str, scale: float, fsspec: bool = F
         assert torch.equal(by_dcp["big"], whole_big), (reader, "big")
 
 
-def _save(ctx: RankContext, url: str, scale: float, persistent: bool, mutate: bool = False) -> None:
+def _save(ctx: RankContext, url: str, scale: float, persistent: bool, mutate: bool = False,
+          strategy: Optional[TorchDistAsyncSaveStrategy] = None) -> None:
     state = _state(ctx, scale)
-    request = dist_checkpointing.save(state, url, sharded_strategy=_strategy(), async_sharded_save=True)
+    request = dist_checkpointing.save(
+        state, url, sharded_strategy=strategy or _strategy(), async_sharded_save=True
+    )
     _queue(persistent).schedule_async_request(request)
     if mutate:  # the trainer's next step, right after scheduling returns
         for value in state.values():
@@ -127,6 +132,18 @@ def snapshot_after_scheduling(ctx: RankContext, persistent: bool) -> None:
     url = _url(ctx, f"snapshot-{persistent}")
     _save(ctx, url, 2.0, persistent, mutate=True)
     _check_loads_back(ctx, url, 2.0)
+
+
+def staged_in_rounds_to_the_store(ctx: RankContext, persistent: bool) -> None:
+    """A staging budget of the largest tensor (below the state): uploads stream from the
+    pool in rounds; the checkpoint loads back equal and the snapshot holds."""
+    url = _url(ctx, f"rounds-{persistent}")
+    strategy = TorchDistAsyncSaveStrategy(
+        use_msc=True, object_part_bytes=PART_BYTES, thread_count=2,
+        staging_memory_limit=BIG_NUMEL * 4,
+    )
+    _save(ctx, url, 4.0, persistent, mutate=True, strategy=strategy)
+    _check_loads_back(ctx, url, 4.0)
 
 
 def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, expect: str,
@@ -255,7 +272,7 @@ def checkpoint_manager_on_the_store(ctx: RankContext, persistent: bool) -> None:
 
 
 SCENARIOS = {
-    **for_both_callers(save_and_load_back, snapshot_after_scheduling),
+    **for_both_callers(save_and_load_back, snapshot_after_scheduling, staged_in_rounds_to_the_store),
     **for_both_callers(server_stopped_mid_upload, store_stops_answering, store_drips_bytes),
     **{k: v for k, v in for_both_callers(endpoint_down, credentials_refused, missing_bucket).items() if "temporal" in k},
     **{k: v for k, v in for_both_callers(checkpoint_manager_on_the_store).items() if "persistent" in k},

@@ -36,6 +36,20 @@ def test_constant_structure_validates_the_sharding_on_the_first_save_only(flags)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("flags", [[], ["--async-save"]], ids=["sync", "async-temporal"])
+@pytest.mark.parametrize("flags", [
+    [], ["--async-save"], ["--async-save", "--ckpt-staging-memory-limit", "256K"],
+], ids=["sync", "async-temporal", "async-staging-in-rounds"])
 def test_without_constant_structure_every_save_validates_the_sharding(flags):
     assert _validated_saves(*flags) == [True, True, True]
+
+
+def test_staging_memory_limit_flag_takes_sizes_and_fractions():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+    from gpt.arguments import _staging_limit
+
+    assert _staging_limit("256K") == 256 * 2**10
+    assert _staging_limit("1.5GiB") == int(1.5 * 2**30)
+    assert _staging_limit("1000") == 1000
+    assert _staging_limit("0.1") == 0.1
+    with pytest.raises(Exception, match="give bytes"):
+        _staging_limit("lots")

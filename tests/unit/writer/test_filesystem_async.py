@@ -26,6 +26,7 @@ from megatron_async.errors import (
     StorageWriteError,
     WorkerDiedError,
 )
+from megatron_async.writer.options import WriteOptions
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 pytestmark = pytest.mark.timeout(120)
@@ -241,7 +242,10 @@ def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
     for step in range(2):
         target = tmp_path / f"s{step}"
         target.mkdir()
-        writer = FileSystemWriterAsync(str(target), use_cached_data_structure=True)
+        # A budget of two copies: the default (one) would make the second staging wait
+        # for the first save's writer instead (tests/unit/staging/test_staging_budget.py).
+        options = WriteOptions(use_cached_data_structure=True, staging_memory_limit=2 * 32 * 4)
+        writer = FileSystemWriterAsync(str(target), options=options)
         _prepare(writer, state_dict)
         staged.append(writer.get_save_function_and_args()[1]())
         writers.append(writer)

@@ -1,0 +1,404 @@
+"""Staging in rounds: a save larger than the staging budget goes through a bounded pool.
+
+With a ``staging_memory_limit`` (see :mod:`megatron_async.staging.budget`) smaller than
+a rank's state, the state is staged and written in rounds through one shared-memory
+*pool* of at most the budget:
+
+* the trainer places every tensor item, in the order the writer reads them (bucket by
+  bucket, item by item), at a fixed offset of the pool: one after the other, wrapping to
+  the start when the next item does not fit before the end (a ring). Each item depends
+  on the earlier items whose bytes it overwrites (:func:`plan_rounds`);
+* the pool and a small *control block* (one state word per item, in shared memory) are
+  created in ``preload_fn``, before the fork or the send, so a forked writer inherits
+  both and the persistent worker receives them as segment references, like any staged
+  buffer: no buffer is ever handed over later;
+* ``preload_fn`` copies the first round (the items that depend on nothing); the caller
+  then starts a trainer thread (``start_background_copy``) that copies each further item
+  once the writer marked its predecessors in the ring *written*, and waits for it
+  (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
+  the snapshot is whole when scheduling returns;
+* the background writer (:func:`writer_view`) waits for an item's *copied* mark before
+  writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
+  or copied them), which frees its bytes for the next round.
+
+The files are byte-identical to a save staged in one go (same buckets, items, write
+path). Version counters recorded in ``preload_fn`` are checked around every later copy: a
+tensor changed before its copy fails the save on every rank (``StagingRaceError``).
+
+Runs in the trainer, except :func:`writer_view` and :class:`RoundItems` (background writer).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Deque, List, Optional, Sequence
+
+import torch
+
+from megatron_async.core import shared_memory
+from megatron_async.errors import AsyncTimeoutError, StagingMemoryError, StagingRaceError
+from megatron_async.staging.buffers import StagedBuckets
+from megatron_async.staging.snapshot import synchronize_if_cuda
+from megatron_async.writer.layout import WriteBucket
+
+__all__ = [
+    "check_fits",
+    "RoundsControl",
+    "RoundPlan",
+    "RoundItems",
+    "plan_rounds",
+    "stage_in_rounds",
+    "writer_view",
+]
+
+logger = logging.getLogger(__name__)
+
+_PENDING, _COPIED, _WRITTEN = 0, 1, 2
+_OK, _FAILED = 0, 1
+_HEADER_WORDS = 4  # failure state, message length, writer done, staged in rounds
+_MESSAGE_BYTES = 4096
+
+
+class RoundsControl:
+    """One save's shared state between the stager and the background writer.
+
+    A shared-memory segment: a header (failure state and message, the writer's *done*
+    mark) and one word per tensor item (pending, copied, written). Created by the trainer
+    in ``preload_fn``; pickles as its segment, so the persistent worker maps it.
+    """
+
+    def __init__(self, num_items: int = 0, segment: Optional[torch.Tensor] = None):
+        if segment is None:
+            segment = shared_memory.allocate_segment(
+                _MESSAGE_BYTES + 8 * (_HEADER_WORDS + num_items)
+            )
+            segment.zero_()
+        self.segment = segment
+        self._words = segment[_MESSAGE_BYTES:].view(torch.int64)
+        self.num_items = int(self._words.numel()) - _HEADER_WORDS
+
+    def __reduce__(self):
+        return (RoundsControl, (0, self.segment))
+
+    # -- items ---------------------------------------------------------------------
+    def item_state(self, idx: int) -> int:
+        return int(self._words[_HEADER_WORDS + idx])
+
+    def mark_copied(self, idx: int) -> None:
+        self._words[_HEADER_WORDS + idx] = _COPIED
+
+    def mark_written(self, idx: int) -> None:
+        self._words[_HEADER_WORDS + idx] = _WRITTEN
+
+    def is_written(self, idx: int) -> bool:
+        return self.item_state(idx) == _WRITTEN
+
+    # -- the whole save ------------------------------------------------------------
+    def fail(self, message: str) -> None:
+        """Trainer: staging failed; the writer raises ``message`` instead of waiting."""
+        data = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        if data:
+            self.segment[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._words[1] = len(data)
+        self._words[0] = _FAILED
+
+    @property
+    def failed(self) -> bool:
+        return int(self._words[0]) == _FAILED
+
+    def message(self) -> str:
+        return bytes(self.segment[: int(self._words[1])].tolist()).decode("utf-8", "replace")
+
+    def mark_done(self) -> None:
+        """Writer: nothing of the staged data will be read any more."""
+        for idx in range(self.num_items):
+            self.mark_written(idx)
+        self._words[2] = 1
+
+    @property
+    def writer_done(self) -> bool:
+        return int(self._words[2]) == 1
+
+    def start_rounds(self) -> None:
+        """Trainer: this save is staged in rounds; the writer waits for each item."""
+        self._words[3] = 1
+
+    @property
+    def in_rounds(self) -> bool:
+        return int(self._words[3]) == 1
+
+
+def _wait(condition: Callable[[], bool], control: RoundsControl, deadline: float, what: str) -> None:
+    """Poll ``condition`` until true; raise on the trainer's failure mark or the deadline."""
+    pause = 0.0002
+    while not condition():
+        if control.failed:
+            raise StagingRaceError(control.message())
+        if time.monotonic() > deadline:
+            raise AsyncTimeoutError(what)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+@dataclasses.dataclass
+class RoundPlan:
+    """Where every tensor item goes in the pool, and what it waits for.
+
+    Items are numbered in the writer's order: bucket by bucket, each bucket's tensor
+    items in order. ``offsets[i]`` is item ``i``'s byte offset in the pool (None for an
+    empty tensor), ``waits_for[i]`` the earlier items whose bytes it overwrites.
+    """
+
+    pool_bytes: int
+    sizes: List[int]
+    offsets: List[Optional[int]]
+    waits_for: List[List[int]]
+
+    @property
+    def rounds(self) -> int:
+        """How many times the pool is filled (1: the whole state at once)."""
+        laps, previous = 1, -1
+        for offset in self.offsets:
+            if offset is None:
+                continue
+            if offset <= previous:
+                laps += 1
+            previous = offset
+        return laps
+
+
+def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> RoundPlan:
+    """Place items of ``sizes`` bytes in a ring of at most ``budget`` bytes (trainer).
+
+    Raises:
+        StagingMemoryError: one item alone is larger than the budget; the message names
+            it and the budget it needs.
+    """
+    offsets: List[Optional[int]] = []
+    waits_for: List[List[int]] = []
+    # What earlier items still occupy, as [item, start, end] in ring order from the
+    # current position: ``ahead`` (placed before this lap) and ``behind`` (this lap).
+    ahead: Deque[List[int]] = collections.deque()
+    behind: List[List[int]] = []
+    position, used = 0, 0
+    for idx, size in enumerate(sizes):
+        if size == 0:
+            offsets.append(None)
+            waits_for.append([])
+            continue
+        if size > budget:
+            raise StagingMemoryError(
+                f"tensor {names[idx]!r} alone needs {size} bytes of staging memory, more than "
+                f"the staging_memory_limit of {budget} bytes; raise the limit to at least "
+                f"{shared_memory.aligned(size)} bytes (--ckpt-staging-memory-limit)"
+            )
+        start = shared_memory.aligned(position)
+        if start + size > budget:
+            start = 0
+            ahead.extendleft(reversed(behind))  # this lap's items are next in the ring
+            behind = []
+        end = start + size
+        waits: List[int] = []
+        while ahead and ahead[0][1] < end:
+            entry = ahead[0]
+            waits.append(entry[0])
+            if entry[2] > end:
+                entry[1] = end  # partly overwritten: the rest still holds the older item
+                break
+            ahead.popleft()
+        behind.append([idx, start, end])
+        offsets.append(start)
+        waits_for.append(waits)
+        position = end
+        used = max(used, end)
+    return RoundPlan(used, list(sizes), offsets, waits_for)
+
+
+def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
+    """Refuse, before anything is staged, a tensor larger than ``budget`` (trainer).
+
+    Raises:
+        StagingMemoryError: naming the tensor and the budget it needs.
+    """
+    for bucket in buckets:
+        for item, tensor in bucket.data[1]:
+            size = tensor.numel() * tensor.element_size()
+            if size > budget:
+                plan_rounds([size], [item.index.fqn], budget)
+
+
+class RoundsStaged(StagedBuckets):
+    """Buckets staged in rounds: views of the pool, plus the copies still to make (trainer).
+
+    ``start_background_copy`` starts the copy thread once the request is with its writer;
+    ``finish_staging`` waits for it (bounded). Pickled, only the buckets travel.
+    """
+
+    def __init__(self, buckets, control: RoundsControl, plan: RoundPlan,
+                 remaining: List[tuple], timeout_s: float):
+        super().__init__(buckets)
+        self.control = control
+        self.plan = plan
+        self._remaining = remaining
+        self._timeout_s = timeout_s
+        self._thread: Optional[threading.Thread] = None
+
+    def start_background_copy(self) -> None:
+        if self._remaining and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._copy_rest, name="megatron-async-rounds", daemon=True
+            )
+            self._thread.start()
+
+    def finish_staging(self) -> None:
+        """Trainer: wait until every item is in the pool (or the copy failed)."""
+        if self._thread is not None:
+            self._thread.join(self._timeout_s)
+
+    def _copy_rest(self) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            for idx, name, source, buffer, version in self._remaining:
+                _wait(
+                    lambda: all(self.control.is_written(k) for k in self.plan.waits_for[idx]),
+                    self.control, deadline,
+                    f"the background writer did not free staging memory within "
+                    f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck or gone",
+                )
+                _copy_checked(name, source, buffer, version)
+                self.control.mark_copied(idx)
+        except BaseException as exc:  # the writer raises it; the save fails on every rank
+            logger.error("staging in rounds failed: %s", exc)
+            if not self.control.failed:
+                self.control.fail(str(exc))
+        finally:
+            self._remaining = []
+
+    def __reduce__(self):
+        return (StagedBuckets, (list(self),))
+
+
+def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version: int) -> None:
+    """Copy one item, failing if the source changed since scheduling (trainer)."""
+    for _ in range(2):
+        if source._version != version:
+            raise StagingRaceError(
+                f"saved tensor {name!r} was modified in place (version {version} -> "
+                f"{source._version}) before staging in rounds had copied it, so this save "
+                "would mix two training steps and fails on every rank. Do not change saved "
+                "tensors until scheduling returns, or raise staging_memory_limit"
+            )
+        if _ == 0:
+            buffer.copy_(source, non_blocking=source.device.type == "cuda")
+            synchronize_if_cuda([source])
+
+
+def stage_in_rounds(
+    buckets: Sequence[WriteBucket],
+    pool: torch.Tensor,
+    budget: int,
+    control: RoundsControl,
+    timeout_s: float,
+) -> RoundsStaged:
+    """Place ``buckets``' tensors in ``pool`` and copy the first round (trainer, ``preload_fn``).
+
+    Args:
+        buckets: the planned buckets (tensors anywhere).
+        pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
+            sources by its owner).
+        budget: the most pool bytes to use.
+        control: the save's control block, one word per tensor item of ``buckets``.
+        timeout_s: bound on every wait for the writer.
+
+    Raises:
+        StagingMemoryError: a single tensor is larger than ``budget``.
+    """
+    entries = [
+        (b_idx, item, tensor.detach())
+        for b_idx, bucket in enumerate(buckets)
+        for item, tensor in bucket.data[1]
+    ]
+    plan = plan_rounds(
+        [t.numel() * t.element_size() for _, _, t in entries],
+        [item.index.fqn for _, item, _ in entries],
+        budget,
+    )
+    control.start_rounds()
+    copied_now: List[torch.Tensor] = []
+    remaining: List[tuple] = []
+    staged_tensors: List[List[tuple]] = [[] for _ in buckets]
+    for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
+        if offset is None:
+            buffer = torch.empty(source.shape, dtype=source.dtype)
+            control.mark_copied(idx)
+        else:
+            buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
+            if not plan.waits_for[idx]:
+                buffer.copy_(source, non_blocking=source.device.type == "cuda")
+                copied_now.append(source)
+            else:
+                remaining.append((idx, item.index.fqn, source, buffer, source._version))
+        staged_tensors[b_idx].append((item, buffer))
+    synchronize_if_cuda(copied_now)
+    for idx, offset in enumerate(plan.offsets):
+        if offset is not None and not plan.waits_for[idx]:
+            control.mark_copied(idx)
+    staged = [
+        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
+        for bucket, tensors in zip(buckets, staged_tensors)
+    ]
+    logger.debug(
+        "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
+        len(entries), plan.rounds, plan.pool_bytes, len(entries) - len(remaining),
+    )
+    return RoundsStaged(staged, control, plan, remaining, timeout_s)
+
+
+class RoundItems(list):
+    """A bucket's ``(item, tensor)`` list whose items arrive in rounds (background writer).
+
+    :func:`~megatron_async.writer.bucket_io.write_bucket` calls :meth:`before_item`
+    before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
+    """
+
+    def __init__(self, pairs, control: RoundsControl, first: int, deadline: float):
+        super().__init__(pairs)
+        self.control = control
+        self.first = first
+        self.deadline = deadline
+
+    def before_item(self, idx: int) -> None:
+        number = self.first + idx
+        _wait(
+            lambda: self.control.item_state(number) != _PENDING, self.control, self.deadline,
+            "the trainer did not stage the next round within the write timeout; it is stuck",
+        )
+
+    def after_item(self, idx: int) -> None:
+        self.control.mark_written(self.first + idx)
+
+
+def writer_view(
+    control: RoundsControl, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
+) -> Optional[Sequence[WriteBucket]]:
+    """Background writer: the staged buckets as the write path reads them.
+
+    Staged in rounds, each bucket's tensor list waits for its items and frees them
+    (:class:`RoundItems`); otherwise the buckets as they are. The write path marks the
+    control block done once it returns, whatever happened (``control.mark_done()``),
+    which frees this save's staging memory for the next save.
+    """
+    if not control.in_rounds or staged is None:
+        return staged
+    deadline = time.monotonic() + timeout_s
+    first, buckets = 0, []
+    for bucket in staged:
+        bytes_data, tensor_data = bucket.data
+        buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
+                                   (bytes_data, RoundItems(tensor_data, control, first, deadline))))
+        first += len(tensor_data)
+    return buckets

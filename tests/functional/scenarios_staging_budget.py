@@ -1,0 +1,154 @@
+"""Staging within a memory budget on real gloo jobs (both callers): a 64 MiB-per-rank state
+saved under a 16 MiB budget loads back equal through megatron-core and DCP while the
+staging memory sampled during the save stays within the budget; two saves in a row never
+hold two copies; an in-place update after scheduling is not saved; a budget below the
+largest tensor is refused on every rank with a message naming the tensor."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from megatron_async.core import AsyncCallsQueue, shared_memory
+from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging.buffers import clear_staging_cache
+from tests.functional.harness import RankContext, for_both_callers, run_selected_then_close
+from tests.functional.scenarios_strategy import _dir, _load_dcp
+
+MIB = 2**20
+TENSORS, TENSOR_NUMEL = 16, MIB  # 16 float32 tensors of 4 MiB: 64 MiB per rank
+BUDGET = 16 * MIB
+SLACK = 1 * MIB
+"""Control blocks of the saves in flight (a few KiB each)."""
+
+
+def _state(ctx: RankContext, scale: float):
+    r, ws = ctx.rank, ctx.world_size
+    return {
+        f"w{i}": ShardedTensor.from_rank_offsets(
+            f"w{i}", torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * r,
+            (0, r, ws),
+        )
+        for i in range(TENSORS)
+    }
+
+
+def _check(ctx, path, scale):
+    expected = _state(ctx, scale)
+    loaded = dist_checkpointing.load(_state(ctx, 0.0), path)
+    for key, tensor in expected.items():
+        assert torch.equal(loaded[key], tensor.data), ("megatron", key)
+    whole = _load_dcp(path, ctx.world_size)
+    for i in range(TENSORS):
+        rows = [torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * r
+                for r in range(ctx.world_size)]
+        assert torch.equal(whole[f"w{i}"], torch.cat(rows)), ("dcp", i)
+
+
+class _Sampler:
+    """The most staging shared memory this trainer process held while it ran."""
+
+    def __init__(self):
+        clear_staging_cache()  # staging memory of earlier scenarios: counted from zero
+        staging_ledger().drop_pool()
+        staging_ledger().peak_bytes = 0
+        gc.collect()
+        self.baseline = shared_memory.live_bytes()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, shared_memory.live_bytes() - self.baseline)
+            self._stop.wait(0.0005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+_QUEUES = {}
+
+
+def _queue(persistent):
+    if persistent not in _QUEUES:
+        _QUEUES[persistent] = AsyncCallsQueue(persistent=persistent)
+    return _QUEUES[persistent]
+
+
+def _schedule(queue, ctx, path, strategy, scale, mutate=False):
+    state = _state(ctx, scale)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    queue.schedule_async_request(request)
+    if mutate:  # the next training step, right after scheduling returned
+        for value in state.values():
+            value.data.add_(12345)
+
+
+def large_state_saved_in_rounds_within_the_budget(ctx, persistent):
+    strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET)
+    queue = _queue(persistent)
+    with _Sampler() as sampler:
+        for step in range(2):  # the second save reuses the pool
+            path = _dir(ctx, f"rounds-{persistent}-{step}")
+            _schedule(queue, ctx, path, strategy, float(step + 1), mutate=True)
+            queue.maybe_finalize_async_calls(blocking=True)
+            _check(ctx, path, float(step + 1))
+    # Measured from what was alive before (a pool an earlier scenario left is reused).
+    assert sampler.peak <= BUDGET + SLACK, (sampler.peak, BUDGET)
+    assert staging_ledger().peak_bytes == BUDGET, staging_ledger().peak_bytes
+    return sampler.peak
+
+
+def two_saves_in_a_row_hold_one_copy(ctx, persistent):
+    state_bytes = TENSORS * TENSOR_NUMEL * 4
+    strategy = TorchDistAsyncSaveStrategy()  # default budget: one copy of the state
+    queue = _queue(persistent)
+    with _Sampler() as sampler:
+        paths = [_dir(ctx, f"row-{persistent}-{i}") for i in range(2)]
+        _schedule(queue, ctx, paths[0], strategy, 5.0)
+        _schedule(queue, ctx, paths[1], strategy, 6.0)  # waits for the first writer
+        queue.maybe_finalize_async_calls(blocking=True)
+    _check(ctx, paths[0], 5.0)
+    _check(ctx, paths[1], 6.0)
+    assert sampler.peak <= state_bytes + SLACK, (sampler.peak, state_bytes)
+    assert staging_ledger().peak_bytes == state_bytes, staging_ledger().peak_bytes
+    return sampler.peak
+
+
+def budget_below_the_largest_tensor_is_refused(ctx, persistent):
+    strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=2 * MIB)
+    path = _dir(ctx, f"refused-{persistent}")
+    queue = _queue(persistent)
+    _schedule(queue, ctx, path, strategy, 1.0)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a budget below the largest tensor was not refused")
+    assert "needs 4194304 bytes" in message and "at least 4194304" in message, message
+    dist.barrier()
+
+
+SCENARIOS = for_both_callers(
+    large_state_saved_in_rounds_within_the_budget,
+    two_saves_in_a_row_hold_one_copy,
+    budget_below_the_largest_tensor_is_refused,
+)
+
+
+def run_all(ctx: RankContext):
+    return run_selected_then_close(ctx, SCENARIOS, _QUEUES)
