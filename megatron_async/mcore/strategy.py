@@ -44,6 +44,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
+from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.storage.client import MSC_EXTRA_HINT
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
@@ -216,9 +217,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
         Buffers of a save still being written are freed when that write is over. The next
         save allocates new ones (and keeps them again, unless
-        ``config.use_cached_data_structure`` is False).
+        ``config.use_cached_data_structure`` is False). The pool of a save staged in
+        rounds (see :mod:`megatron_async.staging.budget`) is freed the same way.
         """
         self.staging_cache.clear()
+        staging_ledger().drop_pool()
 
     # megatron-core's attribute names for options that live in ``config`` here; its
     # fully parallel wrapper and Megatron-LM read or set them on the strategy.

@@ -102,18 +102,25 @@ class _Hold:
 
     def __init__(self, num_bytes: int, control: RoundsControl):
         self.num_bytes = num_bytes
-        self.control = control
+        self.control: Optional[RoundsControl] = control
         self.released = False
         self.staged: Optional[weakref.ref] = None
+
+    def end(self) -> None:
+        """Stop holding, and let go of the control block at once: a finished save must not
+        keep a shared-memory segment alive until the next save prunes the ledger (a live
+        segment makes a restarted persistent worker start as a fresh interpreter)."""
+        self.released = True
+        self.control = None
 
     def done(self) -> bool:
         if self.released:
             return True
         staged = self.staged() if self.staged is not None else None
         if self.staged is not None and staged is None:
-            self.released = True  # dropped without a release: its buffers are gone
-        elif self.control.writer_done:
-            self.released = True
+            self.end()  # dropped without a release: its buffers are gone
+        elif self.control is not None and self.control.writer_done:
+            self.end()
             release = getattr(staged, "release", None)
             if release is not None:
                 release()  # the writer read everything: reusable now
@@ -217,7 +224,7 @@ def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None
     release = getattr(type(staged), "release", None)
 
     def release_and_end_hold() -> None:  # holds no strong reference: no cycle to collect
-        hold.released = True
+        hold.end()
         target = staged_ref()
         if release is not None and target is not None:
             release(target)
@@ -253,7 +260,7 @@ def stage_within_budget(
         try:
             staged = stage_one_go()
         except BaseException:
-            hold.released = True
+            hold.end()
             raise
         _mark(staged, hold, stats, 1, state_bytes)
         return staged
@@ -275,7 +282,7 @@ def stage_within_budget(
         pool = _ledger.pool(budget, pinned=cuda)
         staged = stage_in_rounds(buckets, pool, budget, control, timeout_s)
     except BaseException:
-        hold.released = True
+        hold.end()
         raise
     _mark(staged, hold, stats, staged.plan.rounds, staged.plan.pool_bytes)
     return staged

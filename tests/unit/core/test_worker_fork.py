@@ -17,6 +17,7 @@ from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.core import fork_pages, worker_fork
 from megatron_async.core.shared_memory import allocate_segment, has_live_segments
 from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import clear_staging_cache
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
@@ -30,6 +31,7 @@ def no_live_staging_segments():
     ``can_fork_worker``): free what earlier tests of this process left cached, so that
     these tests do not depend on the order they run in."""
     clear_staging_cache(include_in_use=True)
+    staging_ledger().drop_pool()
     gc.collect()
     assert not has_live_segments(), "a staging segment is still referenced by an earlier test"
 
