@@ -216,7 +216,7 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
             commit_s = time.perf_counter() - start
         gathered = -1
         if method == "ours":
-            from tools.bench.scale_warm import full_gather_bytes
+            from .scale_warm import full_gather_bytes
 
             gathered = full_gather_bytes(results)
         conn.send(ScaleResult(method, layout, ranks, items_per_rank, plan_s, commit_s,
@@ -231,7 +231,7 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
 
 def _measure_warm(layout, ranks, items_per_rank, plans, results, directory) -> ScaleResult:
     """A warm save's finalization on the coordinator (planning and the first save untimed)."""
-    from tools.bench.scale_warm import measure_warm_finalize
+    from .scale_warm import measure_warm_finalize
 
     metadata = _plan("ours", plans)
     before = _peak_mib()

@@ -6,6 +6,7 @@
 # 1. megatron-core 0.16.1: the whole suite, plus the cross-generation checkpoint test
 #    (which drives the 0.19.2 environment's interpreter).
 # 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults, the
+#    saver (first-save planning), warm commits, the staging budget,
 #    nvidia-resiliency-ext module surface with megatron-core's stock strategy, object
 #    storage on the loopback S3 server at 2 ranks, the GPT example's checkpointing flags,
 #    and two GPT example resume runs: both callers, distributed optimizer, PP 2, fully
@@ -37,7 +38,8 @@ PATH="$ENVS/mcore019/bin:$PATH" \
     tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage tests/unit/examples \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
     tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py \
-    tests/functional/test_group_lifecycle.py tests/unit/core/test_coordination_group.py -k "not 4ranks"
+    tests/functional/test_group_lifecycle.py tests/unit/core/test_coordination_group.py \
+    tests/unit/saver tests/unit/writer/test_warm_commit.py tests/functional/test_staging_budget.py -k "not 4ranks"
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
     tests/functional/test_pretrain_gpt.py -k "resume_reproduces and (fullyparallel or pp2)"
