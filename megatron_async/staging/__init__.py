@@ -1,13 +1,20 @@
 """Host staging: the snapshot that lets the trainer change its tensors right after scheduling.
 
-Runs in the trainer, on every rank (a request's ``preload_fn``):
+Runs in the trainer, on every rank (a request's ``preload_fn``), except where noted:
 
-* :mod:`.buckets`: a save's write buckets copied into shared-memory segments, reused
-  from save to save through a :class:`~.buckets.StagingBufferCache`;
+* :mod:`.buffers`: a save's write buckets copied into shared-memory segments, reused
+  from save to save through a :class:`~.buffers.StagingBufferCache`;
+* :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
+  saves still being written, and the choice between staging in one go and in rounds;
+* :mod:`.rounds`: a state larger than the budget, staged and written in rounds through
+  one bounded pool (its :func:`~.rounds.writer_view` runs in the background writer);
+* :mod:`.rounds_control`: the control block the stager and the writer share (both sides);
+* :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
+  for before the next in-place update;
 * :mod:`.snapshot`: any nested structure of tensors copied to host memory (the
   ``torch.save``-style path of :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`).
 
-Both allocate through :mod:`megatron_async.core.shared_memory`.
+All allocate through :mod:`megatron_async.core.shared_memory`.
 """
 
 from megatron_async.staging.snapshot import copy_tensor_to_host, snapshot_to_host, synchronize_if_cuda

@@ -36,7 +36,8 @@ import torch
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
-from megatron_async.staging.rounds import RoundsControl, check_fits, stage_in_rounds
+from megatron_async.staging.rounds import check_fits, stage_in_rounds
+from megatron_async.staging.rounds_control import RoundsControl
 from megatron_async.writer.layout import WriteBucket
 
 __all__ = [

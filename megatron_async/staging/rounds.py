@@ -35,19 +35,19 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence
 
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import AsyncTimeoutError, StagingMemoryError, StagingRaceError
+from megatron_async.errors import StagingMemoryError, StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets
+from megatron_async.staging.rounds_control import RoundsControl, wait_on_control
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.writer.layout import WriteBucket
 
 __all__ = [
     "check_fits",
-    "RoundsControl",
     "RoundPlan",
     "RoundItems",
     "plan_rounds",
@@ -56,93 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_PENDING, _COPIED, _WRITTEN = 0, 1, 2
-_OK, _FAILED = 0, 1
-_HEADER_WORDS = 4  # failure state, message length, writer done, staged in rounds
-_MESSAGE_BYTES = 4096
-
-
-class RoundsControl:
-    """One save's shared state between the stager and the background writer.
-
-    A shared-memory segment: a header (failure state and message, the writer's *done*
-    mark) and one word per tensor item (pending, copied, written). Created by the trainer
-    in ``preload_fn``; pickles as its segment, so the persistent worker maps it.
-    """
-
-    def __init__(self, num_items: int = 0, segment: Optional[torch.Tensor] = None):
-        if segment is None:
-            segment = shared_memory.allocate_segment(
-                _MESSAGE_BYTES + 8 * (_HEADER_WORDS + num_items)
-            )
-            segment.zero_()
-        self.segment = segment
-        self._words = segment[_MESSAGE_BYTES:].view(torch.int64)
-        self.num_items = int(self._words.numel()) - _HEADER_WORDS
-
-    def __reduce__(self):
-        return (RoundsControl, (0, self.segment))
-
-    # -- items ---------------------------------------------------------------------
-    def item_state(self, idx: int) -> int:
-        return int(self._words[_HEADER_WORDS + idx])
-
-    def mark_copied(self, idx: int) -> None:
-        self._words[_HEADER_WORDS + idx] = _COPIED
-
-    def mark_written(self, idx: int) -> None:
-        self._words[_HEADER_WORDS + idx] = _WRITTEN
-
-    def is_written(self, idx: int) -> bool:
-        return self.item_state(idx) == _WRITTEN
-
-    # -- the whole save ------------------------------------------------------------
-    def fail(self, message: str) -> None:
-        """Trainer: staging failed; the writer raises ``message`` instead of waiting."""
-        data = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
-        if data:
-            self.segment[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._words[1] = len(data)
-        self._words[0] = _FAILED
-
-    @property
-    def failed(self) -> bool:
-        return int(self._words[0]) == _FAILED
-
-    def message(self) -> str:
-        return bytes(self.segment[: int(self._words[1])].tolist()).decode("utf-8", "replace")
-
-    def mark_done(self) -> None:
-        """Writer: nothing of the staged data will be read any more."""
-        for idx in range(self.num_items):
-            self.mark_written(idx)
-        self._words[2] = 1
-
-    @property
-    def writer_done(self) -> bool:
-        return int(self._words[2]) == 1
-
-    def start_rounds(self) -> None:
-        """Trainer: this save is staged in rounds; the writer waits for each item."""
-        self._words[3] = 1
-
-    @property
-    def in_rounds(self) -> bool:
-        return int(self._words[3]) == 1
-
-
-def _wait(condition: Callable[[], bool], control: RoundsControl, deadline: float, what: str) -> None:
-    """Poll ``condition`` until true; raise on the trainer's failure mark or the deadline."""
-    pause = 0.0002
-    while not condition():
-        if control.failed:
-            raise StagingRaceError(control.message())
-        if time.monotonic() > deadline:
-            raise AsyncTimeoutError(what)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.005)
-
 
 @dataclasses.dataclass
 class RoundPlan:
@@ -263,7 +176,7 @@ class RoundsStaged(StagedBuckets):
         deadline = time.monotonic() + self._timeout_s
         try:
             for idx, name, source, buffer, version in self._remaining:
-                _wait(
+                wait_on_control(
                     lambda: all(self.control.is_written(k) for k in self.plan.waits_for[idx]),
                     self.control, deadline,
                     f"the background writer did not free staging memory within "
@@ -283,18 +196,22 @@ class RoundsStaged(StagedBuckets):
 
 
 def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version: int) -> None:
-    """Copy one item, failing if the source changed since scheduling (trainer)."""
-    for _ in range(2):
-        if source._version != version:
-            raise StagingRaceError(
-                f"saved tensor {name!r} was modified in place (version {version} -> "
-                f"{source._version}) before staging in rounds had copied it, so this save "
-                "would mix two training steps and fails on every rank. Do not change saved "
-                "tensors until scheduling returns, or raise staging_memory_limit"
-            )
-        if _ == 0:
-            buffer.copy_(source, non_blocking=source.device.type == "cuda")
-            synchronize_if_cuda([source])
+    """Copy one item, failing if the source changed since scheduling, before or during the
+    copy (trainer)."""
+    _check_version(name, source, version)
+    buffer.copy_(source, non_blocking=source.device.type == "cuda")
+    synchronize_if_cuda([source])
+    _check_version(name, source, version)
+
+
+def _check_version(name: str, source: torch.Tensor, version: int) -> None:
+    if source._version != version:
+        raise StagingRaceError(
+            f"saved tensor {name!r} was modified in place (version {version} -> "
+            f"{source._version}) before staging in rounds had copied it, so this save "
+            "would mix two training steps and fails on every rank. Do not change saved "
+            "tensors until scheduling returns, or raise staging_memory_limit"
+        )
 
 
 def stage_in_rounds(
@@ -373,8 +290,8 @@ class RoundItems(list):
 
     def before_item(self, idx: int) -> None:
         number = self.first + idx
-        _wait(
-            lambda: self.control.item_state(number) != _PENDING, self.control, self.deadline,
+        wait_on_control(
+            lambda: self.control.is_staged(number), self.control, self.deadline,
             "the trainer did not stage the next round within the write timeout; it is stuck",
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Tuple
 
-from megatron_async.errors import ObjectStoreUnavailableError
+from megatron_async.errors import CheckpointValidationError, ObjectStoreUnavailableError
 from megatron_async.storage.locations import normalize_checkpoint_path
 from megatron_async.storage.locations import MSC_URL_PREFIX
 
@@ -66,3 +66,24 @@ def resolve(url: str) -> Tuple[Any, str]:
         raise ValueError(f"{url!r} is not an msc:// URL")
     msc = import_msc()
     return msc.resolve_storage_client(normalized)
+
+
+def msc_filesystem(checkpoint_url: str) -> Tuple[Any, Any]:
+    """DCP's multi-storage-client filesystem and the resolved path of ``checkpoint_url``
+    (trainer, every rank): DCP's own planning steps (mkdir, the existing-checkpoint check)
+    go through it.
+
+    Raises:
+        CheckpointValidationError: MSC cannot resolve the URL (an unknown profile, a
+            malformed URL).
+    """
+    from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystem
+
+    fs = MultiStorageFileSystem()
+    try:
+        return fs, fs.init_path(checkpoint_url)
+    except ValueError as exc:
+        raise CheckpointValidationError(
+            f"{checkpoint_url}: multi-storage-client cannot resolve it ({exc}); "
+            "define the profile in MSC's configuration (MSC_CONFIG or ~/.msc_config.yaml)"
+        ) from exc

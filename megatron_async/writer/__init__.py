@@ -3,7 +3,7 @@
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
   DCP storage writer that prepares buckets and hands the write to a background caller;
 * :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
-* :mod:`.buckets` (trainer): which items share a file (size-balanced layout), the
+* :mod:`.layout` (trainer): which items share a file (size-balanced layout), the
   prepared write and its staging key;
 * :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
   reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`
@@ -12,10 +12,14 @@
   in DCP's ``torch_save`` layout, hashed on the way;
 * :mod:`.bucket_file` and :mod:`.direct_io` (background writer): the file a bucket's
   bytes go to, buffered or with ``O_DIRECT`` through an aligned bounce chunk;
-* :mod:`.runners` (background writer): threads or forked processes, bounded waits;
+* :mod:`.runners` (background writer): threads or forked processes, bounded waits, and
+  this rank's checksum records written before the writer reports done;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
   the trainer's retrieval of the results from it;
-* :mod:`.commit` (coordinator): checksums, then ``.metadata``.
+* :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused;
+  :mod:`.commit_cache` (every rank): whether this rank stored every item where its
+  previous save did; :mod:`.metadata_bytes` (coordinator): the previous ``.metadata``
+  pickle with the new ``storage_meta`` spliced in.
 """
 
 
@@ -24,7 +28,7 @@ __all__ = ["FileSystemWriterAsync"]
 
 def __getattr__(name: str):
     # Imported on first use, not with the package: the staging package imports
-    # :mod:`.buckets`, and :mod:`.filesystem` imports the staging package back.
+    # :mod:`.layout` (and so this package), and :mod:`.filesystem` imports staging.
     if name == "FileSystemWriterAsync":
         from megatron_async.writer.filesystem import FileSystemWriterAsync
 

@@ -37,12 +37,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_async.core import coordination
+from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
-from megatron_async.staging.rounds import RoundsControl
-from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc
+from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
@@ -58,7 +59,9 @@ from megatron_async.writer.layout import (
 from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
 from megatron_async.writer.commit import CommittedMetadata, commit_checkpoint
 from megatron_async.writer.commit_cache import CommitCache
-from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions, resolve_writer_options
+from megatron_async.writer.options import (
+    DEFAULT_WRITE_TIMEOUT_S, ReferenceOptionNames, WriteOptions, resolve_writer_options,
+)
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
 )
@@ -82,7 +85,7 @@ _PARENT_SIGNATURE = inspect.signature(FileSystemWriter.__init__)
 """What the writer's positional and extra keyword arguments are bound to."""
 
 
-class FileSystemWriterAsync(FileSystemWriter):
+class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
     """DCP ``FileSystemWriter`` whose write step is handed to an external async caller.
 
     One writer serves one save: the state between planning and finalization lives in
@@ -159,18 +162,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.options = options
         """The options in force (read-only: a writer serves one save)."""
         self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
-        if use_msc:
-            from multistorageclient.contrib.torch.filesystem import MultiStorageFileSystem
-
-            # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC.
-            self.fs = MultiStorageFileSystem()
-            try:
-                self.path = self.fs.init_path(self.checkpoint_dir)
-            except ValueError as exc:  # an unknown profile, a malformed URL
-                raise CheckpointValidationError(
-                    f"{self.checkpoint_dir}: multi-storage-client cannot resolve it ({exc}); "
-                    "define the profile in MSC's configuration (MSC_CONFIG or ~/.msc_config.yaml)"
-                ) from exc
+        if use_msc:  # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC
+            self.fs, self.path = msc_filesystem(self.checkpoint_dir)
         self.staging_cache = staging_cache
         self.can_run_decentralized_global_plan = True
 
@@ -190,18 +183,6 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._write_results: Optional[List[WriteResult]] = None
         self.staging_stats: dict = {}
         """After staging: ``rounds`` and ``peak_bytes`` (staging memory) of this save."""
-
-    # The reference API's attribute names for the options (read-only).
-    separation_hint = property(lambda self: self.options.separation_hint)
-    use_msc = property(lambda self: self.options.use_msc)
-    is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
-    use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)
-    write_timeout_s = property(lambda self: self.options.write_timeout_s)
-    checksums = property(lambda self: self.options.checksums)
-    object_part_bytes = property(lambda self: self.options.object_part_bytes)
-    overlap_staging = property(lambda self: self.options.overlap_staging)
-    direct_io = property(lambda self: self.options.direct_io)
-    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)
 
     def storage_meta(self):
         """DCP's storage metadata, with the ``checkpoint_id`` as a string (with ``use_msc``
@@ -353,17 +334,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         """
         self.prepare_write_data(plan, planner)
         save_fn, preload_fn, args = self.get_save_function_and_args()
-        if save_fn is not None:
-            staged = preload_fn()
-            start = getattr(staged, "start_background_copy", None)
-            if start is not None:  # staging in rounds (or overlapped) copies beside the write
-                start()
-            try:
-                save_fn(args[0], staged, args[2])
-            finally:
-                release = getattr(staged, "release", None)
-                if release is not None:
-                    release()
+        if save_fn is not None:  # staged, copied beside the write when in rounds, released
+            run_staging_and_async_fn(AsyncRequest(save_fn, tuple(args), [], preload_fn=preload_fn))
         future: Future = Future()
         future.set_result(self.retrieve_write_results())
         return future

@@ -18,7 +18,7 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import RequestPolicy
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
-__all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options"]
+__all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
 DEFAULT_WRITE_TIMEOUT_S = 3600.0
 """How long the background writer waits for one save's bucket threads or processes."""
@@ -161,3 +161,25 @@ def resolve_writer_options(
         )
     parent.arguments.update(thread_count=options.thread_count, sync_files=options.sync_files)
     return options
+
+
+class ReferenceOptionNames:
+    """The reference API's writer attribute names, read from ``self.options`` (read-only).
+
+    Mixed into :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`, whose
+    options live in one :class:`WriteOptions`; callers written for the reference API
+    (megatron-core, nvidia-resiliency-ext) read them as writer attributes.
+    """
+
+    options: WriteOptions
+
+    separation_hint = property(lambda self: self.options.separation_hint)
+    use_msc = property(lambda self: self.options.use_msc)
+    is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
+    use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)
+    write_timeout_s = property(lambda self: self.options.write_timeout_s)
+    checksums = property(lambda self: self.options.checksums)
+    object_part_bytes = property(lambda self: self.options.object_part_bytes)
+    overlap_staging = property(lambda self: self.options.overlap_staging)
+    direct_io = property(lambda self: self.options.direct_io)
+    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)

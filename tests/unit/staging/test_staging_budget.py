@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError, StagingRaceError
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
-from megatron_async.staging.rounds import RoundsControl, plan_rounds, stage_in_rounds, writer_view
+from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
+from megatron_async.staging.rounds_control import RoundsControl
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from tests.unit.staging.test_overlapped_staging import _buckets
