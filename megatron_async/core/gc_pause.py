@@ -12,23 +12,36 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Iterator
 
 __all__ = ["paused_gc"]
+
+_lock = threading.Lock()
+_depth = 0
+_resume = False
 
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
     """Disable the cyclic collector inside the block (or decorated call), if it was enabled.
 
-    Usable as a decorator. Nested and concurrent uses leave it as the outermost found it;
-    reference counting still frees every object that is not in a cycle.
+    Usable as a decorator. Nested uses, and uses by several threads at once (the
+    background writer thread of a persistent worker beside a commit), share one pause: the
+    first to enter disables the collector if it was enabled, the last to leave enables it
+    again. Reference counting still frees every object that is not in a cycle.
     """
-    was_enabled = gc.isenabled()
-    if was_enabled:
-        gc.disable()
+    global _depth, _resume
+    with _lock:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            if _resume:
+                gc.disable()
+        _depth += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _resume:
+                gc.enable()
