@@ -15,11 +15,14 @@ def launch_results(request, tmp_path_factory):
         request.param,
         tmp_path_factory,
         only=selected_scenarios(request),
+        # One launch runs every scenario (about 2 min at 4 ranks on a quiet 2-core
+        # machine); the bound catches a hang, with room for a loaded machine.
+        timeout_s=360.0,
     )
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenario(launch_results, scenario):
     assert_scenario_ok(launch_results, scenario)
