@@ -336,16 +336,18 @@ def overlapped_save_functions(
     resolved_plan_data: Any,
     staging_cache: Optional[StagingBufferCache],
     results_queue: Any,
+    gate: Optional[StagingGate] = None,
 ) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any]]:
     """Return ``(save_fn, preload_fn, args)`` of a save with overlapped staging (trainer).
 
     ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
-    ``save_fn`` waits for the copy before it calls the given one (the writer's).
+    ``save_fn`` waits for the copy (``gate``, a new one by default) before it calls the
+    given one (the writer's).
     """
     from megatron_async.core import coordination
     from megatron_async.writer.layout import unpack_resolved_plan_data
 
-    gate = StagingGate()
+    gate = gate if gate is not None else StagingGate()
     rank = coordination.get_rank()
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     preload_fn = partial(
