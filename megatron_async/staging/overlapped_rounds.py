@@ -41,9 +41,9 @@ from megatron_async.errors import StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
 from megatron_async.staging.overlapped import (
     StagingGate,
-    _CopyJob,
-    _install_optimizer_hook,
-    _start_copy,
+    CopyJob,
+    install_optimizer_hook,
+    submit_copy,
     overlapped_save_functions,
     wait_for_staging,
 )
@@ -56,7 +56,7 @@ __all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_f
 logger = logging.getLogger(__name__)
 
 
-class _RoundsCopyJob(_CopyJob):
+class _RoundsCopyJob(CopyJob):
     """One save's copies into the pool, each after the writer freed its bytes (copy thread)."""
 
     def __init__(self, gate: StagingGate, rank: int, control: RoundsControl, plan: RoundPlan,
@@ -147,7 +147,7 @@ class OverlappedRoundsStaged(StagedBuckets):
     def start_background_copy(self) -> None:
         job, self._job = self._job, None
         if job is not None:
-            _start_copy(job)
+            submit_copy(job)
 
 
 def stage_in_rounds_overlapped(
@@ -171,7 +171,7 @@ def stage_in_rounds_overlapped(
         AsyncTimeoutError: an earlier overlapped copy did not finish within ``timeout_s``.
     """
     wait_for_staging(timeout_s)
-    _install_optimizer_hook()
+    install_optimizer_hook()
     plan, staged, to_copy = place_in_pool(buckets, pool, budget, control)
     job = _RoundsCopyJob(gate, rank, control, plan, to_copy, timeout_s)
     gate.mark_staged()  # the writer waits for each item on the control block

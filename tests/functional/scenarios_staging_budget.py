@@ -5,12 +5,16 @@ hold two copies; an in-place update after scheduling is not saved; a budget belo
 largest tensor is refused on every rank with a message naming the tensor. With overlapped
 staging, scheduling returns before any round is copied, the optimizer step waits for the
 last round (its update is not saved), and an update that bypasses that wait fails the save
-on every rank while the previous checkpoint stays whole."""
+on every rank while the previous checkpoint stays whole; a writer killed while the copy
+thread waits for it does not hold the optimizer step."""
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,7 @@ from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging import overlapped
 from megatron_async.staging.buffers import clear_staging_cache
 from tests.functional.harness import RankContext, for_both_callers, run_selected_then_close
+from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.scenarios_strategy import (
     FAILING_RANK,
     _dir,
@@ -153,15 +158,26 @@ def budget_below_the_largest_tensor_is_refused(ctx, persistent):
     dist.barrier()
 
 
-def _schedule_overlapped(queue, ctx, path, scale):
-    """Schedule an overlapped save above the budget; return the saved parameters."""
+def _schedule_overlapped(queue, ctx, path, scale, before_copies=lambda: None):
+    """Schedule an overlapped save above the budget; return the saved parameters.
+
+    ``before_copies`` runs after scheduling returned, before the copy thread starts."""
     strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET, overlap_staging=True)
     state = _state(ctx, scale, params=True)
     request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
     with overlapped.copies_held():  # the copy thread starts no round before this block ends
         queue.schedule_async_request(request)
         assert overlapped.staging_in_progress()  # scheduling returned with every round pending
+        before_copies()
     return [value.data for value in state.values()]
+
+
+def _step(params):
+    """The next training step's optimizer step (it waits for the overlapped copies)."""
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for param in params:
+        param.grad = torch.full_like(param, 12345.0)
+    optimizer.step()
 
 
 def overlapped_rounds_within_the_budget(ctx, persistent):
@@ -172,10 +188,7 @@ def overlapped_rounds_within_the_budget(ctx, persistent):
         for step in range(2):  # the second save reuses the pool
             path = _dir(ctx, f"overlapped-rounds-{persistent}-{step}")
             params = _schedule_overlapped(queue, ctx, path, float(step + 1))
-            optimizer = torch.optim.SGD(params, lr=1.0)
-            for param in params:
-                param.grad = torch.full_like(param, 12345.0)
-            optimizer.step()  # the next training step: waits until the last round is copied
+            _step(params)  # waits until the last round is copied
             assert not overlapped.staging_in_progress()
             queue.maybe_finalize_async_calls(blocking=True)
             _check(ctx, path, float(step + 1))
@@ -206,12 +219,45 @@ def overlapped_rounds_unguarded_update_fails_everywhere(ctx, persistent):
     _check(ctx, previous, 7.0)
 
 
+def overlapped_rounds_writer_killed_does_not_hold_the_step(ctx, persistent):
+    """The writer of an overlapped save above the budget dies on one rank before the copy
+    thread started: the copy thread stops once it finds the writer gone instead of waiting
+    for it to free the pool (600 s), so the optimizer step returns; the save fails on every
+    rank and nothing marks it complete."""
+    queue = wait_until_worker_ready(_queue(persistent))
+    path = _dir(ctx, f"overlapped-killed-{persistent}")
+
+    def kill_writer():
+        if ctx.rank != FAILING_RANK:
+            return
+        deadline = time.monotonic() + 60  # this rank's first file: it recorded its pid before
+        while not any(name.startswith(f"__{ctx.rank}_") for name in os.listdir(path)):
+            assert time.monotonic() < deadline, "the writer never opened its files"
+            time.sleep(0.02)
+        os.kill(queue.async_calls[-1].async_caller.process.pid, signal.SIGKILL)
+
+    params = _schedule_overlapped(queue, ctx, path, 9.0, before_copies=kill_writer)
+    _step(params)  # returns: a copy thread stuck on the dead writer would hold it
+    assert not overlapped.staging_in_progress()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        failures = dict(exc.rank_failures)
+    else:
+        raise AssertionError("a save whose writer was killed did not fail")
+    assert set(failures) == {FAILING_RANK}, failures
+    assert "signal 9" in failures[FAILING_RANK].message, failures
+    dist.barrier()
+    assert not set(os.listdir(path)) & {".metadata", "metadata.json"}
+
+
 SCENARIOS = for_both_callers(
     large_state_saved_in_rounds_within_the_budget,
     two_saves_in_a_row_hold_one_copy,
     budget_below_the_largest_tensor_is_refused,
     overlapped_rounds_within_the_budget,
     overlapped_rounds_unguarded_update_fails_everywhere,
+    overlapped_rounds_writer_killed_does_not_hold_the_step,  # last: kills a persistent worker
 )
 
 
