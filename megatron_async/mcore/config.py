@@ -111,8 +111,8 @@ class TorchDistSaveConfig:
     None: one copy of the state (a save scheduled while the previous one is still written
     waits for it instead of staging a second copy). A state larger than the limit is
     staged and written in rounds through a pool of the limit's size (the trainer waits
-    for the writer to drain); a single tensor larger than the limit is refused with a
-    ``StagingMemoryError`` naming it. Not with ``overlap_staging`` for states above it."""
+    for the writer to drain; with ``overlap_staging``, the next optimizer step does); a
+    single tensor larger than the limit is refused with a ``StagingMemoryError`` naming it."""
 
     def __post_init__(self) -> None:
         # Built (and so validated) once per config; every save's writer gets this object.

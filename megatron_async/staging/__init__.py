@@ -11,6 +11,8 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 * :mod:`.rounds_control`: the control block the stager and the writer share (both sides);
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
   for before the next in-place update;
+* :mod:`.overlapped_rounds`: overlapped staging of a state larger than the budget: every
+  round copied by that thread, the next optimizer step waiting for the last;
 * :mod:`.snapshot`: any nested structure of tensors copied to host memory (the
   ``torch.save``-style path of :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`).
 

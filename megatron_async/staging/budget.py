@@ -13,9 +13,11 @@ Runs in the trainer (every rank), in the request's ``preload_fn``. Every save st
   (logged) instead of allocating a second copy, unless the budget holds two copies;
 * a state that fits the budget is staged in one go (:func:`~.buffers.stage_buckets`,
   unchanged); a larger one in rounds through a pool of the budget's size
-  (:mod:`megatron_async.staging.rounds`); a single tensor larger than the budget is
-  refused before anything is staged or lost (:class:`~megatron_async.errors.StagingMemoryError`
-  naming the tensor and the budget it needs).
+  (:mod:`megatron_async.staging.rounds`; with overlapped staging every round is copied
+  by the copy thread, :mod:`megatron_async.staging.overlapped_rounds`); a single tensor
+  larger than the budget is refused before anything is staged or lost
+  (:class:`~megatron_async.errors.StagingMemoryError` naming the tensor and the budget
+  it needs).
 
 A hold ends when the save's writer marks its control block done (it read everything)
 or when the caller releases the staged data, whichever comes first.
@@ -36,6 +38,7 @@ import torch
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
+from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 from megatron_async.staging.rounds_control import RoundsControl
 from megatron_async.writer.layout import WriteBucket
@@ -240,19 +243,22 @@ def stage_within_budget(
     cache: Optional[StagingBufferCache],
     timeout_s: float,
     stage_one_go: Callable[[], Any],
-    overlapped: bool,
+    overlapped: Optional[Callable[..., Any]],
     stats: dict,
     rounds: bool = True,
 ) -> Any:
     """Stage ``buckets`` within the budget (trainer, the request's ``preload_fn``).
 
     ``stage_one_go`` is the writer's own staging (one go, or overlapped), used when the
-    state fits; ``stats`` receives ``rounds`` and ``peak_bytes`` of this save.
+    state fits; ``overlapped`` (None without overlapped staging) stages in rounds in place
+    of :func:`~.rounds.stage_in_rounds`, with the same arguments
+    (:func:`~.overlapped_rounds.stage_in_rounds_overlapped` with its gate bound);
+    ``stats`` receives ``rounds`` and ``peak_bytes`` of this save.
 
     Raises:
         StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
-            free the memory in time, or an overlapped save does not fit; nothing was
-            staged.
+            free the memory in time, or the write path cannot take items in rounds;
+            nothing was staged.
     """
     state_bytes, cuda = _state_sizes(buckets)
     budget = resolve_budget(limit, state_bytes)
@@ -265,23 +271,20 @@ def stage_within_budget(
             raise
         _mark(staged, hold, stats, 1, state_bytes)
         return staged
-    if overlapped or not rounds:
-        why = (
-            "overlapped staging cannot stage in rounds yet. Save without overlap_staging"
-            if overlapped else
-            "this writer's write path (an override without staging_control) cannot take "
-            "items in rounds. Accept staging_control in the override"
-        )
+    if not rounds:
         raise StagingMemoryError(
             f"this rank's state ({state_bytes} bytes) is larger than the staging_memory_limit "
-            f"({budget} bytes); {why}, or raise staging_memory_limit to at least the state"
+            f"({budget} bytes); this writer's write path (an override without "
+            "staging_control) cannot take items in rounds. Accept staging_control in the "
+            "override, or raise staging_memory_limit to at least the state"
         )
     check_fits(buckets, budget)
     (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
     hold = _ledger.reserve(budget, budget, control, timeout_s)
     try:
+        wait_for_staging(timeout_s)  # no overlapped copy of an earlier save still fills the pool
         pool = _ledger.pool(budget, pinned=cuda)
-        staged = stage_in_rounds(buckets, pool, budget, control, timeout_s)
+        staged = (overlapped or stage_in_rounds)(buckets, pool, budget, control, timeout_s)
     except BaseException:
         hold.end()
         raise
@@ -295,7 +298,7 @@ def budgeted_preload(
     buckets: Sequence[WriteBucket],
     limit: Any,
     cache: Optional[StagingBufferCache],
-    overlapped: bool,
+    overlapped: Optional[Callable[..., Any]],
     stats: dict,
     timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S,
     rounds: bool = True,
@@ -304,6 +307,7 @@ def budgeted_preload(
 
     ``control`` (one word per tensor item of ``buckets``) also goes to the write path
     (``staging_control``), which takes the items as they arrive and marks it done.
+    ``overlapped``: see :func:`stage_within_budget`.
     ``rounds`` False: the write path does not take ``staging_control`` (an override with
     the reference signature), so a state above the budget is refused.
     """

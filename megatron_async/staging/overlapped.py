@@ -59,6 +59,9 @@ __all__ = [
     "staging_in_progress",
     "refuse_overlap_param_gather",
     "copies_held",
+    "CopyJob",
+    "submit_copy",
+    "install_optimizer_hook",
     "DEFAULT_STAGING_WAIT_S",
 ]
 
@@ -146,7 +149,7 @@ def write_after_staging(
     write_fn(*args)
 
 
-class _CopyJob:
+class CopyJob:
     """One save's copies: ``(name, source, buffer, version at scheduling)`` per tensor."""
 
     def __init__(self, gate: StagingGate, copies: List[tuple], rank: int):
@@ -206,13 +209,13 @@ class _Copier:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: "queue.Queue[_CopyJob]" = queue.Queue()
-        self._pending: List[_CopyJob] = []
+        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
+        self._pending: List[CopyJob] = []
         self._thread: Optional[threading.Thread] = None
         self._running = threading.Event()  # cleared while copies are held
         self._running.set()
 
-    def submit(self, job: _CopyJob) -> None:
+    def submit(self, job: CopyJob) -> None:
         with self._lock:
             self._pending.append(job)
             if self._thread is None or not self._thread.is_alive():
@@ -236,7 +239,7 @@ class _Copier:
     def hold(self, held: bool) -> None:
         (self._running.clear if held else self._running.set)()
 
-    def pending(self) -> List[_CopyJob]:
+    def pending(self) -> List[CopyJob]:
         with self._lock:
             return [job for job in self._pending if not job.done.is_set()]
 
@@ -252,7 +255,8 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         wait_for_staging()
 
 
-def _install_optimizer_hook() -> None:
+def install_optimizer_hook() -> None:
+    """Install the global optimizer step pre-hook that waits for pending copies (once)."""
     global _hook_handle
     with _hook_lock:
         if _hook_handle is None:
@@ -297,7 +301,8 @@ def copies_held():
         _copier.hold(False)
 
 
-def _start_copy(job: _CopyJob) -> None:
+def submit_copy(job: CopyJob) -> None:
+    """Hand ``job`` to this process's copy thread (after the request's hand-over)."""
     _copier.submit(job)
 
 
@@ -320,14 +325,14 @@ def stage_buckets_overlapped(
     from megatron_async.staging.buffers import stage_buckets
 
     wait_for_staging()
-    _install_optimizer_hook()
+    install_optimizer_hook()
     staged = stage_buckets(buckets, non_blocking, staging_key, staging_cache, copy_now=False)
     copies = [
         (item.index.fqn, source, buffer, source._version)
         for item, source, buffer in staged.uncopied
     ]
     staged.uncopied = []
-    staged.start_background_copy = partial(_start_copy, _CopyJob(gate, copies, rank))
+    staged.start_background_copy = partial(submit_copy, CopyJob(gate, copies, rank))
     return staged
 
 
@@ -336,16 +341,18 @@ def overlapped_save_functions(
     resolved_plan_data: Any,
     staging_cache: Optional[StagingBufferCache],
     results_queue: Any,
+    gate: Optional[StagingGate] = None,
 ) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any]]:
     """Return ``(save_fn, preload_fn, args)`` of a save with overlapped staging (trainer).
 
     ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
-    ``save_fn`` waits for the copy before it calls the given one (the writer's).
+    ``save_fn`` waits for the copy (``gate``, a new one by default) before it calls the
+    given one (the writer's).
     """
     from megatron_async.core import coordination
     from megatron_async.writer.layout import unpack_resolved_plan_data
 
-    gate = StagingGate()
+    gate = gate if gate is not None else StagingGate()
     rank = coordination.get_rank()
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     preload_fn = partial(

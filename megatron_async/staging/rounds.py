@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,6 +51,7 @@ __all__ = [
     "RoundPlan",
     "RoundItems",
     "plan_rounds",
+    "place_in_pool",
     "stage_in_rounds",
     "writer_view",
 ]
@@ -181,6 +182,7 @@ class RoundsStaged(StagedBuckets):
                     self.control, deadline,
                     f"the background writer did not free staging memory within "
                     f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck or gone",
+                    watch_writer=True,
                 )
                 _copy_checked(name, source, buffer, version)
                 self.control.mark_copied(idx)
@@ -214,6 +216,46 @@ def _check_version(name: str, source: torch.Tensor, version: int) -> None:
         )
 
 
+def place_in_pool(
+    buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, control: RoundsControl
+) -> Tuple[RoundPlan, List[WriteBucket], List[tuple]]:
+    """Plan the ring and give every item its view of ``pool``, copying nothing (trainer).
+
+    Marks the control block *in rounds* and empty items copied. Returns the plan, the
+    staged buckets (views of the pool) and, in the writer's order, ``(index, name,
+    source, buffer, version at scheduling)`` of every item still to copy.
+
+    Raises:
+        StagingMemoryError: a single tensor is larger than ``budget``.
+    """
+    entries = [
+        (b_idx, item, tensor.detach())
+        for b_idx, bucket in enumerate(buckets)
+        for item, tensor in bucket.data[1]
+    ]
+    plan = plan_rounds(
+        [t.numel() * t.element_size() for _, _, t in entries],
+        [item.index.fqn for _, item, _ in entries],
+        budget,
+    )
+    control.start_rounds()
+    to_copy: List[tuple] = []
+    staged_tensors: List[List[tuple]] = [[] for _ in buckets]
+    for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
+        if offset is None:
+            buffer = torch.empty(source.shape, dtype=source.dtype)
+            control.mark_copied(idx)
+        else:
+            buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
+            to_copy.append((idx, item.index.fqn, source, buffer, source._version))
+        staged_tensors[b_idx].append((item, buffer))
+    staged = [
+        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
+        for bucket, tensors in zip(buckets, staged_tensors)
+    ]
+    return plan, staged, to_copy
+
+
 def stage_in_rounds(
     buckets: Sequence[WriteBucket],
     pool: torch.Tensor,
@@ -234,43 +276,17 @@ def stage_in_rounds(
     Raises:
         StagingMemoryError: a single tensor is larger than ``budget``.
     """
-    entries = [
-        (b_idx, item, tensor.detach())
-        for b_idx, bucket in enumerate(buckets)
-        for item, tensor in bucket.data[1]
-    ]
-    plan = plan_rounds(
-        [t.numel() * t.element_size() for _, _, t in entries],
-        [item.index.fqn for _, item, _ in entries],
-        budget,
-    )
-    control.start_rounds()
-    copied_now: List[torch.Tensor] = []
-    remaining: List[tuple] = []
-    staged_tensors: List[List[tuple]] = [[] for _ in buckets]
-    for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
-        if offset is None:
-            buffer = torch.empty(source.shape, dtype=source.dtype)
-            control.mark_copied(idx)
-        else:
-            buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            if not plan.waits_for[idx]:
-                buffer.copy_(source, non_blocking=source.device.type == "cuda")
-                copied_now.append(source)
-            else:
-                remaining.append((idx, item.index.fqn, source, buffer, source._version))
-        staged_tensors[b_idx].append((item, buffer))
-    synchronize_if_cuda(copied_now)
-    for idx, offset in enumerate(plan.offsets):
-        if offset is not None and not plan.waits_for[idx]:
-            control.mark_copied(idx)
-    staged = [
-        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
-        for bucket, tensors in zip(buckets, staged_tensors)
-    ]
+    plan, staged, to_copy = place_in_pool(buckets, pool, budget, control)
+    first = [entry for entry in to_copy if not plan.waits_for[entry[0]]]
+    for _, _, source, buffer, _ in first:
+        buffer.copy_(source, non_blocking=source.device.type == "cuda")
+    synchronize_if_cuda([source for _, _, source, _, _ in first])
+    for entry in first:
+        control.mark_copied(entry[0])
+    remaining = [entry for entry in to_copy if plan.waits_for[entry[0]]]
     logger.debug(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
-        len(entries), plan.rounds, plan.pool_bytes, len(entries) - len(remaining),
+        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(remaining),
     )
     return RoundsStaged(staged, control, plan, remaining, timeout_s)
 
@@ -311,6 +327,7 @@ def writer_view(
     """
     if not control.in_rounds or staged is None:
         return staged
+    control.record_writer()
     deadline = time.monotonic() + timeout_s
     first, buckets = 0, []
     for bucket in staged:

@@ -4,7 +4,8 @@ One small shared-memory segment per save (see :mod:`megatron_async.staging.round
 header (the trainer's failure state and message, the writer's *done* mark, whether the
 save is staged in rounds) and one state word per tensor item (pending, copied, written).
 The trainer creates it in ``preload_fn``, before the fork or the send, so a forked writer
-inherits it and the persistent worker maps it from its segment reference.
+inherits it and the persistent worker maps it from its segment reference. The writer
+records its process id when it starts reading, so the trainer's waits end when it is gone.
 
 Both sides run code from here: the trainer marks items copied and records a failure; the
 background writer marks items written and the whole save done; either waits on the
@@ -13,19 +14,21 @@ other's marks with :func:`wait_on_control` (bounded, and ending at the other sid
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import AsyncTimeoutError, StagingRaceError
+from megatron_async.errors import AsyncTimeoutError, StagingRaceError, WorkerDiedError
 
 __all__ = ["RoundsControl", "wait_on_control"]
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1
-_HEADER_WORDS = 4  # failure state, message length, writer done, staged in rounds
+_HEADER_WORDS = 5  # failure state, message length, writer done, staged in rounds, writer pid
+_LIVENESS_PERIOD_S = 0.5
 _MESSAGE_BYTES = 4096
 
 
@@ -101,14 +104,54 @@ class RoundsControl:
     def in_rounds(self) -> bool:
         return int(self._words[3]) == 1
 
+    def record_writer(self) -> None:
+        """Writer: this process reads the staged data (the trainer watches it)."""
+        self._words[4] = os.getpid()
 
-def wait_on_control(condition: Callable[[], bool], control: RoundsControl, deadline: float, what: str) -> None:
-    """Poll ``condition`` until true; raise on the trainer's failure mark or the deadline."""
+    def writer_gone(self) -> bool:
+        """Trainer: whether the recorded writer process ended (False before it recorded)."""
+        pid = int(self._words[4])
+        return pid > 0 and not _process_running(pid)
+
+
+def _process_running(pid: int) -> bool:
+    """Whether ``pid`` runs; a dead child that its parent has not reaped yet does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+def wait_on_control(
+    condition: Callable[[], bool], control: RoundsControl, deadline: float, what: str,
+    watch_writer: bool = False,
+) -> None:
+    """Poll ``condition`` until true; raise on the trainer's failure mark or the deadline,
+    and with ``watch_writer`` (the trainer's waits) once the writer's process is gone."""
     pause = 0.0002
+    next_check = time.monotonic() + _LIVENESS_PERIOD_S
     while not condition():
         if control.failed:
             raise StagingRaceError(control.message())
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise AsyncTimeoutError(what)
+        if watch_writer and now > next_check:
+            next_check = now + _LIVENESS_PERIOD_S
+            if control.writer_gone():
+                raise WorkerDiedError(
+                    "the background writer of this save ended before it freed the staging "
+                    "memory (staging in rounds); the save fails, see the writer's error"
+                )
         time.sleep(pause)
         pause = min(pause * 2, 0.005)

@@ -288,10 +288,11 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             direct_io=self.direct_io,
             staging_control=control,
         )
-        if self.overlap_staging:
-            from megatron_async.staging.overlapped import overlapped_save_functions
+        rounds = "staging_control" in save_fn.keywords  # not with an override without it
+        if self.overlap_staging:  # above the budget: rounds copied by the copy thread
+            from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
 
-            save_fn, preload_fn, args = overlapped_save_functions(
+            save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
                 save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
             )
         else:
@@ -299,14 +300,13 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
                 self.preload_tensors, (self.resolved_plan_data, True),
                 staging_cache=self.staging_cache,
             )
-            args = [coordination.get_rank(), None, self.results_queue]
+            args, overlapped = [coordination.get_rank(), None, self.results_queue], None
         # Rounds when the state is larger than the budget, and a wait for an earlier
         # save's memory instead of a second copy.
         self.staging_stats = {}
         preload_fn = budgeted_preload(
             control, preload_fn, self.write_buckets, self.options.staging_memory_limit,
-            self.staging_cache, self.overlap_staging, self.staging_stats,
-            rounds="staging_control" in save_fn.keywords,  # not with an override without it
+            self.staging_cache, overlapped, self.staging_stats, rounds=rounds,
         )
         return save_fn, preload_fn, args
 

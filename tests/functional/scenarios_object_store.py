@@ -38,6 +38,7 @@ from megatron_async.core import AsyncCallsQueue
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.storage import storage_for
 from tests.functional.harness import RankContext, for_both_callers, only_selected, run_scenarios
 from tests.functional.scenarios_strategy import _assert_equal_states, _global_tensors, _model_state
@@ -107,6 +108,7 @@ def _save(ctx: RankContext, url: str, scale: float, persistent: bool, mutate: bo
     )
     _queue(persistent).schedule_async_request(request)
     if mutate:  # the trainer's next step, right after scheduling returns
+        wait_for_staging()  # as its optimizer step does (overlapped staging only waits here)
         for value in state.values():
             if isinstance(value, ShardedTensor) and value.data.numel() and value.data.is_floating_point():
                 value.data.add_(1000.0)
@@ -136,14 +138,16 @@ def snapshot_after_scheduling(ctx: RankContext, persistent: bool) -> None:
 
 def staged_in_rounds_to_the_store(ctx: RankContext, persistent: bool) -> None:
     """A staging budget of the largest tensor (below the state): uploads stream from the
-    pool in rounds; the checkpoint loads back equal and the snapshot holds."""
-    url = _url(ctx, f"rounds-{persistent}")
-    strategy = TorchDistAsyncSaveStrategy(
-        use_msc=True, object_part_bytes=PART_BYTES, thread_count=2,
-        staging_memory_limit=BIG_NUMEL * 4,
-    )
-    _save(ctx, url, 4.0, persistent, mutate=True, strategy=strategy)
-    _check_loads_back(ctx, url, 4.0)
+    pool in rounds, copied by the trainer and then by the overlapped copy thread; the
+    checkpoints load back equal and the snapshot holds."""
+    for scale, overlap in ((4.0, False), (5.0, True)):
+        url = _url(ctx, f"rounds-{persistent}-{overlap}")
+        strategy = TorchDistAsyncSaveStrategy(
+            use_msc=True, object_part_bytes=PART_BYTES, thread_count=2,
+            staging_memory_limit=BIG_NUMEL * 4, overlap_staging=overlap,
+        )
+        _save(ctx, url, scale, persistent, mutate=True, strategy=strategy)
+        _check_loads_back(ctx, url, scale)
 
 
 def _fault(ctx: RankContext, name: str, faulty_profile: str, persistent: bool, expect: str,

@@ -2,12 +2,19 @@
 saved under a 16 MiB budget loads back equal through megatron-core and DCP while the
 staging memory sampled during the save stays within the budget; two saves in a row never
 hold two copies; an in-place update after scheduling is not saved; a budget below the
-largest tensor is refused on every rank with a message naming the tensor."""
+largest tensor is refused on every rank with a message naming the tensor. With overlapped
+staging, scheduling returns before any round is copied, the optimizer step waits for the
+last round (its update is not saved), and an update that bypasses that wait fails the save
+on every rank while the previous checkpoint stays whole; a writer killed while the copy
+thread waits for it does not hold the optimizer step."""
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,9 +25,16 @@ from megatron_async.core import AsyncCallsQueue, shared_memory
 from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging import overlapped
 from megatron_async.staging.buffers import clear_staging_cache
 from tests.functional.harness import RankContext, for_both_callers, run_selected_then_close
-from tests.functional.scenarios_strategy import _dir, _load_dcp
+from tests.persistent_worker import wait_until_worker_ready
+from tests.functional.scenarios_strategy import (
+    FAILING_RANK,
+    _dir,
+    _load_dcp,
+    expect_staging_race_everywhere,
+)
 
 MIB = 2**20
 TENSORS, TENSOR_NUMEL = 16, MIB  # 16 float32 tensors of 4 MiB: 64 MiB per rank
@@ -29,15 +43,16 @@ SLACK = 1 * MIB
 """Control blocks of the saves in flight (a few KiB each)."""
 
 
-def _state(ctx: RankContext, scale: float):
+def _state(ctx: RankContext, scale: float, params: bool = False):
+    """This rank's 64 MiB; ``params``: as parameters an optimizer steps (tensors otherwise)."""
     r, ws = ctx.rank, ctx.world_size
-    return {
-        f"w{i}": ShardedTensor.from_rank_offsets(
-            f"w{i}", torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * r,
-            (0, r, ws),
-        )
-        for i in range(TENSORS)
-    }
+
+    def value(i):
+        data = torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * r
+        return torch.nn.Parameter(data) if params else data
+
+    return {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", value(i), (0, r, ws))
+            for i in range(TENSORS)}
 
 
 def _check(ctx, path, scale):
@@ -143,10 +158,106 @@ def budget_below_the_largest_tensor_is_refused(ctx, persistent):
     dist.barrier()
 
 
+def _schedule_overlapped(queue, ctx, path, scale, before_copies=lambda: None):
+    """Schedule an overlapped save above the budget; return the saved parameters.
+
+    ``before_copies`` runs after scheduling returned, before the copy thread starts."""
+    strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET, overlap_staging=True)
+    state = _state(ctx, scale, params=True)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    with overlapped.copies_held():  # the copy thread starts no round before this block ends
+        queue.schedule_async_request(request)
+        assert overlapped.staging_in_progress()  # scheduling returned with every round pending
+        before_copies()
+    return [value.data for value in state.values()]
+
+
+def _step(params):
+    """The next training step's optimizer step (it waits for the overlapped copies)."""
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for param in params:
+        param.grad = torch.full_like(param, 12345.0)
+    optimizer.step()
+
+
+def overlapped_rounds_within_the_budget(ctx, persistent):
+    """Overlapped staging above the budget: scheduling returns before any round is copied,
+    the optimizer step waits for the last one, and its update is not saved."""
+    queue = _queue(persistent)
+    with _Sampler() as sampler:
+        for step in range(2):  # the second save reuses the pool
+            path = _dir(ctx, f"overlapped-rounds-{persistent}-{step}")
+            params = _schedule_overlapped(queue, ctx, path, float(step + 1))
+            _step(params)  # waits until the last round is copied
+            assert not overlapped.staging_in_progress()
+            queue.maybe_finalize_async_calls(blocking=True)
+            _check(ctx, path, float(step + 1))
+            assert torch.equal(params[0].detach(), _state(ctx, float(step + 1))["w0"].data - 12345.0)
+    assert sampler.peak <= BUDGET + SLACK, (sampler.peak, BUDGET)
+    assert staging_ledger().peak_bytes == BUDGET, staging_ledger().peak_bytes
+    return sampler.peak
+
+
+def overlapped_rounds_unguarded_update_fails_everywhere(ctx, persistent):
+    """An in-place update that bypasses the optimizer step's wait, on one rank, before its
+    round is copied: the save fails on every rank with StagingRaceError naming the tensor,
+    nothing marks it complete, and the previous checkpoint still loads equal."""
+    queue = _queue(persistent)
+    previous = _dir(ctx, f"overlapped-kept-{persistent}")
+    _schedule(queue, ctx, previous, TorchDistAsyncSaveStrategy(
+        staging_memory_limit=BUDGET, overlap_staging=True), 7.0)
+    queue.maybe_finalize_async_calls(blocking=True)
+    path = _dir(ctx, f"overlapped-race-{persistent}")
+    strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET, overlap_staging=True)
+    state = _state(ctx, 8.0)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+    with overlapped.copies_held():
+        queue.schedule_async_request(request)
+        if ctx.rank == FAILING_RANK:
+            state["w3"].data.add_(1.0)  # no optimizer step, no wait_for_staging()
+    expect_staging_race_everywhere(queue, path, "w3")
+    _check(ctx, previous, 7.0)
+
+
+def overlapped_rounds_writer_killed_does_not_hold_the_step(ctx, persistent):
+    """The writer of an overlapped save above the budget dies on one rank before the copy
+    thread started: the copy thread stops once it finds the writer gone instead of waiting
+    for it to free the pool (600 s), so the optimizer step returns; the save fails on every
+    rank and nothing marks it complete."""
+    queue = wait_until_worker_ready(_queue(persistent))
+    path = _dir(ctx, f"overlapped-killed-{persistent}")
+
+    def kill_writer():
+        if ctx.rank != FAILING_RANK:
+            return
+        deadline = time.monotonic() + 60  # this rank's first file: it recorded its pid before
+        while not any(name.startswith(f"__{ctx.rank}_") for name in os.listdir(path)):
+            assert time.monotonic() < deadline, "the writer never opened its files"
+            time.sleep(0.02)
+        os.kill(queue.async_calls[-1].async_caller.process.pid, signal.SIGKILL)
+
+    params = _schedule_overlapped(queue, ctx, path, 9.0, before_copies=kill_writer)
+    _step(params)  # returns: a copy thread stuck on the dead writer would hold it
+    assert not overlapped.staging_in_progress()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        failures = dict(exc.rank_failures)
+    else:
+        raise AssertionError("a save whose writer was killed did not fail")
+    assert set(failures) == {FAILING_RANK}, failures
+    assert "signal 9" in failures[FAILING_RANK].message, failures
+    dist.barrier()
+    assert not set(os.listdir(path)) & {".metadata", "metadata.json"}
+
+
 SCENARIOS = for_both_callers(
     large_state_saved_in_rounds_within_the_budget,
     two_saves_in_a_row_hold_one_copy,
     budget_below_the_largest_tensor_is_refused,
+    overlapped_rounds_within_the_budget,
+    overlapped_rounds_unguarded_update_fails_everywhere,
+    overlapped_rounds_writer_killed_does_not_hold_the_step,  # last: kills a persistent worker
 )
 
 

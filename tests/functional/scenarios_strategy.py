@@ -899,6 +899,13 @@ def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):
         queue.schedule_async_request(request)
         if ctx.rank == FAILING_RANK:
             _mutate(state)
+    expect_staging_race_everywhere(queue, path, "rows")
+
+
+def expect_staging_race_everywhere(queue, path, tensor_name):
+    """Finalize a save that FAILING_RANK raced (an in-place update before the overlapped
+    copy): every rank raises AsyncSaveFailedError naming that rank's StagingRaceError and
+    the tensor, and nothing marks the checkpoint complete."""
     failures = None
     try:
         queue.maybe_finalize_async_calls(blocking=True)
@@ -908,7 +915,8 @@ def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):
     assert set(failures) == {FAILING_RANK}, failures
     failure = failures[FAILING_RANK]
     assert failure.exception_type.endswith("StagingRaceError"), failure
-    assert "saved tensor 'rows'" in failure.message and "wait_for_staging()" in failure.message
+    assert f"saved tensor {tensor_name!r}" in failure.message, failure.message
+    assert "wait_for_staging()" in failure.message, failure.message
     dist.barrier()
     assert not set(os.listdir(path)) & {".metadata", "metadata.json"}
 

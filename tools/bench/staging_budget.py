@@ -1,5 +1,6 @@
 """Staging memory budget benchmark: peak host memory and lost time per save at budgets of
-1.0x, 0.5x and 0.25x the state, against a synchronous save (gloo, CPU).
+1.0x, 0.5x and 0.25x the state, and at 0.5x and 0.25x with overlapped staging, against a
+synchronous save (gloo, CPU).
 
 One command (the lead reruns it on a quiet machine)::
 
@@ -12,6 +13,11 @@ includes the shared pages it touched) and of its background processes, the lost 
 warm save (what the training loop waits: planning plus staging, and with a budget below
 the state the wait for the writer to drain), and the rounds. Ranks run as processes of
 this machine; ``--persistent`` uses the persistent worker instead of a fork per save.
+
+After scheduling, every row sleeps ``--step-s`` (a forward/backward that leaves the cores
+to the copy and the writer) and then waits as the next optimizer step would
+(``wait_for_staging``): lost time = scheduling + that wait. Only the overlapped rows wait
+there (under a budget, for the last round to be copied while the writer drains).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.multiprocessing as mp
 __all__ = ["main"]
 
 _FACTORS = (1.0, 0.5, 0.25)
+_OVERLAPPED_FACTORS = (0.5, 0.25)
 
 
 def _state(rank, world, tensors, numel, scale):
@@ -79,6 +86,7 @@ def _rank_main(rank, args, port, out_dir):
     from megatron_async import AsyncCallsQueue, TorchDistAsyncSaveStrategy
     from megatron_async.staging.budget import staging_ledger
     from megatron_async.staging.buffers import clear_staging_cache
+    from megatron_async.staging.overlapped import wait_for_staging
     from tools.bench.memory import RssSampler
 
     numel = args.mib_per_rank * 2**20 // 4 // args.tensors
@@ -87,15 +95,17 @@ def _rank_main(rank, args, port, out_dir):
     rss = RssSampler(0.002)
     shm = _ShmPeak()
     results = []
-    for factor in ("sync",) + _FACTORS:
+    rows = [("sync", None, False)] + [(f"{f}x", f, False) for f in _FACTORS]
+    rows += [(f"{f}x ovl", f, True) for f in _OVERLAPPED_FACTORS]
+    for label, factor, overlap in rows:
         clear_staging_cache()
         staging_ledger().drop_pool()
         gc.collect()
-        limit = None if factor == "sync" else max(int(state_bytes * factor), 1)
-        strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=limit)
-        lost, peaks_shm, peaks_rss, peaks_children = [], [], [], []
+        limit = None if factor is None else max(int(state_bytes * factor), 1)
+        strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=limit, overlap_staging=overlap)
+        lost, waits, peaks_shm, peaks_rss, peaks_children = [], [], [], [], []
         for step in range(args.saves + 1):  # the first save is the cold one, not counted
-            path = os.path.join(out_dir, f"{factor}-{step}")
+            path = os.path.join(out_dir, f"{label.replace(' ', '-')}-{step}")
             if rank == 0:
                 os.makedirs(path, exist_ok=True)
             dist.barrier()
@@ -103,7 +113,7 @@ def _rank_main(rank, args, port, out_dir):
             shm.take()
             rss.take_peaks()
             start = time.perf_counter()
-            if factor == "sync":
+            if factor is None:
                 dist_checkpointing.save(state, path, sharded_strategy=strategy)
             else:
                 request = dist_checkpointing.save(
@@ -111,19 +121,26 @@ def _rank_main(rank, args, port, out_dir):
                 )
                 queue.schedule_async_request(request)
             stall = time.perf_counter() - start
+            time.sleep(args.step_s)  # forward and backward of the next step
+            start = time.perf_counter()
+            wait_for_staging()  # what the next optimizer step waits
+            wait = time.perf_counter() - start
             queue.maybe_finalize_async_calls(blocking=True)
             own, children = rss.take_peaks()
             if step:
-                lost.append(stall)
+                lost.append(stall + wait)
+                waits.append(wait)
                 peaks_shm.append(shm.take())
                 peaks_rss.append(own)
                 peaks_children.append(children)
             dist.barrier()
         results.append({
-            "budget": factor if factor == "sync" else f"{factor}x",
+            "budget": label,
+            "overlap_staging": overlap,
             "state_bytes": state_bytes,
             "limit_bytes": limit,
             "lost_s_median": statistics.median(lost),
+            "step_wait_s_median": statistics.median(waits),
             "peak_staging_shm_bytes": max(peaks_shm),
             "peak_trainer_rss_bytes": max(peaks_rss),
             "peak_background_rss_bytes": max(peaks_children),
@@ -142,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--saves", type=int, default=3, help="warm saves per budget")
     parser.add_argument("--persistent", action="store_true")
+    parser.add_argument("--step-s", type=float, default=0.5,
+                        help="simulated forward/backward between a save and the next optimizer step")
     parser.add_argument("--ckpt-dir", default=None, help="where checkpoints go (a temp dir)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
@@ -155,15 +174,15 @@ def main(argv=None):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as stream:
                 per_rank.append(json.load(stream))
     mib = 2**20
-    print(f"{'budget':>7} {'state MiB':>9} {'staging shm MiB':>15} {'trainer RSS MiB':>15} "
-          f"{'writer RSS MiB':>14} {'lost s/save':>11}   (worst rank)")
+    print(f"{'budget':>10} {'state MiB':>9} {'staging shm MiB':>15} {'trainer RSS MiB':>15} "
+          f"{'writer RSS MiB':>14} {'lost s/save':>11} {'in step s':>9}   (worst rank)")
     for rows in zip(*per_rank):
         worst = max(rows, key=lambda r: r["lost_s_median"])
-        print(f"{worst['budget']:>7} {worst['state_bytes'] / mib:>9.0f} "
+        print(f"{worst['budget']:>10} {worst['state_bytes'] / mib:>9.0f} "
               f"{max(r['peak_staging_shm_bytes'] for r in rows) / mib:>15.1f} "
               f"{max(r['peak_trainer_rss_bytes'] for r in rows) / mib:>15.0f} "
               f"{max(r['peak_background_rss_bytes'] for r in rows) / mib:>14.0f} "
-              f"{worst['lost_s_median']:>11.3f}")
+              f"{worst['lost_s_median']:>11.3f} {worst['step_wait_s_median']:>9.3f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as stream:

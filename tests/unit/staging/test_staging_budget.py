@@ -2,6 +2,7 @@
 (byte-identical files), the ledger's wait for an earlier save, and the refusals."""
 
 import os
+import re
 import threading
 
 import pytest
@@ -191,3 +192,121 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
     log_finalized_save(0, 3, 0.2, 0.1, details)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "staging peak 1024 bytes in 4 round(s)" in line
+
+
+# -- overlapped staging above the budget: every round copied by the copy thread ------------
+
+
+def _overlapped_rounds(tensors, pool_bytes, rank=0):
+    from megatron_async.staging.overlapped import StagingGate
+    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+
+    control = RoundsControl(len(tensors))
+    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    staged = stage_in_rounds_overlapped(
+        StagingGate(), rank, _buckets(tensors), pool, pool_bytes, control, timeout_s=60.0
+    )
+    return staged, control
+
+
+def _drain_in_thread(control, staged):
+    """The background writer: read every item as the rounds arrive, then mark done."""
+    written, errors = [], []
+
+    def drain():
+        (bucket,) = writer_view(control, 60.0, list(staged))
+        try:
+            for idx, (_, tensor) in enumerate(bucket.data[1]):
+                bucket.data[1].before_item(idx)
+                written.append(tensor.clone())
+                bucket.data[1].after_item(idx)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            control.mark_done()
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    return thread, written, errors
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_rounds_write_the_same_bytes_as_one_go(tmp_path):
+    tensors = _tensors()
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    state = {f"t{i}": t for i, t in enumerate(tensors)}
+    for name, limit in (("one", None), ("overlapped", state_bytes // 4)):
+        writer = FileSystemWriterAsync(str(tmp_path / name), options=WriteOptions(
+            thread_count=2, staging_memory_limit=limit, overlap_staging=True))
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.staging_stats["rounds"] >= 4
+    assert writer.staging_stats["peak_bytes"] <= state_bytes // 4
+    files = sorted(f for f in os.listdir(tmp_path / "one") if f.endswith(".distcp"))
+    assert files
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "overlapped" / name).read_bytes()
+    loaded = {key: torch.zeros_like(t) for key, t in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "overlapped"), no_dist=True)
+    assert all(torch.equal(loaded[key], t) for key, t in state.items())
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_the_last():
+    from megatron_async.staging.overlapped import copies_held, staging_in_progress
+
+    params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(4)]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for param in params:
+        param.grad = torch.ones(1024)
+    staged, control = _overlapped_rounds([p.detach() for p in params], 8192)
+    assert staged.plan.rounds == 2
+    assert not any(control.is_staged(i) for i in range(4))  # scheduling copied nothing
+    with copies_held():
+        staged.start_background_copy()
+        assert staging_in_progress()
+    thread, written, errors = _drain_in_thread(control, staged)
+    optimizer.step()  # the step pre-hook waits until the last round is copied
+    assert all(control.is_staged(i) for i in range(4)) and not control.failed
+    thread.join(60)
+    assert not errors and len(written) == 4
+    for i, (param, value) in enumerate(zip(params, written)):
+        assert torch.equal(value, torch.full((1024,), float(i)))  # the state at scheduling
+        assert torch.equal(param.detach(), torch.full((1024,), float(i) - 1.0))  # stepped
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_naming_it():
+    from megatron_async.staging.overlapped import copies_held, wait_for_staging
+
+    tensors = _tensors(count=4, numel=1024)
+    staged, control = _overlapped_rounds(tensors, 8192, rank=3)
+    with copies_held():
+        staged.start_background_copy()
+        tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
+    thread, written, errors = _drain_in_thread(control, staged)
+    wait_for_staging(timeout_s=60)
+    thread.join(60)
+    (error,) = errors
+    assert isinstance(error, StagingRaceError)
+    assert re.search(r"rank 3: saved tensor 'layer3.weight'.*wait_for_staging\(\)", str(error))
+    assert len(written) == 3  # the items before it, as they were at scheduling
+    assert all(torch.equal(w, t) for w, t in zip(written, tensors))
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_rounds_end_when_the_writer_process_is_gone():
+    import multiprocessing
+
+    from megatron_async.staging.overlapped import wait_for_staging
+
+    tensors = _tensors(count=4, numel=1024)
+    staged, control = _overlapped_rounds(tensors, 8192)
+    # A writer that started reading (recorded its pid) and died without marking anything:
+    # left unreaped, it is a zombie, which counts as gone.
+    writer = multiprocessing.get_context("fork").Process(target=control.record_writer)
+    writer.start()
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=60)  # returns at the liveness check, not at the 60 s bound
+    writer.join(10)
+    assert control.failed and "background writer of this save ended" in control.message()
+    assert [control.is_staged(i) for i in range(4)] == [True, True, False, False]

@@ -1,0 +1,202 @@
+"""Overlapped staging of a state larger than the staging budget: every round off the
+training thread.
+
+With ``overlap_staging`` and a ``staging_memory_limit`` below a rank's state, the state
+goes through the budget's pool in rounds, with :mod:`.rounds`' ring plan, control block
+and writer view, but scheduling copies nothing:
+
+1. scheduling (the request's ``preload_fn``, trainer) leases the pool, gives every item
+   its place in it and records each saved tensor's version counter; it opens the save's
+   :class:`~.overlapped.StagingGate` at once, since the writer waits for each item on the
+   control block instead;
+2. once the request is with its background writer, the overlapped copy thread (the one
+   :func:`~.overlapped.wait_for_staging` waits for) copies the items in the writer's
+   order, each once the writer marked the items whose bytes it overwrites *written*.
+   CUDA sources are copied as overlapped staging copies them, on the save's side stream
+   into the page-locked pool, and synchronized before they are marked copied;
+3. the next optimizer step (the global step pre-hook) waits until the last round is
+   copied: under a budget, the trainer's wait for the drain moves there.
+
+Every wait of the copy thread is bounded (``timeout_s``) and ends early when the writer
+is done (it failed: nothing more will be read) or its process is gone, so neither the
+copy thread nor the optimizer step outlives a dead writer by more than a poll. A saved
+tensor whose version counter moved before its copy finished fails the save on every
+rank (:class:`~megatron_async.errors.StagingRaceError`, raised by the writer as it waits
+for that item), as with overlapped staging in one go. The files are byte-identical to a
+save staged in one go.
+
+Runs in the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_async.errors import StagingRaceError
+from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
+from megatron_async.staging.overlapped import (
+    StagingGate,
+    CopyJob,
+    install_optimizer_hook,
+    submit_copy,
+    overlapped_save_functions,
+    wait_for_staging,
+)
+from megatron_async.staging.rounds import RoundPlan, place_in_pool
+from megatron_async.staging.rounds_control import RoundsControl, wait_on_control
+from megatron_async.writer.layout import WriteBucket
+
+__all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_functions_with_rounds"]
+
+logger = logging.getLogger(__name__)
+
+
+class _RoundsCopyJob(CopyJob):
+    """One save's copies into the pool, each after the writer freed its bytes (copy thread)."""
+
+    def __init__(self, gate: StagingGate, rank: int, control: RoundsControl, plan: RoundPlan,
+                 to_copy: List[tuple], timeout_s: float):
+        super().__init__(gate, [entry[1:] for entry in to_copy], rank)
+        self.indices = [entry[0] for entry in to_copy]
+        self.control: Optional[RoundsControl] = control
+        self.waits_for = plan.waits_for
+        self.timeout_s = timeout_s
+
+    def run(self) -> None:
+        """Copy thread: copy item after item as the writer frees the pool."""
+        control = self.control
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            position = 0
+            while position < len(self.copies):
+                end = self._wait_for_room(position, deadline)
+                if control.writer_done:
+                    return  # the writer failed and reads nothing more: its error fails the save
+                self._copy(position, end)
+                position = end
+        except BaseException as exc:  # the writer raises it as it waits for the next item
+            if not isinstance(exc, StagingRaceError):
+                logger.error("rank %d: overlapped staging in rounds failed: %s", self.rank, exc)
+                exc = f"rank {self.rank}: overlapped staging in rounds failed: {type(exc).__name__}: {exc}"
+            if not control.failed:
+                control.fail(str(exc))
+        finally:
+            self.copies = []
+            self.control = None  # a live segment would keep a restarted worker from forking
+            self.done.set()
+
+    def _ready(self, position: int) -> bool:
+        return all(self.control.is_written(k) for k in self.waits_for[self.indices[position]])
+
+    def _wait_for_room(self, position: int, deadline: float) -> int:
+        """Wait (bounded) until item ``position`` may be copied; return the end of the run
+        of items from it that may all be copied now."""
+        control = self.control
+        wait_on_control(
+            lambda: self._ready(position) or control.writer_done, control, deadline,
+            f"rank {self.rank}: the background writer did not free staging memory within "
+            f"{self.timeout_s:.0f}s (overlapped staging in rounds); the writer is stuck",
+            watch_writer=True,
+        )
+        end = position + 1
+        while end < len(self.copies) and self._ready(end):
+            end += 1
+        return end
+
+    def _copy(self, start: int, end: int) -> None:
+        """Copy items ``start:end``, checking each version before and after its copy; mark
+        each copied once its bytes are in the pool."""
+        on_stream = []
+        for k in range(start, end):
+            name, source, buffer, version = self.copies[k]
+            self._check(name, source, version)
+            if source.device.type == "cuda":
+                with torch.cuda.stream(self.stream):
+                    buffer.copy_(source, non_blocking=True)
+                on_stream.append(k)
+            else:
+                buffer.copy_(source)
+                self._check(name, source, version)
+                self.control.mark_copied(self.indices[k])
+        if on_stream:
+            self.stream.synchronize()
+            for k in on_stream:
+                name, source, _, version = self.copies[k]
+                self._check(name, source, version)
+                self.control.mark_copied(self.indices[k])
+
+
+class OverlappedRoundsStaged(StagedBuckets):
+    """Buckets staged in rounds by the overlapped copy thread: views of the pool (trainer).
+
+    ``start_background_copy`` hands the copies to the copy thread once the request is
+    with its writer; scheduling does not wait for them (the next optimizer step does).
+    Pickled, only the buckets travel.
+    """
+
+    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: _RoundsCopyJob):
+        super().__init__(buckets)
+        self.plan = plan
+        self._job: Optional[_RoundsCopyJob] = job
+
+    def start_background_copy(self) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            submit_copy(job)
+
+
+def stage_in_rounds_overlapped(
+    gate: StagingGate,
+    rank: int,
+    buckets: Sequence[WriteBucket],
+    pool: torch.Tensor,
+    budget: int,
+    control: RoundsControl,
+    timeout_s: float,
+) -> OverlappedRoundsStaged:
+    """Place ``buckets``' tensors in ``pool`` and prepare their copy without copying
+    (trainer, the request's ``preload_fn`` with overlapped staging above the budget).
+
+    Takes the arguments of :func:`~.rounds.stage_in_rounds` after ``gate`` and ``rank``
+    (the save's gate and this rank), which :func:`overlapped_functions_with_rounds` binds.
+    An earlier overlapped copy is waited for first: copies run one save at a time.
+
+    Raises:
+        StagingMemoryError: a single tensor is larger than ``budget``.
+        AsyncTimeoutError: an earlier overlapped copy did not finish within ``timeout_s``.
+    """
+    wait_for_staging(timeout_s)
+    install_optimizer_hook()
+    plan, staged, to_copy = place_in_pool(buckets, pool, budget, control)
+    job = _RoundsCopyJob(gate, rank, control, plan, to_copy, timeout_s)
+    gate.mark_staged()  # the writer waits for each item on the control block
+    logger.debug(
+        "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
+        rank, len(plan.sizes), plan.rounds, plan.pool_bytes,
+    )
+    return OverlappedRoundsStaged(staged, plan, job)
+
+
+def overlapped_functions_with_rounds(
+    save_fn: Callable[..., Any],
+    resolved_plan_data: Any,
+    staging_cache: Optional[StagingBufferCache],
+    results_queue: Any,
+) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any], Callable[..., Any]]:
+    """Return :func:`~.overlapped.overlapped_save_functions`' ``(save_fn, preload_fn,
+    args)`` and the stager the staging budget uses above the budget (trainer).
+
+    The stager is :func:`stage_in_rounds_overlapped` with the save's gate and rank bound;
+    :func:`~megatron_async.staging.budget.stage_within_budget` calls it in place of
+    :func:`~.rounds.stage_in_rounds`.
+    """
+    gate = StagingGate()
+    save_fn, preload_fn, args = overlapped_save_functions(
+        save_fn, resolved_plan_data, staging_cache, results_queue, gate
+    )
+    return save_fn, preload_fn, args, partial(stage_in_rounds_overlapped, gate, args[0])
