@@ -11,8 +11,10 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 * :mod:`.rounds_control`: the control block the stager and the writer share (both sides);
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
   for before the next in-place update;
-* :mod:`.snapshot`: any nested structure of tensors copied to host memory (the
-  ``torch.save``-style path of :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`).
+* :mod:`.torch_save`: the object of a :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`
+  save pickled at once, its storages staged within the budget (in one go or in rounds);
+* :mod:`.snapshot`: any nested structure of tensors copied to host memory (a
+  ``preload_fn`` for requests built by hand).
 
 All allocate through :mod:`megatron_async.core.shared_memory`.
 """
