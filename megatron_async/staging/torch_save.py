@@ -232,6 +232,12 @@ def _copy_storage(entry: _SavedStorage, buffer: torch.Tensor, offset: int) -> to
     storage = entry.storage
     source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     target = buffer[offset : offset + entry.num_bytes]
+    # Copied in the widest elements the size allows: a byte-wise copy of a large storage has
+    # 8x the elements, which torch splits over its thread pool much sooner (slow when busy).
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if entry.num_bytes % dtype.itemsize == 0 and source.data_ptr() % dtype.itemsize == 0:
+            source, target = source.view(dtype), target.view(dtype)
+            break
     target.copy_(source, non_blocking=source.device.type == "cuda")
     return source
 
