@@ -5,51 +5,109 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from megatron_async.storage.local import atomic_output
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest
+from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.staging import snapshot_to_host
+from megatron_async.staging.budget import DEFAULT_STAGING_MEMORY_WAIT_S, validate_staging_memory_limit
+from megatron_async.staging.torch_save import stage_torch_save
+from megatron_async.writer.torch_save_file import write_torch_save_file
 
-__all__ = ["TorchAsyncCheckpoint", "save_file_atomically"]
+__all__ = ["TorchAsyncCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
 
-def save_file_atomically(path: Union[str, os.PathLike], state_dict: Any, save_kwargs: Dict[str, Any]) -> None:
-    """``torch.save`` to a temporary name, fsync, then rename over ``path`` (background side).
+def _pickle_options(save_kwargs: Dict[str, Any]):
+    """``(pickle_module, pickle_protocol, byteorder_record)`` from ``torch.save`` keywords.
 
-    A reader sees either the previous file or the complete new one, never a partial
-    file; if anything fails, the temporary file is removed and ``path`` is untouched.
+    Raises:
+        CheckpointValidationError: a keyword ``torch.save``'s zip format does not take.
     """
-    with atomic_output(path) as stream:
-        torch.save(state_dict, stream, **save_kwargs)
+    options = dict(save_kwargs)
+    pickle_module = options.pop("pickle_module", pickle)
+    pickle_protocol = options.pop("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL)
+    byteorder_record = not options.pop("_disable_byteorder_record", False)
+    if not options.pop("_use_new_zipfile_serialization", True):
+        raise CheckpointValidationError(
+            "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
+            "format (_use_new_zipfile_serialization=False) with torch.save directly"
+        )
+    if options:
+        raise CheckpointValidationError(
+            f"TorchAsyncCheckpoint.async_save got options torch.save does not take: "
+            f"{sorted(options)}; pass pickle_module, pickle_protocol or _disable_byteorder_record"
+        )
+    return pickle_module, pickle_protocol, byteorder_record
+
+
+class _SaveReport:
+    """The finalize step of one save (trainer): nothing to commit, the file is in place once
+    the writer is done; it gives the queue's INFO line the file and the staging figures."""
+
+    def __init__(self, path: Path, staging_stats: Dict[str, int]):
+        self._path = path
+        self._stats = staging_stats
+
+    def __call__(self) -> None:
+        pass
+
+    def save_details(self) -> SaveDetails:
+        try:
+            size: Optional[int] = self._path.stat().st_size
+        except OSError:
+            size = None
+        return SaveDetails(
+            str(self._path), 0.0, None, size, None,
+            self._stats.get("peak_bytes"), self._stats.get("rounds"),
+        )
 
 
 class TorchAsyncCheckpoint:
     """Save state dicts with ``torch.save`` in the background, one file per call.
 
-    Every rank that uses it owns one instance. ``async_save`` takes a snapshot of the
-    tensors on host memory (so the caller may modify them as soon as it returns) and
-    writes the file in a background process; ``finalize_async_save`` reaps finished
-    saves (and raises a failed one).
+    Every rank that uses it owns one instance. ``async_save`` pickles the object and
+    copies its tensors' storages to host memory (so the caller may modify them as soon as
+    it returns) and writes the file in a background process; ``finalize_async_save``
+    reaps finished saves (and raises a failed one). The file holds what ``torch.save``
+    writes for the host copy of the object (tensors load on the CPU).
+
+    Staging stays within ``staging_memory_limit``, shared with the torch_dist saves of
+    the same process (:mod:`megatron_async.staging.budget`): a save whose tensors exceed
+    it is staged and written in rounds (``async_save`` then returns once the writer has
+    taken all but the last round), and a save scheduled while earlier saves hold the
+    budget waits for their writers (bounded, logged) instead of staging another copy.
 
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
         config: timeouts of the background work.
+        staging_memory_limit: the most host memory the staged tensors of this process's
+            saves may hold at once: bytes (int), a fraction in (0, 1] of the node's memory
+            shared by its local ranks (float), or None for one copy of the saved tensors.
 
     In a distributed job, construct it on every rank (each rank's saves take part in
     the same coordination collectives).
     """
 
-    def __init__(self, persistent_queue: bool = False, *, config: Optional[AsyncCallerConfig] = None):
+    def __init__(
+        self,
+        persistent_queue: bool = False,
+        *,
+        config: Optional[AsyncCallerConfig] = None,
+        staging_memory_limit: Union[int, float, None] = None,
+    ):
+        validate_staging_memory_limit(staging_memory_limit)
+        self.staging_memory_limit = staging_memory_limit
+        self.staging_stats: Dict[str, int] = {}
+        """``rounds`` and ``peak_bytes`` of the latest save's staging."""
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
         self._paths_in_flight: Dict[int, Path] = {}
 
@@ -59,14 +117,21 @@ class TorchAsyncCheckpoint:
         Args:
             state_dict: any object ``torch.save`` accepts; its tensors are snapshotted.
             f: (first positional argument or ``f=``) the destination path.
-            **kwargs: forwarded to ``torch.save`` (for example ``pickle_protocol``).
+            **kwargs: ``torch.save``'s ``pickle_module``, ``pickle_protocol`` and
+                ``_disable_byteorder_record``.
 
         Returns:
             The call index of the save.
 
         Raises:
-            CheckpointValidationError: ``f`` is not a path or its directory is missing.
+            CheckpointValidationError: ``f`` is not a path or its directory is missing, or
+                an option ``torch.save``'s zip format does not take.
             CheckpointInProgressError: a save to the same path is still in flight.
+
+        A save that cannot stage within ``staging_memory_limit`` (one tensor larger than
+        the budget, or earlier saves that keep it for longer than 600 s) fails without
+        touching the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose
+        failure is the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
         """
         save_kwargs = dict(kwargs)
         if args:
@@ -96,11 +161,16 @@ class TorchAsyncCheckpoint:
                 f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
                 "before saving to the same path again, or save to another path"
             )
+        pickle_module, pickle_protocol, byteorder_record = _pickle_options(save_kwargs)
+        self.staging_stats = {}
         request = AsyncRequest(
-            async_fn=save_file_atomically,
-            async_fn_args=(str(target), None, save_kwargs),
-            finalize_fns=[],
-            preload_fn=functools.partial(snapshot_to_host, state_dict),
+            async_fn=write_torch_save_file,
+            async_fn_args=(str(target), None),
+            finalize_fns=[_SaveReport(target, self.staging_stats)],
+            preload_fn=functools.partial(
+                stage_torch_save, state_dict, pickle_module, pickle_protocol, byteorder_record,
+                self.staging_memory_limit, DEFAULT_STAGING_MEMORY_WAIT_S, self.staging_stats,
+            ),
         )
         idx = self._queue.schedule_async_request(request)
         self._paths_in_flight[idx] = target

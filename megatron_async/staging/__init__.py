@@ -13,8 +13,10 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   for before the next in-place update;
 * :mod:`.overlapped_rounds`: overlapped staging of a state larger than the budget: every
   round copied by that thread, the next optimizer step waiting for the last;
-* :mod:`.snapshot`: any nested structure of tensors copied to host memory (the
-  ``torch.save``-style path of :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`).
+* :mod:`.torch_save`: the object of a :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`
+  save pickled at once, its storages staged within the budget (in one go or in rounds);
+* :mod:`.snapshot`: any nested structure of tensors copied to host memory (a
+  ``preload_fn`` for requests built by hand).
 
 All allocate through :mod:`megatron_async.core.shared_memory`.
 """

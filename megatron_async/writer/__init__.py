@@ -19,7 +19,9 @@
 * :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused;
   :mod:`.commit_cache` (every rank): whether this rank stored every item where its
   previous save did; :mod:`.metadata_bytes` (coordinator): the previous ``.metadata``
-  pickle with the new ``storage_meta`` spliced in.
+  pickle with the new ``storage_meta`` spliced in;
+* :mod:`.torch_save_file` (background writer): a ``torch.save`` file of
+  ``TorchAsyncCheckpoint``, written record by record from its staged storages.
 """
 
 

@@ -6,7 +6,8 @@ largest tensor is refused on every rank with a message naming the tensor. With o
 staging, scheduling returns before any round is copied, the optimizer step waits for the
 last round (its update is not saved), and an update that bypasses that wait fails the save
 on every rank while the previous checkpoint stays whole; a writer killed while the copy
-thread waits for it does not hold the optimizer step."""
+thread waits for it does not hold the optimizer step. The same budget for
+``TorchAsyncCheckpoint`` (async ``torch.save``), whose files load back with ``torch.load``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging import overlapped
 from megatron_async.staging.buffers import clear_staging_cache
+from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests.functional.harness import RankContext, for_both_callers, run_selected_then_close
 from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.scenarios_strategy import (
@@ -94,6 +96,14 @@ class _Sampler:
         self._thread.join()
 
 
+def _within(sampler: _Sampler, limit: int) -> int:
+    """Check the sampled staging memory (measured from what was alive before: a pool an
+    earlier scenario left is reused) and the ledger's peak against ``limit``; return the peak."""
+    assert sampler.peak <= limit + SLACK, (sampler.peak, limit)
+    assert staging_ledger().peak_bytes == limit, staging_ledger().peak_bytes
+    return sampler.peak
+
+
 _QUEUES = {}
 
 
@@ -121,10 +131,7 @@ def large_state_saved_in_rounds_within_the_budget(ctx, persistent):
             _schedule(queue, ctx, path, strategy, float(step + 1), mutate=True)
             queue.maybe_finalize_async_calls(blocking=True)
             _check(ctx, path, float(step + 1))
-    # Measured from what was alive before (a pool an earlier scenario left is reused).
-    assert sampler.peak <= BUDGET + SLACK, (sampler.peak, BUDGET)
-    assert staging_ledger().peak_bytes == BUDGET, staging_ledger().peak_bytes
-    return sampler.peak
+    return _within(sampler, BUDGET)
 
 
 def two_saves_in_a_row_hold_one_copy(ctx, persistent):
@@ -138,9 +145,7 @@ def two_saves_in_a_row_hold_one_copy(ctx, persistent):
         queue.maybe_finalize_async_calls(blocking=True)
     _check(ctx, paths[0], 5.0)
     _check(ctx, paths[1], 6.0)
-    assert sampler.peak <= state_bytes + SLACK, (sampler.peak, state_bytes)
-    assert staging_ledger().peak_bytes == state_bytes, staging_ledger().peak_bytes
-    return sampler.peak
+    return _within(sampler, state_bytes)
 
 
 def budget_below_the_largest_tensor_is_refused(ctx, persistent):
@@ -249,12 +254,84 @@ def overlapped_rounds_writer_killed_does_not_hold_the_step(ctx, persistent):
     assert "signal 9" in failures[FAILING_RANK].message, failures
     dist.barrier()
     assert not set(os.listdir(path)) & {".metadata", "metadata.json"}
+# -- TorchAsyncCheckpoint: the same budget for async torch.save files ------------------
+def _torch_ckpt(persistent, limit):
+    key = ("torch", persistent)  # closed with the launch's queues
+    if key not in _QUEUES:
+        _QUEUES[key] = TorchAsyncCheckpoint(persistent_queue=persistent)
+        wait_until_worker_ready(_QUEUES[key]._queue)  # the saves reach the worker
+    ckpt = _QUEUES[key]
+    ckpt.staging_memory_limit = limit
+    return ckpt
+
+
+def _torch_state(ctx, scale):
+    return {f"w{i}": torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * ctx.rank
+            for i in range(TENSORS)}
+
+
+def _torch_path(ctx, name):
+    return os.path.join(_dir(ctx, "torch-save"), f"{name}-rank{ctx.rank}.pt")
+
+
+def _check_torch_file(ctx, path, scale):
+    loaded = torch.load(path, weights_only=True)
+    expected = _torch_state(ctx, scale)
+    assert loaded.keys() == expected.keys(), sorted(loaded)
+    for key, tensor in expected.items():
+        assert torch.equal(loaded[key], tensor), key
+
+
+def torch_save_in_rounds_within_the_budget(ctx, persistent):
+    ckpt = _torch_ckpt(persistent, BUDGET)
+    with _Sampler() as sampler:
+        for step in range(2):  # the second save reuses the pool
+            path = _torch_path(ctx, f"rounds-{persistent}-{step}")
+            state = _torch_state(ctx, float(step + 1))
+            ckpt.async_save(state, path)
+            assert ckpt.staging_stats == {"rounds": 4, "peak_bytes": BUDGET}, ckpt.staging_stats
+            for tensor in state.values():  # the next training step, after async_save returned
+                tensor.add_(12345)
+            ckpt.finalize_async_save(blocking=True)
+            _check_torch_file(ctx, path, float(step + 1))
+    return _within(sampler, BUDGET)
+
+
+def torch_saves_in_a_row_hold_one_copy(ctx, persistent):
+    state_bytes = TENSORS * TENSOR_NUMEL * 4
+    ckpt = _torch_ckpt(persistent, None)  # default budget: one copy of the saved tensors
+    paths = [_torch_path(ctx, f"row-{persistent}-{i}") for i in range(2)]
+    with _Sampler() as sampler:
+        ckpt.async_save(_torch_state(ctx, 5.0), paths[0])
+        ckpt.async_save(_torch_state(ctx, 6.0), paths[1])  # waits for the first writer
+        ckpt.finalize_async_save(blocking=True, no_dist=False)
+    _check_torch_file(ctx, paths[0], 5.0)
+    _check_torch_file(ctx, paths[1], 6.0)
+    return _within(sampler, state_bytes)
+
+
+def torch_save_budget_below_the_largest_tensor_is_refused(ctx, persistent):
+    ckpt = _torch_ckpt(persistent, 2 * MIB)
+    path = _torch_path(ctx, f"refused-{persistent}")
+    ckpt.async_save(_torch_state(ctx, 1.0), path)
+    try:
+        ckpt.finalize_async_save(blocking=True, no_dist=False)  # fails on every rank
+    except AsyncSaveFailedError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a budget below the largest tensor was not refused")
+    assert "tensor 'w0' alone needs 4194304 bytes" in message and "at least 4194304" in message, message
+    assert not os.path.exists(path)
+    dist.barrier()
 
 
 SCENARIOS = for_both_callers(
     large_state_saved_in_rounds_within_the_budget,
     two_saves_in_a_row_hold_one_copy,
     budget_below_the_largest_tensor_is_refused,
+    torch_save_in_rounds_within_the_budget,
+    torch_saves_in_a_row_hold_one_copy,
+    torch_save_budget_below_the_largest_tensor_is_refused,
     overlapped_rounds_within_the_budget,
     overlapped_rounds_unguarded_update_fails_everywhere,
     overlapped_rounds_writer_killed_does_not_hold_the_step,  # last: kills a persistent worker

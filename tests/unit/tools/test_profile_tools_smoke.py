@@ -51,3 +51,17 @@ def test_warm_stall_times_both_callers_their_phases_and_a_profile():
         assert f"== {caller}: the last save's call, by own time ==" in out
     assert re.search(r"encoding the request \(persistent\) +[\d.]+ ms", out), out
     assert re.search(r"staging \(copy into shared memory\) +[\d.]+ ms", out), out
+
+
+@pytest.mark.timeout(180)
+def test_torch_save_budget_reports_each_budget_within_it(tmp_path):
+    out = _run("-m", "tools.bench.micro.torch_save_budget", "--mib", "1", "--tensors", "8",
+               "--saves", "2", "--dir", str(tmp_path))
+    assert re.search(r"state 1048576 bytes in 8 tensors, fork per save", out), out
+    assert re.search(r"sync torch.save: stall [\d.]+s", out), out
+    for label, rounds in (("default", 1), ("1.00x", 1), ("0.50x", 2), ("0.25x", 4)):
+        found = re.search(rf"budget {label}: stall [\d.]+s, written after [\d.]+s, peak staging "
+                          rf"(\d+) bytes \([\d.]+x\), {rounds} round\(s\)", out)
+        assert found, out
+        limit = 2**20 * (1.0 if label == "default" else float(label[:-1]))
+        assert int(found.group(1)) <= limit + 64 * 1024, out  # control blocks: a few KiB

@@ -1,0 +1,69 @@
+"""Writing a staged ``torch.save`` file record by record: :func:`write_torch_save_file`.
+
+Runs in the background writer (a forked process or the persistent worker) of
+:class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`. The trainer pickled the object
+and staged its storages (:mod:`megatron_async.staging.torch_save`); this writes the
+records ``torch.save`` writes, in its order, through torch's own zip writer
+(``torch._C.PyTorchFileWriter``, the one ``torch.save`` uses): ``data.pkl``, the format
+records, then one ``data/<key>`` record per storage, straight from the staged bytes.
+Staged in rounds, each storage record waits for the trainer's *copied* mark and is
+marked *written* once it left the staging memory, which frees its bytes for the next round.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import BinaryIO
+
+import torch
+
+from megatron_async.core.shared_memory import segment_view
+from megatron_async.staging.budget import DEFAULT_STAGING_MEMORY_WAIT_S
+from megatron_async.staging.rounds_control import wait_on_control
+from megatron_async.staging.torch_save import TorchSaveStaged
+from megatron_async.storage.local import atomic_output
+
+__all__ = ["write_torch_save_file", "write_torch_save_records"]
+
+
+def write_torch_save_file(
+    path: str, staged: TorchSaveStaged, timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S
+) -> None:
+    """Write ``staged`` to ``path`` atomically (background writer).
+
+    A reader sees the previous file or the complete new one; on failure the temporary
+    file is removed. The staging memory is given back (the control block marked done) as
+    soon as the last record is written, before the fsync, or when the write fails.
+
+    Raises:
+        StagingRaceError: the trainer's copy failed (a tensor changed before its copy).
+        AsyncTimeoutError: the trainer did not stage the next round within ``timeout_s``.
+    """
+    try:
+        with atomic_output(path) as stream:
+            write_torch_save_records(stream, staged, timeout_s)
+            staged.control.mark_done()
+    finally:
+        staged.control.mark_done()
+
+
+def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_s: float) -> None:
+    """Write the zip archive of ``staged`` to ``stream`` (background writer)."""
+    control = staged.control
+    deadline = time.monotonic() + timeout_s
+    archive = torch._C.PyTorchFileWriter(stream, staged.crc32, staged.alignment)
+    for name, data in staged.header:
+        archive.write_record(name, data, len(data))
+    for idx, (name, offset, num_bytes) in enumerate(staged.records):
+        if control.in_rounds:
+            wait_on_control(
+                lambda: control.is_staged(idx), control, deadline,
+                f"the trainer did not stage {name} within {timeout_s:.0f}s; it is stuck",
+            )
+        if num_bytes:  # a storage of exactly the record's bytes, in the staging memory
+            record = segment_view(staged.buffer, offset, (num_bytes,), torch.uint8)
+            archive.write_record(name, record.untyped_storage(), num_bytes)
+        else:
+            archive.write_record(name, b"", 0)
+        control.mark_written(idx)
+    archive.write_end_of_file()

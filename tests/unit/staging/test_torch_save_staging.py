@@ -1,0 +1,231 @@
+"""Staging a ``torch.save`` file within the budget in one process: the records match
+``torch.save``'s bytes in one go and in rounds, the ledger's wait is shared with torch_dist
+saves, a race before a round's copy fails the write, and the refusals say what to do."""
+
+import io
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    CheckpointValidationError,
+    StagingMemoryError,
+    StagingRaceError,
+)
+from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.torch_save import stage_torch_save
+from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+from megatron_async.writer.torch_save_file import write_torch_save_file, write_torch_save_records
+
+KIB = 1024
+
+
+def _state():
+    base = torch.arange(4 * KIB, dtype=torch.float32)
+    return {
+        "model": {"big": torch.randn(16 * KIB), "base": base, "view": base[100:200]},
+        "list": [torch.ones(3, dtype=torch.int64), torch.tensor([True, False]), torch.empty(0)],
+        "half": torch.arange(6.0).bfloat16(),
+        "storage": torch.arange(5, dtype=torch.int16).untyped_storage(),
+        "step": 7,
+        "name": "run",
+    }
+
+
+def _stage(obj, limit, timeout_s=30.0, protocol=2, byteorder=True, stats=None):
+    return stage_torch_save(obj, pickle, protocol, byteorder, limit, timeout_s,
+                            {} if stats is None else stats)
+
+
+def _write(staged):
+    """Write as the caller runs a request: the later rounds copy beside the writer."""
+    stream = io.BytesIO()
+    staged.start_background_copy()
+    try:
+        write_torch_save_records(stream, staged, 30.0)
+    finally:
+        staged.control.mark_done()
+        staged.finish_staging()
+        staged.release()
+    return stream.getvalue()
+
+
+def _torch_save_bytes(obj, **kwargs):
+    stream = io.BytesIO()
+    torch.save(obj, stream, **kwargs)
+    return stream.getvalue()
+
+
+def _assert_equal(loaded, expected):
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        elif isinstance(value, dict):
+            _assert_equal(loaded[key], value)
+        elif isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(loaded[key], value)), key
+        elif isinstance(value, torch.UntypedStorage):
+            assert bytes(loaded[key]) == bytes(value)
+        else:
+            assert loaded[key] == value, key
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("limit", [None, 72 * KIB, 64 * KIB])
+def test_the_file_is_byte_identical_to_torch_save_in_one_go_and_in_rounds(limit):
+    state, stats = _state(), {}
+    data = _write(_stage(state, limit, stats=stats))
+    assert data == _torch_save_bytes(state)
+    assert (stats["rounds"] > 1) == (limit is not None), stats
+    if limit is not None:
+        assert stats["peak_bytes"] <= limit
+    loaded = torch.load(io.BytesIO(data), weights_only=True)
+    _assert_equal(loaded, state)
+    # Storage sharing survives, as with torch.save: the view is saved with its base.
+    assert loaded["model"]["view"].untyped_storage().data_ptr() == loaded["model"]["base"].untyped_storage().data_ptr()
+
+
+def test_pickle_options_match_torch_save():
+    state = _state()
+    data = _write(_stage(state, None, protocol=4, byteorder=False))
+    assert data == _torch_save_bytes(state, pickle_protocol=4, _disable_byteorder_record=True)
+
+
+def test_non_tensor_leaves_are_frozen_when_scheduling_returns():
+    state = {"w": torch.ones(4), "meta": {"step": 1}}
+    staged = _stage(state, None)
+    state["meta"]["step"] = 2  # the trainer moves on before the writer runs
+    state["w"].add_(1)
+    loaded = torch.load(io.BytesIO(_write(staged)), weights_only=True)
+    assert loaded["meta"] == {"step": 1} and torch.equal(loaded["w"], torch.ones(4))
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_changed_before_its_round_is_copied_fails_the_write():
+    tensors = {f"t{i}": torch.full((KIB,), float(i)) for i in range(4)}  # 4 KiB each
+    staged = _stage(tensors, 8 * KIB)
+    assert staged.rounds == 2
+    tensors["t3"].add_(1)  # before its round: the writer has not freed the pool yet
+    with pytest.raises(StagingRaceError, match="'t3' was modified in place"):
+        _write(staged)
+
+
+def test_a_tensor_larger_than_the_budget_is_refused_naming_it_and_the_budget_it_needs():
+    held = staging_ledger().held_bytes()
+    with pytest.raises(StagingMemoryError, match=r"'model.big' alone needs 65536 bytes.*at least 65536"):
+        _stage(_state(), 32 * KIB)
+    assert staging_ledger().held_bytes() == held
+
+
+@pytest.mark.timeout(60)
+def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one():
+    state = {"w": torch.zeros(4 * KIB)}  # 16 KiB
+    ledger = staging_ledger()
+    earlier = RoundsControl(0)  # any save of this process, torch_dist ones included
+    ledger.reserve(16 * KIB, 16 * KIB, earlier, timeout_s=1.0)
+    with pytest.raises(StagingMemoryError, match="still holds 16384 of the 16384-byte"):
+        _stage(state, None, timeout_s=0.2)  # default budget: one copy of the state
+    threading.Timer(0.2, earlier.mark_done).start()
+    staged = _stage(state, None, timeout_s=30.0)  # returns once the earlier writer is done
+    assert ledger.held_bytes() == 16 * KIB
+    assert torch.load(io.BytesIO(_write(staged)))["w"].equal(state["w"])
+    assert ledger.held_bytes() == 0
+
+
+def test_a_failed_write_gives_the_staging_memory_back(tmp_path):
+    staged = _stage({"w": torch.ones(8)}, None)
+    with pytest.raises(OSError):
+        write_torch_save_file(str(tmp_path / "missing" / "x.pt"), staged, 5.0)
+    assert staged.control.writer_done
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.timeout(120)
+def test_async_save_in_rounds_saves_the_state_at_scheduling(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="megatron_async.core.save_report")
+    ckpt = TorchAsyncCheckpoint(staging_memory_limit=64 * KIB)
+    try:
+        state = {f"t{i}": torch.full((8 * KIB,), float(i)) for i in range(8)}  # 256 KiB
+        expected = {k: v.clone() for k, v in state.items()}
+        path = str(tmp_path / "model.pt")
+        ckpt.async_save(state, path)
+        assert ckpt.staging_stats["rounds"] >= 4
+        for tensor in state.values():
+            tensor.add_(100.0)  # the next step, right after async_save returned
+        ckpt.finalize_async_save(blocking=True)
+        loaded = torch.load(path, weights_only=True)
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+        assert os.listdir(tmp_path) == ["model.pt"]
+        (line,) = [r.getMessage() for r in caplog.records if "saved (async call" in r.getMessage()]
+        assert f"staging peak {64 * KIB} bytes in {ckpt.staging_stats['rounds']} round(s)" in line
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_async_save_fails_at_finalize_and_leaves_no_file(tmp_path):
+    ckpt = TorchAsyncCheckpoint(staging_memory_limit=KIB)
+    try:
+        ckpt.async_save({"w": torch.zeros(1024)}, str(tmp_path / "x.pt"))
+        with pytest.raises(AsyncSaveFailedError, match="'w' alone needs 4096 bytes"):
+            ckpt.finalize_async_save(blocking=True)
+        assert os.listdir(tmp_path) == []
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"_use_new_zipfile_serialization": False}, "zip format only"),
+    ({"map_location": "cpu"}, "does not take: \\['map_location'\\]"),
+])
+def test_options_torch_save_does_not_take_are_refused(tmp_path, kwargs, message):
+    ckpt = TorchAsyncCheckpoint()
+    try:
+        with pytest.raises(CheckpointValidationError, match=message):
+            ckpt.async_save({"w": torch.zeros(2)}, str(tmp_path / "x.pt"), **kwargs)
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "1G", True])
+def test_an_invalid_limit_is_refused(limit):
+    with pytest.raises(CheckpointValidationError, match="staging_memory_limit must be"):
+        TorchAsyncCheckpoint(staging_memory_limit=limit)
+
+
+@pytest.mark.timeout(240)
+def test_the_nvrx_surface_saves_in_rounds_through_the_persistent_worker(tmp_path):
+    from megatron_async.nvrx.torch_ckpt import TorchAsyncCheckpoint as NvrxTorchAsyncCheckpoint
+    from tests.persistent_worker import wait_until_worker_ready
+
+    ckpt = NvrxTorchAsyncCheckpoint(True, staging_memory_limit=64 * KIB)  # persistent_queue
+    try:
+        wait_until_worker_ready(ckpt._queue)  # the staged records travel to the worker
+        state = _state()
+        path = str(tmp_path / "model.pt")
+        ckpt.async_save(state, path)
+        assert ckpt.staging_stats["rounds"] > 1
+        ckpt.finalize_async_save(blocking=True)
+        assert open(path, "rb").read() == _torch_save_bytes(state)
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("limit", [None, 64 * KIB])
+def test_device_tensors_are_written_as_their_host_copy(limit):
+    state = {"w": torch.randn(16 * KIB, device="cuda"), "b": torch.arange(10, device="cuda")}
+    data = _write(_stage(state, limit))
+    assert data == _torch_save_bytes({k: v.cpu() for k, v in state.items()})
+    loaded = torch.load(io.BytesIO(data), weights_only=True)  # on the CPU, as nvrx's files
+    assert all(loaded[k].device.type == "cpu" and torch.equal(loaded[k], v.cpu()) for k, v in state.items())
