@@ -33,6 +33,7 @@ __all__ = [
     "StorageWriteError",
     "StagingMemoryError",
     "StagingRaceError",
+    "StagingHandOverError",
     "UnsupportedMegatronError",
     "ModuleSurfaceConflictError",
     "ObjectStoreUnavailableError",
@@ -103,6 +104,11 @@ class ObjectStoreError(AsyncCheckpointError, OSError):
 
 class StagingRaceError(AsyncCheckpointError):
     """A saved tensor changed before overlapped staging had copied it; the save fails."""
+
+
+class StagingHandOverError(AsyncCheckpointError, RuntimeError):
+    """Staging that continues after the hand-over (overlapped, or in rounds above the
+    staging budget) was run by another library's caller, which cannot finish it."""
 
 
 class ReplacedReferenceAPIError(AsyncCheckpointError, NotImplementedError):

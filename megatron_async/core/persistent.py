@@ -14,6 +14,7 @@ from megatron_async.core.worker_process import WorkerProcess
 from megatron_async.core.worker_start import current_cuda_device, start_worker, startup_failure_message
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.hand_over import run_preload
 from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.core.request import (
     STAGED_ARG_INDEX,
@@ -226,7 +227,7 @@ class PersistentAsyncCaller(AsyncCaller):
         staged = None
         try:
             if async_req.preload_fn is not None:
-                staged = async_req.preload_fn()
+                staged = run_preload(async_req.preload_fn)
                 if len(args) > STAGED_ARG_INDEX:
                     args[STAGED_ARG_INDEX] = staged
         except Exception as exc:

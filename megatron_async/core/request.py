@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron_async.core import coordination
+from megatron_async.core.hand_over import run_preload
 from megatron_async.errors import FrozenRequestError, RankFailure
 
 __all__ = [
@@ -143,7 +144,7 @@ def run_staging_and_async_fn(request: AsyncRequest) -> None:
     args = list(request.async_fn_args or ())
     staged = None
     if request.preload_fn is not None:
-        staged = request.preload_fn()
+        staged = run_preload(request.preload_fn)
         if len(args) > STAGED_ARG_INDEX:
             args[STAGED_ARG_INDEX] = staged
         start_background_copy(staged)

@@ -20,6 +20,7 @@ from megatron_async.core.process_lifetime import (
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.hand_over import run_preload
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request import (
     STAGED_ARG_INDEX,
@@ -100,7 +101,7 @@ class TemporalAsyncCaller(AsyncCaller):
         args = list(async_req.async_fn_args or ())
         try:
             if async_req.preload_fn is not None:
-                self._staged = async_req.preload_fn()
+                self._staged = run_preload(async_req.preload_fn)
                 if len(args) > STAGED_ARG_INDEX:
                     args[STAGED_ARG_INDEX] = self._staged
         except Exception as exc:

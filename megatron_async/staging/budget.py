@@ -36,6 +36,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core import shared_memory
+from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
 from megatron_async.staging.overlapped import wait_for_staging
@@ -259,6 +260,8 @@ def stage_within_budget(
         StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
             free the memory in time, or the write path cannot take items in rounds;
             nothing was staged.
+        StagingHandOverError: the state needs rounds but another library's caller runs
+            this ``preload_fn`` (it would never start the later rounds' copy).
     """
     state_bytes, cuda = _state_sizes(buckets)
     budget = resolve_budget(limit, state_bytes)
@@ -279,6 +282,11 @@ def stage_within_budget(
             "override, or raise staging_memory_limit to at least the state"
         )
     check_fits(buckets, budget)
+    require_hand_over(
+        f"staging this rank's state ({state_bytes} bytes) in rounds through the "
+        f"staging_memory_limit ({budget} bytes)",
+        f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
+    )
     (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
     hold = _ledger.reserve(budget, budget, control, timeout_s)
     try:

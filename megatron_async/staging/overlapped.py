@@ -45,6 +45,7 @@ from typing import (
 import torch
 
 from megatron_async.core import shared_memory
+from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
 
 if TYPE_CHECKING:  # the background writer imports this module and needs neither
@@ -321,9 +322,14 @@ def stage_buckets_overlapped(
     :func:`megatron_async.core.request.start_background_copy`) once the request is
     handed to its background writer. A previous overlapped copy is waited for first:
     copies run one save at a time, in order.
+
+    Raises:
+        StagingHandOverError: another library's caller runs this ``preload_fn`` (it would
+            never start the copy).
     """
     from megatron_async.staging.buffers import stage_buckets
 
+    require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
     wait_for_staging()
     install_optimizer_hook()
     staged = stage_buckets(buckets, non_blocking, staging_key, staging_cache, copy_now=False)

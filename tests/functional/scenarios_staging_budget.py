@@ -23,13 +23,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async.core import AsyncCallsQueue, shared_memory
-from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.errors import AsyncSaveFailedError, StagingHandOverError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging import overlapped
 from megatron_async.staging.buffers import clear_staging_cache
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
-from tests.functional.harness import RankContext, for_both_callers, run_selected_then_close
+from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.scenarios_strategy import (
     FAILING_RANK,
@@ -325,6 +325,52 @@ def torch_save_budget_below_the_largest_tensor_is_refused(ctx, persistent):
     dist.barrier()
 
 
+def megatron_core_queue_refuses_what_it_cannot_finish(ctx):
+    """megatron-core's own queue runs our strategy's one-go saves, but it never starts the
+    copies that staging in rounds and overlapped staging leave for after the hand-over:
+    scheduling either refuses at once with StagingHandOverError naming the fix, the
+    refused checkpoint is not complete, and the one saved before loads equal.
+
+    megatron-core's queue needs CUDA; its two CUDA calls are stubbed here, as in
+    ``scenarios_core.our_request_on_megatron_queue``."""
+    from unittest import mock
+
+    try:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+    except ImportError:
+        return "skipped: this megatron-core has no AsyncCallsQueue"
+    good = _dir(ctx, "mcore-queue-one-go")
+    refused, held = {}, staging_ledger().held_bytes()
+    with mock.patch("torch.cuda.synchronize", lambda *a, **k: None), mock.patch(
+        "torch.cuda.current_device", lambda: "cpu"
+    ):
+        queue = McoreQueue(persistent=False)
+        _schedule(queue, ctx, good, TorchDistAsyncSaveStrategy(), 3.0)
+        queue.maybe_finalize_async_calls(blocking=True)
+        for name, strategy in (
+            ("rounds", TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET)),
+            ("overlapped", TorchDistAsyncSaveStrategy(overlap_staging=True)),
+        ):
+            path = _dir(ctx, f"mcore-queue-{name}")
+            started = time.monotonic()
+            try:
+                _schedule(queue, ctx, path, strategy, 4.0)
+            except StagingHandOverError as exc:
+                refused[name] = (str(exc), time.monotonic() - started)
+            else:
+                raise AssertionError(f"megatron-core's queue accepted {name} staging")
+            dist.barrier()
+            assert not os.path.exists(os.path.join(path, ".metadata")), name
+    message, _ = refused["rounds"]
+    assert "megatron_async.AsyncCallsQueue" in message, message
+    assert f"at least {TENSORS * TENSOR_NUMEL * 4} bytes" in message, message
+    assert "without overlap_staging" in refused["overlapped"][0], refused["overlapped"][0]
+    assert all(elapsed < 30.0 for _, elapsed in refused.values()), refused
+    assert staging_ledger().held_bytes() == held
+    _check(ctx, good, 3.0)
+    dist.barrier()
+
+
 SCENARIOS = for_both_callers(
     large_state_saved_in_rounds_within_the_budget,
     two_saves_in_a_row_hold_one_copy,
@@ -336,6 +382,7 @@ SCENARIOS = for_both_callers(
     overlapped_rounds_unguarded_update_fails_everywhere,
     overlapped_rounds_writer_killed_does_not_hold_the_step,  # last: kills a persistent worker
 )
+SCENARIOS.update(by_name(megatron_core_queue_refuses_what_it_cannot_finish))
 
 
 def run_all(ctx: RankContext):

@@ -1,12 +1,15 @@
 """Overlapped staging in one process: the copy runs after scheduling, waits are bounded,
 and a saved tensor changed before its copy fails the save instead of tearing it."""
 
+from functools import partial
+
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.errors import CheckpointValidationError, StagingRaceError
+from megatron_async.core.hand_over import run_preload
+from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.overlapped import (
     StagingGate,
@@ -60,7 +63,7 @@ def test_gate_reports_success_and_failure_with_the_message():
 def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
     tensors = [torch.full((1000,), float(i), device=device) for i in range(3)]
     gate = StagingGate()
-    staged = stage_buckets_overlapped(gate, 0, _buckets(tensors), True, "k", StagingBufferCache())
+    staged = run_preload(partial(stage_buckets_overlapped, gate, 0, _buckets(tensors), True, "k", StagingBufferCache()))
     assert not staging_in_progress()
     assert all(not torch.equal(b, t.cpu()) for b, t in zip(_staged_values(staged), tensors)
                if t.abs().sum() > 0)
@@ -81,7 +84,7 @@ def test_optimizer_step_waits_for_the_copy(device):
     optimizer = torch.optim.SGD(params, lr=1.0)
     params[0].grad = torch.ones(5000, device=device)
     gate = StagingGate()
-    staged = stage_buckets_overlapped(gate, 0, _buckets([params[0].detach()]), True, None, None)
+    staged = run_preload(partial(stage_buckets_overlapped, gate, 0, _buckets([params[0].detach()]), True, None, None))
     with copies_held():
         staged.start_background_copy()
         assert staging_in_progress()
@@ -95,7 +98,7 @@ def test_optimizer_step_waits_for_the_copy(device):
 def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device):
     tensors = [torch.zeros(100, device=device), torch.zeros(100, device=device)]
     gate = StagingGate()
-    staged = stage_buckets_overlapped(gate, 3, _buckets(tensors), True, None, None)
+    staged = run_preload(partial(stage_buckets_overlapped, gate, 3, _buckets(tensors), True, None, None))
     with copies_held():
         staged.start_background_copy()
         tensors[1].add_(1)  # no wait: an unguarded in-place update
@@ -128,8 +131,8 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
     gc.collect()
     assert not has_live_segments(), "an earlier test left a staging segment alive"
     cache = StagingBufferCache()
-    staged = stage_buckets_overlapped(StagingGate(), 0, _buckets([torch.arange(6.0)]),
-                                      staging_key="leak-check", staging_cache=cache)
+    staged = run_preload(partial(stage_buckets_overlapped, StagingGate(), 0, _buckets([torch.arange(6.0)]),
+                                      staging_key="leak-check", staging_cache=cache))
     staged.start_background_copy()
     wait_for_staging(timeout_s=30.0)
     staged.release()
@@ -137,3 +140,9 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
     del staged, cache
     gc.collect()
     assert not has_live_segments()
+
+
+def test_overlapped_staging_outside_our_callers_is_refused():
+    with pytest.raises(StagingHandOverError, match="without overlap_staging"):
+        stage_buckets_overlapped(StagingGate(), 0, _buckets([torch.ones(4)]), True, None, None)
+    assert not staging_in_progress()

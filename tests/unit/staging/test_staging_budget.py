@@ -10,7 +10,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_async.errors import CheckpointValidationError, StagingMemoryError, StagingRaceError
+from megatron_async.errors import (
+    CheckpointValidationError,
+    StagingHandOverError,
+    StagingMemoryError,
+    StagingRaceError,
+)
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
@@ -156,6 +161,21 @@ def test_a_refused_save_leaves_nothing_held(tmp_path):
     assert isinstance(error, StagingMemoryError)
     assert "tensor 't0' alone needs 16384 bytes" in str(error)
     assert not any(f.endswith(".distcp") for f in os.listdir(tmp_path / "refused"))
+    assert staging_ledger().held_bytes() == held
+
+
+def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
+    from megatron_async.staging.budget import stage_within_budget
+
+    buckets = _buckets([torch.ones(1024), torch.ones(1024)])  # 8 KiB, budget 4 KiB
+    held = staging_ledger().held_bytes()
+    with pytest.raises(StagingHandOverError, match="at least 8192 bytes"):
+        stage_within_budget(RoundsControl(2), buckets, 4096, None, 5.0, list, None, {})
+    assert staging_ledger().held_bytes() == held
+    stats = {}
+    staged = stage_within_budget(RoundsControl(2), buckets, 8192, None, 5.0, _StagedList, None, stats)
+    assert stats["rounds"] == 1  # within the budget any caller may stage
+    staged.release()
     assert staging_ledger().held_bytes() == held
 
 
