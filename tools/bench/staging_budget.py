@@ -18,6 +18,13 @@ After scheduling, every row sleeps ``--step-s`` (a forward/backward that leaves 
 to the copy and the writer) and then waits as the next optimizer step would
 (``wait_for_staging``): lost time = scheduling + that wait. Only the overlapped rows wait
 there (under a budget, for the last round to be copied while the writer drains).
+
+``--default-only`` runs a sync save and the strategy's defaults alone (the budget's default
+is one copy of the state), so the same command times a revision from before the budget::
+
+    git archive a06adb1 megatron_async | tar -x -C /tmp/before
+    (cd /tmp/before && PYTHONPATH=/tmp/before:$OLDPWD python -m tools.bench.staging_budget \
+        --default-only)
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ class _ShmPeak:
     def __init__(self):
         from megatron_async.core import shared_memory
 
-        self._live = shared_memory.live_bytes
+        self._live = getattr(shared_memory, "live_bytes", lambda: 0)  # 0: a revision without it
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,11 +90,18 @@ def _rank_main(rank, args, port, out_dir):
 
     from megatron.core import dist_checkpointing
 
+    import megatron_async
     from megatron_async import AsyncCallsQueue, TorchDistAsyncSaveStrategy
-    from megatron_async.staging.budget import staging_ledger
     from megatron_async.staging.buffers import clear_staging_cache
     from megatron_async.staging.overlapped import wait_for_staging
     from tools.bench.memory import RssSampler
+
+    try:
+        from megatron_async.staging.budget import staging_ledger
+    except ImportError:  # --default-only against a revision from before the budget
+        staging_ledger = None
+    if rank == 0:
+        print(f"megatron_async from {os.path.dirname(megatron_async.__file__)}", flush=True)
 
     numel = args.mib_per_rank * 2**20 // 4 // args.tensors
     state_bytes = numel * 4 * args.tensors
@@ -95,14 +109,21 @@ def _rank_main(rank, args, port, out_dir):
     rss = RssSampler(0.002)
     shm = _ShmPeak()
     results = []
-    rows = [("sync", None, False)] + [(f"{f}x", f, False) for f in _FACTORS]
-    rows += [(f"{f}x ovl", f, True) for f in _OVERLAPPED_FACTORS]
+    if args.default_only:  # the strategy's defaults: runs against any revision
+        rows = [("sync", None, False), ("default", 1.0, False)]
+    else:
+        rows = [("sync", None, False)] + [(f"{f}x", f, False) for f in _FACTORS]
+        rows += [(f"{f}x ovl", f, True) for f in _OVERLAPPED_FACTORS]
     for label, factor, overlap in rows:
         clear_staging_cache()
-        staging_ledger().drop_pool()
+        if staging_ledger is not None:
+            staging_ledger().drop_pool()
         gc.collect()
-        limit = None if factor is None else max(int(state_bytes * factor), 1)
-        strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=limit, overlap_staging=overlap)
+        if args.default_only:
+            limit, strategy = None, TorchDistAsyncSaveStrategy()
+        else:
+            limit = None if factor is None else max(int(state_bytes * factor), 1)
+            strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=limit, overlap_staging=overlap)
         lost, waits, peaks_shm, peaks_rss, peaks_children = [], [], [], [], []
         for step in range(args.saves + 1):  # the first save is the cold one, not counted
             path = os.path.join(out_dir, f"{label.replace(' ', '-')}-{step}")
@@ -161,6 +182,9 @@ def main(argv=None):
     parser.add_argument("--persistent", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.5,
                         help="simulated forward/backward between a save and the next optimizer step")
+    parser.add_argument("--default-only", action="store_true",
+                        help="only a sync save and the strategy's defaults (no budget argument): "
+                             "compares revisions, including ones from before the budget")
     parser.add_argument("--ckpt-dir", default=None, help="where checkpoints go (a temp dir)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
