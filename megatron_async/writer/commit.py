@@ -76,9 +76,8 @@ def commit_checkpoint(
     Returns:
         What was written, for :func:`commit_unchanged` of a later save.
     """
-    stored = _stored_results(results)
     metadata = copy.copy(metadata)
-    metadata.storage_data = {index: result.storage_data for index, result in stored.items()}
+    metadata.storage_data = _storage_data(results)
     metadata.storage_meta = storage_meta
     if hasattr(metadata, "version"):
         from torch.distributed.checkpoint import filesystem as dcp_filesystem
@@ -118,8 +117,9 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), data)
 
 
-def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, WriteResult]:
-    """The one write result that ``.metadata`` records per item (coordinator).
+def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
+    """The storage location ``.metadata`` records per item, from one write result each
+    (coordinator).
 
     Each item is written by one rank, except tensor chunks without elements: with uneven
     splits (distributed optimizer buckets, MoE) several ranks hold one at the same offset,
@@ -129,16 +129,18 @@ def _stored_results(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Wri
     hint): the chunk with data wins, else the lowest rank's empty chunk. Nothing is lost,
     since an empty chunk is never read.
     """
-    stored = {result.index: result for rank_results in results for result in rank_results}
-    if len(stored) == sum(len(rank_results) for rank_results in results):
-        return stored  # no item written twice: the usual case, kept cheap
-    stored = {}
+    storage_data = {
+        result.index: result.storage_data for rank_results in results for result in rank_results
+    }
+    if len(storage_data) == sum(len(rank_results) for rank_results in results):
+        return storage_data  # no item written twice: the usual case, one pass (DCP's cost)
+    stored: Dict[MetadataIndex, WriteResult] = {}
     for rank_results in results:
         for result in rank_results:
             kept = stored.setdefault(result.index, result)
             if kept is not result and _is_empty(kept) and not _is_empty(result):
                 stored[result.index] = result
-    return stored
+    return {index: result.storage_data for index, result in stored.items()}
 
 
 def _is_empty(result: WriteResult) -> bool:
