@@ -12,6 +12,7 @@ marked *written* once it left the staging memory, which frees its bytes for the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import BinaryIO
 
@@ -52,18 +53,27 @@ def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_
     control = staged.control
     deadline = time.monotonic() + timeout_s
     archive = torch._C.PyTorchFileWriter(stream, staged.crc32, staged.alignment)
-    for name, data in staged.header:
-        archive.write_record(name, data, len(data))
-    for idx, (name, offset, num_bytes) in enumerate(staged.records):
-        if control.in_rounds:
-            wait_on_control(
-                lambda: control.is_staged(idx), control, deadline,
-                f"the trainer did not stage {name} within {timeout_s:.0f}s; it is stuck",
-            )
-        if num_bytes:  # a storage of exactly the record's bytes, in the staging memory
-            record = segment_view(staged.buffer, offset, (num_bytes,), torch.uint8)
-            archive.write_record(name, record.untyped_storage(), num_bytes)
-        else:
-            archive.write_record(name, b"", 0)
-        control.mark_written(idx)
+    try:
+        for name, data in staged.header:
+            archive.write_record(name, data, len(data))
+        for idx, (name, offset, num_bytes) in enumerate(staged.records):
+            if control.in_rounds:
+                wait_on_control(
+                    lambda: control.is_staged(idx), control, deadline,
+                    f"the trainer did not stage {name} within {timeout_s:.0f}s; it is stuck",
+                )
+            if num_bytes:  # a storage of exactly the record's bytes, in the staging memory
+                record = segment_view(staged.buffer, offset, (num_bytes,), torch.uint8)
+                archive.write_record(name, record.untyped_storage(), num_bytes)
+            else:
+                archive.write_record(name, b"", 0)
+            control.mark_written(idx)
+    except BaseException:
+        # Finish the archive while the stream is open: an unfinished writer finishes it
+        # in its destructor, and writing to the stream the caller closed (and removed)
+        # by then ends the whole process (std::terminate). It is marked finished even
+        # when this raises, so the destructor writes nothing.
+        with contextlib.suppress(Exception):
+            archive.write_end_of_file()
+        raise
     archive.write_end_of_file()

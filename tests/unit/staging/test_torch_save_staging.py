@@ -138,6 +138,38 @@ def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one
     assert ledger.held_bytes() == 0
 
 
+_FAILED_WRITE_SCRIPT = """
+import sys, torch
+from megatron_async.staging.rounds_control import RoundsControl
+from tests.unit.staging.test_torch_save_staging import _stage, KIB
+from megatron_async.writer.torch_save_file import write_torch_save_file
+staged = _stage({f"t{i}": torch.full((KIB,), float(i)) for i in range(4)}, 8 * KIB)
+staged.control.fail("a tensor changed before its copy")  # the write fails after its header
+try:
+    write_torch_save_file(sys.argv[1], staged, 5.0)
+except Exception as exc:
+    print("raised", type(exc).__name__)
+import gc; del staged; gc.collect()
+print("alive")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_write_that_fails_into_a_real_file_does_not_abort_the_writer(tmp_path):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    target = tmp_path / "x.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILED_WRITE_SCRIPT, str(target)], cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]  # was -6: std::terminate in the destructor
+    assert "raised StagingRaceError" in proc.stdout and "alive" in proc.stdout, proc.stdout
+    assert not target.exists() and os.listdir(tmp_path) == []
+
+
 def test_a_failed_write_gives_the_staging_memory_back(tmp_path):
     staged = _stage({"w": torch.ones(8)}, None)
     with pytest.raises(OSError):
