@@ -252,7 +252,7 @@ class PersistentAsyncCaller(AsyncCaller):
         # A forked worker must not touch CUDA (it never needs to: the data is staged).
         device = None if self.process.forked else current_cuda_device()
         self.process.send((idx, encoded, device))
-        start_background_copy(staged)  # overlapped staging: the worker waits for it
+        start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
         finish_staging(staged)  # staging in rounds: copied while the writer drains
 
     def _run_while_starting(self, async_req: AsyncRequest) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron_async.core import coordination
@@ -113,14 +114,22 @@ def release_staged_data(staged: Any) -> None:
         release()
 
 
-def start_background_copy(staged: Any) -> None:
+def start_background_copy(staged: Any, writer_pid: Optional[int] = None) -> None:
     """Start the copy of staged data whose staging was only prepared (trainer side).
 
     Overlapped staging (:mod:`megatron_async.staging.overlapped`) leases the buffers in
     ``preload_fn`` and copies in a background thread; callers call this once the request
     is handed to its background writer (after the fork, after the send), so that
     nothing copies while the process forks. Other staged data is left alone.
+
+    ``writer_pid``: the process that reads the staged data (the forked child, the
+    persistent worker, this process for a synchronous write). Staged data that watches
+    its writer (``record_writer``: staging within the budget) records it first, so that
+    its waits end when that process dies, even before it started reading.
     """
+    record = getattr(staged, "record_writer", None)
+    if writer_pid is not None and callable(record):
+        record(writer_pid)
     start = getattr(staged, "start_background_copy", None)
     if callable(start):
         start()
@@ -147,7 +156,7 @@ def run_staging_and_async_fn(request: AsyncRequest) -> None:
         staged = run_preload(request.preload_fn)
         if len(args) > STAGED_ARG_INDEX:
             args[STAGED_ARG_INDEX] = staged
-        start_background_copy(staged)
+        start_background_copy(staged, os.getpid())
     try:
         if request.async_fn is not None:
             request.async_fn(*args, **(request.async_fn_kwargs or {}))

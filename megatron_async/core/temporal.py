@@ -134,7 +134,7 @@ class TemporalAsyncCaller(AsyncCaller):
             return
         self.process = process
         self._status = CallStatus.running()
-        start_background_copy(self._staged)  # overlapped staging: the child waits for it
+        start_background_copy(self._staged, process.pid)  # overlapped: the child waits for it
         finish_staging(self._staged)  # staging in rounds: copied while the writer drains
         logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
 

@@ -124,7 +124,8 @@ class _Hold:
         staged = self.staged() if self.staged is not None else None
         if self.staged is not None and staged is None:
             self.end()  # dropped without a release: its buffers are gone
-        elif self.control is not None and self.control.writer_done:
+        elif self.control is not None and (self.control.writer_done or self.control.writer_gone()):
+            # Done reading, or its process ended without saying so (killed before it read).
             self.end()
             release = getattr(staged, "release", None)
             if release is not None:
@@ -139,6 +140,7 @@ class StagingLedger:
         self._lock = threading.Lock()
         self._holds: List[_Hold] = []
         self._pool: Optional[Tuple[torch.Tensor, bool]] = None
+        self._pool_users: List[weakref.ref] = []
         self.peak_bytes = 0
 
     def held_bytes(self) -> int:
@@ -178,8 +180,31 @@ class StagingLedger:
             self.peak_bytes = max(self.peak_bytes, held + num_bytes)
         return hold
 
-    def pool(self, num_bytes: int, pinned: bool) -> torch.Tensor:
-        """A shared segment of ``num_bytes`` for staging in rounds, reused save after save."""
+    def add_pool_user(self, staged: Any) -> None:
+        """Remember staged data whose trainer copy thread writes into the pool: the next
+        save waits for that thread (``staged.join_copy``) before it reuses the pool."""
+        with self._lock:
+            self._pool_users = [ref for ref in self._pool_users if ref() is not None]
+            self._pool_users.append(weakref.ref(staged))
+
+    def _wait_for_pool_users(self, timeout_s: float) -> None:
+        """Wait (bounded) until no earlier save's copy can still write into the pool: its
+        writer may be done (failed) while its copy thread still runs."""
+        deadline = time.monotonic() + timeout_s
+        wait_for_staging(timeout_s)  # overlapped copies, rounds included
+        with self._lock:
+            users = [ref() for ref in self._pool_users]
+        for staged in users:
+            if staged is not None and not staged.join_copy(max(deadline - time.monotonic(), 0.0)):
+                raise StagingMemoryError(
+                    f"an earlier save's copy into the staging pool did not end within "
+                    f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
+                )
+
+    def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S) -> torch.Tensor:
+        """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
+        once no earlier save's copy thread writes into it (bounded by ``timeout_s``)."""
+        self._wait_for_pool_users(timeout_s)
         with self._lock:
             if self._pool is not None and self._pool[0].numel() == num_bytes and (
                 self._pool[1] or not pinned
@@ -234,7 +259,12 @@ def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None
         if release is not None and target is not None:
             release(target)
 
+    def record_writer(pid: int) -> None:  # the caller, at the hand-over
+        if hold.control is not None:
+            hold.control.record_writer(pid)
+
     staged.release = release_and_end_hold
+    staged.record_writer = record_writer
 
 
 def stage_within_budget(
@@ -290,12 +320,12 @@ def stage_within_budget(
     (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
     hold = _ledger.reserve(budget, budget, control, timeout_s)
     try:
-        wait_for_staging(timeout_s)  # no overlapped copy of an earlier save still fills the pool
-        pool = _ledger.pool(budget, pinned=cuda)
+        pool = _ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
         staged = (overlapped or stage_in_rounds)(buckets, pool, budget, control, timeout_s)
     except BaseException:
         hold.end()
         raise
+    _ledger.add_pool_user(staged)
     _mark(staged, hold, stats, staged.plan.rounds, staged.plan.pool_bytes)
     return staged
 

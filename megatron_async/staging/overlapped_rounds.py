@@ -17,9 +17,12 @@ and writer view, but scheduling copies nothing:
 3. the next optimizer step (the global step pre-hook) waits until the last round is
    copied: under a budget, the trainer's wait for the drain moves there.
 
-Every wait of the copy thread is bounded (``timeout_s``) and ends early when the writer
-is done (it failed: nothing more will be read) or its process is gone, so neither the
-copy thread nor the optimizer step outlives a dead writer by more than a poll. A saved
+Every wait of the copy thread is bounded on its own (``timeout_s`` without the writer
+freeing anything) and ends early when the writer is done (it failed: nothing more will be
+read), when either side recorded a failure, or when the writer's process is gone (the
+caller records it at the hand-over), so neither the copy thread nor the optimizer step
+outlives a dead writer by more than a poll; the optimizer step's wait goes on while the
+copy progresses. A saved
 tensor whose version counter moved before its copy finished fails the save on every
 rank (:class:`~megatron_async.errors.StagingRaceError`, raised by the writer as it waits
 for that item), as with overlapped staging in one go. The files are byte-identical to a
@@ -31,7 +34,6 @@ Runs in the trainer.
 from __future__ import annotations
 
 import logging
-import time
 from functools import partial
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -48,7 +50,7 @@ from megatron_async.staging.overlapped import (
     wait_for_staging,
 )
 from megatron_async.staging.rounds import RoundPlan, place_in_pool
-from megatron_async.staging.rounds_control import RoundsControl, wait_on_control
+from megatron_async.staging.rounds_control import RoundsControl, wait_for_room
 from megatron_async.writer.layout import WriteBucket
 
 __all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_functions_with_rounds"]
@@ -66,25 +68,24 @@ class _RoundsCopyJob(CopyJob):
         self.control: Optional[RoundsControl] = control
         self.waits_for = plan.waits_for
         self.timeout_s = timeout_s
+        self.copied = 0
 
     def run(self) -> None:
         """Copy thread: copy item after item as the writer frees the pool."""
         control = self.control
         try:
-            deadline = time.monotonic() + self.timeout_s
             position = 0
             while position < len(self.copies):
-                end = self._wait_for_room(position, deadline)
-                if control.writer_done:
+                end = self._wait_for_room(position)
+                if end is None:
                     return  # the writer failed and reads nothing more: its error fails the save
                 self._copy(position, end)
-                position = end
+                position = self.copied = end
         except BaseException as exc:  # the writer raises it as it waits for the next item
+            logger.error("rank %d: overlapped staging in rounds failed: %s", self.rank, exc)
             if not isinstance(exc, StagingRaceError):
-                logger.error("rank %d: overlapped staging in rounds failed: %s", self.rank, exc)
                 exc = f"rank {self.rank}: overlapped staging in rounds failed: {type(exc).__name__}: {exc}"
-            if not control.failed:
-                control.fail(str(exc))
+            control.fail(str(exc))
         finally:
             self.copies = []
             self.control = None  # a live segment would keep a restarted worker from forking
@@ -93,16 +94,19 @@ class _RoundsCopyJob(CopyJob):
     def _ready(self, position: int) -> bool:
         return all(self.control.is_written(k) for k in self.waits_for[self.indices[position]])
 
-    def _wait_for_room(self, position: int, deadline: float) -> int:
+    def progress(self) -> int:
+        """How many items are copied (``wait_for_staging`` waits while this moves)."""
+        return self.copied
+
+    def _wait_for_room(self, position: int) -> Optional[int]:
         """Wait (bounded) until item ``position`` may be copied; return the end of the run
-        of items from it that may all be copied now."""
-        control = self.control
-        wait_on_control(
-            lambda: self._ready(position) or control.writer_done, control, deadline,
-            f"rank {self.rank}: the background writer did not free staging memory within "
+        of items from it that may all be copied now (None: the writer is done)."""
+        if not wait_for_room(
+            self.control, self.waits_for[self.indices[position]], self.timeout_s,
+            f"rank {self.rank}: the background writer freed no staging memory for "
             f"{self.timeout_s:.0f}s (overlapped staging in rounds); the writer is stuck",
-            watch_writer=True,
-        )
+        ):
+            return None
         end = position + 1
         while end < len(self.copies) and self._ready(end):
             end += 1

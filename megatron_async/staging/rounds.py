@@ -35,14 +35,14 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.errors import StagingMemoryError, StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.rounds_control import RoundsControl, wait_on_control
+from megatron_async.staging.rounds_control import RoundsControl, wait_for_room, wait_on_control
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.writer.layout import WriteBucket
 
@@ -160,6 +160,7 @@ class RoundsStaged(StagedBuckets):
         self._remaining = remaining
         self._timeout_s = timeout_s
         self._thread: Optional[threading.Thread] = None
+        self._copied = 0
 
     def start_background_copy(self) -> None:
         if self._remaining and self._thread is None:
@@ -169,27 +170,34 @@ class RoundsStaged(StagedBuckets):
             self._thread.start()
 
     def finish_staging(self) -> None:
-        """Trainer: wait until every item is in the pool (or the copy failed)."""
+        """Trainer: wait until every item is in the pool, or the copy failed.
+
+        The copy thread bounds each of its waits for the writer; this join gives up (and
+        fails the save) only if the thread copied nothing for longer than that bound."""
+        join_copy_thread(self._thread, self.control, lambda: self._copied, self._timeout_s)
+
+    def join_copy(self, timeout_s: float) -> bool:
+        """Trainer: wait (bounded) for the copy thread; whether it has ended."""
         if self._thread is not None:
-            self._thread.join(self._timeout_s)
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
 
     def _copy_rest(self) -> None:
-        deadline = time.monotonic() + self._timeout_s
         try:
             for idx, name, source, buffer, version in self._remaining:
-                wait_on_control(
-                    lambda: all(self.control.is_written(k) for k in self.plan.waits_for[idx]),
-                    self.control, deadline,
-                    f"the background writer did not free staging memory within "
-                    f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck or gone",
-                    watch_writer=True,
-                )
+                if not wait_for_room(
+                    self.control, self.plan.waits_for[idx], self._timeout_s,
+                    f"the background writer freed no staging memory for "
+                    f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck",
+                ):
+                    return  # the writer stopped reading (it failed): its error fails the save
                 _copy_checked(name, source, buffer, version)
                 self.control.mark_copied(idx)
+                self._copied += 1
         except BaseException as exc:  # the writer raises it; the save fails on every rank
             logger.error("staging in rounds failed: %s", exc)
-            if not self.control.failed:
-                self.control.fail(str(exc))
+            self.control.fail(str(exc))
         finally:
             self._remaining = []
 
@@ -206,8 +214,40 @@ def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version
     _check_version(name, source, version)
 
 
-def _check_version(name: str, source: torch.Tensor, version: int) -> None:
-    if source._version != version:
+def join_copy_thread(
+    thread: Optional[threading.Thread], control: RoundsControl, progress: Callable[[], int],
+    timeout_s: float,
+) -> None:
+    """Trainer: join a rounds copy thread; while it copies nothing for ``timeout_s`` (plus
+    a grace period for its own bound to fire first), fail the save and stop waiting."""
+    if thread is None:
+        return
+    last = progress()
+    while True:
+        thread.join(timeout_s + 5.0)
+        if not thread.is_alive():
+            return
+        if progress() == last:
+            message = (
+                f"staging in rounds copied nothing for {timeout_s:.0f}s; the save fails "
+                "(the copy thread is stuck)"
+            )
+            logger.error(message)
+            control.fail(message)
+            return
+        last = progress()
+
+
+def version_of(source: torch.Tensor) -> Optional[int]:
+    """The version counter of ``source``; None for an inference tensor (it has none)."""
+    try:
+        return source._version
+    except RuntimeError:
+        return None
+
+
+def _check_version(name: str, source: torch.Tensor, version: Optional[int]) -> None:
+    if version is not None and source._version != version:
         raise StagingRaceError(
             f"saved tensor {name!r} was modified in place (version {version} -> "
             f"{source._version}) before staging in rounds had copied it, so this save "
@@ -247,7 +287,7 @@ def place_in_pool(
             control.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            to_copy.append((idx, item.index.fqn, source, buffer, source._version))
+            to_copy.append((idx, item.index.fqn, source, buffer, version_of(source)))
         staged_tensors[b_idx].append((item, buffer))
     staged = [
         WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
@@ -298,21 +338,28 @@ class RoundItems(list):
     before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
     """
 
-    def __init__(self, pairs, control: RoundsControl, first: int, deadline: float):
+    def __init__(self, pairs, control: RoundsControl, first: int, timeout_s: float):
         super().__init__(pairs)
         self.control = control
         self.first = first
-        self.deadline = deadline
+        self.timeout_s = timeout_s
 
     def before_item(self, idx: int) -> None:
+        """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
         number = self.first + idx
         wait_on_control(
-            lambda: self.control.is_staged(number), self.control, self.deadline,
-            "the trainer did not stage the next round within the write timeout; it is stuck",
+            lambda: self.control.is_staged(number), self.control,
+            time.monotonic() + self.timeout_s,
+            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging in rounds); "
+            "it is stuck",
         )
 
     def after_item(self, idx: int) -> None:
         self.control.mark_written(self.first + idx)
+
+    def abandon(self, exc: BaseException) -> None:
+        """This bucket failed: stop the trainer's copy and the writer's other buckets."""
+        self.control.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
 
 
 def writer_view(
@@ -328,11 +375,10 @@ def writer_view(
     if not control.in_rounds or staged is None:
         return staged
     control.record_writer()
-    deadline = time.monotonic() + timeout_s
     first, buckets = 0, []
     for bucket in staged:
         bytes_data, tensor_data = bucket.data
         buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
-                                   (bytes_data, RoundItems(tensor_data, control, first, deadline))))
+                                   (bytes_data, RoundItems(tensor_data, control, first, timeout_s))))
         first += len(tensor_data)
     return buckets

@@ -7,27 +7,42 @@ The trainer creates it in ``preload_fn``, before the fork or the send, so a fork
 inherits it and the persistent worker maps it from its segment reference. The writer
 records its process id when it starts reading, so the trainer's waits end when it is gone.
 
-Both sides run code from here: the trainer marks items copied and records a failure; the
-background writer marks items written and the whole save done; either waits on the
-other's marks with :func:`wait_on_control` (bounded, and ending at the other side's failure).
+Both sides run code from here: the trainer marks items copied; the background writer
+marks items written and the whole save done; either side records a failure, which ends
+the other side's waits at once (a failed bucket of the writer stops the trainer's copy
+and the writer's other buckets); either waits on the other's marks with
+:func:`wait_on_control` (bounded, and ending at a failure), the trainer's copy loops with
+:func:`wait_for_room` (each wait bounded on its own, so a slow but progressing writer is
+never cut off, and ending when the writer is done or gone).
+
+Ordering: an item's bytes are copied before its state word is stored, and its state word
+is read before its bytes are; the two processes rely on stores becoming visible in program
+order, which x86-64 guarantees (TSO). On weakly ordered CPUs (aarch64) nothing here adds a
+barrier: staging in rounds is unverified there (in practice the reader polls at 0.2-5 ms
+granularity, far beyond a store's visibility delay, but that is not a guarantee).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import AsyncTimeoutError, StagingRaceError, WorkerDiedError
+from megatron_async.errors import (
+    AsyncTimeoutError,
+    StagingRaceError,
+    StorageWriteError,
+    WorkerDiedError,
+)
 
-__all__ = ["RoundsControl", "wait_on_control"]
+__all__ = ["RoundsControl", "wait_on_control", "wait_for_room"]
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1
-_HEADER_WORDS = 5  # failure state, message length, writer done, staged in rounds, writer pid
+_HEADER_WORDS = 6  # failure, message length, writer done, in rounds, writer pid, failed by writer
 _LIVENESS_PERIOD_S = 0.5
 _MESSAGE_BYTES = 4096
 
@@ -58,7 +73,10 @@ class RoundsControl:
         return int(self._words[_HEADER_WORDS + idx])
 
     def mark_copied(self, idx: int) -> None:
-        self._words[_HEADER_WORDS + idx] = _COPIED
+        """Trainer: item ``idx`` is in the pool (ignored once the writer is done: a late
+        copy must not turn its *written* mark back, which would hold later waits)."""
+        if not self.writer_done:
+            self._words[_HEADER_WORDS + idx] = _COPIED
 
     def mark_written(self, idx: int) -> None:
         self._words[_HEADER_WORDS + idx] = _WRITTEN
@@ -71,13 +89,25 @@ class RoundsControl:
         return self.item_state(idx) != _PENDING
 
     # -- the whole save ------------------------------------------------------------
-    def fail(self, message: str) -> None:
-        """Trainer: staging failed; the writer raises ``message`` instead of waiting."""
+    def fail(self, message: str, by_writer: bool = False) -> None:
+        """Record that the save failed: the other side raises ``message`` instead of waiting.
+
+        The trainer calls it when a copy failed (a tensor changed before its copy, a stuck
+        writer); the writer (``by_writer``) when a bucket failed, so the trainer stops
+        copying for it and the writer's other buckets stop waiting. The first failure wins.
+        """
+        if self.failed:
+            return
         data = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
         if data:
             self.segment[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._words[1] = len(data)
+        self._words[5] = int(by_writer)
         self._words[0] = _FAILED
+
+    @property
+    def failed_by_writer(self) -> bool:
+        return int(self._words[5]) == 1
 
     @property
     def failed(self) -> bool:
@@ -87,10 +117,13 @@ class RoundsControl:
         return bytes(self.segment[: int(self._words[1])].tolist()).decode("utf-8", "replace")
 
     def mark_done(self) -> None:
-        """Writer: nothing of the staged data will be read any more."""
-        for idx in range(self.num_items):
-            self.mark_written(idx)
+        """Writer: nothing of the staged data will be read any more.
+
+        The done word goes first, so that a trainer copy in progress cannot mark an item
+        copied again (:meth:`mark_copied`) and the trainer's waits end at it; then every
+        item is marked written in one store."""
         self._words[2] = 1
+        self._words[_HEADER_WORDS:].fill_(_WRITTEN)
 
     @property
     def writer_done(self) -> bool:
@@ -104,9 +137,13 @@ class RoundsControl:
     def in_rounds(self) -> bool:
         return int(self._words[3]) == 1
 
-    def record_writer(self) -> None:
-        """Writer: this process reads the staged data (the trainer watches it)."""
-        self._words[4] = os.getpid()
+    def record_writer(self, pid: Optional[int] = None) -> None:
+        """Record the process that reads the staged data (the trainer watches it).
+
+        The caller records it at the hand-over (the forked child, the persistent worker),
+        so a writer that dies before it reads is seen too; the writer records itself
+        (``pid`` None: this process) as it starts reading."""
+        self._words[4] = os.getpid() if pid is None else int(pid)
 
     def writer_gone(self) -> bool:
         """Trainer: whether the recorded writer process ended (False before it recorded)."""
@@ -142,6 +179,8 @@ def wait_on_control(
     next_check = time.monotonic() + _LIVENESS_PERIOD_S
     while not condition():
         if control.failed:
+            if control.failed_by_writer:
+                raise StorageWriteError(control.message())
             raise StagingRaceError(control.message())
         now = time.monotonic()
         if now > deadline:
@@ -155,3 +194,28 @@ def wait_on_control(
                 )
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
+
+
+def wait_for_room(
+    control: RoundsControl, waits_for: Sequence[int], timeout_s: float, what: str
+) -> bool:
+    """Trainer: wait until the writer wrote every item of ``waits_for`` (their bytes may be
+    overwritten), watching the writer's process.
+
+    Each call has its own bound: a writer that keeps freeing the pool is never cut off,
+    however long the whole save takes; one that frees nothing for ``timeout_s`` is stuck.
+
+    Returns:
+        False when the writer is done without needing more (it failed, and reads nothing
+        else): the caller stops copying.
+
+    Raises:
+        AsyncTimeoutError: nothing freed within ``timeout_s`` (``what`` says what).
+        StagingRaceError / StorageWriteError: the save failed on either side.
+        WorkerDiedError: the writer's process is gone.
+    """
+    wait_on_control(
+        lambda: control.writer_done or all(control.is_written(k) for k in waits_for),
+        control, time.monotonic() + timeout_s, what, watch_writer=True,
+    )
+    return not control.writer_done

@@ -31,7 +31,6 @@ import logging
 import pickle
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -41,8 +40,8 @@ from torch.serialization import location_tag, normalize_storage_type
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError, StagingRaceError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
-from megatron_async.staging.rounds import RoundPlan, plan_rounds
-from megatron_async.staging.rounds_control import RoundsControl, wait_on_control
+from megatron_async.staging.rounds import RoundPlan, join_copy_thread, plan_rounds
+from megatron_async.staging.rounds_control import RoundsControl, wait_for_room
 from megatron_async.staging.snapshot import synchronize_if_cuda
 
 __all__ = ["TorchSaveStaged", "pickle_like_torch_save", "stage_torch_save"]
@@ -153,6 +152,7 @@ class TorchSaveStaged:
         self._timeout_s = 0.0
         self._thread: Optional[threading.Thread] = None
         self._hold: Any = None
+        self._copied = 0
 
     def __reduce__(self):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.control,
@@ -167,9 +167,20 @@ class TorchSaveStaged:
             self._thread.start()
 
     def finish_staging(self) -> None:
-        """Trainer: wait until every storage is copied (or the copy failed, bounded)."""
+        """Trainer: wait until every storage is copied, or the copy failed (bounded by its
+        progress, :func:`~megatron_async.staging.rounds.join_copy_thread`)."""
+        join_copy_thread(self._thread, self.control, lambda: self._copied, self._timeout_s)
+
+    def join_copy(self, timeout_s: float) -> bool:
+        """Trainer: wait (bounded) for the copy thread; whether it has ended."""
         if self._thread is not None:
-            self._thread.join(self._timeout_s)
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def record_writer(self, pid: int) -> None:
+        """Trainer, at the hand-over: the process that reads the staged bytes."""
+        self.control.record_writer(pid)
 
     def release(self) -> None:
         """Trainer: the writer is done with the staged bytes; stop holding them."""
@@ -179,25 +190,24 @@ class TorchSaveStaged:
         self.buffer = None  # a segment of this save alone is freed here
 
     def _copy_later(self) -> None:
-        deadline = time.monotonic() + self._timeout_s
         control, plan, buffer = self.control, self._plan, self.buffer
         try:
             for idx, entry, versions in self._later:
-                wait_on_control(
-                    lambda: all(control.is_written(k) for k in plan.waits_for[idx]),
-                    control, deadline,
-                    f"the background writer did not free staging memory within "
-                    f"{self._timeout_s:.0f}s (torch.save staged in rounds); it is stuck or gone",
-                )
+                if not wait_for_room(
+                    control, plan.waits_for[idx], self._timeout_s,
+                    f"the background writer freed no staging memory for "
+                    f"{self._timeout_s:.0f}s (torch.save staged in rounds); it is stuck",
+                ):
+                    return  # the writer stopped reading (it failed): its error fails the save
                 name = self._names.get(entry.key, f"data/{entry.key}")
                 _check_versions(name, versions)
                 synchronize_if_cuda([_copy_storage(entry, buffer, plan.offsets[idx])])
                 _check_versions(name, versions)
                 control.mark_copied(idx)
+                self._copied += 1
         except BaseException as exc:  # the writer raises it; the save fails
             logger.error("staging a torch.save file in rounds failed: %s", exc)
-            if not control.failed:
-                control.fail(str(exc))
+            control.fail(str(exc))
         finally:
             self._later = []
 
@@ -308,7 +318,7 @@ def stage_torch_save(
     try:
         if in_rounds:
             control.start_rounds()
-            buffer = ledger.pool(budget, pinned=cuda)
+            buffer = ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
         elif plan.pool_bytes:
             buffer = shared_memory.allocate_segment(plan.pool_bytes)
             if cuda:
@@ -334,6 +344,8 @@ def stage_torch_save(
     staged._names = {e.key: n for e, n in zip(storages, names)}
     staged._hold = hold
     hold.staged = weakref.ref(staged)
+    if in_rounds:
+        ledger.add_pool_user(staged)
     stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
     if in_rounds:
         logger.info(

@@ -213,18 +213,24 @@ def write_bucket(
         # Staged in rounds (megatron_async.staging.rounds): wait for each item, free it after.
         before_item = getattr(tensor_data, "before_item", None)
         after_item = getattr(tensor_data, "after_item", None)
-        for idx, (item, tensor) in enumerate(tensor_data):
-            if not tensor.is_cpu:
-                raise ValueError(
-                    f"{item.index.fqn} is on {tensor.device}; run the request's preload_fn "
-                    "(staging) before the save function"
-                )
-            if before_item is not None:
-                before_item(idx)
-            write(item, tensor)
-            if after_item is not None:
-                file.release_pieces()
-                after_item(idx)
+        try:
+            for idx, (item, tensor) in enumerate(tensor_data):
+                if not tensor.is_cpu:
+                    raise ValueError(
+                        f"{item.index.fqn} is on {tensor.device}; run the request's "
+                        "preload_fn (staging) before the save function"
+                    )
+                if before_item is not None:
+                    before_item(idx)
+                write(item, tensor)
+                if after_item is not None:
+                    file.release_pieces()
+                    after_item(idx)
+        except BaseException as exc:
+            abandon = getattr(tensor_data, "abandon", None)
+            if abandon is not None:  # in rounds: nobody waits for this bucket's items
+                abandon(exc)
+            raise
         file.finish(use_fsync)
     finally:
         file.close()

@@ -51,7 +51,8 @@ def write_torch_save_file(
 def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_s: float) -> None:
     """Write the zip archive of ``staged`` to ``stream`` (background writer)."""
     control = staged.control
-    deadline = time.monotonic() + timeout_s
+    if control.in_rounds:
+        control.record_writer()  # the trainer's copy waits end if this process dies
     archive = torch._C.PyTorchFileWriter(stream, staged.crc32, staged.alignment)
     try:
         for name, data in staged.header:
@@ -59,8 +60,9 @@ def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_
         for idx, (name, offset, num_bytes) in enumerate(staged.records):
             if control.in_rounds:
                 wait_on_control(
-                    lambda: control.is_staged(idx), control, deadline,
-                    f"the trainer did not stage {name} within {timeout_s:.0f}s; it is stuck",
+                    lambda: control.is_staged(idx), control, time.monotonic() + timeout_s,
+                    f"the trainer staged nothing more for {timeout_s:.0f}s before {name}; "
+                    "it is stuck",
                 )
             if num_bytes:  # a storage of exactly the record's bytes, in the staging memory
                 record = segment_view(staged.buffer, offset, (num_bytes,), torch.uint8)

@@ -4,12 +4,14 @@
 import os
 import re
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_async.core.hand_over import run_preload
 from megatron_async.errors import (
     CheckpointValidationError,
     StagingHandOverError,
@@ -330,3 +332,103 @@ def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     writer.join(10)
     assert control.failed and "background writer of this save ended" in control.message()
     assert [control.is_staged(i) for i in range(4)] == [True, True, False, False]
+
+
+# -- the control block under failures: no wait outlives a failed or dead writer ------------
+
+
+def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
+    tensors = _tensors(count=count, numel=numel)
+    control = RoundsControl(len(tensors))
+    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
+    staged = stage_in_rounds(_buckets(tensors), pool, pool_bytes, control, timeout_s=timeout_s)
+    return tensors, control, staged
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
+    from megatron_async.errors import StorageWriteError
+
+    _, control, staged = _rounds(timeout_s=30.0)
+    start = time.monotonic()
+    staged.start_background_copy()  # waits for items 0 and 1 to be written
+    (bucket,) = writer_view(control, 30.0, list(staged))
+    bucket.data[1].abandon(OSError(28, "No space left on device"))  # bucket 0 failed
+    staged.finish_staging()
+    with pytest.raises(StorageWriteError, match="No space left on device"):
+        bucket.data[1].before_item(3)  # another bucket waiting for a later round
+    assert time.monotonic() - start < 10.0  # not the 30 s bound
+    assert control.failed_by_writer and not control.is_staged(3)
+
+
+def test_done_comes_first_and_a_late_copy_does_not_undo_written():
+    from megatron_async.staging.rounds_control import wait_for_room
+
+    control = RoundsControl(3)
+    control.mark_copied(0)
+    control.mark_done()
+    control.mark_copied(1)  # a trainer copy that finished after the writer stopped
+    assert control.writer_done and all(control.is_written(i) for i in range(3))
+    assert wait_for_room(control, [0, 1, 2], 1.0, "unused") is False  # nothing more to copy
+
+
+@pytest.mark.timeout(60)
+def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
+    tensors, control, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
+    assert staged.plan.rounds == 3
+    staged.start_background_copy()
+    (bucket,) = writer_view(control, 30.0, list(staged))
+    written = []
+    for idx, (_, tensor) in enumerate(bucket.data[1]):  # a slow writer: 0.25 s an item
+        bucket.data[1].before_item(idx)
+        time.sleep(0.25)
+        written.append(tensor.clone())
+        bucket.data[1].after_item(idx)
+    control.mark_done()
+    staged.finish_staging()
+    assert not control.failed, control.message()  # 1.5 s in all, each wait below 0.6 s
+    assert all(torch.equal(w, t) for w, t in zip(written, tensors))
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
+    import multiprocessing
+
+    from megatron_async.core.request import start_background_copy
+    from megatron_async.staging.budget import stage_within_budget
+
+    tensors = _tensors(count=4, numel=1024)
+    control = RoundsControl(len(tensors))
+    held = staging_ledger().held_bytes()
+    staged = run_preload(lambda: stage_within_budget(
+        control, _buckets(tensors), 8192, None, 30.0, list, None, {}))
+    writer = multiprocessing.get_context("fork").Process(target=lambda: None)  # dies at once
+    writer.start()
+    writer.join(10)
+    start = time.monotonic()
+    start_background_copy(staged, writer.pid)  # as the callers do at the hand-over
+    staged.finish_staging()
+    assert time.monotonic() - start < 10.0
+    assert control.failed and "ended before it freed the staging memory" in control.message()
+    assert staging_ledger().held_bytes() == held  # the hold ended with its writer
+
+
+@pytest.mark.timeout(60)
+def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
+    ledger = staging_ledger()
+
+    class _StillCopying:
+        joined = []
+
+        def join_copy(self, timeout_s):
+            self.joined.append(timeout_s)
+            return False
+
+    user = _StillCopying()
+    ledger.add_pool_user(user)
+    with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
+        ledger.pool(4096, pinned=False, timeout_s=0.1)
+    assert user.joined
+    del user
+    assert ledger.pool(4096, pinned=False, timeout_s=0.1).numel() == 4096
+    ledger.drop_pool()
