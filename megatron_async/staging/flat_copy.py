@@ -10,7 +10,7 @@ operator call whose loop runs in C++, instead of one ``copy_`` per tensor (which
 The flat byte views of the sources cost about 4 us per tensor to create, so a
 :class:`FlatCopy` is built once for a bucket's cached buffers and reused while every
 source still starts at the address its view reads, with the same byte count, contiguous.
-That check is three ``map`` calls over the sources (no Python bytecode per tensor):
+That check is four ``map`` calls over the sources (no Python bytecode per tensor):
 
 * the views hold the sources' storages, so a source whose address still equals its
   view's shares the view's memory (a freed storage could be reused at the same address
