@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async.core import coordination
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
@@ -109,6 +110,7 @@ class PlanCache:
         self.structure_reuse_count = 0
         self._cached: Optional[_CachedPlan] = None
 
+    @paused_gc()  # thousands of short-lived tuples and lists per save; no cycles
     def plan_save(
         self,
         sharded_state_dict: ShardedStateDict,

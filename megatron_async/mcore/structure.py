@@ -180,6 +180,22 @@ class PlanBinding:
     entries: List[_Entry]
     layout: BucketLayout
     staging_key: Optional[str]
+    _items: List[WriteItem] = dataclasses.field(init=False, repr=False, compare=False)
+    _positions: List[int] = dataclasses.field(init=False, repr=False, compare=False)
+    _derived: List[Tuple[int, _Entry]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # What rebind needs, split once: the items, the source position of every item
+        # taken by reference (0 for the others), and the few that are reshaped or bytes.
+        derived = [
+            (idx, (item, where, shape))
+            for idx, (item, where, shape) in enumerate(self.entries)
+            if shape is not None
+        ]
+        positions = [0 if shape is not None else where for _, where, shape in self.entries]
+        object.__setattr__(self, "_items", [item for item, _, _ in self.entries])
+        object.__setattr__(self, "_positions", positions)
+        object.__setattr__(self, "_derived", derived)
 
 
 def bind_plan(
@@ -253,15 +269,13 @@ def rebind(binding: PlanBinding, structure: Structure) -> List[Tuple[WriteItem, 
         ``(write_item, data)`` for every item, in plan order.
     """
     sources = structure.sources
-    resolved = []
-    for item, where, shape in binding.entries:
-        if shape is None:
-            resolved.append((item, sources[where]))
-        elif shape is _BYTES:
-            resolved.append((item, _serialize([sources[pos] for pos in where])))
+    data = list(map(sources.__getitem__, binding._positions))  # no bytecode per tensor
+    for idx, (_, where, shape) in binding._derived:
+        if shape is _BYTES:
+            data[idx] = _serialize([sources[pos] for pos in where])
         else:
-            resolved.append((item, _derive(sources[where], shape)))
-    return resolved
+            data[idx] = _derive(sources[where], shape)
+    return list(zip(binding._items, data))
 
 
 def _derive(source: torch.Tensor, shape: Optional[torch.Size]) -> torch.Tensor:

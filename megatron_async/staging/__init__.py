@@ -3,7 +3,9 @@
 Runs in the trainer, on every rank (a request's ``preload_fn``), except where noted:
 
 * :mod:`.buffers`: a save's write buckets copied into shared-memory segments, reused
-  from save to save through a :class:`~.buffers.StagingBufferCache`;
+  from save to save through a :class:`~.buffer_cache.StagingBufferCache`
+  (:mod:`.buffer_cache`: the reusable buffers and their leases);
+* :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``;
 * :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
   saves still being written, and the choice between staging in one go and in rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through

@@ -26,6 +26,7 @@ or when the caller releases the staged data, whichever comes first.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -233,12 +234,19 @@ def staging_ledger() -> StagingLedger:
     return _ledger
 
 
+_SECOND = operator.itemgetter(1)
+_NBYTES = operator.attrgetter("nbytes")
+_IS_CUDA = operator.attrgetter("is_cuda")
+
+
 def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
+    """The bytes of the buckets' tensors and whether any is on CUDA (``map``: every save
+    of thousands of tensors runs this on the training thread)."""
     total, cuda = 0, False
     for bucket in buckets:
-        for _, tensor in bucket.data[1]:
-            total += tensor.numel() * tensor.element_size()
-            cuda = cuda or tensor.device.type == "cuda"
+        tensors = list(map(_SECOND, bucket.data[1]))
+        total += sum(map(_NBYTES, tensors))
+        cuda = cuda or any(map(_IS_CUDA, tensors))
     return total, cuda
 
 

@@ -19,29 +19,25 @@ The staged buckets (:class:`StagedBuckets`) *lease* their buffers: the caller th
 the staging calls :meth:`StagedBuckets.release` once the background part no longer reads
 them (the write finished, failed, or its process is gone). With a *cache key*
 (``use_cached_data_structure``), the buffers of a bucket layout are kept in this process
-after release and reused by the next save of the same layout, so staging memory stays
-about the checkpoint size and warm staging is one memory copy. A staging that finds its
-layout's buffers still leased (a save still being written) uses fresh buffers instead.
-Every lease has its own generation number, so only the save holding the current lease
-can free the cached buffers.
+after release (:mod:`.buffer_cache`) and reused by the next save of the same layout, so
+staging memory stays about the checkpoint size and warm staging is one memory copy. A
+staging that finds its layout's buffers still leased (a save still being written) uses
+fresh buffers instead.
 
-A warm save costs few Python calls per tensor: the copies are one batched call
-(:func:`copy_batched`), the sources are checked against the buffers with one list
-comparison, and the ``(item, buffer)`` pairs of a cached bucket are built once and handed
-to every save with the same plan items (a
-:class:`~megatron_async.core.shared_memory.ReusedTensorPairs`, which the persistent
-worker's request sender encodes once).
+A warm save runs no Python bytecode per tensor: a cached bucket of contiguous CPU
+tensors is copied with one ``torch.cat`` into its segment (:mod:`.flat_copy`), checked
+with a few ``map`` calls; other buckets (CUDA sources among them) with one batched call
+(:func:`copy_batched`) after one list comparison of the sources against the buffers. The
+``(item, buffer)`` pairs of a cached bucket are built once and handed to every save with
+the same plan items (a :class:`~megatron_async.core.shared_memory.ReusedTensorPairs`,
+which the persistent worker's request sender encodes once).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 import logging
 import operator
-import os
-import threading
 import time
 from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
@@ -50,7 +46,15 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
+from megatron_async.staging.buffer_cache import (
+    StagingBufferCache,
+    clear_staging_cache,
+    default_staging_cache,
+    staging_cache_num_bytes,
+)
+from megatron_async.staging.flat_copy import FlatStaging
 
 __all__ = [
     "StagedBuckets",
@@ -83,6 +87,8 @@ class _BucketBuffers:
     """The CUDA devices among those sources (to synchronize after the copies)."""
     pairs: Optional[ReusedTensorPairs] = None
     """``(item, buffer)`` pairs handed to every save whose items are these (reusable only)."""
+    flat: Optional[FlatStaging] = None
+    """The one-call copy of CPU sources into these buffers (cached buffers only)."""
 
     def fits(self, sources: Sequence[torch.Tensor]) -> bool:
         signature = [(source.shape, source.dtype, source.device) for source in sources]
@@ -143,96 +149,6 @@ def _allocate_bucket_buffers(
     return _BucketBuffers(segment, tensors, for_cuda, reusable)
 
 
-@dataclasses.dataclass
-class _BufferSet:
-    """The cached buffers of one bucket layout and the state of their lease."""
-
-    buckets: List[Optional[_BucketBuffers]]
-    leased: bool = False
-    owner_pid: int = 0
-    generation: int = 0
-
-    def num_bytes(self) -> int:
-        return sum(b.num_bytes() for b in self.buckets if b is not None)
-
-
-_generations = itertools.count(1)
-"""Lease generations, unique across every cache of the process: a lease on a dropped and
-re-created entry never matches."""
-
-
-class StagingBufferCache:
-    """Reusable staging buffers, one bucket layout at a time, each lent to one save at a time.
-
-    Lives in the trainer process that stages (every rank has its own). An owner (a
-    strategy, a writer) passes it explicitly to :func:`stage_buckets`; writers built
-    without one share :func:`default_staging_cache`. A new layout replaces the others
-    (a changed structure does not leave a checkpoint's worth of shared memory behind);
-    buffers still leased are dropped when their lease ends.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
-
-    def lease(self, key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
-        """Return ``key``'s buffer set, leased to the caller, or None if it is leased already."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = _BufferSet([None] * num_buckets)
-                for other in [k for k, e in self._entries.items() if not e.leased]:
-                    del self._entries[other]
-                self._entries[key] = entry
-            elif entry.leased:
-                logger.debug("staging buffers of this layout are still being written; using new ones")
-                return None
-            self._entries.move_to_end(key)
-            entry.leased, entry.owner_pid = True, os.getpid()
-            entry.generation = next(_generations)
-            return entry
-
-    def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
-        """Make the leased buffers reusable once nothing reads them any more (stager).
-
-        A lease that is no longer current (its buffers were freed and leased again by a
-        later save), or one taken in another process, releases nothing.
-        """
-        if lease is None:
-            return
-        key, generation = lease
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.generation != generation or entry.owner_pid != os.getpid():
-                return
-            entry.leased = False
-            if next(reversed(self._entries)) != key:
-                del self._entries[key]  # a newer layout replaced this one while it was written
-
-    def num_bytes(self) -> int:
-        """Bytes held by the cached buffers."""
-        with self._lock:
-            return sum(entry.num_bytes() for entry in self._entries.values())
-
-    def clear(self, include_in_use: bool = False) -> None:
-        """Drop the cached buffers that are not in use (or all of them).
-
-        ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
-        holds it); use it only when no save is in flight, e.g. in tests.
-        """
-        with self._lock:
-            for key in [k for k, e in self._entries.items() if include_in_use or not e.leased]:
-                del self._entries[key]
-
-
-_default_cache = StagingBufferCache()
-
-
-def default_staging_cache() -> StagingBufferCache:
-    """The cache of writers that were given none (one per process)."""
-    return _default_cache
-
-
 class StagedBuckets(list):
     """Staged write buckets, plus the lease of the buffers they live in.
 
@@ -263,6 +179,7 @@ class StagedBuckets(list):
         return (StagedBuckets, (list(self),))
 
 
+@paused_gc()  # lists of thousands of tensors and pairs per save; no cycles
 def stage_buckets(
     buckets: Sequence[WriteBucket],
     non_blocking: bool = True,
@@ -293,7 +210,7 @@ def stage_buckets(
         StagingMemoryError: shared memory for the buffers could not be allocated.
     """
     start = time.monotonic()
-    cache = cache if cache is not None else _default_cache
+    cache = cache if cache is not None else default_staging_cache()
     entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
@@ -303,10 +220,11 @@ def stage_buckets(
     try:
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
-            items = [item for item, _ in tensor_data]
-            sources = [tensor for _, tensor in tensor_data]
+            items = list(map(_first, tensor_data))
+            sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            if buffers is None or not buffers.fits(sources):
+            copied = copy_now and buffers is not None and _copy_flat(buffers, sources)
+            if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
                 buffers.fits(sources)  # records the sources' signature
@@ -315,12 +233,12 @@ def stage_buckets(
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
-            if copy_now:
-                copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
-                cuda_devices.update(buffers.cuda_devices)
-            else:
+            if not copy_now:
                 detached = [source.detach() for source in sources]
                 result.uncopied.extend(zip(items, detached, buffers.tensors))
+            elif not copied and not _copy_flat(buffers, sources, build=True):
+                copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
+                cuda_devices.update(buffers.cuda_devices)
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         for device in cuda_devices:
@@ -337,6 +255,24 @@ def stage_buckets(
     return result
 
 
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+
+
+def _copy_flat(buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False) -> bool:
+    """Copy the sources with the buffers' one-call copy, if they have one that applies (stager).
+
+    ``build``: the sources fit the buffers, so a cached bucket of CPU sources gets one.
+    """
+    if buffers.flat is None and build and buffers.reusable and not (
+        buffers.for_cuda or buffers.cuda_devices
+    ):
+        buffers.flat = FlatStaging()
+    return buffers.flat is not None and buffers.flat.copy(
+        sources, buffers.tensors, buffers.segment, build
+    )
+
+
 def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:
     """Copy every source into its buffer of the same shape and dtype, in one call (stager).
 
@@ -346,16 +282,6 @@ def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_b
     if sources:
         with torch.no_grad():
             torch._foreach_copy_(buffers, sources, non_blocking=non_blocking)
-
-
-def staging_cache_num_bytes() -> int:
-    """Bytes held by the default cache's buffers (see :func:`default_staging_cache`)."""
-    return _default_cache.num_bytes()
-
-
-def clear_staging_cache(include_in_use: bool = False) -> None:
-    """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`)."""
-    _default_cache.clear(include_in_use)
 
 
 def preload_tensors(

@@ -12,7 +12,9 @@ import dataclasses
 import hashlib
 import heapq
 import io
+import operator
 import os
+from itertools import compress, repeat
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -151,6 +153,10 @@ def assign_buckets(
     return layout
 
 
+_FIRST = operator.itemgetter(0)
+_TYPE = operator.attrgetter("type")
+
+
 def materialize_buckets(
     resolved: Sequence[Tuple[WriteItem, Any]],
     layout: BucketLayout,
@@ -165,9 +171,14 @@ def materialize_buckets(
     byte_io = WriteItemType.BYTE_IO  # looked up once: thousands of items per bucket
     for idx, (name_prefix, positions) in enumerate(layout):
         file_name = f"{name_prefix}{storage_prefix}{idx}{DEFAULT_SUFFIX}"
-        content = [resolved[pos] for pos in positions]
-        bytes_data = [(i, d) for i, d in content if i.type is byte_io]
-        tensor_data = [(i, d) for i, d in content if i.type is not byte_io]
+        # map and compress: no Python bytecode per item (thousands per bucket, every save)
+        content = list(map(resolved.__getitem__, positions))
+        kinds = list(map(_TYPE, map(_FIRST, content)))
+        if byte_io not in kinds:
+            bytes_data, tensor_data = [], content
+        else:
+            bytes_data = list(compress(content, map(operator.is_, kinds, repeat(byte_io))))
+            tensor_data = list(compress(content, map(operator.is_not, kinds, repeat(byte_io))))
         buckets.append(
             WriteBucket(os.path.join(checkpoint_dir, file_name), file_name, (bytes_data, tensor_data))
         )

@@ -67,6 +67,8 @@ _PHASES = (
     # (module, attribute, label): the steps of a warm save on the training thread
     ("megatron.core.dist_checkpointing.serialization", "save_preprocess",
      "megatron-core save_preprocess"),
+    ("megatron.core.dist_checkpointing.strategies.common", "TorchCommonSaveStrategy.save_common",
+     "megatron-core common.pt (rank 0)"),
     ("megatron_async.mcore.strategy", "TorchDistAsyncSaveStrategy.async_save", "our async_save"),
     ("megatron_async.mcore.plan_cache", "describe_structure", "  structure fingerprint"),
     ("megatron_async.mcore.plan_cache", "rebind", "  rebind to the new tensors"),
@@ -76,6 +78,8 @@ _PHASES = (
      "encoding the request (persistent)"),
     ("megatron_async.core.temporal", "TemporalAsyncCaller.schedule_async_call",
      "temporal schedule (staging + fork)"),
+    ("megatron_async.core.queue", "AsyncCallsQueue.schedule_async_request",
+     "scheduling (staging included)"),
 )
 
 
