@@ -31,6 +31,12 @@ Layouts (``--layouts``):
 Run it as ``python tools/benchmark.py --scale --ranks 64,256,1024 --items-per-rank 100,300``
 (or ``python -m tools.bench.scale ...``); ``--sizes 1024x300,4096x250`` measures given
 ``ranks x items per rank`` pairs instead of every combination.
+
+The simulation times no collective, but the ``ours`` and ``dcp`` rows measure what each
+gather ships (bytes) and the coordinator's unpickling of it at full size.
+``--scale --calibrate`` times the gathers on real gloo ranks
+(:mod:`tools.bench.gather_calibration`), and ``--calibration FILE`` adds the estimated
+gathers to the report: plan, gathers and commit per save, ours against DCP.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import os
 import pickle
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Sequence
@@ -57,7 +64,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "synthesize", "measure", "run_sweep", "main"]
+__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "synthesize_rank", "synthesize", "measure",
+           "run_sweep", "main"]
 
 LAYOUTS = ("tp8", "dist_optimizer", "moe")
 METHODS = ("ours", "ours_warm", "dcp", "mcore_planner")
@@ -90,6 +98,10 @@ class ScaleResult:
     splice of ``.metadata`` (the rest is the durable write of its bytes); -1 elsewhere."""
     rank_side_s: float = 0.0
     """``ours``: what one rank spends beside its local plan (its plan's digest), in parallel."""
+    plan_gathered_bytes: int = -1
+    """What the coordinator receives at planning (local plans); -1: not measured."""
+    gathers: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
+    """``ours``/``dcp``: per gather, its bytes and the coordinator's unpickling of them."""
 
     @property
     def items(self) -> int:
@@ -131,24 +143,27 @@ def _rank_items(layout: str, rank: int, ranks: int, items_per_rank: int) -> List
     return items
 
 
-def synthesize(layout: str, ranks: int, items_per_rank: int):
-    """Local plans and write results of every rank, as the coordinator receives them."""
+def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int):
+    """The local plan and the write results of one rank, as it ships them to the coordinator."""
     from megatron_async.writer.bucket_io import ChecksummedWriteResult
 
-    plans, results = [], []
-    for rank in range(ranks):
-        items = _rank_items(layout, rank, ranks, items_per_rank)
-        plans.append(SavePlan(items))
-        file_name = f"__{rank}_0.distcp"
-        results.append([
-            ChecksummedWriteResult(
-                item.index, _ITEM_BYTES,
-                _StorageInfo(file_name, position * _ITEM_BYTES, _ITEM_BYTES),
-                f"{(rank * 1_000_003 + position) & 0xFFFFFFFFFFFFFFFF:016x}",
-            )
-            for position, item in enumerate(items)
-        ])
-    return plans, results
+    items = _rank_items(layout, rank, ranks, items_per_rank)
+    file_name = f"__{rank}_0.distcp"
+    results = [
+        ChecksummedWriteResult(
+            item.index, _ITEM_BYTES,
+            _StorageInfo(file_name, position * _ITEM_BYTES, _ITEM_BYTES),
+            f"{(rank * 1_000_003 + position) & 0xFFFFFFFFFFFFFFFF:016x}",
+        )
+        for position, item in enumerate(items)
+    ]
+    return SavePlan(items), results
+
+
+def synthesize(layout: str, ranks: int, items_per_rank: int):
+    """Local plans and write results of every rank, as the coordinator receives them."""
+    pairs = [synthesize_rank(layout, rank, ranks, items_per_rank) for rank in range(ranks)]
+    return [plan for plan, _ in pairs], [results for _, results in pairs]
 
 
 def _peak_mib() -> float:
@@ -214,14 +229,16 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
             start = time.perf_counter()
             metadata_bytes = _commit(method, metadata, results, directory)
             commit_s = time.perf_counter() - start
-        gathered = -1
-        if method == "ours":
-            from .scale_warm import full_gather_bytes
+        commit_peak = _peak_mib() - after_plan
+        from .gather_model import measure_gathers  # after the peaks: it holds every pickle
 
-            gathered = full_gather_bytes(results)
+        gathers = measure_gathers(method, plans, results) if method != "mcore_planner" else {}
+        num_bytes = {gather: g["num_bytes"] for gather, g in gathers.items()}
         conn.send(ScaleResult(method, layout, ranks, items_per_rank, plan_s, commit_s,
-                              metadata_bytes, after_plan - before, _peak_mib() - after_plan, gathered,
-                              rank_side_s=rank_side_s))
+                              metadata_bytes, after_plan - before, commit_peak,
+                              num_bytes.get("result_gather", -1), rank_side_s=rank_side_s,
+                              plan_gathered_bytes=num_bytes.get("plan_gather", -1),
+                              gathers=gathers))
     except BaseException as exc:  # reported to the parent, which raises it
         conn.send(exc)
     finally:
@@ -364,10 +381,25 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=_sizes, default=[],
                         help="ranks x items pairs, e.g. 1024x300,4096x250 (instead of the grid)")
     parser.add_argument("--out", default="bench_scale")
+    parser.add_argument("--calibration", metavar="JSON", help="gather_calibration.json "
+                        "(from --calibrate): adds the estimated gathers per save")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate the gathers "
+                        "instead (the options are then tools.bench.gather_calibration's)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--calibrate" in argv:
+        from .gather_calibration import main as calibrate
+
+        calibrate([a for a in argv if a != "--calibrate"])
+        return
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results = run_sweep(args.ranks, args.items_per_rank, args.layouts, args.methods, args.sizes)
     table = render(results)
+    if args.calibration:
+        from .gather_model import render_scale_estimates
+
+        with open(args.calibration) as stream:
+            table += "\n\n" + render_scale_estimates(results, json.load(stream))
     with open(os.path.join(args.out, "scale.md"), "w") as stream:
         stream.write(table + "\n")
     with open(os.path.join(args.out, "scale.json"), "w") as stream:

@@ -13,20 +13,19 @@ as the coordinator runs it, on the synthesized results of :mod:`tools.bench.scal
    splice of ``.metadata`` and its durable write. The all-reduce itself (7 integers on
    gloo) is not simulated: it costs one network round trip, whatever N is.
 
-What the full path would gather is reported too (the pickled write results of every
-rank, what ``gather_object`` ships to the coordinator); the warm path gathers 0 bytes.
+What the full path would gather is reported too (:mod:`tools.bench.gather_model`); the
+warm path gathers 0 bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import time
 import uuid
 from typing import Any, Dict, List
 
-__all__ = ["measure_warm_finalize", "full_gather_bytes"]
+__all__ = ["measure_warm_finalize"]
 
 
 class _CoordinatorWriter:
@@ -106,8 +105,3 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
         "metadata_bytes": os.path.getsize(os.path.join(second, ".metadata")),
     }
 
-
-def full_gather_bytes(results: List[List[Any]]) -> int:
-    """What the full path's ``gather_object`` ships to the coordinator: every rank's
-    pickled write results."""
-    return sum(len(pickle.dumps(rank_results)) for rank_results in results)

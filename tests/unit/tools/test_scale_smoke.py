@@ -36,13 +36,14 @@ def test_one_measurement_in_a_child_process_and_the_report(tmp_path):
 
 
 def test_the_warm_row_runs_the_real_finalization_and_gathers_nothing(tmp_path):
-    from tools.bench.scale_warm import full_gather_bytes, measure_warm_finalize
+    from tools.bench.gather_model import measure_gathers
+    from tools.bench.scale_warm import measure_warm_finalize
 
     plans, results = scale.synthesize("tp8", 16, 3)
     warm = measure_warm_finalize(scale._plan("ours", plans), results, str(tmp_path))
     assert warm["warm_s"] > 0 and 0 < warm["cpu_s"] <= warm["warm_s"] + warm["write_s"]
     assert warm["metadata_bytes"] == (tmp_path / "iter_1" / ".metadata").stat().st_size
-    assert full_gather_bytes(results) > 0
+    assert measure_gathers("ours", plans, results)["result_gather"]["num_bytes"] > 0
     result = scale.measure("ours_warm", "tp8", 16, 3, timeout_s=120)
     assert result.gathered_bytes == 0 and result.warm_cpu_s >= 0
     assert "ours_warm" in scale.render([result]) and "checks + splice" in scale.render([result])
