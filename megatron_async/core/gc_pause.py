@@ -1,7 +1,7 @@
 """Pause Python's cyclic garbage collector while a bulk step allocates (any side).
 
-The coordinator's first-save planning and every commit create hundreds of thousands of
-small objects (tuples, dicts, index keys) next to millions of live ones (every rank's
+The coordinator's gathers of every rank's plans and write results (unpickling), its
+first-save planning and every commit create hundreds of thousands of small objects (tuples, dicts, index keys) next to millions of live ones (every rank's
 plans and write results). Each few hundred allocations the collector runs, and its
 older generations walk every live object: at 100 k items that was about two thirds of
 the commit's time. None of these steps makes reference cycles, so the collector is

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
     ChangeReport, RankComparison, StaleCheckpointError, digests_of,
@@ -130,7 +131,8 @@ def save_state_dict_async_finalize(
             cache.forget()
         with _count_lock:
             _counts["result gathers"] += 1
-        all_results = dist_wrapper.gather_object(results)
+        with paused_gc():  # the coordinator unpickles every rank's write results
+            all_results = dist_wrapper.gather_object(results)
     committed = None
     if is_coordinator:
         try:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
+from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
@@ -306,8 +307,12 @@ def _gather_and_build_metadata(
 ) -> Optional[Metadata]:
     """Gather local plans (and their digests) on the coordinator and build the global metadata there."""
     _count_plan_gather()
-    # Each rank digests its own plan (in parallel) for the metadata's resume record.
-    gathered = dist_wrapper.gather_object((local_plan, plan_digest(local_plan)))
+    # Each rank digests its own plan (in parallel) for the metadata's resume record. The
+    # coordinator unpickles every rank's items: with the collector running that took
+    # 4-5 x longer (tools/bench/gather_calibration.py), so it is paused, as for planning.
+    digest = plan_digest(local_plan)
+    with paused_gc():
+        gathered = dist_wrapper.gather_object((local_plan, digest))
     metadata, _ = agreed_step(
         "global save planning",
         lambda: (
@@ -339,7 +344,8 @@ def _plan_centrally(
 
     _count_plan_gather()
     try:
-        central_plan = dist_wrapper.reduce_scatter("plan", lambda: local_plan, global_step)
+        with paused_gc():  # the coordinator unpickles and plans every rank's items
+            central_plan = dist_wrapper.reduce_scatter("plan", lambda: local_plan, global_step)
     except CheckpointException as exc:  # raised identically on every rank by DCP
         raise CheckpointValidationError(f"global save planning failed: {exc}") from exc
     return central_plan, (built[0] if built else None)

@@ -88,29 +88,37 @@ def _rank_ops(wrapper: Any, plan: Any, results: List[Any]) -> Dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from megatron_async.core import coordination
+    from megatron_async.core.gc_pause import paused_gc
     from megatron_async.integrity.staleness import RankComparison
     from megatron_async.saver.finalize import save_state_dict_async_finalize
 
     ours, dcp = gathered_objects("ours", plan, results), gathered_objects("dcp", plan, results)
     group = wrapper.group
 
-    def gather(shipped: Any) -> Callable[[], Any]:  # the saver's call, as it makes it
-        return lambda: wrapper.gather_object(shipped)
+    def gather(shipped: Any, ours: bool) -> Callable[[], Any]:  # each library's call, as it makes it
+        if not ours:  # DCP unpickles with the cyclic collector running
+            return lambda: wrapper.gather_object(shipped)
+
+        def paused() -> Any:  # ours pauses it around its gathers
+            with paused_gc():
+                return wrapper.gather_object(shipped)
+
+        return paused
 
     def warm_allreduces() -> None:  # failed, moved, ranks, stale counts; then the commit's
         coordination.all_reduce_sum([0, 0, 1, *RankComparison(0, 0, 0, None).counts()], group)
         coordination.raise_if_any_rank_failed(None, group, "gather-calibration")
 
     return {
-        "ours_plan_gather": (gather(ours["plan_gather"]), ours["plan_gather"]),
-        "ours_result_gather": (gather(ours["result_gather"]), ours["result_gather"]),
+        "ours_plan_gather": (gather(ours["plan_gather"], True), ours["plan_gather"]),
+        "ours_result_gather": (gather(ours["result_gather"], True), ours["result_gather"]),
         "ours_full_finalize": (
             lambda: save_state_dict_async_finalize(_DoneWriter(results), Metadata({}), wrapper),
             ours["result_gather"],
         ),
         "warm_allreduces": (warm_allreduces, None),
-        "dcp_plan_gather": (gather(dcp["plan_gather"]), dcp["plan_gather"]),
-        "dcp_result_gather": (gather(dcp["result_gather"]), dcp["result_gather"]),
+        "dcp_plan_gather": (gather(dcp["plan_gather"], False), dcp["plan_gather"]),
+        "dcp_result_gather": (gather(dcp["result_gather"], False), dcp["result_gather"]),
     }
 
 

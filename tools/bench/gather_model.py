@@ -21,12 +21,15 @@ changes nothing here, as every rank of a layout ships the same size within a few
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import pickle
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from megatron_async.core.gc_pause import paused_gc
 
 __all__ = [
     "GATHERS",
@@ -91,8 +94,9 @@ def measure_gathers(method: str, plans: Sequence[Any], results: Sequence[Any]) -
     """Each gather of a first save at full size: its bytes, and the coordinator's unpickling.
 
     ``gather_object`` unpickles every rank's object on the coordinator, one after the
-    other, with the cyclic GC running (the saver does not pause it there): that serial
-    part is measured here on all N objects; the transport is the calibration's to estimate.
+    other: DCP with the cyclic GC running, ours with it paused (as the saver pauses it
+    around its gathers). That serial part is measured here on all N objects; the
+    transport is the calibration's to estimate.
 
     Returns:
         ``{gather: {"num_bytes": ..., "unpickle_s": ...}}`` for each of :data:`GATHERS`.
@@ -103,8 +107,10 @@ def measure_gathers(method: str, plans: Sequence[Any], results: Sequence[Any]) -
             pickled[gather].append(pickle.dumps(obj))
     measured = {}
     for gather, datas in pickled.items():
+        pause = paused_gc() if method == "ours" else contextlib.nullcontext()
         start = time.perf_counter()
-        objects = [pickle.loads(data) for data in datas]
+        with pause:
+            objects = [pickle.loads(data) for data in datas]
         measured[gather] = {"num_bytes": sum(map(len, datas)),
                             "unpickle_s": time.perf_counter() - start}
         del objects
