@@ -220,7 +220,8 @@ def render_scale_estimates(results: Sequence[Any], calibration: Dict[str, Any]) 
     return "\n".join([
         f"Gathers: the transport calibrated on real gloo ranks ({calibration['source']}) "
         "plus, in brackets, the coordinator's unpickling of every rank's object, measured at "
-        "this size (serial, GC on, as in the saver). ours_warm gathers nothing: its result "
+        "this size (serial; ours with the cyclic GC paused, as our saver runs it, DCP with it "
+        "running). ours_warm gathers nothing: its result "
         "column is its two all-reduces. DCP also scatters the global plans and broadcasts "
         "the metadata, which is not counted.",
         "",
