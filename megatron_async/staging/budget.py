@@ -333,7 +333,8 @@ def stage_within_budget(
     except BaseException:
         hold.end()
         raise
-    _ledger.add_pool_user(staged)
+    if overlapped is None:  # overlapped copies run on the copy thread: wait_for_staging's
+        _ledger.add_pool_user(staged)
     _mark(staged, hold, stats, staged.plan.rounds, staged.plan.pool_bytes)
     return staged
 

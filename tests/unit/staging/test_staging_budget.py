@@ -432,3 +432,22 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
     del user
     assert ledger.pool(4096, pinned=False, timeout_s=0.1).numel() == 4096
     ledger.drop_pool()
+
+
+@pytest.mark.timeout(60)
+def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
+    from megatron_async.staging.budget import stage_within_budget
+    from megatron_async.staging.overlapped import StagingGate, wait_for_staging
+    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+    from functools import partial
+
+    tensors = _tensors(count=4, numel=1024)
+    control = RoundsControl(len(tensors))
+    staged = run_preload(lambda: stage_within_budget(
+        control, _buckets(tensors), 8192, None, 30.0, list,
+        partial(stage_in_rounds_overlapped, StagingGate(), 0), {}))
+    control.mark_done()  # its writer is done; the staged data is still referenced here
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=30.0)
+    assert staging_ledger().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192
+    staged.release()
