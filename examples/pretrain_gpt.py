@@ -23,7 +23,7 @@ import sys
 import time
 
 # gpt first: importing it quiets megatron-core's import-time notices about optional kernels.
-from gpt import cpu_compat
+from gpt import cpu_compat, torch_adam_compat
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from megatron.core import parallel_state
 from gpt.arguments import parse_args, validate_parallel_args
 from gpt.checkpointing import Checkpointer, create_checkpoint_queue, enable_object_storage
 from gpt.data import build_dataset, micro_batches
+from gpt.devices import bind_rank_to_gpu
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
 
@@ -76,9 +77,10 @@ def main(argv=None) -> None:
     # Process groups: NCCL with GPUs, gloo on a CPU-only host (megatron-core then needs
     # the patches of gpt/cpu_compat.py).
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        bind_rank_to_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     cpu_compat.install()
+    torch_adam_compat.install()  # megatron-core over torch's Adam, CPU and GPU alike
     validate_parallel_args(args, dist.get_world_size())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_async import TorchDistAsyncSaveStrategy
-from gpt import cpu_compat
+from gpt import torch_adam_compat
 from gpt.debug_hooks import DEBUG_SAVE_DELAY_ENV, DEBUG_SAVE_FAULT_ENV, DebugSaveHooks
 from gpt.resharding import (
     LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
@@ -344,7 +344,7 @@ class Checkpointer:
         if with_optimizer:
             check_optimizer_resume(point.path, metadata, saved_layout, layout,
                                    args.use_distributed_optimizer)
-            cpu_compat.prepare_optimizer_for_load(self.optimizer)
+            torch_adam_compat.prepare_optimizer_for_load(self.optimizer)
         template = self._state_dict(
             0, 0, metadata, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
         )
@@ -355,7 +355,7 @@ class Checkpointer:
             self.model.module.load_state_dict(state_dict["model"])
             if with_optimizer:
                 self.optimizer.load_state_dict(state_dict["optimizer"])
-                cpu_compat.repair_optimizer_after_load(self.optimizer, state_dict["optimizer"])
+                torch_adam_compat.repair_optimizer_after_load(self.optimizer, state_dict["optimizer"])
         if with_rng:
             _restore_rng_state(state_dict["rng_state"])
         return point, common["iteration"], common["consumed_samples"]

@@ -1,7 +1,7 @@
 """Run megatron-core training code (0.16.x to 0.19.x) on a CPU-only host (gloo, no CUDA).
 
 Everything in this example that exists only because megatron-core assumes CUDA (and
-Transformer Engine or Apex) lives here, so that it is easy to see, review and delete once
+Transformer Engine or Apex) lives here or in :mod:`gpt.torch_adam_compat`, so that it is easy to see, review and delete once
 megatron-core stops assuming it. Loading a ``torch_dist`` checkpoint with megatron-core's
 default load strategy needs nothing beyond the items below.
 :func:`install` is a no-op when CUDA is available; on a CPU-only host it makes these
@@ -38,29 +38,9 @@ changes, for this process only:
    ``torch.distributed.batch_isend_irecv`` sends CPU tensors over gloo one by one, since
    gloo cannot coalesce.
 
-Without Transformer Engine or Apex (always the case on a CPU-only host) megatron-core
-falls back to torch's Adam, and its *distributed optimizer* then mishandles Adam's
-``step`` when loading a checkpoint. One patch and two functions, called around the load
-by ``checkpointing.py``, cover that; they act only when megatron-core uses torch's Adam:
-
-5. :func:`prepare_optimizer_for_load`: ``DistributedOptimizer.state_dict()`` (needed to
-   build the load template) reads ``step`` from the per-parameter state, which torch's
-   Adam creates only at its first step, so it fails on a fresh optimizer. A step with
-   zero gradients and learning rate 0 creates the state without changing a parameter.
-6. :func:`repair_optimizer_after_load`: torch's Adam keeps ``step`` in each parameter's
-   state, where megatron-core's distributed optimizer does not expect it. Its
-   ``dp_reshardable`` load restores ``step`` from the checkpoint's param groups and then
-   overwrites it with the *template's* value (a non-persistent entry of the parameter
-   state), and both formats hand one shared ``step`` tensor to every parameter, which
-   torch's Adam then increments once per parameter and step. Either way a resumed run's
-   bias correction differs from the uninterrupted run's. Each parameter gets its own
-   ``step`` again, with the value from the checkpoint.
-7. **``DistributedOptimizer._set_main_param_and_optimizer_states``** (patched by
-   :func:`install`): the ``fully_reshardable`` load
-   (``--dist-ckpt-optim-fully-reshardable``) skips ``step`` when it collects a
-   parameter's saved tensors, then copies into *every* entry of the parameter's state,
-   ``step`` included, and fails with ``KeyError: 'step'``. The patch copies only what was
-   loaded and leaves ``step`` to item 6.
+Without Transformer Engine or Apex megatron-core falls back to torch's Adam, whose
+``step`` its distributed optimizer mishandles on load: that is not CPU-specific and
+lives in :mod:`gpt.torch_adam_compat`, active on CPU and GPU hosts alike.
 
 None of this is used by the ``megatron_async`` library, which supports CPU hosts on its
 own.
@@ -70,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from megatron.core.tensor_parallel import random as tp_random
@@ -80,8 +60,6 @@ __all__ = [
     "CpuRNGStatesTracker",
     "install",
     "is_installed",
-    "prepare_optimizer_for_load",
-    "repair_optimizer_after_load",
 ]
 
 logger = logging.getLogger(__name__)
@@ -181,7 +159,6 @@ def install() -> bool:
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_synchronize
     torch.cuda.current_stream = _host_stream
-    _patch_distributed_optimizer_state_setter()
     # Entered and never exited: the mode must cover the whole training run.
     _CudaToCpuMode().__enter__()
     _installed = True
@@ -218,96 +195,3 @@ _HOST_STREAM = _HostStream()
 
 def _host_stream(device: Optional[Any] = None) -> _HostStream:
     return _HOST_STREAM
-
-
-def _patch_distributed_optimizer_state_setter() -> None:
-    """Item 7: make the ``fully_reshardable`` load skip torch Adam's ``step``."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    cls = distrib_optimizer.DistributedOptimizer
-    original = cls._set_main_param_and_optimizer_states
-
-    def set_states_except_missing_step(self, model_param, tensors):
-        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        state = self.optimizer.state[main_param]
-        if "step" not in state:
-            return original(self, model_param, tensors)
-        step = state.pop("step")
-        try:
-            return original(self, model_param, tensors)
-        finally:
-            state["step"] = step
-
-    cls._set_main_param_and_optimizer_states = set_states_except_missing_step
-
-
-def _torch_adam_optimizers(optimizer) -> List[torch.optim.Optimizer]:
-    """The inner torch optimizers of a megatron-core optimizer, if it fell back to torch's Adam."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return []
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    inner = [getattr(opt, "optimizer", None) for opt in chained]
-    return [opt for opt in inner if isinstance(opt, torch.optim.Adam)]
-
-
-def prepare_optimizer_for_load(optimizer) -> None:
-    """Create torch Adam's per-parameter state (see the module docstring, item 5).
-
-    Runs on every rank, before the optimizer's sharded state dict is built for loading.
-    The loaded checkpoint then overwrites the state.
-    """
-    for inner in _torch_adam_optimizers(optimizer):
-        if inner.state:
-            continue
-        learning_rates = [group["lr"] for group in inner.param_groups]
-        for group in inner.param_groups:
-            group["lr"] = 0.0
-            for param in group["params"]:
-                param.grad = torch.zeros_like(param)
-        inner.step()
-        inner.zero_grad(set_to_none=True)
-        for group, lr in zip(inner.param_groups, learning_rates):
-            group["lr"] = lr
-
-
-def repair_optimizer_after_load(optimizer, loaded_state_dict) -> None:
-    """Give every parameter its own Adam ``step`` with the checkpoint's value (item 6).
-
-    Runs on every rank, right after ``optimizer.load_state_dict(loaded_state_dict)``.
-
-    Args:
-        optimizer: the megatron-core optimizer that was loaded.
-        loaded_state_dict: what it was loaded from (the ``"optimizer"`` entry of the
-            state dict returned by ``dist_checkpointing.load``).
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if not _torch_adam_optimizers(optimizer):
-        return
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(chained) == 1:
-        loaded = [loaded_state_dict]
-    elif isinstance(loaded_state_dict, dict):
-        loaded = [v for _, v in sorted(loaded_state_dict.items())]
-    else:
-        loaded = list(loaded_state_dict)
-    for megatron_optimizer, state_dict in zip(chained, loaded):
-        inner = megatron_optimizer.optimizer
-        if not isinstance(inner, torch.optim.Adam):
-            continue
-        if isinstance(megatron_optimizer, DistributedOptimizer):
-            saved_groups = state_dict["optimizer"]["param_groups"]
-            for group, saved in zip(inner.param_groups, saved_groups):
-                for param in group["params"]:
-                    inner.state[param]["step"] = torch.tensor(float(saved["step"]))
-        else:
-            for state in inner.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()

@@ -69,11 +69,12 @@ class ExampleTrainer:
     def __init__(self, num_layers: int, hidden_size: int, flags: Sequence[str] = ()):
         _make_example_importable()
         import torch.distributed as dist
-        from gpt import cpu_compat
+        from gpt import cpu_compat, torch_adam_compat
         from gpt.arguments import parse_args, validate_parallel_args
         from megatron.core import parallel_state
 
         cpu_compat.install()
+        torch_adam_compat.install()
         self.args = parse_args([
             "--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
             "--num-attention-heads", "8", "--use-distributed-optimizer", *flags,
@@ -123,5 +124,7 @@ class ExampleTrainer:
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        return {f"rank{rank}/{key}": tensor
+        # Detached, as ``module.state_dict()`` hands them to DCP: DCP's stager (torch 2.11,
+        # CUDA tensors) cannot deep-copy an ``nn.Parameter`` (KeyError: <class 'type'>).
+        return {f"rank{rank}/{key}": tensor.detach()
                 for key, tensor in collect_main_replicas(self.sharded_state_dict()).items()}

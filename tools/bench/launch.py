@@ -79,7 +79,10 @@ def _rank_main(rank: int, world_size: int, port: int, threads: int, log_path, jo
 
         torch.set_num_threads(threads)
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            gpus = torch.cuda.device_count()
+            if rank >= gpus:  # ranks share GPUs: NCCL needs a host identity per extra rank
+                os.environ.setdefault("NCCL_HOSTID", f"bench-gpu-share-{rank}")
+            torch.cuda.set_device(rank % gpus)
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"

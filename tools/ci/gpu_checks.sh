@@ -1,14 +1,47 @@
 #!/usr/bin/env bash
 # Every CUDA check, in one command, on a machine with a GPU and a CUDA build of torch:
-# the gpu-marked tests (CUDA staging to page-locked shared memory, overlapped staging on a
-# side stream, the forked persistent worker of a CUDA trainer) and the device-to-host
-# throughput into our staging memory against pinned memory.
+#
+# 1. the gpu-marked tests: CUDA staging to page-locked shared memory, overlapped staging on
+#    a side stream, the forked persistent worker of a CUDA trainer, async torch.save of
+#    device tensors;
+# 2. the device-to-host throughput into our staging memory against pinned memory;
+# 3. the GPT example as a 2-rank NCCL job (with the gloo coordination group): exact resume
+#    with the forked and the persistent worker, tensor parallelism, the distributed
+#    optimizer, overlapped staging, a SIGKILL during an async save, and a resume with other
+#    parallelism. With one GPU the two ranks share it (examples/gpt/devices.py).
 #
 #   bash tools/ci/gpu_checks.sh            # from the repository root, in the test venv
+#   GPU_CHECKS_LOG_DIR=DIR bash tools/ci/gpu_checks.sh   # also keep each step's output in DIR
 #
 # Fails at once, saying so, where no CUDA device is visible (the tests would only skip).
-set -euo pipefail
+# Every step runs even when an earlier one fails; the exit status says whether all passed.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_checks: torch sees no CUDA device (torch " + torch.__version__ + "); run this on a GPU machine with a CUDA build of torch")'
-python -m pytest -q -m gpu -rs -p no:cacheprovider tests
-python -m tools.bench.micro.d2h_throughput --mib 1024
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
+LOG_DIR="${GPU_CHECKS_LOG_DIR:-$(mktemp -d -t gpu_checks.XXXXXX)}"
+mkdir -p "$LOG_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+"$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_checks: torch sees no CUDA device (torch " + torch.__version__ + "); run this on a GPU machine with a CUDA build of torch")' || exit 2
+
+failed=()
+step() {  # step NAME COMMAND...: run one check, keep its output, remember a failure
+  local name="$1"; shift
+  echo "== gpu_checks: $name"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== gpu_checks: $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+step gpu_tests "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests
+step d2h_throughput "$PYTHON" -m tools.bench.micro.d2h_throughput --mib 1024
+step gpt_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/functional/test_pretrain_gpt.py \
+    -k "resume_reproduces and (persistent-tp2 or overlapped or fork-tp1) or kill_during or other_parallelism and tp2-to-tp1"
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "gpu_checks: FAILED: ${failed[*]} (logs in $LOG_DIR)"
+  exit 1
+fi
+echo "gpu_checks: all passed (logs in $LOG_DIR)"

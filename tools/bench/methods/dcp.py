@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .base import SaveMethod, StateSource, now
 
-__all__ = ["DcpOptions", "DcpSave"]
+__all__ = ["DcpOptions", "DcpSave", "default_stager_survives_reuse"]
 
 _EXECUTORS = ("sync", "thread", "process")
 _STAGING_WAITS = ("in_stall", "before_optimizer_step")
@@ -52,6 +52,26 @@ class DcpOptions:
             raise ValueError("dcp.save stages nothing: a reused stager needs an async executor")
 
 
+def default_stager_survives_reuse() -> bool:
+    """Whether one ``DefaultStager`` stages twice (torch 2.11's does not; 2.13's does).
+
+    torch 2.11's ``StateDictStager.close()``, run after every stage, empties its table of
+    copiers, and the second stage then fails on any dict (``KeyError: <class 'type'>``).
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
 class DcpSave(SaveMethod):
     """PyTorch DCP: ``save``, or ``async_save`` with a thread or process executor."""
 
@@ -64,6 +84,8 @@ class DcpSave(SaveMethod):
         self._hook = None
         self._staging = None
         self._upload = None
+        self._stager_per_save = False
+        self._stager_used = False
 
     def setup(self) -> None:
         options = self._options
@@ -71,25 +93,35 @@ class DcpSave(SaveMethod):
             self._group = dist.new_group(backend="gloo")
         if not options.reuse_stager:
             return
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        accelerator = torch.cuda.is_available()
-        if not accelerator:
+        if not torch.cuda.is_available():
             self.notes.append(
                 "DefaultStager without pinned memory and non-blocking copies: StagingOptions "
                 "needs CUDA for both (torch ignores use_pinned_memory and rejects "
                 "use_non_blocking_copy without an accelerator)"
             )
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=accelerator,
-            use_shared_memory=options.executor == "process",
-            use_async_staging=options.async_staging,
-            use_non_blocking_copy=accelerator,
-        ))
+        if not default_stager_survives_reuse():
+            self._stager_per_save = True
+            self.notes.append(
+                f"a new DefaultStager per save: this torch ({torch.__version__}) clears a "
+                "DefaultStager's copy table after each stage, so a reused one fails its "
+                "second save (KeyError: <class 'type'>); its pinned buffers are not reused"
+            )
+        self._stager = self._make_stager()
         if options.async_staging and options.staging_wait == "before_optimizer_step":
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._hook = register_optimizer_step_pre_hook(self._wait_for_staging)
+
+    def _make_stager(self):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accelerator = torch.cuda.is_available()
+        return DefaultStager(StagingOptions(
+            use_pinned_memory=accelerator,
+            use_shared_memory=self._options.executor == "process",
+            use_async_staging=self._options.async_staging,
+            use_non_blocking_copy=accelerator,
+        ))
 
     def _wait_for_staging(self, *_args) -> None:
         staging, self._staging = self._staging, None
@@ -104,6 +136,10 @@ class DcpSave(SaveMethod):
         )
 
         options = self._options
+        if self._stager_per_save and self._stager_used:  # the previous save is durable
+            self._stager.close()
+            self._stager = self._make_stager()
+        self._stager_used = self._stager is not None
         t_begin = self._begin()
         state_dict = self._source.dcp_state_dict()
         writer = dcp.FileSystemWriter(directory, thread_count=options.thread_count)
