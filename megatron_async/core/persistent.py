@@ -317,10 +317,12 @@ class PersistentAsyncCaller(AsyncCaller):
             )
             self._kill_worker_after_timeout(exc)
         elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
+            stacks = stack_dump.collect(pid) if pid is not None else None
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
                 f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
+                + stack_dump.message_tail(stacks)
             )
             self._kill_worker_after_timeout(exc)
         return self._statuses[call_idx]

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from megatron_async.core import coordination
+from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import (
     kill_and_reap,
     parent_is_alive,
@@ -49,6 +49,7 @@ def _run_forked_call(
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):
         os._exit(1)
+    stack_dump.arm()
     lower_writer_priority(priority)  # before any writer thread starts: they inherit it
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
@@ -64,6 +65,7 @@ def _run_forked_call(
         result_conn.send(("done", None))
     finally:
         result_conn.close()
+        stack_dump.disarm()
 
 
 class TemporalAsyncCaller(AsyncCaller):
@@ -152,11 +154,13 @@ class TemporalAsyncCaller(AsyncCaller):
             else:
                 self._status = CallStatus.failed(self._died_failure(rank))
         elif time.monotonic() - self._start_time > self.config.timeout_s:
+            stacks = stack_dump.collect(self.process.pid)
             kill_and_reap(self.process)
             exc = AsyncTimeoutError(
                 f"rank {rank}: background save (pid {self.process.pid}) of async call "
                 f"{call_idx} ran longer than timeout_s={self.config.timeout_s:.0f}s and was "
                 "killed; check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
+                + stack_dump.message_tail(stacks)
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         return self._status

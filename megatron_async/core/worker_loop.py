@@ -29,6 +29,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
+from megatron_async.core import stack_dump
 from megatron_async.core.process_lifetime import (
     parent_is_alive,
     raise_open_file_limit,
@@ -126,6 +127,12 @@ def _leave_startup_log(stderr_fd: Optional[int]) -> None:
     os.close(stderr_fd)
 
 
+def _exit_early() -> None:
+    """Leave at once (background side): no cleanup but the stack-dump file's."""
+    stack_dump.disarm()
+    os._exit(1)
+
+
 def persistent_worker_main(
     rank: int,
     control: Connection,
@@ -150,6 +157,7 @@ def persistent_worker_main(
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
+    stack_dump.arm()
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
     logging.basicConfig(level=log_level)
     if cuda_device is not None:
@@ -170,16 +178,17 @@ def persistent_worker_main(
             if not control.poll(_PARENT_CHECK_INTERVAL_S):
                 if not parent_is_alive(parent_pid):
                     logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
-                    os._exit(1)
+                    _exit_early()
                 continue
             message = control.recv()
         except (EOFError, OSError):
             logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
-            os._exit(1)
+            _exit_early()
         if message == STOP:
             jobs.put(None)
             writer.join()
             reporter.send("stopped", None)
+            stack_dump.disarm()
             return
         call_idx, encoded, request_device = message
         try:
@@ -196,7 +205,7 @@ def persistent_worker_main(
             reporter.send("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
             jobs.put(None)
             writer.join()
-            os._exit(1)
+            _exit_early()
         reporter.send("received", call_idx)
         jobs.put(
             (

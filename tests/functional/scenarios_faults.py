@@ -243,6 +243,9 @@ def _fault_round(
     summary = {"error": type(caught).__name__, "seconds": round(elapsed, 2)}
     if isinstance(caught, AsyncSaveFailedError):
         summary["failures"] = {r: (f.phase, f.message[:120]) for r, f in caught.rank_failures.items()}
+        summary["stacks"] = {r: "Where the writer's threads were" in f.message
+                             and f.message.split("Where the writer's threads were", 1)[1]
+                             for r, f in caught.rank_failures.items()}
         # Each failing rank's line of the message that every rank raises.
         lines = str(caught).splitlines()
         summary["lines"] = [line.strip()[:200] for line in lines if line.startswith("  rank ")]
@@ -378,10 +381,17 @@ def worker_killed_mid_write(ctx, persistent):
     return _expect_phase(summary, FAULTY_RANK, "worker", "killed by signal 9")
 
 
+HANG_TIMEOUT_S = 12.0
+"""``timeout_s`` of the hang scenario: the frozen write must hit it, the healthy save before
+it must not. 5 s was once too short for that healthy save on a loaded 2-core CI machine."""
+
+
 def worker_hangs(ctx, persistent):
-    queue = _queue(persistent, timeout_s=5.0)
+    queue = _queue(persistent, timeout_s=HANG_TIMEOUT_S)
     summary = _fault_round(ctx, f"hang-{persistent}", queue, _Strategy(_FrozenWriter))
-    _expect_phase(summary, FAULTY_RANK, "timeout", "timeout_s=5")
+    _expect_phase(summary, FAULTY_RANK, "timeout", f"timeout_s={HANG_TIMEOUT_S:.0f}")
+    # The error says where the writer was stuck: the frozen write, from its stack dump.
+    assert "in write_preloaded_data" in (summary["stacks"][FAULTY_RANK] or ""), summary
     assert summary["seconds"] < 60, summary
     return summary
 
