@@ -83,8 +83,11 @@ def _timed(op: Callable[[], Any], repeats: int, group: Any) -> List[float]:
     return times[1:]
 
 
-def _rank_ops(wrapper: Any, plan: Any, results: List[Any]) -> Dict[str, Any]:
-    """Every timed collective as ``(call, object shipped or None)`` (every rank)."""
+def _rank_ops(wrapper: Any, ours_synthesized: Any, dcp_synthesized: Any) -> Dict[str, Any]:
+    """Every timed collective as ``(call, object shipped or None)`` (every rank).
+
+    Each library's rows get its own rank's ``(plan, results)``: ours with shared sizes,
+    DCP's without (:func:`tools.bench.scale.synthesize_rank`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     from megatron_async.core import coordination
@@ -92,7 +95,9 @@ def _rank_ops(wrapper: Any, plan: Any, results: List[Any]) -> Dict[str, Any]:
     from megatron_async.integrity.staleness import RankComparison
     from megatron_async.saver.finalize import save_state_dict_async_finalize
 
-    ours, dcp = gathered_objects("ours", plan, results), gathered_objects("dcp", plan, results)
+    results = ours_synthesized[1]
+    ours = gathered_objects("ours", *ours_synthesized)
+    dcp = gathered_objects("dcp", *dcp_synthesized)
     group = wrapper.group
 
     def gather(shipped: Any, ours: bool) -> Callable[[], Any]:  # each library's call, as it makes it
@@ -133,8 +138,9 @@ def _calibrate_rank(ctx: RankContext) -> Dict[str, Any]:
     wrapper = _DistWrapper(group, True, 0)  # as the saver makes it: coordinator rank 0
     times, num_bytes, decode = {}, {}, {}
     for items in payload["items_per_rank"]:
-        plan, results = synthesize_rank(payload["layout"], ctx.rank, ctx.world_size, items)
-        for op, (call, shipped) in _rank_ops(wrapper, plan, results).items():
+        ours = synthesize_rank(payload["layout"], ctx.rank, ctx.world_size, items, True)
+        dcp = synthesize_rank(payload["layout"], ctx.rank, ctx.world_size, items, False)
+        for op, (call, shipped) in _rank_ops(wrapper, ours, dcp).items():
             if op in payload["ops"]:
                 times[op, items] = _timed(call, payload["repeats"], group)
                 num_bytes[op, items] = 0 if shipped is None else pickled_bytes(shipped)

@@ -143,11 +143,19 @@ def _rank_items(layout: str, rank: int, ranks: int, items_per_rank: int) -> List
     return items
 
 
-def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int):
-    """The local plan and the write results of one rank, as it ships them to the coordinator."""
+def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int,
+                    shared_sizes: bool = True):
+    """The local plan and the write results of one rank, as it ships them to the coordinator.
+
+    ``shared_sizes``: one ``torch.Size`` object per distinct value, as our ranks make their
+    plans (:mod:`megatron_async.saver.shared_sizes`); False for DCP's and megatron-core's
+    own ranks, whose planners make a new one per value.
+    """
+    from megatron_async.saver.shared_sizes import share_equal_sizes
     from megatron_async.writer.bucket_io import ChecksummedWriteResult
 
-    items = _rank_items(layout, rank, ranks, items_per_rank)
+    plan = SavePlan(_rank_items(layout, rank, ranks, items_per_rank))
+    items = (share_equal_sizes(plan) if shared_sizes else plan).items  # results share indexes
     file_name = f"__{rank}_0.distcp"
     results = [
         ChecksummedWriteResult(
@@ -160,9 +168,10 @@ def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int):
     return SavePlan(items), results
 
 
-def synthesize(layout: str, ranks: int, items_per_rank: int):
+def synthesize(layout: str, ranks: int, items_per_rank: int, shared_sizes: bool = True):
     """Local plans and write results of every rank, as the coordinator receives them."""
-    pairs = [synthesize_rank(layout, rank, ranks, items_per_rank) for rank in range(ranks)]
+    pairs = [synthesize_rank(layout, rank, ranks, items_per_rank, shared_sizes)
+             for rank in range(ranks)]
     return [plan for plan, _ in pairs], [results for _, results in pairs]
 
 
@@ -206,7 +215,8 @@ def _commit(method: str, metadata, results, directory: str) -> int:
 
 def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int, conn) -> None:
     """Child process: synthesize, then time one method's phases and their peak memory."""
-    plans, results = synthesize(layout, ranks, items_per_rank)
+    plans, results = synthesize(layout, ranks, items_per_rank,
+                                shared_sizes=method in ("ours", "ours_warm"))
     directory = tempfile.mkdtemp(prefix="scale-bench-")
     try:
         if method == "ours_warm":
