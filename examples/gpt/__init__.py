@@ -1,6 +1,8 @@
 """Helpers of examples/pretrain_gpt.py: flags, data, model, checkpointing, terminal output.
 
-``cpu_compat`` holds everything that exists only to run megatron-core on a CPU-only host.
+``cpu_compat`` holds everything that exists only to run megatron-core on a CPU-only host,
+``torch_adam_compat`` megatron-core's distributed optimizer over torch's Adam (no
+Transformer Engine or Apex, CPU or GPU), ``devices`` which GPU a rank takes.
 """
 
 import warnings

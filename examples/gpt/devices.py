@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -21,8 +22,11 @@ __all__ = ["bind_rank_to_gpu"]
 def bind_rank_to_gpu(local_rank: int) -> int:
     """Make GPU ``local_rank % device_count`` current for this process and return its index."""
     count = torch.cuda.device_count()
-    if local_rank >= count and "NCCL_HOSTID" not in os.environ:
-        os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-gpu-share-{local_rank}"
     index = local_rank % count
+    if local_rank >= count:
+        print(f"[local rank {local_rank}] more local ranks than GPUs ({count}): sharing GPU "
+              f"{index}; NCCL traffic between ranks on one GPU goes over its network "
+              "transport (for tests; a training job wants one GPU per rank)", file=sys.stderr)
+        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-gpu-share-{local_rank}")
     torch.cuda.set_device(index)
     return index

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any, Dict, Optional
 
-from megatron_async.core import coordination
+from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
 from megatron_async.core.request_transport import RequestSender
 from megatron_async.core.worker_loop import STOP
@@ -104,6 +104,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._startup_failure = None
         self._started_at = time.monotonic()
+        stack_dump.prepare()  # where the worker puts its stacks if a write times out
         self.process = start_worker(self.rank, self.config)
         self._sender = RequestSender(
             self.process.descriptor_socket, cuda_allowed=not self.process.forked
@@ -116,6 +117,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 kill_and_reap(self.process, self.config.close_timeout_s)
             # Descriptors still in flight (requests the worker never read) are freed here.
             self.process.close_channels()
+            stack_dump.forget(self.process.pid)
         self.process, self._sender = None, None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
@@ -317,12 +319,11 @@ class PersistentAsyncCaller(AsyncCaller):
             )
             self._kill_worker_after_timeout(exc)
         elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
-            stacks = stack_dump.collect(pid) if pid is not None else None
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
                 f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + stack_dump.message_tail(stacks)
+                + stack_dump.timeout_note(self.rank, pid)
             )
             self._kill_worker_after_timeout(exc)
         return self._statuses[call_idx]

@@ -17,8 +17,6 @@ import threading
 import weakref
 from typing import Callable, Optional
 
-from megatron_async.core import stack_dump
-
 __all__ = [
     "raise_open_file_limit",
     "set_parent_death_signal",
@@ -93,8 +91,6 @@ def kill_and_reap(process, join_timeout_s: float = 5.0) -> None:
         except ProcessLookupError:
             pass
     process.join(timeout=join_timeout_s)
-    if pid is not None:
-        stack_dump.forget(pid)
 
 
 _cleanups: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()

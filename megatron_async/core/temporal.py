@@ -116,6 +116,7 @@ class TemporalAsyncCaller(AsyncCaller):
             return
         try:
             _synchronize_cuda_if_used()
+            stack_dump.prepare()  # where the child puts its stacks if it times out
             ctx = mp.get_context("fork")
             self._result_conn, child_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(
@@ -154,15 +155,17 @@ class TemporalAsyncCaller(AsyncCaller):
             else:
                 self._status = CallStatus.failed(self._died_failure(rank))
         elif time.monotonic() - self._start_time > self.config.timeout_s:
-            stacks = stack_dump.collect(self.process.pid)
+            where = stack_dump.timeout_note(rank, self.process.pid)
             kill_and_reap(self.process)
             exc = AsyncTimeoutError(
                 f"rank {rank}: background save (pid {self.process.pid}) of async call "
                 f"{call_idx} ran longer than timeout_s={self.config.timeout_s:.0f}s and was "
                 "killed; check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + stack_dump.message_tail(stacks)
+                + where
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        if self._status.is_terminal:
+            stack_dump.forget(self.process.pid)  # the child is done: no stacks to ask for
         return self._status
 
     def _receive_result(self, rank: int) -> CallStatus:

@@ -157,9 +157,9 @@ def persistent_worker_main(
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
-    stack_dump.arm()
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
     logging.basicConfig(level=log_level)
+    stack_dump.arm()
     if cuda_device is not None:
         import torch
 

@@ -6,21 +6,21 @@ Pickle shares an object it has already written (one memo reference) but pickles 
 new one in full, and a ``torch.Size`` is one of the slowest things to pickle (its reduce
 goes through Python: about 2 us, against nothing for a repeated reference). In a model,
 the same shapes and offsets recur from layer to layer, so after :func:`share_equal_sizes`
-each rank's plan pickles a few dozen sizes instead of thousands. Everything downstream
-inherits the sharing, because it is built from these objects: the plan gather, the
-global metadata's chunks, the write results (their index is the item's), the results
-gather, and the coordinator's ``.metadata`` pickle of the first save. Measured on the
-scale simulation at 256 ranks x 1,000 items: plans gathered 39 -> 29 MiB, the
-``.metadata`` pickle 35 % faster (docs/benchmarks.md).
+each rank's plan pickles a few dozen sizes instead of thousands. What is built from these
+objects inherits the sharing: the plan gather, the global metadata's chunks, the write
+results (their index is the item's; ``ChecksummedWriteResult`` pickles the offset object
+itself), the results gather, and the coordinator's ``.metadata`` pickle of the first save
+(docs/benchmarks.md, "Shared sizes").
 
 Values do not change, only which object holds them (``torch.Size`` is immutable), so
-plans compare, digest and load exactly as before. DCP's plan dataclasses are frozen: the
-fields are set with ``object.__setattr__``, as a frozen dataclass's own ``__init__`` does.
+plans compare, digest and load exactly as before. Only values that are ``torch.Size``
+objects are shared (a tuple equal to one stays a tuple). DCP's plan dataclasses are
+frozen: the fields are set with ``object.__setattr__``, as their own ``__init__`` does.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
@@ -29,19 +29,24 @@ __all__ = ["share_equal_sizes"]
 
 
 def share_equal_sizes(plan: SavePlan) -> SavePlan:
-    """Make equal ``torch.Size`` values of ``plan``'s items one object; return ``plan``
-    (changed in place; every rank, on its own plan)."""
+    """Make equal ``torch.Size`` values of ``plan``'s items one object; return ``plan``.
+
+    Every rank, on its own local plan, before it is gathered; changes it in place.
+    """
     shared: Dict[torch.Size, torch.Size] = {}
-    intern = shared.setdefault
     for item in plan.items:
-        index = item.index
-        if index.offset is not None:
-            object.__setattr__(index, "offset", intern(index.offset, index.offset))
+        _share(item.index, "offset", shared)
         data = item.tensor_data
         if data is None:
             continue
-        object.__setattr__(data, "size", intern(data.size, data.size))
-        chunk = data.chunk
-        object.__setattr__(chunk, "offsets", intern(chunk.offsets, chunk.offsets))
-        object.__setattr__(chunk, "sizes", intern(chunk.sizes, chunk.sizes))
+        _share(data, "size", shared)
+        if data.chunk is not None:  # a plan without one is refused by global planning
+            _share(data.chunk, "offsets", shared)
+            _share(data.chunk, "sizes", shared)
     return plan
+
+
+def _share(owner: Any, field: str, shared: Dict[torch.Size, torch.Size]) -> None:
+    value = getattr(owner, field, None)
+    if type(value) is torch.Size:
+        object.__setattr__(owner, field, shared.setdefault(value, value))

@@ -180,7 +180,8 @@ def plan_save(
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
         fresh_plan = cached_local if vouched else planner.create_local_plan()
-        # Fewer objects to pickle in every gather and in the first save's .metadata.
+        # Inside the agreed step: it cannot fail alone on one rank. Fewer objects to pickle
+        # in the gathers and the first .metadata; the items become the results' indexes.
         return share_equal_sizes(storage_writer.prepare_local_plan(fresh_plan))
 
     def plan_changed(local_plan: Optional[SavePlan]) -> List[int]:

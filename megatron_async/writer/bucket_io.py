@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
@@ -68,11 +68,12 @@ class ChecksummedWriteResult(WriteResult):
                 ChecksummedWriteResult,
                 (index, self.size_in_bytes, storage, self.checksum, self.empty_chunk),
             )
-        chunk_offsets = None if index.offset is None else tuple(index.offset)
+        # The offset itself, not a tuple of it: a rank's plan shares one object per distinct
+        # offset (saver/shared_sizes.py), which pickle then writes once per rank.
         return (
             _rebuild_checksummed_result,
             (
-                index.fqn, chunk_offsets, index.index, self.size_in_bytes,
+                index.fqn, index.offset, index.index, self.size_in_bytes,
                 storage.relative_path, storage.offset, storage.length, self.checksum,
                 self.empty_chunk,
             ),
@@ -81,7 +82,7 @@ class ChecksummedWriteResult(WriteResult):
 
 def _rebuild_checksummed_result(
     fqn: str,
-    chunk_offsets: Optional[Tuple[int, ...]],
+    chunk_offsets: Optional[Sequence[int]],
     index_hint: Optional[int],
     size_in_bytes: int,
     relative_path: str,
@@ -90,8 +91,13 @@ def _rebuild_checksummed_result(
     checksum: Optional[str],
     empty_chunk: bool,
 ) -> ChecksummedWriteResult:
+    index = MetadataIndex(fqn, None, index_hint)
+    if chunk_offsets is not None:  # kept as the object it is, to stay shared (see __reduce__)
+        if type(chunk_offsets) is not torch.Size:
+            chunk_offsets = torch.Size(chunk_offsets)
+        object.__setattr__(index, "offset", chunk_offsets)
     return ChecksummedWriteResult(
-        MetadataIndex(fqn, chunk_offsets, index_hint),
+        index,
         size_in_bytes,
         _StorageInfo(relative_path, offset, length),
         checksum,

@@ -17,18 +17,15 @@ its length corrected. Memo indices do not change, since only the strings' payloa
 from __future__ import annotations
 
 import copy
-import copyreg
 import dataclasses
-import io
 import pickle
 import struct
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MetadataTemplate", "metadata_pickle", "dumps"]
+__all__ = ["MetadataTemplate", "metadata_pickle"]
 
 PICKLE_PROTOCOL = pickle.DEFAULT_PROTOCOL
 """The protocol DCP's own writer uses (``pickle.dump`` without one)."""
@@ -44,33 +41,6 @@ a frame; no checkpoint path is that long)."""
 
 _FIELDS = ("checkpoint_id", "save_id")
 """The fields of ``storage_meta`` that change from save to save."""
-
-
-def _reduce_storage_info(info: _StorageInfo) -> tuple:
-    """What ``_StorageInfo`` pickles as by default (its ``__getstate__``: the fields that
-    are not None), built without DCP's per-object dict comprehension."""
-    fields = info.__dict__
-    if len(fields) == 3 or (len(fields) == 4 and fields.get("transform_descriptors", 0) is None):
-        state = {"relative_path": info.relative_path, "offset": info.offset, "length": info.length}
-    else:  # another field set: DCP's own rule
-        state = info.__getstate__()
-    return copyreg.__newobj__, (_StorageInfo,), state
-
-
-class _MetadataPickler(pickle.Pickler):
-    """A pickler whose output is byte for byte ``pickle.dumps``'s, only faster on the one
-    per-item object whose reduce runs Python code (one ``_StorageInfo`` per item)."""
-
-    dispatch_table = copyreg.dispatch_table.copy()
-    if "__getstate__" in vars(_StorageInfo):  # a torch whose rule the reduce reproduces
-        dispatch_table[_StorageInfo] = _reduce_storage_info
-
-
-def dumps(obj: Any, protocol: int = PICKLE_PROTOCOL) -> bytes:
-    """``pickle.dumps(obj, protocol)``, byte for byte, through :class:`_MetadataPickler`."""
-    stream = io.BytesIO()
-    _MetadataPickler(stream, protocol=protocol).dump(obj)
-    return stream.getvalue()
 
 
 def _encode_str(value: str, protocol: int) -> bytes:
@@ -128,7 +98,7 @@ class MetadataTemplate:
         marked.storage_meta = copy.copy(meta)
         for field, marker in zip(_FIELDS, markers):
             setattr(marked.storage_meta, field, marker)
-        data = dumps(marked, protocol=protocol)
+        data = pickle.dumps(marked, protocol=protocol)
         frames = _frame_headers(data) if protocol >= 4 else []
         if frames is None:
             return None
@@ -192,4 +162,4 @@ def metadata_pickle(metadata: Metadata) -> Tuple[bytes, Optional[MetadataTemplat
         data = template.render(metadata.storage_meta)
         if data is not None:
             return data, template
-    return dumps(metadata, protocol=PICKLE_PROTOCOL), None
+    return pickle.dumps(metadata, protocol=PICKLE_PROTOCOL), None

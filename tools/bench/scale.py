@@ -64,7 +64,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "synthesize_rank", "synthesize", "measure",
+__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "shard_write_item", "synthesize_rank",
+           "synthesize", "measure",
            "run_sweep", "main"]
 
 LAYOUTS = ("tp8", "dist_optimizer", "moe")
@@ -108,7 +109,9 @@ class ScaleResult:
         return self.ranks * self.items_per_rank
 
 
-def _chunk(fqn: str, offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[int]) -> WriteItem:
+def shard_write_item(fqn: str, offsets: Sequence[int], sizes: Sequence[int],
+                     whole: Sequence[int]) -> WriteItem:
+    """One shard's write item, as DCP's planner makes it (a new ``torch.Size`` per value)."""
     return WriteItem(
         index=MetadataIndex(fqn, torch.Size(offsets)),
         type=WriteItemType.SHARD,
@@ -128,16 +131,18 @@ def _rank_items(layout: str, rank: int, ranks: int, items_per_rank: int) -> List
         tp_size = min(8, ranks - group * 8)
         for j in range(items_per_rank):
             whole = (_ROWS_PER_CHUNK * tp_size, _COLUMNS)
-            items.append(_chunk(f"stage{group}.layer{j}.weight", (tp_rank * _ROWS_PER_CHUNK, 0),
-                                (_ROWS_PER_CHUNK, _COLUMNS), whole))
+            items.append(shard_write_item(f"stage{group}.layer{j}.weight",
+                                          (tp_rank * _ROWS_PER_CHUNK, 0),
+                                          (_ROWS_PER_CHUNK, _COLUMNS), whole))
     elif layout == "dist_optimizer":
         numel = _ROWS_PER_CHUNK * _COLUMNS
         for j in range(items_per_rank):
-            items.append(_chunk(f"optimizer.state.{j}.exp_avg", (rank * numel,), (numel,), (ranks * numel,)))
+            items.append(shard_write_item(f"optimizer.state.{j}.exp_avg", (rank * numel,),
+                                          (numel,), (ranks * numel,)))
     elif layout == "moe":
         for j in range(items_per_rank):
             shape = (_ROWS_PER_CHUNK, _COLUMNS)
-            items.append(_chunk(f"experts.{rank}.linear{j}.weight", (0, 0), shape, shape))
+            items.append(shard_write_item(f"experts.{rank}.linear{j}.weight", (0, 0), shape, shape))
     else:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     return items
@@ -169,10 +174,17 @@ def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int,
 
 
 def synthesize(layout: str, ranks: int, items_per_rank: int, shared_sizes: bool = True):
-    """Local plans and write results of every rank, as the coordinator receives them."""
-    pairs = [synthesize_rank(layout, rank, ranks, items_per_rank, shared_sizes)
-             for rank in range(ranks)]
-    return [plan for plan, _ in pairs], [results for _, results in pairs]
+    """Local plans and write results of every rank, as the coordinator receives them.
+
+    Each rank's plan and results go through pickle as a gather sends them: objects a rank
+    shares stay shared within its own, and no object is shared between ranks.
+    """
+    plans, results = [], []
+    for rank in range(ranks):
+        plan, rank_results = synthesize_rank(layout, rank, ranks, items_per_rank, shared_sizes)
+        plans.append(pickle.loads(pickle.dumps(plan)))
+        results.append(pickle.loads(pickle.dumps(rank_results)))
+    return plans, results
 
 
 def _peak_mib() -> float:

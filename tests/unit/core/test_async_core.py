@@ -175,8 +175,32 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
     assert time.monotonic() - started < 30
     assert info.value.rank_failures[0].phase == "timeout"
     assert "Worker failure: " in str(info.value), str(info.value)
+    # Where the writer was, on the error's one line (its stacks, asked for before the kill).
+    message = info.value.rank_failures[0].message
+    assert "its threads were in: " in message and "\n" not in message, message
+    assert "record_pid_and_hang (background_fns.py:" in message, message
     pid = int(pid_file.read_text())
     assert not _pid_alive(pid), "the hanging background process must be killed"
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_an_exception_while_checking_a_call_fails_it_instead_of_escaping(
+    make_queue, tmp_path, persistent, monkeypatch
+):
+    queue = make_queue(persistent)
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "out", "x"))
+    caller = queue.async_calls[0][1]
+
+    def broken_poll(idx):
+        raise RuntimeError("a bug while checking the writer")
+
+    monkeypatch.setattr(caller, "poll", broken_poll)
+    with pytest.raises(AsyncSaveFailedError, match="a bug while checking the writer") as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert info.value.rank_failures[0].phase == "finalize"
+    monkeypatch.undo()
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "next", "y"))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
 
 
 @pytest.mark.parametrize("persistent", CALLER_KINDS)

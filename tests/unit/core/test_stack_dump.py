@@ -8,58 +8,82 @@ import time
 from megatron_async.core import stack_dump
 
 
-def _stuck_in_a_stalled_write(ready):
+def _stuck_in_a_stalled_write(ready, leave):
     stack_dump.arm()
     ready.set()
-    time.sleep(600)
+    while not leave.is_set():
+        time.sleep(0.01)
+    stack_dump.disarm()
+    time.sleep(0.5)  # a late signal must not end it now
+    os._exit(7)
 
 
-def _unarmed_sleeper(ready):
+def _unarmed_sleeper(ready, leave):
     ready.set()
-    time.sleep(600)
+    leave.wait(600)
+    os._exit(7)
 
 
 def _start(target):
+    stack_dump.prepare()
     ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    process = ctx.Process(target=target, args=(ready,), daemon=True)
+    ready, leave = ctx.Event(), ctx.Event()
+    process = ctx.Process(target=target, args=(ready, leave), daemon=True)
     process.start()
     assert ready.wait(30)
-    return process
+    return process, leave
 
 
-def test_an_armed_writer_reports_where_it_is_stuck_and_the_file_goes_with_it():
-    process = _start(_stuck_in_a_stalled_write)
+def test_an_armed_writer_reports_where_it_is_stuck_and_disarming_is_safe():
+    process, leave = _start(_stuck_in_a_stalled_write)
     try:
         stacks = stack_dump.collect(process.pid)
         assert stacks is not None and "in _stuck_in_a_stalled_write" in stacks, stacks
         assert process.is_alive(), "asking for the stacks must not end the writer"
-        tail = stack_dump.message_tail(stacks)
-        assert tail.startswith("\nWhere the writer's threads were") and "_stuck_in" in tail
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
+        again = stack_dump.collect(process.pid)  # only what the second signal wrote
+        assert again is not None and again.count("_stuck_in_a_stalled_write") == 1
+        note = stack_dump.timeout_note(3, process.pid)
+        assert note.startswith("; its threads were in: ") and "\n" not in note
+        assert "_stuck_in_a_stalled_write (test_stack_dump.py:" in note and "rank 3" in note
+        leave.set()
+        deadline = time.monotonic() + 10
+        while stack_dump.collect(process.pid, wait_s=0.1) is not None:  # file gone: disarmed
+            assert time.monotonic() < deadline
+        os.kill(process.pid, stack_dump.DUMP_SIGNAL)  # ignored after disarm
         process.join(10)
-    stack_dump.forget(process.pid)
-    assert stack_dump.collect(process.pid) is None
+        assert process.exitcode == 7
+    finally:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(10)
+        stack_dump.forget(process.pid)
 
 
 def test_an_unarmed_process_is_not_signalled():
-    process = _start(_unarmed_sleeper)
+    process, leave = _start(_unarmed_sleeper)
     try:
-        started = time.monotonic()
         assert stack_dump.collect(process.pid) is None
-        assert time.monotonic() - started < 1.0
-        time.sleep(0.2)
-        assert process.is_alive(), "the dump signal's default action would have killed it"
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
+        assert stack_dump.timeout_note(0, process.pid) == ""
+        leave.set()
         process.join(10)
+        assert process.exitcode == 7, "the dump signal's default action would have killed it"
+    finally:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(10)
 
 
-def test_the_tail_is_empty_without_stacks_and_bounded_with_them():
-    assert stack_dump.message_tail(None) == ""
-    many = "Thread 0x1 (most recent call first):\n" + "".join(
-        f'  File "f.py", line {i} in frame{i}\n' for i in range(50))
-    tail = stack_dump.message_tail(many, frames_per_thread=3)
-    assert "frame0" in tail and "frame2" in tail and "frame3" not in tail and tail.endswith("  ...")
-    assert len(stack_dump.message_tail(many * 100, limit=500)) < 700
+def test_innermost_frames_take_each_threads_first_frame_on_one_bounded_line():
+    stacks = (
+        "Thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/a/writer.py", line 10 in write_bucket\n'
+        '  File "/a/loop.py", line 5 in run\n'
+        "\n"
+        "Current thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/a/main.py", line 3 in wait_for_workers\n'
+        '  File "/a/main.py", line 1 in <module>\n'
+    )
+    assert stack_dump.innermost_frames(stacks) == (
+        "write_bucket (writer.py:10) | wait_for_workers (main.py:3)")
+    assert stack_dump.innermost_frames(None) == ""
+    assert len(stack_dump.innermost_frames(stacks * 50, limit=80)) == 80

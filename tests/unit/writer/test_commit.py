@@ -99,21 +99,3 @@ def test_the_empty_chunk_flag_survives_pickling(tmp_path):
     flags = [[r.empty_chunk for r in rank_results] for rank_results in results]
     assert pickle.loads(pickle.dumps(results)) == results
     assert flags == [[True, False], [False, False], [False, True]]
-
-
-def test_metadata_bytes_are_pickle_dumps_bytes_and_load_equal():
-    import pickle
-
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, dumps
-
-    storage = {MetadataIndex(f"t{i}", torch.Size([i, 0])): _StorageInfo("__0_0.distcp", 16 * i, 16)
-               for i in range(100)}
-    odd = _StorageInfo("__1_0.distcp", 0, 8)
-    odd.transform_descriptors = ["zstd"]  # a field set: DCP's own rule pickles it
-    storage[MetadataIndex("odd", torch.Size([0]))] = odd
-    for protocol in (2, PICKLE_PROTOCOL, pickle.HIGHEST_PROTOCOL):
-        assert dumps(storage, protocol) == pickle.dumps(storage, protocol=protocol)
-    assert pickle.loads(dumps(storage)) == storage

@@ -136,7 +136,8 @@ class DcpSave(SaveMethod):
         )
 
         options = self._options
-        if self._stager_per_save and self._stager_used:  # the previous save is durable
+        if self._stager_per_save and self._stager_used:
+            self.wait()  # the previous save is durable before its stager goes
             self._stager.close()
             self._stager = self._make_stager()
         self._stager_used = self._stager is not None
