@@ -64,15 +64,24 @@ _MAX_SAVE_WINDOW = 200
 
 
 def _memcpy_seconds(num_bytes: int, group) -> float:
-    """One memory copy of this rank's state, every rank at once (best of three)."""
-    src = torch.randint(0, 255, (max(num_bytes, 1),), dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    """One copy of this rank's state to host memory, every rank at once (best of three).
+
+    With CUDA, the state lives on the device and staging copies it to page-locked host
+    memory, so the copy timed is device to pinned host memory (staging's physical limit,
+    as ``tools.bench.micro.d2h_throughput`` measures it); on a CPU-only host, host to host.
+    """
+    on_gpu = torch.cuda.is_available()
+    size = (max(num_bytes, 1),)
+    src = torch.randint(0, 255, size, dtype=torch.uint8, device="cuda" if on_gpu else "cpu")
+    dst = torch.empty(size, dtype=torch.uint8, pin_memory=on_gpu)
     dst.copy_(src)
     best = float("inf")
     for _ in range(3):
         dist.barrier(group=group)
         start = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -139,8 +139,8 @@ def render_lost_time(lost: Dict[str, Any], out_dir: str) -> List[str]:
         "time of the checkpoint-free windows (same launch, interleaved); \"lost warm\" is the "
         "median over the saves after the first; \"first save + set-up\" = the method's set-up "
         "call + the excess of the iterations right after it + the first save's lost time. "
-        "Ratios: lost warm over one memory copy of the state, over sync's and over each DCP "
-        "row.", "",
+        "Ratios: lost warm over one memory copy of the state (with CUDA: device to pinned "
+        "host memory, staging's limit), over sync's and over each DCP row.", "",
         format_lost_time(runs, config["num_layers"]), "",
         "#### Lost-time targets (reported, never asserted)", "",
         format_lost_time_targets(lost["targets"]), "",
