@@ -274,6 +274,10 @@ class Checkpointer:
                 iteration = min(self._pending)
                 self._pending.pop(iteration)
                 self._save_failed(iteration, exc)
+                if not blocking:
+                    # One failure per poll: the caller reports it before the next poll
+                    # finds another, which may be the one past the failure limit.
+                    break
         finished, self._finished = self._finished, []
         return finished
 
