@@ -84,11 +84,12 @@ def describe_structure(
 
     Args:
         sharded_state_dict: the sharded state dict megatron-core hands to the strategy.
-        previous: the fingerprint of the previous save, if any. Each entry is compared
-            while walking; if all are equal the returned structure shares ``previous``
-            (``structure.fingerprint is previous``). Keeping no second copy matters at tens
-            of thousands of shards: every object that outlives a save adds to the work of
-            Python's next full garbage collection, which runs on the training thread.
+        previous: the fingerprint of the previous save, if any. If the new one equals
+            it, the returned structure shares ``previous`` (``structure.fingerprint is
+            previous``) and the new list is dropped at once. Keeping no second copy
+            matters at tens of thousands of shards: every object that outlives a save
+            adds to the work of Python's next full garbage collection, which runs on the
+            training thread.
 
     Returns:
         The structure, or None when the state dict holds anything but nested mappings
@@ -98,35 +99,20 @@ def describe_structure(
     """
     if not isinstance(sharded_state_dict, Mapping):
         return None
-    if previous is not None:
-        sources: List[Any] = []
-        expected = iter(previous)
-
-        def check(entry: tuple) -> None:
-            if next(expected, None) != entry:
-                raise _Changed
-
-        try:
-            if not _walk(sharded_state_dict.values(), check, sources.append):
-                return None
-            if next(expected, None) is None:
-                return Structure(previous, sources)
-        except _Changed:
-            pass
     fingerprint: List[tuple] = []
-    sources = []
+    sources: List[Any] = []
     if not _walk(sharded_state_dict.values(), fingerprint.append, sources.append):
         return None
+    # One list comparison in C, after the walk: comparing entry by entry while walking
+    # costs a Python call per shard (about 15% of the walk at thousands of shards).
+    if previous is not None and fingerprint == previous:
+        return Structure(previous, sources)
     return Structure(fingerprint, sources)
-
-
-class _Changed(Exception):
-    """Stops a walk at the first entry that differs from the previous fingerprint."""
 
 
 def _walk(values, add_entry, add_source) -> bool:
     for value in values:
-        if isinstance(value, ShardedTensor):
+        if type(value) is ShardedTensor or isinstance(value, ShardedTensor):  # exact type first
             data = value.data
             if not isinstance(data, torch.Tensor) or value.flattened_range is not None:
                 return False

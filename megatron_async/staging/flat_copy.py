@@ -22,6 +22,14 @@ Holding the views keeps the sources' storages alive as long as the cached buffer
 a save of another layout, or ``clear_staging_cache``); a source replaced by new memory
 fails the check and its storage is let go at the next save.
 
+A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at once
+(:func:`copy_threads`; ``torch.cat`` releases the GIL): its pieces are cut into runs of
+about equal bytes, each its own ``torch.cat`` into its own part of the region, one on the
+calling thread and the others on a small pool of this process. One thread alone does not
+reach the memory bandwidth of a node (on the 2-core CI machine, 64 MiB in 4,000 pieces:
+10.1 ms on one thread, 7.0 ms on two, against 8.8 ms for one flat ``copy_``). The call
+returns only when every part is copied, so the snapshot is whole when scheduling returns.
+
 CUDA sources never come here: they keep the page-locked buffers, non-blocking copies and
 one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
 """
@@ -29,13 +37,31 @@ one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Sequence
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on 3.10
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_async.core.shared_memory import ALIGNMENT
+from megatron_async.errors import AsyncTimeoutError
 
-__all__ = ["FlatCopy", "FlatStaging"]
+__all__ = ["FlatCopy", "FlatStaging", "copy_threads", "SPLIT_MIN_BYTES", "COPY_THREADS_ENV"]
+
+SPLIT_MIN_BYTES = 8 * 2**20
+"""A bucket smaller than this is copied by the calling thread alone (a hand-over to a
+pool thread costs tens of microseconds)."""
+
+COPY_THREADS_ENV = "MEGATRON_ASYNC_STAGING_COPY_THREADS"
+"""Overrides :func:`copy_threads` (an integer from 1 to 16; 1 copies on the training
+thread only)."""
+
+_DEFAULT_MAX_COPY_THREADS = 4
+_MAX_COPY_THREADS = 16
+_PART_WAIT_BASE_S = 30.0  # the wait for a part: this, plus its bytes at the rate below
+_MIN_COPY_BYTES_PER_S = 50e6  # a copy slower than this is stuck
 
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
@@ -55,22 +81,25 @@ class FlatCopy:
         hits: the saves this copy served after the one it was built in.
     """
 
-    __slots__ = ("_views", "_nbytes", "_pieces", "_region", "hits")
+    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "hits")
 
     def __init__(self, views: List[torch.Tensor], nbytes: List[int],
-                 pieces: List[torch.Tensor], region: torch.Tensor) -> None:
-        self._views = views
+                 pieces: List[torch.Tensor], region: torch.Tensor, threads: int = 1) -> None:
+        self._views = views  # held: they keep the sources' storages at these addresses
+        self._addresses = list(map(_data_ptr, views))  # a view's address never changes
         self._nbytes = nbytes
-        self._pieces = pieces
-        self._region = region
+        self._parts = _split(pieces, region, threads)
         self.hits = 0
 
     @classmethod
     def build(
         cls, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-        segment: Optional[torch.Tensor],
+        segment: Optional[torch.Tensor], threads: int = 1,
     ) -> Optional["FlatCopy"]:
         """Plan the one-call copy of ``sources`` into ``buffers`` (views of ``segment``).
+
+        ``threads``: how many threads may copy a region of at least
+        :data:`SPLIT_MIN_BYTES` (the copy is cut into that many parts).
 
         Returns None where it does not apply: a source on another device than the CPU, or
         not contiguous, or buffers that are not views of ``segment`` in the items' order.
@@ -102,21 +131,40 @@ class FlatCopy:
                 end = offset + num_bytes
         if start is None or end > segment.numel():
             return None
-        return cls(views, list(map(_nbytes, views)), pieces, segment[start:end])
+        return cls(views, list(map(_nbytes, views)), pieces, segment[start:end], threads)
 
     def matches(self, sources: Sequence[torch.Tensor]) -> bool:
         """Whether every source still is the memory its view reads (see the module notes)."""
-        views = self._views
         return (
-            len(sources) == len(views)
-            and list(map(_data_ptr, sources)) == list(map(_data_ptr, views))
+            len(sources) == len(self._addresses)
+            and list(map(_data_ptr, sources)) == self._addresses
             and list(map(_nbytes, sources)) == self._nbytes
             and all(map(_is_contiguous, sources))
         )
 
+    @property
+    def parts(self) -> int:
+        """Into how many parts, each one ``torch.cat`` on its own thread, the copy is cut."""
+        return len(self._parts)
+
     def copy(self) -> None:
-        """Copy the sources' current bytes into the buffers (one ``torch.cat``)."""
-        torch.cat(self._pieces, out=self._region)
+        """Copy the sources' current bytes into the buffers (one ``torch.cat`` per part).
+
+        Returns once every part is copied. Raises what a part raised, after every other
+        part ended (no thread writes into the buffers after this returns).
+        """
+        (pieces, region), *others = self._parts
+        if not others:
+            torch.cat(pieces, out=region)
+            return
+        pool = _pool()
+        futures: List[Future] = [pool.submit(torch.cat, p, out=r) for p, r in others]
+        try:
+            torch.cat(pieces, out=region)
+        except BaseException:
+            _wait_all(futures, others, raise_error=False)
+            raise
+        _wait_all(futures, others)
 
 
 class FlatStaging:
@@ -152,9 +200,87 @@ class FlatStaging:
         if flat is not None and not flat.hits:
             self._flat, self._off = None, True
             return False
-        flat = self._flat = FlatCopy.build(sources, buffers, segment)
+        flat = self._flat = FlatCopy.build(sources, buffers, segment, copy_threads())
         if flat is None:  # a source that is not a contiguous CPU tensor
             self._off = True
             return False
         flat.copy()
         return True
+
+
+def copy_threads() -> int:
+    """How many threads copy one large bucket: the CPUs this process may run on, shared by
+    the node's local ranks (torchrun's ``LOCAL_WORLD_SIZE``), at most 4 and at least 1;
+    :data:`COPY_THREADS_ENV` overrides it."""
+    configured = os.environ.get(COPY_THREADS_ENV)
+    if configured:
+        try:
+            return max(1, min(_MAX_COPY_THREADS, int(configured)))
+        except ValueError:
+            raise ValueError(
+                f"{COPY_THREADS_ENV}={configured!r} is not an integer; set it to the number of "
+                "threads that copy a bucket (1: the training thread only)"
+            ) from None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_ranks))
+
+
+def _split(pieces: List[torch.Tensor], region: torch.Tensor,
+           threads: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+    """Cut the copy into at most ``threads`` runs of whole pieces of about equal bytes."""
+    total = region.numel()
+    if threads <= 1 or total < SPLIT_MIN_BYTES:
+        return [(pieces, region)]
+    parts = []
+    start = run_start = copied = 0
+    for index, piece in enumerate(pieces):
+        copied += piece.numel()
+        if copied * threads >= total * (len(parts) + 1) and len(parts) < threads - 1:
+            parts.append((pieces[run_start:index + 1], region[start:copied]))
+            start, run_start = copied, index + 1
+    if run_start < len(pieces):
+        parts.append((pieces[run_start:], region[start:copied]))
+    return parts
+
+
+_pool_lock = threading.Lock()
+_pool_owner: Optional[Tuple[int, ThreadPoolExecutor]] = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's copy threads (a forked child makes its own: threads do not fork)."""
+    global _pool_owner
+    with _pool_lock:
+        if _pool_owner is None or _pool_owner[0] != os.getpid():
+            # threads start as parts need them, up to one less than the most parts
+            pool = ThreadPoolExecutor(_MAX_COPY_THREADS - 1,
+                                      thread_name_prefix="megatron_async_staging_copy")
+            _pool_owner = (os.getpid(), pool)
+        return _pool_owner[1]
+
+
+def _wait_all(futures: List[Future], parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
+              raise_error: bool = True) -> None:
+    """Wait for every pool part (bounded by its size); raise the first failure."""
+    error: Optional[BaseException] = None
+    for future, (_, region) in zip(futures, parts):
+        timeout_s = _PART_WAIT_BASE_S + region.numel() / _MIN_COPY_BYTES_PER_S
+        try:
+            future.result(timeout=timeout_s)
+        except FutureTimeoutError:
+            error = error or AsyncTimeoutError(
+                f"a staging copy thread did not copy {region.numel()} bytes within "
+                f"{timeout_s:.0f}s; the host is overloaded or stuck. Set {COPY_THREADS_ENV}=1 "
+                "to copy on the training thread only"
+            )
+        except BaseException as exc:  # the copy's own error, raised on the training thread
+            error = error or exc
+    if error is not None and raise_error:
+        raise error

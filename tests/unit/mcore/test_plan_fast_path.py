@@ -214,6 +214,16 @@ def test_fingerprint_ignores_values_and_sees_every_structural_change():
         assert describe_structure(_sharded(1.0, **change)).fingerprint != base, change
 
 
+def test_an_unchanged_fingerprint_is_the_previous_object_and_a_changed_one_is_new():
+    previous = describe_structure(_sharded(1.0)).fingerprint
+    same = describe_structure(_sharded(5.0), previous)
+    assert same.fingerprint is previous  # nothing kept twice across saves
+    for change in _CHANGES:
+        changed = describe_structure(_sharded(1.0, **change), previous)
+        assert changed.fingerprint is not previous and changed.fingerprint != previous, change
+        assert changed.fingerprint == describe_structure(_sharded(1.0, **change)).fingerprint
+
+
 def test_structure_holds_the_data_in_traversal_order():
     state = _sharded(3.0)
     structure = describe_structure(state)

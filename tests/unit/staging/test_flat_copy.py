@@ -1,11 +1,14 @@
 """The one-call copy of cached CPU buckets: a snapshot of the sources' current memory, or none."""
 
+import threading
+
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging import buffers
+from megatron_async.errors import AsyncTimeoutError
+from megatron_async.staging import buffers, flat_copy
 from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
 from megatron_async.staging.flat_copy import FlatCopy
 from megatron_async.writer.layout import WriteBucket
@@ -44,6 +47,18 @@ def _assert_snapshot(copies, sources):
         assert torch.equal(copy, source.detach())
 
 
+def _update_and_stage(sources, cache, saves):
+    """Change every source in place before each save; each staging is that save's values."""
+    for step in range(saves):
+        with torch.no_grad():
+            for source in sources:
+                if source.numel() and source.dtype != torch.bool:
+                    source.add_(step + 1)
+        expected = [source.detach().clone() for source in sources]
+        _assert_snapshot(_stage(sources, cache), expected)
+    cache.clear(include_in_use=True)
+
+
 def test_warm_saves_stage_the_values_at_each_save(monkeypatch):
     cache = StagingBufferCache()
     sources = _mixed_sources()
@@ -53,14 +68,7 @@ def test_warm_saves_stage_the_values_at_each_save(monkeypatch):
         raise AssertionError("a cached bucket of contiguous CPU tensors is copied in one call")
 
     monkeypatch.setattr(buffers, "copy_batched", per_tensor_copy)
-    for step in range(3):
-        with torch.no_grad():
-            for source in sources:
-                if source.numel() and source.dtype != torch.bool:
-                    source.add_(step + 1)
-        expected = [source.detach().clone() for source in sources]
-        _assert_snapshot(_stage(sources, cache), expected)
-    cache.clear(include_in_use=True)
+    _update_and_stage(sources, cache, saves=3)
 
 
 @pytest.mark.parametrize(
@@ -110,3 +118,98 @@ def test_sources_in_new_memory_at_every_save_are_staged_correctly():
         sources = [torch.full((9,), float(step)), torch.full((3, 3), float(-step))]
         _assert_snapshot(_stage(sources, cache), sources)
     cache.clear(include_in_use=True)
+
+
+# -- the copy of a large bucket, cut into parts on several threads -----------------------
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_large_bucket_copied_in_parts_is_the_same_snapshot(monkeypatch, threads):
+    monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, str(threads))
+    cache = StagingBufferCache()
+    sources = _mixed_sources() + [torch.rand(257) for _ in range(40)]
+    _stage(sources, cache)
+    entry = cache.lease("layout", 1)
+    assert entry.buckets[0].flat._flat.parts == threads  # the split copy is what runs next
+    cache.release(("layout", entry.generation))
+    _update_and_stage(sources, cache, saves=2)
+
+
+def test_parts_cover_the_region_once_in_order(monkeypatch):
+    monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
+    pieces = [torch.full((n,), n % 251, dtype=torch.uint8) for n in (5, 1, 300, 17, 64, 64, 2)]
+    region = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8)
+    for threads in (1, 2, 3, 7, 50):
+        parts = flat_copy._split(pieces, region, threads)
+        assert 1 <= len(parts) <= min(threads, len(pieces))
+        assert [p for run, _ in parts for p in run] == pieces
+        assert sum(r.numel() for _, r in parts) == region.numel()
+        assert [r.data_ptr() for _, r in parts] == sorted(r.data_ptr() for _, r in parts)
+        for run, part_region in parts:
+            assert part_region.numel() == sum(p.numel() for p in run)
+    assert len(flat_copy._split(pieces, region, 2)) == 2
+
+
+def test_a_failed_part_fails_the_copy_after_every_part_ended(monkeypatch):
+    monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
+    sources = [torch.rand(64) for _ in range(8)]
+    segment = torch.empty(8 * 64 * 4 + 1024, dtype=torch.uint8)
+    buffers = [segment[i * 256:(i + 1) * 256].view(torch.float32) for i in range(8)]
+    copy = FlatCopy.build(sources, buffers, segment, threads=2)
+    assert copy.parts == 2
+    calls = []
+    real_cat = torch.cat
+
+    def failing_on_pool_thread(pieces, out):
+        calls.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("copy failed")
+        return real_cat(pieces, out=out)
+
+    monkeypatch.setattr(torch, "cat", failing_on_pool_thread)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copy.copy()
+    assert len(calls) == 2
+
+
+def test_a_stuck_part_ends_the_copy_with_a_timeout_that_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setattr(flat_copy, "_PART_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(flat_copy, "_MIN_COPY_BYTES_PER_S", 1e12)
+    sources = [torch.rand(64) for _ in range(4)]
+    segment = torch.empty(4 * 256, dtype=torch.uint8)
+    copy = FlatCopy.build(sources, [segment[i * 256:(i + 1) * 256].view(torch.float32) for i in range(4)],
+                          segment, threads=2)
+    release = threading.Event()
+    real_cat = torch.cat
+
+    def stuck_on_pool_thread(pieces, out):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(10)
+        return real_cat(pieces, out=out)
+
+    monkeypatch.setattr(torch, "cat", stuck_on_pool_thread)
+    try:
+        with pytest.raises(AsyncTimeoutError, match=flat_copy.COPY_THREADS_ENV):
+            copy.copy()
+    finally:
+        release.set()
+
+
+def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
+    monkeypatch.delenv(flat_copy.COPY_THREADS_ENV, raising=False)
+    monkeypatch.setattr(flat_copy.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert flat_copy.copy_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert flat_copy.copy_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert flat_copy.copy_threads() == 4
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "1")
+    assert flat_copy.copy_threads() == 1
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "64")
+    assert flat_copy.copy_threads() == 16
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=flat_copy.COPY_THREADS_ENV):
+        flat_copy.copy_threads()
