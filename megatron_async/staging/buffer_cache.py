@@ -94,6 +94,18 @@ class StagingBufferCache:
             if next(reversed(self._entries)) != key:
                 del self._entries[key]  # a newer layout replaced this one while it was written
 
+    def discard(self, lease: Optional[Tuple[Hashable, int]]) -> None:
+        """Forget the leased buffers for good: something may still write into them (a stuck
+        copy thread), so no later save may lease them (stager). Their memory is freed
+        once the last reference to it goes."""
+        if lease is None:
+            return
+        key, generation = lease
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.generation == generation and entry.owner_pid == os.getpid():
+                del self._entries[key]
+
     def num_bytes(self) -> int:
         """Bytes held by the cached buffers."""
         with self._lock:

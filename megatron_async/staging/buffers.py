@@ -54,7 +54,7 @@ from megatron_async.staging.buffer_cache import (
     default_staging_cache,
     staging_cache_num_bytes,
 )
-from megatron_async.staging.flat_copy import FlatStaging
+from megatron_async.staging.flat_copy import FlatStaging, StagingCopyTimeoutError
 
 __all__ = [
     "StagedBuckets",
@@ -243,6 +243,10 @@ def stage_buckets(
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         for device in cuda_devices:
             torch.cuda.synchronize(device)
+    except StagingCopyTimeoutError:
+        cache.discard(result.lease)  # a stuck copy thread may still write into them
+        result.lease = None
+        raise
     except BaseException:
         result.release()
         raise

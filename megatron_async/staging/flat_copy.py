@@ -39,8 +39,9 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on 3.10
+from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -48,7 +49,10 @@ import torch
 from megatron_async.core.shared_memory import ALIGNMENT
 from megatron_async.errors import AsyncTimeoutError
 
-__all__ = ["FlatCopy", "FlatStaging", "copy_threads", "SPLIT_MIN_BYTES", "COPY_THREADS_ENV"]
+__all__ = [
+    "FlatCopy", "FlatStaging", "StagingCopyTimeoutError", "copy_threads", "SPLIT_MIN_BYTES",
+    "COPY_THREADS_ENV",
+]
 
 SPLIT_MIN_BYTES = 8 * 2**20
 """A bucket smaller than this is copied by the calling thread alone (a hand-over to a
@@ -150,21 +154,30 @@ class FlatCopy:
     def copy(self) -> None:
         """Copy the sources' current bytes into the buffers (one ``torch.cat`` per part).
 
-        Returns once every part is copied. Raises what a part raised, after every other
-        part ended (no thread writes into the buffers after this returns).
+        Returns once every part is copied. Raises what a part raised, or an interrupt,
+        after every other part ended: no thread writes into the buffers after this
+        returns or raises, except after :class:`StagingCopyTimeoutError` (a part stuck
+        past its bound; the caller then drops the buffers).
         """
         (pieces, region), *others = self._parts
         if not others:
             torch.cat(pieces, out=region)
             return
-        pool = _pool()
-        futures: List[Future] = [pool.submit(torch.cat, p, out=r) for p, r in others]
+        running: List[Tuple[Future, torch.Tensor]] = []
         try:
+            inline = [part for part in others if not _submit(part, running)]
             torch.cat(pieces, out=region)
+            for part_pieces, part_region in inline:  # the pool takes no work at shutdown
+                torch.cat(part_pieces, out=part_region)
         except BaseException:
-            _wait_all(futures, others, raise_error=False)
+            _wait_all(running, raise_error=False)
             raise
-        _wait_all(futures, others)
+        _wait_all(running)
+
+
+class StagingCopyTimeoutError(AsyncTimeoutError):
+    """A copy thread of the staging did not finish its part in time; it may still write
+    into the buffers, which are therefore never used again (stager)."""
 
 
 class FlatStaging:
@@ -266,21 +279,46 @@ def _pool() -> ThreadPoolExecutor:
         return _pool_owner[1]
 
 
-def _wait_all(futures: List[Future], parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
-              raise_error: bool = True) -> None:
-    """Wait for every pool part (bounded by its size); raise the first failure."""
+def _submit(part: Tuple[List[torch.Tensor], torch.Tensor],
+            running: List[Tuple[Future, torch.Tensor]]) -> bool:
+    """Hand ``part`` to the pool; False when the pool refuses (the interpreter exits)."""
+    pieces, region = part
+    try:
+        future = _pool().submit(torch.cat, pieces, out=region)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return False
+    running.append((future, region))
+    return True
+
+
+def _wait_all(running: List[Tuple[Future, torch.Tensor]], raise_error: bool = True) -> None:
+    """Wait for every pool part, each bounded by its size (training thread).
+
+    An interrupt (``KeyboardInterrupt``, an exception of a signal handler) that arrives
+    while waiting does not end the wait: it is raised once every part ended, so no thread
+    writes into the buffers after this returns, unless a part is stuck past its bound
+    (:class:`StagingCopyTimeoutError`). Otherwise raises the first part's own error
+    (``raise_error``).
+    """
+    interrupt: Optional[BaseException] = None
     error: Optional[BaseException] = None
-    for future, (_, region) in zip(futures, parts):
+    for future, region in running:
         timeout_s = _PART_WAIT_BASE_S + region.numel() / _MIN_COPY_BYTES_PER_S
-        try:
-            future.result(timeout=timeout_s)
-        except FutureTimeoutError:
-            error = error or AsyncTimeoutError(
+        deadline = time.monotonic() + timeout_s
+        while not future.done() and time.monotonic() < deadline:
+            try:
+                futures_wait([future], timeout=max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:  # an interrupt: the part still writes, so wait on
+                interrupt = interrupt or exc
+        if not future.done():
+            error = error or StagingCopyTimeoutError(
                 f"a staging copy thread did not copy {region.numel()} bytes within "
                 f"{timeout_s:.0f}s; the host is overloaded or stuck. Set {COPY_THREADS_ENV}=1 "
                 "to copy on the training thread only"
             )
-        except BaseException as exc:  # the copy's own error, raised on the training thread
-            error = error or exc
+        elif future.exception() is not None:
+            error = error or future.exception()
+    if interrupt is not None:
+        raise interrupt
     if error is not None and raise_error:
         raise error

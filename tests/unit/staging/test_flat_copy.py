@@ -1,16 +1,16 @@
 """The one-call copy of cached CPU buckets: a snapshot of the sources' current memory, or none."""
 
 import threading
+import time
 
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.errors import AsyncTimeoutError
 from megatron_async.staging import buffers, flat_copy
 from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
-from megatron_async.staging.flat_copy import FlatCopy
+from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
 from megatron_async.writer.layout import WriteBucket
 
 
@@ -151,50 +151,93 @@ def test_parts_cover_the_region_once_in_order(monkeypatch):
     assert len(flat_copy._split(pieces, region, 2)) == 2
 
 
-def test_a_failed_part_fails_the_copy_after_every_part_ended(monkeypatch):
+def _two_part_copy(monkeypatch):
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     sources = [torch.rand(64) for _ in range(8)]
-    segment = torch.empty(8 * 64 * 4 + 1024, dtype=torch.uint8)
+    segment = torch.empty(8 * 256, dtype=torch.uint8)
     buffers = [segment[i * 256:(i + 1) * 256].view(torch.float32) for i in range(8)]
     copy = FlatCopy.build(sources, buffers, segment, threads=2)
     assert copy.parts == 2
-    calls = []
+    return copy, sources, buffers
+
+
+def _patch_cat(monkeypatch, on_pool_thread=None, on_training_thread=None):
+    """torch.cat that runs ``on_*_thread()`` first; returns the list of finished parts."""
+    finished = []
     real_cat = torch.cat
 
-    def failing_on_pool_thread(pieces, out):
-        calls.append(threading.current_thread().name)
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("copy failed")
-        return real_cat(pieces, out=out)
+    def cat(pieces, out):
+        pool_thread = threading.current_thread() is not threading.main_thread()
+        hook = on_pool_thread if pool_thread else on_training_thread
+        if hook is not None:
+            hook()
+        result = real_cat(pieces, out=out)
+        finished.append("pool" if pool_thread else "training")
+        return result
 
-    monkeypatch.setattr(torch, "cat", failing_on_pool_thread)
+    monkeypatch.setattr(torch, "cat", cat)
+    return finished
+
+
+def _fail():
+    raise RuntimeError("copy failed")
+
+
+def _slow():
+    time.sleep(0.3)
+
+
+@pytest.mark.parametrize("where", ["pool", "training"])
+def test_a_failed_part_fails_the_copy_after_every_other_part_ended(monkeypatch, where):
+    copy, _, _ = _two_part_copy(monkeypatch)
+    if where == "pool":
+        finished = _patch_cat(monkeypatch, on_pool_thread=_fail, on_training_thread=_slow)
+    else:
+        finished = _patch_cat(monkeypatch, on_pool_thread=_slow, on_training_thread=_fail)
     with pytest.raises(RuntimeError, match="copy failed"):
         copy.copy()
-    assert len(calls) == 2
+    assert finished == ["pool" if where == "training" else "training"]  # the other one ended
 
 
-def test_a_stuck_part_ends_the_copy_with_a_timeout_that_says_what_to_do(monkeypatch):
+def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch):
+    copy, sources, buffers = _two_part_copy(monkeypatch)
+    finished = _patch_cat(monkeypatch, on_pool_thread=lambda: time.sleep(0.5))
+    real_wait = flat_copy.futures_wait
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(flat_copy, "futures_wait", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        copy.copy()
+    assert sorted(finished) == ["pool", "training"]
+    for source, buffer in zip(sources, buffers):
+        assert torch.equal(source, buffer)
+
+
+def test_a_stuck_part_times_out_and_its_buffers_are_never_leased_again(monkeypatch):
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     monkeypatch.setattr(flat_copy, "_PART_WAIT_BASE_S", 0.2)
     monkeypatch.setattr(flat_copy, "_MIN_COPY_BYTES_PER_S", 1e12)
-    sources = [torch.rand(64) for _ in range(4)]
-    segment = torch.empty(4 * 256, dtype=torch.uint8)
-    copy = FlatCopy.build(sources, [segment[i * 256:(i + 1) * 256].view(torch.float32) for i in range(4)],
-                          segment, threads=2)
-    release = threading.Event()
-    real_cat = torch.cat
-
-    def stuck_on_pool_thread(pieces, out):
-        if threading.current_thread() is not threading.main_thread():
-            release.wait(10)
-        return real_cat(pieces, out=out)
-
-    monkeypatch.setattr(torch, "cat", stuck_on_pool_thread)
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "2")
+    cache = StagingBufferCache()
+    sources = [torch.rand(257) for _ in range(8)]
+    _stage(sources, cache)  # builds the two-part copy of the cached buffers
+    stuck = threading.Event()
+    _patch_cat(monkeypatch, on_pool_thread=lambda: stuck.wait(10))
     try:
-        with pytest.raises(AsyncTimeoutError, match=flat_copy.COPY_THREADS_ENV):
-            copy.copy()
+        with pytest.raises(StagingCopyTimeoutError, match=flat_copy.COPY_THREADS_ENV):
+            stage_buckets(_bucket(sources), True, "layout", cache)
+        assert cache.num_bytes() == 0  # dropped: the stuck thread may still write there
     finally:
-        release.set()
+        stuck.set()
+    monkeypatch.undo()
+    _assert_snapshot(_stage(sources, cache), sources)  # new buffers serve the next save
+    cache.clear(include_in_use=True)
 
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
