@@ -54,7 +54,7 @@ from megatron_async.staging.buffer_cache import (
     default_staging_cache,
     staging_cache_num_bytes,
 )
-from megatron_async.staging.flat_copy import FlatStaging, StagingCopyTimeoutError
+from megatron_async.staging.flat_copy import FlatStaging
 
 __all__ = [
     "StagedBuckets",
@@ -243,12 +243,13 @@ def stage_buckets(
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         for device in cuda_devices:
             torch.cuda.synchronize(device)
-    except StagingCopyTimeoutError:
-        cache.discard(result.lease)  # a stuck copy thread may still write into them
-        result.lease = None
-        raise
     except BaseException:
-        result.release()
+        if entry is not None and any(b is not None and b.flat is not None and b.flat.stuck
+                                     for b in entry.buckets):
+            cache.discard(result.lease)  # a stuck copy thread may still write into them
+            result.lease = None
+        else:
+            result.release()
         raise
     if logger.isEnabledFor(logging.DEBUG):
         copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import operator
 import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Sequence, Tuple
 
@@ -85,7 +86,7 @@ class FlatCopy:
         hits: the saves this copy served after the one it was built in.
     """
 
-    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "hits")
+    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "hits", "stuck")
 
     def __init__(self, views: List[torch.Tensor], nbytes: List[int],
                  pieces: List[torch.Tensor], region: torch.Tensor, threads: int = 1) -> None:
@@ -94,6 +95,7 @@ class FlatCopy:
         self._nbytes = nbytes
         self._parts = _split(pieces, region, threads)
         self.hits = 0
+        self.stuck = False  # a part outlived its bound: its thread may still write
 
     @classmethod
     def build(
@@ -156,8 +158,9 @@ class FlatCopy:
 
         Returns once every part is copied. Raises what a part raised, or an interrupt,
         after every other part ended: no thread writes into the buffers after this
-        returns or raises, except after :class:`StagingCopyTimeoutError` (a part stuck
-        past its bound; the caller then drops the buffers).
+        returns or raises, unless a part is stuck past its bound: then ``stuck`` is set
+        (the caller drops the buffers) and :class:`StagingCopyTimeoutError` is raised,
+        or the interrupt or error that came first.
         """
         (pieces, region), *others = self._parts
         if not others:
@@ -165,14 +168,20 @@ class FlatCopy:
             return
         running: List[Tuple[Future, torch.Tensor]] = []
         try:
-            inline = [part for part in others if not _submit(part, running)]
+            inline = _copy_thread_pool().hand_over(others, running)
             torch.cat(pieces, out=region)
-            for part_pieces, part_region in inline:  # the pool takes no work at shutdown
+            for part_pieces, part_region in inline:  # no copy thread could be started
                 torch.cat(part_pieces, out=part_region)
         except BaseException:
-            _wait_all(running, raise_error=False)
+            self.stuck, interrupt, _ = _wait_all(running)
+            if interrupt is not None:
+                raise interrupt from None
             raise
-        _wait_all(running)
+        self.stuck, interrupt, error = _wait_all(running)
+        if interrupt is not None:
+            raise interrupt
+        if error is not None:
+            raise error
 
 
 class StagingCopyTimeoutError(AsyncTimeoutError):
@@ -193,6 +202,11 @@ class FlatStaging:
     def __init__(self) -> None:
         self._flat: Optional[FlatCopy] = None
         self._off = False
+
+    @property
+    def stuck(self) -> bool:
+        """Whether a copy thread may still write into the buffers (never reuse them)."""
+        return self._flat is not None and self._flat.stuck
 
     def copy(
         self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
@@ -263,54 +277,91 @@ def _split(pieces: List[torch.Tensor], region: torch.Tensor,
     return parts
 
 
-_pool_lock = threading.Lock()
-_pool_owner: Optional[Tuple[int, ThreadPoolExecutor]] = None
+class _CopyThreads:
+    """Daemon threads of one process that copy the parts handed to them (trainer).
+
+    Threads are started before any part is queued, so a part is either queued for a
+    running thread or copied by the caller, never left in a queue nobody serves; being
+    daemons, a stuck copy cannot hold up the interpreter's exit.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+
+    def hand_over(self, parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
+                  running: List[Tuple[Future, torch.Tensor]]) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+        """Queue ``parts`` (each listed in ``running`` before it is queued); return the
+        parts to copy on the calling thread (none unless no thread could be started)."""
+        with self._lock:
+            while self._threads < len(parts):
+                try:
+                    threading.Thread(target=self._serve, daemon=True,
+                                     name="megatron_async_staging_copy").start()
+                except RuntimeError:  # "can't start new thread": use the ones running
+                    break
+                self._threads += 1
+            if not self._threads:
+                return list(parts)
+        for pieces, region in parts:
+            future: Future = Future()
+            running.append((future, region))
+            self._jobs.put((future, pieces, region))
+        return []
+
+    def _serve(self) -> None:
+        while True:
+            future, pieces, region = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                torch.cat(pieces, out=region)
+            except BaseException as exc:  # handed to the waiting training thread
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            # an idle thread keeps no reference: the segment is freed with its buffers
+            del future, pieces, region
 
 
-def _pool() -> ThreadPoolExecutor:
-    """This process's copy threads (a forked child makes its own: threads do not fork)."""
-    global _pool_owner
-    with _pool_lock:
-        if _pool_owner is None or _pool_owner[0] != os.getpid():
-            # threads start as parts need them, up to one less than the most parts
-            pool = ThreadPoolExecutor(_MAX_COPY_THREADS - 1,
-                                      thread_name_prefix="megatron_async_staging_copy")
-            _pool_owner = (os.getpid(), pool)
-        return _pool_owner[1]
+_copy_threads: Optional[_CopyThreads] = None
 
 
-def _submit(part: Tuple[List[torch.Tensor], torch.Tensor],
-            running: List[Tuple[Future, torch.Tensor]]) -> bool:
-    """Hand ``part`` to the pool; False when the pool refuses (the interpreter exits)."""
-    pieces, region = part
-    try:
-        future = _pool().submit(torch.cat, pieces, out=region)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        return False
-    running.append((future, region))
-    return True
+def _copy_thread_pool() -> _CopyThreads:
+    """This process's copy threads (a forked child starts its own: threads do not fork)."""
+    global _copy_threads
+    threads = _copy_threads
+    if threads is None or threads.pid != os.getpid():
+        threads = _copy_threads = _CopyThreads()
+    return threads
 
 
-def _wait_all(running: List[Tuple[Future, torch.Tensor]], raise_error: bool = True) -> None:
-    """Wait for every pool part, each bounded by its size (training thread).
+def _wait_all(running: List[Tuple[Future, torch.Tensor]]):
+    """Wait for every handed-over part, each bounded by its size (training thread).
 
     An interrupt (``KeyboardInterrupt``, an exception of a signal handler) that arrives
-    while waiting does not end the wait: it is raised once every part ended, so no thread
-    writes into the buffers after this returns, unless a part is stuck past its bound
-    (:class:`StagingCopyTimeoutError`). Otherwise raises the first part's own error
-    (``raise_error``).
+    while waiting does not end the wait: it is returned once every part ended or passed
+    its bound. Returns ``(stuck, interrupt, error)``: whether a part is still running
+    past its bound, the first interrupt, and the first error (a part's own, or
+    :class:`StagingCopyTimeoutError` for a stuck one).
     """
     interrupt: Optional[BaseException] = None
     error: Optional[BaseException] = None
+    stuck = False
     for future, region in running:
         timeout_s = _PART_WAIT_BASE_S + region.numel() / _MIN_COPY_BYTES_PER_S
         deadline = time.monotonic() + timeout_s
-        while not future.done() and time.monotonic() < deadline:
+        while True:
             try:
+                if future.done() or time.monotonic() >= deadline:
+                    break
                 futures_wait([future], timeout=max(0.0, deadline - time.monotonic()))
             except BaseException as exc:  # an interrupt: the part still writes, so wait on
                 interrupt = interrupt or exc
         if not future.done():
+            stuck = True
             error = error or StagingCopyTimeoutError(
                 f"a staging copy thread did not copy {region.numel()} bytes within "
                 f"{timeout_s:.0f}s; the host is overloaded or stuck. Set {COPY_THREADS_ENV}=1 "
@@ -318,7 +369,4 @@ def _wait_all(running: List[Tuple[Future, torch.Tensor]], raise_error: bool = Tr
             )
         elif future.exception() is not None:
             error = error or future.exception()
-    if interrupt is not None:
-        raise interrupt
-    if error is not None and raise_error:
-        raise error
+    return stuck, interrupt, error

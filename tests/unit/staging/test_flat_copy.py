@@ -151,28 +151,31 @@ def test_parts_cover_the_region_once_in_order(monkeypatch):
     assert len(flat_copy._split(pieces, region, 2)) == 2
 
 
-def _two_part_copy(monkeypatch):
+def _split_copy(monkeypatch, parts=2):
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     sources = [torch.rand(64) for _ in range(8)]
     segment = torch.empty(8 * 256, dtype=torch.uint8)
     buffers = [segment[i * 256:(i + 1) * 256].view(torch.float32) for i in range(8)]
-    copy = FlatCopy.build(sources, buffers, segment, threads=2)
-    assert copy.parts == 2
+    copy = FlatCopy.build(sources, buffers, segment, threads=parts)
+    assert copy.parts == parts
     return copy, sources, buffers
 
 
-def _patch_cat(monkeypatch, on_pool_thread=None, on_training_thread=None):
-    """torch.cat that runs ``on_*_thread()`` first; returns the list of finished parts."""
-    finished = []
+def _patch_cat(monkeypatch, *hooks):
+    """torch.cat whose n-th call runs ``hooks[n]()`` first (None: nothing); returns the
+    list of the calls that finished, by number."""
+    finished, calls, lock = [], [], threading.Lock()
     real_cat = torch.cat
 
     def cat(pieces, out):
-        pool_thread = threading.current_thread() is not threading.main_thread()
-        hook = on_pool_thread if pool_thread else on_training_thread
+        with lock:
+            number = len(calls)
+            calls.append(number)
+        hook = hooks[number] if number < len(hooks) else None
         if hook is not None:
             hook()
         result = real_cat(pieces, out=out)
-        finished.append("pool" if pool_thread else "training")
+        finished.append(number)
         return result
 
     monkeypatch.setattr(torch, "cat", cat)
@@ -187,21 +190,45 @@ def _slow():
     time.sleep(0.3)
 
 
-@pytest.mark.parametrize("where", ["pool", "training"])
-def test_a_failed_part_fails_the_copy_after_every_other_part_ended(monkeypatch, where):
-    copy, _, _ = _two_part_copy(monkeypatch)
-    if where == "pool":
-        finished = _patch_cat(monkeypatch, on_pool_thread=_fail, on_training_thread=_slow)
-    else:
-        finished = _patch_cat(monkeypatch, on_pool_thread=_slow, on_training_thread=_fail)
+def _on_copy_thread(hook):
+    """``hook`` for a copy thread; the training thread's call passes straight through."""
+    def run():
+        if threading.current_thread() is not threading.main_thread():
+            hook()
+    return run
+
+
+def test_a_failed_part_fails_the_copy_after_every_other_part_ended(monkeypatch):
+    copy, _, _ = _split_copy(monkeypatch, parts=3)
+    roles = iter(["fail", "slow"])  # the two copy threads: one fails at once, one is slow
+    lock = threading.Lock()
+
+    def copy_thread():
+        with lock:
+            role = next(roles)
+        (_fail if role == "fail" else _slow)()
+
+    finished = _patch_cat(monkeypatch, _on_copy_thread(copy_thread), _on_copy_thread(copy_thread),
+                          _on_copy_thread(copy_thread))
     with pytest.raises(RuntimeError, match="copy failed"):
         copy.copy()
-    assert finished == ["pool" if where == "training" else "training"]  # the other one ended
+    assert len(finished) == 2 and not copy.stuck  # the slow part ended before the raise
 
 
-def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch):
-    copy, sources, buffers = _two_part_copy(monkeypatch)
-    finished = _patch_cat(monkeypatch, on_pool_thread=lambda: time.sleep(0.5))
+def test_a_failed_training_thread_part_waits_for_the_copy_threads(monkeypatch):
+    copy, _, _ = _split_copy(monkeypatch, parts=3)
+
+    def training_fails_copy_threads_slow():
+        (_slow if threading.current_thread() is not threading.main_thread() else _fail)()
+
+    finished = _patch_cat(monkeypatch, *[training_fails_copy_threads_slow] * 3)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copy.copy()
+    assert len(finished) == 2 and not copy.stuck  # both copy threads ended first
+
+
+def _interrupt_first_wait(monkeypatch):
+    """A KeyboardInterrupt arrives in the training thread's first wait for a copy thread."""
     real_wait = flat_copy.futures_wait
     calls = []
 
@@ -212,14 +239,23 @@ def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch)
         return real_wait(*args, **kwargs)
 
     monkeypatch.setattr(flat_copy, "futures_wait", interrupted_once)
+
+
+def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch):
+    copy, sources, buffers = _split_copy(monkeypatch)
+    finished = _patch_cat(monkeypatch, _on_copy_thread(lambda: time.sleep(0.5)),
+                          _on_copy_thread(lambda: time.sleep(0.5)))
+    _interrupt_first_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         copy.copy()
-    assert sorted(finished) == ["pool", "training"]
+    assert len(finished) == 2 and not copy.stuck
     for source, buffer in zip(sources, buffers):
         assert torch.equal(source, buffer)
 
 
-def test_a_stuck_part_times_out_and_its_buffers_are_never_leased_again(monkeypatch):
+def _stage_with_a_stuck_copy_thread(monkeypatch, training_thread_hook=None, interrupt=False):
+    """Stage a cached two-part bucket whose copy thread hangs past its bound; return the
+    cache and the event that frees the thread."""
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     monkeypatch.setattr(flat_copy, "_PART_WAIT_BASE_S", 0.2)
     monkeypatch.setattr(flat_copy, "_MIN_COPY_BYTES_PER_S", 1e12)
@@ -228,16 +264,57 @@ def test_a_stuck_part_times_out_and_its_buffers_are_never_leased_again(monkeypat
     sources = [torch.rand(257) for _ in range(8)]
     _stage(sources, cache)  # builds the two-part copy of the cached buffers
     stuck = threading.Event()
-    _patch_cat(monkeypatch, on_pool_thread=lambda: stuck.wait(10))
+    real_cat = torch.cat
+
+    def cat(pieces, out):
+        if threading.current_thread() is not threading.main_thread():
+            stuck.wait(10)
+        elif training_thread_hook is not None:
+            training_thread_hook()
+        return real_cat(pieces, out=out)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    if interrupt:
+        _interrupt_first_wait(monkeypatch)
+    return cache, sources, stuck
+
+
+@pytest.mark.parametrize(
+    "case, raised",
+    [("timeout", StagingCopyTimeoutError), ("interrupt", KeyboardInterrupt),
+     ("training-thread-error", RuntimeError)],
+)
+def test_buffers_a_stuck_copy_thread_may_write_into_are_never_leased_again(monkeypatch, case, raised):
+    cache, sources, stuck = _stage_with_a_stuck_copy_thread(
+        monkeypatch, training_thread_hook=_fail if case == "training-thread-error" else None,
+        interrupt=case == "interrupt")
     try:
-        with pytest.raises(StagingCopyTimeoutError, match=flat_copy.COPY_THREADS_ENV):
+        with pytest.raises(raised):
             stage_buckets(_bucket(sources), True, "layout", cache)
-        assert cache.num_bytes() == 0  # dropped: the stuck thread may still write there
+        assert cache.num_bytes() == 0  # dropped, whatever was raised
     finally:
         stuck.set()
     monkeypatch.undo()
     _assert_snapshot(_stage(sources, cache), sources)  # new buffers serve the next save
     cache.clear(include_in_use=True)
+
+
+def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
+    import gc
+
+    from megatron_async.core.shared_memory import has_live_segments
+
+    monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "3")
+    cache = StagingBufferCache()
+    sources = [torch.rand(300) for _ in range(12)]
+    for _ in range(2):  # the second save runs the three-part copy of the cached buffers
+        _assert_snapshot(_stage(sources, cache), sources)
+    cache.clear()
+    deadline = time.monotonic() + 5  # a thread freed by an earlier test may still be ending
+    while gc.collect() is not None and has_live_segments() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not has_live_segments()
 
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
