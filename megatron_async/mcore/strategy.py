@@ -46,6 +46,7 @@ from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
+from megatron_async.staging.copy_ahead import CopyAhead, start_copy_ahead
 from megatron_async.storage.client import MSC_EXTRA_HINT
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 from megatron_async.writer.commit_cache import CommitCache
@@ -273,6 +274,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             claims.append(checkpoints_in_flight.claim(checkpoint_dir))
 
         start = time.monotonic()
+        ahead = self._copy_ahead()
         try:
             writer, metadata, dist_wrapper = self.plan_cache.plan_save(
                 sharded_state_dict,
@@ -281,6 +283,10 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 lambda: self._with_history(self._create_writer(checkpoint_dir)),
                 check_target,
             )
+            if ahead is not None and self.plan_cache.last_save_reused_plans:
+                writer.copy_ahead = ahead  # its staging claims it
+            elif ahead is not None:
+                ahead.cancel()  # planned in full: the layout may differ
             plan_s = time.monotonic() - start
             logger.debug(
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
@@ -288,9 +294,22 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             )
             return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s)
         except BaseException:
+            if ahead is not None:
+                ahead.cancel()
             for token in claims:
                 checkpoints_in_flight.release(checkpoint_dir, token)
             raise
+
+    def _copy_ahead(self) -> Optional[CopyAhead]:
+        """Start the staging copy of the cached layout before the save's checks, where it
+        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`)."""
+        if self.config.overlap_staging:
+            return None
+        try:
+            return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
+        except Exception:  # an optimization only: the copy then runs at scheduling
+            logger.debug("rank %d: no copy ahead", coordination.get_rank(), exc_info=True)
+            return None
 
     def _request(
         self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float

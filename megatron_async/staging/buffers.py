@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import operator
 import time
-from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -54,6 +54,8 @@ from megatron_async.staging.buffer_cache import (
     default_staging_cache,
     staging_cache_num_bytes,
 )
+from megatron_async.staging.copy_ahead import COPY_AHEAD_ENV, AheadParts, CopyAhead, settle_parts
+from megatron_async.staging.copy_pool import StagingCopyTimeoutError
 from megatron_async.staging.flat_copy import FlatStaging
 
 __all__ = [
@@ -186,6 +188,7 @@ def stage_buckets(
     cache_key: Optional[Hashable] = None,
     cache: Optional[StagingBufferCache] = None,
     copy_now: bool = True,
+    copy_ahead: Optional[CopyAhead] = None,
 ) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
@@ -201,6 +204,9 @@ def stage_buckets(
         copy_now: False only leases the buffers and leaves the copies to the caller:
             ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
             (overlapped staging, :mod:`megatron_async.staging.overlapped`).
+        copy_ahead: this save's copy ahead (:mod:`.copy_ahead`), if the strategy started
+            one: staging takes over its lease and uses the copies of the buckets whose
+            sources are the memory they read.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -211,19 +217,28 @@ def stage_buckets(
     """
     start = time.monotonic()
     cache = cache if cache is not None else default_staging_cache()
-    entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
+    entry = cache.lease(cache_key, len(buckets), copy_ahead) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
+    ahead: Dict[int, AheadParts] = {}
     cuda_devices: Set[torch.device] = set()
     allocated = 0
     try:
+        if copy_ahead is not None and copy_ahead.claimed:
+            ahead = copy_ahead.take_parts()
+        elif copy_ahead is not None:  # another layout, or its buffers dropped: it serves no one
+            copy_ahead.cancel()
+        if not copy_now:
+            _settle(ahead)
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            copied = copy_now and buffers is not None and _copy_flat(buffers, sources)
+            copied = copy_now and buffers is not None and _copy_flat(
+                buffers, sources, ahead=ahead.get(b_idx))
+            ahead.pop(b_idx, None)  # waited for (an exception leaves it to the settling below)
             if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
@@ -241,9 +256,11 @@ def stage_buckets(
                 cuda_devices.update(buffers.cuda_devices)
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
+        _settle(ahead)  # buckets this save's items did not reach (none, normally)
         for device in cuda_devices:
             torch.cuda.synchronize(device)
     except BaseException:
+        settle_parts(ahead)  # every part ends first; the error that brought us here wins
         if entry is not None and any(b is not None and b.flat is not None and b.flat.stuck
                                      for b in entry.buckets):
             cache.discard(result.lease)  # a stuck copy thread may still write into them
@@ -264,17 +281,35 @@ _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 
 
-def _copy_flat(buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False) -> bool:
+def _settle(ahead: Dict[int, AheadParts]) -> None:
+    """Wait for copies ahead this save does not use (stager); raise an interrupt that came
+    meanwhile, or :class:`StagingCopyTimeoutError` for a part stuck past its bound (its
+    copy is then ``stuck``: the buffers are dropped)."""
+    stuck, interrupt = settle_parts(ahead)
+    if interrupt is not None:
+        raise interrupt
+    if stuck:
+        raise StagingCopyTimeoutError(
+            "a staging copy thread did not finish a copy started ahead of the save; the "
+            f"host is overloaded or stuck. Unset {COPY_AHEAD_ENV} to copy only at scheduling"
+        )
+
+
+def _copy_flat(
+    buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False,
+    ahead: Optional[AheadParts] = None,
+) -> bool:
     """Copy the sources with the buffers' one-call copy, if they have one that applies (stager).
 
     ``build``: the sources fit the buffers, so a cached bucket of CPU sources gets one.
+    ``ahead``: the parts a copy ahead started for this bucket (see :meth:`FlatStaging.copy`).
     """
     if buffers.flat is None and build and buffers.reusable and not (
         buffers.for_cuda or buffers.cuda_devices
     ):
         buffers.flat = FlatStaging()
     return buffers.flat is not None and buffers.flat.copy(
-        sources, buffers.tensors, buffers.segment, build
+        sources, buffers.tensors, buffers.segment, build, ahead
     )
 
 
@@ -294,6 +329,7 @@ def preload_tensors(
     non_blocking: bool = True,
     *,
     staging_cache: Optional[StagingBufferCache] = None,
+    copy_ahead: Optional[CopyAhead] = None,
 ) -> List[WriteBucket]:
     """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
 
@@ -310,10 +346,11 @@ def preload_tensors(
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
         staging_cache: where the reusable buffers live (the trainer's);
             :func:`~megatron_async.staging.buffers.default_staging_cache` when None.
+        copy_ahead: the copy ahead the strategy started for this save, if any.
 
     Returns:
         The staged buckets (a :class:`~megatron_async.staging.buffers.StagedBuckets`).
     """
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     key = identifier.key if identifier is not None else None
-    return stage_buckets(write_buckets, non_blocking, key, staging_cache)
+    return stage_buckets(write_buckets, non_blocking, key, staging_cache, copy_ahead=copy_ahead)

@@ -23,12 +23,12 @@ a save of another layout, or ``clear_staging_cache``); a source replaced by new 
 fails the check and its storage is let go at the next save.
 
 A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at once
-(:func:`copy_threads`; ``torch.cat`` releases the GIL): its pieces are cut into runs of
-about equal bytes, each its own ``torch.cat`` into its own part of the region, one on the
-calling thread and the others on a small pool of this process. One thread alone does not
-reach the memory bandwidth of a node (on the 2-core CI machine, 64 MiB in 4,000 pieces:
-10.1 ms on one thread, 7.0 ms on two, against 8.8 ms for one flat ``copy_``). The call
-returns only when every part is copied, so the snapshot is whole when scheduling returns.
+(:func:`copy_threads`; ``torch.cat`` releases the GIL; one thread alone does not reach a
+node's memory bandwidth, docs/benchmarks.md): its pieces are cut into runs of about equal
+bytes, each its own ``torch.cat`` into its own part of the region, one on the calling
+thread and the others on a small pool of this process. The call returns only when every
+part is copied, so the snapshot is whole when scheduling returns. A copy ahead
+(:mod:`.copy_ahead`) hands every part to the pool before the save knows its sources.
 
 CUDA sources never come here: they keep the page-locked buffers, non-blocking copies and
 one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
@@ -37,40 +37,32 @@ one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
 from __future__ import annotations
 
 import operator
-import os
-import queue
-import threading
-import time
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_async.core.shared_memory import ALIGNMENT
-from megatron_async.errors import AsyncTimeoutError
+from megatron_async.staging import copy_pool
+from megatron_async.staging.copy_pool import (  # noqa: F401 (this module's names before the split)
+    COPY_THREADS_ENV,
+    Running,
+    StagingCopyTimeoutError,
+    copy_threads,
+)
 
 __all__ = [
     "FlatCopy", "FlatStaging", "StagingCopyTimeoutError", "copy_threads", "SPLIT_MIN_BYTES",
-    "COPY_THREADS_ENV",
+    "COPY_THREADS_ENV", "Running",
 ]
 
 SPLIT_MIN_BYTES = 8 * 2**20
 """A bucket smaller than this is copied by the calling thread alone (a hand-over to a
 pool thread costs tens of microseconds)."""
 
-COPY_THREADS_ENV = "MEGATRON_ASYNC_STAGING_COPY_THREADS"
-"""Overrides :func:`copy_threads` (an integer from 1 to 16; 1 copies on the training
-thread only)."""
-
-_DEFAULT_MAX_COPY_THREADS = 4
-_MAX_COPY_THREADS = 16
-_PART_WAIT_BASE_S = 30.0  # the wait for a part: this, plus its bytes at the rate below
-_MIN_COPY_BYTES_PER_S = 50e6  # a copy slower than this is stuck
-
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 _nbytes = operator.attrgetter("nbytes")
+_version = operator.attrgetter("_version")
 
 _PADDING = torch.zeros(ALIGNMENT, dtype=torch.uint8)
 """Bytes that fill the alignment gaps between buffers (never read back: each buffer is
@@ -86,7 +78,7 @@ class FlatCopy:
         hits: the saves this copy served after the one it was built in.
     """
 
-    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "hits", "stuck")
+    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "_versions", "hits", "stuck")
 
     def __init__(self, views: List[torch.Tensor], nbytes: List[int],
                  pieces: List[torch.Tensor], region: torch.Tensor, threads: int = 1) -> None:
@@ -94,6 +86,7 @@ class FlatCopy:
         self._addresses = list(map(_data_ptr, views))  # a view's address never changes
         self._nbytes = nbytes
         self._parts = _split(pieces, region, threads)
+        self._versions: Optional[List[int]] = None  # the sources' versions when start() ran
         self.hits = 0
         self.stuck = False  # a part outlived its bound: its thread may still write
 
@@ -166,27 +159,58 @@ class FlatCopy:
         if not others:
             torch.cat(pieces, out=region)
             return
-        running: List[Tuple[Future, torch.Tensor]] = []
+        running: Running = []
         try:
-            inline = _copy_thread_pool().hand_over(others, running)
+            inline = copy_pool.copy_thread_pool().hand_over(others, running, len(others))
             torch.cat(pieces, out=region)
             for part_pieces, part_region in inline:  # no copy thread could be started
                 torch.cat(part_pieces, out=part_region)
         except BaseException:
-            self.stuck, interrupt, _ = _wait_all(running)
+            self.stuck, interrupt, _ = copy_pool.wait_all(running)
             if interrupt is not None:
                 raise interrupt from None
             raise
-        self.stuck, interrupt, error = _wait_all(running)
+        self.finish(running)
+
+    def start(self, max_threads: int) -> Running:
+        """Hand every part to the copy threads and return the running parts: the copy
+        ahead's (:mod:`.copy_ahead`). The pool grows to ``max_threads`` at most for them
+        (threads it already has all serve). Parts no thread could take are copied here
+        before this returns."""
+        self._versions = list(map(_version, self._views))  # a view shares its base's counter
+        running: Running = []
+        try:
+            for pieces, region in copy_pool.copy_thread_pool().hand_over(self._parts, running, max_threads):
+                torch.cat(pieces, out=region)
+        except BaseException:
+            self.settle(running)
+            raise
+        return running
+
+    def unchanged_since_start(self) -> bool:
+        """Whether no in-place operation changed a source's version counter since
+        :meth:`start` (writes through ``.data`` or numpy are not counted: see
+        :mod:`.copy_ahead`)."""
+        return list(map(_version, self._views)) == self._versions
+
+    def finish(self, running: Running) -> None:
+        """Wait for the parts :meth:`start` (or :meth:`copy`) handed over; raise the first
+        interrupt, or else the first error (:class:`StagingCopyTimeoutError` for a part
+        stuck past its bound, which also sets ``stuck``)."""
+        self.stuck, interrupt, error = copy_pool.wait_all(running)
         if interrupt is not None:
             raise interrupt
         if error is not None:
             raise error
 
-
-class StagingCopyTimeoutError(AsyncTimeoutError):
-    """A copy thread of the staging did not finish its part in time; it may still write
-    into the buffers, which are therefore never used again (stager)."""
+    def settle(self, running: Running) -> None:
+        """Wait for parts whose copy is not wanted any more: their errors are dropped; an
+        interrupt, or a part stuck past its bound (``stuck``), is still raised."""
+        self.stuck, interrupt, error = copy_pool.wait_all(running)
+        if interrupt is not None:
+            raise interrupt
+        if self.stuck:
+            raise error
 
 
 class FlatStaging:
@@ -208,15 +232,33 @@ class FlatStaging:
         """Whether a copy thread may still write into the buffers (never reuse them)."""
         return self._flat is not None and self._flat.stuck
 
+    @property
+    def current(self) -> Optional[FlatCopy]:
+        """The copy that the next save of the same sources uses (None if there is none)."""
+        flat = self._flat
+        return None if flat is None or flat.stuck else flat
+
     def copy(
         self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
         segment: Optional[torch.Tensor], build: bool,
+        ahead: Optional[Tuple["FlatCopy", Running]] = None,
     ) -> bool:
         """Copy ``sources`` into ``buffers`` in one call if possible; return whether it did.
 
         ``build``: the sources are known to fit the buffers (shapes and dtypes), so a
         copy may be planned for them when the current one does not apply.
+        ``ahead``: a copy of :attr:`current` and the parts of it a copy ahead started
+        (before this save's sources were known): they are this save's copy if the sources
+        are the memory they read and no version-counted in-place operation changed it
+        since; otherwise they are waited for, and the sources copied anew.
         """
+        if ahead is not None:
+            started, running = ahead
+            if started.matches(sources) and started.unchanged_since_start():
+                started.hits += 1
+                started.finish(running)
+                return True
+            started.settle(running)
         flat = self._flat
         if flat is not None and flat.matches(sources):
             flat.hits += 1
@@ -233,30 +275,6 @@ class FlatStaging:
             return False
         flat.copy()
         return True
-
-
-def copy_threads() -> int:
-    """How many threads copy one large bucket: the CPUs this process may run on, shared by
-    the node's local ranks (torchrun's ``LOCAL_WORLD_SIZE``), at most 4 and at least 1;
-    :data:`COPY_THREADS_ENV` overrides it."""
-    configured = os.environ.get(COPY_THREADS_ENV)
-    if configured:
-        try:
-            return max(1, min(_MAX_COPY_THREADS, int(configured)))
-        except ValueError:
-            raise ValueError(
-                f"{COPY_THREADS_ENV}={configured!r} is not an integer; set it to the number of "
-                "threads that copy a bucket (1: the training thread only)"
-            ) from None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_ranks))
 
 
 def _split(pieces: List[torch.Tensor], region: torch.Tensor,
@@ -277,96 +295,3 @@ def _split(pieces: List[torch.Tensor], region: torch.Tensor,
     return parts
 
 
-class _CopyThreads:
-    """Daemon threads of one process that copy the parts handed to them (trainer).
-
-    Threads are started before any part is queued, so a part is either queued for a
-    running thread or copied by the caller, never left in a queue nobody serves; being
-    daemons, a stuck copy cannot hold up the interpreter's exit.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-
-    def hand_over(self, parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
-                  running: List[Tuple[Future, torch.Tensor]]) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
-        """Queue ``parts`` (each listed in ``running`` before it is queued); return the
-        parts to copy on the calling thread (none unless no thread could be started)."""
-        with self._lock:
-            while self._threads < len(parts):
-                try:
-                    threading.Thread(target=self._serve, daemon=True,
-                                     name="megatron_async_staging_copy").start()
-                except RuntimeError:  # "can't start new thread": use the ones running
-                    break
-                self._threads += 1
-            if not self._threads:
-                return list(parts)
-        for pieces, region in parts:
-            future: Future = Future()
-            running.append((future, region))
-            self._jobs.put((future, pieces, region))
-        return []
-
-    def _serve(self) -> None:
-        while True:
-            future, pieces, region = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                torch.cat(pieces, out=region)
-            except BaseException as exc:  # handed to the waiting training thread
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-            # an idle thread keeps no reference: the segment is freed with its buffers
-            del future, pieces, region
-
-
-_copy_threads: Optional[_CopyThreads] = None
-
-
-def _copy_thread_pool() -> _CopyThreads:
-    """This process's copy threads (a forked child starts its own: threads do not fork)."""
-    global _copy_threads
-    threads = _copy_threads
-    if threads is None or threads.pid != os.getpid():
-        threads = _copy_threads = _CopyThreads()
-    return threads
-
-
-def _wait_all(running: List[Tuple[Future, torch.Tensor]]):
-    """Wait for every handed-over part, each bounded by its size (training thread).
-
-    An interrupt (``KeyboardInterrupt``, an exception of a signal handler) that arrives
-    while waiting does not end the wait: it is returned once every part ended or passed
-    its bound. Returns ``(stuck, interrupt, error)``: whether a part is still running
-    past its bound, the first interrupt, and the first error (a part's own, or
-    :class:`StagingCopyTimeoutError` for a stuck one).
-    """
-    interrupt: Optional[BaseException] = None
-    error: Optional[BaseException] = None
-    stuck = False
-    for future, region in running:
-        timeout_s = _PART_WAIT_BASE_S + region.numel() / _MIN_COPY_BYTES_PER_S
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if future.done() or time.monotonic() >= deadline:
-                    break
-                futures_wait([future], timeout=max(0.0, deadline - time.monotonic()))
-            except BaseException as exc:  # an interrupt: the part still writes, so wait on
-                interrupt = interrupt or exc
-        if not future.done():
-            stuck = True
-            error = error or StagingCopyTimeoutError(
-                f"a staging copy thread did not copy {region.numel()} bytes within "
-                f"{timeout_s:.0f}s; the host is overloaded or stuck. Set {COPY_THREADS_ENV}=1 "
-                "to copy on the training thread only"
-            )
-        elif future.exception() is not None:
-            error = error or future.exception()
-    return stuck, interrupt, error

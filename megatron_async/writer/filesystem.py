@@ -165,6 +165,9 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         if use_msc:  # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC
             self.fs, self.path = msc_filesystem(self.checkpoint_dir)
         self.staging_cache = staging_cache
+        self.copy_ahead: Any = None
+        """This save's copy ahead (:mod:`megatron_async.staging.copy_ahead`), set by the
+        strategy that started it; its staging claims it."""
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -269,6 +272,8 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``.
         """
         if not self.write_buckets:
+            if self.copy_ahead is not None:
+                self.copy_ahead.cancel()  # nothing to stage: nobody would claim it
             return None, None, None
         write_fn = (
             self.write_preloaded_data_multiproc
@@ -292,13 +297,16 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         if self.overlap_staging:  # above the budget: rounds copied by the copy thread
             from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
 
+            if self.copy_ahead is not None:
+                self.copy_ahead.cancel()  # overlapped staging copies on its own thread
+
             save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
                 save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
             )
         else:
             preload_fn = bind_supported(
                 self.preload_tensors, (self.resolved_plan_data, True),
-                staging_cache=self.staging_cache,
+                staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
             )
             args, overlapped = [coordination.get_rank(), None, self.results_queue], None
         # Rounds when the state is larger than the budget, and a wait for an earlier

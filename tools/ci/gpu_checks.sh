@@ -8,7 +8,10 @@
 # 3. the GPT example as a 2-rank NCCL job (with the gloo coordination group): exact resume
 #    with the forked and the persistent worker, tensor parallelism, the distributed
 #    optimizer, overlapped staging, a SIGKILL during an async save, and a resume with other
-#    parallelism. With one GPU the two ranks share it (examples/gpt/devices.py).
+#    parallelism. With one GPU the two ranks share it (examples/gpt/devices.py);
+# 4. a measurement, on this machine's CPUs: the warm stall of 4,000 small CPU tensors
+#    without and with the experimental copy ahead (MEGATRON_ASYNC_STAGING_COPY_AHEAD=1),
+#    which showed no gain on our 2-CPU machine (docs/benchmarks.md).
 #
 #   bash tools/ci/gpu_checks.sh            # from the repository root, in the test venv
 #   GPU_CHECKS_LOG_DIR=DIR bash tools/ci/gpu_checks.sh   # also keep each step's output in DIR
@@ -39,6 +42,9 @@ step gpu_tests "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests
 step d2h_throughput "$PYTHON" -m tools.bench.micro.d2h_throughput --mib 1024
 step gpt_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/functional/test_pretrain_gpt.py \
     -k "resume_reproduces and (persistent-tp2 or overlapped or fork-tp1) or kill_during or other_parallelism and tp2-to-tp1"
+step warm_stall_copy_ahead bash -c "for ahead in 0 1 0 1; do echo \"copy ahead: \$ahead\"; \
+    MEGATRON_ASYNC_STAGING_COPY_AHEAD=\$ahead '$PYTHON' -m tools.bench.micro.warm_stall \
+    --callers persistent --saves 10 --phases || exit 1; done"
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "gpu_checks: FAILED: ${failed[*]} (logs in $LOG_DIR)"

@@ -114,7 +114,7 @@ def _report(profile: cProfile.Profile, sort: str, lines: int) -> str:
 
 
 def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdir: str,
-               profile: bool, lines: int) -> Dict[str, object]:
+               profile: bool, lines: int, gap_s: float = 0.0) -> Dict[str, object]:
     """Save ``tensors`` ``saves`` times with one caller; return the stalls (seconds)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -157,6 +157,7 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
             queue.maybe_finalize_async_calls(blocking=True)
             if index > 0:
                 shutil.rmtree(os.path.join(workdir, f"iter_{index - 1:07d}"), ignore_errors=True)
+            time.sleep(gap_s)  # the rest of the training between two saves
     finally:
         queue.close()
     result: Dict[str, object] = {"stalls": stalls, "reused": strategy.structure_reuse_count}
@@ -187,6 +188,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tensor-bytes", default="16KiB")
     parser.add_argument("--saves", type=int, default=10, help="saves per caller; the first is cold")
     parser.add_argument("--callers", default="persistent,temporal")
+    parser.add_argument("--gap-s", type=float, default=0.0,
+                        help="seconds of 'training' after a save is complete, before the next "
+                             "(lets the previous save's write-back and clean-up settle, as "
+                             "minutes of training between saves do)")
     parser.add_argument("--profile", action="store_true", help="cProfile the last save's call")
     parser.add_argument("--lines", type=int, default=35, help="rows of each profile")
     parser.add_argument("--phases", action="store_true",
@@ -219,7 +224,7 @@ def main(argv=None) -> None:
             os.makedirs(run_dir)
             phases.clear()
             result = run_caller(caller == "persistent", tensors, args.saves, run_dir,
-                                args.profile, args.lines)
+                                args.profile, args.lines, args.gap_s)
             warm = result["stalls"][1:]
             median = statistics.median(warm)
             print(f"{caller}: warm stall median {median * 1e3:.1f} ms = {median / memcpy_s:.2f} x "
