@@ -32,6 +32,7 @@ __all__ = [
     "is_distributed",
     "get_rank",
     "get_world_size",
+    "local_world_size",
     "get_coordination_group",
     "all_reduce_max",
     "all_reduce_sum",
@@ -69,6 +70,18 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """World size, or 1 outside a distributed job."""
     return dist.get_world_size() if is_distributed() else 1
+
+
+def local_world_size() -> int:
+    """The ranks on this node: torchrun's ``LOCAL_WORLD_SIZE`` (every rank, local).
+
+    1 without it, and where it is empty, not an integer or below 1: callers only divide
+    a node's CPUs or memory by it, which must not fail a save.
+    """
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        return 1
 
 
 def get_coordination_group(

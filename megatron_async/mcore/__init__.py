@@ -5,6 +5,7 @@
   changes again;
 * :mod:`.strategy` and :mod:`.config`: :class:`TorchDistAsyncSaveStrategy` and its options;
 * :mod:`.plan_cache` and :mod:`.structure`: warm saves that skip planning;
+* :mod:`.target`: the checks of a save's target directory (overwriting included);
 * :mod:`.in_flight`, :mod:`.common_guard`, :mod:`.finalize`: refusing a second save into
   a directory being written, and a gloo-safe ``metadata.json`` step.
 

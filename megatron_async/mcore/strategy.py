@@ -20,13 +20,13 @@ like megatron-core, but safely: it logs a warning and first removes the old comp
 markers (``.metadata`` and ``metadata.json``), so a save that then fails leaves a
 directory that every loader sees as incomplete, never a mix of old and new data.
 ``overwrite=False`` refuses instead (for callers that do not write ``common.pt`` first).
+The checks of the target, overwriting included, are :mod:`megatron_async.mcore.target`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -36,19 +36,18 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
-from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
+from megatron_async.errors import CheckpointValidationError
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
+from megatron_async.mcore.target import check_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.copy_ahead import CopyAhead, start_copy_ahead
-from megatron_async.storage.client import MSC_EXTRA_HINT
-from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -270,7 +269,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         claims: List[int] = []
 
         def check_target() -> None:
-            self._check_target(checkpoint_dir, is_coordinator)
+            check_save_target(checkpoint_dir, self.config, is_coordinator)
             claims.append(checkpoints_in_flight.claim(checkpoint_dir))
 
         start = time.monotonic()
@@ -302,14 +301,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     def _copy_ahead(self) -> Optional[CopyAhead]:
         """Start the staging copy of the cached layout before the save's checks, where it
-        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`)."""
+        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`, which never
+        fails the save: a copy ahead that cannot start is None, and staging copies)."""
         if self.config.overlap_staging:
             return None
-        try:
-            return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
-        except Exception:  # an optimization only: the copy then runs at scheduling
-            logger.debug("rank %d: no copy ahead", coordination.get_rank(), exc_info=True)
-            return None
+        return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
 
     def _request(
         self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float
@@ -336,73 +332,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         return FileSystemWriterAsync(
             checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
         )
-
-    def _check_target(self, checkpoint_dir: str, is_coordinator: bool) -> None:
-        """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local)."""
-        rank = coordination.get_rank()
-        if checkpoint_dir in checkpoints_in_flight:
-            raise CheckpointInProgressError(
-                f"an earlier save of this process into {checkpoint_dir} is not finalized yet; "
-                "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
-                "or save into another directory"
-            )
-        storage = storage_for(checkpoint_dir)
-        if storage.needs_msc:
-            self._check_object_target(checkpoint_dir, is_coordinator, storage)
-            return
-        if not os.path.exists(checkpoint_dir):
-            raise CheckpointValidationError(
-                f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
-                "(visible to every rank) before saving"
-            )
-        if not os.path.isdir(checkpoint_dir):
-            raise CheckpointValidationError(
-                f"rank {rank}: checkpoint path {checkpoint_dir} is not a directory"
-            )
-        if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
-            raise CheckpointValidationError(
-                f"rank {rank}: checkpoint directory {checkpoint_dir} is not writable"
-            )
-        marker = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-        if is_coordinator and os.path.exists(marker):
-            if not self.config.overwrite:
-                raise CheckpointValidationError(
-                    f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
-                    "exists) and overwrite=False; save into a new directory or delete it first"
-                )
-            logger.warning(
-                "overwriting the torch_dist checkpoint in %s; its completion markers are removed "
-                "first, so it reads as incomplete until this save is finalized",
-                checkpoint_dir,
-            )
-            remove_completion_markers(checkpoint_dir, storage)
-
-    def _check_object_target(
-        self, checkpoint_dir: str, is_coordinator: bool, storage: CheckpointStorage
-    ) -> None:
-        """The checks of :meth:`_check_target` that mean something in an object store.
-
-        A store has no directories to create or permissions to probe: an unreachable
-        endpoint, refused credentials or a missing bucket fail the first request, which
-        the background writer reports on every rank.
-        """
-        if not self.config.use_msc:
-            raise CheckpointValidationError(
-                f"{checkpoint_dir} is an object-storage URL; create the strategy with "
-                f"use_msc=True ({MSC_EXTRA_HINT})"
-            )
-        if is_coordinator and has_completion_markers(checkpoint_dir, storage):
-            if not self.config.overwrite:
-                raise CheckpointValidationError(
-                    f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
-                    "overwrite=False; save under a new prefix or delete it first"
-                )
-            logger.warning(
-                "overwriting the torch_dist checkpoint in %s; its completion markers are removed "
-                "first, so it reads as incomplete until this save is finalized",
-                checkpoint_dir,
-            )
-            remove_completion_markers(checkpoint_dir, storage)
 
 
 def register_strategies() -> None:

@@ -37,6 +37,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core import shared_memory
+from megatron_async.core.coordination import local_world_size
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
@@ -97,8 +98,7 @@ def resolve_budget(limit: Any, state_bytes: int) -> int:
     if limit is None:
         return max(state_bytes, 1)
     if isinstance(limit, float):
-        local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-        return max(int(_node_memory_bytes() * limit) // local_ranks, 1)
+        return max(int(_node_memory_bytes() * limit) // local_world_size(), 1)
     return int(limit)
 
 

@@ -81,10 +81,7 @@ class StagingBufferCache:
                     return entry
                 logger.debug("staging buffers of this layout are still being written; using new ones")
                 return None
-            self._entries.move_to_end(key)
-            entry.leased, entry.owner_pid = True, os.getpid()
-            entry.generation = next(_generations)
-            return entry
+            return self._mark_leased(key, entry)
 
     def lease_ahead(self, key: Hashable, ahead: Any) -> Optional[_BufferSet]:
         """Lease ``key``'s buffers to the copy ahead ``ahead`` (recorded on the entry in the
@@ -93,11 +90,16 @@ class StagingBufferCache:
             entry = self._entries.get(key)
             if entry is None or entry.leased or any(b is None for b in entry.buckets):
                 return None
-            self._entries.move_to_end(key)
-            entry.leased, entry.owner_pid = True, os.getpid()
-            entry.generation = next(_generations)
             entry.ahead = ahead
-            return entry
+            return self._mark_leased(key, entry)
+
+    def _mark_leased(self, key: Hashable, entry: _BufferSet) -> _BufferSet:
+        """Lease ``entry`` to this process under a new generation and keep its layout as
+        the latest (with the lock held)."""
+        self._entries.move_to_end(key)
+        entry.leased, entry.owner_pid = True, os.getpid()
+        entry.generation = next(_generations)
+        return entry
 
     def detach_ahead(self, ahead: Any) -> bool:
         """Whether ``ahead`` still held its lease unclaimed; it no longer does (whoever

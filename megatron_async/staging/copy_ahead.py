@@ -48,6 +48,7 @@ import logging
 import os
 from typing import Dict, Hashable, Optional, Tuple
 
+from megatron_async.core.coordination import get_rank
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.copy_pool import Running, copy_threads
 from megatron_async.staging.flat_copy import FlatCopy
@@ -144,7 +145,21 @@ def start_copy_ahead(cache: StagingBufferCache, key: Optional[Hashable]) -> Opti
     no key, the copy ahead not turned on (or the copy on the training thread only,
     ``MEGATRON_ASYNC_STAGING_COPY_THREADS=1``), the layout's buffers missing or in use, or
     no bucket with a one-call copy (CUDA sources, or sources that moved at every save).
+
+    Never fails the save, which it only speeds up: an ``Exception`` while starting is
+    logged at debug level, whatever was started is cancelled (no lease or running copy is
+    left behind) and the result is None; staging then copies as without it. An interrupt
+    is raised once that is done.
     """
+    try:
+        return _start(cache, key)
+    except Exception:
+        logger.debug("rank %d: no copy ahead", get_rank(), exc_info=True)
+        return None
+
+
+def _start(cache: StagingBufferCache, key: Optional[Hashable]) -> Optional[CopyAhead]:
+    """:func:`start_copy_ahead` without its guard: cancels what it started, then raises."""
     for stale in cache.unclaimed_aheads():
         stale.cancel()
     if key is None or not copy_ahead_enabled():

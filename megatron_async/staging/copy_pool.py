@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_async.core.coordination import local_world_size
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
@@ -62,11 +63,7 @@ def copy_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_ranks))
+    return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_world_size()))
 
 
 class CopyThreads:

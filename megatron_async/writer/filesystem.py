@@ -8,7 +8,8 @@ writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
    size-balanced buckets, one file each;
 2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
    tensor to host memory, a real snapshot (``preload_tensors``, see
-   :mod:`megatron_async.staging.buffers`);
+   :mod:`megatron_async.staging.buffers`; the staging step chosen by
+   :mod:`megatron_async.writer.staging_step`);
 3. ``save_fn`` (background writer): write the staged buckets with threads or processes
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
@@ -40,7 +41,6 @@ from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
-from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
 from megatron_async.staging.rounds_control import RoundsControl
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
@@ -65,6 +65,7 @@ from megatron_async.writer.options import (
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
 )
+from megatron_async.writer.staging_step import with_staging_step
 from megatron_async.writer.write_paths import bind_supported
 
 __all__ = [
@@ -269,7 +270,9 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         ``functools.partial`` objects of static methods, so they pickle to the persistent
         worker, and a subclass's overrides are the ones used. ``args`` is
         ``[rank, None, results_queue]``: the caller replaces ``args[1]`` by the result of
-        ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``.
+        ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``. The staging
+        in front of the write (copy ahead, overlapped staging, the staging memory budget)
+        is chosen by :func:`~megatron_async.writer.staging_step.with_staging_step`.
         """
         if not self.write_buckets:
             if self.copy_ahead is not None:
@@ -293,30 +296,13 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             direct_io=self.direct_io,
             staging_control=control,
         )
-        rounds = "staging_control" in save_fn.keywords  # not with an override without it
-        if self.overlap_staging:  # above the budget: rounds copied by the copy thread
-            from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
-
-            if self.copy_ahead is not None:
-                self.copy_ahead.cancel()  # overlapped staging copies on its own thread
-
-            save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
-                save_fn, self.resolved_plan_data, self.staging_cache, self.results_queue
-            )
-        else:
-            preload_fn = bind_supported(
-                self.preload_tensors, (self.resolved_plan_data, True),
-                staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
-            )
-            args, overlapped = [coordination.get_rank(), None, self.results_queue], None
-        # Rounds when the state is larger than the budget, and a wait for an earlier
-        # save's memory instead of a second copy.
         self.staging_stats = {}
-        preload_fn = budgeted_preload(
-            control, preload_fn, self.write_buckets, self.options.staging_memory_limit,
-            self.staging_cache, overlapped, self.staging_stats, rounds=rounds,
+        return with_staging_step(
+            save_fn, self.preload_tensors, control=control, write_buckets=self.write_buckets,
+            resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
+            options=self.options, staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
+            stats=self.staging_stats,
         )
-        return save_fn, preload_fn, args
 
     def _open_file(self) -> Callable[..., Any]:
         """The ``open_file`` the write paths get: ``open``, or the object store's opener."""

@@ -13,6 +13,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.mcore import strategy as strategy_module
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging import buffers
 from megatron_async.staging.copy_ahead import COPY_AHEAD_ENV
@@ -107,19 +108,17 @@ def test_a_structure_change_or_a_failed_save_cancels_it(tmp_path, monkeypatch):
     assert run.aheads[-1] == (True, True, False)
     # A save that fails in the strategy's checks cancels the copy ahead it started; the
     # next save leases the buffers again.
-    failing = run.strategy._check_target
-
     def fail(*args):
         raise CheckpointValidationError("refused for the test")
 
-    monkeypatch.setattr(run.strategy, "_check_target", fail)
     path = str(tmp_path / "refused")
     os.makedirs(path)
-    with pytest.raises(CheckpointValidationError, match="refused for the test"):
-        dist_checkpointing.save(run.state(extra=True), path, sharded_strategy=run.strategy,
-                                async_sharded_save=True, validate_access_integrity=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(strategy_module, "check_save_target", fail)
+        with pytest.raises(CheckpointValidationError, match="refused for the test"):
+            dist_checkpointing.save(run.state(extra=True), path, sharded_strategy=run.strategy,
+                                    async_sharded_save=True, validate_access_integrity=False)
     assert run.strategy.staging_cache.unclaimed_aheads() == []
-    monkeypatch.setattr(run.strategy, "_check_target", failing)
     run.save(extra=True)
     assert run.aheads[-1] == (True, True, False)
 

@@ -186,6 +186,31 @@ def test_nothing_starts_while_a_save_holds_the_buffers_or_when_turned_off(warm_c
     assert start_copy_ahead(cache, KEY) is not None
 
 
+def test_a_failure_while_starting_is_no_copy_ahead_and_leaks_nothing(warm_cache, monkeypatch):
+    # The copy ahead only speeds a save up: a failure while it starts (here the second
+    # bucket's start, after the first bucket's parts are running) must not fail the save.
+    cache, groups = warm_cache
+    started, original = [], FlatCopy.start
+
+    def fail_second(self, threads):
+        if started:
+            raise RuntimeError("could not start")
+        started.append(original(self, threads))
+        return started[-1]
+
+    monkeypatch.setattr(FlatCopy, "start", fail_second)
+    assert start_copy_ahead(cache, KEY) is None
+    assert started and all(future.done() for future, _ in started[0])  # settled, not left running
+    assert cache.unclaimed_aheads() == []
+    monkeypatch.undo()
+    held = cache.lease(KEY, 2)  # the lease went back
+    assert held is not None
+    cache.release((KEY, held.generation))
+    _step(groups, 1)
+    copies, _ = _stage(groups, cache, start_copy_ahead(cache, KEY))
+    _assert_equal(copies, groups)
+
+
 def test_a_stuck_copy_ahead_drops_the_buffers(warm_cache, monkeypatch):
     cache, groups = warm_cache
     ahead = start_copy_ahead(cache, KEY)

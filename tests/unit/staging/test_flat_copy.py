@@ -326,6 +326,8 @@ def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
     assert flat_copy.copy_threads() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert flat_copy.copy_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # as without it
+    assert flat_copy.copy_threads() == 4
     monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "1")
     assert flat_copy.copy_threads() == 1
     monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "64")

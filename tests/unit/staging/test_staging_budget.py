@@ -86,6 +86,13 @@ def test_budget_resolution():
         del os.environ["LOCAL_WORLD_SIZE"]
 
 
+def test_an_unusable_local_world_size_counts_as_one_rank(monkeypatch):
+    node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for value in ("", "eight"):  # torchrun sets a number; anything else must not fail a save
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+        assert resolve_budget(0.5, 1) == int(node * 0.5)
+
+
 def _tensors(count=12, numel=4096, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(numel, generator=generator) for _ in range(count)]

@@ -1,0 +1,125 @@
+"""Check that one save may write into its target directory (every rank, local).
+
+:class:`~megatron_async.mcore.strategy.TorchDistAsyncSaveStrategy` runs
+:func:`check_save_target` on every rank in the local step of its first collective, so a
+refusal on any rank becomes the same error on every rank (see
+:meth:`~megatron_async.mcore.plan_cache.PlanCache.plan_save`). Nothing here runs a
+collective or talks to another rank.
+
+What it checks, in this order:
+
+* no unfinalized save of this process still writes the directory
+  (:data:`~megatron_async.mcore.in_flight.checkpoints_in_flight`);
+* a local directory exists, is a directory and is writable by this rank; an
+  object-storage URL needs ``use_msc`` (a store has no directories or permissions to
+  probe: an unreachable endpoint or a missing bucket fails the first request, which the
+  background writer reports on every rank);
+* on the coordinator only, a complete checkpoint already there: ``overwrite=False``
+  refuses it; otherwise its completion markers are removed first (with a warning), so a
+  save that then fails leaves a directory that every loader sees as incomplete, never a
+  mix of old and new data. megatron-core writes ``common.pt`` before the strategy runs,
+  which is why overwriting is the default (see :mod:`megatron_async.mcore.strategy`).
+
+Raises :class:`~megatron_async.errors.CheckpointInProgressError` for a directory still
+being written and :class:`~megatron_async.errors.CheckpointValidationError` for anything
+else; each message names the rank or the path and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from megatron_async.core import coordination
+from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
+from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
+from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.storage.backend import CheckpointStorage, storage_for
+from megatron_async.storage.client import MSC_EXTRA_HINT
+
+__all__ = ["check_save_target"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool) -> None:
+    """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local).
+
+    On the coordinator, an existing complete checkpoint is refused with
+    ``config.overwrite`` False, or made incomplete first (its completion markers removed).
+
+    Args:
+        checkpoint_dir: the normalized target (a local path or an object-storage URL).
+        config: the strategy's options (``overwrite``, ``use_msc``).
+        is_coordinator: whether this rank handles an existing checkpoint.
+
+    Raises:
+        CheckpointInProgressError: an unfinalized save of this process writes it.
+        CheckpointValidationError: the target is missing, not a directory, not writable,
+            an object-storage URL without ``use_msc``, or a complete checkpoint with
+            ``overwrite=False``.
+    """
+    rank = coordination.get_rank()
+    if checkpoint_dir in checkpoints_in_flight:
+        raise CheckpointInProgressError(
+            f"an earlier save of this process into {checkpoint_dir} is not finalized yet; "
+            "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
+            "or save into another directory"
+        )
+    storage = storage_for(checkpoint_dir)
+    if storage.needs_msc:
+        _check_object_target(checkpoint_dir, config, is_coordinator, storage)
+        return
+    if not os.path.exists(checkpoint_dir):
+        raise CheckpointValidationError(
+            f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
+            "(visible to every rank) before saving"
+        )
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointValidationError(
+            f"rank {rank}: checkpoint path {checkpoint_dir} is not a directory"
+        )
+    if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
+        raise CheckpointValidationError(
+            f"rank {rank}: checkpoint directory {checkpoint_dir} is not writable"
+        )
+    marker = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
+    if is_coordinator and os.path.exists(marker):
+        _overwrite(
+            checkpoint_dir, config, storage,
+            f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
+            "exists) and overwrite=False; save into a new directory or delete it first",
+        )
+
+
+def _check_object_target(
+    checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool, storage: CheckpointStorage
+) -> None:
+    """The checks of :func:`check_save_target` that mean something in an object store."""
+    if not config.use_msc:
+        raise CheckpointValidationError(
+            f"{checkpoint_dir} is an object-storage URL; create the strategy with "
+            f"use_msc=True ({MSC_EXTRA_HINT})"
+        )
+    if is_coordinator and has_completion_markers(checkpoint_dir, storage):
+        _overwrite(
+            checkpoint_dir, config, storage,
+            f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
+            "overwrite=False; save under a new prefix or delete it first",
+        )
+
+
+def _overwrite(
+    checkpoint_dir: str, config: TorchDistSaveConfig, storage: CheckpointStorage, refusal: str
+) -> None:
+    """Refuse the complete checkpoint in ``checkpoint_dir`` with ``refusal`` unless
+    ``config.overwrite``; otherwise remove its completion markers (coordinator)."""
+    if not config.overwrite:
+        raise CheckpointValidationError(refusal)
+    logger.warning(
+        "overwriting the torch_dist checkpoint in %s; its completion markers are removed "
+        "first, so it reads as incomplete until this save is finalized",
+        checkpoint_dir,
+    )
+    remove_completion_markers(checkpoint_dir, storage)

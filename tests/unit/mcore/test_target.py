@@ -1,0 +1,84 @@
+"""The checks of a save's target directory, one rank, without a distributed job."""
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
+from megatron_async.format import COMPLETION_MARKERS
+from megatron_async.mcore import target
+from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.target import check_save_target
+
+
+def _complete(path):
+    for name in COMPLETION_MARKERS:
+        (path / name).write_text("{}")
+    return str(path)
+
+
+def test_a_missing_target_or_a_file_is_refused(tmp_path):
+    config = TorchDistSaveConfig()
+    with pytest.raises(CheckpointValidationError, match="rank 0: .* does not exist; create it"):
+        check_save_target(str(tmp_path / "missing"), config, True)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointValidationError, match="is not a directory"):
+        check_save_target(str(tmp_path / "a-file"), config, True)
+
+
+def test_a_directory_still_being_written_is_refused(tmp_path):
+    token = checkpoints_in_flight.claim(str(tmp_path))
+    try:
+        with pytest.raises(CheckpointInProgressError, match="not finalized yet"):
+            check_save_target(str(tmp_path), TorchDistSaveConfig(), False)
+    finally:
+        checkpoints_in_flight.release(str(tmp_path), token)
+    check_save_target(str(tmp_path), TorchDistSaveConfig(), False)
+
+
+def test_a_complete_checkpoint_is_refused_or_made_incomplete_on_the_coordinator(tmp_path, caplog):
+    path = _complete(tmp_path)
+    refusing = TorchDistSaveConfig(overwrite=False)
+    check_save_target(path, refusing, False)  # only the coordinator looks
+    with pytest.raises(CheckpointValidationError, match="overwrite=False; save into a new directory"):
+        check_save_target(path, refusing, True)
+    assert all(os.path.exists(os.path.join(path, name)) for name in COMPLETION_MARKERS)
+    with caplog.at_level(logging.WARNING, logger=target.__name__):
+        check_save_target(path, TorchDistSaveConfig(), True)
+    assert not any(os.path.exists(os.path.join(path, name)) for name in COMPLETION_MARKERS)
+    assert "overwriting the torch_dist checkpoint" in caplog.text
+
+
+class _FakeStore:
+    """An object store holding the completion markers of one prefix."""
+
+    needs_msc = True
+
+    def __init__(self, prefix):
+        self.files = {f"{prefix}/{name}" for name in COMPLETION_MARKERS}
+
+    def is_file(self, path):
+        return path in self.files
+
+    def remove(self, path):
+        present = path in self.files
+        self.files.discard(path)
+        return present
+
+    def sync_dir(self, path):
+        pass
+
+
+def test_an_object_store_target_needs_use_msc_and_follows_overwrite(monkeypatch):
+    url = "msc://profile/run/iter_1"
+    store = _FakeStore(url)
+    monkeypatch.setattr(target, "storage_for", lambda path: store)
+    with pytest.raises(CheckpointValidationError, match="create the strategy with use_msc=True"):
+        check_save_target(url, SimpleNamespace(use_msc=False, overwrite=True), True)
+    with pytest.raises(CheckpointValidationError, match="overwrite=False; save under a new prefix"):
+        check_save_target(url, SimpleNamespace(use_msc=True, overwrite=False), True)
+    check_save_target(url, SimpleNamespace(use_msc=True, overwrite=True), True)
+    assert store.files == set()
