@@ -8,7 +8,9 @@ from megatron_async.core.caller import AsyncCaller, CallState, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.priority import WriterPriority
-from megatron_async.core.queue import AsyncCallsQueue, _ActiveAsyncRequest
+from megatron_async.core.queue import AsyncCallsQueue
+# Re-exported, not public: megatron-core's async_utils module has it (code imports it).
+from megatron_async.core.queue import _ActiveAsyncRequest as _ActiveAsyncRequest
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.temporal import TemporalAsyncCaller
 

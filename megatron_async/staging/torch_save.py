@@ -38,7 +38,7 @@ import torch
 from torch.serialization import location_tag, normalize_storage_type
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import CheckpointValidationError, StagingMemoryError, StagingRaceError
+from megatron_async.errors import CheckpointValidationError, StagingRaceError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
 from megatron_async.staging.rounds import RoundPlan, join_copy_thread, plan_rounds
 from megatron_async.staging.rounds_control import RoundsControl, wait_for_room

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE

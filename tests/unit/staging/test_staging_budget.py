@@ -75,15 +75,12 @@ def test_invalid_limits_are_refused_once_with_what_to_pass(limit):
         TorchDistSaveConfig(staging_memory_limit=limit)
 
 
-def test_budget_resolution():
+def test_budget_resolution(monkeypatch):
     assert resolve_budget(None, 1234) == 1234  # one copy of the state
     assert resolve_budget(4096, 1234) == 4096
-    os.environ["LOCAL_WORLD_SIZE"] = "4"
-    try:
-        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        assert resolve_budget(0.5, 1) == int(node * 0.5) // 4
-    finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert resolve_budget(0.5, 1) == int(node * 0.5) // 4
 
 
 def test_an_unusable_local_world_size_counts_as_one_rank(monkeypatch):
