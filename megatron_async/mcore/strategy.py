@@ -301,8 +301,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     def _copy_ahead(self) -> Optional[CopyAhead]:
         """Start the staging copy of the cached layout before the save's checks, where it
-        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`, which never
-        fails the save: a copy ahead that cannot start is None, and staging copies)."""
+        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`: a copy ahead
+        that cannot start is None, and staging copies; the cached key is only read here)."""
         if self.config.overlap_staging:
             return None
         return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))

@@ -101,15 +101,15 @@ class StagingBufferCache:
         entry.generation = next(_generations)
         return entry
 
-    def detach_ahead(self, ahead: Any) -> bool:
-        """Whether ``ahead`` still held its lease unclaimed; it no longer does (whoever
-        gets True ends the copy and the lease)."""
+    def detach_ahead(self, ahead: Any) -> Optional[Tuple[Hashable, int]]:
+        """The lease ``(key, generation)`` that ``ahead`` still held unclaimed, or None; it
+        no longer holds it (whoever gets the lease ends the copy and gives it back)."""
         with self._lock:
-            for entry in self._entries.values():
+            for key, entry in self._entries.items():
                 if entry.ahead is ahead:
                     entry.ahead = None
-                    return True
-            return False
+                    return key, entry.generation
+            return None
 
     def unclaimed_aheads(self) -> List[Any]:
         """The copies ahead that hold a lease nobody claimed (a save that failed, or whose

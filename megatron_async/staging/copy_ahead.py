@@ -88,20 +88,29 @@ class CopyAhead:
         self.parts: Dict[int, AheadParts] = {}
         self.claimed = False
 
-    def cancel(self) -> None:
+    def cancel(self, stuck: bool = False) -> None:
         """End an unclaimed copy ahead: wait for every part, give the lease back (training
         thread). A claimed or already cancelled one is left alone. An interrupt while
-        waiting is raised once every part ended or passed its bound."""
-        if not self.cache.detach_ahead(self):
+        waiting is raised once every part ended or passed its bound.
+
+        ``stuck``: a part that is no longer in :attr:`parts` may still write into the
+        buffers (a start that failed past its bound): they are dropped, not given back.
+        """
+        lease = self.cache.detach_ahead(self)
+        if lease is None:
             return
-        stuck, interrupt = True, None
+        interrupt = None
         try:
-            stuck, interrupt = settle_parts(self.take_parts())
+            settled_stuck, interrupt = settle_parts(self.take_parts())
+            stuck = stuck or settled_stuck
+        except BaseException:
+            stuck = True
+            raise
         finally:
             if stuck:  # a copy thread may still write into these buffers
-                self.cache.discard(self.lease)
+                self.cache.discard(lease)
             else:
-                self.cache.release(self.lease)
+                self.cache.release(lease)
         if interrupt is not None:
             raise interrupt
 
@@ -168,17 +177,24 @@ def _start(cache: StagingBufferCache, key: Optional[Hashable]) -> Optional[CopyA
     if threads < 1:
         return None
     ahead = CopyAhead(cache, key)
-    entry = cache.lease_ahead(key, ahead)
+    entry = cache.lease_ahead(key, ahead)  # from here, ahead.cancel() gives the lease back
     if entry is None:
         return None
     try:
         ahead.lease = (key, entry.generation)
         for index, buffers in enumerate(entry.buckets):
             flat = buffers.flat.current if buffers.flat is not None else None
-            if flat is not None:
-                ahead.parts[index] = (flat, flat.start(threads))  # settles its own on failure
+            if flat is None:
+                continue
+            running: Running = []
+            ahead.parts[index] = (flat, running)  # recorded before any part runs
+            try:
+                flat.start(threads, running)
+            except BaseException:
+                del ahead.parts[index]  # start waited for its own parts (or marked them stuck)
+                raise
     except BaseException:
-        ahead.cancel()
+        ahead.cancel(stuck=any(b.flat is not None and b.flat.stuck for b in entry.buckets))
         raise
     if not ahead.parts:
         ahead.cancel()

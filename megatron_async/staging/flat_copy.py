@@ -172,13 +172,17 @@ class FlatCopy:
             raise
         self.finish(running)
 
-    def start(self, max_threads: int) -> Running:
+    def start(self, max_threads: int, running: Optional[Running] = None) -> Running:
         """Hand every part to the copy threads and return the running parts: the copy
         ahead's (:mod:`.copy_ahead`). The pool grows to ``max_threads`` at most for them
         (threads it already has all serve). Parts no thread could take are copied here
-        before this returns."""
+        before this returns. ``running``: the list to record the parts in as they are
+        handed over (the caller's, so that an interrupt cannot lose one); a new one if None.
+
+        If anything fails, the parts handed over are waited for before it is raised
+        (``stuck`` is set for one past its bound)."""
         self._versions = list(map(_version, self._views))  # a view shares its base's counter
-        running: Running = []
+        running = [] if running is None else running
         try:
             for pieces, region in copy_pool.copy_thread_pool().hand_over(self._parts, running, max_threads):
                 torch.cat(pieces, out=region)

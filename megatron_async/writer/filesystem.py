@@ -300,7 +300,8 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         return with_staging_step(
             save_fn, self.preload_tensors, control=control, write_buckets=self.write_buckets,
             resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
-            options=self.options, staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
+            overlap_staging=self.overlap_staging, memory_limit=self.options.staging_memory_limit,
+            staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
             stats=self.staging_stats,
         )
 

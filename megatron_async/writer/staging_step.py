@@ -27,7 +27,6 @@ from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
 from megatron_async.staging.rounds_control import RoundsControl
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket
-from megatron_async.writer.options import WriteOptions
 from megatron_async.writer.write_paths import bind_supported
 
 __all__ = ["with_staging_step"]
@@ -41,7 +40,8 @@ def with_staging_step(
     write_buckets: List[WriteBucket],
     resolved_plan_data: ResolvedPlanData,
     results_queue: Any,
-    options: WriteOptions,
+    overlap_staging: bool,
+    memory_limit: Any,
     staging_cache: Optional[StagingBufferCache],
     copy_ahead: Any,
     stats: dict,
@@ -59,7 +59,8 @@ def with_staging_step(
         write_buckets: the save's buckets.
         resolved_plan_data: what ``preload_tensors`` stages.
         results_queue: where the background writer reports.
-        options: the writer's options (``overlap_staging``, ``staging_memory_limit``).
+        overlap_staging: the writer's ``overlap_staging`` (the copy on a trainer thread).
+        memory_limit: the writer's ``staging_memory_limit`` (the budget).
         staging_cache: the trainer's reusable staging buffers.
         copy_ahead: the save's copy ahead, or None; handed to plain staging, or cancelled.
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
@@ -70,7 +71,7 @@ def with_staging_step(
         in ``args[1]``).
     """
     rounds = "staging_control" in save_fn.keywords
-    if options.overlap_staging:  # above the budget: rounds copied by the copy thread
+    if overlap_staging:  # above the budget: rounds copied by the copy thread
         if copy_ahead is not None:
             copy_ahead.cancel()  # overlapped staging copies on its own thread
         save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
@@ -83,7 +84,7 @@ def with_staging_step(
         )
         args, overlapped = [coordination.get_rank(), None, results_queue], None
     preload_fn = budgeted_preload(
-        control, preload_fn, write_buckets, options.staging_memory_limit,
+        control, preload_fn, write_buckets, memory_limit,
         staging_cache, overlapped, stats, rounds=rounds,
     )
     return save_fn, preload_fn, args

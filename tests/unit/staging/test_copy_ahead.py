@@ -186,28 +186,99 @@ def test_nothing_starts_while_a_save_holds_the_buffers_or_when_turned_off(warm_c
     assert start_copy_ahead(cache, KEY) is not None
 
 
+def _fail_second_start(patch, fail):
+    """Let the first bucket's :meth:`FlatCopy.start` run; ``fail(flat)`` raises in the
+    second's. Returns the list that receives the first bucket's running parts."""
+    started, original = [], FlatCopy.start
+
+    def start(self, threads, running=None):
+        if started:
+            fail(self)
+        started.append(original(self, threads, running))
+        return started[-1]
+
+    patch.setattr(FlatCopy, "start", start)
+    return started
+
+
 def test_a_failure_while_starting_is_no_copy_ahead_and_leaks_nothing(warm_cache, monkeypatch):
     # The copy ahead only speeds a save up: a failure while it starts (here the second
     # bucket's start, after the first bucket's parts are running) must not fail the save.
     cache, groups = warm_cache
-    started, original = [], FlatCopy.start
 
-    def fail_second(self, threads):
-        if started:
-            raise RuntimeError("could not start")
-        started.append(original(self, threads))
-        return started[-1]
+    def fail(flat):
+        raise RuntimeError("could not start")
 
-    monkeypatch.setattr(FlatCopy, "start", fail_second)
-    assert start_copy_ahead(cache, KEY) is None
+    with monkeypatch.context() as patch:
+        started = _fail_second_start(patch, fail)
+        assert start_copy_ahead(cache, KEY) is None
     assert started and all(future.done() for future, _ in started[0])  # settled, not left running
     assert cache.unclaimed_aheads() == []
-    monkeypatch.undo()
     held = cache.lease(KEY, 2)  # the lease went back
     assert held is not None
     cache.release((KEY, held.generation))
     _step(groups, 1)
-    copies, _ = _stage(groups, cache, start_copy_ahead(cache, KEY))
+    ahead = start_copy_ahead(cache, KEY)
+    assert ahead is not None  # and the copy ahead works again
+    copies, _ = _stage(groups, cache, ahead)
+    _assert_equal(copies, groups)
+
+
+def test_a_start_stuck_past_its_bound_drops_the_buffers(warm_cache, monkeypatch):
+    # A part of the second bucket is still running past its bound when its start fails:
+    # a copy thread may write into the layout's buffers, so nobody may lease them again.
+    cache, groups = warm_cache
+
+    def stuck(flat):
+        flat.stuck = True  # as FlatCopy.settle marks a part past its bound
+        raise StagingCopyTimeoutError("a part is stuck")
+
+    with monkeypatch.context() as patch:
+        _fail_second_start(patch, stuck)
+        assert start_copy_ahead(cache, KEY) is None
+    assert cache.unclaimed_aheads() == [] and cache.num_bytes() == 0  # dropped, not lent again
+    copies, _ = _stage(groups, cache)
+    _assert_equal(copies, groups)
+
+
+def test_an_interrupt_while_starting_is_raised_and_leaks_nothing(warm_cache, monkeypatch):
+    cache, _ = warm_cache
+
+    def interrupt(flat):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        started = _fail_second_start(patch, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            start_copy_ahead(cache, KEY)
+    assert all(future.done() for future, _ in started[0])
+    assert cache.unclaimed_aheads() == []
+    held = cache.lease(KEY, 2)
+    assert held is not None
+    cache.release((KEY, held.generation))
+
+
+def test_an_interrupt_right_after_leasing_leaves_a_lease_the_next_start_gives_back(
+    warm_cache, monkeypatch
+):
+    # Between the cache lending the buffers and the copy ahead's own bookkeeping: the
+    # lease is recorded on the cache entry, so the next start cancels it and leases anew.
+    cache, groups = warm_cache
+    original = StagingBufferCache.lease_ahead
+
+    def interrupted(self, key, ahead):
+        original(self, key, ahead)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StagingBufferCache, "lease_ahead", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            start_copy_ahead(cache, KEY)
+    assert len(cache.unclaimed_aheads()) == 1
+    _step(groups, 1)
+    ahead = start_copy_ahead(cache, KEY)
+    assert ahead is not None
+    copies, _ = _stage(groups, cache, ahead)
     _assert_equal(copies, groups)
 
 
@@ -220,11 +291,11 @@ def test_a_stuck_copy_ahead_drops_the_buffers(warm_cache, monkeypatch):
             future.result(timeout=30)
         return True, None, StagingCopyTimeoutError("stuck")
 
-    monkeypatch.setattr(copy_pool, "wait_all", stuck)
-    with pytest.raises(StagingCopyTimeoutError):
-        _stage(groups, cache, ahead)
+    with monkeypatch.context() as patch:
+        patch.setattr(copy_pool, "wait_all", stuck)
+        with pytest.raises(StagingCopyTimeoutError):
+            _stage(groups, cache, ahead)
     assert cache.num_bytes() == 0  # discarded: never lent again
-    monkeypatch.undo()
     copies, _ = _stage(groups, cache)
     _assert_equal(copies, groups)
 
@@ -242,12 +313,14 @@ def test_a_failed_part_fails_staging_when_it_was_needed(warm_cache, monkeypatch)
         return original(self, running)
 
     original = FlatCopy.finish
-    monkeypatch.setattr(FlatCopy, "finish", fail_once)
-    with pytest.raises(RuntimeError, match="copy failed"):
-        _stage(groups, cache, ahead)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(FlatCopy, "finish", fail_once)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            _stage(groups, cache, ahead)
     _step(groups, 1)
-    copies, _ = _stage(groups, cache, start_copy_ahead(cache, KEY))  # the buffers went back
+    ahead = start_copy_ahead(cache, KEY)
+    assert ahead is not None  # the buffers went back
+    copies, _ = _stage(groups, cache, ahead)
     _assert_equal(copies, groups)
 
 
