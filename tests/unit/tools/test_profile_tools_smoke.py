@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -51,6 +52,28 @@ def test_warm_stall_times_both_callers_their_phases_and_a_profile():
         assert f"== {caller}: the last save's call, by own time ==" in out
     assert re.search(r"encoding the request \(persistent\) +[\d.]+ ms", out), out
     assert re.search(r"staging \(copy into shared memory\) +[\d.]+ ms", out), out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(180)
+def test_warm_stall_of_device_tensors_times_the_three_device_to_host_copies():
+    out = _run("-m", "tools.bench.micro.warm_stall", "--device", "cuda", "--tensors", "20",
+               "--tensor-bytes", "1KiB", "--saves", "3", "--callers", "persistent", "--phases")
+    assert re.search(r"20 tensors x 1024 B = [\d.]+ MiB, 1 rank; one device-to-host copy "
+                     r"[\d.]+ ms", out), out
+    for label in ("one flat copy", "one copy per tensor", r"device gather \+ one copy"):
+        assert re.search(rf"device-to-host, {label}: [\d.]+ ms", out), out
+    assert re.search(r"persistent: warm stall median .* 2 saves reused the plan", out), out
+    assert re.search(r"staging \(copy into shared memory\) +[\d.]+ ms", out), out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the test above")
+@pytest.mark.timeout(120)
+def test_warm_stall_refuses_device_tensors_without_a_gpu():
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.micro.warm_stall", "--device", "cuda"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(180)

@@ -19,6 +19,14 @@ wrapped in this process only) and their medians over the warm saves printed::
     python -m tools.bench.micro.warm_stall --callers persistent,temporal --saves 12
     python -m tools.bench.micro.warm_stall --callers persistent --profile
     python -m tools.bench.micro.warm_stall --phases
+    python -m tools.bench.micro.warm_stall --device cuda --callers persistent --phases
+
+With ``--device cuda`` the tensors live on the GPU, the stall is compared with one
+device-to-host copy of the same bytes into pinned memory, and two more copies are timed
+beside it: one copy per tensor into pinned memory (what a copy per tensor costs on top),
+and a device-side gather (``torch.cat`` on the GPU) followed by one copy (what gathering
+first would cost). Together they say whether many small device tensors are worth
+gathering before the copy (issue 24, item 4).
 
 To compare revisions, run it with an extracted older ``megatron_async`` first on the
 path (``python -m`` puts the current folder first, so run that one from the extracted
@@ -61,6 +69,33 @@ def memcpy_seconds(num_bytes: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def device_copy_seconds(tensors: List[torch.Tensor]) -> Dict[str, float]:
+    """Best of a few device-to-host copies of ``tensors`` (1-D, on one CUDA device) into one
+    pinned buffer: as one flat copy, one copy per tensor, and a device gather + one copy."""
+    flat = torch.cat(tensors)  # the gather's device scratch, and the flat copy's source
+    pinned = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+    pinned_parts = list(pinned.split([t.numel() for t in tensors]))
+
+    def best(copy) -> float:
+        copy()
+        torch.cuda.synchronize()
+        fastest = float("inf")
+        for _ in range(_COPY_REPEATS):
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            fastest = min(fastest, time.perf_counter() - start)
+        return fastest
+
+    return {
+        "one flat copy": best(lambda: pinned.copy_(flat, non_blocking=True)),
+        "one copy per tensor": best(
+            lambda: torch._foreach_copy_(pinned_parts, tensors, non_blocking=True)),
+        "device gather + one copy": best(
+            lambda: pinned.copy_(torch.cat(tensors, out=flat), non_blocking=True)),
+    }
 
 
 _PHASES = (
@@ -154,6 +189,8 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
                 profiler.disable()
             stalls.append(time.perf_counter() - start)
             torch._foreach_add_(tensors, 1.0)  # the training step while the write runs
+            if tensors[0].is_cuda:
+                torch.cuda.synchronize()  # the next stall is the save's alone
             queue.maybe_finalize_async_calls(blocking=True)
             if index > 0:
                 shutil.rmtree(os.path.join(workdir, f"iter_{index - 1:07d}"), ignore_errors=True)
@@ -188,6 +225,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tensor-bytes", default="16KiB")
     parser.add_argument("--saves", type=int, default=10, help="saves per caller; the first is cold")
     parser.add_argument("--callers", default="persistent,temporal")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live (cuda: the stall is compared with one "
+                             "device-to-host copy into pinned memory)")
     parser.add_argument("--gap-s", type=float, default=0.0,
                         help="seconds of 'training' after a save is complete, before the next "
                              "(lets the previous save's write-back and clean-up settle, as "
@@ -201,20 +241,27 @@ def main(argv=None) -> None:
     import megatron_async
 
     print(f"megatron_async from {os.path.dirname(megatron_async.__file__)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     tensor_bytes = _parse_bytes(args.tensor_bytes)
     workdir = tempfile.mkdtemp(prefix="megatron_async_warm_stall_")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     torch.set_num_threads(1)
-    tensors = [torch.rand(tensor_bytes // 4) for _ in range(args.tensors)]
+    tensors = [torch.rand(tensor_bytes // 4, device=args.device) for _ in range(args.tensors)]
     total = args.tensors * (tensor_bytes // 4) * 4
     phases = time_phases() if args.phases else {}
     try:
-        memcpy_s = memcpy_seconds(total)
+        copies = device_copy_seconds(tensors) if args.device == "cuda" else {}
+        memcpy_s = copies["one flat copy"] if copies else memcpy_seconds(total)
+        what = "one device-to-host copy" if copies else "one memory copy"
         print(f"{args.tensors} tensors x {tensor_bytes} B = {total / 2**20:.1f} MiB, 1 rank; "
-              f"one memory copy {memcpy_s * 1e3:.1f} ms; target 1.5 x memcpy + 5 ms = "
+              f"{what} {memcpy_s * 1e3:.1f} ms; target 1.5 x memcpy + 5 ms = "
               f"{(1.5 * memcpy_s + 0.005) * 1e3:.1f} ms")
+        for label, seconds in copies.items():
+            print(f"  device-to-host, {label}: {seconds * 1e3:.1f} ms "
+                  f"({total / seconds / 1e9:.1f} GB/s)")
         threads = _staging_copy_threads()
-        if threads > 1:  # staging copies a large bucket on several threads: say what that buys
+        if threads > 1 and not copies:  # staging copies a CPU bucket on several threads
             torch.set_num_threads(threads)
             print(f"one memory copy on {threads} threads (torch's own parallel copy_, the "
                   f"threads staging may use): {memcpy_seconds(total) * 1e3:.1f} ms")
