@@ -72,19 +72,18 @@ def _no_copy_ahead() -> None:
 class CopyAhead:
     """The running staging copy of one cached layout, before its save claimed it (trainer).
 
+    The lease of the buffers is recorded by the cache (on the layout's entry, see
+    :meth:`~.buffer_cache.StagingBufferCache.lease_ahead`), not here: :meth:`cancel`
+    gives back what :meth:`~.buffer_cache.StagingBufferCache.detach_ahead` returns.
+
     Attributes:
-        key: the layout's staging key.
-        lease: ``(key, generation)`` of the buffers, as :class:`~.buffers.StagedBuckets`
-            holds it once claimed (None until leased).
         parts: per bucket index, the one-call copy and the parts of it handed to the copy
             threads.
         claimed: set by the cache when staging took the lease over.
     """
 
-    def __init__(self, cache: StagingBufferCache, key: Hashable) -> None:
+    def __init__(self, cache: StagingBufferCache) -> None:
         self.cache = cache
-        self.key = key
-        self.lease: Optional[Tuple[Hashable, int]] = None
         self.parts: Dict[int, AheadParts] = {}
         self.claimed = False
 
@@ -176,12 +175,11 @@ def _start(cache: StagingBufferCache, key: Optional[Hashable]) -> Optional[CopyA
     threads = copy_threads() - 1  # the training thread runs the checks meanwhile
     if threads < 1:
         return None
-    ahead = CopyAhead(cache, key)
+    ahead = CopyAhead(cache)
     entry = cache.lease_ahead(key, ahead)  # from here, ahead.cancel() gives the lease back
     if entry is None:
         return None
     try:
-        ahead.lease = (key, entry.generation)
         for index, buffers in enumerate(entry.buckets):
             flat = buffers.flat.current if buffers.flat is not None else None
             if flat is None:

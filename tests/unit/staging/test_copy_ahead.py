@@ -78,10 +78,11 @@ def test_staging_uses_the_copy_started_ahead_and_gets_the_current_values(warm_ca
         _step(groups, value)
         ahead = start_copy_ahead(cache, KEY)
         assert ahead is not None and sorted(ahead.parts) == [0, 1]
+        generation = cache._entries[KEY].generation  # the lease the copy ahead took
         with monkeypatch.context() as patch:
             _no_copy_at_staging(patch)
             copies, lease = _stage(groups, cache, ahead)
-        assert ahead.claimed and lease == ahead.lease
+        assert ahead.claimed and lease == (KEY, generation)
         _assert_equal(copies, groups)
     assert cache.lease(KEY, 2) is not None  # the lease went back
 
@@ -212,7 +213,8 @@ def test_a_failure_while_starting_is_no_copy_ahead_and_leaks_nothing(warm_cache,
     with monkeypatch.context() as patch:
         started = _fail_second_start(patch, fail)
         assert start_copy_ahead(cache, KEY) is None
-    assert started and all(future.done() for future, _ in started[0])  # settled, not left running
+    assert started and started[0]  # the first bucket's parts went to the copy threads
+    assert all(future.done() for future, _ in started[0])  # settled, not left running
     assert cache.unclaimed_aheads() == []
     held = cache.lease(KEY, 2)  # the lease went back
     assert held is not None
@@ -251,7 +253,7 @@ def test_an_interrupt_while_starting_is_raised_and_leaks_nothing(warm_cache, mon
         started = _fail_second_start(patch, interrupt)
         with pytest.raises(KeyboardInterrupt):
             start_copy_ahead(cache, KEY)
-    assert all(future.done() for future, _ in started[0])
+    assert started[0] and all(future.done() for future, _ in started[0])
     assert cache.unclaimed_aheads() == []
     held = cache.lease(KEY, 2)
     assert held is not None
@@ -328,4 +330,4 @@ def test_a_copy_ahead_pickles_as_none():
     import pickle
 
     cache = StagingBufferCache()
-    assert pickle.loads(pickle.dumps(copy_ahead.CopyAhead(cache, KEY))) is None
+    assert pickle.loads(pickle.dumps(copy_ahead.CopyAhead(cache))) is None
