@@ -4,12 +4,19 @@ import copy
 import pickle
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
-from tools.bench.scale import shard_write_item as _item
+
+
+def _item(fqn, offsets, sizes, whole):
+    """A shard's write item with a new torch.Size per value, as DCP's planner builds it."""
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    return WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=chunk, size=torch.Size(whole),
+                                                 properties=TensorProperties(dtype=torch.bfloat16)))
 
 
 def _plan(layers=50):
