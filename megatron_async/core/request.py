@@ -13,6 +13,8 @@ from megatron_async.errors import FrozenRequestError, RankFailure
 __all__ = [
     "AsyncRequest",
     "STAGED_ARG_INDEX",
+    "adapt_finalize_fn",
+    "register_finalize_step_adapter",
     "release_staged_data",
     "run_staging_and_async_fn",
     "start_background_copy",
@@ -28,6 +30,33 @@ This is the convention of megatron-core's and nvidia-resiliency-ext's writers
 (``(transform_list, write_buckets, results_queue)``-style argument tuples), kept so that
 requests built by either library run on our callers and ours on theirs.
 """
+
+
+FinalizeStepAdapter = Callable[[Callable[[], Any]], Optional[Callable[[], Any]]]
+_finalize_step_adapters: List[FinalizeStepAdapter] = []
+
+
+def register_finalize_step_adapter(adapter: FinalizeStepAdapter) -> None:
+    """Let a layer above the queue swap finalize steps it knows for its own (every rank).
+
+    ``adapter(fn)`` returns the replacement of ``fn``, or None to keep ``fn``. Every request
+    is adapted when it is scheduled (:meth:`AsyncRequest.freeze`) or run synchronously,
+    whoever built it: :mod:`megatron_async.mcore.finalize` registers the gloo-safe
+    replacements of megatron-core's own steps this way, so that a request built by
+    megatron-core's stock strategy never waits in a default-group barrier on our queue.
+    Registering the same adapter again changes nothing.
+    """
+    if adapter not in _finalize_step_adapters:
+        _finalize_step_adapters.append(adapter)
+
+
+def adapt_finalize_fn(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, or the replacement the first registered adapter gives for it (every rank)."""
+    for adapter in _finalize_step_adapters:
+        replacement = adapter(fn)
+        if replacement is not None:
+            return replacement
+    return fn
 
 
 class AsyncRequest(NamedTuple):
@@ -76,8 +105,9 @@ class AsyncRequest(NamedTuple):
         self.finalize_fns.append(fn)
 
     def freeze(self) -> "AsyncRequest":
-        """Return a copy that refuses further finalize functions."""
-        return self._replace(is_frozen=True)
+        """Return a copy that refuses further finalize functions, with the registered
+        replacements swapped in (:func:`register_finalize_step_adapter`)."""
+        return self._replace(is_frozen=True, finalize_fns=list(map(adapt_finalize_fn, self.finalize_fns)))
 
     def without_finalize_fns(self) -> "AsyncRequest":
         """Return a copy without finalize functions (what is sent to a background process)."""
@@ -98,7 +128,7 @@ class AsyncRequest(NamedTuple):
             logger.error("rank %d: synchronous save failed: %s", coordination.get_rank(), exc)
             failure = RankFailure.from_exception(coordination.get_rank(), "write", exc)
         coordination.raise_if_any_rank_failed(failure)
-        for fn in self.finalize_fns:
+        for fn in map(adapt_finalize_fn, self.finalize_fns):
             fn()
 
 

@@ -11,9 +11,13 @@ raises alone and the other ranks sit in that barrier until the default group's t
 (10-30 minutes), where a training collective of rank 0 may even pair with it.
 
 Our requests therefore carry a :class:`FinalizeFnList`: when megatron-core appends that
-step, the list stores an equivalent one instead, which writes ``metadata.json`` atomically
-(temporary file, fsync, rename) on rank 0 and agrees on the outcome over the gloo
-coordination group, so a failure raises the same error on every rank. Runs on every rank.
+step, the list stores an equivalent one instead (so the swap holds on megatron-core's own
+queue too). Requests that megatron-core's stock strategy built with a plain list get the
+same swap when our queue schedules them: the replacement is registered with
+:func:`~megatron_async.core.request.register_finalize_step_adapter`. The replacement
+writes ``metadata.json`` atomically (temporary file, fsync, rename) on rank 0 and agrees
+on the outcome over the gloo coordination group, so a failure raises the same error on
+every rank. Runs on every rank.
 
 megatron-core 0.18+ appends a second such step with ``save(..., verify_integrity=True)``:
 rank 0 writes a SHA-256 manifest of the checkpoint's files, then a default-group barrier.
@@ -34,6 +38,7 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
+from megatron_async.core.request import register_finalize_step_adapter
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure
 from megatron_async.format import MEGATRON_METADATA_FILE
@@ -126,6 +131,9 @@ def _replacement_for(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
     except (KeyError, AttributeError, TypeError) as exc:  # another megatron-core layout
         logger.warning("keeping megatron-core's own finalize step %s (%s)", step, exc)
         return None
+
+
+register_finalize_step_adapter(_replacement_for)
 
 
 class FinalizeFnList(list):

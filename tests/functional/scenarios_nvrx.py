@@ -11,10 +11,13 @@ megatron-core's loader.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import traceback
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -88,6 +91,23 @@ def nvrx_modules_switch_by_import(ctx, persistent):
     assert gathered == [1, 0, 0], gathered
 
 
+@contextlib.contextmanager
+def _default_group_barriers():
+    """Record the ``torch.distributed.barrier`` calls on the default group meanwhile."""
+    calls, original = [], dist.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        if group is None:
+            calls.append(traceback.extract_stack(limit=2)[0].name)  # the caller
+        return original(group, *args, **kwargs)
+
+    dist.barrier = barrier
+    try:
+        yield calls
+    finally:
+        dist.barrier = original
+
+
 def stock_megatron_through_served_modules(ctx, persistent):
     """megatron-core 0.17+'s own ``TorchDistSaveShardedStrategy`` with its default
     ``async_strategy="nvrx"`` plans, writes and commits through our modules once they are
@@ -115,8 +135,13 @@ def stock_megatron_through_served_modules(ctx, persistent):
             _model_state(ctx, 6.0 + step), path, sharded_strategy=strategy, async_sharded_save=True
         )
         assert isinstance(request, AsyncRequest), type(request)
+        assert type(request.finalize_fns) is list  # megatron-core's own, with its barrier step
         _queue(persistent).schedule_async_request(request)
-        _queue(persistent).maybe_finalize_async_calls(blocking=True)
+        with _default_group_barriers() as barriers:
+            _queue(persistent).maybe_finalize_async_calls(blocking=True)
+        # megatron-core's metadata.json step waits in a default-group barrier (NCCL in a
+        # GPU job, unbounded by our coordination timeout); our queue runs the gloo-safe one
+        assert barriers == [], barriers
         gathered.append(saver_internals.get_plan_gather_count() - before)
         assert os.path.exists(os.path.join(path, checksum_record_name(ctx.rank))), sorted(os.listdir(path))
         _check_checkpoint(ctx, path, 6.0 + step)

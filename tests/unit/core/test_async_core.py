@@ -51,6 +51,31 @@ def test_frozen_request_refuses_finalize_fns():
     assert len(frozen.finalize_fns) == 1
 
 
+def test_registered_finalize_step_adapters_swap_steps_when_scheduled_or_run(tmp_path, monkeypatch):
+    from megatron_async.core import request as request_module
+
+    calls = []
+
+    def theirs():
+        calls.append("theirs")
+
+    def ours():
+        calls.append("ours")
+
+    def other():
+        calls.append("other")
+
+    monkeypatch.setattr(request_module, "_finalize_step_adapters", [])
+    request_module.register_finalize_step_adapter(lambda fn: ours if fn is theirs else None)
+    request_module.register_finalize_step_adapter(lambda fn: None)
+    assert len(request_module._finalize_step_adapters) == 2
+    request = AsyncRequest(None, (), [theirs, other])
+    assert request.freeze().finalize_fns == [ours, other]
+    assert request.finalize_fns == [theirs, other]  # the caller's request is left alone
+    request.execute_sync()
+    assert calls == ["ours", "other"]
+
+
 def test_execute_sync_stages_into_second_argument_and_finalizes_in_order(tmp_path):
     calls = []
     request = AsyncRequest(
