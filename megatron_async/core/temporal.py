@@ -20,6 +20,7 @@ from megatron_async.core.process_lifetime import (
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.hand_over import run_preload
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request import (
@@ -37,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def _synchronize_cuda_if_used() -> None:
-    """Let pending device-to-host copies land before forking (only when CUDA is in use)."""
+    """Let the device-to-host copies queued on the current device's current stream land
+    before forking, bounded (only when CUDA is in use; staging already waited for its own)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        wait_for_device_copies([torch.device("cuda", torch.cuda.current_device())])
 
 
 def _run_forked_call(

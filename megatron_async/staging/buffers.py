@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
+from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import (
@@ -70,6 +71,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_written_after_failure: List["_BucketBuffers"] = []
+"""Buffers of failed stagings that a device copy may still write into: kept for the life of
+the process, since freeing page-locked memory under a running copy is undefined."""
 
 
 @dataclasses.dataclass
@@ -252,19 +257,23 @@ def stage_buckets(
                 detached = [source.detach() for source in sources]
                 result.uncopied.extend(zip(items, detached, buffers.tensors))
             elif not copied and not _copy_flat(buffers, sources, build=True):
+                cuda_devices.update(buffers.cuda_devices)  # before: a failing copy may queue some
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
-                cuda_devices.update(buffers.cuda_devices)
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         _settle(ahead)  # buckets this save's items did not reach (none, normally)
-        for device in cuda_devices:
-            torch.cuda.synchronize(device)
+        wait_for_device_copies(cuda_devices)
+        cuda_devices.clear()
     except BaseException:
         settle_parts(ahead)  # every part ends first; the error that brought us here wins
-        if entry is not None and any(b is not None and b.flat is not None and b.flat.stuck
-                                     for b in entry.buckets):
-            cache.discard(result.lease)  # a stuck copy thread may still write into them
+        device_writes = bool(cuda_devices) and not _device_copies_done(cuda_devices)
+        if device_writes or entry is not None and any(
+                b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):
+            cache.discard(result.lease)  # a stuck copy may still write into them
             result.lease = None
+            if device_writes:  # and freeing page-locked memory under a device copy is undefined
+                _written_after_failure.extend(result._fresh)
+                _written_after_failure.extend(b for b in (entry.buckets if entry else ()) if b is not None)
         else:
             result.release()
         raise
@@ -311,6 +320,16 @@ def _copy_flat(
     return buffers.flat is not None and buffers.flat.copy(
         sources, buffers.tensors, buffers.segment, build, ahead
     )
+
+
+def _device_copies_done(devices: Set[torch.device]) -> bool:
+    """Whether the copies queued on ``devices`` ran, checked for a second at most (stager,
+    after a failure: a device error or an interrupt only says that they may still run)."""
+    try:
+        wait_for_device_copies(devices, timeout_s=1.0)
+    except BaseException:  # the failure that brought us here is the one raised
+        return False
+    return True
 
 
 def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:

@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from megatron_async.core.device_wait import wait_for_device_copies
+
 __all__ = ["copy_tensor_to_host", "snapshot_to_host", "synchronize_if_cuda"]
 
 logger = logging.getLogger(__name__)
@@ -36,14 +38,17 @@ def copy_tensor_to_host(tensor: torch.Tensor, non_blocking: bool = True) -> torc
 
 
 def synchronize_if_cuda(tensors: List[torch.Tensor]) -> None:
-    """Wait for pending device-to-host copies from every CUDA device among ``tensors``.
+    """Wait, bounded, for the device-to-host copies this thread queued from every CUDA
+    device among ``tensors`` (each device's current stream, not just the current device's:
+    a copy from another device runs on that device's stream).
 
-    Each device is synchronized, not just the current one: a copy from another device
-    runs on that device's stream.
+    Raises:
+        DeviceCopyTimeoutError: a device made no progress within
+            :data:`~megatron_async.core.device_wait.DEVICE_COPY_WAIT_S`.
     """
     devices = {t.device for t in tensors if t.device.type == "cuda"}
-    for device in devices:
-        torch.cuda.synchronize(device)
+    if devices:
+        wait_for_device_copies(devices)
 
 
 def snapshot_to_host(obj: Any) -> Any:

@@ -1,7 +1,6 @@
 """Single-process behaviour of the async core: requests, both callers, the queue."""
 
 import functools
-import os
 import time
 
 import pytest

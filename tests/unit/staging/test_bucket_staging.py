@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -245,3 +246,41 @@ def test_sources_that_require_grad_are_copied_without_autograd():
     assert not any(copy.requires_grad for copy in copies)
     assert torch.equal(copies[0], torch.ones(3)) and torch.equal(copies[1], torch.zeros(2, 2))
     staged.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("copies_land", [True, False], ids=["copies-land", "copies-pending"])
+def test_a_failed_device_wait_lends_the_buffers_again_only_once_the_copies_landed(monkeypatch, copies_land):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async.core.device_wait import DeviceCopyTimeoutError
+    from megatron_async.staging import buffers
+    from megatron_async.writer.layout import WriteBucket
+
+    clear_staging_cache(include_in_use=True)
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    buckets = [WriteBucket("/unused", "unused", ([], [(item, torch.ones(1 << 20, device="cuda"))]))]
+    real_wait, calls = buffers.wait_for_device_copies, []
+
+    def wait(devices, timeout_s=600.0):
+        calls.append(set(devices))
+        if len(calls) == 1 or not copies_land:
+            raise DeviceCopyTimeoutError("injected: the device made no progress")
+        real_wait(devices, timeout_s)
+
+    kept = len(buffers._written_after_failure)
+    try:
+        stage_buckets(buckets, True, "layout").release()  # the layout's buffers, cached
+        calls.clear()
+        monkeypatch.setattr(buffers, "wait_for_device_copies", wait)
+        with pytest.raises(DeviceCopyTimeoutError, match="injected"):
+            stage_buckets(buckets, True, "layout")
+        assert calls[0] == {torch.device("cuda", torch.cuda.current_device())}
+        assert len(calls) == 2  # the staging's wait, then the second look after the failure
+        entry = buffers.default_staging_cache().lease("layout", 1)
+        assert (entry is not None and entry.buckets[0] is not None) == copies_land  # the old ones
+        assert len(buffers._written_after_failure) == kept + (0 if copies_land else 1)
+    finally:
+        clear_staging_cache(include_in_use=True)

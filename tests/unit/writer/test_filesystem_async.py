@@ -410,6 +410,8 @@ def test_staging_cpu_tensors_never_touches_cuda(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
     monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    monkeypatch.setattr(torch.cuda, "Event", no_cuda)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
     _save(tmp_path, {"a": torch.ones(4)}, thread_count=2)
 
 

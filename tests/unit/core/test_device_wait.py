@@ -1,0 +1,82 @@
+"""wait_for_device_copies: an event on each device's current stream, polled against a deadline.
+
+No GPU here: torch.cuda's Event and current_stream are replaced by fakes that say when
+the device "ran" the copies. The real thing runs in the gpu-marked staging tests.
+"""
+
+import time
+
+import pytest
+import torch
+
+from megatron_async.core import device_wait
+from megatron_async.core.device_wait import DeviceCopyTimeoutError, wait_for_device_copies
+from megatron_async.errors import AsyncTimeoutError
+
+
+class _FakeDevice:
+    """Streams and events of fake devices: an event is done after ``polls`` queries."""
+
+    def __init__(self, monkeypatch, polls):
+        self.recorded, self.queries, self.polls = [], 0, polls
+        fake = self
+
+        class Event:
+            def record(self, stream):
+                fake.recorded.append(stream)
+
+            def query(self):
+                fake.queries += 1
+                return fake.polls is not None and fake.queries > fake.polls
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream of", device))
+        monkeypatch.setattr(torch.cuda, "synchronize", self._refuse)
+
+    @staticmethod
+    def _refuse(*args, **kwargs):
+        raise AssertionError("a device-wide synchronize waits for every stream, unbounded")
+
+
+def test_waits_on_each_devices_current_stream_until_the_event_ran(monkeypatch):
+    fake = _FakeDevice(monkeypatch, polls=5)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    wait_for_device_copies(devices, timeout_s=5.0)
+    assert fake.recorded == [("stream of", devices[0]), ("stream of", devices[1])]
+    assert fake.queries == 7  # five "not yet" and one "done" for the first, one for the second
+
+
+def test_nothing_to_wait_for_touches_no_device(monkeypatch):
+    fake = _FakeDevice(monkeypatch, polls=0)
+    wait_for_device_copies([])
+    assert fake.recorded == [] and fake.queries == 0
+
+
+def test_a_device_that_makes_no_progress_fails_within_the_bound(monkeypatch):
+    _FakeDevice(monkeypatch, polls=None)  # never done
+    started = time.monotonic()
+    with pytest.raises(DeviceCopyTimeoutError, match="cuda:0 to host memory did not finish") as raised:
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=0.05)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(raised.value, AsyncTimeoutError)
+    assert "previous checkpoint is kept" in str(raised.value)
+
+
+def test_polls_back_off_to_a_short_pause(monkeypatch):
+    _FakeDevice(monkeypatch, polls=12)
+    pauses = []
+    monkeypatch.setattr(device_wait.time, "sleep", pauses.append)
+    wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0)
+    assert len(pauses) == 12 and pauses == sorted(pauses)
+    assert pauses[0] <= 50e-6 and max(pauses) <= 1e-3  # a finished copy is seen within 1 ms
+
+
+def test_the_temporal_caller_waits_on_the_current_device_before_forking(monkeypatch):
+    from megatron_async.core import temporal
+
+    fake = _FakeDevice(monkeypatch, polls=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    temporal._synchronize_cuda_if_used()
+    assert fake.recorded == [("stream of", torch.device("cuda", 3))] and fake.queries == 2
