@@ -24,7 +24,7 @@ from typing import Callable, Optional, TypeVar
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE
 
-__all__ = ["RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
+__all__ = ["BoundedFileSystem", "RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +154,35 @@ def call_with_deadline(
                            what, url, type(exc).__name__, exc, attempt + 2, policy.retries + 1, wait_s)
             time.sleep(wait_s)
             attempt += 1
+
+
+class BoundedFileSystem:
+    """A DCP file system (multi-storage-client's) whose planning requests run within a
+    policy's bounds (trainer, every rank).
+
+    DCP's ``FileSystemWriter.prepare_local_plan`` creates the checkpoint's folder and looks
+    for an existing ``.metadata`` through ``fs.mkdir`` and ``fs.exists``, on the training
+    thread of every rank, while planning. Unbounded, a store that stops answering would
+    hold that rank for good and the others until their coordination timeout. Everything
+    else is the wrapped file system's.
+    """
+
+    _BOUNDED = {"mkdir": "creating the folder", "exists": "looking for"}
+
+    def __init__(self, fs, policy: Optional[RequestPolicy] = None) -> None:
+        self._fs = fs
+        self._policy = policy
+
+    def __getattr__(self, name: str):
+        fs = self.__dict__.get("_fs")
+        if fs is None:  # while unpickling, before the state is back
+            raise AttributeError(name)
+        attribute = getattr(fs, name)
+        what = self._BOUNDED.get(name)
+        if what is None:
+            return attribute
+
+        def bounded(path, *args, **kwargs):
+            return call_with_deadline(what, str(path), lambda: attribute(path, *args, **kwargs), self._policy)
+
+        return bounded

@@ -116,3 +116,15 @@ def test_small_objects_listing_and_completion_markers(store):
     assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", True)]
     assert sorted(remove_completion_markers(url, storage)) == [".metadata", "metadata.json"]
     assert not has_completion_markers(url, storage)
+
+
+def test_dcp_planning_requests_of_the_writer_are_bounded(store):
+    from megatron_async.storage.bounded_calls import BoundedFileSystem
+    from megatron_async.writer.filesystem import FileSystemWriterAsync
+    from megatron_async.writer.options import WriteOptions
+
+    options = WriteOptions(use_msc=True, object_request_timeout_s=7.0)
+    writer = FileSystemWriterAsync("msc://unit/bounded", options=options)
+    assert isinstance(writer.fs, BoundedFileSystem) and writer.fs._policy.timeout_s == 7.0
+    writer.fs.mkdir(writer.path)  # DCP's prepare_local_plan: the folder, then an existing .metadata
+    assert writer.fs.exists(writer.fs.concat_path(writer.path, ".metadata")) is False

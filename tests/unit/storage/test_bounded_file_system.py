@@ -1,0 +1,59 @@
+"""BoundedFileSystem: DCP's planning requests to an object store (mkdir, exists) are bounded."""
+
+import pickle
+import threading
+import time
+
+import pytest
+
+from megatron_async.storage.bounded_calls import BoundedFileSystem, ObjectStoreTimeoutError, RequestPolicy
+
+_QUICK = RequestPolicy(timeout_s=0.1, retries=1, backoff_s=0.0, max_backoff_s=0.0)
+
+
+class _Store:
+    """A file system whose answers come when ``answer`` is set (never, unless a test sets it)."""
+
+    def __init__(self):
+        self.answer, self.calls, self.other = threading.Event(), [], "passed through"
+
+    def mkdir(self, path, exist_ok=True):
+        self.calls.append(("mkdir", path, exist_ok))
+        self.answer.wait(30)
+
+    def exists(self, path):
+        self.calls.append(("exists", path))
+        self.answer.wait(30)
+        return True
+
+
+def test_a_store_that_stops_answering_fails_planning_within_the_bound():
+    store = _Store()
+    fs = BoundedFileSystem(store, _QUICK)
+    for request, args in (("mkdir", ("bucket/ckpt",)), ("exists", ("bucket/ckpt/.metadata",))):
+        started = time.monotonic()
+        with pytest.raises(ObjectStoreTimeoutError, match="bucket/ckpt"):
+            getattr(fs, request)(*args)
+        assert time.monotonic() - started < 5.0  # two attempts of 0.1 s, not 30 s
+    assert [call[0] for call in store.calls] == ["mkdir", "mkdir", "exists", "exists"]  # retried once
+    store.answer.set()
+
+
+def test_answers_and_other_attributes_come_through_unchanged():
+    store = _Store()
+    store.answer.set()
+    fs = BoundedFileSystem(store, _QUICK)
+    assert fs.exists("bucket/ckpt/.metadata") is True
+    fs.mkdir("bucket/ckpt", exist_ok=False)
+    assert store.calls == [("exists", "bucket/ckpt/.metadata"), ("mkdir", "bucket/ckpt", False)]
+    assert fs.other == "passed through"
+
+
+def test_it_pickles():
+    copy = pickle.loads(pickle.dumps(BoundedFileSystem(_PicklableStore(), _QUICK)))
+    assert copy.exists("x") == "x"
+
+
+class _PicklableStore:
+    def exists(self, path):
+        return path
