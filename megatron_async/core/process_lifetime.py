@@ -11,6 +11,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import threading
@@ -91,6 +93,16 @@ def kill_and_reap(process, join_timeout_s: float = 5.0) -> None:
         except ProcessLookupError:
             pass
     process.join(timeout=join_timeout_s)
+    if process.is_alive():  # not even SIGKILL ends it: uninterruptible I/O (a hung mount)
+        logger.error(
+            "background process %s did not end within %.0fs of SIGKILL (stuck in uninterruptible "
+            "I/O, e.g. on a hung file system); it is left behind, and not waited for at exit",
+            pid, join_timeout_s,
+        )
+        # multiprocessing's exit hook joins every child it knows, without a bound
+        children = getattr(multiprocessing.process, "_children", None)
+        if isinstance(children, set):
+            children.discard(process)
 
 
 _cleanups: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()

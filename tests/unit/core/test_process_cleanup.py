@@ -75,3 +75,30 @@ def test_a_worker_killed_before_reading_a_request_frees_its_staging(tmp_path):
     assert "phases: timeout,timeout,timeout" in proc.stdout, proc.stdout
     growth = int(proc.stdout.split("shm growth MiB:")[1].split()[0])
     assert growth < 32, proc.stdout  # was +32 MiB per killed worker
+
+
+def test_a_child_that_survives_sigkill_is_not_waited_for_at_exit(caplog):
+    # A writer stuck in uninterruptible I/O (a hung mount) outlives SIGKILL; multiprocessing's
+    # exit hook would join it without a bound, so the trainer could never exit.
+    import multiprocessing.process
+
+    from megatron_async.core.process_lifetime import kill_and_reap
+
+    class Unkillable:
+        pid, joins = None, []  # no pid: nothing is really signalled
+
+        def is_alive(self):
+            return True
+
+        def join(self, timeout=None):
+            self.joins.append(timeout)
+
+    stuck = Unkillable()
+    multiprocessing.process._children.add(stuck)
+    try:
+        kill_and_reap(stuck, join_timeout_s=0.5)
+        assert stuck.joins == [0.5]
+        assert stuck not in multiprocessing.process._children
+        assert "left behind" in caplog.text
+    finally:
+        multiprocessing.process._children.discard(stuck)
