@@ -79,7 +79,9 @@ def write_with_threads(
     buckets: Sequence[WriteBucket],
     outcome: WriteOutcome,
 ) -> None:
-    """Write each bucket on its own thread, the last one on the calling thread."""
+    """Write each bucket on its own thread, the last one on the calling thread; the
+    others must be done within ``timeout_s`` of the start (the calling thread's own bucket
+    is bounded by the caller's timeout, which ends this whole process)."""
 
     def run(idx: int, bucket: WriteBucket) -> None:
         try:
@@ -92,11 +94,11 @@ def write_with_threads(
         threading.Thread(target=run, args=(idx, b), name=f"ckpt-write-{idx}", daemon=True)
         for idx, b in enumerate(buckets[:-1])
     ]
+    deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.start()
     if buckets:
         run(len(buckets) - 1, buckets[-1])
-    deadline = time.monotonic() + timeout_s
     for idx, thread in enumerate(threads):
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
