@@ -1,8 +1,9 @@
-"""A bounded wait for the device-to-host copies this thread queued on CUDA devices.
+"""A bounded wait for the device-to-host copies a thread queued on CUDA devices.
 
 Runs on the thread that queued the copies: the training thread (staging, snapshots, the
-temporal caller before it forks) or a staging copy thread (staging in rounds). ``torch.cuda.synchronize(device)`` is the usual
-wait, and it has two faults on a training node:
+temporal caller before it forks) or a staging copy thread (staging in rounds, overlapped
+staging). ``torch.cuda.synchronize(device)`` is the usual wait, and it has two faults on a
+training node:
 
 * it waits for *every* stream of the device, so a save also waits for collectives still
   in flight on the communication streams (an overlapped gradient reduction, a parameter
@@ -11,58 +12,128 @@ wait, and it has two faults on a training node:
   the trainer blocks in a C call that nothing interrupts.
 
 :func:`wait_for_device_copies` records an event on each device's *current* stream, where
-the copies were queued, and polls it against a deadline. The copies still run after
-whatever that stream holds before them (the training step's kernels), as they must.
+the copies were queued (:func:`wait_for_stream`: on a given stream), and polls it against
+a deadline. The copies still run after whatever that stream holds before them (the
+training step's kernels), as they must.
+
+Host memory that a copy may still write into must not be freed: an interrupt that
+arrives while waiting is raised only once the copies landed (or the bound passed), and
+where they did not land (a timeout, a device error), what the caller passes as
+``holding`` is kept alive until they do (:func:`release_landed`, run at every wait).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
 from megatron_async.errors import AsyncTimeoutError
 
-__all__ = ["DEVICE_COPY_WAIT_S", "DeviceCopyTimeoutError", "wait_for_device_copies"]
+__all__ = [
+    "DEVICE_COPY_WAIT_S", "DeviceCopyTimeoutError", "held_after_failures", "release_landed",
+    "wait_for_device_copies", "wait_for_stream",
+]
 
 DEVICE_COPY_WAIT_S = 600.0
-"""How long the copies queued on one device may take, with the work queued before them
+"""How long the copies queued on one stream may take, with the work queued before them
 on the same stream. A device still busy after this makes no progress."""
 
-class DeviceCopyTimeoutError(AsyncTimeoutError):
-    """A device did not run the copies queued on it in time; they may still land, so their
-    host buffers are never used again nor freed."""
-
-
+_SPIN_S = 100e-6  # short copies: query without sleeping first (a sleep lasts >= ~60 us)
 _FIRST_PAUSE_S = 20e-6
 _LONGEST_PAUSE_S = 200e-6  # a copy is seen done within 0.2 ms; a poll costs about 1 us
 
+_held_lock = threading.Lock()
+_held: List[Tuple[List[Any], Any]] = []  # (events, what their copies write into)
 
-def wait_for_device_copies(devices: Iterable[torch.device], timeout_s: float = DEVICE_COPY_WAIT_S) -> None:
+
+class DeviceCopyTimeoutError(AsyncTimeoutError):
+    """A device did not run the copies queued on it in time; they may still land, so the
+    host memory they write into is kept until they do."""
+
+
+def wait_for_device_copies(
+    devices: Iterable[torch.device], timeout_s: float = DEVICE_COPY_WAIT_S, holding: Any = None
+) -> None:
     """Return once everything this thread queued so far on each CUDA device's current
     stream has run (the thread that queued the copies).
 
+    ``holding``: the host memory the copies write into (any object that keeps it alive),
+    kept until they land if this raises.
+
     Raises:
-        DeviceCopyTimeoutError: a device did not get there within ``timeout_s``. Its
-            copies may still land later: the caller must not reuse or free the buffers
-            they write into.
+        DeviceCopyTimeoutError: a device did not get there within ``timeout_s``.
     """
-    events: List[Tuple[torch.device, "torch.cuda.Event"]] = []
-    for device in devices:
+    devices = list(devices)
+    if devices:
+        _wait([(str(d), torch.cuda.current_stream(d)) for d in devices], timeout_s, holding)
+
+
+def wait_for_stream(stream: Any, timeout_s: float = DEVICE_COPY_WAIT_S, holding: Any = None) -> None:
+    """:func:`wait_for_device_copies` for the copies queued on ``stream`` (a side stream)."""
+    _wait([(str(stream.device), stream)], timeout_s, holding)
+
+
+def _wait(streams: List[Tuple[str, Any]], timeout_s: float, holding: Any) -> None:
+    release_landed()
+    events = []
+    for _, stream in streams:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append((device, event))
+        event.record(stream)
+        events.append(event)
     deadline = time.monotonic() + timeout_s
-    for device, event in events:
-        pause = _FIRST_PAUSE_S
-        while not event.query():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeviceCopyTimeoutError(
-                    f"the copies from {device} to host memory did not finish within "
-                    f"{timeout_s:.0f}s: the device makes no progress (a collective waiting "
-                    "for a rank that died?). This save fails; the previous checkpoint is kept"
-                )
-            time.sleep(min(pause, remaining))
-            pause = min(2 * pause, _LONGEST_PAUSE_S)
+    interrupt: Optional[BaseException] = None
+    for (device, _), event in zip(streams, events):
+        spin_until, pause = time.monotonic() + _SPIN_S, _FIRST_PAUSE_S
+        while True:
+            try:
+                if event.query():
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    _hold(events, holding)
+                    raise DeviceCopyTimeoutError(
+                        f"the copies from {device} to host memory did not finish within "
+                        f"{timeout_s:.0f}s: the device makes no progress (a collective waiting "
+                        "for a rank that died?). This save fails; the previous checkpoint is kept"
+                    )
+                if now >= spin_until:
+                    time.sleep(min(pause, deadline - now))
+                    pause = min(2 * pause, _LONGEST_PAUSE_S)
+            except DeviceCopyTimeoutError:
+                raise
+            except RuntimeError:  # a device error: the copies may never be seen to land
+                _hold(events, holding)
+                raise
+            except BaseException as exc:  # an interrupt: the copies still run, so wait on
+                interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
+
+
+def _hold(events: List[Any], holding: Any) -> None:
+    if holding is not None:
+        with _held_lock:
+            _held.append((events, holding))
+
+
+def _landed(events: List[Any]) -> bool:
+    try:
+        return all(event.query() for event in events)
+    except Exception:  # a device error: never known to have landed
+        return False
+
+
+def release_landed() -> None:
+    """Let go of the host memory kept for copies that have landed since (any thread)."""
+    with _held_lock:
+        if _held:
+            _held[:] = [entry for entry in _held if not _landed(entry[0])]
+
+
+def held_after_failures() -> int:
+    """How many failed waits still keep host memory alive (for tests and diagnostics)."""
+    with _held_lock:
+        return len(_held)

@@ -53,7 +53,11 @@ def register_finalize_step_adapter(adapter: FinalizeStepAdapter) -> None:
 def adapt_finalize_fn(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn``, or the replacement the first registered adapter gives for it (every rank)."""
     for adapter in _finalize_step_adapters:
-        replacement = adapter(fn)
+        try:
+            replacement = adapter(fn)
+        except Exception:  # an adapter that cannot tell: the step runs as it was given
+            logger.warning("keeping finalize step %r: its adapter failed", fn, exc_info=True)
+            continue
         if replacement is not None:
             return replacement
     return fn

@@ -16,6 +16,8 @@ import os
 import threading
 from typing import Any, Hashable, List, Optional, Tuple
 
+from megatron_async.core.device_wait import release_landed
+
 __all__ = [
     "StagingBufferCache",
     "default_staging_cache",
@@ -179,5 +181,7 @@ def staging_cache_num_bytes() -> int:
 
 
 def clear_staging_cache(include_in_use: bool = False) -> None:
-    """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`)."""
+    """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`), and the
+    host memory kept for device copies that have landed since a failed wait."""
     _default_cache.clear(include_in_use)
+    release_landed()

@@ -11,7 +11,8 @@ may update its tensors in place as soon as scheduling returns:
   write-protecting them, and the persistent worker map them once instead of receiving
   every tensor;
 * with CUDA tensors the segment is also page-locked (``cudaHostRegister``), so their
-  copies are non-blocking, followed by one synchronize.
+  copies are non-blocking, followed by one bounded wait for them
+  (:mod:`megatron_async.core.device_wait`).
 
 No CUDA API is called unless a tensor is on a CUDA device.
 
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
-from megatron_async.core.device_wait import wait_for_device_copies
+from megatron_async.core.device_wait import DeviceCopyTimeoutError, wait_for_device_copies
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import (
@@ -72,10 +73,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_written_after_failure: List["_BucketBuffers"] = []
-"""Buffers of failed stagings that a device copy may still write into: kept for the life of
-the process, since freeing page-locked memory under a running copy is undefined."""
-
 
 @dataclasses.dataclass
 class _BucketBuffers:
@@ -91,7 +88,7 @@ class _BucketBuffers:
     """``(shape, dtype, device)`` of the sources last found to fit, so that a save of the
     same sources checks them with one comparison."""
     cuda_devices: FrozenSet[torch.device] = frozenset()
-    """The CUDA devices among those sources (to synchronize after the copies)."""
+    """The CUDA devices among those sources (to wait for after the copies)."""
     pairs: Optional[ReusedTensorPairs] = None
     """``(item, buffer)`` pairs handed to every save whose items are these (reusable only)."""
     flat: Optional[FlatStaging] = None
@@ -202,7 +199,7 @@ def stage_buckets(
     Args:
         buckets: planned buckets whose tensors may live anywhere (CPU or CUDA).
         non_blocking: use pinned buffers and asynchronous copies for CUDA tensors
-            (followed by one synchronize).
+            (followed by one bounded wait).
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
         cache: where buffers are cached; :func:`default_staging_cache` when None.
@@ -262,18 +259,20 @@ def stage_buckets(
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
         _settle(ahead)  # buckets this save's items did not reach (none, normally)
-        wait_for_device_copies(cuda_devices)
+        wait_for_device_copies(cuda_devices, holding=(result, entry))
         cuda_devices.clear()
-    except BaseException:
+    except BaseException as exc:
         settle_parts(ahead)  # every part ends first; the error that brought us here wins
-        device_writes = bool(cuda_devices) and not _device_copies_done(cuda_devices)
-        if device_writes or entry is not None and any(
+        device_stuck = isinstance(exc, DeviceCopyTimeoutError)
+        if cuda_devices and not device_stuck:  # copies queued before the failure land first
+            try:
+                wait_for_device_copies(cuda_devices, holding=(result, entry))
+            except BaseException:  # kept alive by the wait; the first failure is raised
+                device_stuck = True
+        if device_stuck or entry is not None and any(
                 b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):
             cache.discard(result.lease)  # a stuck copy may still write into them
             result.lease = None
-            if device_writes:  # and freeing page-locked memory under a device copy is undefined
-                _written_after_failure.extend(result._fresh)
-                _written_after_failure.extend(b for b in (entry.buckets if entry else ()) if b is not None)
         else:
             result.release()
         raise
@@ -322,16 +321,6 @@ def _copy_flat(
     )
 
 
-def _device_copies_done(devices: Set[torch.device]) -> bool:
-    """Whether the copies queued on ``devices`` ran, checked for a second at most (stager,
-    after a failure: a device error or an interrupt only says that they may still run)."""
-    try:
-        wait_for_device_copies(devices, timeout_s=1.0)
-    except BaseException:  # the failure that brought us here is the one raised
-        return False
-    return True
-
-
 def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:
     """Copy every source into its buffer of the same shape and dtype, in one call (stager).
 
@@ -353,7 +342,7 @@ def preload_tensors(
     """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
 
     The reference API's ``FileSystemWriterAsync.preload_tensors``. CUDA tensors go to
-    pinned buffers (non-blocking copies, one synchronize); CPU tensors are copied as
+    pinned buffers (non-blocking copies, one bounded wait); CPU tensors are copied as
     well, so later in-place updates never reach the file.
 
     Args:

@@ -39,7 +39,7 @@ by 3-12 ms (shared cores and memory bandwidth), and the stall's medians were not
 in CPU memory (``tools/bench/micro/warm_stall.py``; ``tools/ci/gpu_checks.sh`` does).
 
 CUDA sources are not copied ahead (their copies go through page-locked buffers and one
-synchronize, :func:`~.buffers.copy_batched`).
+bounded wait, :func:`~.buffers.copy_batched`).
 """
 
 from __future__ import annotations

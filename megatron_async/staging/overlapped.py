@@ -44,6 +44,7 @@ from typing import (
 
 import torch
 
+from megatron_async.core.device_wait import wait_for_stream
 from megatron_async.core import shared_memory
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
@@ -180,7 +181,7 @@ class CopyJob:
                     buffer.copy_(source)
                     self._check(name, source, version)  # not changed while it was copied
             if self.stream is not None:
-                self.stream.synchronize()
+                wait_for_stream(self.stream, holding=[buffer for _, _, buffer, _ in self.copies])
                 for name, source, _, version in self.copies:
                     if source.device.type == "cuda":
                         self._check(name, source, version)

@@ -39,6 +39,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_async.core.device_wait import wait_for_stream
 from megatron_async.errors import StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
 from megatron_async.staging.overlapped import (
@@ -128,7 +129,7 @@ class _RoundsCopyJob(CopyJob):
                 self._check(name, source, version)
                 self.control.mark_copied(self.indices[k])
         if on_stream:
-            self.stream.synchronize()
+            wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
             for k in on_stream:
                 name, source, _, version = self.copies[k]
                 self._check(name, source, version)

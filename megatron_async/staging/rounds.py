@@ -210,7 +210,7 @@ def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version
     copy (trainer)."""
     _check_version(name, source, version)
     buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source])
+    synchronize_if_cuda([source], holding=buffer)
     _check_version(name, source, version)
 
 
@@ -320,7 +320,7 @@ def stage_in_rounds(
     first = [entry for entry in to_copy if not plan.waits_for[entry[0]]]
     for _, _, source, buffer, _ in first:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source for _, _, source, _, _ in first])
+    synchronize_if_cuda([source for _, _, source, _, _ in first], holding=pool)
     for entry in first:
         control.mark_copied(entry[0])
     remaining = [entry for entry in to_copy if plan.waits_for[entry[0]]]

@@ -37,10 +37,12 @@ def copy_tensor_to_host(tensor: torch.Tensor, non_blocking: bool = True) -> torc
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
-def synchronize_if_cuda(tensors: List[torch.Tensor]) -> None:
+def synchronize_if_cuda(tensors: List[torch.Tensor], holding: Any = None) -> None:
     """Wait, bounded, for the device-to-host copies this thread queued from every CUDA
     device among ``tensors`` (each device's current stream, not just the current device's:
     a copy from another device runs on that device's stream).
+
+    ``holding``: the host memory the copies write into, kept alive if they may still run.
 
     Raises:
         DeviceCopyTimeoutError: a device made no progress within
@@ -48,7 +50,7 @@ def synchronize_if_cuda(tensors: List[torch.Tensor]) -> None:
     """
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     if devices:
-        wait_for_device_copies(devices)
+        wait_for_device_copies(devices, holding=holding)
 
 
 def snapshot_to_host(obj: Any) -> Any:
@@ -100,7 +102,7 @@ def snapshot_to_host(obj: Any) -> Any:
         return value
 
     result = visit(obj)
-    synchronize_if_cuda(cuda_sources)
+    synchronize_if_cuda(cuda_sources, holding=result)
     return result
 
 

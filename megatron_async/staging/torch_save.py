@@ -201,7 +201,7 @@ class TorchSaveStaged:
                     return  # the writer stopped reading (it failed): its error fails the save
                 name = self._names.get(entry.key, f"data/{entry.key}")
                 _check_versions(name, versions)
-                synchronize_if_cuda([_copy_storage(entry, buffer, plan.offsets[idx])])
+                synchronize_if_cuda([_copy_storage(entry, buffer, plan.offsets[idx])], holding=buffer)
                 _check_versions(name, versions)
                 control.mark_copied(idx)
                 self._copied += 1
@@ -333,7 +333,7 @@ def stage_torch_save(
                 staged._later.append((idx, entry, _versions(entry)))
             elif offset is not None:
                 copied.append(_copy_storage(entry, buffer, offset))
-        synchronize_if_cuda(copied)
+        synchronize_if_cuda(copied, holding=buffer)
         for idx in range(len(storages)):
             if not plan.waits_for[idx]:
                 control.mark_copied(idx)

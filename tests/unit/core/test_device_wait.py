@@ -14,6 +14,11 @@ from megatron_async.core.device_wait import DeviceCopyTimeoutError, wait_for_dev
 from megatron_async.errors import AsyncTimeoutError
 
 
+@pytest.fixture(autouse=True)
+def _nothing_held(monkeypatch):
+    monkeypatch.setattr(device_wait, "_held", [])
+
+
 class _FakeDevice:
     """Streams and events of fake devices: an event is done after ``polls`` queries."""
 
@@ -62,13 +67,60 @@ def test_a_device_that_makes_no_progress_fails_within_the_bound(monkeypatch):
     assert "previous checkpoint is kept" in str(raised.value)
 
 
-def test_polls_back_off_to_a_short_pause(monkeypatch):
-    _FakeDevice(monkeypatch, polls=12)
+def test_short_copies_are_seen_without_sleeping_then_polls_back_off(monkeypatch):
+    _FakeDevice(monkeypatch, polls=3)
     pauses = []
     monkeypatch.setattr(device_wait.time, "sleep", pauses.append)
     wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0)
+    assert pauses == []  # done within the first 0.1 ms of spinning
+    _FakeDevice(monkeypatch, polls=12)
+    monkeypatch.setattr(device_wait, "_SPIN_S", 0.0)
+    wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0)
     assert len(pauses) == 12 and pauses == sorted(pauses)
     assert pauses[0] <= 50e-6 and max(pauses) <= 1e-3  # a finished copy is seen within 1 ms
+
+
+def test_an_interrupt_is_raised_only_once_the_copies_landed(monkeypatch):
+    # The copies write into host memory the caller frees when the interrupt unwinds it.
+    fake = _FakeDevice(monkeypatch, polls=6)
+    monkeypatch.setattr(device_wait, "_SPIN_S", 0.0)
+    interrupted = []
+
+    def sleep(seconds):
+        if not interrupted:
+            interrupted.append(fake.queries)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(device_wait.time, "sleep", sleep)
+    with pytest.raises(KeyboardInterrupt):
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0)
+    assert interrupted == [1] and fake.queries == 7  # it went on polling until done
+
+
+def test_memory_a_copy_may_still_write_is_kept_until_the_copy_landed(monkeypatch):
+    fake = _FakeDevice(monkeypatch, polls=None)  # stuck
+    buffers = bytearray(16)
+    with pytest.raises(DeviceCopyTimeoutError):
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=0.01, holding=buffers)
+    assert device_wait.held_after_failures() == 1
+    device_wait.release_landed()
+    assert device_wait.held_after_failures() == 1  # still not landed
+    fake.polls = 0  # the device moves again
+    device_wait.release_landed()
+    assert device_wait.held_after_failures() == 0
+
+
+def test_a_device_error_while_waiting_keeps_the_memory_and_is_raised(monkeypatch):
+    _FakeDevice(monkeypatch, polls=None)
+
+    def broken(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda.Event, "query", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0, holding=bytearray(4))
+    device_wait.release_landed()  # a device that errs is never known to have landed
+    assert device_wait.held_after_failures() == 1
 
 
 def test_the_temporal_caller_waits_on_the_current_device_before_forking(monkeypatch):

@@ -250,12 +250,14 @@ def test_sources_that_require_grad_are_copied_without_autograd():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("copies_land", [True, False], ids=["copies-land", "copies-pending"])
-def test_a_failed_device_wait_lends_the_buffers_again_only_once_the_copies_landed(monkeypatch, copies_land):
+@pytest.mark.parametrize("copies_land", [True, False], ids=["copies-land", "copies-stuck"])
+def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(monkeypatch, copies_land):
+    # A failure after the device copies were queued: staging waits for them before it gives
+    # the buffers back; if the device is stuck, the buffers are never lent again.
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.core.device_wait import DeviceCopyTimeoutError
+    from megatron_async.core import device_wait
     from megatron_async.staging import buffers
     from megatron_async.writer.layout import WriteBucket
 
@@ -264,23 +266,23 @@ def test_a_failed_device_wait_lends_the_buffers_again_only_once_the_copies_lande
     buckets = [WriteBucket("/unused", "unused", ([], [(item, torch.ones(1 << 20, device="cuda"))]))]
     real_wait, calls = buffers.wait_for_device_copies, []
 
-    def wait(devices, timeout_s=600.0):
+    def wait(devices, timeout_s=600.0, holding=None):
         calls.append(set(devices))
-        if len(calls) == 1 or not copies_land:
-            raise DeviceCopyTimeoutError("injected: the device made no progress")
-        real_wait(devices, timeout_s)
+        if len(calls) == 1:
+            raise RuntimeError("injected: a failure after the copies were queued")
+        if not copies_land:
+            raise device_wait.DeviceCopyTimeoutError("injected: the device made no progress")
+        real_wait(devices, timeout_s, holding)
 
-    kept = len(buffers._written_after_failure)
     try:
         stage_buckets(buckets, True, "layout").release()  # the layout's buffers, cached
-        calls.clear()
         monkeypatch.setattr(buffers, "wait_for_device_copies", wait)
-        with pytest.raises(DeviceCopyTimeoutError, match="injected"):
+        with pytest.raises(RuntimeError, match="injected: a failure after"):
             stage_buckets(buckets, True, "layout")
-        assert calls[0] == {torch.device("cuda", torch.cuda.current_device())}
-        assert len(calls) == 2  # the staging's wait, then the second look after the failure
+        assert calls == [{torch.device("cuda", torch.cuda.current_device())}] * 2  # then the wait
         entry = buffers.default_staging_cache().lease("layout", 1)
         assert (entry is not None and entry.buckets[0] is not None) == copies_land  # the old ones
-        assert len(buffers._written_after_failure) == kept + (0 if copies_land else 1)
     finally:
+        torch.cuda.synchronize()
+        device_wait.release_landed()
         clear_staging_cache(include_in_use=True)
