@@ -256,8 +256,9 @@ def _define_async_save_failed_error() -> type:
             lines += [f"  {failure.summary()}" for failure in self.rank_failures.values()]
             lines.append(
                 hint
-                or "The checkpoint is incomplete and was not marked complete; the previous "
-                "complete checkpoint is untouched. Fix the cause above and save again."
+                or "The checkpoint is incomplete and was not marked complete; complete "
+                "checkpoints in other directories are untouched. Fix the cause above and save "
+                "again."
             )
             wrapped = {rank: f.as_wrapped_exception() for rank, f in self.rank_failures.items()}
             CheckpointException.__init__(self, "\n".join(lines), wrapped)

@@ -122,11 +122,12 @@ class AsyncCallsQueue:
             QueueClosedError: the queue was closed.
             TypeError: ``async_request`` is not an async request.
         """
+        request = as_async_request(async_request)
         if self._closed:
+            request.abandon()
             raise QueueClosedError(
                 "this AsyncCallsQueue is closed; create a new AsyncCallsQueue to save again"
             )
-        request = as_async_request(async_request)
         self.call_idx += 1
         request = request._replace(call_idx=self.call_idx).freeze()
         start = time.monotonic()
@@ -173,8 +174,9 @@ class AsyncCallsQueue:
             self.async_calls.popleft()
             caller.release(idx)
             if agreement.failures:
-                # Drop our references first: the traceback keeps this frame alive, and the
-                # request's resources (an in-flight directory claim) must be freed now.
+                # Free the request's resources (an in-flight directory claim) now: the
+                # caller may still hold the request, and the traceback keeps this frame.
+                request.abandon()
                 del request, caller
                 raise AsyncSaveFailedError(agreement.failures)
             start = time.monotonic()
@@ -216,6 +218,7 @@ class AsyncCallsQueue:
         finally:
             for active in self.async_calls:
                 active.async_caller.close(abort=True)
+                active.async_request.abandon()
             self.async_calls.clear()
             if self.persistent_caller is not None:
                 self.persistent_caller.close(abort=abort)

@@ -113,6 +113,19 @@ class AsyncRequest(NamedTuple):
         replacements swapped in (:func:`register_finalize_step_adapter`)."""
         return self._replace(is_frozen=True, finalize_fns=list(map(adapt_finalize_fn, self.finalize_fns)))
 
+    def abandon(self) -> None:
+        """This request will never be finalized (it failed, or was refused before it was
+        scheduled): let each finalize function that holds something for it (an ``abandon``
+        method: our strategy's directory claim) free it now, not when the caller's last
+        reference to the request goes (every rank; never raises)."""
+        for fn in self.finalize_fns:
+            abandon = getattr(fn, "abandon", None)
+            if callable(abandon):
+                try:
+                    abandon()
+                except Exception:  # freeing is best effort; the save's own error is raised
+                    logger.warning("abandoning finalize step %r failed", fn, exc_info=True)
+
     def without_finalize_fns(self) -> "AsyncRequest":
         """Return a copy without finalize functions (what is sent to a background process)."""
         return self._replace(finalize_fns=[])
@@ -131,7 +144,11 @@ class AsyncRequest(NamedTuple):
         except Exception as exc:  # reported collectively below
             logger.error("rank %d: synchronous save failed: %s", coordination.get_rank(), exc)
             failure = RankFailure.from_exception(coordination.get_rank(), "write", exc)
-        coordination.raise_if_any_rank_failed(failure)
+        try:
+            coordination.raise_if_any_rank_failed(failure)
+        except BaseException:
+            self.abandon()
+            raise
         for fn in map(adapt_finalize_fn, self.finalize_fns):
             fn()
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
-from megatron_async.errors import CheckpointInProgressError
+from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -52,6 +52,8 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
             writes ``checkpoint_dir``; nothing was written.
+        CheckpointValidationError: rank 0 may not remove the completion markers of the
+            complete checkpoint there; nothing was changed.
     """
     directory = normalize_checkpoint_path(checkpoint_dir)
     if directory in checkpoints_in_flight:
@@ -63,7 +65,16 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
         )
     import torch.distributed as dist
 
-    if dist.get_rank() == 0 and remove_completion_markers(directory, storage_for(directory)):
+    if dist.get_rank() != 0:
+        return
+    try:
+        removed = remove_completion_markers(directory, storage_for(directory))
+    except PermissionError as exc:
+        raise CheckpointValidationError(
+            f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "
+            "checkpoint this user may not overwrite: save into a directory you can write"
+        ) from exc
+    if removed:
         logger.warning(
             "overwriting the checkpoint in %s: its completion markers were removed first, "
             "so it reads as incomplete until the new save is finalized",

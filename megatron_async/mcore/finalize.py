@@ -66,6 +66,10 @@ class SaveFinalizer:
         finally:
             checkpoints_in_flight.release(*self._release)
 
+    def abandon(self) -> None:
+        """The save failed or was never scheduled: free its directory now (every rank)."""
+        checkpoints_in_flight.release(*self._release)
+
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
         writer = self._args[0]

@@ -13,6 +13,7 @@ common-state step, must see every save of the process.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from typing import Any, Dict, List
@@ -30,29 +31,40 @@ class InFlightCheckpoints:
 
     def claim(self, checkpoint_dir: str) -> int:
         """Mark ``checkpoint_dir`` as being written; return the claim's token."""
+        key = _key(checkpoint_dir)
         with self._lock:
             token = next(self._tokens)
-            self._claims[checkpoint_dir] = token
+            self._claims[key] = token
             return token
 
     def release(self, checkpoint_dir: str, token: int) -> None:
         """End the claim ``token`` on ``checkpoint_dir`` (a newer claim stays)."""
+        key = _key(checkpoint_dir)
         with self._lock:
-            if self._claims.get(checkpoint_dir) == token:
-                del self._claims[checkpoint_dir]
+            if self._claims.get(key) != token:  # a link that now points elsewhere
+                key = next((k for k, t in self._claims.items() if t == token), None)
+            if key is not None and self._claims.get(key) == token:
+                del self._claims[key]
 
     def release_when_dropped(self, owner: Any, checkpoint_dir: str, token: int) -> None:
         """Release the claim when ``owner`` is garbage collected (a request never finalized)."""
         weakref.finalize(owner, self.release, checkpoint_dir, token)
 
     def __contains__(self, checkpoint_dir: str) -> bool:
+        key = _key(checkpoint_dir)
         with self._lock:
-            return checkpoint_dir in self._claims
+            return key in self._claims
 
     def directories(self) -> List[str]:
         """The claimed directories, sorted."""
         with self._lock:
             return sorted(self._claims)
+
+
+def _key(checkpoint_dir: str) -> str:
+    """The directory a local path names, links resolved (two names of one directory are
+    one claim); object-storage URLs as they are."""
+    return checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(checkpoint_dir)
 
 
 checkpoints_in_flight = InFlightCheckpoints()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -264,6 +265,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             CheckpointInProgressError: on every rank, when an unfinalized save of this
                 process still writes ``checkpoint_dir``.
         """
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):  # the same on every rank
+            raise CheckpointValidationError(
+                f"checkpoint_dir must be a path (str or os.PathLike), got "
+                f"{type(checkpoint_dir).__name__}; pass the checkpoint's directory"
+            )
         checkpoint_dir = normalize_checkpoint_path(checkpoint_dir)
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
         claims: List[int] = []

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_async.core.coordination import local_world_size
-from megatron_async.errors import AsyncTimeoutError
+from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 
 __all__ = [
     "COPY_THREADS_ENV", "Running", "StagingCopyTimeoutError", "copy_threads", "copy_thread_pool",
@@ -55,7 +55,7 @@ def copy_threads() -> int:
         try:
             return max(1, min(_MAX_COPY_THREADS, int(configured)))
         except ValueError:
-            raise ValueError(
+            raise CheckpointValidationError(
                 f"{COPY_THREADS_ENV}={configured!r} is not an integer; set it to the number of "
                 "threads that copy a bucket (1: the training thread only)"
             ) from None

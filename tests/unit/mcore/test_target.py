@@ -82,3 +82,17 @@ def test_an_object_store_target_needs_use_msc_and_follows_overwrite(monkeypatch)
         check_save_target(url, SimpleNamespace(use_msc=True, overwrite=False), True)
     check_save_target(url, SimpleNamespace(use_msc=True, overwrite=True), True)
     assert store.files == set()
+
+
+def test_a_link_to_a_directory_still_being_written_is_refused(tmp_path):
+    target_dir, link = tmp_path / "iter_2", tmp_path / "latest"
+    target_dir.mkdir()
+    link.symlink_to(target_dir)
+    token = checkpoints_in_flight.claim(str(target_dir))
+    try:
+        with pytest.raises(CheckpointInProgressError, match="not finalized yet"):
+            check_save_target(str(link), TorchDistSaveConfig(), False)
+    finally:
+        checkpoints_in_flight.release(str(link), token)  # either name ends the claim
+    assert str(target_dir) not in checkpoints_in_flight
+    check_save_target(str(link), TorchDistSaveConfig(), False)

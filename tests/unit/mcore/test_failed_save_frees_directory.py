@@ -1,0 +1,94 @@
+"""A save that failed, or that a closed queue refused, frees its directory at once: the
+caller may retry into it while still holding the old request (one rank, gloo)."""
+
+import gc
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.errors import AsyncSaveFailedError, QueueClosedError
+from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
+
+
+def _state(step: float):
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64.0) + step)}
+
+
+def _retry_succeeds(queue, path, step):
+    request = TorchDistAsyncSaveStrategy().async_save(_state(step), path)
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    loaded = {"w": torch.empty(64)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(path)))
+    assert torch.equal(loaded["w"], torch.arange(64.0) + step)
+
+
+def test_a_failed_save_frees_its_directory_while_the_caller_holds_the_request(tmp_path):
+    gc.disable()  # the claim must not wait for a collection
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        failing = TorchDistAsyncSaveStrategy(staging_memory_limit=8)  # too small for 256 bytes
+        request = failing.async_save(_state(1.0), tmp_path)
+        assert str(tmp_path) in checkpoints_in_flight
+        queue.schedule_async_request(request)
+        with pytest.raises(AsyncSaveFailedError):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert str(tmp_path) not in checkpoints_in_flight, "the failed request still holds it"
+        _retry_succeeds(queue, tmp_path, 2.0)
+        del request
+    finally:
+        gc.enable()
+        queue.close()
+
+
+def test_a_request_refused_by_a_closed_queue_frees_its_directory(tmp_path):
+    gc.disable()
+    closed, queue = AsyncCallsQueue(persistent=False), AsyncCallsQueue(persistent=False)
+    closed.close()
+    try:
+        request = TorchDistAsyncSaveStrategy().async_save(_state(1.0), tmp_path)
+        with pytest.raises(QueueClosedError):
+            closed.schedule_async_request(request)
+        assert str(tmp_path) not in checkpoints_in_flight
+        _retry_succeeds(queue, tmp_path, 3.0)
+        del request
+    finally:
+        gc.enable()
+        queue.close()
+
+
+@pytest.mark.parametrize("checkpoint_dir", [None, 5, b"/tmp/x"], ids=["None", "int", "bytes"])
+def test_a_checkpoint_dir_that_is_no_path_is_a_validation_error(checkpoint_dir):
+    from megatron_async.errors import CheckpointValidationError
+
+    with pytest.raises(CheckpointValidationError, match="checkpoint_dir must be a path"):
+        TorchDistAsyncSaveStrategy().async_save(_state(1.0), checkpoint_dir)
+
+
+def test_an_invalid_copy_thread_count_is_a_validation_error(monkeypatch):
+    from megatron_async.errors import CheckpointValidationError
+    from megatron_async.staging import copy_pool
+
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "two")
+    with pytest.raises(CheckpointValidationError, match="not an integer; set it to the number"):
+        copy_pool.copy_threads()
+
+
+def test_a_complete_checkpoint_rank_0_may_not_unmark_is_a_validation_error(tmp_path, monkeypatch):
+    # megatron-core <= 0.18 writes common.pt before any strategy: the guard in front of it
+    # must refuse with a typed error, not a bare PermissionError on rank 0 alone.
+    from megatron_async.errors import CheckpointValidationError
+    from megatron_async.mcore import common_guard
+
+    def refused(directory, storage):
+        raise PermissionError(13, "Permission denied", f"{directory}/.metadata")
+
+    monkeypatch.setattr(common_guard, "remove_completion_markers", refused)
+    with pytest.raises(CheckpointValidationError, match="save into a directory you can write"):
+        common_guard.check_common_target(tmp_path)
