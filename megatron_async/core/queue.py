@@ -14,7 +14,7 @@ from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_report import details_of, log_finalized_save
 from megatron_async.core.temporal import TemporalAsyncCaller
-from megatron_async.errors import AsyncSaveFailedError, QueueClosedError, RankFailure
+from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, QueueClosedError, RankFailure
 
 __all__ = ["AsyncCallsQueue"]
 
@@ -94,6 +94,11 @@ class AsyncCallsQueue:
         config: Optional[AsyncCallerConfig] = None,
         is_daemon: bool = False,
     ):
+        if config is not None and not isinstance(config, AsyncCallerConfig):
+            raise CheckpointValidationError(
+                f"config must be an AsyncCallerConfig, got {type(config).__name__}; pass e.g. "
+                "AsyncCallsQueue(config=AsyncCallerConfig(timeout_s=1800))"
+            )
         self.persistent = persistent
         self.config = config or AsyncCallerConfig()
         self.call_idx = -1

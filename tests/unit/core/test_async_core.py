@@ -81,6 +81,13 @@ def test_registered_finalize_step_adapters_swap_steps_when_scheduled_or_run(tmp_
     assert calls == ["ours", "other"]
 
 
+def test_a_config_that_is_no_async_caller_config_is_a_validation_error():
+    from megatron_async.errors import CheckpointValidationError
+
+    with pytest.raises(CheckpointValidationError, match=r"config=AsyncCallerConfig\(timeout_s"):
+        AsyncCallsQueue(config={"timeout_s": 5})
+
+
 def test_execute_sync_stages_into_second_argument_and_finalizes_in_order(tmp_path):
     calls = []
     request = AsyncRequest(
