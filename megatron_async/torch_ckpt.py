@@ -16,7 +16,7 @@ from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_report import SaveDetails
-from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
+from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError, QueueClosedError
 from megatron_async.staging.budget import DEFAULT_STAGING_MEMORY_WAIT_S, validate_staging_memory_limit
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.writer.torch_save_file import write_torch_save_file
@@ -172,7 +172,13 @@ class TorchAsyncCheckpoint:
                 self.staging_memory_limit, DEFAULT_STAGING_MEMORY_WAIT_S, self.staging_stats,
             ),
         )
-        idx = self._queue.schedule_async_request(request)
+        try:
+            idx = self._queue.schedule_async_request(request)
+        except QueueClosedError as exc:
+            raise QueueClosedError(
+                "this TorchAsyncCheckpoint is closed (close() or finalize_async_save("
+                "terminate=True)); create a new TorchAsyncCheckpoint to save again"
+            ) from exc
         self._paths_in_flight[idx] = target
         return idx
 

@@ -261,3 +261,13 @@ def test_device_tensors_are_written_as_their_host_copy(limit):
     assert data == _torch_save_bytes({k: v.cpu() for k, v in state.items()})
     loaded = torch.load(io.BytesIO(data), weights_only=True)  # on the CPU, as nvrx's files
     assert all(loaded[k].device.type == "cpu" and torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+
+
+def test_saving_after_close_says_to_create_a_new_torch_async_checkpoint(tmp_path):
+    from megatron_async.errors import QueueClosedError
+
+    saver = TorchAsyncCheckpoint(persistent_queue=False)
+    saver.close()
+    with pytest.raises(QueueClosedError, match="create a new TorchAsyncCheckpoint"):
+        saver.async_save({"w": torch.ones(2)}, str(tmp_path / "w.pt"))
+    assert not os.path.exists(tmp_path / "w.pt")
