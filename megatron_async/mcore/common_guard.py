@@ -28,8 +28,9 @@ which is the same on all ranks because every rank schedules the same saves.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import functools
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from typing import Any, Callable
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.format import remove_completion_markers
+from megatron_async.format import has_completion_markers, remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
@@ -45,15 +46,22 @@ __all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_c
 
 logger = logging.getLogger(__name__)
 
+_SAVE_MODULE = "megatron.core.dist_checkpointing.serialization"
+_FRAMES_TO_SAVE = 6  # this check <- the guard's wrapper <- (a strategy method) <- save()
+
 
 def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
     """Refuse a directory being written; unmark a complete one (every rank, before common.pt).
 
+    A complete checkpoint is refused instead when the calling ``save()`` uses our strategy
+    with ``overwrite=False``.
+
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
             writes ``checkpoint_dir``; nothing was written.
-        CheckpointValidationError: rank 0 may not remove the completion markers of the
-            complete checkpoint there; nothing was changed.
+        CheckpointValidationError: ``checkpoint_dir`` holds a complete checkpoint and the
+            strategy has ``overwrite=False``, or rank 0 may not remove its completion
+            markers; nothing was changed.
     """
     directory = normalize_checkpoint_path(checkpoint_dir)
     if directory in checkpoints_in_flight:
@@ -65,10 +73,17 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
         )
     import torch.distributed as dist
 
+    storage = storage_for(directory)
+    if _calling_save_overwrite() is False and has_completion_markers(directory, storage):
+        raise CheckpointValidationError(  # on every rank that sees the markers: none changes
+            f"{directory} already holds a complete torch_dist checkpoint and the strategy has "
+            "overwrite=False; its common.pt was left untouched. Save into a new directory or "
+            "delete it first"
+        )
     if dist.get_rank() != 0:
         return
     try:
-        removed = remove_completion_markers(directory, storage_for(directory))
+        removed = remove_completion_markers(directory, storage)
     except PermissionError as exc:
         raise CheckpointValidationError(
             f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "
@@ -80,6 +95,25 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
             "so it reads as incomplete until the new save is finalized",
             directory,
         )
+
+
+def _calling_save_overwrite() -> Optional[bool]:
+    """The ``overwrite`` option of our strategy in the megatron-core ``save()`` this check
+    runs under, or None (another strategy, or no such call: the guard then unmarks).
+
+    megatron-core hands ``common.pt``'s step neither the strategy nor its options, and it
+    has resolved its ``sharded_strategy`` argument into an instance by then; so it is read
+    from that call's frame (generation glue, like the finalize steps' closures)."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_TO_SAVE):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "save" and frame.f_globals.get("__name__") == _SAVE_MODULE:
+            config = getattr(frame.f_locals.get("sharded_strategy"), "config", None)
+            overwrite = getattr(config, "overwrite", None)
+            return overwrite if isinstance(overwrite, bool) else None
+    return None
 
 
 def guarded_common_strategy_class() -> type:

@@ -1,0 +1,56 @@
+"""overwrite=False through megatron-core's own save(), on every generation: a complete
+checkpoint is refused before anything of it changes, common.pt included (megatron-core up
+to 0.18 writes common.pt before it calls the sharded strategy); the default overwrites."""
+
+import os
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
+
+
+def _state(value: float):
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((8,), value))}
+
+
+def _loaded(path) -> float:
+    return float(dist_checkpointing.load(_state(0.0), str(path))["w"][0])
+
+
+def _files(path):
+    return {name: os.path.getmtime(path / name) for name in os.listdir(path)}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_overwrite_false_refuses_a_complete_checkpoint_and_changes_nothing(tmp_path, async_save):
+    dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointValidationError, match="overwrite=False"):
+        dist_checkpointing.save(
+            _state(2.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(overwrite=False),
+            async_sharded_save=async_save,
+        )
+    assert _files(tmp_path) == before  # common.pt and the markers untouched
+    assert _loaded(tmp_path) == 1.0
+
+
+def test_the_default_overwrites_a_complete_checkpoint(tmp_path):
+    dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        request = dist_checkpointing.save(
+            _state(3.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(),
+            async_sharded_save=True,
+        )
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert _loaded(tmp_path) == 3.0
