@@ -16,10 +16,11 @@ the copies were queued (:func:`wait_for_stream`: on a given stream), and polls i
 a deadline. The copies still run after whatever that stream holds before them (the
 training step's kernels), as they must.
 
-Host memory that a copy may still write into must not be freed: an interrupt that
-arrives while waiting is raised only once the copies landed (or the bound passed), and
-where they did not land (a timeout, a device error), what the caller passes as
-``holding`` is kept alive until they do (:func:`release_landed`, run at every wait).
+Host memory that a copy may still write into must not be freed. What the caller passes as
+``holding`` is kept alive until the copies land (:func:`release_landed`, run at every
+wait) wherever the wait ends before they did: a timeout, a device error, an interrupt
+(raised at once then). Without ``holding``, an interrupt is raised only once the copies
+landed or the bound passed.
 """
 
 from __future__ import annotations
@@ -98,17 +99,20 @@ def _wait(streams: List[Tuple[str, Any]], timeout_s: float, holding: Any) -> Non
                         f"the copies from {device} to host memory did not finish within "
                         f"{timeout_s:.0f}s: the device makes no progress (a collective waiting "
                         "for a rank that died?). This save fails; the previous checkpoint is kept"
-                    )
+                    ) from interrupt
                 if now >= spin_until:
                     time.sleep(min(pause, deadline - now))
                     pause = min(2 * pause, _LONGEST_PAUSE_S)
+            except (KeyboardInterrupt, SystemExit) as exc:
+                if holding is not None:  # the memory is kept until the copies land: go now
+                    _hold(events, holding)
+                    raise
+                interrupt = interrupt or exc  # the caller frees the memory: wait on
             except DeviceCopyTimeoutError:
                 raise
-            except RuntimeError:  # a device error: the copies may never be seen to land
+            except BaseException:  # a device error: the copies may never be seen to land
                 _hold(events, holding)
                 raise
-            except BaseException as exc:  # an interrupt: the copies still run, so wait on
-                interrupt = interrupt or exc
     if interrupt is not None:
         raise interrupt
 
@@ -128,9 +132,13 @@ def _landed(events: List[Any]) -> bool:
 
 def release_landed() -> None:
     """Let go of the host memory kept for copies that have landed since (any thread)."""
+    kept: List[Tuple[List[Any], Any]] = []
+    landed: List[Tuple[List[Any], Any]] = []
     with _held_lock:
-        if _held:
-            _held[:] = [entry for entry in _held if not _landed(entry[0])]
+        for entry in _held:
+            (landed if _landed(entry[0]) else kept).append(entry)
+        _held[:] = kept
+    del landed  # their memory is freed here, outside the lock
 
 
 def held_after_failures() -> int:

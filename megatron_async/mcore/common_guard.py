@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
+from megatron_async.core import coordination
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import has_completion_markers, remove_completion_markers
 from megatron_async.mcore.in_flight import checkpoints_in_flight
@@ -74,13 +75,16 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
     import torch.distributed as dist
 
     storage = storage_for(directory)
-    if _calling_save_overwrite() is False and has_completion_markers(directory, storage):
-        raise CheckpointValidationError(  # on every rank that sees the markers: none changes
-            f"{directory} already holds a complete torch_dist checkpoint and the strategy has "
-            "overwrite=False; its common.pt was left untouched. Save into a new directory or "
-            "delete it first"
-        )
-    if dist.get_rank() != 0:
+    is_coordinator = dist.get_rank() == 0
+    if _calling_save_overwrite() is False:  # the same on every rank: so is this collective
+        complete = is_coordinator and has_completion_markers(directory, storage)
+        if coordination.all_reduce_max([int(complete)])[0]:
+            raise CheckpointValidationError(
+                f"{directory} already holds a complete torch_dist checkpoint and the strategy "
+                "has overwrite=False; its common.pt was left untouched. Save into a new "
+                "directory or delete it first"
+            )
+    if not is_coordinator:
         return
     try:
         removed = remove_completion_markers(directory, storage)
@@ -110,8 +114,10 @@ def _calling_save_overwrite() -> Optional[bool]:
         if frame is None:
             return None
         if frame.f_code.co_name == "save" and frame.f_globals.get("__name__") == _SAVE_MODULE:
-            config = getattr(frame.f_locals.get("sharded_strategy"), "config", None)
-            overwrite = getattr(config, "overwrite", None)
+            strategy = frame.f_locals.get("sharded_strategy")
+            while strategy is not None and not hasattr(strategy, "config"):
+                strategy = getattr(strategy, "base_strategy", None)  # a fully parallel wrapper
+            overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
             return overwrite if isinstance(overwrite, bool) else None
     return None
 

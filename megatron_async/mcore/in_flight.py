@@ -22,11 +22,17 @@ __all__ = ["InFlightCheckpoints", "checkpoints_in_flight"]
 
 
 class InFlightCheckpoints:
-    """A thread-safe set of checkpoint directories, each claimed by one save (a token)."""
+    """A thread-safe set of checkpoint directories, each claimed by one save (a token).
+
+    A claim is keyed by the directory with its links resolved, so two names of one
+    directory are one claim; it is released by its token alone, with no file-system call
+    (a release runs on failure paths, where the file system may be the thing that hangs).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._claims: Dict[str, int] = {}
+        self._claims: Dict[str, int] = {}  # resolved directory -> token
+        self._names: Dict[int, str] = {}  # token -> the directory as the save named it
         self._tokens = itertools.count()
 
     def claim(self, checkpoint_dir: str) -> int:
@@ -34,16 +40,18 @@ class InFlightCheckpoints:
         key = _key(checkpoint_dir)
         with self._lock:
             token = next(self._tokens)
-            self._claims[key] = token
+            replaced = self._claims.get(key)
+            self._names.pop(replaced, None)
+            self._claims[key], self._names[token] = token, checkpoint_dir
             return token
 
     def release(self, checkpoint_dir: str, token: int) -> None:
         """End the claim ``token`` on ``checkpoint_dir`` (a newer claim stays)."""
-        key = _key(checkpoint_dir)
         with self._lock:
-            if self._claims.get(key) != token:  # a link that now points elsewhere
-                key = next((k for k, t in self._claims.items() if t == token), None)
-            if key is not None and self._claims.get(key) == token:
+            if self._names.pop(token, None) is None:
+                return
+            key = next((k for k, t in self._claims.items() if t == token), None)
+            if key is not None:
                 del self._claims[key]
 
     def release_when_dropped(self, owner: Any, checkpoint_dir: str, token: int) -> None:
@@ -56,9 +64,9 @@ class InFlightCheckpoints:
             return key in self._claims
 
     def directories(self) -> List[str]:
-        """The claimed directories, sorted."""
+        """The claimed directories as their saves named them, sorted."""
         with self._lock:
-            return sorted(self._claims)
+            return sorted(self._names.values())
 
 
 def _key(checkpoint_dir: str) -> str:

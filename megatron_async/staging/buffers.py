@@ -265,9 +265,9 @@ def stage_buckets(
         settle_parts(ahead)  # every part ends first; the error that brought us here wins
         device_stuck = isinstance(exc, DeviceCopyTimeoutError)
         if cuda_devices and not device_stuck:  # copies queued before the failure land first
-            try:
-                wait_for_device_copies(cuda_devices, holding=(result, entry))
-            except BaseException:  # kept alive by the wait; the first failure is raised
+            try:  # briefly: what has not landed by then is kept alive by the wait
+                wait_for_device_copies(cuda_devices, timeout_s=1.0, holding=(result, entry))
+            except BaseException:  # the first failure is the one raised
                 device_stuck = True
         if device_stuck or entry is not None and any(
                 b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):

@@ -186,8 +186,10 @@ class CopyJob:
                     if source.device.type == "cuda":
                         self._check(name, source, version)
         except StagingRaceError as exc:
+            self._keep_queued_copies()
             self.gate.mark_failed(str(exc))
         except BaseException as exc:  # reported by the writer, on every rank at finalization
+            self._keep_queued_copies()
             logger.error("rank %d: overlapped staging copy failed: %s", self.rank, exc)
             self.gate.mark_failed(f"rank {self.rank}: overlapped staging copy failed: "
                                   f"{type(exc).__name__}: {exc}")
@@ -196,6 +198,16 @@ class CopyJob:
         finally:
             self.copies = []
             self.done.set()
+
+    def _keep_queued_copies(self) -> None:
+        """After a failure, keep the buffers alive until the copies already queued on the
+        side stream landed (copy thread): the save drops them meanwhile."""
+        if self.stream is None:
+            return
+        try:
+            wait_for_stream(self.stream, timeout_s=1.0, holding=[b for _, _, b, _ in self.copies])
+        except BaseException:  # kept by the wait; the failure at hand is the one reported
+            pass
 
     def _check(self, name: str, source: torch.Tensor, version: int) -> None:
         now = source._version

@@ -101,7 +101,15 @@ def snapshot_to_host(obj: Any) -> Any:
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         return value
 
-    result = visit(obj)
+    try:
+        result = visit(obj)
+    except BaseException:  # copies queued so far: their memory stays until they land
+        devices = {t.device for t in cuda_sources}
+        try:
+            wait_for_device_copies(devices, timeout_s=1.0, holding=place)
+        except BaseException:  # kept by the wait; the failure at hand is raised
+            pass
+        raise
     synchronize_if_cuda(cuda_sources, holding=result)
     return result
 

@@ -97,6 +97,36 @@ def test_an_interrupt_is_raised_only_once_the_copies_landed(monkeypatch):
     assert interrupted == [1] and fake.queries == 7  # it went on polling until done
 
 
+def test_with_memory_to_keep_an_interrupt_is_raised_at_once_and_the_memory_kept(monkeypatch):
+    fake = _FakeDevice(monkeypatch, polls=None)  # stuck
+    monkeypatch.setattr(device_wait, "_SPIN_S", 0.0)
+
+    def sleep(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(device_wait.time, "sleep", sleep)
+    with pytest.raises(KeyboardInterrupt):
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=600.0, holding=bytearray(8))
+    assert fake.queries == 1 and device_wait.held_after_failures() == 1
+
+
+def test_an_interrupt_then_a_timeout_raises_the_timeout_from_the_interrupt(monkeypatch):
+    _FakeDevice(monkeypatch, polls=None)
+    monkeypatch.setattr(device_wait, "_SPIN_S", 0.0)
+    clock = [0.0]
+    monkeypatch.setattr(device_wait.time, "monotonic", lambda: clock[0])
+
+    def sleep(seconds):
+        clock[0] += 1.0
+        if clock[0] == 1.0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(device_wait.time, "sleep", sleep)
+    with pytest.raises(DeviceCopyTimeoutError) as raised:
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=3.0)
+    assert isinstance(raised.value.__cause__, KeyboardInterrupt)
+
+
 def test_memory_a_copy_may_still_write_is_kept_until_the_copy_landed(monkeypatch):
     fake = _FakeDevice(monkeypatch, polls=None)  # stuck
     buffers = bytearray(16)

@@ -28,13 +28,25 @@ def _files(path):
     return {name: os.path.getmtime(path / name) for name in os.listdir(path)}
 
 
+def _refusing(wrapped: bool):
+    strategy = TorchDistAsyncSaveStrategy(overwrite=False)
+    if wrapped:  # Megatron-LM's --ckpt-fully-parallel-save
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        strategy = FullyParallelSaveStrategyWrapper(strategy)
+    return strategy
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "fully-parallel"])
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_overwrite_false_refuses_a_complete_checkpoint_and_changes_nothing(tmp_path, async_save):
+def test_overwrite_false_refuses_a_complete_checkpoint_and_changes_nothing(tmp_path, async_save, wrapped):
     dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
     before = _files(tmp_path)
     with pytest.raises(CheckpointValidationError, match="overwrite=False"):
         dist_checkpointing.save(
-            _state(2.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(overwrite=False),
+            _state(2.0), str(tmp_path), sharded_strategy=_refusing(wrapped),
             async_sharded_save=async_save,
         )
     assert _files(tmp_path) == before  # common.pt and the markers untouched
