@@ -34,8 +34,8 @@ import torch
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
-    "DEVICE_COPY_WAIT_S", "DeviceCopyTimeoutError", "held_after_failures", "release_landed",
-    "wait_for_device_copies", "wait_for_stream",
+    "DEVICE_COPY_WAIT_S", "DeviceCopyTimeoutError", "held_after_failures", "landed_after_failure",
+    "release_landed", "wait_for_device_copies", "wait_for_stream",
 ]
 
 DEVICE_COPY_WAIT_S = 600.0
@@ -75,6 +75,20 @@ def wait_for_device_copies(
 def wait_for_stream(stream: Any, timeout_s: float = DEVICE_COPY_WAIT_S, holding: Any = None) -> None:
     """:func:`wait_for_device_copies` for the copies queued on ``stream`` (a side stream)."""
     _wait([(str(stream.device), stream)], timeout_s, holding)
+
+
+def landed_after_failure(devices: Iterable[torch.device] = (), holding: Any = None, stream: Any = None) -> bool:
+    """After a failure, whether the copies queued so far (on ``devices``' current streams,
+    or on ``stream``) landed within a second; if not, ``holding`` is kept until they do
+    (the thread that queued them). Never raises: the failure at hand is the one raised."""
+    try:
+        if stream is not None:
+            wait_for_stream(stream, timeout_s=1.0, holding=holding)
+        else:
+            wait_for_device_copies(devices, timeout_s=1.0, holding=holding)
+    except BaseException:
+        return False
+    return True
 
 
 def _wait(streams: List[Tuple[str, Any]], timeout_s: float, holding: Any) -> None:

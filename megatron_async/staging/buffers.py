@@ -47,7 +47,11 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
-from megatron_async.core.device_wait import DeviceCopyTimeoutError, wait_for_device_copies
+from megatron_async.core.device_wait import (
+    DeviceCopyTimeoutError,
+    landed_after_failure,
+    wait_for_device_copies,
+)
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import (
@@ -263,12 +267,8 @@ def stage_buckets(
         cuda_devices.clear()
     except BaseException as exc:
         settle_parts(ahead)  # every part ends first; the error that brought us here wins
-        device_stuck = isinstance(exc, DeviceCopyTimeoutError)
-        if cuda_devices and not device_stuck:  # copies queued before the failure land first
-            try:  # briefly: what has not landed by then is kept alive by the wait
-                wait_for_device_copies(cuda_devices, timeout_s=1.0, holding=(result, entry))
-            except BaseException:  # the first failure is the one raised
-                device_stuck = True
+        device_stuck = isinstance(exc, DeviceCopyTimeoutError) or bool(cuda_devices) and not (
+            landed_after_failure(cuda_devices, holding=(result, entry)))  # queued before it
         if device_stuck or entry is not None and any(
                 b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):
             cache.discard(result.lease)  # a stuck copy may still write into them

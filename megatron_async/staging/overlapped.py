@@ -44,7 +44,7 @@ from typing import (
 
 import torch
 
-from megatron_async.core.device_wait import wait_for_stream
+from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
 from megatron_async.core import shared_memory
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
@@ -200,14 +200,9 @@ class CopyJob:
             self.done.set()
 
     def _keep_queued_copies(self) -> None:
-        """After a failure, keep the buffers alive until the copies already queued on the
-        side stream landed (copy thread): the save drops them meanwhile."""
-        if self.stream is None:
-            return
-        try:
-            wait_for_stream(self.stream, timeout_s=1.0, holding=[b for _, _, b, _ in self.copies])
-        except BaseException:  # kept by the wait; the failure at hand is the one reported
-            pass
+        """After a failure (copy thread): the buffers live on until the queued copies land."""
+        if self.stream is not None:
+            landed_after_failure(stream=self.stream, holding=[b for _, _, b, _ in self.copies])
 
     def _check(self, name: str, source: torch.Tensor, version: int) -> None:
         now = source._version

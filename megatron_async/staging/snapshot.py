@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from megatron_async.core.device_wait import wait_for_device_copies
+from megatron_async.core.device_wait import landed_after_failure, wait_for_device_copies
 
 __all__ = ["copy_tensor_to_host", "snapshot_to_host", "synchronize_if_cuda"]
 
@@ -104,11 +104,7 @@ def snapshot_to_host(obj: Any) -> Any:
     try:
         result = visit(obj)
     except BaseException:  # copies queued so far: their memory stays until they land
-        devices = {t.device for t in cuda_sources}
-        try:
-            wait_for_device_copies(devices, timeout_s=1.0, holding=place)
-        except BaseException:  # kept by the wait; the failure at hand is raised
-            pass
+        landed_after_failure({t.device for t in cuda_sources}, holding=place)
         raise
     synchronize_if_cuda(cuda_sources, holding=result)
     return result

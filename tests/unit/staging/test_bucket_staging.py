@@ -276,7 +276,8 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
 
     try:
         stage_buckets(buckets, True, "layout").release()  # the layout's buffers, cached
-        monkeypatch.setattr(buffers, "wait_for_device_copies", wait)
+        monkeypatch.setattr(buffers, "wait_for_device_copies", wait)  # staging's wait
+        monkeypatch.setattr(device_wait, "wait_for_device_copies", wait)  # the look after a failure
         with pytest.raises(RuntimeError, match="injected: a failure after"):
             stage_buckets(buckets, True, "layout")
         assert calls == [{torch.device("cuda", torch.cuda.current_device())}] * 2  # then the wait
