@@ -7,7 +7,7 @@ and writer view, but scheduling copies nothing:
 
 1. scheduling (the request's ``preload_fn``, trainer) leases the pool, gives every item
    its place in it and records each saved tensor's version counter; it opens the save's
-   :class:`~.overlapped.StagingGate` at once, since the writer waits for each item on the
+   :class:`~.staging_gate.StagingGate` at once, since the writer waits for each item on the
    control block instead;
 2. once the request is with its background writer, the overlapped copy thread (the one
    :func:`~.overlapped.wait_for_staging` waits for) copies the items in the writer's
