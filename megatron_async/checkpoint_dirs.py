@@ -72,8 +72,10 @@ def iteration_from_path(path: str) -> Optional[int]:
 
 def checkpoint_dir_name(iteration: int) -> str:
     """Return the directory name of ``iteration``'s checkpoint: ``iter_0000100``."""
-    if iteration < 0:
-        raise CheckpointValidationError(f"iteration must be >= 0, got {iteration}")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointValidationError(
+            f"iteration must be an int >= 0 (the training step), got {iteration!r}"
+        )
     return f"iter_{iteration:07d}"
 
 

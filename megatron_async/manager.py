@@ -45,6 +45,7 @@ from megatron_async.checkpoint_dirs import (
     write_tracker,
 )
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import (
     CheckpointIntegrityError,
@@ -151,9 +152,9 @@ class CheckpointManager:
             The checkpoint directory.
 
         Raises:
-            CheckpointValidationError: ``iteration`` is the checkpoint the tracker points
-                to (overwriting it would leave no complete checkpoint during the save), or
-                a save of it is already in flight.
+            CheckpointValidationError: ``iteration`` is no int >= 0, is the checkpoint
+                the tracker points to (overwriting it would leave no complete checkpoint
+                during the save), or a save of it is already in flight.
         """
         if iteration in self._in_flight:
             raise CheckpointValidationError(
@@ -180,6 +181,12 @@ class CheckpointManager:
         write finished, and megatron-core's ``dist_checkpointing.save`` already added the
         one that writes ``metadata.json``, so the tracker is written after it.
         """
+        if not callable(getattr(request, "add_finalize_fn", None)):
+            raise CheckpointValidationError(
+                f"attach_commit needs the AsyncRequest of the save, got {type(request).__name__}: "
+                "pass what dist_checkpointing.save(..., async_sharded_save=True) returned"
+            )
+        checkpoint_dir_name(iteration)  # a valid iteration, before anything is attached
         request.add_finalize_fn(functools.partial(self.commit, iteration))
 
     def abandon(self, iteration: int) -> None:
@@ -221,7 +228,10 @@ class CheckpointManager:
         failure = None
         if coordination.get_rank() == 0:
             try:
-                self._write_tracker_for(iteration, path)
+                run_coordinator_step(
+                    f"marking {path} as the latest checkpoint",
+                    lambda: self._write_tracker_for(iteration, path),
+                )
             except Exception as exc:  # reported on every rank below
                 failure = RankFailure.from_exception(0, "commit", exc)
         self._in_flight.discard(iteration)
@@ -229,7 +239,7 @@ class CheckpointManager:
         self.save_failures.succeeded()
         if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
             try:
-                self.apply_retention()
+                run_coordinator_step(f"applying retention after {path}", self.apply_retention)
             except Exception as exc:  # best-effort cleanup: the checkpoint itself is committed
                 logger.warning("retention after committing %s failed: %s", path, exc)
 

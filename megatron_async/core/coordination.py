@@ -34,6 +34,7 @@ __all__ = [
     "get_world_size",
     "local_world_size",
     "get_coordination_group",
+    "coordination_timeout_s",
     "all_reduce_max",
     "all_reduce_sum",
     "all_gather_objects",
@@ -84,9 +85,7 @@ def local_world_size() -> int:
         return 1
 
 
-def get_coordination_group(
-    timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S,
-) -> Optional[dist.ProcessGroup]:
+def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.ProcessGroup]:
     """Return the gloo group used for checkpoint coordination, creating it on first use.
 
     Runs on every rank. Unlike ``torch.distributed.new_group``, creating this group is
@@ -109,8 +108,9 @@ def get_coordination_group(
     by constructing the :class:`AsyncCallsQueue` right after ``init_process_group``.
 
     Args:
-        timeout_s: bound on each collective of the group (applied when it is created;
-            the first creation in a default group decides it).
+        timeout_s: bound on each collective of the group, applied when it is created
+            (None: :data:`DEFAULT_COORDINATION_TIMEOUT_S`). The first creation in a
+            default group decides it; a later, different value is ignored with a warning.
 
     Returns:
         The group, or None outside a distributed job (single process).
@@ -122,9 +122,10 @@ def get_coordination_group(
     with _group_lock:
         if _cached_group is not None and _cached_for_world is world:
             if _is_registered(_cached_group):
-                if timeout_s != _cached_timeout_s:
-                    logger.debug(
-                        "the coordination group already exists with timeout %.0fs; %.0fs is ignored",
+                if timeout_s is not None and float(timeout_s) != _cached_timeout_s:
+                    logger.warning(
+                        "the checkpoint-coordination group already exists with timeout %.0fs; %.0fs "
+                        "is ignored (the first queue or strategy of the job decides it)",
                         _cached_timeout_s, timeout_s,
                     )
                 return _cached_group
@@ -133,10 +134,16 @@ def get_coordination_group(
             _recreated_in_world = 0
         name = COORDINATION_GROUP_NAME + (f"_{_recreated_in_world}" if _recreated_in_world else "")
         logger.debug("rank %d: creating the gloo checkpoint-coordination group %s", dist.get_rank(), name)
-        _cached_group = _create_named_gloo_group(name, float(timeout_s))
+        bound_s = DEFAULT_COORDINATION_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        _cached_group = _create_named_gloo_group(name, bound_s)
         _cached_for_world = world
-        _cached_timeout_s = float(timeout_s)
+        _cached_timeout_s = bound_s
         return _cached_group
+
+
+def coordination_timeout_s() -> float:
+    """The bound on each collective of the coordination group (the default before one exists)."""
+    return _cached_timeout_s
 
 
 def _is_registered(group: dist.ProcessGroup) -> bool:

@@ -38,6 +38,7 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.request import register_finalize_step_adapter
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure
@@ -95,8 +96,11 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     if coordination.get_rank() == 0:
         final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
         try:
-            config = dataclasses.asdict(CheckpointingConfig(backend, version))
-            storage_for(checkpoint_dir).write_atomically(final_path, json.dumps(config))
+            config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
+            run_coordinator_step(
+                f"writing {final_path}",
+                lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
+            )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing %s failed: %s", final_path, exc)
             failure = RankFailure.from_exception(0, "finalize", exc)
@@ -108,7 +112,10 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
     failure: Optional[RankFailure] = None
     if coordination.get_rank() == 0:
         try:
-            write_manifest(checkpoint_dir)
+            run_coordinator_step(
+                f"writing the integrity manifest of {checkpoint_dir}",
+                lambda: write_manifest(checkpoint_dir),
+            )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing the integrity manifest of %s failed: %s", checkpoint_dir, exc)
             failure = RankFailure.from_exception(0, "finalize", exc)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable, Optional, TypeVar
 
+from megatron_async.core.coordinator_step import DeadlineExpired, run_with_deadline
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE
 
@@ -94,23 +94,10 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _attempt(call: Callable[[], T], timeout_s: float, what: str) -> T:
-    outcome: dict = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as exc:  # handed to the waiting caller
-            outcome["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"object-request: {what}", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise ObjectStoreTimeoutError(f"no complete answer within {timeout_s:.0f}s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    try:
+        return run_with_deadline(call, timeout_s, f"object-request: {what}")
+    except DeadlineExpired as exc:
+        raise ObjectStoreTimeoutError(f"no complete answer within {timeout_s:.0f}s") from exc
 
 
 def call_with_deadline(

@@ -140,6 +140,11 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         options: Optional[WriteOptions] = None,
         **kwargs: Any,
     ):
+        if not isinstance(path, (str, os.PathLike)):
+            raise CheckpointValidationError(
+                f"the checkpoint directory must be a path (str or os.PathLike), got "
+                f"{type(path).__name__}: pass the directory to write the checkpoint into"
+            )
         parent = _PARENT_SIGNATURE.bind(self, path, *args, **kwargs)
         options = resolve_writer_options(
             options, parent, separation_hint=separation_hint, use_msc=use_msc,

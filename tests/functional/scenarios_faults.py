@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
@@ -26,6 +27,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
+from megatron_async.core.coordinator_step import CoordinatorStepTimeoutError
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CoordinationError,
@@ -91,6 +93,19 @@ class _FinishFailsWriter(FileSystemWriterAsync):
 
     def finish(self, metadata, results):
         raise OSError(errno.EDQUOT, "Disk quota exceeded writing .metadata (injected)")
+
+
+_MOUNT_RECOVERED = threading.Event()
+"""Set when the hung mount of :class:`_HangingFinishWriter` answers again."""
+
+
+class _HangingFinishWriter(FileSystemWriterAsync):
+    """The coordinator's ``.metadata`` write does not return (a hung network mount) until
+    :data:`_MOUNT_RECOVERED` is set; then it completes."""
+
+    def finish(self, metadata, results):
+        assert _MOUNT_RECOVERED.wait(120), "the hung mount never recovered"
+        return super().finish(metadata, results)
 
 
 class _SlowWriter(FileSystemWriterAsync):
@@ -597,6 +612,7 @@ def rank_stopped_during_finalize(ctx: RankContext):
     SIGCONT, which then fails its own next collective, so that the launch ends.
     """
     queue = AsyncCallsQueue(config=AsyncCallerConfig(coordination_timeout_s=STOPPED_RANK_TIMEOUT_S))
+    hung_commit = coordinator_commit_hangs(ctx, queue)
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())
     good = _dir(ctx, "before-stop")
@@ -627,4 +643,29 @@ def rank_stopped_during_finalize(ctx: RankContext):
     queue.close(abort=True)
     _assert_no_process_left_behind()
     _expect_error_everywhere(CoordinationError, coordination.barrier, "failed")  # at once
-    return {"error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300]}
+    return {
+        "error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300],
+        "hung_commit": hung_commit,
+    }
+
+
+def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
+    """Rank 0's ``.metadata`` write never returns (a hung mount): every rank raises the same
+    error once the coordinator's step bound (half of ``coordination_timeout_s``) expires,
+    the group stays usable, and the previous checkpoint still loads. When the mount
+    recovers, the step left behind completes a consistent checkpoint that the tracker
+    does not name. Runs first in the stopped-rank launch, which has a short timeout."""
+    summary = _fault_round(ctx, "hung-commit", queue, _Strategy(_HangingFinishWriter))
+    _expect_phase(summary, 0, "finalize", "writing .metadata of")
+    assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
+    assert summary["error"] == "AsyncSaveFailedError", summary
+    assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
+    _MOUNT_RECOVERED.set()
+    late = os.path.join(ctx.tmp_dir, "hung-commit", "iter_0000002", ".metadata")
+    deadline = time.monotonic() + 60
+    while ctx.rank == 0 and not os.path.exists(late):
+        assert time.monotonic() < deadline, "the commit left behind never completed"
+        time.sleep(0.05)
+    dist.barrier()
+    assert read_tracker(os.path.join(ctx.tmp_dir, "hung-commit")) == 1
+    return summary

@@ -34,3 +34,7 @@ def test_rank_stopped_during_finalize(tmp_path):
     )
     assert survivor["error"] == "CoordinationError" and "all_reduce" in survivor["message"], survivor
     assert stopped["error"] == "CoordinationError", stopped  # its peer left the collective
+    for outcome in (survivor, stopped):  # the launch's first scenario
+        hung = outcome["hung_commit"]
+        assert hung["failures"][0][0] == "finalize", hung
+        assert "CoordinatorStepTimeoutError" in hung["lines"][0], hung

@@ -245,3 +245,23 @@ def test_abandoned_save_can_be_prepared_again(tmp_path):
     manager.abandon(3)  # its save failed; the job goes on
     assert manager.in_flight == set()
     manager.prepare_save(3)
+
+
+@pytest.mark.parametrize("iteration", ["2", 2.0, True, -1, None])
+def test_an_iteration_that_is_no_step_number_is_refused_with_a_clear_error(tmp_path, iteration):
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=str(tmp_path)))
+    with pytest.raises(CheckpointValidationError, match="iteration must be an int >= 0"):
+        manager.prepare_save(iteration)
+    assert os.listdir(tmp_path) == [] and manager.in_flight == set()
+
+
+def test_attach_commit_refuses_what_is_no_async_request(tmp_path):
+    from megatron_async.core.request import AsyncRequest
+
+    manager = CheckpointManager(CheckpointManagerConfig(save_dir=str(tmp_path)))
+    with pytest.raises(CheckpointValidationError, match="got NoneType: pass what dist_checkpointing.save"):
+        manager.attach_commit(None, 2)
+    request = AsyncRequest(None, (), [])
+    with pytest.raises(CheckpointValidationError, match="iteration must be an int"):
+        manager.attach_commit(request, "2")
+    assert request.finalize_fns == []

@@ -76,3 +76,9 @@ def test_the_writer_takes_an_options_object_as_it_is(tmp_path):
 def test_an_invalid_writer_keyword_is_a_validation_error(tmp_path):
     with pytest.raises(CheckpointValidationError, match="thread_count must be >= 1"):
         FileSystemWriterAsync(tmp_path, thread_count=0)
+
+
+@pytest.mark.parametrize("path", [None, 3, b"/tmp/x"])
+def test_a_checkpoint_directory_that_is_no_path_is_a_validation_error(path):
+    with pytest.raises(CheckpointValidationError, match="must be a path .* got"):
+        FileSystemWriterAsync(path)

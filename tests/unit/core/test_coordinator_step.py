@@ -1,0 +1,87 @@
+"""The coordinator's own file-system steps are bounded (core/coordinator_step.py), and the
+commit steps that only rank 0 runs go through that bound (single process: rank 0)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_async.core import coordination, coordinator_step
+from megatron_async.core.coordinator_step import (
+    CoordinatorStepTimeoutError,
+    DeadlineExpired,
+    run_coordinator_step,
+    run_with_deadline,
+)
+from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def hung_mount():
+    """An event a step waits on, as on a mount that stopped answering; set at the end."""
+    recovered = threading.Event()
+    yield recovered
+    recovered.set()  # let the steps left behind end
+
+
+def test_a_step_returns_its_value_or_raises_its_own_error():
+    assert run_with_deadline(lambda: 42, 5, "t") == 42
+    with pytest.raises(KeyError, match="mine"):
+        run_with_deadline(lambda: {}["mine"], 5, "t")
+
+    def own_timeout():
+        raise TimeoutError("the step's own socket timeout")
+
+    with pytest.raises(TimeoutError, match="own socket") as caught:
+        run_coordinator_step("a step", own_timeout, timeout_s=5)
+    assert not isinstance(caught.value, (DeadlineExpired, AsyncTimeoutError))
+
+
+def test_a_step_that_never_returns_fails_within_its_bound(hung_mount):
+    started = time.monotonic()
+    with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of /x did not return within 0s") as caught:
+        run_coordinator_step("writing .metadata of /x", hung_mount.wait, timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert isinstance(caught.value, AsyncTimeoutError)
+    assert "check the mount" in str(caught.value) and "previous one is untouched" in str(caught.value)
+    left_behind = [t for t in threading.enumerate() if t.name == "coordinator step: writing .metadata of /x"]
+    assert left_behind and all(t.daemon for t in left_behind)
+
+
+def test_the_bound_is_half_the_coordination_timeout(monkeypatch):
+    monkeypatch.setattr(coordination, "_cached_timeout_s", 30.0)
+    assert coordinator_step.coordinator_step_timeout_s() == 15.0
+    assert coordination.coordination_timeout_s() == 30.0
+
+
+def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mount):
+    from megatron_async import manager as mgr
+
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
+    path = manager.prepare_save(1)
+    for marker in mgr.COMPLETE_MARKERS:
+        (tmp_path / os.path.basename(path) / marker).write_text("{}")
+    monkeypatch.setattr(mgr, "write_tracker", lambda *args: hung_mount.wait())
+    with pytest.raises(AsyncSaveFailedError, match="marking .* as the latest checkpoint did not return"):
+        manager.commit(1)
+    assert mgr.read_tracker(str(tmp_path)) is None
+
+
+def test_megatron_cores_metadata_json_step_is_bounded(tmp_path, monkeypatch, hung_mount):
+    from megatron_async.mcore import finalize
+
+    class HungStorage:
+        def write_atomically(self, path, data):
+            hung_mount.wait()
+
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(finalize, "storage_for", lambda path: HungStorage())
+    with pytest.raises(AsyncSaveFailedError, match="metadata.json did not return within 0s"):
+        finalize.write_megatron_config(str(tmp_path), "torch_dist", 1)
+    assert not os.path.exists(tmp_path / "metadata.json")
