@@ -39,8 +39,11 @@ from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.format import has_completion_markers, remove_completion_markers
+from megatron_async.format import (
+    COMMON_FILE, COMPLETION_MARKERS, has_completion_markers, remove_completion_markers,
+)
 from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.set_aside import set_aside
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_common_function"]
@@ -55,7 +58,9 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
     """Refuse a directory being written; unmark a complete one (every rank, before common.pt).
 
     A complete checkpoint is refused instead when the calling ``save()`` uses our strategy
-    with ``overwrite=False``.
+    with ``overwrite=False``. With our strategy's ``overwrite=True``, its markers and its
+    ``common.pt`` are set aside, not deleted, so that a save refused while planning puts
+    them back (:mod:`megatron_async.mcore.set_aside`).
 
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
@@ -76,7 +81,8 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
 
     storage = storage_for(directory)
     is_coordinator = dist.get_rank() == 0
-    if _calling_save_overwrite() is False:  # the same on every rank: so is this collective
+    overwrite = _calling_save_overwrite()
+    if overwrite is False:  # the same on every rank: so is this collective
         complete = is_coordinator and has_completion_markers(directory, storage)
         if coordination.all_reduce_max([int(complete)])[0]:
             raise CheckpointValidationError(
@@ -87,7 +93,13 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
     if not is_coordinator:
         return
     try:
-        removed = remove_completion_markers(directory, storage)
+        if overwrite and not storage.needs_msc:  # our strategy restores or discards them
+            removed = [original for original, _ in set_aside(
+                directory, (*COMPLETION_MARKERS, COMMON_FILE), register=True,
+                only_if=COMPLETION_MARKERS,
+            ).moved]
+        else:
+            removed = remove_completion_markers(directory, storage)
     except PermissionError as exc:
         raise CheckpointValidationError(
             f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "

@@ -44,6 +44,7 @@ from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.set_aside import SetAside
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.storage.backend import storage_for
 
@@ -56,20 +57,27 @@ class SaveFinalizer:
     """Commit one save of the strategy: runs on every rank once its background write is
     done everywhere, and frees the directory for the next save whatever happens."""
 
-    def __init__(self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float):
+    def __init__(
+        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float,
+        aside: Optional[SetAside] = None,
+    ):
         self._args = (writer, metadata, dist_wrapper)
         self._release = (checkpoint_dir, token)
         self._plan_s = plan_s
+        self._aside = aside
 
     def __call__(self) -> None:
         try:
             save_state_dict_async_finalize(*self._args)
         finally:
-            checkpoints_in_flight.release(*self._release)
+            self.abandon()
 
     def abandon(self) -> None:
-        """The save failed or was never scheduled: free its directory now (every rank)."""
+        """The save is over (finalized, failed or never scheduled): free its directory now,
+        and delete what it set aside of the checkpoint it overwrote (every rank)."""
         checkpoints_in_flight.release(*self._release)
+        if self._aside is not None:
+            self._aside.discard()
 
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""

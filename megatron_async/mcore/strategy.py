@@ -44,6 +44,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
+from megatron_async.mcore.set_aside import SetAside, take_set_aside
 from megatron_async.mcore.target import check_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
@@ -273,9 +274,13 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         checkpoint_dir = normalize_checkpoint_path(checkpoint_dir)
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
         claims: List[int] = []
+        # What the common.pt guard set aside (0.16-0.18) and what the check sets aside.
+        aside = SetAside(checkpoint_dir, []).merge(
+            take_set_aside(checkpoint_dir) if is_coordinator else None
+        )
 
         def check_target() -> None:
-            check_save_target(checkpoint_dir, self.config, is_coordinator)
+            aside.merge(check_save_target(checkpoint_dir, self.config, is_coordinator))
             claims.append(checkpoints_in_flight.claim(checkpoint_dir))
 
         start = time.monotonic()
@@ -297,12 +302,14 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
                 coordination.get_rank(), checkpoint_dir, plan_s, self.last_save_reused_plans,
             )
-            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s)
+            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s, aside)
         except BaseException:
             if ahead is not None:
                 ahead.cancel()
             for token in claims:
                 checkpoints_in_flight.release(checkpoint_dir, token)
+            if aside.moved:  # no data file was touched: the old checkpoint comes back
+                aside.restore()
             raise
 
     def _copy_ahead(self) -> Optional[CopyAhead]:
@@ -314,11 +321,12 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
 
     def _request(
-        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float
+        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float,
+        aside: SetAside,
     ) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s)
+        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s, aside)
         # If the request is dropped unfinalized (a failed or aborted save), free the directory.
         checkpoints_in_flight.release_when_dropped(finalizer, checkpoint_dir, token)
         return AsyncRequest(

@@ -15,10 +15,12 @@ What it checks, in this order:
   probe: an unreachable endpoint or a missing bucket fails the first request, which the
   background writer reports on every rank);
 * on the coordinator only, a complete checkpoint already there: ``overwrite=False``
-  refuses it; otherwise its completion markers are removed first (with a warning), so a
-  save that then fails leaves a directory that every loader sees as incomplete, never a
-  mix of old and new data. megatron-core writes ``common.pt`` before the strategy runs,
-  which is why overwriting is the default (see :mod:`megatron_async.mcore.strategy`).
+  refuses it; otherwise its completion markers are set aside first (with a warning;
+  :mod:`megatron_async.mcore.set_aside`), so a save that then fails leaves a directory
+  that every loader sees as incomplete, never a mix of old and new data, and a save
+  refused while planning gets them back. megatron-core writes ``common.pt`` before the
+  strategy runs, which is why overwriting is the default (see
+  :mod:`megatron_async.mcore.strategy`).
 
 Raises :class:`~megatron_async.errors.CheckpointInProgressError` for a directory still
 being written and :class:`~megatron_async.errors.CheckpointValidationError` for anything
@@ -29,12 +31,16 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 from megatron_async.core import coordination
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
+from megatron_async.format import (
+    COMPLETION_MARKERS, DCP_METADATA_FILE, has_completion_markers, remove_completion_markers,
+)
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.in_flight import checkpoints_in_flight
+from megatron_async.mcore.set_aside import SetAside, set_aside
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 from megatron_async.storage.client import MSC_EXTRA_HINT
 
@@ -43,11 +49,18 @@ __all__ = ["check_save_target"]
 logger = logging.getLogger(__name__)
 
 
-def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool) -> None:
+def check_save_target(
+    checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool
+) -> Optional[SetAside]:
     """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local).
 
     On the coordinator, an existing complete checkpoint is refused with
-    ``config.overwrite`` False, or made incomplete first (its completion markers removed).
+    ``config.overwrite`` False, or made incomplete first (its completion markers set
+    aside in a local directory, removed in an object store).
+
+    Returns:
+        The markers set aside (coordinator, local directory), for the caller to restore
+        if planning fails or to discard once the save is finalized; else None.
 
     Args:
         checkpoint_dir: the normalized target (a local path or an object-storage URL).
@@ -70,7 +83,7 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
         _check_object_target(checkpoint_dir, config, is_coordinator, storage)
-        return
+        return None
     if not os.path.exists(checkpoint_dir):
         raise CheckpointValidationError(
             f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
@@ -86,11 +99,13 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
         )
     marker = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     if is_coordinator and os.path.exists(marker):
-        _overwrite(
-            checkpoint_dir, config, storage,
+        _refuse_unless_overwrite(
+            checkpoint_dir, config,
             f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
             "exists) and overwrite=False; save into a new directory or delete it first",
         )
+        return set_aside(checkpoint_dir, COMPLETION_MARKERS)
+    return None
 
 
 def _check_object_target(
@@ -103,18 +118,17 @@ def _check_object_target(
             f"use_msc=True ({MSC_EXTRA_HINT})"
         )
     if is_coordinator and has_completion_markers(checkpoint_dir, storage):
-        _overwrite(
-            checkpoint_dir, config, storage,
+        _refuse_unless_overwrite(
+            checkpoint_dir, config,
             f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
             "overwrite=False; save under a new prefix or delete it first",
         )
+        remove_completion_markers(checkpoint_dir, storage)  # a store has no rename
 
 
-def _overwrite(
-    checkpoint_dir: str, config: TorchDistSaveConfig, storage: CheckpointStorage, refusal: str
-) -> None:
-    """Refuse the complete checkpoint in ``checkpoint_dir`` with ``refusal`` unless
-    ``config.overwrite``; otherwise remove its completion markers (coordinator)."""
+def _refuse_unless_overwrite(checkpoint_dir: str, config: TorchDistSaveConfig, refusal: str) -> None:
+    """Refuse a complete checkpoint with ``refusal`` unless ``config.overwrite``; else warn
+    that it is about to be unmarked (coordinator)."""
     if not config.overwrite:
         raise CheckpointValidationError(refusal)
     logger.warning(
@@ -122,4 +136,3 @@ def _overwrite(
         "first, so it reads as incomplete until this save is finalized",
         checkpoint_dir,
     )
-    remove_completion_markers(checkpoint_dir, storage)

@@ -1,6 +1,7 @@
 """overwrite=False through megatron-core's own save(), on every generation: a complete
 checkpoint is refused before anything of it changes, common.pt included (megatron-core up
-to 0.18 writes common.pt before it calls the sharded strategy); the default overwrites."""
+to 0.18 writes common.pt before it calls the sharded strategy); the default overwrites,
+and a save that planning refuses gives the overwritten checkpoint back unchanged."""
 
 import os
 
@@ -10,7 +11,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.errors import CheckpointValidationError
+from megatron_async.errors import CheckpointValidationError, QueueClosedError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
@@ -66,3 +67,44 @@ def test_the_default_overwrites_a_complete_checkpoint(tmp_path):
     finally:
         queue.close()
     assert _loaded(tmp_path) == 3.0
+    assert not _set_aside_files(tmp_path)  # the old markers and common.pt are gone
+
+
+def _set_aside_files(path):
+    return [name for name in os.listdir(path) if ".replaced-" in name]
+
+
+def _overlapping_state(value: float):
+    """Two main shards of the same item: the global plan refuses them (on every rank)."""
+    return {
+        "a": ShardedTensor.from_rank_offsets("w", torch.full((8,), value)),
+        "b": ShardedTensor.from_rank_offsets("w", torch.full((8,), value)),
+    }
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_refused_while_planning_gives_the_overwritten_checkpoint_back(tmp_path, async_save):
+    dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointValidationError, match="overlapping shards"):
+        dist_checkpointing.save(
+            _overlapping_state(2.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(),
+            async_sharded_save=async_save, validate_access_integrity=False,
+        )
+    assert _files(tmp_path) == before  # markers back, the old common.pt over the new one
+    assert _loaded(tmp_path) == 1.0
+    assert not _set_aside_files(tmp_path)
+
+
+def test_a_save_past_planning_drops_what_it_set_aside_even_when_it_never_runs(tmp_path):
+    dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    request = dist_checkpointing.save(
+        _state(2.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True,
+    )
+    assert _set_aside_files(tmp_path)  # kept while the save may still fail in planning
+    queue = AsyncCallsQueue(persistent=False)
+    queue.close()
+    with pytest.raises(QueueClosedError):
+        queue.schedule_async_request(request)
+    assert not _set_aside_files(tmp_path)
+    assert not os.path.exists(tmp_path / ".metadata")  # incomplete: nothing restores it now

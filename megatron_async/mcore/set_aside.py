@@ -1,0 +1,151 @@
+"""Keep an overwritten checkpoint restorable until the save that replaces it is planned.
+
+Runs on the coordinator (rank 0) of a save into a directory that holds a complete
+checkpoint, with ``overwrite=True`` (the default). Such a save must first make the old
+checkpoint read as incomplete, before anything of it changes: its completion markers go
+first, and on megatron-core up to 0.18 that happens in the ``common.pt`` guard, right
+before megatron-core writes a new ``common.pt``
+(:mod:`megatron_async.mcore.common_guard`). Deleting the markers there lost the old
+checkpoint to any input that planning then refuses (overlapping shards with
+``validate_access_integrity=False``, a rank that cannot write the directory, ...),
+although none of its data files had changed.
+
+So the markers, and the old ``common.pt`` on those generations, are *set aside* instead:
+renamed to hidden names in the same directory (``.metadata.replaced-<id>``). Loaders see
+the checkpoint as incomplete exactly as before. Then:
+
+* planning fails (on any rank, agreed on every rank before a data file is touched):
+  :meth:`SetAside.restore` renames them back, the old ``common.pt`` over the new one,
+  and the old checkpoint is complete again, unchanged;
+* planning succeeds: the data files are about to be rewritten, so the old checkpoint
+  cannot come back; the save's finalization (commit, failure or abandon) deletes the
+  set-aside files (:meth:`SetAside.discard`).
+
+Only local directories: an object store has no rename (its markers are deleted as
+before). The guard sets aside for our strategy only; another strategy's save gets the
+plain removal, since nothing would restore or discard for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import uuid
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_async.storage.local import fsync_path
+
+__all__ = ["SetAside", "set_aside", "take_set_aside"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_pending: Dict[str, "SetAside"] = {}
+"""Set-asides of the guard, by directory, until the strategy's planning takes them."""
+
+
+@dataclasses.dataclass
+class SetAside:
+    """Files of a complete checkpoint renamed to hidden names in its directory (coordinator).
+
+    Attributes:
+        directory: the checkpoint directory.
+        moved: (original path, hidden path) of every file set aside, in the order moved.
+    """
+
+    directory: str
+    moved: List[Tuple[str, str]]
+
+    def merge(self, other: Optional["SetAside"]) -> "SetAside":
+        """This set-aside with ``other``'s files too (the same directory)."""
+        if other is not None:
+            self.moved.extend(other.moved)
+        return self
+
+    def restore(self) -> None:
+        """Put every file back under its name, replacing what is there now (coordinator).
+
+        Markers last (they are moved first), so a crash midway leaves the checkpoint
+        incomplete, never complete with a new ``common.pt``. Logs, never raises: the
+        planning error is what the caller raises.
+        """
+        try:
+            for original, hidden in reversed(self.moved):
+                os.replace(hidden, original)
+            fsync_path(self.directory, best_effort=True)
+            self.moved.clear()
+            logger.warning(
+                "the save into %s failed before writing any data; the checkpoint it would "
+                "have overwritten is restored", self.directory,
+            )
+        except OSError as exc:
+            logger.error(
+                "could not restore the checkpoint in %s after its overwrite failed (%s); its "
+                "set-aside files stay there as %s", self.directory, exc,
+                ", ".join(hidden for _, hidden in self.moved),
+            )
+
+    def discard(self) -> None:
+        """Delete the files set aside: the save went past planning (coordinator; best effort)."""
+        for _, hidden in self.moved:
+            try:
+                os.remove(hidden)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("could not delete %s: %s", hidden, exc)
+        self.moved.clear()
+
+
+def set_aside(
+    directory: str, names: Sequence[str], register: bool = False, only_if: Sequence[str] = ()
+) -> SetAside:
+    """Rename the files ``names`` of ``directory`` that exist to hidden names (coordinator).
+
+    Args:
+        directory: a local checkpoint directory.
+        names: file names, markers first.
+        register: keep it for :func:`take_set_aside` (the guard, which runs before the
+            strategy); any earlier registered set-aside of the directory is discarded.
+        only_if: set nothing aside unless one of these files exists (the markers: a
+            directory without them holds no checkpoint to keep).
+
+    Returns:
+        What was set aside (possibly nothing).
+
+    Raises:
+        OSError: a rename failed; what was already moved is put back first.
+    """
+    tag = uuid.uuid4().hex[:8]
+    result = SetAside(directory, [])
+    if only_if and not any(os.path.exists(os.path.join(directory, name)) for name in only_if):
+        names = ()
+    try:
+        for name in names:
+            original = os.path.join(directory, name)
+            hidden = os.path.join(directory, f".{name.lstrip('.')}.replaced-{tag}")
+            try:
+                os.replace(original, hidden)
+            except FileNotFoundError:
+                continue
+            result.moved.append((original, hidden))
+        fsync_path(directory, best_effort=True)
+    except OSError:
+        for original, hidden in reversed(result.moved):
+            os.replace(hidden, original)
+        raise
+    if register:
+        with _lock:
+            stale = _pending.pop(directory, None)
+            _pending[directory] = result
+        if stale is not None:  # a guarded save whose strategy never took it
+            stale.discard()
+    return result
+
+
+def take_set_aside(directory: str) -> Optional[SetAside]:
+    """The guard's set-aside of ``directory``, now owned by the caller (coordinator)."""
+    with _lock:
+        return _pending.pop(directory, None)
