@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointInProgressError",
     "QueueClosedError",
     "FrozenRequestError",
+    "RequestScheduledTwiceError",
     "WorkerDiedError",
     "AsyncTimeoutError",
     "CoordinationError",
@@ -64,6 +65,10 @@ class QueueClosedError(AsyncCheckpointError, RuntimeError):
 
 class FrozenRequestError(AsyncCheckpointError, RuntimeError):
     """A finalize function was added to an :class:`AsyncRequest` that is already scheduled."""
+
+
+class RequestScheduledTwiceError(FrozenRequestError):
+    """An :class:`AsyncRequest` was scheduled again; each save's request runs once."""
 
 
 class WorkerDiedError(AsyncCheckpointError):

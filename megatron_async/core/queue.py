@@ -125,9 +125,16 @@ class AsyncCallsQueue:
 
         Raises:
             QueueClosedError: the queue was closed.
+            RequestScheduledTwiceError: this request was scheduled before (a finalize
+                function with ``claim_scheduling``, such as our strategy's commit, says so);
+                the save already scheduled is untouched.
             TypeError: ``async_request`` is not an async request.
         """
         request = as_async_request(async_request)
+        for fn in request.finalize_fns:  # before anything that would abandon the request
+            claim = getattr(fn, "claim_scheduling", None)
+            if callable(claim):
+                claim()
         if self._closed:
             request.abandon()
             raise QueueClosedError(

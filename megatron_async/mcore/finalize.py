@@ -41,7 +41,7 @@ from megatron_async.core import coordination
 from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.request import register_finalize_step_adapter
 from megatron_async.core.save_report import SaveDetails
-from megatron_async.errors import RankFailure
+from megatron_async.errors import RankFailure, RequestScheduledTwiceError
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.set_aside import SetAside
@@ -65,12 +65,26 @@ class SaveFinalizer:
         self._release = (checkpoint_dir, token)
         self._plan_s = plan_s
         self._aside = aside
+        self._scheduled = False
 
     def __call__(self) -> None:
         try:
             save_state_dict_async_finalize(*self._args)
         finally:
             self.abandon()
+
+    def claim_scheduling(self) -> None:
+        """Called by the queue when it schedules the request: a request runs once.
+
+        Raises:
+            RequestScheduledTwiceError: it was scheduled before.
+        """
+        if self._scheduled:
+            raise RequestScheduledTwiceError(
+                f"this request to save {self._release[0]} was already scheduled; a request "
+                "is scheduled once: call dist_checkpointing.save again for a new one"
+            )
+        self._scheduled = True
 
     def abandon(self) -> None:
         """The save is over (finalized, failed or never scheduled): free its directory now,

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.errors import AsyncSaveFailedError, QueueClosedError
+from megatron_async.errors import AsyncSaveFailedError, QueueClosedError, RequestScheduledTwiceError
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 
@@ -60,6 +60,23 @@ def test_a_request_refused_by_a_closed_queue_frees_its_directory(tmp_path):
         del request
     finally:
         gc.enable()
+        queue.close()
+
+
+def test_a_request_scheduled_twice_is_refused_and_the_first_save_completes(tmp_path):
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        request = TorchDistAsyncSaveStrategy().async_save(_state(4.0), tmp_path)
+        queue.schedule_async_request(request)
+        with pytest.raises(RequestScheduledTwiceError, match="already scheduled; a request is scheduled once"):
+            queue.schedule_async_request(request)
+        assert queue.get_num_unfinalized_calls() == 1
+        assert str(tmp_path) in checkpoints_in_flight  # the refusal did not free the first save's claim
+        queue.maybe_finalize_async_calls(blocking=True)
+        loaded = {"w": torch.empty(64)}
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+        assert torch.equal(loaded["w"], torch.arange(64.0) + 4.0)
+    finally:
         queue.close()
 
 
