@@ -19,7 +19,9 @@ from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 import torch.distributed as dist
 
 from megatron_async.core import coordination
-from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
+from megatron_async.errors import (
+    AsyncCheckpointError, CheckpointInProgressError, CheckpointValidationError,
+)
 
 __all__ = ["agree_or_raise", "agreed_step"]
 
@@ -28,9 +30,17 @@ T = TypeVar("T")
 
 
 def _describe(error: Optional[BaseException]) -> Optional[_Description]:
+    """This rank's failure for the agreed message: ours as they read (they say what to do),
+    anyone else's with its type, which is often the only information (megatron-core's
+    ``TypeError(<class 'torch.Tensor'>)`` for a plain tensor in a sharded state dict)."""
     if error is None:
         return None
-    return coordination.get_rank(), isinstance(error, CheckpointInProgressError), str(error)
+    rank = coordination.get_rank()
+    message = str(error)
+    if not isinstance(error, AsyncCheckpointError):
+        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    message = message.removeprefix(f"rank {rank}: ")  # the agreed message names the rank
+    return rank, isinstance(error, CheckpointInProgressError), message
 
 
 def agree_or_raise(

@@ -26,7 +26,7 @@ def test_a_failed_step_raises_a_validation_error_naming_the_step_with_the_cause(
 
     with pytest.raises(CheckpointValidationError, match="planning failed on 1 rank") as info:
         agreed_step("planning", step)
-    assert "rank 0: overlapping shards" in str(info.value)
+    assert "rank 0: RuntimeError: overlapping shards" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
@@ -39,6 +39,21 @@ def test_the_flags_see_none_after_a_failure_and_keep_their_length():
     with pytest.raises(CheckpointValidationError):
         agreed_step("writing", step, flags=lambda r: seen.append(r) or [1, 0])
     assert seen == [None]
+
+
+def test_our_own_errors_read_as_they_are_and_a_bare_one_still_names_its_type():
+    def ours():
+        raise CheckpointValidationError("rank 0: checkpoint directory /x does not exist; create it")
+
+    with pytest.raises(CheckpointValidationError) as info:
+        agreed_step("target check", ours)
+    assert "\n  rank 0: checkpoint directory /x does not exist; create it" in str(info.value)
+
+    def bare():
+        raise TypeError()
+
+    with pytest.raises(CheckpointValidationError, match="rank 0: TypeError$"):
+        agreed_step("planning", bare)
 
 
 def test_a_save_still_in_flight_keeps_its_type():
@@ -91,6 +106,6 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path):
     errors = {rank: text for rank, text in got if not text.startswith("then")}
     assert errors[0] == errors[1], errors
     assert "local save planning failed on 1 rank(s)" in errors[0]
-    assert "rank 1: shard missing on this rank" in errors[0]
+    assert "rank 1: ValueError: shard missing on this rank" in errors[0]
     # The ranks stay in step: the next agreed step reduces every rank's flags.
     assert sorted(text for _, text in got if text.startswith("then")) == ["then 0 [1]", "then 1 [1]"]
