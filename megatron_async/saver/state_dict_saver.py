@@ -53,6 +53,7 @@ from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
 from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
+from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.writer.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -218,7 +219,11 @@ def plan_save(
 
     def prepare_step() -> Tuple[SavePlan, Any]:
         final_plan = planner.finish_plan(central_plan)
-        return final_plan, storage_writer.prepare_write_data(final_plan, planner)
+        prepared = storage_writer.prepare_write_data(final_plan, planner)
+        checkpoint_dir = getattr(storage_writer, "checkpoint_dir", None)
+        if dist_wrapper.is_coordinator and checkpoint_dir is not None:  # rewritten from now on
+            unmark_before_rewrite(checkpoint_dir)
+        return final_plan, prepared
 
     (central_plan, prepared), _ = agreed_step("preparing the write", prepare_step, group)
     return PlanResult(

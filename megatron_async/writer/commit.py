@@ -8,6 +8,9 @@ file of an earlier version's checkpoint in the same directory is removed, and DC
 ``.metadata`` (the first completion marker) is written atomically with its directory
 fsynced (``CheckpointStorage.write_atomically`` of :func:`~megatron_async.storage.storage_for`).
 
+Before any of that, :func:`unmark_before_rewrite` makes a complete checkpoint already in the
+directory read as incomplete, once planning has succeeded and before a data file is rewritten.
+
 Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
 results (a save whose structure changed, or the first one) and returns the template that
 lets :func:`commit_unchanged` write the next save of the same structure from the same
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import pickle
 from typing import Any, Dict, List, Optional, Union
@@ -26,11 +30,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.core.gc_pause import paused_gc
-from megatron_async.format import CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE
+from megatron_async.format import (
+    CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
+)
 from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
-__all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged"]
+__all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +153,25 @@ def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
 
 def _is_empty(result: WriteResult) -> bool:
     return getattr(result, "empty_chunk", False)
+
+
+def unmark_before_rewrite(checkpoint_dir: str) -> None:
+    """Remove the completion markers of a checkpoint that this save is about to rewrite
+    (coordinator, at the end of planning, before any data file changes).
+
+    DCP's own writer rewrites the data files in place beside the old ``.metadata``: a save
+    that fails midway leaves a torn checkpoint that still reads as complete. Our strategy
+    sets the markers aside earlier (:mod:`megatron_async.mcore.set_aside`), so this finds
+    nothing there; it protects the reference API (``FileSystemWriterAsync`` with
+    ``save_state_dict_async_plan``, megatron-core's stock strategy on 0.19+). Local
+    directories only: in an object store it would cost requests on every save.
+    """
+    storage = storage_for(checkpoint_dir)
+    if storage.needs_msc:
+        return
+    removed = remove_completion_markers(checkpoint_dir, storage)
+    if removed:
+        logger.warning(
+            "overwriting the checkpoint in %s: its completion markers %s were removed "
+            "before its files are rewritten", checkpoint_dir, removed,
+        )

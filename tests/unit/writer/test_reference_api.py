@@ -266,3 +266,28 @@ def test_validated_cache_reuse_skips_the_local_planning(tmp_path):
     )
     assert _CountingPlanner.local_plans == 2 and reused and metadata is None
     assert len(writer.write_buckets) >= 1
+
+
+def test_a_planned_rewrite_unmarks_the_checkpoint_first_and_a_refused_one_does_not(tmp_path):
+    """DCP rewrites data files in place beside the old .metadata: a save that fails midway
+    would leave a torn checkpoint that reads as complete. Once planning succeeded the
+    coordinator removes the markers; a save that planning refuses leaves them."""
+    writer = _prepared(tmp_path, thread_count=1)
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
+    args[1] = preload_fn()
+    save_fn(*args)
+    _finish(writer, writer.retrieve_write_results())
+    (tmp_path / "metadata.json").write_text("{}")
+    _assert_loads_back(tmp_path)
+
+    class RefusingPlanner(DefaultSavePlanner):
+        def finish_plan(self, plan):
+            raise ValueError("refused while planning (injected)")
+
+    with pytest.raises(CheckpointValidationError, match="ValueError: refused while planning"):
+        save_state_dict_async_plan(dict(_STATE), FileSystemWriterAsync(str(tmp_path)), planner=RefusingPlanner())
+    assert (tmp_path / ".metadata").exists() and (tmp_path / "metadata.json").exists()
+    _assert_loads_back(tmp_path)
+
+    _prepared(tmp_path, thread_count=1)  # planned: its files are rewritten from now on
+    assert not (tmp_path / ".metadata").exists() and not (tmp_path / "metadata.json").exists()
