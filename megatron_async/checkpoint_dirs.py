@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import re
 from typing import Iterable, List, Optional, Sequence
@@ -72,10 +73,15 @@ def iteration_from_path(path: str) -> Optional[int]:
 
 def checkpoint_dir_name(iteration: int) -> str:
     """Return the directory name of ``iteration``'s checkpoint: ``iter_0000100``."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+    try:
+        step = operator.index(iteration)  # ints, numpy and torch integers; not "2" or 2.0
+    except TypeError:
+        step = -1
+    if isinstance(iteration, bool) or step < 0:
         raise CheckpointValidationError(
             f"iteration must be an int >= 0 (the training step), got {iteration!r}"
         )
+    iteration = step
     return f"iter_{iteration:07d}"
 
 

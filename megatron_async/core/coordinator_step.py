@@ -14,10 +14,13 @@ reports the failure while the others still wait for it, and every rank raises th
 :class:`CoordinatorStepTimeoutError` instead of a bare timeout). A step that never
 returns is left behind on its daemon thread, which ends with the process.
 
-A step left behind may still complete when the mount recovers. Every step bounded here
-is safe to complete late: it writes its file atomically (temporary file, rename) and
-describes data that every rank had already written and made durable, so a late
-``.metadata`` marks a consistent checkpoint, which the tracker still does not name.
+A step left behind may still complete when the mount recovers. Each writes its file
+atomically (temporary file, rename), and a late ``.metadata`` describes data that every
+rank had already made durable, so it marks a consistent checkpoint that the tracker does
+not name. Not covered: the directory is free again at once, so a retry into the *same*
+directory while the old step is still stuck could get the old ``.metadata`` over its new
+data, and a late tracker write could name an older checkpoint than a later commit did.
+Save into a new directory after such a failure (Megatron-LM's next iteration does).
 """
 
 from __future__ import annotations
@@ -103,9 +106,9 @@ def run_coordinator_step(what: str, step: Callable[[], T], timeout_s: Optional[f
     try:
         return run_with_deadline(step, bound_s, f"coordinator step: {what}")
     except DeadlineExpired as exc:
-        logger.error("%s did not return within %.0fs; leaving it behind", what, bound_s)
+        logger.error("%s did not return within %gs; leaving it behind", what, bound_s)
         raise CoordinatorStepTimeoutError(
-            f"{what} did not return within {bound_s:.0f}s (half the coordination timeout): "
-            "the file system is not answering (a hung network mount?). The checkpoint is "
-            "not committed and the previous one is untouched; check the mount, then save again"
+            f"{what} did not return within {bound_s:g}s (half the coordination timeout): "
+            "the file system is not answering (a hung network mount?); check the mount, "
+            "then save again"
         ) from exc

@@ -35,11 +35,15 @@ import threading
 import uuid
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_async.core.coordinator_step import DeadlineExpired, run_with_deadline
 from megatron_async.storage.local import fsync_path
 
 __all__ = ["SetAside", "set_aside", "take_set_aside"]
 
 logger = logging.getLogger(__name__)
+
+_DISCARD_TIMEOUT_S = 30.0
+"""The most the coordinator waits for deleting set-aside files between two collectives."""
 
 _lock = threading.Lock()
 _pending: Dict[str, "SetAside"] = {}
@@ -88,15 +92,24 @@ class SetAside:
             )
 
     def discard(self) -> None:
-        """Delete the files set aside: the save went past planning (coordinator; best effort)."""
-        for _, hidden in self.moved:
+        """Delete the files set aside: the save went past planning (coordinator; best effort,
+        bounded: on a mount that stopped answering the deletions are left behind)."""
+        moved, self.moved = list(self.moved), []
+        if moved:
             try:
-                os.remove(hidden)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("could not delete %s: %s", hidden, exc)
-        self.moved.clear()
+                run_with_deadline(lambda: _delete(moved), _DISCARD_TIMEOUT_S, "discarding set-aside files")
+            except DeadlineExpired:
+                logger.warning("deleting %s did not finish in time; left behind", moved)
+
+
+def _delete(moved: List[Tuple[str, str]]) -> None:
+    for _, hidden in moved:
+        try:
+            os.remove(hidden)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", hidden, exc)
 
 
 def set_aside(

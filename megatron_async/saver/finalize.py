@@ -20,7 +20,8 @@ its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). Then:
 
 Either way one more small all-reduce agrees on whether the coordinator's commit
 succeeded, so a warm finalization costs two all-reduces of a few integers and no gather.
-The coordinator's commit is bounded (:mod:`megatron_async.core.coordinator_step`): on a
+The coordinator's file writes are bounded (:mod:`megatron_async.core.coordinator_step`,
+in :mod:`megatron_async.writer.commit`; the metadata is built on this thread): on a
 file system that stops answering it fails in time for the other ranks to raise the same
 error, instead of holding rank 0 in an ``fsync`` for good.
 """
@@ -36,7 +37,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
@@ -141,20 +141,15 @@ def save_state_dict_async_finalize(
     if is_coordinator:
         try:
             if warm:
-                storage_meta = storage_writer.storage_meta()
-                run_coordinator_step(
-                    f"writing .metadata of {checkpoint}",
-                    lambda: commit_unchanged(storage_writer.checkpoint_dir, cache.committed, storage_meta),
+                commit_unchanged(
+                    storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta()
                 )
             else:
                 if global_metadata is None:
                     raise CheckpointValidationError(
                         f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
                     )
-                committed = run_coordinator_step(
-                    f"writing .metadata of {checkpoint}",
-                    lambda: storage_writer.finish(global_metadata, all_results),
-                )
+                committed = storage_writer.finish(global_metadata, all_results)
             storage_writer.change_report = report
         except Exception as exc:
             logger.error("rank %d: writing the metadata of %s failed: %s", rank, checkpoint, exc)

@@ -219,13 +219,12 @@ def plan_save(
 
     def prepare_step() -> Tuple[SavePlan, Any]:
         final_plan = planner.finish_plan(central_plan)
-        prepared = storage_writer.prepare_write_data(final_plan, planner)
-        checkpoint_dir = getattr(storage_writer, "checkpoint_dir", None)
-        if dist_wrapper.is_coordinator and checkpoint_dir is not None:  # rewritten from now on
-            unmark_before_rewrite(checkpoint_dir)
-        return final_plan, prepared
+        return final_plan, storage_writer.prepare_write_data(final_plan, planner)
 
     (central_plan, prepared), _ = agreed_step("preparing the write", prepare_step, group)
+    checkpoint_dir = getattr(storage_writer, "checkpoint_dir", None)
+    if dist_wrapper.is_coordinator and checkpoint_dir is not None:  # planned on every rank
+        unmark_before_rewrite(checkpoint_dir)
     return PlanResult(
         writer=storage_writer,
         metadata=global_metadata,

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Union
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import (
     CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
@@ -119,10 +120,16 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
-    storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
-    # Readers prefer the per-rank records, but a save without checksums writes none.
-    storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))
-    storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), data)
+
+    def write() -> None:
+        storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
+        # Readers prefer the per-rank records, but a save without checksums writes none.
+        storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))
+        storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), data)
+
+    # Only the file-system calls run on the bounded helper thread: the metadata was built
+    # here, under this thread's paused_gc, which a thread left behind would never end.
+    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write)
 
 
 def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
@@ -157,7 +164,8 @@ def _is_empty(result: WriteResult) -> bool:
 
 def unmark_before_rewrite(checkpoint_dir: str) -> None:
     """Remove the completion markers of a checkpoint that this save is about to rewrite
-    (coordinator, at the end of planning, before any data file changes).
+    (coordinator, once every rank agreed that planning succeeded, before any data file
+    changes; best effort: logs, never raises).
 
     DCP's own writer rewrites the data files in place beside the old ``.metadata``: a save
     that fails midway leaves a torn checkpoint that still reads as complete. Our strategy
@@ -169,7 +177,16 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
         return
-    removed = remove_completion_markers(checkpoint_dir, storage)
+    try:  # after the agreement: a failure here must not stop this rank alone
+        removed = run_coordinator_step(
+            f"unmarking {checkpoint_dir}", lambda: remove_completion_markers(checkpoint_dir, storage)
+        )
+    except Exception as exc:
+        logger.error(
+            "could not remove the completion markers in %s before rewriting it (%s): a save "
+            "that fails midway may leave a checkpoint that reads as complete", checkpoint_dir, exc,
+        )
+        return
     if removed:
         logger.warning(
             "overwriting the checkpoint in %s: its completion markers %s were removed "

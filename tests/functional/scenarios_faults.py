@@ -99,13 +99,33 @@ _MOUNT_RECOVERED = threading.Event()
 """Set when the hung mount of :class:`_HangingFinishWriter` answers again."""
 
 
+class _HungMount:
+    """A checkpoint storage whose ``.metadata`` write waits for :data:`_MOUNT_RECOVERED`."""
+
+    def __init__(self, storage):
+        self._storage = storage
+
+    def __getattr__(self, name):
+        return getattr(self._storage, name)
+
+    def write_atomically(self, path, data):
+        assert _MOUNT_RECOVERED.wait(120), "the hung mount never recovered"
+        return self._storage.write_atomically(path, data)
+
+
 class _HangingFinishWriter(FileSystemWriterAsync):
     """The coordinator's ``.metadata`` write does not return (a hung network mount) until
     :data:`_MOUNT_RECOVERED` is set; then it completes."""
 
     def finish(self, metadata, results):
-        assert _MOUNT_RECOVERED.wait(120), "the hung mount never recovered"
-        return super().finish(metadata, results)
+        from megatron_async.writer import commit
+
+        original = commit.storage_for
+        commit.storage_for = lambda path: _HungMount(original(path))
+        try:
+            return super().finish(metadata, results)
+        finally:
+            commit.storage_for = original
 
 
 class _SlowWriter(FileSystemWriterAsync):
