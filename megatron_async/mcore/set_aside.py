@@ -36,7 +36,7 @@ import uuid
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_async.core.coordinator_step import DeadlineExpired, run_with_deadline
-from megatron_async.storage.local import fsync_path
+from megatron_async.storage.local import LocalStorage, fsync_path
 
 __all__ = ["SetAside", "set_aside", "take_set_aside"]
 
@@ -103,11 +103,10 @@ class SetAside:
 
 
 def _delete(moved: List[Tuple[str, str]]) -> None:
+    storage = LocalStorage()
     for _, hidden in moved:
         try:
-            os.remove(hidden)
-        except FileNotFoundError:
-            pass
+            storage.remove(hidden)  # a file already gone is fine
         except OSError as exc:
             logger.warning("could not delete %s: %s", hidden, exc)
 
