@@ -45,7 +45,11 @@ from megatron_async.checkpoint_dirs import (
     write_tracker,
 )
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import run_coordinator_step
+from megatron_async.core.coordinator_step import (
+    CoordinatorStepTimeoutError,
+    refuse_while_left_behind,
+    run_coordinator_step,
+)
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import (
     CheckpointIntegrityError,
@@ -166,6 +170,7 @@ class CheckpointManager:
         failure = None
         if coordination.get_rank() == 0:
             try:
+                refuse_while_left_behind(path)  # a late .metadata would land in the new one
                 self._create_fresh_dir(save_dir, iteration, path)
             except Exception as exc:  # reported on every rank below
                 failure = RankFailure.from_exception(0, "prepare", exc)
@@ -228,9 +233,13 @@ class CheckpointManager:
         failure = None
         if coordination.get_rank() == 0:
             try:
+                tracker = os.path.join(self._require_save_dir(), TRACKER_FILENAME)
+                # A tracker write left behind could land after this one: fail instead.
+                refuse_while_left_behind(tracker, CoordinatorStepTimeoutError)
                 run_coordinator_step(
                     f"marking {path} as the latest checkpoint",
                     lambda: self._write_tracker_for(iteration, path),
+                    path=tracker,
                 )
             except Exception as exc:  # reported on every rank below
                 failure = RankFailure.from_exception(0, "commit", exc)

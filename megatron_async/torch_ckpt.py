@@ -124,8 +124,8 @@ class TorchAsyncCheckpoint:
             The call index of the save.
 
         Raises:
-            CheckpointValidationError: ``f`` is not a path or its directory is missing, or
-                an option ``torch.save``'s zip format does not take.
+            CheckpointValidationError: ``f`` is not a path, is a directory, or its
+                directory is missing, or an option ``torch.save``'s zip format does not take.
             CheckpointInProgressError: a save to the same path is still in flight.
 
         A save that cannot stage within ``staging_memory_limit`` (one tensor larger than
@@ -154,6 +154,11 @@ class TorchAsyncCheckpoint:
         if not target.parent.is_dir():
             raise CheckpointValidationError(
                 f"cannot save to {target}: directory {target.parent} does not exist; create it first"
+            )
+        if target.is_dir():
+            raise CheckpointValidationError(
+                f"cannot save to {target}: it is a directory; torch.save writes one file, so "
+                f"name a file (for example {target}/model.pt)"
             )
         self._forget_settled_saves()
         if target in self._paths_in_flight.values():

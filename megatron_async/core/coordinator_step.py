@@ -17,27 +17,39 @@ returns is left behind on its daemon thread, which ends with the process.
 A step left behind may still complete when the mount recovers. Each writes its file
 atomically (temporary file, rename), and a late ``.metadata`` describes data that every
 rank had already made durable, so it marks a consistent checkpoint that the tracker does
-not name. Not covered: the directory is free again at once, so a retry into the *same*
-directory while the old step is still stuck could get the old ``.metadata`` over its new
-data, and a late tracker write could name an older checkpoint than a later commit did.
-Save into a new directory after such a failure (Megatron-LM's next iteration does).
+not name. Until it has returned, the path it writes stays taken: a step names it
+(``path=``), :func:`steps_left_behind` lists the steps still running on a path, and
+
+* a new save into that checkpoint directory is refused with
+  :class:`~megatron_async.errors.CheckpointInProgressError` (our strategy's target check,
+  the ``common.pt`` guard, the reference API's planning), so a late ``.metadata`` can
+  never land on a retry's new data;
+* a new tracker write fails at once (:func:`refuse_while_left_behind`), so a late tracker
+  write can never name an older checkpoint than a later commit did.
+
+Paths are compared as written (absolute, normalized, no file-system call: the file
+system is what hangs), so a second name of the same directory through a link is not
+recognized.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from typing import Callable, Optional, TypeVar
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 from megatron_async.core import coordination
-from megatron_async.errors import AsyncTimeoutError
+from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [
     "CoordinatorStepTimeoutError",
     "DeadlineExpired",
     "coordinator_step_timeout_s",
+    "refuse_while_left_behind",
     "run_coordinator_step",
     "run_with_deadline",
+    "steps_left_behind",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,7 +62,19 @@ class CoordinatorStepTimeoutError(AsyncTimeoutError):
 
 
 class DeadlineExpired(TimeoutError):
-    """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
+    """:func:`run_with_deadline` stopped waiting: the call had not returned in time.
+
+    Attributes:
+        thread: the thread still running the call.
+    """
+
+    def __init__(self, message: str, thread: Optional[threading.Thread] = None) -> None:
+        super().__init__(message)
+        self.thread = thread
+
+
+_left_behind_lock = threading.Lock()
+_left_behind: List[Tuple[str, threading.Thread, str]] = []  # (path, thread, what)
 
 
 def coordinator_step_timeout_s() -> float:
@@ -78,15 +102,18 @@ def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str)
         finally:
             done.set()
 
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
     if not done.wait(timeout_s):
-        raise DeadlineExpired(f"no answer within {timeout_s:.0f}s")
+        raise DeadlineExpired(f"no answer within {timeout_s:.0f}s", thread)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
 
 
-def run_coordinator_step(what: str, step: Callable[[], T], timeout_s: Optional[float] = None) -> T:
+def run_coordinator_step(
+    what: str, step: Callable[[], T], timeout_s: Optional[float] = None, path: Optional[str] = None
+) -> T:
     """Run one coordinator-only step of a save within its bound (coordinator).
 
     Args:
@@ -94,6 +121,8 @@ def run_coordinator_step(what: str, step: Callable[[], T], timeout_s: Optional[f
         step: the step itself; it must be safe to complete after its caller gave up
             (see the module docstring).
         timeout_s: the bound; :func:`coordinator_step_timeout_s` by default.
+        path: the checkpoint directory or file the step writes: if the step is left
+            behind, :func:`steps_left_behind` names it there until it returns.
 
     Returns:
         What ``step`` returned.
@@ -107,8 +136,40 @@ def run_coordinator_step(what: str, step: Callable[[], T], timeout_s: Optional[f
         return run_with_deadline(step, bound_s, f"coordinator step: {what}")
     except DeadlineExpired as exc:
         logger.error("%s did not return within %gs; leaving it behind", what, bound_s)
+        if path is not None and exc.thread is not None:
+            with _left_behind_lock:
+                _left_behind.append((_path_key(path), exc.thread, what))
         raise CoordinatorStepTimeoutError(
             f"{what} did not return within {bound_s:g}s (half the coordination timeout): "
             "the file system is not answering (a hung network mount?); check the mount, "
             "then save again"
         ) from exc
+
+
+def steps_left_behind(path: str) -> List[str]:
+    """What the steps left behind on ``path`` that still run are doing (this process; no
+    file-system call). Steps that have returned since are forgotten here."""
+    key = _path_key(path)
+    with _left_behind_lock:
+        _left_behind[:] = [entry for entry in _left_behind if entry[1].is_alive()]
+        return [what for where, _, what in _left_behind if where == key]
+
+
+def refuse_while_left_behind(path: str, error: type = CheckpointInProgressError) -> None:
+    """Raise ``error`` if a step left behind still writes ``path`` (coordinator).
+
+    Its message says which step, and what to do.
+    """
+    stuck = steps_left_behind(path)
+    if stuck:
+        raise error(
+            f"{stuck[0]} (an earlier save's step that did not return in time) is still "
+            f"running: {path} stays taken until it returns, so that it cannot land over a "
+            "newer write; check the mount, then save again (into another directory if it "
+            "never recovers)"
+        )
+
+
+def _path_key(path: str) -> str:
+    path = os.fspath(path)
+    return path if "://" in path else os.path.normpath(os.path.abspath(path))

@@ -131,10 +131,7 @@ class AsyncCallsQueue:
             TypeError: ``async_request`` is not an async request.
         """
         request = as_async_request(async_request)
-        for fn in request.finalize_fns:  # before anything that would abandon the request
-            claim = getattr(fn, "claim_scheduling", None)
-            if callable(claim):
-                claim()
+        request.claim_once()  # before anything that would abandon the request
         if self._closed:
             request.abandon()
             raise QueueClosedError(
@@ -143,8 +140,12 @@ class AsyncCallsQueue:
         self.call_idx += 1
         request = request._replace(call_idx=self.call_idx).freeze()
         start = time.monotonic()
-        caller = self._get_async_caller()
-        caller.schedule_async_call(request.without_finalize_fns())
+        try:
+            caller = self._get_async_caller()
+            caller.schedule_async_call(request.without_finalize_fns())
+        except BaseException:  # an interrupt (callers record failures): never finalized
+            request.abandon()
+            raise
         schedule_s = time.monotonic() - start
         logger.debug(
             "rank %d: scheduled async call %d in %.3fs", coordination.get_rank(), self.call_idx, schedule_s

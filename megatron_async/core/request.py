@@ -113,6 +113,16 @@ class AsyncRequest(NamedTuple):
         replacements swapped in (:func:`register_finalize_step_adapter`)."""
         return self._replace(is_frozen=True, finalize_fns=list(map(adapt_finalize_fn, self.finalize_fns)))
 
+    def claim_once(self) -> None:
+        """This request runs now (every rank; before anything that would abandon it): each
+        finalize function that guards against a second run (a ``claim_scheduling`` method:
+        our strategy's commit) records it, and raises ``RequestScheduledTwiceError`` if the
+        request was scheduled or run before, the save already under way untouched."""
+        for fn in self.finalize_fns:
+            claim = getattr(fn, "claim_scheduling", None)
+            if callable(claim):
+                claim()
+
     def abandon(self) -> None:
         """This request will never be finalized (it failed, or was refused before it was
         scheduled): let each finalize function that holds something for it (an ``abandon``
@@ -137,7 +147,11 @@ class AsyncRequest(NamedTuple):
         if staging or writing fails on any rank, every rank raises one
         :class:`~megatron_async.errors.AsyncSaveFailedError` and no finalize function
         runs (so no checkpoint is marked complete).
+
+        Raises:
+            RequestScheduledTwiceError: the request was scheduled or run before.
         """
+        self.claim_once()
         failure: Optional[RankFailure] = None
         try:
             run_staging_and_async_fn(self)

@@ -38,6 +38,7 @@ from typing import Any, Callable
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import refuse_while_left_behind
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import (
     COMMON_FILE, COMPLETION_MARKERS, has_completion_markers, remove_completion_markers,
@@ -77,6 +78,7 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
             "(AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) or save into "
             "another directory"
         )
+    refuse_while_left_behind(directory)  # an earlier commit step still stuck on it
     import torch.distributed as dist
 
     storage = storage_for(directory)

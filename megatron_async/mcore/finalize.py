@@ -74,15 +74,15 @@ class SaveFinalizer:
             self.abandon()
 
     def claim_scheduling(self) -> None:
-        """Called by the queue when it schedules the request: a request runs once.
+        """Called when the request is scheduled or run synchronously: a request runs once.
 
         Raises:
             RequestScheduledTwiceError: it was scheduled before.
         """
         if self._scheduled:
             raise RequestScheduledTwiceError(
-                f"this request to save {self._release[0]} was already scheduled; a request "
-                "is scheduled once: call dist_checkpointing.save again for a new one"
+                f"this request to save {self._release[0]} was already scheduled or run; a "
+                "request runs once: call dist_checkpointing.save again for a new one"
             )
         self._scheduled = True
 
@@ -122,6 +122,7 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
             run_coordinator_step(
                 f"writing {final_path}",
                 lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
+                path=checkpoint_dir,
             )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing %s failed: %s", final_path, exc)
@@ -137,6 +138,7 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
             run_coordinator_step(
                 f"writing the integrity manifest of {checkpoint_dir}",
                 lambda: write_manifest(checkpoint_dir),
+                path=checkpoint_dir,
             )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing the integrity manifest of %s failed: %s", checkpoint_dir, exc)

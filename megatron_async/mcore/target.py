@@ -34,6 +34,7 @@ import os
 from typing import Optional
 
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import refuse_while_left_behind
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import (
     COMPLETION_MARKERS, DCP_METADATA_FILE, has_completion_markers, remove_completion_markers,
@@ -80,6 +81,7 @@ def check_save_target(
             "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) "
             "or save into another directory"
         )
+    refuse_while_left_behind(checkpoint_dir)  # an earlier commit step still stuck on it
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
         _check_object_target(checkpoint_dir, config, is_coordinator, storage)

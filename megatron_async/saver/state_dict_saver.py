@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import refuse_while_left_behind
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
@@ -178,6 +179,8 @@ def plan_save(
     vouched = bool(validated) and cached_central is not None and cached_local is not None
 
     def local_step() -> SavePlan:
+        if dist_wrapper.is_coordinator and getattr(storage_writer, "checkpoint_dir", None):
+            refuse_while_left_behind(storage_writer.checkpoint_dir)  # a commit step still stuck
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
         fresh_plan = cached_local if vouched else planner.create_local_plan()

@@ -129,7 +129,7 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
 
     # Only the file-system calls run on the bounded helper thread: the metadata was built
     # here, under this thread's paused_gc, which a thread left behind would never end.
-    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write)
+    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write, path=checkpoint_dir)
 
 
 def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
@@ -179,7 +179,9 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
         return
     try:  # after the agreement: a failure here must not stop this rank alone
         removed = run_coordinator_step(
-            f"unmarking {checkpoint_dir}", lambda: remove_completion_markers(checkpoint_dir, storage)
+            f"unmarking {checkpoint_dir}",
+            lambda: remove_completion_markers(checkpoint_dir, storage),
+            path=checkpoint_dir,
         )
     except Exception as exc:
         logger.error(

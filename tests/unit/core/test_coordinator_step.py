@@ -104,3 +104,92 @@ def test_a_commit_left_behind_does_not_leave_the_collector_paused(tmp_path, monk
     with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of"):
         commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     assert gc.isenabled()  # the metadata was built on this thread; only the write was left behind
+
+
+def _wait_until_returned(path, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while coordinator_step.steps_left_behind(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not coordinator_step.steps_left_behind(path)
+
+
+def test_a_commit_step_left_behind_keeps_its_directory_taken_until_it_returns(tmp_path, monkeypatch, hung_mount):
+    """A late .metadata must never land on a retry's new data: the directory stays taken
+    (our strategy's check, the common.pt guard) while the stuck write runs, and is free
+    once it returned."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from megatron_async.errors import CheckpointInProgressError
+    from megatron_async.mcore.common_guard import check_common_target
+    from megatron_async.mcore.config import TorchDistSaveConfig
+    from megatron_async.mcore.target import check_save_target
+    from megatron_async.writer import commit
+
+    class HungStorage:
+        def sync(self, path):
+            hung_mount.wait()
+
+    target = str(tmp_path)
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
+    with pytest.raises(CoordinatorStepTimeoutError):
+        commit.commit_checkpoint(target, Metadata(state_dict_metadata={}), [[]], None)
+    assert coordinator_step.steps_left_behind(target + "/") == [f"writing .metadata of {target}"]
+    assert coordinator_step.steps_left_behind(str(tmp_path / "other")) == []
+    with pytest.raises(CheckpointInProgressError, match="writing .metadata of .* is still running.*check the mount"):
+        check_save_target(target, TorchDistSaveConfig(), is_coordinator=True)
+    with pytest.raises(CheckpointInProgressError, match="is still running"):
+        check_common_target(target)
+
+    hung_mount.set()  # the mount recovers: the step returns, the directory is free
+    _wait_until_returned(target)
+    assert check_save_target(target, TorchDistSaveConfig(), is_coordinator=True) is None
+
+
+def test_a_tracker_write_left_behind_fails_the_next_commit_at_once(tmp_path, monkeypatch, hung_mount):
+    """A late tracker write must never name an older checkpoint than a later commit did."""
+    from megatron_async import manager as mgr
+
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
+    for iteration in (1, 2):
+        path = manager.prepare_save(iteration)
+        for marker in mgr.COMPLETE_MARKERS:
+            (tmp_path / os.path.basename(path) / marker).write_text("{}")
+    real_write, calls = mgr.write_tracker, []
+
+    def hung_then_recovered(save_dir, iteration):
+        calls.append(iteration)
+        hung_mount.wait()
+        real_write(save_dir, iteration)
+
+    monkeypatch.setattr(mgr, "write_tracker", hung_then_recovered)
+    with pytest.raises(AsyncSaveFailedError, match="did not return"):
+        manager.commit(1)
+    started = time.monotonic()
+    with pytest.raises(AsyncSaveFailedError, match="marking .*iter_0000001 as the latest checkpoint .* is still running"):
+        manager.commit(2)
+    assert time.monotonic() - started < 0.3 and calls == [1]  # refused without touching the mount
+
+    hung_mount.set()
+    _wait_until_returned(os.path.join(str(tmp_path), mgr.TRACKER_FILENAME))
+    assert mgr.read_tracker(str(tmp_path)) == 1  # the late write landed, before the next one
+    manager.commit(2)
+    assert mgr.read_tracker(str(tmp_path)) == 2 and calls == [1, 2]
+
+
+def test_a_retry_of_an_iteration_whose_commit_step_is_stuck_is_refused(tmp_path, monkeypatch, hung_mount):
+    """The manager deletes an unfinished directory before saving the iteration again: not
+    while a step left behind may still write into it."""
+    from megatron_async import manager as mgr
+
+    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
+    path = manager.prepare_save(5)
+    with pytest.raises(CoordinatorStepTimeoutError):
+        run_coordinator_step(f"writing .metadata of {path}", hung_mount.wait, timeout_s=0.2, path=path)
+    manager.abandon(5)
+    with pytest.raises(AsyncSaveFailedError, match="is still running"):
+        manager.prepare_save(5)
+    hung_mount.set()
+    _wait_until_returned(path)
+    assert manager.prepare_save(5) == path

@@ -68,7 +68,7 @@ def test_a_request_scheduled_twice_is_refused_and_the_first_save_completes(tmp_p
     try:
         request = TorchDistAsyncSaveStrategy().async_save(_state(4.0), tmp_path)
         queue.schedule_async_request(request)
-        with pytest.raises(RequestScheduledTwiceError, match="already scheduled; a request is scheduled once"):
+        with pytest.raises(RequestScheduledTwiceError, match="already scheduled or run; a request runs once"):
             queue.schedule_async_request(request)
         assert queue.get_num_unfinalized_calls() == 1
         assert str(tmp_path) in checkpoints_in_flight  # the refusal did not free the first save's claim
@@ -77,6 +77,49 @@ def test_a_request_scheduled_twice_is_refused_and_the_first_save_completes(tmp_p
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)))
         assert torch.equal(loaded["w"], torch.arange(64.0) + 4.0)
     finally:
+        queue.close()
+
+
+def test_a_request_run_synchronously_cannot_be_scheduled_or_run_again(tmp_path):
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        request = TorchDistAsyncSaveStrategy().async_save(_state(5.0), tmp_path)
+        request.execute_sync()
+        for run_again in (lambda: queue.schedule_async_request(request), request.execute_sync):
+            with pytest.raises(RequestScheduledTwiceError, match="already scheduled or run"):
+                run_again()
+        assert queue.get_num_unfinalized_calls() == 0
+        _retry_succeeds(queue, tmp_path, 6.0)
+    finally:
+        queue.close()
+
+
+def test_an_interrupt_while_scheduling_abandons_the_request(tmp_path, monkeypatch):
+    """Callers record failures; an interrupt is raised, and the request, never to be
+    finalized, frees its directory and what it set aside at once (not at a collection)."""
+    from megatron_async.core.temporal import TemporalAsyncCaller
+
+    gc.disable()
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        _retry_succeeds(queue, tmp_path, 0.0)  # a complete checkpoint, overwritten below
+        request = TorchDistAsyncSaveStrategy().async_save(_state(1.0), tmp_path)
+        assert [p for p in tmp_path.iterdir() if ".replaced-" in p.name]  # its markers, set aside
+
+        def interrupted(self, async_req):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(TemporalAsyncCaller, "schedule_async_call", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                queue.schedule_async_request(request)
+        assert str(tmp_path) not in checkpoints_in_flight
+        assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
+        assert queue.get_num_unfinalized_calls() == 0
+        _retry_succeeds(queue, tmp_path, 7.0)
+        del request
+    finally:
+        gc.enable()
         queue.close()
 
 

@@ -228,6 +228,16 @@ def test_options_torch_save_does_not_take_are_refused(tmp_path, kwargs, message)
         ckpt.close()
 
 
+def test_a_directory_as_destination_is_refused_before_anything_runs(tmp_path):
+    ckpt = TorchAsyncCheckpoint()
+    try:
+        with pytest.raises(CheckpointValidationError, match="it is a directory; torch.save writes one file"):
+            ckpt.async_save({"w": torch.zeros(2)}, tmp_path)
+        assert os.listdir(tmp_path) == [] and ckpt.finalize_async_save(blocking=True) == []
+    finally:
+        ckpt.close()
+
+
 @pytest.mark.parametrize("limit", [0, -1, 1.5, "1G", True])
 def test_an_invalid_limit_is_refused(limit):
     with pytest.raises(CheckpointValidationError, match="staging_memory_limit must be"):
