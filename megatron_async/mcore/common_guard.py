@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Union
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ from megatron_async.format import (
     COMMON_FILE, COMPLETION_MARKERS, has_completion_markers, remove_completion_markers,
 )
 from megatron_async.mcore.in_flight import checkpoints_in_flight
-from megatron_async.mcore.set_aside import set_aside
+from megatron_async.mcore.set_aside import drop_registered, set_aside
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_common_function"]
@@ -101,6 +102,7 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
                 only_if=COMPLETION_MARKERS,
             ).moved]
         else:
+            drop_registered(directory, restore=False)
             removed = remove_completion_markers(directory, storage)
     except PermissionError as exc:
         raise CheckpointValidationError(
@@ -146,7 +148,8 @@ def guarded_common_strategy_class() -> type:
         def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
             """Check the target, then write ``common.pt`` as megatron-core does (rank 0)."""
             check_common_target(checkpoint_dir)
-            super().save_common(common_state_dict, checkpoint_dir)
+            with _restored_on_failure(checkpoint_dir):
+                super().save_common(common_state_dict, checkpoint_dir)
 
     return GuardedCommonSaveStrategy
 
@@ -163,8 +166,20 @@ def guard_save_common_function(module: Any, name: str = "save_common") -> bool:
     @functools.wraps(original)
     def guarded_save_common(common_state_dict: StateDict, checkpoint_dir: Union[str, Path], *args, **kwargs):
         check_common_target(checkpoint_dir)
-        return original(common_state_dict, checkpoint_dir, *args, **kwargs)
+        with _restored_on_failure(checkpoint_dir):
+            return original(common_state_dict, checkpoint_dir, *args, **kwargs)
 
     guarded_save_common.__megatron_async_guarded__ = True
     setattr(module, name, guarded_save_common)
     return True
+
+
+@contextlib.contextmanager
+def _restored_on_failure(checkpoint_dir: Union[str, Path]):
+    """If megatron-core's ``common.pt`` write raises, put back what the check set aside
+    (coordinator: the old checkpoint's markers and ``common.pt``; no data file changed)."""
+    try:
+        yield
+    except BaseException:
+        drop_registered(normalize_checkpoint_path(checkpoint_dir), restore=True)
+        raise

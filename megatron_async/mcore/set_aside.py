@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_async.core.coordinator_step import DeadlineExpired, run_with_deadline
 from megatron_async.storage.local import LocalStorage, fsync_path
 
-__all__ = ["SetAside", "set_aside", "take_set_aside"]
+__all__ = ["SetAside", "set_aside", "take_set_aside", "drop_registered"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,3 +161,15 @@ def take_set_aside(directory: str) -> Optional[SetAside]:
     """The guard's set-aside of ``directory``, now owned by the caller (coordinator)."""
     with _lock:
         return _pending.pop(directory, None)
+
+
+def drop_registered(directory: str, restore: bool) -> None:
+    """End the guard's set-aside of ``directory`` that no strategy will take (coordinator):
+    ``restore`` (megatron-core's ``common.pt`` write failed: no data file was touched, so
+    the old checkpoint comes back whole) or discard (a save of another strategy replaces
+    the checkpoint; a stale set-aside must not be restored over its files later)."""
+    stale = take_set_aside(directory)
+    if stale is not None and restore:
+        stale.restore()
+    elif stale is not None:
+        stale.discard()

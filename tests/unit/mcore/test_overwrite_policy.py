@@ -96,6 +96,22 @@ def test_a_save_refused_while_planning_gives_the_overwritten_checkpoint_back(tmp
     assert not _set_aside_files(tmp_path)
 
 
+def test_a_common_state_that_cannot_be_written_gives_the_overwritten_checkpoint_back(tmp_path):
+    """megatron-core writes common.pt before any strategy runs: when that write fails (an
+    object pickle refuses), no data file changed and the old checkpoint comes back."""
+    dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    before = _files(tmp_path)
+    unpicklable = dict(_state(2.0), hook=lambda: None)
+    with pytest.raises(Exception, match="pickle|lambda"):
+        dist_checkpointing.save(  # without validation, which would pickle it first
+            unpicklable, str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(),
+            validate_access_integrity=False,
+        )
+    assert _files(tmp_path) == before
+    assert _loaded(tmp_path) == 1.0
+    assert not _set_aside_files(tmp_path)
+
+
 def test_a_save_past_planning_drops_what_it_set_aside_even_when_it_never_runs(tmp_path):
     dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
     request = dist_checkpointing.save(
@@ -108,3 +124,17 @@ def test_a_save_past_planning_drops_what_it_set_aside_even_when_it_never_runs(tm
         queue.schedule_async_request(request)
     assert not _set_aside_files(tmp_path)
     assert not os.path.exists(tmp_path / ".metadata")  # incomplete: nothing restores it now
+
+
+@pytest.mark.parametrize("restore", [True, False], ids=["restored", "discarded"])
+def test_a_registered_set_aside_no_strategy_takes_is_restored_or_discarded(tmp_path, restore):
+    from megatron_async.mcore.set_aside import drop_registered, set_aside, take_set_aside
+
+    for name in (".metadata", "common.pt"):
+        (tmp_path / name).write_text(name)
+    set_aside(str(tmp_path), (".metadata", "common.pt"), register=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(p for p in os.listdir(tmp_path) if ".replaced-" in p)
+    drop_registered(str(tmp_path), restore=restore)
+    expected = [".metadata", "common.pt"] if restore else []
+    assert sorted(os.listdir(tmp_path)) == expected
+    assert take_set_aside(str(tmp_path)) is None
