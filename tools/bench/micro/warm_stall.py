@@ -11,7 +11,10 @@ until the checkpoint is complete, so each stall is a warm save's alone.
 The stall runs from the ``dist_checkpointing.save`` call until
 ``schedule_async_request`` returns. It is compared with one memory copy of the same
 bytes (``dst.copy_(src)`` of one flat tensor into a touched buffer, best of five), the
-issue's target being ``stall <= 1.5 x memcpy + 5 ms``. With ``--profile`` the last warm
+issue's target being ``stall <= 1.5 x memcpy + 5 ms``. With ``--phases`` it also prints our
+part of the stall (``async_save`` and the scheduling) against that target, and the rest:
+megatron-core's own work in ``save()`` before it calls the strategy, which no strategy
+can shorten. With ``--profile`` the last warm
 save's call runs under cProfile, sorted by own time and by cumulative time; with
 ``--phases`` the main steps of every save are timed without a profiler (each function
 wrapped in this process only) and their medians over the warm saves printed::
@@ -203,6 +206,17 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
     return result
 
 
+def _our_share(phases: Dict[str, List[float]], stalls: List[float]):
+    """Medians over the warm saves of (our part of the stall, the rest): our part is our
+    ``async_save`` plus the scheduling, timed per save; None without ``--phases``."""
+    ours = [a + s for a, s in zip(phases.get("our async_save", []),
+                                  phases.get("scheduling (staging included)", []))]
+    if len(ours) != len(stalls) or len(stalls) < 2:
+        return None
+    return (statistics.median(ours[1:]),
+            statistics.median(stall - mine for stall, mine in zip(stalls[1:], ours[1:])))
+
+
 def _staging_copy_threads() -> int:
     try:  # older revisions (timed with this tool for before/after) copy on one thread
         from megatron_async.staging.flat_copy import copy_threads
@@ -280,6 +294,12 @@ def main(argv=None) -> None:
             for label in [label for _, _, label in _PHASES if label in phases]:
                 seconds = phases[label]
                 print(f"  {label:36s} {statistics.median(seconds[1:] or seconds) * 1e3:6.1f} ms")
+            ours = _our_share(phases, result["stalls"])
+            if ours is not None:
+                target_s = 1.5 * memcpy_s + 0.005
+                print(f"  ours (async_save + scheduling), median {ours[0] * 1e3:.1f} ms = "
+                      f"{ours[0] / target_s:.2f} x the target; megatron-core's own part of the "
+                      f"stall (preprocessing, common.pt, its save()) {ours[1] * 1e3:.1f} ms")
             if args.profile:
                 by_own, by_cumulative = result["profile"]
                 print(f"== {caller}: the last save's call, by own time ==\n{by_own}")
