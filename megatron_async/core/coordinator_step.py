@@ -11,8 +11,8 @@ good, so the job never ends.
 :func:`run_coordinator_step` runs such a step on a helper thread and waits for it at most
 :func:`coordinator_step_timeout_s` (half the coordination timeout, so the coordinator
 reports the failure while the others still wait for it, and every rank raises the same
-:class:`CoordinatorStepTimeoutError` instead of a bare timeout). A step that never
-returns is left behind on its daemon thread, which ends with the process.
+:class:`CoordinatorStepTimeoutError` instead of a bare timeout; megatron-core's
+manifest step, which hashes every file, gets 0.9 of it). A step that never returns is left behind on its daemon thread, which ends with the process.
 
 A step left behind may still complete when the mount recovers. Each writes its file
 atomically (temporary file, rename), and a late ``.metadata`` describes data that every
@@ -140,7 +140,7 @@ def run_coordinator_step(
             with _left_behind_lock:
                 _left_behind.append((_path_key(path), exc.thread, what))
         raise CoordinatorStepTimeoutError(
-            f"{what} did not return within {bound_s:g}s (half the coordination timeout): "
+            f"{what} did not return within {bound_s:g}s (its share of the coordination timeout): "
             "the file system is not answering (a hung network mount?); check the mount, "
             "then save again"
         ) from exc

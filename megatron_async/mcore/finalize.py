@@ -130,6 +130,13 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     coordination.raise_if_any_rank_failed(failure, checkpoint=checkpoint_dir)
 
 
+MANIFEST_STEP_SHARE = 0.9
+"""The share of the coordination timeout that megatron-core's manifest step may take on
+rank 0. It reads and hashes every file of the checkpoint, so it gets more than the half
+that the other coordinator steps get; the rest is the margin rank 0 needs to report a
+step that did not return before the other ranks, waiting for it, time out themselves."""
+
+
 def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str], None]) -> None:
     """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
     failure: Optional[RankFailure] = None
@@ -138,6 +145,7 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
             run_coordinator_step(
                 f"writing the integrity manifest of {checkpoint_dir}",
                 lambda: write_manifest(checkpoint_dir),
+                timeout_s=MANIFEST_STEP_SHARE * coordination.coordination_timeout_s(),
                 path=checkpoint_dir,
             )
         except Exception as exc:  # raised on every rank below

@@ -193,3 +193,18 @@ def test_a_retry_of_an_iteration_whose_commit_step_is_stuck_is_refused(tmp_path,
     hung_mount.set()
     _wait_until_returned(path)
     assert manager.prepare_save(5) == path
+
+
+def test_the_manifest_step_may_take_most_of_the_coordination_timeout(tmp_path, monkeypatch, hung_mount):
+    """megatron-core's manifest hashes every file: it gets 0.9 of the coordination timeout,
+    not the half the other steps get, and is still bounded."""
+    from megatron_async.mcore import finalize
+
+    monkeypatch.setattr(coordination, "_cached_timeout_s", 1.0)
+    written = []
+    finalize.write_integrity_manifest(str(tmp_path), lambda d: (time.sleep(0.7), written.append(d)))
+    assert written == [str(tmp_path)]  # 0.7 s: beyond half the timeout, within its share
+    started = time.monotonic()
+    with pytest.raises(AsyncSaveFailedError, match="integrity manifest .* did not return within 0.9s"):
+        finalize.write_integrity_manifest(str(tmp_path), lambda d: hung_mount.wait())
+    assert time.monotonic() - started < 5
