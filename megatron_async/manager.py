@@ -45,11 +45,7 @@ from megatron_async.checkpoint_dirs import (
     write_tracker,
 )
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import (
-    CoordinatorStepTimeoutError,
-    refuse_while_left_behind,
-    run_coordinator_step,
-)
+from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import (
     CheckpointIntegrityError,
@@ -58,7 +54,7 @@ from megatron_async.errors import (
 )
 from megatron_async.format import missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
-from megatron_async.storage.backend import storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 # The directory functions are part of this module's public surface too (older imports).
 __all__ = [
@@ -159,6 +155,9 @@ class CheckpointManager:
             CheckpointValidationError: ``iteration`` is no int >= 0, is the checkpoint
                 the tracker points to (overwriting it would leave no complete checkpoint
                 during the save), or a save of it is already in flight.
+            AsyncSaveFailedError: on every rank, when rank 0 could not prepare the
+                directory, or a step left behind on a hung mount still writes it or the
+                tracker (its ``CheckpointInProgressError``).
         """
         if iteration in self._in_flight:
             raise CheckpointValidationError(
@@ -170,7 +169,10 @@ class CheckpointManager:
         failure = None
         if coordination.get_rank() == 0:
             try:
-                refuse_while_left_behind(path)  # a late .metadata would land in the new one
+                # A late .metadata would land in the new directory, a late tracker write
+                # over this save's commit: refuse before any data is written.
+                refuse_while_left_behind(normalize_checkpoint_path(path))
+                self._free_tracker()
                 self._create_fresh_dir(save_dir, iteration, path)
             except Exception as exc:  # reported on every rank below
                 failure = RankFailure.from_exception(0, "prepare", exc)
@@ -233,9 +235,7 @@ class CheckpointManager:
         failure = None
         if coordination.get_rank() == 0:
             try:
-                tracker = os.path.join(self._require_save_dir(), TRACKER_FILENAME)
-                # A tracker write left behind could land after this one: fail instead.
-                refuse_while_left_behind(tracker, CoordinatorStepTimeoutError)
+                tracker = self._free_tracker()
                 run_coordinator_step(
                     f"marking {path} as the latest checkpoint",
                     lambda: self._write_tracker_for(iteration, path),
@@ -364,6 +364,13 @@ class CheckpointManager:
                     f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
                 )
         create_checkpoint_dir(path)
+
+    def _free_tracker(self) -> str:
+        """Rank 0: the tracker's path; raises if a tracker write left behind could land later."""
+        tracker = normalize_checkpoint_path(os.path.join(self._require_save_dir(), TRACKER_FILENAME))
+        refuse_while_left_behind(tracker, hint="the tracker keeps its iteration until that write "
+                                 "returns; check the mount, and restart the job if it persists")
+        return tracker
 
     def _write_tracker_for(self, iteration: int, path: str) -> None:
         storage = storage_for(path)

@@ -140,12 +140,8 @@ class AsyncCallsQueue:
         self.call_idx += 1
         request = request._replace(call_idx=self.call_idx).freeze()
         start = time.monotonic()
-        try:
-            caller = self._get_async_caller()
-            caller.schedule_async_call(request.without_finalize_fns())
-        except BaseException:  # an interrupt (callers record failures): never finalized
-            request.abandon()
-            raise
+        caller = self._get_async_caller()
+        caller.schedule_async_call(request.without_finalize_fns())
         schedule_s = time.monotonic() - start
         logger.debug(
             "rank %d: scheduled async call %d in %.3fs", coordination.get_rank(), self.call_idx, schedule_s

@@ -27,19 +27,17 @@ which is the same on all ranks because every rank schedules the same saves.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Union
-
-import contextlib
-import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import refuse_while_left_behind
+from megatron_async.core.coordinator_step import refuse_while_left_behind, steps_left_behind
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import (
     COMMON_FILE, COMPLETION_MARKERS, has_completion_markers, remove_completion_markers,
@@ -56,13 +54,22 @@ _SAVE_MODULE = "megatron.core.dist_checkpointing.serialization"
 _FRAMES_TO_SAVE = 6  # this check <- the guard's wrapper <- (a strategy method) <- save()
 
 
-def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
+def check_common_target(checkpoint_dir: Union[str, Path]) -> bool:
     """Refuse a directory being written; unmark a complete one (every rank, before common.pt).
 
     A complete checkpoint is refused instead when the calling ``save()`` uses our strategy
     with ``overwrite=False``. With our strategy's ``overwrite=True``, its markers and its
     ``common.pt`` are set aside, not deleted, so that a save refused while planning puts
-    them back (:mod:`megatron_async.mcore.set_aside`).
+    them back (:mod:`megatron_async.mcore.set_aside`); a set-aside that no strategy took
+    (its save failed in between, before any data file changed) is put back first.
+
+    A commit step left behind on a hung mount (:mod:`megatron_async.core.coordinator_step`)
+    is known to rank 0 alone: with our strategy, rank 0 then leaves ``common.pt`` untouched
+    and the strategy's agreed target check refuses the save on every rank; with another
+    strategy rank 0 raises alone (the others fail by that strategy's own timeouts).
+
+    Returns:
+        Whether megatron-core may write ``common.pt`` now.
 
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
@@ -79,12 +86,14 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
             "(AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) or save into "
             "another directory"
         )
-    refuse_while_left_behind(directory)  # an earlier commit step still stuck on it
     import torch.distributed as dist
 
     storage = storage_for(directory)
     is_coordinator = dist.get_rank() == 0
     overwrite = _calling_save_overwrite()
+    stuck = is_coordinator and steps_left_behind(directory)
+    if is_coordinator and not stuck:
+        drop_registered(directory, restore=True)
     if overwrite is False:  # the same on every rank: so is this collective
         complete = is_coordinator and has_completion_markers(directory, storage)
         if coordination.all_reduce_max([int(complete)])[0]:
@@ -93,8 +102,13 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
                 "has overwrite=False; its common.pt was left untouched. Save into a new "
                 "directory or delete it first"
             )
+    if stuck and overwrite is not None:
+        logger.warning("leaving common.pt of %s untouched: %s is still running", directory, stuck[0])
+        return False
+    if stuck:
+        refuse_while_left_behind(directory)
     if not is_coordinator:
-        return
+        return True
     try:
         if overwrite and not storage.needs_msc:  # our strategy restores or discards them
             removed = [original for original, _ in set_aside(
@@ -102,7 +116,6 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
                 only_if=COMPLETION_MARKERS,
             ).moved]
         else:
-            drop_registered(directory, restore=False)
             removed = remove_completion_markers(directory, storage)
     except PermissionError as exc:
         raise CheckpointValidationError(
@@ -115,6 +128,7 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> None:
             "so it reads as incomplete until the new save is finalized",
             directory,
         )
+    return True
 
 
 def _calling_save_overwrite() -> Optional[bool]:
@@ -147,9 +161,9 @@ def guarded_common_strategy_class() -> type:
 
         def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
             """Check the target, then write ``common.pt`` as megatron-core does (rank 0)."""
-            check_common_target(checkpoint_dir)
-            with _restored_on_failure(checkpoint_dir):
-                super().save_common(common_state_dict, checkpoint_dir)
+            if check_common_target(checkpoint_dir):
+                with _restored_on_failure(checkpoint_dir):
+                    super().save_common(common_state_dict, checkpoint_dir)
 
     return GuardedCommonSaveStrategy
 
@@ -165,7 +179,8 @@ def guard_save_common_function(module: Any, name: str = "save_common") -> bool:
 
     @functools.wraps(original)
     def guarded_save_common(common_state_dict: StateDict, checkpoint_dir: Union[str, Path], *args, **kwargs):
-        check_common_target(checkpoint_dir)
+        if not check_common_target(checkpoint_dir):
+            return None
         with _restored_on_failure(checkpoint_dir):
             return original(common_state_dict, checkpoint_dir, *args, **kwargs)
 

@@ -38,7 +38,7 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import run_coordinator_step
+from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
 from megatron_async.core.request import register_finalize_step_adapter
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RankFailure, RequestScheduledTwiceError
@@ -46,7 +46,7 @@ from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.set_aside import SetAside
 from megatron_async.saver.finalize import save_state_dict_async_finalize
-from megatron_async.storage.backend import storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["FinalizeFnList", "SaveFinalizer", "write_megatron_config", "write_integrity_manifest"]
 
@@ -117,12 +117,14 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     failure: Optional[RankFailure] = None
     if coordination.get_rank() == 0:
         final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
+        key = normalize_checkpoint_path(checkpoint_dir)
         try:
+            refuse_while_left_behind(key, hint="check the mount, then save again")
             config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
             run_coordinator_step(
                 f"writing {final_path}",
                 lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
-                path=checkpoint_dir,
+                path=key,
             )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing %s failed: %s", final_path, exc)
@@ -132,9 +134,19 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
 
 MANIFEST_STEP_SHARE = 0.9
 """The share of the coordination timeout that megatron-core's manifest step may take on
-rank 0. It reads and hashes every file of the checkpoint, so it gets more than the half
-that the other coordinator steps get; the rest is the margin rank 0 needs to report a
-step that did not return before the other ranks, waiting for it, time out themselves."""
+rank 0 (keeping at least :data:`MANIFEST_STEP_MARGIN_S` of it, and never less than the
+half the other steps get). It reads and hashes every file of the checkpoint, so it gets
+more; the margin is what rank 0 needs to report a step that did not return before the
+other ranks, waiting for it, time out themselves."""
+
+MANIFEST_STEP_MARGIN_S = 10.0
+
+
+def manifest_step_timeout_s() -> float:
+    """How long megatron-core's manifest step may take on rank 0 (see :data:`MANIFEST_STEP_SHARE`)."""
+    timeout_s = coordination.coordination_timeout_s()
+    share_s = min(MANIFEST_STEP_SHARE * timeout_s, timeout_s - MANIFEST_STEP_MARGIN_S)
+    return max(share_s, timeout_s / 2)
 
 
 def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str], None]) -> None:
@@ -145,8 +157,11 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
             run_coordinator_step(
                 f"writing the integrity manifest of {checkpoint_dir}",
                 lambda: write_manifest(checkpoint_dir),
-                timeout_s=MANIFEST_STEP_SHARE * coordination.coordination_timeout_s(),
-                path=checkpoint_dir,
+                timeout_s=manifest_step_timeout_s(),
+                path=normalize_checkpoint_path(checkpoint_dir),
+                hint="it reads and hashes every file of the checkpoint: if the mount is "
+                "fine, the checkpoint is too large to hash in time; raise "
+                "coordination_timeout_s or save without verify_integrity",
             )
         except Exception as exc:  # raised on every rank below
             logger.error("rank 0: writing the integrity manifest of %s failed: %s", checkpoint_dir, exc)

@@ -143,7 +143,8 @@ def set_aside(
             except FileNotFoundError:
                 continue
             result.moved.append((original, hidden))
-        fsync_path(directory, best_effort=True)
+        if result.moved:
+            fsync_path(directory, best_effort=True)
     except OSError:
         for original, hidden in reversed(result.moved):
             os.replace(hidden, original)

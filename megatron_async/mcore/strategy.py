@@ -45,7 +45,7 @@ from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.mcore.set_aside import SetAside, take_set_aside
-from megatron_async.mcore.target import check_save_target
+from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.copy_ahead import CopyAhead, start_copy_ahead
@@ -280,8 +280,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         )
 
         def check_target() -> None:
-            aside.merge(check_save_target(checkpoint_dir, self.config, is_coordinator))
-            claims.append(checkpoints_in_flight.claim(checkpoint_dir))
+            token, moved = claim_save_target(checkpoint_dir, self.config, is_coordinator)
+            claims.append(token)
+            aside.merge(moved)
 
         start = time.monotonic()
         ahead = self._copy_ahead()

@@ -25,16 +25,27 @@ What it checks, in this order:
 Raises :class:`~megatron_async.errors.CheckpointInProgressError` for a directory still
 being written and :class:`~megatron_async.errors.CheckpointValidationError` for anything
 else; each message names the rank or the path and what to do.
+
+:func:`claim_save_target`, what the strategy calls, runs those checks and the directory's
+claim within a bound (half the coordination timeout, on a helper thread): on a hung
+mount even ``os.path.exists`` never returns, and the rank would never reach the save's
+first collective. A check left behind that returns later gives back what it took (the
+claim, the markers it set aside), and keeps the directory taken until then.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+import threading
+from typing import Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import refuse_while_left_behind
+from megatron_async.core.coordinator_step import (
+    FileSystemStepTimeoutError,
+    refuse_while_left_behind,
+    run_coordinator_step,
+)
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import (
     COMPLETION_MARKERS, DCP_METADATA_FILE, has_completion_markers, remove_completion_markers,
@@ -45,7 +56,7 @@ from megatron_async.mcore.set_aside import SetAside, set_aside
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 from megatron_async.storage.client import MSC_EXTRA_HINT
 
-__all__ = ["check_save_target"]
+__all__ = ["check_save_target", "claim_save_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +149,67 @@ def _refuse_unless_overwrite(checkpoint_dir: str, config: TorchDistSaveConfig, r
         "first, so it reads as incomplete until this save is finalized",
         checkpoint_dir,
     )
+
+
+def claim_save_target(
+    checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool
+) -> Tuple[int, Optional[SetAside]]:
+    """:func:`check_save_target`, then claim the directory, within a bound (every rank).
+
+    Returns:
+        The claim's token in ``checkpoints_in_flight`` and what was set aside.
+
+    Raises:
+        FileSystemStepTimeoutError: the file system did not answer within half the
+            coordination timeout (nothing is left claimed or set aside once the check
+            returns; until then the directory stays taken).
+        CheckpointInProgressError, CheckpointValidationError: as :func:`check_save_target`.
+    """
+    refuse_while_left_behind(checkpoint_dir)  # no file-system call: before the bounded step
+    hand_over = _HandOver(checkpoint_dir)
+
+    def check_and_claim() -> Tuple[int, Optional[SetAside]]:
+        aside = check_save_target(checkpoint_dir, config, is_coordinator)
+        return hand_over.give(checkpoints_in_flight.claim(checkpoint_dir), aside)
+
+    try:
+        return run_coordinator_step(
+            f"checking the save target {checkpoint_dir}", check_and_claim,
+            path=checkpoint_dir, error=FileSystemStepTimeoutError,
+        )
+    except FileSystemStepTimeoutError:
+        hand_over.abandon()
+        raise
+
+
+class _HandOver:
+    """Passes a bounded check's claim and set-aside to the waiting save, or, once the save
+    gave up on it, gives them back (released, restored) from whichever side is last."""
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        self._dir = checkpoint_dir
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._given: Optional[Tuple[int, Optional[SetAside]]] = None
+
+    def give(self, token: int, aside: Optional[SetAside]) -> Tuple[int, Optional[SetAside]]:
+        """The check's side: hand the result over, or give it back if nobody waits."""
+        with self._lock:
+            if not self._abandoned:
+                self._given = (token, aside)
+                return self._given
+        self._give_back(token, aside)  # on the late check's own thread
+        return token, None
+
+    def abandon(self) -> None:
+        """The save's side, after the bound: give back a result handed over too late."""
+        with self._lock:
+            self._abandoned = True
+            given, self._given = self._given, None
+        if given is not None:  # it came as the wait ended: give it back off this thread
+            threading.Thread(target=self._give_back, args=given, daemon=True).start()
+
+    def _give_back(self, token: int, aside: Optional[SetAside]) -> None:
+        checkpoints_in_flight.release(self._dir, token)
+        if aside is not None and aside.moved:
+            aside.restore()

@@ -54,6 +54,7 @@ from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
 from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
+from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.writer.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -180,7 +181,7 @@ def plan_save(
 
     def local_step() -> SavePlan:
         if dist_wrapper.is_coordinator and getattr(storage_writer, "checkpoint_dir", None):
-            refuse_while_left_behind(storage_writer.checkpoint_dir)  # a commit step still stuck
+            refuse_while_left_behind(normalize_checkpoint_path(storage_writer.checkpoint_dir))
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
         fresh_plan = cached_local if vouched else planner.create_local_plan()

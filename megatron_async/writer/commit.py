@@ -29,12 +29,12 @@ from typing import Any, Dict, List, Optional, Union
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.core.coordinator_step import run_coordinator_step
+from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import (
     CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
 )
-from megatron_async.storage.backend import storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
 __all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
@@ -120,6 +120,9 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
+    key = normalize_checkpoint_path(checkpoint_dir)
+    # An unmarking of this directory left behind (it only logs) could delete this .metadata.
+    refuse_while_left_behind(key, hint="check the mount, then save again")
 
     def write() -> None:
         storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
@@ -129,7 +132,7 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
 
     # Only the file-system calls run on the bounded helper thread: the metadata was built
     # here, under this thread's paused_gc, which a thread left behind would never end.
-    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write, path=checkpoint_dir)
+    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write, path=key)
 
 
 def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
@@ -181,7 +184,7 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
         removed = run_coordinator_step(
             f"unmarking {checkpoint_dir}",
             lambda: remove_completion_markers(checkpoint_dir, storage),
-            path=checkpoint_dir,
+            path=normalize_checkpoint_path(checkpoint_dir),
         )
     except Exception as exc:
         logger.error(

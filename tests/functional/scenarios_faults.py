@@ -680,8 +680,24 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
     assert summary["error"] == "AsyncSaveFailedError", summary
     assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
+    # While the write is stuck, a retry into that directory is refused on every rank at
+    # once (rank 0 alone knows the step; on 0.16-0.18 it leaves common.pt untouched and
+    # our strategy's agreed check refuses), and the group stays usable.
+    stuck_dir = os.path.join(ctx.tmp_dir, "hung-commit", "iter_0000002")
+    common = os.path.join(stuck_dir, "common.pt")
+    common_before = os.path.getmtime(common) if os.path.exists(common) else None
+    started = time.monotonic()
+    _expect_error_everywhere(
+        CheckpointInProgressError,
+        lambda: dist_checkpointing.save(_model_state(ctx, 3.0), stuck_dir,
+                                        sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True),
+        "is still running",
+    )
+    assert time.monotonic() - started < STOPPED_RANK_TIMEOUT_S / 2
+    assert (os.path.getmtime(common) if os.path.exists(common) else None) == common_before
+    dist.barrier()
     _MOUNT_RECOVERED.set()
-    late = os.path.join(ctx.tmp_dir, "hung-commit", "iter_0000002", ".metadata")
+    late = os.path.join(stuck_dir, ".metadata")
     deadline = time.monotonic() + 60
     while ctx.rank == 0 and not os.path.exists(late):
         assert time.monotonic() < deadline, "the commit left behind never completed"

@@ -114,7 +114,7 @@ def test_a_structure_change_or_a_failed_save_cancels_it(tmp_path, monkeypatch):
     path = str(tmp_path / "refused")
     os.makedirs(path)
     with monkeypatch.context() as patch:
-        patch.setattr(strategy_module, "check_save_target", fail)
+        patch.setattr(strategy_module, "claim_save_target", fail)
         with pytest.raises(CheckpointValidationError, match="refused for the test"):
             dist_checkpointing.save(run.state(extra=True), path, sharded_strategy=run.strategy,
                                     async_sharded_save=True, validate_access_integrity=False)

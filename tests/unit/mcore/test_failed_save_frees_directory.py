@@ -94,35 +94,6 @@ def test_a_request_run_synchronously_cannot_be_scheduled_or_run_again(tmp_path):
         queue.close()
 
 
-def test_an_interrupt_while_scheduling_abandons_the_request(tmp_path, monkeypatch):
-    """Callers record failures; an interrupt is raised, and the request, never to be
-    finalized, frees its directory and what it set aside at once (not at a collection)."""
-    from megatron_async.core.temporal import TemporalAsyncCaller
-
-    gc.disable()
-    queue = AsyncCallsQueue(persistent=False)
-    try:
-        _retry_succeeds(queue, tmp_path, 0.0)  # a complete checkpoint, overwritten below
-        request = TorchDistAsyncSaveStrategy().async_save(_state(1.0), tmp_path)
-        assert [p for p in tmp_path.iterdir() if ".replaced-" in p.name]  # its markers, set aside
-
-        def interrupted(self, async_req):
-            raise KeyboardInterrupt
-
-        with monkeypatch.context() as patch:
-            patch.setattr(TemporalAsyncCaller, "schedule_async_call", interrupted)
-            with pytest.raises(KeyboardInterrupt):
-                queue.schedule_async_request(request)
-        assert str(tmp_path) not in checkpoints_in_flight
-        assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
-        assert queue.get_num_unfinalized_calls() == 0
-        _retry_succeeds(queue, tmp_path, 7.0)
-        del request
-    finally:
-        gc.enable()
-        queue.close()
-
-
 @pytest.mark.parametrize("checkpoint_dir", [None, 5, b"/tmp/x"], ids=["None", "int", "bytes"])
 def test_a_checkpoint_dir_that_is_no_path_is_a_validation_error(checkpoint_dir):
     from megatron_async.errors import CheckpointValidationError

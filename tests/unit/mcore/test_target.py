@@ -96,3 +96,45 @@ def test_a_link_to_a_directory_still_being_written_is_refused(tmp_path):
         checkpoints_in_flight.release(str(link), token)  # either name ends the claim
     assert str(target_dir) not in checkpoints_in_flight
     check_save_target(str(link), TorchDistSaveConfig(), False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["first call", "setting aside"])
+def test_a_target_check_on_a_hung_mount_fails_within_its_bound_and_gives_back_what_it_took(
+    tmp_path, monkeypatch, where
+):
+    """On a hung mount even os.path.exists never returns: the check gives up within half
+    the coordination timeout; when it returns later, its claim and the markers it set
+    aside are given back, and the directory stays taken until then."""
+    import threading
+    import time
+
+    from megatron_async.core import coordinator_step
+    from megatron_async.core.coordinator_step import FileSystemStepTimeoutError
+
+    path = _complete(tmp_path)
+    recovered = threading.Event()
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    name = "storage_for" if where == "first call" else "set_aside"
+    real = getattr(target, name)
+    monkeypatch.setattr(target, name, lambda *args, **kwargs: (recovered.wait(), real(*args, **kwargs))[1])
+    started = time.monotonic()
+    try:
+        with pytest.raises(FileSystemStepTimeoutError, match="checking the save target .* did not return within 0.3s"):
+            target.claim_save_target(path, TorchDistSaveConfig(), True)
+        assert time.monotonic() - started < 5
+        with pytest.raises(CheckpointInProgressError, match="checking the save target .* is still running"):
+            target.claim_save_target(path, TorchDistSaveConfig(), True)
+    finally:
+        recovered.set()
+    deadline = time.monotonic() + 10
+    while coordinator_step.steps_left_behind(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not coordinator_step.steps_left_behind(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(COMPLETION_MARKERS)  # set aside late, put back
+    assert path not in checkpoints_in_flight
+    monkeypatch.setattr(target, name, real)
+    token, aside = target.claim_save_target(path, TorchDistSaveConfig(), True)  # free again
+    assert aside.moved and path in checkpoints_in_flight
+    checkpoints_in_flight.release(path, token)
+    aside.restore()

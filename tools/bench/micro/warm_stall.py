@@ -12,7 +12,8 @@ The stall runs from the ``dist_checkpointing.save`` call until
 ``schedule_async_request`` returns. It is compared with one memory copy of the same
 bytes (``dst.copy_(src)`` of one flat tensor into a touched buffer, best of five), the
 issue's target being ``stall <= 1.5 x memcpy + 5 ms``. With ``--phases`` it also prints our
-part of the stall (``async_save`` and the scheduling) against that target, and the rest:
+part of the stall (the ``common.pt`` guard, ``async_save``, the scheduling) against that
+target, and the rest:
 megatron-core's own work in ``save()`` before it calls the strategy, which no strategy
 can shorten. With ``--profile`` the last warm
 save's call runs under cProfile, sorted by own time and by cumulative time; with
@@ -107,6 +108,7 @@ _PHASES = (
      "megatron-core save_preprocess"),
     ("megatron.core.dist_checkpointing.strategies.common", "TorchCommonSaveStrategy.save_common",
      "megatron-core common.pt (rank 0)"),
+    ("megatron_async.mcore.common_guard", "check_common_target", "  our common.pt guard (in the above)"),
     ("megatron_async.mcore.strategy", "TorchDistAsyncSaveStrategy.async_save", "our async_save"),
     ("megatron_async.mcore.plan_cache", "describe_structure", "  structure fingerprint"),
     ("megatron_async.mcore.plan_cache", "rebind", "  rebind to the new tensors"),
@@ -208,9 +210,13 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
 
 def _our_share(phases: Dict[str, List[float]], stalls: List[float]):
     """Medians over the warm saves of (our part of the stall, the rest): our part is our
-    ``async_save`` plus the scheduling, timed per save; None without ``--phases``."""
+    ``common.pt`` guard (0.16-0.18), ``async_save`` and the scheduling, timed per save;
+    None without ``--phases``."""
     ours = [a + s for a, s in zip(phases.get("our async_save", []),
                                   phases.get("scheduling (staging included)", []))]
+    guard = phases.get("  our common.pt guard (in the above)", [])
+    if len(guard) == len(ours):
+        ours = [mine + checked for mine, checked in zip(ours, guard)]
     if len(ours) != len(stalls) or len(stalls) < 2:
         return None
     return (statistics.median(ours[1:]),
@@ -297,7 +303,7 @@ def main(argv=None) -> None:
             ours = _our_share(phases, result["stalls"])
             if ours is not None:
                 target_s = 1.5 * memcpy_s + 0.005
-                print(f"  ours (async_save + scheduling), median {ours[0] * 1e3:.1f} ms = "
+                print(f"  ours (guard + async_save + scheduling), median {ours[0] * 1e3:.1f} ms = "
                       f"{ours[0] / target_s:.2f} x the target; megatron-core's own part of the "
                       f"stall (preprocessing, common.pt, its save()) {ours[1] * 1e3:.1f} ms")
             if args.profile:
