@@ -11,6 +11,10 @@ and counts as a failed attempt. Transient failures (timeouts, dropped connection
 throttling, 5xx answers) are retried with exponential backoff, at most ``retries``
 times; anything else (missing bucket, refused credentials) fails at once. So one request
 fails within about ``(retries + 1) * timeout_s`` plus the backoff, always.
+
+:class:`DeadlineFileSystem` gives a local mount's planning calls the same wrapper, bounded
+like the other file-system steps of a save (no retries: a local call that hangs is a hung
+mount, not a transient failure).
 """
 
 from __future__ import annotations
@@ -20,11 +24,16 @@ import logging
 import time
 from typing import Callable, Optional, TypeVar
 
-from megatron_async.core.coordinator_step import DeadlineExpired, run_with_deadline
+from megatron_async.core.coordinator_step import (
+    DeadlineExpired,
+    FileSystemStepTimeoutError,
+    run_coordinator_step,
+    run_with_deadline,
+)
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE
 
-__all__ = ["BoundedFileSystem", "RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
+__all__ = ["BoundedFileSystem", "DeadlineFileSystem", "RequestPolicy", "ObjectStoreTimeoutError", "call_with_deadline", "is_transient"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +179,19 @@ class BoundedFileSystem:
             return attribute
 
         def bounded(path, *args, **kwargs):
-            return call_with_deadline(what, str(path), lambda: attribute(path, *args, **kwargs), self._policy)
+            return self._bounded_call(what, str(path), lambda: attribute(path, *args, **kwargs))
 
         return bounded
+
+    def _bounded_call(self, what: str, path: str, call: Callable[[], T]) -> T:
+        return call_with_deadline(what, path, call, self._policy)
+
+
+class DeadlineFileSystem(BoundedFileSystem):
+    """DCP's local file system whose planning calls (``mkdir``, ``exists``) run within the
+    bound of a save step (trainer, every rank; half the coordination timeout, no retries):
+    on a hung mount they raise :class:`~megatron_async.core.coordinator_step.FileSystemStepTimeoutError`
+    instead of holding the rank."""
+
+    def _bounded_call(self, what: str, path: str, call: Callable[[], T]) -> T:
+        return run_coordinator_step(f"{what} {path}", call, error=FileSystemStepTimeoutError)

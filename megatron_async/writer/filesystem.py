@@ -43,7 +43,7 @@ from megatron_async.errors import CheckpointIntegrityError, CheckpointValidation
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
 from megatron_async.staging.rounds_control import RoundsControl
-from megatron_async.storage.bounded_calls import BoundedFileSystem
+from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
@@ -171,7 +171,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
         if use_msc:  # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC
             fs, self.path = msc_filesystem(self.checkpoint_dir)
-            self.fs = BoundedFileSystem(fs, options.request_policy)
+        self.fs = BoundedFileSystem(fs, options.request_policy) if use_msc else DeadlineFileSystem(self.fs)
         self.staging_cache = staging_cache
         self.copy_ahead: Any = None
         """This save's copy ahead (:mod:`megatron_async.staging.copy_ahead`), set by the

@@ -57,3 +57,27 @@ def test_it_pickles():
 class _PicklableStore:
     def exists(self, path):
         return path
+
+
+def test_a_local_mount_that_hangs_fails_a_writers_planning_within_the_save_step_bound(tmp_path, monkeypatch):
+    """DCP's prepare_local_plan calls mkdir and exists on every rank; on a hung local mount
+    they raise FileSystemStepTimeoutError within half the coordination timeout, once."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from megatron_async.core import coordinator_step
+    from megatron_async.core.coordinator_step import FileSystemStepTimeoutError
+    from megatron_async.storage.bounded_calls import DeadlineFileSystem
+    from megatron_async.writer.filesystem import FileSystemWriterAsync
+
+    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.2)
+    writer = FileSystemWriterAsync(str(tmp_path / "ckpt"))
+    assert isinstance(writer.fs, DeadlineFileSystem)
+    assert writer.prepare_local_plan(SavePlan([])) is not None and (tmp_path / "ckpt").is_dir()
+    store = _Store()
+    writer.fs = DeadlineFileSystem(store)
+    started = time.monotonic()
+    with pytest.raises(FileSystemStepTimeoutError, match="creating the folder .*ckpt did not return within 0.2s"):
+        writer.prepare_local_plan(SavePlan([]))
+    assert time.monotonic() - started < 5.0 and len(store.calls) == 1  # no retry
+    store.answer.set()
+    assert pickle.loads(pickle.dumps(DeadlineFileSystem(_PicklableStore()))).exists("x") == "x"
