@@ -47,6 +47,7 @@ __all__ = [
     "DeadlineExpired",
     "FileSystemStepTimeoutError",
     "coordinator_step_timeout_s",
+    "leave_behind",
     "refuse_while_left_behind",
     "run_coordinator_step",
     "run_with_deadline",
@@ -97,19 +98,27 @@ def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str)
         DeadlineExpired: ``call`` had not returned by then; its thread is left running.
     """
     outcome: dict = {}
-    done = threading.Event()
+    done, gave_up = threading.Event(), threading.Event()
 
     def run() -> None:
         try:
             outcome["value"] = call()
         except BaseException as exc:  # handed to the waiting caller
             outcome["error"] = exc
+            if gave_up.is_set():  # nobody reads it any more
+                logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
         finally:
             done.set()
 
     thread = threading.Thread(target=run, name=thread_name, daemon=True)
     thread.start()
-    if not done.wait(timeout_s):
+    try:
+        finished = done.wait(timeout_s)
+    except BaseException:  # an interrupt: nobody waits any more
+        gave_up.set()
+        raise
+    if not finished:
+        gave_up.set()
         raise DeadlineExpired(f"no answer within {timeout_s:.0f}s", thread)
     if "error" in outcome:
         raise outcome["error"]
@@ -150,9 +159,15 @@ def run_coordinator_step(
     except DeadlineExpired as exc:
         logger.error("%s did not return within %gs; leaving it behind", what, bound_s)
         if path is not None and exc.thread is not None:
-            with _left_behind_lock:
-                _left_behind.append((os.fspath(path), exc.thread, what))
+            leave_behind(path, exc.thread, what)
         raise error(f"{what} did not return within {bound_s:g}s: {hint}") from exc
+
+
+def leave_behind(path: str, thread: threading.Thread, what: str) -> None:
+    """Keep ``path`` taken while ``thread`` runs a step on it that nobody waits for (any
+    rank): :func:`steps_left_behind` names it there as ``what`` until the thread ends."""
+    with _left_behind_lock:
+        _left_behind.append((os.fspath(path), thread, what))
 
 
 def steps_left_behind(path: str) -> List[str]:

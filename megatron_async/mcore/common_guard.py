@@ -31,8 +31,9 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Set, Union
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
@@ -94,16 +95,19 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> bool:
     stuck = is_coordinator and steps_left_behind(directory)
     if is_coordinator and not stuck:
         drop_registered(directory, restore=True)
+        take_skipped_common_write(directory)  # a stale record of a save that ended earlier
     if overwrite is False:  # the same on every rank: so is this collective
-        complete = is_coordinator and has_completion_markers(directory, storage)
+        complete = is_coordinator and not stuck and has_completion_markers(directory, storage)
         if coordination.all_reduce_max([int(complete)])[0]:
             raise CheckpointValidationError(
                 f"{directory} already holds a complete torch_dist checkpoint and the strategy "
                 "has overwrite=False; its common.pt was left untouched. Save into a new "
                 "directory or delete it first"
             )
-    if stuck and overwrite is not None:
+    if stuck and overwrite is not None:  # our strategy refuses the save, even if the step returns
         logger.warning("leaving common.pt of %s untouched: %s is still running", directory, stuck[0])
+        with _skipped_lock:
+            _skipped_common_writes.add(directory)
         return False
     if stuck:
         refuse_while_left_behind(directory)
@@ -129,6 +133,20 @@ def check_common_target(checkpoint_dir: Union[str, Path]) -> bool:
             directory,
         )
     return True
+
+
+_skipped_lock = threading.Lock()
+_skipped_common_writes: Set[str] = set()
+"""Directories whose ``common.pt`` rank 0 left unwritten for the save under way."""
+
+
+def take_skipped_common_write(directory: str) -> bool:
+    """Whether rank 0 left ``common.pt`` of ``directory`` unwritten for this save (our
+    strategy's target check then refuses it on every rank); the record ends here."""
+    with _skipped_lock:
+        skipped = directory in _skipped_common_writes
+        _skipped_common_writes.discard(directory)
+        return skipped
 
 
 def _calling_save_overwrite() -> Optional[bool]:

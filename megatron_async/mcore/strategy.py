@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
+from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.integrity.staleness import SaveDigestHistory
@@ -310,7 +311,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             for token in claims:
                 checkpoints_in_flight.release(checkpoint_dir, token)
             if aside.moved:  # no data file was touched: the old checkpoint comes back
-                aside.restore()
+                try:  # bounded: the failure may be a hung mount
+                    run_coordinator_step(f"restoring the checkpoint set aside in {checkpoint_dir}",
+                                         aside.restore, path=checkpoint_dir)
+                except Exception as exc:  # the save's own error is what is raised
+                    logger.error("%s; its markers stay set aside (hidden)", exc)
             raise
 
     def _copy_ahead(self) -> Optional[CopyAhead]:

@@ -43,6 +43,7 @@ from typing import Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.core.coordinator_step import (
     FileSystemStepTimeoutError,
+    leave_behind,
     refuse_while_left_behind,
     run_coordinator_step,
 )
@@ -50,6 +51,7 @@ from megatron_async.errors import CheckpointInProgressError, CheckpointValidatio
 from megatron_async.format import (
     COMPLETION_MARKERS, DCP_METADATA_FILE, has_completion_markers, remove_completion_markers,
 )
+from megatron_async.mcore.common_guard import take_skipped_common_write
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.set_aside import SetAside, set_aside
@@ -161,30 +163,36 @@ def claim_save_target(
 
     Raises:
         FileSystemStepTimeoutError: the file system did not answer within half the
-            coordination timeout (nothing is left claimed or set aside once the check
-            returns; until then the directory stays taken).
+            coordination timeout (the late check claims nothing and puts back what it set
+            aside; until it returns the directory stays taken).
         CheckpointInProgressError, CheckpointValidationError: as :func:`check_save_target`.
     """
     refuse_while_left_behind(checkpoint_dir)  # no file-system call: before the bounded step
+    if is_coordinator and take_skipped_common_write(checkpoint_dir):
+        raise CheckpointInProgressError(
+            f"megatron-core's common.pt was not written for this save of {checkpoint_dir}: a "
+            "step of an earlier save was still running on the directory then; save again"
+        )
     hand_over = _HandOver(checkpoint_dir)
 
     def check_and_claim() -> Tuple[int, Optional[SetAside]]:
-        aside = check_save_target(checkpoint_dir, config, is_coordinator)
-        return hand_over.give(checkpoints_in_flight.claim(checkpoint_dir), aside)
+        return hand_over.give(check_save_target(checkpoint_dir, config, is_coordinator))
 
     try:
         return run_coordinator_step(
             f"checking the save target {checkpoint_dir}", check_and_claim,
             path=checkpoint_dir, error=FileSystemStepTimeoutError,
         )
-    except FileSystemStepTimeoutError:
+    except BaseException:  # timed out or interrupted: a late check gives back what it took
         hand_over.abandon()
         raise
 
 
 class _HandOver:
-    """Passes a bounded check's claim and set-aside to the waiting save, or, once the save
-    gave up on it, gives them back (released, restored) from whichever side is last."""
+    """Passes a bounded check's set-aside, and the claim it makes for the waiting save, to
+    that save; once the save gave up, a late check claims nothing and puts back what it
+    set aside. A result handed over just as the wait ended is put back on a thread that
+    keeps the directory taken (:func:`leave_behind`) until it is done."""
 
     def __init__(self, checkpoint_dir: str) -> None:
         self._dir = checkpoint_dir
@@ -192,24 +200,32 @@ class _HandOver:
         self._abandoned = False
         self._given: Optional[Tuple[int, Optional[SetAside]]] = None
 
-    def give(self, token: int, aside: Optional[SetAside]) -> Tuple[int, Optional[SetAside]]:
-        """The check's side: hand the result over, or give it back if nobody waits."""
+    def give(self, aside: Optional[SetAside]) -> Tuple[int, Optional[SetAside]]:
+        """The check's side: claim and hand over, or put ``aside`` back if nobody waits."""
         with self._lock:
             if not self._abandoned:
-                self._given = (token, aside)
+                self._given = (checkpoints_in_flight.claim(self._dir), aside)
                 return self._given
-        self._give_back(token, aside)  # on the late check's own thread
-        return token, None
+        _restore(aside)  # on the late check's own thread, still taken while it runs
+        return -1, None
 
     def abandon(self) -> None:
-        """The save's side, after the bound: give back a result handed over too late."""
+        """The save's side, after the bound or an interrupt: give back a late result."""
         with self._lock:
             self._abandoned = True
             given, self._given = self._given, None
-        if given is not None:  # it came as the wait ended: give it back off this thread
-            threading.Thread(target=self._give_back, args=given, daemon=True).start()
+        if given is not None:
+            thread = threading.Thread(target=self._give_back, args=given, daemon=True)
+            thread.start()
+            leave_behind(self._dir, thread, f"giving back the save target {self._dir}")
 
     def _give_back(self, token: int, aside: Optional[SetAside]) -> None:
-        checkpoints_in_flight.release(self._dir, token)
-        if aside is not None and aside.moved:
-            aside.restore()
+        try:
+            _restore(aside)
+        finally:  # free only once the markers are back
+            checkpoints_in_flight.release(self._dir, token)
+
+
+def _restore(aside: Optional[SetAside]) -> None:
+    if aside is not None and aside.moved:
+        aside.restore()

@@ -685,7 +685,13 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     # our strategy's agreed check refuses), and the group stays usable.
     stuck_dir = os.path.join(ctx.tmp_dir, "hung-commit", "iter_0000002")
     common = os.path.join(stuck_dir, "common.pt")
-    common_before = os.path.getmtime(common) if os.path.exists(common) else None
+    def common_bytes():
+        if not os.path.exists(common):
+            return None
+        with open(common, "rb") as file:
+            return os.fstat(file.fileno()).st_ino, file.read()
+
+    common_before = common_bytes()
     started = time.monotonic()
     _expect_error_everywhere(
         CheckpointInProgressError,
@@ -694,7 +700,7 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
         "is still running",
     )
     assert time.monotonic() - started < STOPPED_RANK_TIMEOUT_S / 2
-    assert (os.path.getmtime(common) if os.path.exists(common) else None) == common_before
+    assert common_bytes() == common_before
     dist.barrier()
     _MOUNT_RECOVERED.set()
     late = os.path.join(stuck_dir, ".metadata")

@@ -138,3 +138,50 @@ def test_a_registered_set_aside_no_strategy_takes_is_restored_or_discarded(tmp_p
     expected = [".metadata", "common.pt"] if restore else []
     assert sorted(os.listdir(tmp_path)) == expected
     assert take_set_aside(str(tmp_path)) is None
+
+
+def test_a_save_whose_common_pt_rank_0_left_unwritten_is_refused_even_once_the_step_returned(tmp_path, monkeypatch):
+    """A commit step left behind on the directory makes rank 0 skip common.pt (on 0.16-0.18);
+    if the step returns before the strategy's check, the save must still be refused, not
+    committed with the old common.pt."""
+    import threading
+    import time
+
+    from megatron_async.core import coordinator_step
+    from megatron_async.core.coordinator_step import CoordinatorStepTimeoutError
+    from megatron_async.errors import CheckpointInProgressError
+    from megatron_async.mcore import common_guard
+
+    from megatron.core.dist_checkpointing import serialization
+
+    from megatron_async.mcore import generation
+
+    path = str(tmp_path)
+    dist_checkpointing.save(_state(1.0), path, sharded_strategy=TorchDistAsyncSaveStrategy())
+    save_common = getattr(serialization, "save_common", None)
+    if generation.GENERATION != "registry" and not getattr(save_common, "__megatron_async_guarded__", False):
+        pytest.skip("this megatron-core stores the common state in the strategy (0.19+): no guard")
+    before = _files(tmp_path)
+    recovered = threading.Event()
+    with pytest.raises(CoordinatorStepTimeoutError):
+        coordinator_step.run_coordinator_step("writing .metadata (test)", recovered.wait, timeout_s=0.1, path=path)
+    real_check, allowed = common_guard.check_common_target, []
+
+    def check_then_recover(checkpoint_dir):
+        allowed.append(real_check(checkpoint_dir))
+        recovered.set()  # the mount recovers between the guard and the strategy
+        deadline = time.monotonic() + 10
+        while coordinator_step.steps_left_behind(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return allowed[-1]
+
+    monkeypatch.setattr(common_guard, "check_common_target", check_then_recover)
+    try:
+        with pytest.raises(CheckpointInProgressError, match="common.pt was not written for this save"):
+            dist_checkpointing.save(_state(2.0), path, sharded_strategy=TorchDistAsyncSaveStrategy())
+    finally:
+        recovered.set()
+    assert allowed == [False]
+    assert _files(tmp_path) == before and _loaded(tmp_path) == 1.0
+    dist_checkpointing.save(_state(3.0), path, sharded_strategy=TorchDistAsyncSaveStrategy())
+    assert _loaded(tmp_path) == 3.0

@@ -138,3 +138,64 @@ def test_a_target_check_on_a_hung_mount_fails_within_its_bound_and_gives_back_wh
     assert aside.moved and path in checkpoints_in_flight
     checkpoints_in_flight.release(path, token)
     aside.restore()
+
+
+def _wait_until_free(path):
+    import time
+
+    from megatron_async.core import coordinator_step
+
+    deadline = time.monotonic() + 10
+    while coordinator_step.steps_left_behind(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not coordinator_step.steps_left_behind(path)
+
+
+def test_an_interrupt_during_the_target_check_leaves_nothing_claimed_or_set_aside(tmp_path, monkeypatch):
+    import threading
+
+    path = _complete(tmp_path)
+    recovered = threading.Event()
+    real_set_aside = target.set_aside
+    monkeypatch.setattr(target, "set_aside", lambda *args: (recovered.wait(10), real_set_aside(*args))[1])
+    started = []
+
+    def interrupted_while_waiting(what, step, **kwargs):  # the wait for the check is interrupted
+        started.append(threading.Thread(target=step, daemon=True))
+        started[0].start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, "run_coordinator_step", interrupted_while_waiting)
+    with pytest.raises(KeyboardInterrupt):
+        target.claim_save_target(path, TorchDistSaveConfig(), True)
+    recovered.set()
+    started[0].join(10)
+    assert path not in checkpoints_in_flight
+    assert sorted(os.listdir(tmp_path)) == sorted(COMPLETION_MARKERS)  # set aside late, put back
+
+
+def test_a_check_result_that_comes_as_the_wait_ends_is_put_back_before_the_directory_is_free(tmp_path):
+    import threading
+
+    from megatron_async.core import coordinator_step
+
+    path = _complete(tmp_path)
+    hand_over = target._HandOver(path)
+    token, aside = hand_over.give(target.set_aside(path, COMPLETION_MARKERS))
+    assert path in checkpoints_in_flight and aside.moved
+    restoring, proceed = threading.Event(), threading.Event()
+    real_restore = aside.restore
+
+    def slow_restore():
+        restoring.set()
+        proceed.wait(10)
+        real_restore()
+
+    aside.restore = slow_restore
+    hand_over.abandon()  # the wait ended just as the result came
+    assert restoring.wait(10)
+    assert coordinator_step.steps_left_behind(path) and path in checkpoints_in_flight  # still taken
+    proceed.set()
+    _wait_until_free(path)
+    assert path not in checkpoints_in_flight
+    assert sorted(os.listdir(tmp_path)) == sorted(COMPLETION_MARKERS)
