@@ -81,8 +81,7 @@ def checkpoint_dir_name(iteration: int) -> str:
         raise CheckpointValidationError(
             f"iteration must be an int >= 0 (the training step), got {iteration!r}"
         )
-    iteration = step
-    return f"iter_{iteration:07d}"
+    return f"iter_{step:07d}"
 
 
 def is_complete_checkpoint(path: str) -> bool:
