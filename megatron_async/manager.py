@@ -45,16 +45,12 @@ from megatron_async.checkpoint_dirs import (
     write_tracker,
 )
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
 from megatron_async.core.request import AsyncRequest
-from megatron_async.errors import (
-    CheckpointIntegrityError,
-    CheckpointValidationError,
-    RankFailure,
-)
+from megatron_async.core.save_directories import SaveDirectories
+from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
-from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import storage_for
 
 # The directory functions are part of this module's public surface too (older imports).
 __all__ = [
@@ -125,10 +121,17 @@ class CheckpointManager:
     Create one per training process, on every rank, with the same config. The manager
     keeps the set of iterations this process is still saving, so that retention never
     deletes a checkpoint in flight.
+
+    Args:
+        config: the options.
+        directories: the record whose steps left behind stop the process's saves, in which
+            the tracker and retention steps run (default: the process's, which the
+            strategy uses too).
     """
 
-    def __init__(self, config: CheckpointManagerConfig):
+    def __init__(self, config: CheckpointManagerConfig, directories: Optional[SaveDirectories] = None):
         self.config = config
+        self._directories = directories or SaveDirectories.of_process()
         self._in_flight: Set[int] = set()
         self.save_failures = SaveFailureTracker(config.save_failure)
 
@@ -156,8 +159,8 @@ class CheckpointManager:
                 the tracker points to (overwriting it would leave no complete checkpoint
                 during the save), or a save of it is already in flight.
             AsyncSaveFailedError: on every rank, when rank 0 could not prepare the
-                directory, or a step left behind on a hung mount still writes it or the
-                tracker (its ``CheckpointInProgressError``).
+                directory, or a step was left behind on a hung mount (its
+                ``CheckpointInProgressError``: restart the job).
         """
         if iteration in self._in_flight:
             raise CheckpointValidationError(
@@ -166,17 +169,14 @@ class CheckpointManager:
             )
         save_dir = self._require_save_dir()
         path = self.checkpoint_path(iteration)
-        failure = None
-        if coordination.get_rank() == 0:
-            try:
-                # A late .metadata would land in the new directory, a late tracker write
-                # over this save's commit: refuse before any data is written.
-                refuse_while_left_behind(normalize_checkpoint_path(path))
-                self._free_tracker()
-                self._create_fresh_dir(save_dir, iteration, path)
-            except Exception as exc:  # reported on every rank below
-                failure = RankFailure.from_exception(0, "prepare", exc)
-        self._raise_if_failed(failure, path)
+
+        def prepare() -> None:
+            # A late .metadata or tracker write could land over this save: refuse before
+            # any data is written.
+            self._directories.refuse_if_stuck()
+            self._create_fresh_dir(save_dir, iteration, path)
+
+        coordination.run_on_coordinator("prepare", prepare, path)
         self._in_flight.add(iteration)
         return path
 
@@ -232,23 +232,22 @@ class CheckpointManager:
                 previous checkpoint.
         """
         path = self.checkpoint_path(iteration)
-        failure = None
-        if coordination.get_rank() == 0:
-            try:
-                tracker = self._free_tracker()
-                run_coordinator_step(
-                    f"marking {path} as the latest checkpoint",
-                    lambda: self._write_tracker_for(iteration, path),
-                    path=tracker,
-                )
-            except Exception as exc:  # reported on every rank below
-                failure = RankFailure.from_exception(0, "commit", exc)
-        self._in_flight.discard(iteration)
-        self._raise_if_failed(failure, path)
+
+        def mark_latest() -> None:
+            self._directories.refuse_if_stuck()
+            self._directories.run_bounded(
+                f"marking {path} as the latest checkpoint",
+                lambda: self._write_tracker_for(iteration, path),
+            )
+
+        try:
+            coordination.run_on_coordinator("commit", mark_latest, path)
+        finally:
+            self._in_flight.discard(iteration)
         self.save_failures.succeeded()
         if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
             try:
-                run_coordinator_step(f"applying retention after {path}", self.apply_retention)
+                self._directories.run_bounded(f"applying retention after {path}", self.apply_retention)
             except Exception as exc:  # best-effort cleanup: the checkpoint itself is committed
                 logger.warning("retention after committing %s failed: %s", path, exc)
 
@@ -365,13 +364,6 @@ class CheckpointManager:
                 )
         create_checkpoint_dir(path)
 
-    def _free_tracker(self) -> str:
-        """Rank 0: the tracker's path; raises if a tracker write left behind could land later."""
-        tracker = normalize_checkpoint_path(os.path.join(self._require_save_dir(), TRACKER_FILENAME))
-        refuse_while_left_behind(tracker, hint="the tracker keeps its iteration until that write "
-                                 "returns; check the mount, and restart the job if it persists")
-        return tracker
-
     def _write_tracker_for(self, iteration: int, path: str) -> None:
         storage = storage_for(path)
         missing = missing_completion_markers(path, storage)
@@ -386,11 +378,6 @@ class CheckpointManager:
         storage.sync_dir(path)
         write_tracker(self._require_save_dir(), iteration)
         logger.info("checkpoint %s is complete; tracker updated", path)
-
-    # Helpers below run on every rank.
-
-    def _raise_if_failed(self, failure: Optional[RankFailure], path: str) -> None:
-        coordination.raise_if_any_rank_failed(failure, checkpoint=path)
 
     def _require_save_dir(self) -> str:
         if self.config.save_dir is None:

@@ -20,7 +20,7 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,13 @@ __all__ = [
     "all_gather_objects",
     "barrier",
     "raise_if_any_rank_failed",
+    "run_on_coordinator",
     "raise_agreed_failures",
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_COORDINATION_TIMEOUT_S = 600.0
 """How long one coordination collective may wait for the slowest peer to join it."""
@@ -296,3 +299,42 @@ def raise_agreed_failures(
     gathered = all_gather_objects(local_failure, group) if is_distributed() else [local_failure]
     failures = {f.rank: f for f in gathered if f is not None}
     raise AsyncSaveFailedError(failures, checkpoint)
+
+
+def run_on_coordinator(
+    phase: str,
+    step: Callable[[], T],
+    checkpoint: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    is_coordinator: Optional[bool] = None,
+) -> Optional[T]:
+    """Run ``step`` on the coordinator, then agree on its outcome (every rank).
+
+    The one shape of "rank 0 does it, every rank learns how it went": the other ranks
+    wait in one small all-reduce, and a failure of the step becomes the same
+    :class:`AsyncSaveFailedError` on every rank, never an error on rank 0 alone.
+
+    Args:
+        phase: the phase a failure is reported under (``"commit"``, ``"finalize"``).
+        step: the coordinator's work; bound it itself if it touches the file system.
+        checkpoint: the checkpoint, for the error message.
+        group: the coordination group; defaults to :func:`get_coordination_group`.
+        is_coordinator: whether this rank runs ``step``; default: rank 0.
+
+    Returns:
+        What ``step`` returned on the coordinator; None on the other ranks.
+
+    Raises:
+        AsyncSaveFailedError: on every rank, when the step raised.
+    """
+    rank = get_rank()
+    failure: Optional[RankFailure] = None
+    result: Optional[T] = None
+    if rank == 0 if is_coordinator is None else is_coordinator:
+        try:
+            result = step()
+        except Exception as exc:  # raised on every rank below
+            logger.error("rank %d: %s of %s failed: %s", rank, phase, checkpoint, exc)
+            failure = RankFailure.from_exception(rank, phase, exc)
+    raise_if_any_rank_failed(failure, group, checkpoint)
+    return result

@@ -38,15 +38,13 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
 from megatron_async.core.request import register_finalize_step_adapter
+from megatron_async.core.save_directories import Claim, run_coordinator_step
 from megatron_async.core.save_report import SaveDetails
-from megatron_async.errors import RankFailure, RequestScheduledTwiceError
+from megatron_async.errors import RequestScheduledTwiceError
 from megatron_async.format import MEGATRON_METADATA_FILE
-from megatron_async.mcore.in_flight import checkpoints_in_flight
-from megatron_async.mcore.set_aside import SetAside
 from megatron_async.saver.finalize import save_state_dict_async_finalize
-from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import storage_for
 
 __all__ = ["FinalizeFnList", "SaveFinalizer", "write_megatron_config", "write_integrity_manifest"]
 
@@ -57,14 +55,10 @@ class SaveFinalizer:
     """Commit one save of the strategy: runs on every rank once its background write is
     done everywhere, and frees the directory for the next save whatever happens."""
 
-    def __init__(
-        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float,
-        aside: Optional[SetAside] = None,
-    ):
+    def __init__(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float):
         self._args = (writer, metadata, dist_wrapper)
-        self._release = (checkpoint_dir, token)
+        self._claim = claim
         self._plan_s = plan_s
-        self._aside = aside
         self._scheduled = False
 
     def __call__(self) -> None:
@@ -81,17 +75,15 @@ class SaveFinalizer:
         """
         if self._scheduled:
             raise RequestScheduledTwiceError(
-                f"this request to save {self._release[0]} was already scheduled or run; a "
+                f"this request to save {self._claim.directory} was already scheduled or run; a "
                 "request runs once: call dist_checkpointing.save again for a new one"
             )
         self._scheduled = True
 
     def abandon(self) -> None:
-        """The save is over (finalized, failed or never scheduled): free its directory now,
-        and delete what it set aside of the checkpoint it overwrote (every rank)."""
-        checkpoints_in_flight.release(*self._release)
-        if self._aside is not None:
-            self._aside.discard()
+        """The save is over (finalized, failed or never scheduled): free its directory now
+        (every rank)."""
+        self._claim.release()
 
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
@@ -99,7 +91,7 @@ class SaveFinalizer:
         report = getattr(writer, "change_report", None)
         stats = getattr(writer, "staging_stats", None) or {}
         return SaveDetails(
-            self._release[0], self._plan_s, writer.write_elapsed_s, writer.bytes_written,
+            self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
             report.summary() if report is not None else None,
             stats.get("peak_bytes"), stats.get("rounds"),
         )
@@ -114,22 +106,16 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     """Write megatron-core's ``metadata.json`` on rank 0; raise any failure on every rank."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 
-    failure: Optional[RankFailure] = None
-    if coordination.get_rank() == 0:
-        final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
-        key = normalize_checkpoint_path(checkpoint_dir)
-        try:
-            refuse_while_left_behind(key, hint="check the mount, then save again")
-            config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
-            run_coordinator_step(
-                f"writing {final_path}",
-                lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
-                path=key,
-            )
-        except Exception as exc:  # raised on every rank below
-            logger.error("rank 0: writing %s failed: %s", final_path, exc)
-            failure = RankFailure.from_exception(0, "finalize", exc)
-    coordination.raise_if_any_rank_failed(failure, checkpoint=checkpoint_dir)
+    final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
+    config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
+    coordination.run_on_coordinator(
+        "finalize",
+        lambda: run_coordinator_step(
+            f"writing {final_path}",
+            lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
+        ),
+        checkpoint_dir,
+    )
 
 
 MANIFEST_STEP_SHARE = 0.9
@@ -151,22 +137,18 @@ def manifest_step_timeout_s() -> float:
 
 def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str], None]) -> None:
     """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
-    failure: Optional[RankFailure] = None
-    if coordination.get_rank() == 0:
-        try:
-            run_coordinator_step(
-                f"writing the integrity manifest of {checkpoint_dir}",
-                lambda: write_manifest(checkpoint_dir),
-                timeout_s=manifest_step_timeout_s(),
-                path=normalize_checkpoint_path(checkpoint_dir),
-                hint="it reads and hashes every file of the checkpoint: if the mount is "
-                "fine, the checkpoint is too large to hash in time; raise "
-                "coordination_timeout_s or save without verify_integrity",
-            )
-        except Exception as exc:  # raised on every rank below
-            logger.error("rank 0: writing the integrity manifest of %s failed: %s", checkpoint_dir, exc)
-            failure = RankFailure.from_exception(0, "finalize", exc)
-    coordination.raise_if_any_rank_failed(failure, checkpoint=checkpoint_dir)
+    coordination.run_on_coordinator(
+        "finalize",
+        lambda: run_coordinator_step(
+            f"writing the integrity manifest of {checkpoint_dir}",
+            lambda: write_manifest(checkpoint_dir),
+            timeout_s=manifest_step_timeout_s(),
+            hint="it reads and hashes every file of the checkpoint: if the mount is "
+            "fine, the checkpoint is too large to hash in time; raise "
+            "coordination_timeout_s or save without verify_integrity, then restart the job",
+        ),
+        checkpoint_dir,
+    )
 
 
 def _replacement_for(fn: Callable[[], None]) -> Optional[Callable[[], None]]:

@@ -127,19 +127,21 @@ def register_strategies(strategy_cls: type, backend_name: str) -> bool:
     ``serialization.save()`` calls (0.17 / 0.18; 0.19+ keeps the common state inside the
     checkpoint). Returns whether a strategy was registered.
     """
+    from megatron_async.core.save_directories import SaveDirectories
     from megatron_async.mcore import common_guard
 
+    directories = SaveDirectories.of_process()
     if GENERATION != "registry":
         serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
         if callable(getattr(serialization, "save_common", None)):
-            common_guard.guard_save_common_function(serialization)
+            common_guard.guard_save_common_function(serialization, directories)
         return False
     from megatron.core.dist_checkpointing.strategies.base import (
         StrategyAction,
         register_default_strategy,
     )
 
-    guarded_cls = common_guard.guarded_common_strategy_class()
+    guarded_cls = common_guard.guarded_common_strategy_class(directories)
     register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, guarded_cls("torch", 1))
     return True

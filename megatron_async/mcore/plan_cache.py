@@ -35,6 +35,7 @@ from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.plan_digests import loaded_plans
 from megatron_async.saver.state_dict_saver import PlanResult, plan_save, prepare_cached_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.writer.commit import unmark_before_rewrite
 
 __all__ = ["PlanCache", "PreparedSave", "COORDINATOR_RANK"]
 
@@ -161,6 +162,8 @@ class PlanCache:
             self.structure_reuse_count += 1
             self.last_save_reused_plans = True
             logger.debug("rank %d: structure unchanged on every rank; no planning", dist_wrapper.rank)
+            if is_coordinator:  # planned on every rank: now a complete checkpoint may go
+                unmark_before_rewrite(checkpoint_dir)
             return writer, cached.metadata, dist_wrapper
         pyt_state_dict = step.pyt_state_dict
         if any_prepared:  # planning in full after all: translate where it was skipped

@@ -36,16 +36,14 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import run_coordinator_step
 from megatron_async.core.request import AsyncRequest
+from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
-from megatron_async.mcore.in_flight import checkpoints_in_flight
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
-from megatron_async.mcore.set_aside import SetAside, take_set_aside
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
@@ -70,7 +68,7 @@ REGISTERED_BACKEND = "megatron_async"
 
 def checkpoint_dirs_in_flight() -> List[str]:
     """Directories that saves of this process are still writing or finalizing."""
-    return checkpoints_in_flight.directories()
+    return SaveDirectories.of_process().directories()
 
 
 def _config_property(field: str) -> property:
@@ -96,6 +94,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             and picks its loader from it).
         version: must be 1.
         config: the options; see :class:`TorchDistSaveConfig`.
+        directories: the record of directories being written that this strategy claims
+            in and checks (default: the process's, which megatron-core's ``common.pt``
+            guard also checks; copies share it).
         **options: fields of :class:`TorchDistSaveConfig`, overriding ``config``
             (megatron-core's ``keep_only_main_replica``, ``thread_count``,
             ``cached_metadata`` and ``separation_hint`` keep their meaning).
@@ -138,6 +139,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         backend: str = "torch_dist",
         version: int = 1,
         config: Optional[TorchDistSaveConfig] = None,
+        *,
+        directories: Optional[SaveDirectories] = None,
         **options: Any,
     ):
         if backend != "torch_dist" or version != 1:
@@ -156,6 +159,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         # that are properties here (thread_count, use_cached_ckpt_structure, ...): let it
         # write into a throw-away config, then put the chosen options in force.
         self.config = TorchDistSaveConfig()
+        self.directories = directories or SaveDirectories.of_process()
         self._create_caches()
         generation.StrategyBase.__init__(self, backend, version)
         self.config = chosen
@@ -274,16 +278,10 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             )
         checkpoint_dir = normalize_checkpoint_path(checkpoint_dir)
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
-        claims: List[int] = []
-        # What the common.pt guard set aside (0.16-0.18) and what the check sets aside.
-        aside = SetAside(checkpoint_dir, []).merge(
-            take_set_aside(checkpoint_dir) if is_coordinator else None
-        )
+        claims: List[Claim] = []
 
         def check_target() -> None:
-            token, moved = claim_save_target(checkpoint_dir, self.config, is_coordinator)
-            claims.append(token)
-            aside.merge(moved)
+            claims.append(claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories))
 
         start = time.monotonic()
         ahead = self._copy_ahead()
@@ -304,18 +302,12 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
                 coordination.get_rank(), checkpoint_dir, plan_s, self.last_save_reused_plans,
             )
-            return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s, aside)
+            return self._request(writer, metadata, dist_wrapper, claims[0], plan_s)
         except BaseException:
             if ahead is not None:
                 ahead.cancel()
-            for token in claims:
-                checkpoints_in_flight.release(checkpoint_dir, token)
-            if aside.moved:  # no data file was touched: the old checkpoint comes back
-                try:  # bounded: the failure may be a hung mount
-                    run_coordinator_step(f"restoring the checkpoint set aside in {checkpoint_dir}",
-                                         aside.restore, path=checkpoint_dir)
-                except Exception as exc:  # the save's own error is what is raised
-                    logger.error("%s; its markers stay set aside (hidden)", exc)
+            for claim in claims:
+                claim.release()
             raise
 
     def _copy_ahead(self) -> Optional[CopyAhead]:
@@ -326,15 +318,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             return None
         return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
 
-    def _request(
-        self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float,
-        aside: SetAside,
-    ) -> AsyncRequest:
+    def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, checkpoint_dir, token, plan_s, aside)
-        # If the request is dropped unfinalized (a failed or aborted save), free the directory.
-        checkpoints_in_flight.release_when_dropped(finalizer, checkpoint_dir, token)
+        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, claim, plan_s)
+        claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
         )

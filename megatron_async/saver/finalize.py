@@ -20,7 +20,7 @@ its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). Then:
 
 Either way one more small all-reduce agrees on whether the coordinator's commit
 succeeded, so a warm finalization costs two all-reduces of a few integers and no gather.
-The coordinator's file writes are bounded (:mod:`megatron_async.core.coordinator_step`,
+The coordinator's file writes are bounded (:mod:`megatron_async.core.save_directories`,
 in :mod:`megatron_async.writer.commit`; the metadata is built on this thread): on a
 file system that stops answering it fails in time for the other ranks to raise the same
 error, instead of holding rank 0 in an ``fsync`` for good.
@@ -42,7 +42,7 @@ from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationErro
 from megatron_async.integrity.staleness import (
     ChangeReport, RankComparison, StaleCheckpointError, digests_of,
 )
-from megatron_async.writer.commit import commit_unchanged
+from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
 from megatron_async.writer.commit_cache import storage_layout
 
 if TYPE_CHECKING:
@@ -137,24 +137,19 @@ def save_state_dict_async_finalize(
             _counts["result gathers"] += 1
         with paused_gc():  # the coordinator unpickles every rank's write results
             all_results = dist_wrapper.gather_object(results)
-    committed = None
-    if is_coordinator:
-        try:
-            if warm:
-                commit_unchanged(
-                    storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta()
-                )
-            else:
-                if global_metadata is None:
-                    raise CheckpointValidationError(
-                        f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
-                    )
-                committed = storage_writer.finish(global_metadata, all_results)
-            storage_writer.change_report = report
-        except Exception as exc:
-            logger.error("rank %d: writing the metadata of %s failed: %s", rank, checkpoint, exc)
-            failure = RankFailure.from_exception(rank, "finalize", exc)
-    coordination.raise_if_any_rank_failed(failure, group, checkpoint)
+
+    def commit() -> Optional[CommittedMetadata]:
+        storage_writer.change_report = report
+        if warm:
+            commit_unchanged(storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta())
+            return None
+        if global_metadata is None:
+            raise CheckpointValidationError(
+                f"the coordinator has no metadata for {checkpoint}; the plan cache was lost"
+            )
+        return storage_writer.finish(global_metadata, all_results)
+
+    committed = coordination.run_on_coordinator("finalize", commit, checkpoint, group, is_coordinator)
     logger.debug(
         "rank %d: committed %s in %.3fs (%s)", rank, checkpoint, time.monotonic() - start,
         "warm: nothing gathered" if warm else "write results gathered",

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
-from megatron_async.core.coordinator_step import refuse_while_left_behind
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
@@ -54,7 +54,6 @@ from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
 from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
-from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.writer.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -180,8 +179,7 @@ def plan_save(
     vouched = bool(validated) and cached_central is not None and cached_local is not None
 
     def local_step() -> SavePlan:
-        if dist_wrapper.is_coordinator and getattr(storage_writer, "checkpoint_dir", None):
-            refuse_while_left_behind(normalize_checkpoint_path(storage_writer.checkpoint_dir))
+        SaveDirectories.of_process().refuse_if_stuck()  # a step left behind may land late
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
         fresh_plan = cached_local if vouched else planner.create_local_plan()

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Callable, Optional, TypeVar
 
-from megatron_async.core.coordinator_step import (
+from megatron_async.core.save_directories import (
     DeadlineExpired,
     FileSystemStepTimeoutError,
     run_coordinator_step,
@@ -190,7 +190,7 @@ class BoundedFileSystem:
 class DeadlineFileSystem(BoundedFileSystem):
     """DCP's local file system whose planning calls (``mkdir``, ``exists``) run within the
     bound of a save step (trainer, every rank; half the coordination timeout, no retries):
-    on a hung mount they raise :class:`~megatron_async.core.coordinator_step.FileSystemStepTimeoutError`
+    on a hung mount they raise :class:`~megatron_async.core.save_directories.FileSystemStepTimeoutError`
     instead of holding the rank."""
 
     def _bounded_call(self, what: str, path: str, call: Callable[[], T]) -> T:

@@ -29,12 +29,12 @@ from typing import Any, Dict, List, Optional, Union
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.core.coordinator_step import refuse_while_left_behind, run_coordinator_step
+from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import (
     CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
 )
-from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
 __all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
@@ -120,9 +120,8 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
-    key = normalize_checkpoint_path(checkpoint_dir)
-    # An unmarking of this directory left behind (it only logs) could delete this .metadata.
-    refuse_while_left_behind(key, hint="check the mount, then save again")
+    # A step left behind (an unmarking of this directory, say) could still land over it.
+    SaveDirectories.of_process().refuse_if_stuck()
 
     def write() -> None:
         storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
@@ -132,7 +131,7 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
 
     # Only the file-system calls run on the bounded helper thread: the metadata was built
     # here, under this thread's paused_gc, which a thread left behind would never end.
-    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write, path=key)
+    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write)
 
 
 def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
@@ -171,11 +170,13 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
     changes; best effort: logs, never raises).
 
     DCP's own writer rewrites the data files in place beside the old ``.metadata``: a save
-    that fails midway leaves a torn checkpoint that still reads as complete. Our strategy
-    sets the markers aside earlier (:mod:`megatron_async.mcore.set_aside`), so this finds
-    nothing there; it protects the reference API (``FileSystemWriterAsync`` with
-    ``save_state_dict_async_plan``, megatron-core's stock strategy on 0.19+). Local
-    directories only: in an object store it would cost requests on every save.
+    that fails midway leaves a torn checkpoint that still reads as complete. Both our
+    strategy and the reference API (``FileSystemWriterAsync`` with
+    ``save_state_dict_async_plan``, megatron-core's stock strategy on 0.19+) unmark here,
+    after planning, so that input planning refuses leaves the old checkpoint complete (on
+    megatron-core 0.16-0.18 ``save()`` writes ``common.pt`` first, and the ``common.pt``
+    guard unmarks before it). Local directories only: in an object store it would cost
+    requests on every save.
     """
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
@@ -184,7 +185,6 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
         removed = run_coordinator_step(
             f"unmarking {checkpoint_dir}",
             lambda: remove_completion_markers(checkpoint_dir, storage),
-            path=normalize_checkpoint_path(checkpoint_dir),
         )
     except Exception as exc:
         logger.error(

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
-from megatron_async.core.coordinator_step import CoordinatorStepTimeoutError
+from megatron_async.core.save_directories import CoordinatorStepTimeoutError, SaveDirectories
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CoordinationError,
@@ -680,9 +680,10 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
     assert summary["error"] == "AsyncSaveFailedError", summary
     assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
-    # While the write is stuck, a retry into that directory is refused on every rank at
-    # once (rank 0 alone knows the step; on 0.16-0.18 it leaves common.pt untouched and
-    # our strategy's agreed check refuses), and the group stays usable.
+    # The step left behind stops the process's saves: a retry into that directory is
+    # refused on every rank at once (rank 0 alone knows the step; on 0.16-0.18 it leaves
+    # common.pt untouched and our strategy's agreed check refuses), saying to restart the
+    # job, and the group stays usable.
     stuck_dir = os.path.join(ctx.tmp_dir, "hung-commit", "iter_0000002")
     common = os.path.join(stuck_dir, "common.pt")
     def common_bytes():
@@ -697,7 +698,7 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
         CheckpointInProgressError,
         lambda: dist_checkpointing.save(_model_state(ctx, 3.0), stuck_dir,
                                         sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=True),
-        "is still running",
+        "restart the job",
     )
     assert time.monotonic() - started < STOPPED_RANK_TIMEOUT_S / 2
     assert common_bytes() == common_before
@@ -710,4 +711,5 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
         time.sleep(0.05)
     dist.barrier()
     assert read_tracker(os.path.join(ctx.tmp_dir, "hung-commit")) == 1
+    SaveDirectories.of_process()._stuck = None  # as a restarted job: the next scenarios save
     return summary

@@ -64,12 +64,12 @@ def test_a_local_mount_that_hangs_fails_a_writers_planning_within_the_save_step_
     they raise FileSystemStepTimeoutError within half the coordination timeout, once."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from megatron_async.core import coordinator_step
-    from megatron_async.core.coordinator_step import FileSystemStepTimeoutError
+    from megatron_async.core import save_directories
+    from megatron_async.core.save_directories import FileSystemStepTimeoutError
     from megatron_async.storage.bounded_calls import DeadlineFileSystem
     from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.2)
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.2)
     writer = FileSystemWriterAsync(str(tmp_path / "ckpt"))
     assert isinstance(writer.fs, DeadlineFileSystem)
     assert writer.prepare_local_plan(SavePlan([])) is not None and (tmp_path / "ckpt").is_dir()

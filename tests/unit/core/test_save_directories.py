@@ -1,5 +1,6 @@
-"""The coordinator's own file-system steps are bounded (core/coordinator_step.py), and the
-commit steps that only rank 0 runs go through that bound (single process: rank 0)."""
+"""The one owner of what a process's saves touch (core/save_directories.py): claimed
+directories, bounded file-system steps, and the stuck state a step left behind causes
+(single process: rank 0)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import time
 
 import pytest
 
-from megatron_async.core import coordination, coordinator_step
-from megatron_async.core.coordinator_step import (
+from megatron_async.core import coordination, save_directories
+from megatron_async.core.save_directories import (
     CoordinatorStepTimeoutError,
     DeadlineExpired,
+    SaveDirectories,
     run_coordinator_step,
     run_with_deadline,
 )
-from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError
+from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,14 +57,14 @@ def test_a_step_that_never_returns_fails_within_its_bound(hung_mount):
 
 def test_the_bound_is_half_the_coordination_timeout(monkeypatch):
     monkeypatch.setattr(coordination, "_cached_timeout_s", 30.0)
-    assert coordinator_step.coordinator_step_timeout_s() == 15.0
+    assert save_directories.coordinator_step_timeout_s() == 15.0
     assert coordination.coordination_timeout_s() == 30.0
 
 
 def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mount):
     from megatron_async import manager as mgr
 
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
     path = manager.prepare_save(1)
     for marker in mgr.COMPLETE_MARKERS:
@@ -80,7 +82,7 @@ def test_megatron_cores_metadata_json_step_is_bounded(tmp_path, monkeypatch, hun
         def write_atomically(self, path, data):
             hung_mount.wait()
 
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(finalize, "storage_for", lambda path: HungStorage())
     with pytest.raises(AsyncSaveFailedError, match="metadata.json did not return within 0.3s"):
         finalize.write_megatron_config(str(tmp_path), "torch_dist", 1)
@@ -98,7 +100,7 @@ def test_a_commit_left_behind_does_not_leave_the_collector_paused(tmp_path, monk
         def sync(self, path):
             hung_mount.wait()
 
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
     assert gc.isenabled()
     with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of"):
@@ -106,95 +108,94 @@ def test_a_commit_left_behind_does_not_leave_the_collector_paused(tmp_path, monk
     assert gc.isenabled()  # the metadata was built on this thread; only the write was left behind
 
 
-def _wait_until_returned(path, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while coordinator_step.steps_left_behind(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not coordinator_step.steps_left_behind(path)
+def test_a_directory_being_written_is_refused_and_free_once_released():
+    """The README-loop mistake: a second save into the directory an unfinalized save
+    still writes is refused (every rank alike), and allowed once the first one ended."""
+    directories = SaveDirectories()
+    claim = directories.claim("/ckpt/iter_1")
+    assert directories.directories() == ["/ckpt/iter_1"]
+    with pytest.raises(CheckpointInProgressError, match="/ckpt/iter_1 is not finalized yet.*one per iteration"):
+        directories.claim("/ckpt/iter_1")
+    directories.claim("/ckpt/iter_2").release()
+    claim.release()
+    claim.release()  # idempotent
+    directories.claim("/ckpt/iter_1").release()
+    assert directories.directories() == []
 
 
-def test_a_commit_step_left_behind_keeps_its_directory_taken_until_it_returns(tmp_path, monkeypatch, hung_mount):
-    """A late .metadata must never land on a retry's new data: the directory stays taken
-    (our strategy's check) while the stuck write runs, and is free once it returned (the
-    common.pt guard, which rank 0 alone runs this way: test_rank_stopped_during_finalize)."""
+def test_a_request_dropped_unfinalized_frees_its_directory():
+    import gc
+
+    directories = SaveDirectories()
+
+    class Request:
+        pass
+
+    request = Request()
+    directories.claim("/ckpt/iter_3").release_when_dropped(request)
+    del request
+    gc.collect()
+    assert directories.directories() == []
+
+
+def test_a_step_left_behind_stops_every_later_save_of_the_process(tmp_path, monkeypatch, hung_mount):
+    """A late .metadata or tracker write could land over newer files: once a step is left
+    behind, the process saves no more (any directory, the tracker), even after the step
+    returned, and the message says to restart the job."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from megatron_async.errors import CheckpointInProgressError
+    from megatron_async import manager as mgr
     from megatron_async.mcore.config import TorchDistSaveConfig
-    from megatron_async.mcore.target import check_save_target
+    from megatron_async.mcore.target import claim_save_target
     from megatron_async.writer import commit
 
     class HungStorage:
         def sync(self, path):
             hung_mount.wait()
 
-    target = str(tmp_path)
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
     with pytest.raises(CoordinatorStepTimeoutError):
-        commit.commit_checkpoint(target, Metadata(state_dict_metadata={}), [[]], None)
-    from megatron_async.storage.backend import normalize_checkpoint_path
+        commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
+    process = SaveDirectories.of_process()
+    assert process.stuck == f"writing .metadata of {tmp_path}"
+    hung_mount.set()  # the step returns: the rule does not depend on it
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(CheckpointInProgressError, match="writing .metadata of .* did not return in time.*restart the job"):
+        claim_save_target(str(other), TorchDistSaveConfig(), True, process)
+    assert process.directories() == []
+    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path / "run")))
+    with pytest.raises(AsyncSaveFailedError, match="restart the job"):
+        manager.prepare_save(1)
+    with pytest.raises(AsyncSaveFailedError, match="restart the job"):
+        manager.commit(1)  # a commit already under way writes no tracker either
 
-    assert coordinator_step.steps_left_behind(normalize_checkpoint_path(target + "/")) == [
-        f"writing .metadata of {target}"
-    ]
-    assert coordinator_step.steps_left_behind(str(tmp_path / "other")) == []
-    with pytest.raises(CheckpointInProgressError, match="writing .metadata of .* is still running.*check the mount"):
-        check_save_target(target, TorchDistSaveConfig(), is_coordinator=True)
 
-    hung_mount.set()  # the mount recovers: the step returns, the directory is free
-    _wait_until_returned(target)
-    assert check_save_target(target, TorchDistSaveConfig(), is_coordinator=True) is None
-
-
-def test_a_tracker_write_left_behind_fails_the_next_commit_at_once(tmp_path, monkeypatch, hung_mount):
+def test_a_tracker_write_left_behind_stops_the_next_commit(tmp_path, monkeypatch, hung_mount):
     """A late tracker write must never name an older checkpoint than a later commit did."""
     from megatron_async import manager as mgr
 
-    monkeypatch.setattr(coordinator_step, "coordinator_step_timeout_s", lambda: 0.3)
-    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
+    directories = SaveDirectories()
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
+    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)), directories)
     for iteration in (1, 2):
         path = manager.prepare_save(iteration)
         for marker in mgr.COMPLETE_MARKERS:
             (tmp_path / os.path.basename(path) / marker).write_text("{}")
-    real_write, calls = mgr.write_tracker, []
+    calls = []
 
-    def hung_then_recovered(save_dir, iteration):
+    def hung(save_dir, iteration):
         calls.append(iteration)
         hung_mount.wait()
-        real_write(save_dir, iteration)
 
-    monkeypatch.setattr(mgr, "write_tracker", hung_then_recovered)
+    monkeypatch.setattr(mgr, "write_tracker", hung)
     with pytest.raises(AsyncSaveFailedError, match="did not return"):
         manager.commit(1)
-    with pytest.raises(AsyncSaveFailedError, match="marking .*iter_0000001 as the latest checkpoint .* is still running"):
+    with pytest.raises(AsyncSaveFailedError, match="marking .*iter_0000001 as the latest checkpoint did not return in time.*restart the job"):
         manager.commit(2)
     assert calls == [1]  # refused without touching the mount
-    with pytest.raises(AsyncSaveFailedError, match="restart the job if it persists"):
-        manager.prepare_save(3)  # refused before the save writes anything
-
-    hung_mount.set()
-    _wait_until_returned(os.path.join(str(tmp_path), mgr.TRACKER_FILENAME))
-    assert mgr.read_tracker(str(tmp_path)) == 1  # the late write landed, before the next one
-    manager.commit(2)
-    assert mgr.read_tracker(str(tmp_path)) == 2 and calls == [1, 2]
-
-
-def test_a_retry_of_an_iteration_whose_commit_step_is_stuck_is_refused(tmp_path, monkeypatch, hung_mount):
-    """The manager deletes an unfinished directory before saving the iteration again: not
-    while a step left behind may still write into it."""
-    from megatron_async import manager as mgr
-
-    manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
-    path = manager.prepare_save(5)
-    with pytest.raises(CoordinatorStepTimeoutError):
-        run_coordinator_step(f"writing .metadata of {path}", hung_mount.wait, timeout_s=0.2, path=path)
-    manager.abandon(5)
-    with pytest.raises(AsyncSaveFailedError, match="is still running"):
-        manager.prepare_save(5)
-    hung_mount.set()
-    _wait_until_returned(path)
-    assert manager.prepare_save(5) == path
+    assert SaveDirectories.of_process().stuck is None  # its own record, passed explicitly
 
 
 def test_the_manifest_step_may_take_most_of_the_coordination_timeout(tmp_path, monkeypatch, hung_mount):

@@ -1,0 +1,262 @@
+"""The one owner of what a process's saves may touch: the directories being written, and
+whether a file-system step was left behind (every rank, its own record).
+
+Two rules replace per-path bookkeeping:
+
+* **A directory being written is never written again.** A save claims its directory when
+  it starts and releases it when its finalization ends (or when its request is dropped
+  unfinalized). A second save into a claimed directory is refused. Every rank keeps its
+  own record and the records agree, because every rank schedules the same saves; the
+  strategy's target check is agreed in the save's first collective, so the refusal is the
+  same on every rank.
+* **A step left behind stops the process's saves.** File-system steps that run between
+  two collectives (rank 0's ``.metadata``, ``metadata.json``, manifest, tracker and
+  retention; every rank's target check at a save's start) run on a helper thread for a
+  bounded time (:meth:`SaveDirectories.run_bounded`). On a hung mount such a step never
+  returns, and it may still complete much later, over whatever a newer save wrote. So
+  once one is left behind, this record is *stuck* for good: every later save of the
+  process fails at once (agreed on every rank through the same target check), and the
+  message says to restart the job. One state, no race with a step that returns late.
+
+The record is reachable as :meth:`SaveDirectories.of_process` because megatron-core's
+``common.pt`` step (0.16-0.18), which runs before any sharded strategy, is a process-wide
+hook; everything else receives it explicitly (the strategy, its finalizer, the manager).
+Paths are compared as normalized names (``normalize_checkpoint_path``), with no
+file-system call: a claim is checked and released on failure paths, where the file
+system may be the thing that hangs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
+
+from megatron_async.core import coordination
+from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
+
+__all__ = [
+    "Claim",
+    "CoordinatorStepTimeoutError",
+    "DeadlineExpired",
+    "FileSystemStepTimeoutError",
+    "SaveDirectories",
+    "coordinator_step_timeout_s",
+    "run_coordinator_step",
+    "run_with_deadline",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HUNG_MOUNT_HINT = "the file system is not answering (a hung network mount?); check the mount"
+
+
+class FileSystemStepTimeoutError(AsyncTimeoutError):
+    """A bounded file-system step of a save did not return in time (any rank)."""
+
+
+class CoordinatorStepTimeoutError(FileSystemStepTimeoutError):
+    """A coordinator-only step of a save (a file-system call) did not return in time."""
+
+
+class DeadlineExpired(TimeoutError):
+    """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
+
+
+def coordinator_step_timeout_s() -> float:
+    """How long a bounded file-system step may take: half the coordination group's timeout,
+    so the rank reports the failure while the others still wait for it in a collective."""
+    return coordination.coordination_timeout_s() / 2
+
+
+def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
+    """Run ``call`` on a daemon thread and wait at most ``timeout_s`` for it (any side).
+
+    Returns what ``call`` returned, or raises what it raised.
+
+    Raises:
+        DeadlineExpired: ``call`` had not returned by then; its thread is left running
+            (and logs its outcome, since nobody reads it any more).
+    """
+    outcome: Dict[str, Any] = {}
+    done, gave_up = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the waiting caller
+            outcome["error"] = exc
+            if gave_up.is_set():
+                logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    try:
+        finished = done.wait(timeout_s)
+    except BaseException:  # an interrupt: nobody waits any more
+        gave_up.set()
+        raise
+    if not finished:
+        gave_up.set()
+        raise DeadlineExpired(f"no answer within {timeout_s:.0f}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class Claim:
+    """One save's hold on its directory; :meth:`release` ends it (idempotent)."""
+
+    def __init__(self, owner: "SaveDirectories", directory: str, token: int) -> None:
+        self.directory = directory
+        self._owner, self._token = owner, token
+
+    def release(self) -> None:
+        """Free the directory for the next save (any thread; no file-system call)."""
+        self._owner._release(self.directory, self._token)
+
+    def release_when_dropped(self, holder: Any) -> None:
+        """Release when ``holder`` is garbage collected (a request never finalized)."""
+        weakref.finalize(holder, self._owner._release, self.directory, self._token)
+
+
+class SaveDirectories:
+    """The directories a process's saves are writing, and whether a step was left behind.
+
+    Thread-safe; every method runs on the rank that calls it, with no collective and no
+    file-system call (but :meth:`run_bounded`, which runs the caller's step).
+    """
+
+    _process: Optional["SaveDirectories"] = None
+    _process_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claims: Dict[str, int] = {}  # directory -> token of the save writing it
+        self._tokens = itertools.count()
+        self._stuck: Optional[str] = None
+
+    @classmethod
+    def of_process(cls) -> "SaveDirectories":
+        """The record of this process (created on first use)."""
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
+
+    def __reduce__(self):
+        """A pickled strategy (or a copy sent to another process) gets that process's record."""
+        return (SaveDirectories.of_process, ())
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SaveDirectories":
+        return self  # a copied strategy writes the same process's directories
+
+    @property
+    def stuck(self) -> Optional[str]:
+        """The step left behind (what it did), or None."""
+        return self._stuck
+
+    def refuse_if_stuck(self) -> None:
+        """Raise if a step was left behind: no save of this process may start or commit.
+
+        Raises:
+            CheckpointInProgressError: naming the step, and saying to restart the job.
+        """
+        stuck = self._stuck
+        if stuck is not None:
+            raise CheckpointInProgressError(
+                f"rank {coordination.get_rank()}: {stuck} did not return in time and may "
+                "still complete over newer files, so this process saves no more "
+                f"checkpoints; {HUNG_MOUNT_HINT}, then restart the job (it resumes from "
+                "the latest complete checkpoint)"
+            )
+
+    def refuse_if_claimed(self, directory: str) -> None:
+        """Raise if an unfinalized save of this process writes ``directory`` (normalized).
+
+        Raises:
+            CheckpointInProgressError: it does; nothing was written.
+        """
+        with self._lock:
+            claimed = directory in self._claims
+        if claimed:
+            raise _still_being_written(directory)
+
+    def claim(self, directory: str) -> Claim:
+        """Mark ``directory`` (normalized) as being written by a new save.
+
+        Raises:
+            CheckpointInProgressError: a step was left behind, or the directory is claimed.
+        """
+        self.refuse_if_stuck()
+        with self._lock:
+            claimed = directory in self._claims
+            if not claimed:
+                token = next(self._tokens)
+                self._claims[directory] = token
+        if claimed:
+            raise _still_being_written(directory)
+        return Claim(self, directory, token)
+
+    def directories(self) -> List[str]:
+        """The directories being written, sorted."""
+        with self._lock:
+            return sorted(self._claims)
+
+    def _release(self, directory: str, token: int) -> None:
+        with self._lock:
+            if self._claims.get(directory) == token:
+                del self._claims[directory]
+
+    def run_bounded(
+        self,
+        what: str,
+        step: Callable[[], T],
+        timeout_s: Optional[float] = None,
+        error: Type[Exception] = CoordinatorStepTimeoutError,
+        hint: str = f"{HUNG_MOUNT_HINT}, then restart the job",
+    ) -> T:
+        """Run one file-system step of a save within its bound (the rank that runs it).
+
+        A step that does not return in time is left behind on its daemon thread, and this
+        record becomes stuck (see the module docstring).
+
+        Args:
+            what: the step, for messages (``"writing .metadata of /ckpt/iter_10"``).
+            step: the step; it must be safe to complete after its caller gave up.
+            timeout_s: the bound; :func:`coordinator_step_timeout_s` by default.
+            error: what to raise when the step is left behind.
+            hint: what the message says is likely wrong and what to do.
+
+        Raises:
+            CoordinatorStepTimeoutError: ``step`` did not return in time (or ``error``).
+            Exception: whatever ``step`` raised.
+        """
+        bound_s = coordinator_step_timeout_s() if timeout_s is None else timeout_s
+        try:
+            return run_with_deadline(step, bound_s, f"save step: {what}")
+        except DeadlineExpired as exc:
+            with self._lock:
+                self._stuck = self._stuck or what
+            logger.error("%s did not return within %gs; left behind: no more saves", what, bound_s)
+            raise error(f"{what} did not return within {bound_s:g}s: {hint}") from exc
+
+
+def _still_being_written(directory: str) -> CheckpointInProgressError:
+    return CheckpointInProgressError(
+        f"an earlier save of this process into {directory} is not finalized yet; finalize "
+        "it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) or save into "
+        "another directory (one per iteration, as Megatron-LM does)"
+    )
+
+
+def run_coordinator_step(what: str, step: Callable[[], T], **options: Any) -> T:
+    """:meth:`SaveDirectories.run_bounded` on the process's record (the rank that runs it):
+    for bounded steps whose caller holds no record of its own (the writer's file system,
+    the reference API's commit). ``options`` are :meth:`~SaveDirectories.run_bounded`'s."""
+    return SaveDirectories.of_process().run_bounded(what, step, **options)
