@@ -9,13 +9,19 @@ torch nor megatron-core, ``inspect`` and ``verify`` torch (to read DCP's metadat
 * ``verify CKPT``: completeness and recorded checksums; exit code 0 only when intact.
 * ``list SAVE_DIR``: the ``iter_*`` checkpoints of a Megatron save directory, which are
   complete and which one the tracker points to.
+
+Piped into a reader that stops early (``| head``), every command ends quietly with exit
+status 141, as a Unix tool ended by SIGPIPE does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
+import select
+import signal
 import sys
 import time
 from typing import List, Optional, TextIO
@@ -23,7 +29,7 @@ from typing import List, Optional, TextIO
 from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
 from megatron_async.errors import ObjectStoreError, ObjectStoreUnavailableError
 
-__all__ = ["main"]
+__all__ = ["EXIT_CLOSED_PIPE", "main"]
 
 
 def _human_bytes(num_bytes: float) -> str:
@@ -169,11 +175,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE
+"""The exit status when the reader of stdout went away (``... | head``): what a shell
+reports for a Unix tool that SIGPIPE ended."""
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command; return its exit status (0 ok, 1 damaged, 2 unreadable store).
+
+    A closed stdout (``inspect CKPT | head``) ends the command quietly with
+    :data:`EXIT_CLOSED_PIPE`. SIGPIPE itself stays ignored, as Python sets it, so that a
+    connection to an object store that breaks is still an error with a traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        if not _discard_closed_stdout():
+            raise  # not our stdout: a connection the command used broke
+        return EXIT_CLOSED_PIPE
     except (ObjectStoreError, ObjectStoreUnavailableError) as exc:
         # An msc:// URL whose store cannot be read: the message names the URL and the fix.
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _discard_closed_stdout() -> bool:
+    """If stdout is a pipe whose reader has gone, point it at /dev/null and return True.
+
+    The interpreter's last flush of what is still buffered then neither fails nor prints
+    a traceback. Linux reports a pipe without readers as ``POLLERR`` to its writer.
+    """
+    try:
+        stdout_fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a capture (tests): no descriptor
+        return False
+    poller = select.poll()
+    poller.register(stdout_fd, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poller.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stdout_fd)
+    finally:
+        os.close(devnull)
+    return True

@@ -2,6 +2,9 @@
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,3 +69,47 @@ def test_list_marks_complete_incomplete_and_tracked(tmp_path, capsys):
     assert by_iter[20]["tracked"] and by_iter[20]["complete"]
     assert by_iter[10]["complete"] and not by_iter[10]["tracked"]
     assert not by_iter[30]["complete"]
+
+
+def _run_command_line(*args, **popen_kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], stderr=subprocess.PIPE, text=True, timeout=60,
+                          **popen_kwargs)
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly_as_a_unix_tool(tmp_path):
+    # ``inspect CKPT | head``: the reader is gone before the command writes. The read end
+    # is closed before the child starts, so every write meets a closed pipe.
+    ckpt = _make_checkpoint(tmp_path / "iter_0000042")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = _run_command_line("-m", "megatron_async", "inspect", ckpt, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_CLOSED_PIPE == 128 + signal.SIGPIPE
+    assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" line
+
+
+def test_a_broken_connection_is_not_taken_for_a_closed_stdout(tmp_path, monkeypatch):
+    def broken_connection(args):
+        raise BrokenPipeError("the object store closed the connection")
+
+    monkeypatch.setattr(cli, "_cmd_list", broken_connection)
+    with open(tmp_path / "out.txt", "w") as stdout:  # a file: its reader never goes away
+        monkeypatch.setattr(sys, "stdout", stdout)
+        with pytest.raises(BrokenPipeError, match="object store"):
+            cli.main(["list", str(tmp_path)])
+
+
+def test_list_imports_neither_torch_nor_megatron(tmp_path):
+    # ``python -m megatron_async list DIR`` answers at once on a login node: the package's
+    # import skips megatron-core's registration for the command line, and ``list`` needs
+    # no torch. ``-X importtime`` names every module the real command imports.
+    (tmp_path / "iter_0000005").mkdir()
+    proc = _run_command_line("-X", "importtime", "-m", "megatron_async", "list", str(tmp_path),
+                             stdout=subprocess.PIPE)
+    assert proc.returncode == 0, proc.stderr
+    assert "INCOMPLETE" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "megatron_async.cli" in imported
+    assert not {"torch", "megatron.core"} & imported

@@ -98,18 +98,3 @@ def test_completion_markers_are_removed_before_an_overwrite(tmp_path, fsynced):
     assert str(tmp_path) in fsynced
     assert fmt.remove_completion_markers(tmp_path, storage) == []
 
-
-def test_the_command_line_list_imports_neither_torch_nor_megatron(tmp_path):
-    import subprocess
-    import sys
-
-    (tmp_path / "iter_0000005").mkdir()
-    out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "megatron_async", "list", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "INCOMPLETE" in out.stdout
-    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-    assert "megatron_async.cli" in imported
-    assert not {"torch", "megatron.core"} & imported
