@@ -7,9 +7,10 @@
     <save>/latest_checkpointed_iteration.txt    "200"
 
 Pure storage functions for any single process (the coordinator rank that moves the
-tracker, the command-line tools that list checkpoints); they import neither torch nor
-megatron-core. :class:`~megatron_async.manager.CheckpointManager` builds the multi-rank
-policy (resume, commit, retention) on top of them.
+tracker and chooses what to resume from or delete, the command-line tools that list
+checkpoints); they import neither torch nor megatron-core.
+:class:`~megatron_async.manager.CheckpointManager` builds the multi-rank policy (resume,
+commit, retention) on top of them.
 
 ``<save>`` may be a local directory or an ``msc://PROFILE/PREFIX`` URL (object storage);
 each function asks :func:`~megatron_async.storage.storage_for` once for the storage
@@ -31,6 +32,7 @@ import logging
 import operator
 import os
 import re
+import uuid
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_async.errors import CheckpointValidationError
@@ -41,8 +43,11 @@ __all__ = [
     "TRACKER_FILENAME",
     "COMPLETE_MARKERS",
     "CheckpointInfo",
+    "ResumePoint",
+    "check_save_dir_writable",
     "checkpoint_dir_exists",
     "checkpoint_dir_name",
+    "choose_resume_point",
     "create_checkpoint_dir",
     "delete_checkpoint_dir",
     "is_complete_checkpoint",
@@ -102,6 +107,35 @@ def create_checkpoint_dir(path: str) -> None:
     storage_for(path).make_dir(path)
 
 
+def check_save_dir_writable(save_dir: str) -> None:
+    """Create ``save_dir`` if it is missing, then write and remove a small probe file in it.
+
+    Runs on one rank (each rank probes for itself: a mount may differ between nodes).
+    The probe is named ``.write-probe-*``, outside the ``iter_*`` namespace, so a probe
+    left by a crash is never taken for a checkpoint. Under an ``msc://`` prefix it is
+    one PUT and one DELETE, which also finds a missing bucket or bad credentials.
+
+    Raises:
+        CheckpointValidationError: ``save_dir`` cannot be created or written; the
+            message names it and the cause.
+    """
+    storage = storage_for(save_dir)
+    probe = os.path.join(save_dir, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        if not storage.is_dir(save_dir):
+            try:
+                storage.make_dir(save_dir)
+            except FileExistsError:  # another rank created it first
+                pass
+        storage.write_atomically(probe, b"")
+        storage.remove(probe)
+    except OSError as exc:  # ObjectStoreError is one too
+        raise CheckpointValidationError(
+            f"save directory {save_dir} is not writable ({type(exc).__name__}: {exc}); "
+            "choose a save_dir (the example's --save) that every rank can create and write"
+        ) from exc
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
     """One ``iter_*`` directory of a save directory.
@@ -158,6 +192,60 @@ def write_tracker(save_dir: str, iteration: int) -> None:
     coordinator rank only.
     """
     storage_for(save_dir).write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from.
+
+    Attributes:
+        iteration: the checkpoint's iteration.
+        path: its directory.
+        reason: why it was chosen: ``"requested"`` (an explicit iteration),
+            ``"tracker"``, or ``"newest complete"`` (the tracker was missing or pointed
+            at an incomplete directory).
+    """
+
+    iteration: int
+    path: str
+    reason: str
+
+
+def choose_resume_point(load_dir: str, iteration: Optional[int]) -> Optional[ResumePoint]:
+    """Choose the checkpoint of ``load_dir`` to resume from (the coordinator rank).
+
+    The rule of :meth:`~megatron_async.manager.CheckpointManager.find_resume_point`,
+    which shares this choice with every rank; None when there is no complete checkpoint.
+
+    Raises:
+        CheckpointValidationError: ``iteration`` has no complete checkpoint, or the
+            tracker holds no iteration number.
+    """
+    if iteration is not None:
+        path = os.path.join(load_dir, checkpoint_dir_name(iteration))
+        if not is_complete_checkpoint(path):
+            raise CheckpointValidationError(
+                f"cannot resume from iteration {iteration}: {path} is not a complete "
+                f"checkpoint (it needs {' and '.join(COMPLETE_MARKERS)}); choose one of "
+                f"{[c.iteration for c in list_checkpoints(load_dir) if c.complete]}"
+            )
+        return ResumePoint(iteration, path, "requested")
+    tracked = read_tracker(load_dir)
+    complete = [c for c in list_checkpoints(load_dir) if c.complete]
+    if tracked is not None:
+        path = os.path.join(load_dir, checkpoint_dir_name(tracked))
+        if is_complete_checkpoint(path):
+            return ResumePoint(tracked, path, "tracker")
+        complete = [c for c in complete if c.iteration < tracked]
+        logger.warning(
+            "tracker of %s points at iteration %d, but %s is not a complete checkpoint",
+            load_dir, tracked, path,
+        )
+    if not complete:
+        return None
+    newest = complete[-1]
+    logger.warning("resuming from the newest complete checkpoint of %s: %s", load_dir, newest.path)
+    return ResumePoint(newest.iteration, newest.path, "newest complete")
 
 
 def select_for_deletion(

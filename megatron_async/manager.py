@@ -33,8 +33,11 @@ from megatron_async.checkpoint_dirs import (
     COMPLETE_MARKERS,
     TRACKER_FILENAME,
     CheckpointInfo,
+    ResumePoint,
+    check_save_dir_writable,
     checkpoint_dir_exists,
     checkpoint_dir_name,
+    choose_resume_point,
     create_checkpoint_dir,
     delete_checkpoint_dir,
     is_complete_checkpoint,
@@ -46,10 +49,11 @@ from megatron_async.checkpoint_dirs import (
 )
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_directories import SaveDirectories
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
+from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import storage_for
 
 # The directory functions are part of this module's public surface too (older imports).
@@ -98,23 +102,6 @@ class CheckpointManagerConfig:
             raise CheckpointValidationError("keep_last_n needs a save_dir to apply to")
 
 
-@dataclasses.dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a run resumes from.
-
-    Attributes:
-        iteration: the checkpoint's iteration.
-        path: its directory.
-        reason: why it was chosen: ``"requested"`` (an explicit iteration),
-            ``"tracker"``, or ``"newest complete"`` (the tracker was missing or pointed
-            at an incomplete directory).
-    """
-
-    iteration: int
-    path: str
-    reason: str
-
-
 class CheckpointManager:
     """Name, commit, find and prune Megatron-LM style iteration checkpoints.
 
@@ -122,10 +109,15 @@ class CheckpointManager:
     keeps the set of iterations this process is still saving, so that retention never
     deletes a checkpoint in flight.
 
+    Construction is a collective when there is a ``save_dir``: every rank creates it if
+    it is missing and writes a probe file into it (within the file-system step bound),
+    so a bad save location fails before training starts, with the same
+    :class:`CheckpointValidationError` ("... is not writable ...") on every rank.
+
     Args:
         config: the options.
         directories: the record whose steps left behind stop the process's saves, in which
-            the tracker and retention steps run (default: the process's, which the
+            the probe, tracker and retention steps run (default: the process's, which the
             strategy uses too).
     """
 
@@ -134,6 +126,13 @@ class CheckpointManager:
         self._directories = directories or SaveDirectories.of_process()
         self._in_flight: Set[int] = set()
         self.save_failures = SaveFailureTracker(config.save_failure)
+        if config.save_dir is not None:
+            what = f"checking the save directory {config.save_dir}"
+            probe = functools.partial(check_save_dir_writable, config.save_dir)
+            # Bounded: on a hung mount the check fails on every rank instead of hanging one.
+            agreed_step(what, lambda: self._directories.run_bounded(
+                what, probe, error=FileSystemStepTimeoutError,
+                hint="the file system is not answering; check the mount or pick another save_dir"))
 
     @property
     def in_flight(self) -> Set[int]:
@@ -302,7 +301,7 @@ class CheckpointManager:
         choice, failure = None, None
         if coordination.get_rank() == 0:
             try:
-                choice = self._choose_resume_point(self.config.load_dir, iteration)
+                choice = choose_resume_point(self.config.load_dir, iteration)
             except CheckpointValidationError as exc:
                 failure = str(exc)
             except Exception as exc:  # an unreadable load_dir: reported on every rank below
@@ -316,37 +315,6 @@ class CheckpointManager:
         return choice
 
     # Helpers below run on the coordinator rank only.
-
-    def _choose_resume_point(
-        self, load_dir: str, iteration: Optional[int]
-    ) -> Optional[ResumePoint]:
-        if iteration is not None:
-            path = os.path.join(load_dir, checkpoint_dir_name(iteration))
-            if not is_complete_checkpoint(path):
-                raise CheckpointValidationError(
-                    f"cannot resume from iteration {iteration}: {path} is not a complete "
-                    f"checkpoint (it needs {' and '.join(COMPLETE_MARKERS)}); choose one of "
-                    f"{[c.iteration for c in list_checkpoints(load_dir) if c.complete]}"
-                )
-            return ResumePoint(iteration, path, "requested")
-        tracked = read_tracker(load_dir)
-        complete = [c for c in list_checkpoints(load_dir) if c.complete]
-        if tracked is not None:
-            path = os.path.join(load_dir, checkpoint_dir_name(tracked))
-            if is_complete_checkpoint(path):
-                return ResumePoint(tracked, path, "tracker")
-            complete = [c for c in complete if c.iteration < tracked]
-            logger.warning(
-                "tracker of %s points at iteration %d, but %s is not a complete checkpoint",
-                load_dir, tracked, path,
-            )
-        if not complete:
-            return None
-        newest = complete[-1]
-        logger.warning(
-            "resuming from the newest complete checkpoint of %s: %s", load_dir, newest.path
-        )
-        return ResumePoint(newest.iteration, newest.path, "newest complete")
 
     def _create_fresh_dir(self, save_dir: str, iteration: int, path: str) -> None:
         tracked = read_tracker(save_dir)

@@ -265,3 +265,40 @@ def test_attach_commit_refuses_what_is_no_async_request(tmp_path):
     with pytest.raises(CheckpointValidationError, match="iteration must be an int"):
         manager.attach_commit(request, "2")
     assert request.finalize_fns == []
+
+
+def test_construction_creates_a_missing_save_dir_and_leaves_no_probe(tmp_path):
+    save_dir = tmp_path / "runs" / "gpt"
+    CheckpointManager(CheckpointManagerConfig(save_dir=str(save_dir)))
+    assert save_dir.is_dir() and os.listdir(save_dir) == []
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "is_a_file"])
+def test_construction_refuses_a_save_dir_that_cannot_be_written(tmp_path, where):
+    # A path under a regular file stops root too (chmod would not).
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    save_dir = str(afile / "ckpt") if where == "under_a_file" else str(afile)
+    with pytest.raises(CheckpointValidationError, match="is not writable") as caught:
+        CheckpointManager(CheckpointManagerConfig(save_dir=save_dir))
+    assert f"save directory {save_dir} is not writable" in str(caught.value)
+    assert "rank 0" in str(caught.value) and "NotADirectoryError" in str(caught.value)
+
+
+def test_construction_checks_nothing_without_a_save_dir(tmp_path):
+    CheckpointManager(CheckpointManagerConfig(load_dir=str(tmp_path / "missing")))
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_save_dir_check_on_a_hung_mount_fails_within_its_bound(tmp_path, monkeypatch):
+    from megatron_async import checkpoint_dirs
+    from megatron_async.core import save_directories
+
+    release = threading.Event()
+    monkeypatch.setattr(checkpoint_dirs, "storage_for", lambda path: release.wait(30))
+    monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.2)
+    try:
+        with pytest.raises(CheckpointValidationError, match="did not return within .*check the mount"):
+            CheckpointManager(CheckpointManagerConfig(save_dir=str(tmp_path)))
+    finally:
+        release.set()

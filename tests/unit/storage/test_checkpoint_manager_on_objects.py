@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from megatron_async import checkpoint_dirs, cli
-from megatron_async.errors import AsyncSaveFailedError, ObjectStoreError
+from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, ObjectStoreError
 from megatron_async.format import COMPLETION_MARKERS
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 from megatron_async.storage import storage_for
@@ -75,6 +75,13 @@ def test_list_command_on_an_unreadable_store_says_why(store, capsys):
     assert cli.main(["list", "msc://unit_nobucket/runs"]) == 2
     error = capsys.readouterr().err
     assert "msc://unit_nobucket/runs" in error and "NoSuchBucket" in error and "MSC_CONFIG" in error
+
+
+def test_construction_refuses_a_store_it_cannot_write(store):
+    url = "msc://unit_nobucket/runs"
+    with pytest.raises(CheckpointValidationError, match="is not writable") as caught:
+        CheckpointManager(CheckpointManagerConfig(save_dir=url))
+    assert f"save directory {url}" in str(caught.value) and "NoSuchBucket" in str(caught.value)
 
 
 def test_commit_moves_the_tracker_only_for_a_complete_checkpoint(store, save_url):
