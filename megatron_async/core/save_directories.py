@@ -4,7 +4,7 @@ whether a file-system step was left behind (every rank, its own record).
 Two rules replace per-path bookkeeping:
 
 * **A directory being written is never written again.** A save claims its directory when
-  it starts and releases it when its finalization ends (or when its request is dropped
+  it starts and releases it when its commit step ends (or when its request is dropped
   unfinalized). A second save into a claimed directory is refused. Every rank keeps its
   own record and the records agree, because every rank schedules the same saves; the
   strategy's target check is agreed in the save's first collective, so the refusal is the

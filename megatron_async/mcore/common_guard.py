@@ -12,13 +12,20 @@ strategy alone comes too late:
 
 :func:`check_common_target` runs first, on every rank, against the process's
 :class:`~megatron_async.core.save_directories.SaveDirectories`: a directory still being
-written is refused on every rank alike (every rank schedules the same saves); rank 0
-removes the markers of a complete checkpoint (bounded), then megatron-core writes
-``common.pt`` (bounded too). A process whose saves stopped (a step left behind), or a
-step here that does not return in time, leaves ``common.pt`` untouched and lets the save
-go on to the sharded strategy, whose agreed target check then refuses it on every rank
-(another strategy would save without ``common.pt``, which megatron-core's loader
-rejects: never a mixed checkpoint).
+written is refused on every rank alike (every rank schedules the same saves). Rank 0 then
+removes the markers of a complete checkpoint and megatron-core writes ``common.pt``, both
+bounded.
+
+megatron-core hands that step neither the sharded strategy nor its options, so the
+``save()`` function itself is wrapped too (:func:`guard_save_function`): it records the
+call's strategy (:class:`SaveCall`, in a context variable for the call's duration). With
+our strategy, rank 0 refuses a complete checkpoint under ``overwrite=False``, and a
+failure of its step (that refusal, a full disk, a hung mount, an object that will not
+pickle) is not raised on rank 0 alone, where the other ranks would wait for it in the
+strategy's first collective until the coordination timeout: ``common.pt`` stays
+untouched, and the strategy's agreed target check raises it on every rank. A process
+whose saves stopped (a step left behind) leaves ``common.pt`` untouched the same way.
+With another strategy rank 0 raises as megatron-core itself would.
 
 The checks are put in front of megatron-core's common save in whichever form the
 installed generation has (:func:`megatron_async.mcore.generation.register_strategies`
@@ -27,61 +34,106 @@ common-save strategy with the checks, registered as the default that ``save()`` 
 on 0.17 / 0.18 :func:`guard_save_common_function` wraps the plain ``save_common``
 function that ``serialization.save()`` calls; 0.19+ stores the common state inside the
 checkpoint: nothing to guard.
-
-Because the guard cannot know which sharded strategy follows, the markers of a complete
-checkpoint go before ``common.pt`` whatever it is: the strategy's ``overwrite=False``
-protects a complete checkpoint only where the strategy is the first to touch the
-directory (megatron-core 0.19+, or a direct ``async_save``).
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
+import inspect
 import logging
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import remove_completion_markers
+from megatron_async.format import has_completion_markers, remove_completion_markers
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = ["check_common_target", "guarded_common_strategy_class", "guard_save_common_function"]
+__all__ = [
+    "SaveCall",
+    "check_common_target",
+    "current_save_call",
+    "guard_save_common_function",
+    "guard_save_function",
+    "guarded_common_strategy_class",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def check_common_target(checkpoint_dir: Union[str, Path], directories: SaveDirectories) -> bool:
-    """Refuse a directory being written; unmark a complete one (every rank, before common.pt).
+@dataclasses.dataclass
+class SaveCall:
+    """One megatron-core ``save()`` call, as its ``common.pt`` step sees it (every rank).
+
+    Attributes:
+        overwrite: our strategy's ``overwrite`` option, or None for another strategy.
+        failure: rank 0's ``common.pt`` step failed for our strategy: its agreed target
+            check raises this on every rank.
+    """
+
+    overwrite: Optional[bool]
+    failure: Optional[BaseException] = None
+
+
+_save_call: contextvars.ContextVar[Optional[SaveCall]] = contextvars.ContextVar(
+    "megatron_async_save_call", default=None
+)
+
+
+def current_save_call() -> Optional[SaveCall]:
+    """The ``save()`` call this code runs in (0.16-0.18, every rank), or None."""
+    return _save_call.get()
+
+
+def check_common_target(
+    checkpoint_dir: Union[str, Path], directories: SaveDirectories, call: Optional[SaveCall] = None
+) -> bool:
+    """Refuse a directory being written; say whether ``common.pt`` may be written (every rank).
 
     Returns:
-        Whether megatron-core may write ``common.pt`` now (rank 0; True elsewhere).
+        False when rank 0 leaves ``common.pt`` untouched because the process's saves
+        stopped and our strategy will refuse the save on every rank; True otherwise.
 
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
-            writes ``checkpoint_dir``; nothing was written.
-        CheckpointValidationError: rank 0 may not remove the completion markers of the
-            complete checkpoint there; nothing was changed.
+            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
+            another strategy, the process's saves stopped (rank 0).
     """
-    directory = normalize_checkpoint_path(checkpoint_dir)
-    directories.refuse_if_claimed(directory)
-    if coordination.get_rank() != 0:
+    directories.refuse_if_claimed(normalize_checkpoint_path(checkpoint_dir))
+    if coordination.get_rank() != 0 or directories.stuck is None:
         return True
-    if directories.stuck:
-        logger.warning("leaving common.pt of %s untouched: %s", directory, directories.stuck)
+    if call is not None and call.overwrite is not None:
+        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
         return False
+    directories.refuse_if_stuck()
+    return True
+
+
+def _unmark_then_write(
+    write: Callable[[], Any], directory: str, directories: SaveDirectories, overwrite: Optional[bool]
+) -> Any:
+    """Rank 0: make a complete checkpoint there incomplete (or refuse it under
+    ``overwrite=False``), then write ``common.pt``; each file-system step bounded."""
     storage = storage_for(directory)
+    if overwrite is False and directories.run_bounded(
+        f"checking {directory}", lambda: has_completion_markers(directory, storage),
+        error=FileSystemStepTimeoutError,
+    ):
+        raise CheckpointValidationError(
+            f"{directory} already holds a complete torch_dist checkpoint and the strategy "
+            "has overwrite=False; its common.pt was left untouched. Save into a new "
+            "directory or delete it first"
+        )
     try:
         removed = directories.run_bounded(
             f"unmarking {directory}", lambda: remove_completion_markers(directory, storage),
             error=FileSystemStepTimeoutError,
         )
-    except FileSystemStepTimeoutError as exc:  # stuck now: the strategy refuses everywhere
-        logger.error("leaving common.pt of %s untouched: %s", directory, exc)
-        return False
     except PermissionError as exc:
         raise CheckpointValidationError(
             f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "
@@ -93,23 +145,30 @@ def check_common_target(checkpoint_dir: Union[str, Path], directories: SaveDirec
             "so it reads as incomplete until the new save is finalized",
             directory,
         )
-    return True
+    return directories.run_bounded(
+        f"writing common.pt of {directory}", write, error=FileSystemStepTimeoutError
+    )
 
 
 def _guarded_write(
     write: Callable[[], Any], checkpoint_dir: Union[str, Path], directories: SaveDirectories
 ) -> Any:
-    """Run megatron-core's ``common.pt`` write behind the checks, bounded (every rank)."""
-    if not check_common_target(checkpoint_dir, directories):
+    """Run megatron-core's ``common.pt`` write behind the checks (every rank)."""
+    call = current_save_call()
+    if not check_common_target(checkpoint_dir, directories, call):
         return None
     if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
         return write()
     try:
-        return directories.run_bounded(
-            f"writing common.pt of {checkpoint_dir}", write, error=FileSystemStepTimeoutError
+        return _unmark_then_write(
+            write, normalize_checkpoint_path(checkpoint_dir), directories,
+            call.overwrite if call is not None else None,
         )
-    except FileSystemStepTimeoutError as exc:  # stuck now: the strategy refuses everywhere
-        logger.error("%s", exc)
+    except Exception as exc:
+        if call is None or call.overwrite is None:
+            raise  # another strategy: as megatron-core would
+        logger.error("rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc)
+        call.failure = exc
         return None
 
 
@@ -149,3 +208,44 @@ def guard_save_common_function(
     guarded_save_common.__megatron_async_guarded__ = True
     setattr(module, name, guarded_save_common)
     return True
+
+
+def guard_save_function(module: Any, name: str = "save") -> bool:
+    """Wrap megatron-core's ``module.<name>`` (``dist_checkpointing.save``) so that its
+    ``common.pt`` step knows the call's strategy (:class:`SaveCall`; 0.16-0.18).
+
+    Idempotent; returns whether the function is wrapped now.
+    """
+    original: Callable[..., Any] = getattr(module, name)
+    if getattr(original, "__megatron_async_guarded__", False):
+        return True
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_with_call_recorded(*args, **kwargs):
+        strategy = signature.bind_partial(*args, **kwargs).arguments.get("sharded_strategy")
+        token = _save_call.set(SaveCall(_our_overwrite(strategy)))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _save_call.reset(token)
+
+    save_with_call_recorded.__megatron_async_guarded__ = True
+    setattr(module, name, save_with_call_recorded)
+    return True
+
+
+def _our_overwrite(strategy: Any) -> Optional[bool]:
+    """``overwrite`` of our strategy behind ``save()``'s ``sharded_strategy`` argument (an
+    instance, a fully parallel wrapper around one, or a registered backend name), or None."""
+    if isinstance(strategy, tuple):
+        from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+
+        try:
+            strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
+        except Exception:  # save() itself reports an unknown backend
+            return None
+    while strategy is not None and not hasattr(strategy, "directories"):
+        strategy = getattr(strategy, "base_strategy", None)
+    overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
+    return overwrite if isinstance(overwrite, bool) else None

@@ -131,8 +131,14 @@ def register_strategies(strategy_cls: type, backend_name: str) -> bool:
     from megatron_async.mcore import common_guard
 
     directories = SaveDirectories.of_process()
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    if GENERATION == "registry" or callable(getattr(serialization, "save_common", None)):
+        # save() writes common.pt before the strategy: its step must know the strategy.
+        dist_checkpointing = importlib.import_module("megatron.core.dist_checkpointing")
+        common_guard.guard_save_function(serialization)
+        if getattr(dist_checkpointing, "save", None) is not serialization.save:
+            common_guard.guard_save_function(dist_checkpointing)
     if GENERATION != "registry":
-        serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
         if callable(getattr(serialization, "save_common", None)):
             common_guard.guard_save_common_function(serialization, directories)
         return False

@@ -81,17 +81,21 @@ class _LocalStep(NamedTuple):
         structure: the state dict's structure, or None (not cached, or not describable).
         prepared: ``(writer, dist_wrapper)`` when the cached plan was rebound, else None.
         pyt_state_dict: the translated state dict when planning is needed, else None.
+        overwrites: whether this rank (the coordinator) found a complete checkpoint to
+            unmark once planning is agreed.
     """
 
     structure: Optional[Structure]
     prepared: Optional[Tuple[FileSystemWriterAsync, Any]]
     pyt_state_dict: Optional[Dict[str, Any]] = None
+    overwrites: bool = False
 
     @staticmethod
     def flags(step: Optional["_LocalStep"]) -> List[int]:
-        """``[planning needed, reuse prepared]`` of this rank (``[1, 0]`` after a failure)."""
+        """``[planning needed, reuse prepared, overwrites]`` of this rank (``[1, 0, 0]``
+        after a failure)."""
         prepared = step is not None and step.prepared is not None
-        return [int(not prepared), int(prepared)]
+        return [int(not prepared), int(prepared), int(step is not None and step.overwrites)]
 
 
 class PlanCache:
@@ -118,7 +122,7 @@ class PlanCache:
         checkpoint_dir: str,
         config: TorchDistSaveConfig,
         create_writer: Callable[[], FileSystemWriterAsync],
-        check_target: Callable[[], None],
+        check_target: Callable[[], bool],
     ) -> PreparedSave:
         """Plan one save and prepare its writer (every rank, collective).
 
@@ -128,7 +132,9 @@ class PlanCache:
             config: the strategy's options.
             create_writer: returns this save's storage writer.
             check_target: raises if this rank cannot save; its failure on any rank is
-                agreed on in the save's first collective.
+                agreed on in the save's first collective. Returns whether a complete
+                checkpoint is there to unmark (coordinator): once every rank planned,
+                the coordinator unmarks it in one more agreed step.
 
         Raises:
             CheckpointValidationError, CheckpointInProgressError: on every rank, when a
@@ -139,7 +145,7 @@ class PlanCache:
         cached = self._usable(config, is_coordinator)
 
         def local_step() -> _LocalStep:
-            check_target()
+            overwrites = check_target()
             structure = self._describe(sharded_state_dict, cached) if config.cached_metadata else None
             if (
                 cached is not None
@@ -148,13 +154,13 @@ class PlanCache:
                 and structure.fingerprint is cached.fingerprint
             ):
                 prepared = self._prepare_from_cache(cached, structure, create_writer())
-                return _LocalStep(structure, prepared)
+                return _LocalStep(structure, prepared, overwrites=overwrites)
             pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
-            return _LocalStep(structure, None, pyt_state_dict)
+            return _LocalStep(structure, None, pyt_state_dict, overwrites)
 
         # The one collective of a save with an unchanged structure: did any rank fail, did
-        # any rank's structure change, did any rank prepare a reuse?
-        step, (changed, any_prepared) = agreed_step(
+        # any rank's structure change, did any rank prepare a reuse, is a checkpoint there?
+        step, (changed, any_prepared, overwrites) = agreed_step(
             f"async save to {checkpoint_dir}", local_step, group, _LocalStep.flags
         )
         if not changed:
@@ -162,21 +168,25 @@ class PlanCache:
             self.structure_reuse_count += 1
             self.last_save_reused_plans = True
             logger.debug("rank %d: structure unchanged on every rank; no planning", dist_wrapper.rank)
-            if is_coordinator:  # planned on every rank: now a complete checkpoint may go
-                unmark_before_rewrite(checkpoint_dir)
-            return writer, cached.metadata, dist_wrapper
-        pyt_state_dict = step.pyt_state_dict
-        if any_prepared:  # planning in full after all: translate where it was skipped
+            prepared = writer, cached.metadata, dist_wrapper
+        else:
+            pyt_state_dict = step.pyt_state_dict
+            if any_prepared:  # planning in full after all: translate where it was skipped
 
-            def translate() -> Dict[str, Any]:
-                if pyt_state_dict is not None:
-                    return pyt_state_dict
-                return generation.to_dcp_state_dict(sharded_state_dict, config)
+                def translate() -> Dict[str, Any]:
+                    if pyt_state_dict is not None:
+                        return pyt_state_dict
+                    return generation.to_dcp_state_dict(sharded_state_dict, config)
 
-            pyt_state_dict, _ = agreed_step(
-                f"translating the state dict for {checkpoint_dir}", translate, group
+                pyt_state_dict, _ = agreed_step(
+                    f"translating the state dict for {checkpoint_dir}", translate, group
+                )
+            prepared = self._plan(pyt_state_dict, config, step.structure, cached, create_writer())
+        if overwrites:  # planned on every rank: now the complete checkpoint there may go
+            coordination.run_on_coordinator(
+                "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir, group
             )
-        return self._plan(pyt_state_dict, config, step.structure, cached, create_writer())
+        return prepared
 
     def cached_staging_key(self, config: TorchDistSaveConfig) -> Optional[Hashable]:
         """The staging key of the cached plan's layout, if the next save may reuse the plan
@@ -253,6 +263,7 @@ class PlanCache:
                 (cached.central_plan, cached.local_plan, False) if cached is not None else None
             ),
             loaded_all_plans=loaded_all_plans,
+            unmark=False,  # plan_save's caller unmarks, agreed, when a checkpoint is there
         )
         self.last_save_reused_plans = result.reused_cached_plans
         metadata = result.metadata

@@ -41,6 +41,7 @@ from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
+from megatron_async.mcore.common_guard import current_save_call
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
@@ -280,8 +281,13 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         is_coordinator = coordination.get_rank() == COORDINATOR_RANK
         claims: List[Claim] = []
 
-        def check_target() -> None:
-            claims.append(claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories))
+        def check_target() -> bool:
+            call = current_save_call()  # megatron-core's save() on 0.16-0.18
+            if call is not None and call.failure is not None:  # rank 0's common.pt step
+                raise call.failure
+            claim, overwrites = claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories)
+            claims.append(claim)
+            return overwrites
 
         start = time.monotonic()
         ahead = self._copy_ahead()

@@ -16,8 +16,9 @@ What it checks, in this order:
   probe: an unreachable endpoint or a missing bucket fails the first request, which the
   background writer reports on every rank);
 * on the coordinator only, a complete checkpoint already there is refused with
-  ``overwrite=False``. Otherwise it is overwritten: its completion markers are removed
-  once every rank agreed the save's planning, before any data file changes
+  ``overwrite=False``. Otherwise it is overwritten: the check reports it, and its
+  completion markers are removed once every rank agreed the save's planning, before any
+  data file changes, in one more agreed step
   (:func:`~megatron_async.writer.commit.unmark_before_rewrite`), so input that planning
   refuses leaves it complete, and a save that fails later leaves a directory every loader
   sees as incomplete, never a mix. In an object store (no rename, and a listing per save
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Tuple
 
 from megatron_async.core import coordination
 from megatron_async.core.save_directories import Claim, FileSystemStepTimeoutError, SaveDirectories
@@ -52,9 +54,13 @@ __all__ = ["check_save_target", "claim_save_target"]
 logger = logging.getLogger(__name__)
 
 
-def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool) -> None:
+def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool) -> bool:
     """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local; file-system
     calls only: the claim is :func:`claim_save_target`'s).
+
+    Returns:
+        Whether the coordinator found a complete checkpoint to unmark once planning is
+        agreed (a local directory with ``overwrite``; False on the other ranks).
 
     Args:
         checkpoint_dir: the normalized target (a local path or an object-storage URL).
@@ -70,7 +76,7 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
         _check_object_target(checkpoint_dir, config, is_coordinator, storage)
-        return
+        return False
     if not os.path.exists(checkpoint_dir):
         raise CheckpointValidationError(
             f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
@@ -85,11 +91,13 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
             f"rank {rank}: checkpoint directory {checkpoint_dir} is not writable"
         )
     marker = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-    if is_coordinator and not config.overwrite and os.path.exists(marker):
+    complete = is_coordinator and os.path.exists(marker)
+    if complete and not config.overwrite:
         raise CheckpointValidationError(
             f"{checkpoint_dir} already holds a complete torch_dist checkpoint ({marker} "
             "exists) and overwrite=False; save into a new directory or delete it first"
         )
+    return complete
 
 
 def _check_object_target(
@@ -117,12 +125,12 @@ def _check_object_target(
 
 def claim_save_target(
     checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool, directories: SaveDirectories
-) -> Claim:
+) -> Tuple[Claim, bool]:
     """Claim ``checkpoint_dir`` in ``directories``, then :func:`check_save_target` within a
     bound (every rank).
 
     Returns:
-        The claim, for the save's finalization to release.
+        The claim, for the save's finalization to release, and what the check returned.
 
     Raises:
         CheckpointInProgressError: the process's saves stopped, or a save of this process
@@ -133,7 +141,7 @@ def claim_save_target(
     """
     claim = directories.claim(checkpoint_dir)
     try:
-        directories.run_bounded(
+        complete = directories.run_bounded(
             f"checking the save target {checkpoint_dir}",
             lambda: check_save_target(checkpoint_dir, config, is_coordinator),
             error=FileSystemStepTimeoutError,
@@ -141,4 +149,4 @@ def claim_save_target(
     except BaseException:
         claim.release()
         raise
-    return claim
+    return claim, complete

@@ -139,6 +139,7 @@ def plan_save(
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
     loaded_all_plans: Optional[List[SavePlan]] = None,
+    unmark: bool = True,
 ) -> PlanResult:
     """Plan a save and prepare the writer's buckets (every rank, synchronous).
 
@@ -166,6 +167,8 @@ def plan_save(
             all-reduce stays, so ranks that disagree plan afresh together instead of
             waiting on each other. Without it, reuse is verified against a fresh local plan.
         loaded_all_plans: local plans stored in a loaded checkpoint's metadata.
+        unmark: remove a complete checkpoint's markers once planned, best effort (the
+            reference API); our strategy does it itself, agreed.
 
     Raises:
         CheckpointValidationError: on every rank, when planning failed on any rank
@@ -225,7 +228,7 @@ def plan_save(
 
     (central_plan, prepared), _ = agreed_step("preparing the write", prepare_step, group)
     checkpoint_dir = getattr(storage_writer, "checkpoint_dir", None)
-    if dist_wrapper.is_coordinator and checkpoint_dir is not None:  # planned on every rank
+    if unmark and dist_wrapper.is_coordinator and checkpoint_dir is not None:  # planned everywhere
         unmark_before_rewrite(checkpoint_dir)
     return PlanResult(
         writer=storage_writer,

@@ -164,10 +164,10 @@ def _is_empty(result: WriteResult) -> bool:
     return getattr(result, "empty_chunk", False)
 
 
-def unmark_before_rewrite(checkpoint_dir: str) -> None:
+def unmark_before_rewrite(checkpoint_dir: str, strict: bool = False) -> None:
     """Remove the completion markers of a checkpoint that this save is about to rewrite
     (coordinator, once every rank agreed that planning succeeded, before any data file
-    changes; best effort: logs, never raises).
+    changes; best effort: logs, never raises, unless ``strict``).
 
     DCP's own writer rewrites the data files in place beside the old ``.metadata``: a save
     that fails midway leaves a torn checkpoint that still reads as complete. Both our
@@ -175,18 +175,21 @@ def unmark_before_rewrite(checkpoint_dir: str) -> None:
     ``save_state_dict_async_plan``, megatron-core's stock strategy on 0.19+) unmark here,
     after planning, so that input planning refuses leaves the old checkpoint complete (on
     megatron-core 0.16-0.18 ``save()`` writes ``common.pt`` first, and the ``common.pt``
-    guard unmarks before it). Local directories only: in an object store it would cost
-    requests on every save.
+    guard unmarks before it). The strategy runs it ``strict`` inside an agreement, only when
+    its target check saw a complete checkpoint; the reference API on every save, best
+    effort. Local directories only: in an object store it would cost requests on every save.
     """
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:
         return
-    try:  # after the agreement: a failure here must not stop this rank alone
+    try:  # after the agreement: unless the caller agrees on it, it must not fail alone
         removed = run_coordinator_step(
             f"unmarking {checkpoint_dir}",
             lambda: remove_completion_markers(checkpoint_dir, storage),
         )
     except Exception as exc:
+        if strict:
+            raise
         logger.error(
             "could not remove the completion markers in %s before rewriting it (%s): a save "
             "that fails midway may leave a checkpoint that reads as complete", checkpoint_dir, exc,

@@ -112,14 +112,22 @@ def test_an_invalid_copy_thread_count_is_a_validation_error(monkeypatch):
 
 def test_a_complete_checkpoint_rank_0_may_not_unmark_is_a_validation_error(tmp_path, monkeypatch):
     # megatron-core <= 0.18 writes common.pt before any strategy: the guard in front of it
-    # must refuse with a typed error, not a bare PermissionError on rank 0 alone.
-    from megatron_async.core.save_directories import SaveDirectories
+    # must refuse with a typed error that our strategy raises on every rank, not a bare
+    # PermissionError on rank 0 alone.
+    from megatron.core import dist_checkpointing
+
     from megatron_async.errors import CheckpointValidationError
-    from megatron_async.mcore import common_guard
+    from megatron_async.mcore import common_guard, generation
+
+    if generation.GENERATION != "registry" and not hasattr(
+        getattr(dist_checkpointing.serialization, "save_common", None), "__megatron_async_guarded__"
+    ):
+        pytest.skip("this megatron-core stores the common state in the strategy (0.19+)")
 
     def refused(directory, storage):
         raise PermissionError(13, "Permission denied", f"{directory}/.metadata")
 
     monkeypatch.setattr(common_guard, "remove_completion_markers", refused)
-    with pytest.raises(CheckpointValidationError, match="save into a directory you can write"):
-        common_guard.check_common_target(tmp_path, SaveDirectories())
+    with pytest.raises(CheckpointValidationError, match="rank 0: .*save into a directory you can write"):
+        dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
+    assert not (tmp_path / "common.pt").exists()

@@ -1,9 +1,9 @@
-"""Overwriting a complete checkpoint: the default overwrites it, unmarking it once every
-rank agreed the save's planning, so input that planning refuses leaves it complete;
-overwrite=False refuses it before anything changes. Both hold where the strategy is the
-first to touch the directory: megatron-core 0.19+'s save(), or a direct call; megatron-core
-up to 0.18 writes common.pt before it calls the sharded strategy, so its guard unmarks the
-old checkpoint before that write (one rank, one process)."""
+"""Overwriting a complete checkpoint: overwrite=False refuses it before anything changes,
+common.pt included, through megatron-core's own save() on every generation; the default
+overwrites it, unmarking it once every rank agreed the save's planning, so input that
+planning refuses leaves it complete where the strategy is the first to touch the directory
+(megatron-core 0.19+'s save(), or a direct call: up to 0.18 save() writes common.pt before
+the strategy, and its guard unmarks the old checkpoint before that write). One rank."""
 
 import os
 
@@ -72,9 +72,27 @@ def test_overwrite_false_refuses_a_complete_checkpoint_and_changes_nothing(tmp_p
     dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
     before = _files(tmp_path)
     with pytest.raises(CheckpointValidationError, match="overwrite=False"):
-        _save_with(_refusing(wrapped), _state(2.0), tmp_path, async_save)
+        dist_checkpointing.save(
+            _state(2.0), str(tmp_path), sharded_strategy=_refusing(wrapped),
+            async_sharded_save=async_save,
+        )
     assert _files(tmp_path) == before  # common.pt and the markers untouched
     assert _loaded(tmp_path) == 1.0
+
+
+def test_a_common_pt_write_that_fails_is_raised_through_the_strategys_agreed_check(tmp_path):
+    """On 0.16-0.18 rank 0 writes common.pt before the strategy: its failure (an object that
+    will not pickle, a full disk) must reach every rank as the strategy's agreed error,
+    never rank 0's alone while the others wait in the strategy's first collective."""
+    if not _save_writes_common_pt_first():
+        pytest.skip("this megatron-core stores the common state in the strategy (0.19+)")
+    unpicklable = dict(_state(2.0), hook=lambda: None)
+    with pytest.raises(CheckpointValidationError, match="rank 0: .*(pickle|lambda)"):
+        dist_checkpointing.save(  # without validation, which would pickle it first
+            unpicklable, str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy(),
+            validate_access_integrity=False,
+        )
+    assert not os.path.exists(tmp_path / ".metadata")
 
 
 def test_the_default_overwrites_a_complete_checkpoint(tmp_path):

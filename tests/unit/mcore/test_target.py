@@ -31,20 +31,21 @@ def test_a_missing_target_or_a_file_is_refused(tmp_path):
 
 def test_a_directory_still_being_written_is_refused(tmp_path):
     directories = SaveDirectories()
-    claim = claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)
+    claim, overwrites = claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)
+    assert not overwrites
     with pytest.raises(CheckpointInProgressError, match="not finalized yet"):
         claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)
     claim.release()
-    claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories).release()
+    claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)[0].release()
 
 
 def test_a_complete_checkpoint_is_refused_on_the_coordinator_or_left_for_after_planning(tmp_path):
     path = _complete(tmp_path)
     refusing = TorchDistSaveConfig(overwrite=False)
-    check_save_target(path, refusing, False)  # only the coordinator looks
+    assert not check_save_target(path, refusing, False)  # only the coordinator looks
     with pytest.raises(CheckpointValidationError, match="overwrite=False; save into a new directory"):
         check_save_target(path, refusing, True)
-    check_save_target(path, TorchDistSaveConfig(), True)
+    assert check_save_target(path, TorchDistSaveConfig(), True)  # unmarked once planned
     assert all(os.path.exists(os.path.join(path, name)) for name in COMPLETION_MARKERS)
 
 
