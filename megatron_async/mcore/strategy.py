@@ -49,7 +49,6 @@ from megatron_async.mcore.set_aside import SetAside, take_set_aside
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
-from megatron_async.staging.copy_ahead import CopyAhead, start_copy_ahead
 from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -286,7 +285,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             aside.merge(moved)
 
         start = time.monotonic()
-        ahead = self._copy_ahead()
         try:
             writer, metadata, dist_wrapper = self.plan_cache.plan_save(
                 sharded_state_dict,
@@ -295,10 +293,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 lambda: self._with_history(self._create_writer(checkpoint_dir)),
                 check_target,
             )
-            if ahead is not None and self.plan_cache.last_save_reused_plans:
-                writer.copy_ahead = ahead  # its staging claims it
-            elif ahead is not None:
-                ahead.cancel()  # planned in full: the layout may differ
             plan_s = time.monotonic() - start
             logger.debug(
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
@@ -306,8 +300,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             )
             return self._request(writer, metadata, dist_wrapper, checkpoint_dir, claims[0], plan_s, aside)
         except BaseException:
-            if ahead is not None:
-                ahead.cancel()
             for token in claims:
                 checkpoints_in_flight.release(checkpoint_dir, token)
             if aside.moved:  # no data file was touched: the old checkpoint comes back
@@ -317,14 +309,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 except Exception as exc:  # the save's own error is what is raised
                     logger.error("%s; its markers stay set aside (hidden)", exc)
             raise
-
-    def _copy_ahead(self) -> Optional[CopyAhead]:
-        """Start the staging copy of the cached layout before the save's checks, where it
-        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`: a copy ahead
-        that cannot start is None, and staging copies; the cached key is only read here)."""
-        if self.config.overlap_staging:
-            return None
-        return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
 
     def _request(
         self, writer, metadata, dist_wrapper, checkpoint_dir: str, token: int, plan_s: float,

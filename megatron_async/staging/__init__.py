@@ -7,8 +7,6 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   (:mod:`.buffer_cache`: the reusable buffers and their leases);
 * :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``, a large
   one in parts on the copy threads (:mod:`.copy_pool`: the threads and bounded waits);
-* :mod:`.copy_ahead`: with a cached plan, those copies started when the save begins,
-  while the training thread checks that the plan still applies;
 * :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
   saves still being written, and the choice between staging in one go and in rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through

@@ -3,7 +3,7 @@
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
   DCP storage writer that prepares buckets and hands the write to a background caller;
 * :mod:`.staging_step` (trainer, every rank): the staging in front of a save's write path
-  (plain or overlapped, the copy ahead, the staging memory budget);
+  (plain or overlapped, the staging memory budget);
 * :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
 * :mod:`.layout` (trainer): which items share a file (size-balanced layout), the
   prepared write and its staging key;

@@ -173,9 +173,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             fs, self.path = msc_filesystem(self.checkpoint_dir)
         self.fs = BoundedFileSystem(fs, options.request_policy) if use_msc else DeadlineFileSystem(self.fs)
         self.staging_cache = staging_cache
-        self.copy_ahead: Any = None
-        """This save's copy ahead (:mod:`megatron_async.staging.copy_ahead`), set by the
-        strategy that started it; its staging claims it."""
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -278,12 +275,10 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         worker, and a subclass's overrides are the ones used. ``args`` is
         ``[rank, None, results_queue]``: the caller replaces ``args[1]`` by the result of
         ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``. The staging
-        in front of the write (copy ahead, overlapped staging, the staging memory budget)
+        in front of the write (overlapped staging, the staging memory budget)
         is chosen by :func:`~megatron_async.writer.staging_step.with_staging_step`.
         """
         if not self.write_buckets:
-            if self.copy_ahead is not None:
-                self.copy_ahead.cancel()  # nothing to stage: nobody would claim it
             return None, None, None
         write_fn = (
             self.write_preloaded_data_multiproc
@@ -308,8 +303,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             save_fn, self.preload_tensors, control=control, write_buckets=self.write_buckets,
             resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
             overlap_staging=self.overlap_staging, memory_limit=self.options.staging_memory_limit,
-            staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
-            stats=self.staging_stats,
+            staging_cache=self.staging_cache, stats=self.staging_stats,
         )
 
     def _open_file(self) -> Callable[..., Any]:

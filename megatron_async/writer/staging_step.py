@@ -4,12 +4,9 @@
 binds the write path (the background writer's ``save_fn``); :func:`with_staging_step`
 chooses how the data reaches it, once per save, in the trainer:
 
-* plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`), which takes
-  over the save's copy ahead (:mod:`megatron_async.staging.copy_ahead`) if the strategy
-  started one;
+* plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`);
 * or, with ``overlap_staging``, the copy on a trainer thread after scheduling
-  (:mod:`megatron_async.staging.overlapped_rounds`); that copies on its own thread, so a
-  copy ahead is cancelled;
+  (:mod:`megatron_async.staging.overlapped_rounds`);
 
 and wraps either in the staging memory budget
 (:func:`~megatron_async.staging.budget.budgeted_preload`): rounds when the state is larger
@@ -43,7 +40,6 @@ def with_staging_step(
     overlap_staging: bool,
     memory_limit: Any,
     staging_cache: Optional[StagingBufferCache],
-    copy_ahead: Any,
     stats: dict,
 ) -> Tuple[Callable[..., None], Callable[[], Any], List[Any]]:
     """Return ``(save_fn, preload_fn, args)`` of a save whose write path is ``save_fn``.
@@ -62,7 +58,6 @@ def with_staging_step(
         overlap_staging: the writer's ``overlap_staging`` (the copy on a trainer thread).
         memory_limit: the writer's ``staging_memory_limit`` (the budget).
         staging_cache: the trainer's reusable staging buffers.
-        copy_ahead: the save's copy ahead, or None; handed to plain staging, or cancelled.
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
 
     Returns:
@@ -72,16 +67,11 @@ def with_staging_step(
     """
     rounds = "staging_control" in save_fn.keywords
     if overlap_staging:  # above the budget: rounds copied by the copy thread
-        if copy_ahead is not None:
-            copy_ahead.cancel()  # overlapped staging copies on its own thread
         save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
             save_fn, resolved_plan_data, staging_cache, results_queue
         )
     else:
-        preload_fn = bind_supported(
-            preload_tensors, (resolved_plan_data, True),
-            staging_cache=staging_cache, copy_ahead=copy_ahead,
-        )
+        preload_fn = bind_supported(preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache)
         args, overlapped = [coordination.get_rank(), None, results_queue], None
     preload_fn = budgeted_preload(
         control, preload_fn, write_buckets, memory_limit,
