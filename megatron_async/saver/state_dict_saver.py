@@ -56,7 +56,7 @@ from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
 from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit import unmark_before_rewrite
-from megatron_async.writer.layout import BucketLayout, PreparedWrite
+from megatron_async.buckets.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [

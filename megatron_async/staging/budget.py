@@ -44,7 +44,7 @@ from megatron_async.staging.buffers import StagingBufferCache, default_staging_c
 from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 from megatron_async.staging.rounds_control import RoundsControl
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "StagingLedger",

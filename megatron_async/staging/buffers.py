@@ -45,7 +45,7 @@ from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
 from megatron_async.core.device_wait import (
     DeviceCopyTimeoutError,
@@ -314,7 +314,7 @@ def preload_tensors(
     Args:
         resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
             ``prepare_write_data`` left it in the writer's ``resolved_plan_data``. With a
-            :class:`~megatron_async.writer.layout.ConsistentDataIdentifier`, the buffers
+            :class:`~megatron_async.buckets.layout.ConsistentDataIdentifier`, the buffers
             staged under that key by an earlier save are reused
             (``use_cached_data_structure``); None stages into fresh buffers.
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.

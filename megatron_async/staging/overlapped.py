@@ -296,7 +296,7 @@ def overlapped_save_functions(
     given one (the writer's).
     """
     from megatron_async.core import coordination
-    from megatron_async.writer.layout import unpack_resolved_plan_data
+    from megatron_async.buckets.layout import unpack_resolved_plan_data
 
     gate = gate if gate is not None else StagingGate()
     rank = coordination.get_rank()

@@ -52,7 +52,7 @@ from megatron_async.staging.overlapped import (
 )
 from megatron_async.staging.rounds import RoundPlan, place_in_pool
 from megatron_async.staging.rounds_control import RoundsControl, wait_for_room
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_functions_with_rounds"]
 

@@ -44,7 +44,7 @@ from megatron_async.errors import StagingMemoryError, StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets
 from megatron_async.staging.rounds_control import RoundsControl, wait_for_room, wait_on_control
 from megatron_async.staging.snapshot import synchronize_if_cuda
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "check_fits",

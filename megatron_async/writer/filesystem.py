@@ -48,7 +48,7 @@ from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesy
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
-from megatron_async.writer.layout import (
+from megatron_async.buckets.layout import (
     BucketLayout,
     ConsistentDataIdentifier,
     PreparedWrite,
@@ -236,7 +236,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
             layout: a bucket layout made for exactly these items (the ``layout`` of an
-                earlier save's :class:`~megatron_async.writer.layout.PreparedWrite`), or
+                earlier save's :class:`~megatron_async.buckets.layout.PreparedWrite`), or
                 None to compute it.
             staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
                 ``layout`` had, or None to compute it.

@@ -23,7 +23,7 @@ from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
 from megatron_async.staging.rounds_control import RoundsControl
-from megatron_async.writer.layout import ResolvedPlanData, WriteBucket
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket
 from megatron_async.writer.write_paths import bind_supported
 
 __all__ = ["with_staging_step"]

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.staging.rounds import writer_view
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
 from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
 

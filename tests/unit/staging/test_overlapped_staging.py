@@ -21,7 +21,7 @@ from megatron_async.staging.overlapped import (
     wait_for_staging,
     write_after_staging,
 )
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 
 DEVICES = [
