@@ -11,7 +11,8 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   saves still being written, and the choice between staging in one go and in rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through
   one bounded pool (its :func:`~.rounds.writer_view` runs in the background writer);
-* :mod:`.rounds_control`: the control block the stager and the writer share (both sides);
+* :mod:`.gate`: the one gate between the stager and the writer of a save, whatever the
+  mode (both sides): staged or failed, and per item copied or written in rounds;
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
   for before the next in-place update;
 * :mod:`.overlapped_rounds`: overlapped staging of a state larger than the budget: every

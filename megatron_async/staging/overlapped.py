@@ -8,8 +8,8 @@ returns once every saved tensor is copied to host memory. With it:
 2. once the request is handed to the background writer, one copy thread of the trainer
    process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
    on a side stream into page-locked shared memory), while training goes on;
-3. the background writer waits for that copy (a :class:`~.staging_gate.StagingGate` in
-   shared memory) before it writes a byte.
+3. the background writer waits for that copy (the save's :class:`~.gate.StagingGate`,
+   in shared memory) before it writes a byte.
 
 Nothing may change a saved tensor before it is copied:
 
@@ -28,7 +28,7 @@ Nothing may change a saved tensor before it is copied:
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
 Runs in the trainer; the gate's waiting side runs in the background writer
-(:mod:`.staging_gate`).
+(:func:`~.gate.write_after_staging`).
 """
 
 from __future__ import annotations
@@ -48,20 +48,14 @@ import torch
 from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
-from megatron_async.staging.staging_gate import (
-    DEFAULT_STAGING_WAIT_S,
-    StagingGate,
-    write_after_staging,
-)
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
 
 if TYPE_CHECKING:  # the background writer imports this module and needs neither
     from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
 
 __all__ = [
-    "StagingGate",
     "stage_buckets_overlapped",
     "overlapped_save_functions",
-    "write_after_staging",
     "wait_for_staging",
     "staging_in_progress",
     "refuse_overlap_param_gather",
@@ -69,7 +63,6 @@ __all__ = [
     "CopyJob",
     "submit_copy",
     "install_optimizer_hook",
-    "DEFAULT_STAGING_WAIT_S",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,11 +103,11 @@ class CopyJob:
                         self._check(name, source, version)
         except StagingRaceError as exc:
             self._keep_queued_copies()
-            self.gate.mark_failed(str(exc))
+            self.gate.fail(str(exc))
         except BaseException as exc:  # reported by the writer, on every rank at finalization
             self._keep_queued_copies()
             logger.error("rank %d: overlapped staging copy failed: %s", self.rank, exc)
-            self.gate.mark_failed(f"rank {self.rank}: overlapped staging copy failed: "
+            self.gate.fail(f"rank {self.rank}: overlapped staging copy failed: "
                                   f"{type(exc).__name__}: {exc}")
         else:
             self.gate.mark_staged()
@@ -287,18 +280,17 @@ def overlapped_save_functions(
     resolved_plan_data: Any,
     staging_cache: Optional[StagingBufferCache],
     results_queue: Any,
-    gate: Optional[StagingGate] = None,
+    gate: StagingGate,
 ) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any]]:
     """Return ``(save_fn, preload_fn, args)`` of a save with overlapped staging (trainer).
 
     ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
-    ``save_fn`` waits for the copy (``gate``, a new one by default) before it calls the
-    given one (the writer's).
+    ``save_fn`` waits for the copy (the save's ``gate``) before it calls the given one
+    (the writer's).
     """
     from megatron_async.core import coordination
     from megatron_async.buckets.layout import unpack_resolved_plan_data
 
-    gate = gate if gate is not None else StagingGate()
     rank = coordination.get_rank()
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     preload_fn = partial(

@@ -2,13 +2,13 @@
 training thread.
 
 With ``overlap_staging`` and a ``staging_memory_limit`` below a rank's state, the state
-goes through the budget's pool in rounds, with :mod:`.rounds`' ring plan, control block
-and writer view, but scheduling copies nothing:
+goes through the budget's pool in rounds, with :mod:`.rounds`' ring plan, the save's
+gate and the writer view, but scheduling copies nothing:
 
 1. scheduling (the request's ``preload_fn``, trainer) leases the pool, gives every item
-   its place in it and records each saved tensor's version counter; it opens the save's
-   :class:`~.staging_gate.StagingGate` at once, since the writer waits for each item on the
-   control block instead;
+   its place in it and records each saved tensor's version counter; it marks the save's
+   :class:`~.gate.StagingGate` staged at once, since the writer waits on it for each item
+   instead;
 2. once the request is with its background writer, the overlapped copy thread (the one
    :func:`~.overlapped.wait_for_staging` waits for) copies the items in the writer's
    order, each once the writer marked the items whose bytes it overwrites *written*.
@@ -42,8 +42,8 @@ import torch
 from megatron_async.core.device_wait import wait_for_stream
 from megatron_async.errors import StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
+from megatron_async.staging.gate import StagingGate, wait_for_room
 from megatron_async.staging.overlapped import (
-    StagingGate,
     CopyJob,
     install_optimizer_hook,
     submit_copy,
@@ -51,7 +51,6 @@ from megatron_async.staging.overlapped import (
     wait_for_staging,
 )
 from megatron_async.staging.rounds import RoundPlan, place_in_pool
-from megatron_async.staging.rounds_control import RoundsControl, wait_for_room
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_functions_with_rounds"]
@@ -62,18 +61,17 @@ logger = logging.getLogger(__name__)
 class _RoundsCopyJob(CopyJob):
     """One save's copies into the pool, each after the writer freed its bytes (copy thread)."""
 
-    def __init__(self, gate: StagingGate, rank: int, control: RoundsControl, plan: RoundPlan,
-                 to_copy: List[tuple], timeout_s: float):
+    def __init__(self, rank: int, gate: StagingGate, plan: RoundPlan, to_copy: List[tuple],
+                 timeout_s: float):
         super().__init__(gate, [entry[1:] for entry in to_copy], rank)
         self.indices = [entry[0] for entry in to_copy]
-        self.control: Optional[RoundsControl] = control
         self.waits_for = plan.waits_for
         self.timeout_s = timeout_s
         self.copied = 0
 
     def run(self) -> None:
         """Copy thread: copy item after item as the writer frees the pool."""
-        control = self.control
+        gate = self.gate
         try:
             position = 0
             while position < len(self.copies):
@@ -86,14 +84,15 @@ class _RoundsCopyJob(CopyJob):
             logger.error("rank %d: overlapped staging in rounds failed: %s", self.rank, exc)
             if not isinstance(exc, StagingRaceError):
                 exc = f"rank {self.rank}: overlapped staging in rounds failed: {type(exc).__name__}: {exc}"
-            control.fail(str(exc))
+            gate.fail(str(exc))
         finally:
             self.copies = []
-            self.control = None  # a live segment would keep a restarted worker from forking
+            # a live segment would keep a restarted worker from forking
+            self.gate = None
             self.done.set()
 
     def _ready(self, position: int) -> bool:
-        return all(self.control.is_written(k) for k in self.waits_for[self.indices[position]])
+        return all(self.gate.is_written(k) for k in self.waits_for[self.indices[position]])
 
     def progress(self) -> int:
         """How many items are copied (``wait_for_staging`` waits while this moves)."""
@@ -103,7 +102,7 @@ class _RoundsCopyJob(CopyJob):
         """Wait (bounded) until item ``position`` may be copied; return the end of the run
         of items from it that may all be copied now (None: the writer is done)."""
         if not wait_for_room(
-            self.control, self.waits_for[self.indices[position]], self.timeout_s,
+            self.gate, self.waits_for[self.indices[position]], self.timeout_s,
             f"rank {self.rank}: the background writer freed no staging memory for "
             f"{self.timeout_s:.0f}s (overlapped staging in rounds); the writer is stuck",
         ):
@@ -127,13 +126,13 @@ class _RoundsCopyJob(CopyJob):
             else:
                 buffer.copy_(source)
                 self._check(name, source, version)
-                self.control.mark_copied(self.indices[k])
+                self.gate.mark_copied(self.indices[k])
         if on_stream:
             wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
             for k in on_stream:
                 name, source, _, version = self.copies[k]
                 self._check(name, source, version)
-                self.control.mark_copied(self.indices[k])
+                self.gate.mark_copied(self.indices[k])
 
 
 class OverlappedRoundsStaged(StagedBuckets):
@@ -156,19 +155,18 @@ class OverlappedRoundsStaged(StagedBuckets):
 
 
 def stage_in_rounds_overlapped(
-    gate: StagingGate,
     rank: int,
     buckets: Sequence[WriteBucket],
     pool: torch.Tensor,
     budget: int,
-    control: RoundsControl,
+    gate: StagingGate,
     timeout_s: float,
 ) -> OverlappedRoundsStaged:
     """Place ``buckets``' tensors in ``pool`` and prepare their copy without copying
     (trainer, the request's ``preload_fn`` with overlapped staging above the budget).
 
-    Takes the arguments of :func:`~.rounds.stage_in_rounds` after ``gate`` and ``rank``
-    (the save's gate and this rank), which :func:`overlapped_functions_with_rounds` binds.
+    Takes the arguments of :func:`~.rounds.stage_in_rounds` after ``rank``, which
+    :func:`overlapped_functions_with_rounds` binds.
     An earlier overlapped copy is waited for first: copies run one save at a time.
 
     Raises:
@@ -177,9 +175,9 @@ def stage_in_rounds_overlapped(
     """
     wait_for_staging(timeout_s)
     install_optimizer_hook()
-    plan, staged, to_copy = place_in_pool(buckets, pool, budget, control)
-    job = _RoundsCopyJob(gate, rank, control, plan, to_copy, timeout_s)
-    gate.mark_staged()  # the writer waits for each item on the control block
+    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
+    job = _RoundsCopyJob(rank, gate, plan, to_copy, timeout_s)
+    gate.mark_staged()  # the writer waits on the gate for each item
     logger.debug(
         "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
         rank, len(plan.sizes), plan.rounds, plan.pool_bytes,
@@ -192,16 +190,16 @@ def overlapped_functions_with_rounds(
     resolved_plan_data: Any,
     staging_cache: Optional[StagingBufferCache],
     results_queue: Any,
+    gate: StagingGate,
 ) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any], Callable[..., Any]]:
     """Return :func:`~.overlapped.overlapped_save_functions`' ``(save_fn, preload_fn,
     args)`` and the stager the staging budget uses above the budget (trainer).
 
-    The stager is :func:`stage_in_rounds_overlapped` with the save's gate and rank bound;
+    The stager is :func:`stage_in_rounds_overlapped` with this rank bound;
     :func:`~megatron_async.staging.budget.stage_within_budget` calls it in place of
     :func:`~.rounds.stage_in_rounds`.
     """
-    gate = StagingGate()
     save_fn, preload_fn, args = overlapped_save_functions(
         save_fn, resolved_plan_data, staging_cache, results_queue, gate
     )
-    return save_fn, preload_fn, args, partial(stage_in_rounds_overlapped, gate, args[0])
+    return save_fn, preload_fn, args, partial(stage_in_rounds_overlapped, args[0])

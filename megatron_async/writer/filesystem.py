@@ -42,7 +42,7 @@ from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -285,9 +285,9 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
-        # Within the staging memory budget (staging/budget.py): the control block tells
+        # Within the staging memory budget (staging/budget.py): the gate tells
         # the write path which items arrive in rounds, and the write path marks it done.
-        control = RoundsControl(sum(len(b.data[1]) for b in self.write_buckets))
+        gate = StagingGate(sum(len(b.data[1]) for b in self.write_buckets))
         save_fn = bind_supported(
             write_fn,
             (self.transforms, self.use_msc, self._open_file()),
@@ -296,11 +296,11 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             bucket_writer=type(self).write_preloaded_data,
             compute_checksums=self.checksums,
             direct_io=self.direct_io,
-            staging_control=control,
+            staging_control=gate,
         )
         self.staging_stats = {}
         return with_staging_step(
-            save_fn, self.preload_tensors, control=control, write_buckets=self.write_buckets,
+            save_fn, self.preload_tensors, gate=gate, write_buckets=self.write_buckets,
             resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
             overlap_staging=self.overlap_staging, memory_limit=self.options.staging_memory_limit,
             staging_cache=self.staging_cache, stats=self.staging_stats,

@@ -22,7 +22,7 @@ from megatron_async.core import coordination
 from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache
 from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket
 from megatron_async.writer.write_paths import bind_supported
 
@@ -33,7 +33,7 @@ def with_staging_step(
     save_fn: "partial[Any]",
     preload_tensors: Callable[..., Any],
     *,
-    control: RoundsControl,
+    gate: StagingGate,
     write_buckets: List[WriteBucket],
     resolved_plan_data: ResolvedPlanData,
     results_queue: Any,
@@ -51,7 +51,8 @@ def with_staging_step(
             ``staging_control`` (an override with the reference signature does not, and
             a state above the budget is then refused).
         preload_tensors: the writer's staging function (a subclass may override it).
-        control: the rounds control block, also bound to ``save_fn``.
+        gate: the save's gate between stager and writer (:mod:`megatron_async.staging.gate`),
+            also bound to ``save_fn`` (``staging_control``).
         write_buckets: the save's buckets.
         resolved_plan_data: what ``preload_tensors`` stages.
         results_queue: where the background writer reports.
@@ -68,13 +69,13 @@ def with_staging_step(
     rounds = "staging_control" in save_fn.keywords
     if overlap_staging:  # above the budget: rounds copied by the copy thread
         save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
-            save_fn, resolved_plan_data, staging_cache, results_queue
+            save_fn, resolved_plan_data, staging_cache, results_queue, gate
         )
     else:
         preload_fn = bind_supported(preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache)
         args, overlapped = [coordination.get_rank(), None, results_queue], None
     preload_fn = budgeted_preload(
-        control, preload_fn, write_buckets, memory_limit,
+        gate, preload_fn, write_buckets, memory_limit,
         staging_cache, overlapped, stats, rounds=rounds,
     )
     return save_fn, preload_fn, args
