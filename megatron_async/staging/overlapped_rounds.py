@@ -10,10 +10,11 @@ gate and the writer view, but scheduling copies nothing:
    :class:`~.gate.StagingGate` staged at once, since the writer waits on it for each item
    instead;
 2. once the request is with its background writer, the overlapped copy thread (the one
-   :func:`~.overlapped.wait_for_staging` waits for) copies the items in the writer's
-   order, each once the writer marked the items whose bytes it overwrites *written*.
-   CUDA sources are copied as overlapped staging copies them, on the save's side stream
-   into the page-locked pool, and synchronized before they are marked copied;
+   :func:`~.overlapped.wait_for_staging` waits for) runs the same
+   :class:`~.overlapped.CopyJob` as overlapped staging in one go, in rounds: it copies
+   the items in the writer's order, each once the writer marked the items whose bytes
+   it overwrites *written*. CUDA sources are copied on the save's side stream into the
+   page-locked pool, and synchronized before they are marked copied;
 3. the next optimizer step (the global step pre-hook) waits until the last round is
    copied: under a budget, the trainer's wait for the drain moves there.
 
@@ -39,10 +40,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.core.device_wait import wait_for_stream
-from megatron_async.errors import StagingRaceError
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
-from megatron_async.staging.gate import StagingGate, wait_for_room
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.overlapped import (
     CopyJob,
     install_optimizer_hook,
@@ -58,83 +57,6 @@ __all__ = ["OverlappedRoundsStaged", "stage_in_rounds_overlapped", "overlapped_f
 logger = logging.getLogger(__name__)
 
 
-class _RoundsCopyJob(CopyJob):
-    """One save's copies into the pool, each after the writer freed its bytes (copy thread)."""
-
-    def __init__(self, rank: int, gate: StagingGate, plan: RoundPlan, to_copy: List[tuple],
-                 timeout_s: float):
-        super().__init__(gate, [entry[1:] for entry in to_copy], rank)
-        self.indices = [entry[0] for entry in to_copy]
-        self.waits_for = plan.waits_for
-        self.timeout_s = timeout_s
-        self.copied = 0
-
-    def run(self) -> None:
-        """Copy thread: copy item after item as the writer frees the pool."""
-        gate = self.gate
-        try:
-            position = 0
-            while position < len(self.copies):
-                end = self._wait_for_room(position)
-                if end is None:
-                    return  # the writer failed and reads nothing more: its error fails the save
-                self._copy(position, end)
-                position = self.copied = end
-        except BaseException as exc:  # the writer raises it as it waits for the next item
-            logger.error("rank %d: overlapped staging in rounds failed: %s", self.rank, exc)
-            if not isinstance(exc, StagingRaceError):
-                exc = f"rank {self.rank}: overlapped staging in rounds failed: {type(exc).__name__}: {exc}"
-            gate.fail(str(exc))
-        finally:
-            self.copies = []
-            # a live segment would keep a restarted worker from forking
-            self.gate = None
-            self.done.set()
-
-    def _ready(self, position: int) -> bool:
-        return all(self.gate.is_written(k) for k in self.waits_for[self.indices[position]])
-
-    def progress(self) -> int:
-        """How many items are copied (``wait_for_staging`` waits while this moves)."""
-        return self.copied
-
-    def _wait_for_room(self, position: int) -> Optional[int]:
-        """Wait (bounded) until item ``position`` may be copied; return the end of the run
-        of items from it that may all be copied now (None: the writer is done)."""
-        if not wait_for_room(
-            self.gate, self.waits_for[self.indices[position]], self.timeout_s,
-            f"rank {self.rank}: the background writer freed no staging memory for "
-            f"{self.timeout_s:.0f}s (overlapped staging in rounds); the writer is stuck",
-        ):
-            return None
-        end = position + 1
-        while end < len(self.copies) and self._ready(end):
-            end += 1
-        return end
-
-    def _copy(self, start: int, end: int) -> None:
-        """Copy items ``start:end``, checking each version before and after its copy; mark
-        each copied once its bytes are in the pool."""
-        on_stream = []
-        for k in range(start, end):
-            name, source, buffer, version = self.copies[k]
-            self._check(name, source, version)
-            if source.device.type == "cuda":
-                with torch.cuda.stream(self.stream):
-                    buffer.copy_(source, non_blocking=True)
-                on_stream.append(k)
-            else:
-                buffer.copy_(source)
-                self._check(name, source, version)
-                self.gate.mark_copied(self.indices[k])
-        if on_stream:
-            wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
-            for k in on_stream:
-                name, source, _, version = self.copies[k]
-                self._check(name, source, version)
-                self.gate.mark_copied(self.indices[k])
-
-
 class OverlappedRoundsStaged(StagedBuckets):
     """Buckets staged in rounds by the overlapped copy thread: views of the pool (trainer).
 
@@ -143,10 +65,10 @@ class OverlappedRoundsStaged(StagedBuckets):
     Pickled, only the buckets travel.
     """
 
-    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: _RoundsCopyJob):
+    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: CopyJob):
         super().__init__(buckets)
         self.plan = plan
-        self._job: Optional[_RoundsCopyJob] = job
+        self._job: Optional[CopyJob] = job
 
     def start_background_copy(self) -> None:
         job, self._job = self._job, None
@@ -176,7 +98,9 @@ def stage_in_rounds_overlapped(
     wait_for_staging(timeout_s)
     install_optimizer_hook()
     plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
-    job = _RoundsCopyJob(rank, gate, plan, to_copy, timeout_s)
+    job = CopyJob(gate, [entry[1:] for entry in to_copy], rank,
+                  indices=[entry[0] for entry in to_copy], waits_for=plan.waits_for,
+                  timeout_s=timeout_s)
     gate.mark_staged()  # the writer waits on the gate for each item
     logger.debug(
         "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
