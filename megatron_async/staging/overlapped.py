@@ -34,7 +34,6 @@ Runs in the trainer; the gate's waiting side runs in the background writer
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 import time
@@ -43,17 +42,10 @@ from typing import (
     TYPE_CHECKING, Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple,
 )
 
-import torch
-
-from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
 from megatron_async.core.hand_over import require_hand_over
-from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
-from megatron_async.staging.gate import (
-    DEFAULT_STAGING_WAIT_S,
-    StagingGate,
-    wait_for_room,
-    write_after_staging,
-)
+from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
+from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
 
 if TYPE_CHECKING:  # the background writer imports this module and needs neither
     from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
@@ -65,138 +57,9 @@ __all__ = [
     "staging_in_progress",
     "refuse_overlap_param_gather",
     "copies_held",
-    "CopyJob",
     "submit_copy",
     "install_optimizer_hook",
 ]
-
-logger = logging.getLogger(__name__)
-
-class CopyJob:
-    """One save's overlapped copy, run by the copy thread: in one go, or in rounds.
-
-    Built by the trainer at scheduling and run after the hand-over. In one go, every
-    tensor is copied and the gate is then marked staged. In rounds (the staging budget's
-    pool, :mod:`.overlapped_rounds`), the same copy runs as the writer frees the pool:
-    each run of items waits (bounded) until the writer wrote the items whose bytes it
-    overwrites, and each item is marked copied on the gate once its bytes are in the pool.
-
-    Args:
-        gate: the save's gate; a failure is recorded on it for the writer to raise.
-        copies: ``(name, source, buffer, version at scheduling)`` per tensor.
-        rank: this rank, for messages.
-        indices: in rounds, the gate's item index of each copy (None: in one go).
-        waits_for: in rounds, per gate item, the items it waits for.
-        timeout_s: in rounds, the bound of each wait for the writer.
-    """
-
-    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int,
-                 indices: Optional[List[int]] = None,
-                 waits_for: Optional[Sequence[Sequence[int]]] = None,
-                 timeout_s: float = DEFAULT_STAGING_WAIT_S):
-        self.gate: Optional[StagingGate] = gate
-        self.copies = copies
-        self.rank = rank
-        self.indices = indices
-        self.waits_for = waits_for
-        self.timeout_s = timeout_s
-        self.copied = 0
-        self.done = threading.Event()
-        self.stream = None
-        if any(source.device.type == "cuda" for _, source, _, _ in copies):
-            # The side stream starts after the work queued so far on the current stream.
-            self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())
-
-    def progress(self) -> int:
-        """How many items are copied (``wait_for_staging`` waits while this moves)."""
-        return self.copied
-
-    def run(self) -> None:
-        """Copy thread: copy every tensor, checking its version before and after, then
-        mark the gate staged; a failure is recorded on the gate instead."""
-        gate = self.gate
-        try:
-            position = 0
-            while position < len(self.copies):
-                end = self._next_run(position)
-                if end is None:
-                    return  # the writer failed and reads nothing more: its error fails the save
-                self._copy(position, end)
-                position = self.copied = end
-            gate.mark_staged()
-        except BaseException as exc:  # reported by the writer, on every rank at finalization
-            self._keep_queued_copies()
-            if not isinstance(exc, StagingRaceError):
-                logger.error("rank %d: overlapped staging copy failed: %s", self.rank, exc)
-                exc = f"rank {self.rank}: overlapped staging copy failed: {type(exc).__name__}: {exc}"
-            gate.fail(str(exc))
-        finally:
-            self.copies = []
-            self.gate = None  # a live segment would keep a restarted worker from forking
-            self.done.set()
-
-    def _next_run(self, position: int) -> Optional[int]:
-        """The end of the run of items from ``position`` that may be copied now: all of
-        them in one go; in rounds, once the writer freed the first one's bytes (a bounded
-        wait), it and the following ones already free. None: the writer is done."""
-        if self.waits_for is None:
-            return len(self.copies)
-        if not wait_for_room(
-            self.gate, self.waits_for[self.indices[position]], self.timeout_s,
-            f"rank {self.rank}: the background writer freed no staging memory for "
-            f"{self.timeout_s:.0f}s (overlapped staging in rounds); the writer is stuck",
-        ):
-            return None
-        end = position + 1
-        while end < len(self.copies) and all(
-                self.gate.is_written(k) for k in self.waits_for[self.indices[end]]):
-            end += 1
-        return end
-
-    def _copy(self, start: int, end: int) -> None:
-        """Copy items ``start:end``, checking each version before and after its copy (CUDA
-        sources: on the side stream, checked once the stream is synchronized); in rounds,
-        mark each copied once its bytes are in the buffers."""
-        on_stream = []
-        for k in range(start, end):
-            name, source, buffer, version = self.copies[k]
-            self._check(name, source, version)
-            if source.device.type == "cuda":
-                with torch.cuda.stream(self.stream):
-                    buffer.copy_(source, non_blocking=True)
-                on_stream.append(k)
-            else:
-                buffer.copy_(source)
-                self._check(name, source, version)  # not changed while it was copied
-                self._mark_copied(k)
-        if on_stream:
-            wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
-            for k in on_stream:
-                name, source, _, version = self.copies[k]
-                self._check(name, source, version)
-                self._mark_copied(k)
-
-    def _mark_copied(self, k: int) -> None:
-        if self.indices is not None:
-            self.gate.mark_copied(self.indices[k])
-
-    def _keep_queued_copies(self) -> None:
-        """After a failure (copy thread): the buffers live on until the queued copies land."""
-        if self.stream is not None:
-            landed_after_failure(stream=self.stream, holding=[b for _, _, b, _ in self.copies])
-
-    def _check(self, name: str, source: torch.Tensor, version: int) -> None:
-        now = source._version
-        if now != version:
-            raise StagingRaceError(
-                f"rank {self.rank}: saved tensor {name!r} was modified in place before "
-                f"overlapped staging had copied it (version {version} -> {now}), so this save "
-                "would mix two training steps and fails on every rank. Call "
-                "megatron_async.staging.overlapped.wait_for_staging() before changing saved "
-                "tensors (every torch optimizer's step() does it automatically), or save "
-                "without overlap_staging"
-            )
 
 
 class _Copier:

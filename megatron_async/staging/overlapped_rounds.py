@@ -11,7 +11,7 @@ gate and the writer view, but scheduling copies nothing:
    instead;
 2. once the request is with its background writer, the overlapped copy thread (the one
    :func:`~.overlapped.wait_for_staging` waits for) runs the same
-   :class:`~.overlapped.CopyJob` as overlapped staging in one go, in rounds: it copies
+   :class:`~.copy_job.CopyJob` as overlapped staging in one go, in rounds: it copies
    the items in the writer's order, each once the writer marked the items whose bytes
    it overwrites *written*. CUDA sources are copied on the save's side stream into the
    page-locked pool, and synchronized before they are marked copied;
@@ -42,8 +42,8 @@ import torch
 
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
 from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.copy_job import CopyJob
 from megatron_async.staging.overlapped import (
-    CopyJob,
     install_optimizer_hook,
     submit_copy,
     overlapped_save_functions,
@@ -100,7 +100,7 @@ def stage_in_rounds_overlapped(
     plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
     job = CopyJob(gate, [entry[1:] for entry in to_copy], rank,
                   indices=[entry[0] for entry in to_copy], waits_for=plan.waits_for,
-                  timeout_s=timeout_s)
+                  timeout_s=timeout_s, what="overlapped staging in rounds")
     gate.mark_staged()  # the writer waits on the gate for each item
     logger.debug(
         "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",

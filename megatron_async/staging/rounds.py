@@ -13,7 +13,8 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then starts a trainer thread (``start_background_copy``) that copies each further item
+  then starts a trainer thread (``start_background_copy``, running the same
+  :class:`~.copy_job.CopyJob` as overlapped staging) that copies each further item
   once the writer marked its predecessors in the ring *written*, and waits for it
   (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
   the snapshot is whole when scheduling returns;
@@ -40,9 +41,11 @@ from typing import Callable, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import StagingMemoryError, StagingRaceError
+from megatron_async.core.coordination import get_rank
+from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.gate import StagingGate, wait_for_room, wait_on_gate
+from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.gate import StagingGate, wait_on_gate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
@@ -57,6 +60,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_ADVICE = ("Do not change saved tensors until scheduling returns, or raise "
+           "staging_memory_limit")
 
 @dataclasses.dataclass
 class RoundPlan:
@@ -148,24 +154,24 @@ def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
 class RoundsStaged(StagedBuckets):
     """Buckets staged in rounds: views of the pool, plus the copies still to make (trainer).
 
-    ``start_background_copy`` starts the copy thread once the request is with its writer;
-    ``finish_staging`` waits for it (bounded). Pickled, only the buckets travel.
+    ``start_background_copy`` starts the copy thread (the later rounds' :class:`CopyJob`)
+    once the request is with its writer; ``finish_staging`` waits for it (bounded).
+    Pickled, only the buckets travel.
     """
 
-    def __init__(self, buckets, gate: StagingGate, plan: RoundPlan,
-                 remaining: List[tuple], timeout_s: float):
+    def __init__(self, buckets, gate: StagingGate, plan: RoundPlan, job: CopyJob,
+                 timeout_s: float):
         super().__init__(buckets)
         self.gate = gate
         self.plan = plan
-        self._remaining = remaining
+        self._job = job
         self._timeout_s = timeout_s
         self._thread: Optional[threading.Thread] = None
-        self._copied = 0
 
     def start_background_copy(self) -> None:
-        if self._remaining and self._thread is None:
+        if self._job.copies and self._thread is None:
             self._thread = threading.Thread(
-                target=self._copy_rest, name="megatron-async-rounds", daemon=True
+                target=self._job.run, name="megatron-async-rounds", daemon=True
             )
             self._thread.start()
 
@@ -174,7 +180,7 @@ class RoundsStaged(StagedBuckets):
 
         The copy thread bounds each of its waits for the writer; this join gives up (and
         fails the save) only if the thread copied nothing for longer than that bound."""
-        join_copy_thread(self._thread, self.gate, lambda: self._copied, self._timeout_s)
+        join_copy_thread(self._thread, self.gate, self._job.progress, self._timeout_s)
 
     def join_copy(self, timeout_s: float) -> bool:
         """Trainer: wait (bounded) for the copy thread; whether it has ended."""
@@ -183,35 +189,8 @@ class RoundsStaged(StagedBuckets):
             return not self._thread.is_alive()
         return True
 
-    def _copy_rest(self) -> None:
-        try:
-            for idx, name, source, buffer, version in self._remaining:
-                if not wait_for_room(
-                    self.gate, self.plan.waits_for[idx], self._timeout_s,
-                    f"the background writer freed no staging memory for "
-                    f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck",
-                ):
-                    return  # the writer stopped reading (it failed): its error fails the save
-                _copy_checked(name, source, buffer, version)
-                self.gate.mark_copied(idx)
-                self._copied += 1
-        except BaseException as exc:  # the writer raises it; the save fails on every rank
-            logger.error("staging in rounds failed: %s", exc)
-            self.gate.fail(str(exc))
-        finally:
-            self._remaining = []
-
     def __reduce__(self):
         return (StagedBuckets, (list(self),))
-
-
-def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version: int) -> None:
-    """Copy one item, failing if the source changed since scheduling, before or during the
-    copy (trainer)."""
-    _check_version(name, source, version)
-    buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source], holding=buffer)
-    _check_version(name, source, version)
 
 
 def join_copy_thread(
@@ -244,16 +223,6 @@ def version_of(source: torch.Tensor) -> Optional[int]:
         return source._version
     except RuntimeError:
         return None
-
-
-def _check_version(name: str, source: torch.Tensor, version: Optional[int]) -> None:
-    if version is not None and source._version != version:
-        raise StagingRaceError(
-            f"saved tensor {name!r} was modified in place (version {version} -> "
-            f"{source._version}) before staging in rounds had copied it, so this save "
-            "would mix two training steps and fails on every rank. Do not change saved "
-            "tensors until scheduling returns, or raise staging_memory_limit"
-        )
 
 
 def place_in_pool(
@@ -328,7 +297,12 @@ def stage_in_rounds(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
         len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(remaining),
     )
-    return RoundsStaged(staged, gate, plan, remaining, timeout_s)
+    job = CopyJob(
+        gate, [entry[1:] for entry in remaining], get_rank(),
+        indices=[entry[0] for entry in remaining], waits_for=plan.waits_for,
+        timeout_s=timeout_s, what="staging in rounds", advice=_ADVICE,
+    )
+    return RoundsStaged(staged, gate, plan, job, timeout_s)
 
 
 class RoundItems(list):

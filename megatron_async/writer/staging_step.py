@@ -72,7 +72,9 @@ def with_staging_step(
             save_fn, resolved_plan_data, staging_cache, results_queue, gate
         )
     else:
-        preload_fn = bind_supported(preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache)
+        preload_fn = bind_supported(
+            preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache
+        )
         args, overlapped = [coordination.get_rank(), None, results_queue], None
     preload_fn = budgeted_preload(
         gate, preload_fn, write_buckets, memory_limit,
