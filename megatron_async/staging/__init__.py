@@ -16,10 +16,8 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 * :mod:`.copy_job`: the one copy that runs after the hand-over, in one go or in rounds,
   checking every tensor's version (the overlapped copy and the later rounds);
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
-  for before the next in-place update;
-* :mod:`.overlapped_rounds`: overlapped staging of a state larger than the budget: the
-  pool placed at scheduling, every round copied by that thread, the next optimizer step
-  waiting for the last;
+  for before the next in-place update; above the budget, the pool placed at scheduling,
+  every round copied by that thread, the next optimizer step waiting for the last;
 * :mod:`.torch_save`: the object of a :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`
   save pickled at once, its storages staged within the budget (in one go or in rounds);
 * :mod:`.snapshot`: any nested structure of tensors copied to host memory (a

@@ -14,7 +14,7 @@ Runs in the trainer (every rank), in the request's ``preload_fn``. Every save st
 * a state that fits the budget is staged in one go (:func:`~.buffers.stage_buckets`,
   unchanged); a larger one in rounds through a pool of the budget's size
   (:mod:`megatron_async.staging.rounds`; with overlapped staging every round is copied
-  by the copy thread, :mod:`megatron_async.staging.overlapped_rounds`); a single tensor
+  by the copy thread, :mod:`megatron_async.staging.overlapped`); a single tensor
   larger than the budget is refused before anything is staged or lost
   (:class:`~megatron_async.errors.StagingMemoryError` naming the tensor and the budget
   it needs).
@@ -291,7 +291,7 @@ def stage_within_budget(
     ``stage_one_go`` is the writer's own staging (one go, or overlapped), used when the
     state fits; ``overlapped`` (None without overlapped staging) stages in rounds in place
     of :func:`~.rounds.stage_in_rounds`, with the same arguments
-    (:func:`~.overlapped_rounds.stage_in_rounds_overlapped` with its gate bound);
+    (:func:`~.overlapped.stage_in_rounds_overlapped` with the rank bound);
     ``stats`` receives ``rounds`` and ``peak_bytes`` of this save.
 
     Raises:

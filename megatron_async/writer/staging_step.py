@@ -6,7 +6,7 @@ chooses how the data reaches it, once per save, in the trainer:
 
 * plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`);
 * or, with ``overlap_staging``, the copy on a trainer thread after scheduling
-  (:mod:`megatron_async.staging.overlapped_rounds`);
+  (:mod:`megatron_async.staging.overlapped`);
 
 and wraps either in the staging memory budget
 (:func:`~megatron_async.staging.budget.budgeted_preload`): rounds when the state is larger
@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache
-from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
+from megatron_async.staging.overlapped import overlapped_save_functions
 from megatron_async.staging.gate import StagingGate
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket
 from megatron_async.writer.write_paths import bind_supported
@@ -68,7 +68,7 @@ def with_staging_step(
     """
     rounds = "staging_control" in save_fn.keywords
     if overlap_staging:  # above the budget: rounds copied by the copy thread
-        save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
+        save_fn, preload_fn, args, overlapped = overlapped_save_functions(
             save_fn, resolved_plan_data, staging_cache, results_queue, gate
         )
     else:

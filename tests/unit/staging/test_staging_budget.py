@@ -224,7 +224,7 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
 
 
 def _overlapped_rounds(tensors, pool_bytes, rank=0):
-    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
 
     gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
@@ -441,7 +441,7 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
 def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
     from megatron_async.staging.budget import stage_within_budget
     from megatron_async.staging.overlapped import wait_for_staging
-    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
     from functools import partial
 
     tensors = _tensors(count=4, numel=1024)
