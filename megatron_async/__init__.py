@@ -10,6 +10,8 @@ The pipeline of one save, one package per stage::
     integrity/  checksums, completeness, inspection
     storage/    where checkpoints live: one CheckpointStorage per path (local files or
                 multi-storage-client objects), chosen once by storage_for
+    buckets/    the write buckets every stage shares: their layout, the files they
+                become, the digest of every item
     format.py   names on disk and the completeness rule; manager.py, checkpoint_dirs.py,
                 torch_ckpt.py, cli.py around them
 

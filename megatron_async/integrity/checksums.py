@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 
 from megatron_async.format import CHECKSUM_FILE, checksum_record_name, is_checksum_record
-from megatron_async.integrity.hashing import ALGORITHM, new_hasher
+from megatron_async.buckets.hashing import ALGORITHM, new_hasher
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [

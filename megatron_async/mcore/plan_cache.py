@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
@@ -187,12 +187,6 @@ class PlanCache:
                 "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir, group
             )
         return prepared
-
-    def cached_staging_key(self, config: TorchDistSaveConfig) -> Optional[Hashable]:
-        """The staging key of the cached plan's layout, if the next save may reuse the plan
-        (every rank, local; what the copy ahead copies before the save's checks)."""
-        cached = self._usable(config, coordination.get_rank() == COORDINATOR_RANK)
-        return cached.binding.staging_key if cached is not None and cached.binding else None
 
     def _usable(self, config: TorchDistSaveConfig, is_coordinator: bool) -> Optional[_CachedPlan]:
         """Return the latest save's plans if this save may reuse them (every rank, local)."""

@@ -48,7 +48,6 @@ from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
-from megatron_async.staging.copy_ahead import CopyAhead, start_copy_ahead
 from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -290,7 +289,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             return overwrites
 
         start = time.monotonic()
-        ahead = self._copy_ahead()
         try:
             writer, metadata, dist_wrapper = self.plan_cache.plan_save(
                 sharded_state_dict,
@@ -299,10 +297,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 lambda: self._with_history(self._create_writer(checkpoint_dir)),
                 check_target,
             )
-            if ahead is not None and self.plan_cache.last_save_reused_plans:
-                writer.copy_ahead = ahead  # its staging claims it
-            elif ahead is not None:
-                ahead.cancel()  # planned in full: the layout may differ
             plan_s = time.monotonic() - start
             logger.debug(
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
@@ -310,19 +304,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             )
             return self._request(writer, metadata, dist_wrapper, claims[0], plan_s)
         except BaseException:
-            if ahead is not None:
-                ahead.cancel()
             for claim in claims:
                 claim.release()
             raise
-
-    def _copy_ahead(self) -> Optional[CopyAhead]:
-        """Start the staging copy of the cached layout before the save's checks, where it
-        applies (every rank, local; :mod:`megatron_async.staging.copy_ahead`: a copy ahead
-        that cannot start is None, and staging copies; the cached key is only read here)."""
-        if self.config.overlap_staging:
-            return None
-        return start_copy_ahead(self.staging_cache, self.plan_cache.cached_staging_key(self.config))
 
     def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""

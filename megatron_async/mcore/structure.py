@@ -43,7 +43,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from megatron_async.writer.layout import BucketLayout, WriteBucket
+from megatron_async.buckets.layout import BucketLayout, WriteBucket
 
 __all__ = ["Structure", "PlanBinding", "describe_structure", "bind_plan", "rebind"]
 

@@ -20,7 +20,7 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.global_plan import build_metadata, index_items
 from megatron_async.saver.plan_digests import attach_plan_digests
-from megatron_async.writer.layout import is_empty_chunk
+from megatron_async.buckets.layout import is_empty_chunk
 
 __all__ = ["build_global_metadata", "without_redundant_empty_chunks"]
 

@@ -55,7 +55,7 @@ from megatron_async.saver.global_metadata import build_global_metadata, without_
 from megatron_async.saver.plan_digests import plan_digest, same_plan
 from megatron_async.saver.shared_sizes import share_equal_sizes
 from megatron_async.writer.commit import unmark_before_rewrite
-from megatron_async.writer.layout import BucketLayout, PreparedWrite
+from megatron_async.buckets.layout import BucketLayout, PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [

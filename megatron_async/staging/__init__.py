@@ -7,17 +7,17 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   (:mod:`.buffer_cache`: the reusable buffers and their leases);
 * :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``, a large
   one in parts on the copy threads (:mod:`.copy_pool`: the threads and bounded waits);
-* :mod:`.copy_ahead`: with a cached plan, those copies started when the save begins,
-  while the training thread checks that the plan still applies;
 * :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
   saves still being written, and the choice between staging in one go and in rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through
   one bounded pool (its :func:`~.rounds.writer_view` runs in the background writer);
-* :mod:`.rounds_control`: the control block the stager and the writer share (both sides);
+* :mod:`.gate`: the one gate between the stager and the writer of a save, whatever the
+  mode (both sides): staged or failed, and per item copied or written in rounds;
+* :mod:`.copy_job`: the one copy that runs after the hand-over, in one go or in rounds,
+  checking every tensor's version (the overlapped copy and the later rounds);
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
-  for before the next in-place update;
-* :mod:`.overlapped_rounds`: overlapped staging of a state larger than the budget: every
-  round copied by that thread, the next optimizer step waiting for the last;
+  for before the next in-place update; above the budget, the pool placed at scheduling,
+  every round copied by that thread, the next optimizer step waiting for the last;
 * :mod:`.torch_save`: the object of a :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`
   save pickled at once, its storages staged within the budget (in one go or in rounds);
 * :mod:`.snapshot`: any nested structure of tensors copied to host memory (a

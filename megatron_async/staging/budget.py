@@ -14,12 +14,12 @@ Runs in the trainer (every rank), in the request's ``preload_fn``. Every save st
 * a state that fits the budget is staged in one go (:func:`~.buffers.stage_buckets`,
   unchanged); a larger one in rounds through a pool of the budget's size
   (:mod:`megatron_async.staging.rounds`; with overlapped staging every round is copied
-  by the copy thread, :mod:`megatron_async.staging.overlapped_rounds`); a single tensor
+  by the copy thread, :mod:`megatron_async.staging.overlapped`); a single tensor
   larger than the budget is refused before anything is staged or lost
   (:class:`~megatron_async.errors.StagingMemoryError` naming the tensor and the budget
   it needs).
 
-A hold ends when the save's writer marks its control block done (it read everything)
+A hold ends when the save's writer marks its gate done (it read everything)
 or when the caller releases the staged data, whichever comes first.
 """
 
@@ -43,8 +43,8 @@ from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
 from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
-from megatron_async.staging.rounds_control import RoundsControl
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.staging.gate import StagingGate
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "StagingLedger",
@@ -106,18 +106,18 @@ class _Hold:
     """Staging memory held by one save until its writer is done, the caller releases the
     staged data, or nothing in this process references that data any more."""
 
-    def __init__(self, num_bytes: int, control: RoundsControl):
+    def __init__(self, num_bytes: int, gate: StagingGate):
         self.num_bytes = num_bytes
-        self.control: Optional[RoundsControl] = control
+        self.gate: Optional[StagingGate] = gate
         self.released = False
         self.staged: Optional[weakref.ref] = None
 
     def end(self) -> None:
-        """Stop holding, and let go of the control block at once: a finished save must not
+        """Stop holding, and let go of the gate at once: a finished save must not
         keep a shared-memory segment alive until the next save prunes the ledger (a live
         segment makes a restarted persistent worker start as a fresh interpreter)."""
         self.released = True
-        self.control = None
+        self.gate = None
 
     def done(self) -> bool:
         if self.released:
@@ -125,7 +125,7 @@ class _Hold:
         staged = self.staged() if self.staged is not None else None
         if self.staged is not None and staged is None:
             self.end()  # dropped without a release: its buffers are gone
-        elif self.control is not None and (self.control.writer_done or self.control.writer_gone()):
+        elif self.gate is not None and (self.gate.writer_done or self.gate.writer_gone()):
             # Done reading, or its process ended without saying so (killed before it read).
             self.end()
             release = getattr(staged, "release", None)
@@ -149,7 +149,7 @@ class StagingLedger:
             self._holds = [h for h in self._holds if not h.done()]
             return sum(h.num_bytes for h in self._holds)
 
-    def reserve(self, num_bytes: int, budget: int, control: RoundsControl, timeout_s: float) -> _Hold:
+    def reserve(self, num_bytes: int, budget: int, gate: StagingGate, timeout_s: float) -> _Hold:
         """Wait until ``num_bytes`` more fit in ``budget``, then hold them (bounded).
 
         Raises:
@@ -175,7 +175,7 @@ class StagingLedger:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             held = self.held_bytes()
-        hold = _Hold(num_bytes, control)
+        hold = _Hold(num_bytes, gate)
         with self._lock:
             self._holds.append(hold)
             self.peak_bytes = max(self.peak_bytes, held + num_bytes)
@@ -252,7 +252,7 @@ def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
 
 def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None:
     """Tie the hold to the staged data: the caller's release ends it too (a killed writer
-    never marks its control block done), and so does dropping the data unreleased."""
+    never marks its gate done), and so does dropping the data unreleased."""
     stats.update(rounds=rounds, peak_bytes=peak)
     try:
         staged_ref = weakref.ref(staged)
@@ -268,15 +268,15 @@ def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None
             release(target)
 
     def record_writer(pid: int) -> None:  # the caller, at the hand-over
-        if hold.control is not None:
-            hold.control.record_writer(pid)
+        if hold.gate is not None:
+            hold.gate.record_writer(pid)
 
     staged.release = release_and_end_hold
     staged.record_writer = record_writer
 
 
 def stage_within_budget(
-    control: RoundsControl,
+    gate: StagingGate,
     buckets: Sequence[WriteBucket],
     limit: Any,
     cache: Optional[StagingBufferCache],
@@ -291,7 +291,7 @@ def stage_within_budget(
     ``stage_one_go`` is the writer's own staging (one go, or overlapped), used when the
     state fits; ``overlapped`` (None without overlapped staging) stages in rounds in place
     of :func:`~.rounds.stage_in_rounds`, with the same arguments
-    (:func:`~.overlapped_rounds.stage_in_rounds_overlapped` with its gate bound);
+    (:func:`~.overlapped.stage_in_rounds_overlapped` with the rank bound);
     ``stats`` receives ``rounds`` and ``peak_bytes`` of this save.
 
     Raises:
@@ -304,7 +304,7 @@ def stage_within_budget(
     state_bytes, cuda = _state_sizes(buckets)
     budget = resolve_budget(limit, state_bytes)
     if state_bytes <= budget:
-        hold = _ledger.reserve(state_bytes, budget, control, timeout_s)
+        hold = _ledger.reserve(state_bytes, budget, gate, timeout_s)
         try:
             staged = stage_one_go()
         except BaseException:
@@ -326,10 +326,10 @@ def stage_within_budget(
         f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
     )
     (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
-    hold = _ledger.reserve(budget, budget, control, timeout_s)
+    hold = _ledger.reserve(budget, budget, gate, timeout_s)
     try:
         pool = _ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
-        staged = (overlapped or stage_in_rounds)(buckets, pool, budget, control, timeout_s)
+        staged = (overlapped or stage_in_rounds)(buckets, pool, budget, gate, timeout_s)
     except BaseException:
         hold.end()
         raise
@@ -340,7 +340,7 @@ def stage_within_budget(
 
 
 def budgeted_preload(
-    control: RoundsControl,
+    gate: StagingGate,
     preload_fn: Callable[[], Any],
     buckets: Sequence[WriteBucket],
     limit: Any,
@@ -352,13 +352,13 @@ def budgeted_preload(
 ) -> Callable[[], Any]:
     """Wrap a writer's ``preload_fn`` so that the save stays within the budget (trainer).
 
-    ``control`` (one word per tensor item of ``buckets``) also goes to the write path
+    ``gate`` (one word per tensor item of ``buckets``) also goes to the write path
     (``staging_control``), which takes the items as they arrive and marks it done.
     ``overlapped``: see :func:`stage_within_budget`.
     ``rounds`` False: the write path does not take ``staging_control`` (an override with
     the reference signature), so a state above the budget is refused.
     """
     return partial(
-        stage_within_budget, control, buckets, limit, cache, timeout_s, preload_fn,
+        stage_within_budget, gate, buckets, limit, cache, timeout_s, preload_fn,
         overlapped, stats, rounds,
     )

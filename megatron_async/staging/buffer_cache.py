@@ -37,8 +37,6 @@ class _BufferSet:
     leased: bool = False
     owner_pid: int = 0
     generation: int = 0
-    ahead: Any = None
-    """The unclaimed copy ahead (:mod:`.copy_ahead`) that holds the lease, if any."""
 
     def num_bytes(self) -> int:
         return sum(b.num_bytes() for b in self.buckets if b is not None)
@@ -64,12 +62,8 @@ class StagingBufferCache:
         self._lock = threading.Lock()
         self._entries: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
 
-    def lease(self, key: Hashable, num_buckets: int, ahead: Any = None) -> Optional[_BufferSet]:
-        """Return ``key``'s buffer set, leased to the caller, or None if it is leased already.
-
-        ``ahead``: the save's copy ahead; if it holds this lease, the caller takes the
-        lease over (``ahead.claimed`` is set) with the copy still running.
-        """
+    def lease(self, key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
+        """Return ``key``'s buffer set, leased to the caller, or None if it is leased already."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -78,21 +72,8 @@ class StagingBufferCache:
                     del self._entries[other]
                 self._entries[key] = entry
             elif entry.leased:
-                if ahead is not None and entry.ahead is ahead:
-                    entry.ahead, ahead.claimed = None, True
-                    return entry
                 logger.debug("staging buffers of this layout are still being written; using new ones")
                 return None
-            return self._mark_leased(key, entry)
-
-    def lease_ahead(self, key: Hashable, ahead: Any) -> Optional[_BufferSet]:
-        """Lease ``key``'s buffers to the copy ahead ``ahead`` (recorded on the entry in the
-        same lock hold): only if every bucket has buffers and no save holds them."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.leased or any(b is None for b in entry.buckets):
-                return None
-            entry.ahead = ahead
             return self._mark_leased(key, entry)
 
     def _mark_leased(self, key: Hashable, entry: _BufferSet) -> _BufferSet:
@@ -102,22 +83,6 @@ class StagingBufferCache:
         entry.leased, entry.owner_pid = True, os.getpid()
         entry.generation = next(_generations)
         return entry
-
-    def detach_ahead(self, ahead: Any) -> Optional[Tuple[Hashable, int]]:
-        """The lease ``(key, generation)`` that ``ahead`` still held unclaimed, or None; it
-        no longer holds it (whoever gets the lease ends the copy and gives it back)."""
-        with self._lock:
-            for key, entry in self._entries.items():
-                if entry.ahead is ahead:
-                    entry.ahead = None
-                    return key, entry.generation
-            return None
-
-    def unclaimed_aheads(self) -> List[Any]:
-        """The copies ahead that hold a lease nobody claimed (a save that failed, or whose
-        request was never scheduled)."""
-        with self._lock:
-            return [e.ahead for e in self._entries.values() if e.ahead is not None]
 
     def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
         """Make the leased buffers reusable once nothing reads them any more (stager).
@@ -157,11 +122,8 @@ class StagingBufferCache:
         """Drop the cached buffers that are not in use (or all of them).
 
         ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
-        holds it); use it only when no save is in flight, e.g. in tests. Buffers that an
-        unclaimed copy ahead holds count as not in use: the copy is cancelled first.
+        holds it); use it only when no save is in flight, e.g. in tests.
         """
-        for ahead in self.unclaimed_aheads():
-            ahead.cancel()
         with self._lock:
             for key in [k for k, e in self._entries.items() if include_in_use or not e.leased]:
                 del self._entries[key]

@@ -40,12 +40,12 @@ import dataclasses
 import logging
 import operator
 import time
-from typing import Dict, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from megatron_async.writer.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import shared_memory
 from megatron_async.core.device_wait import (
     DeviceCopyTimeoutError,
@@ -60,8 +60,6 @@ from megatron_async.staging.buffer_cache import (
     default_staging_cache,
     staging_cache_num_bytes,
 )
-from megatron_async.staging.copy_ahead import COPY_AHEAD_ENV, AheadParts, CopyAhead, settle_parts
-from megatron_async.staging.copy_pool import StagingCopyTimeoutError
 from megatron_async.staging.flat_copy import FlatStaging
 
 __all__ = [
@@ -194,7 +192,6 @@ def stage_buckets(
     cache_key: Optional[Hashable] = None,
     cache: Optional[StagingBufferCache] = None,
     copy_now: bool = True,
-    copy_ahead: Optional[CopyAhead] = None,
 ) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
@@ -210,9 +207,6 @@ def stage_buckets(
         copy_now: False only leases the buffers and leaves the copies to the caller:
             ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
             (overlapped staging, :mod:`megatron_async.staging.overlapped`).
-        copy_ahead: this save's copy ahead (:mod:`.copy_ahead`), if the strategy started
-            one: staging takes over its lease and uses the copies of the buckets whose
-            sources are the memory they read.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -223,28 +217,19 @@ def stage_buckets(
     """
     start = time.monotonic()
     cache = cache if cache is not None else default_staging_cache()
-    entry = cache.lease(cache_key, len(buckets), copy_ahead) if cache_key is not None else None
+    entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
-    ahead: Dict[int, AheadParts] = {}
     cuda_devices: Set[torch.device] = set()
     allocated = 0
     try:
-        if copy_ahead is not None and copy_ahead.claimed:
-            ahead = copy_ahead.take_parts()
-        elif copy_ahead is not None:  # another layout, or its buffers dropped: it serves no one
-            copy_ahead.cancel()
-        if not copy_now:
-            _settle(ahead)
         for b_idx, bucket in enumerate(buckets):
             bytes_data, tensor_data = bucket.data
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            copied = copy_now and buffers is not None and _copy_flat(
-                buffers, sources, ahead=ahead.get(b_idx))
-            ahead.pop(b_idx, None)  # waited for (an exception leaves it to the settling below)
+            copied = copy_now and buffers is not None and _copy_flat(buffers, sources)
             if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
@@ -262,11 +247,9 @@ def stage_buckets(
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
-        _settle(ahead)  # buckets this save's items did not reach (none, normally)
         wait_for_device_copies(cuda_devices, holding=(result, entry))
         cuda_devices.clear()
     except BaseException as exc:
-        settle_parts(ahead)  # every part ends first; the error that brought us here wins
         device_stuck = isinstance(exc, DeviceCopyTimeoutError) or bool(cuda_devices) and not (
             landed_after_failure(cuda_devices, holding=(result, entry)))  # queued before it
         if device_stuck or entry is not None and any(
@@ -289,35 +272,19 @@ _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 
 
-def _settle(ahead: Dict[int, AheadParts]) -> None:
-    """Wait for copies ahead this save does not use (stager); raise an interrupt that came
-    meanwhile, or :class:`StagingCopyTimeoutError` for a part stuck past its bound (its
-    copy is then ``stuck``: the buffers are dropped)."""
-    stuck, interrupt = settle_parts(ahead)
-    if interrupt is not None:
-        raise interrupt
-    if stuck:
-        raise StagingCopyTimeoutError(
-            "a staging copy thread did not finish a copy started ahead of the save; the "
-            f"host is overloaded or stuck. Unset {COPY_AHEAD_ENV} to copy only at scheduling"
-        )
-
-
 def _copy_flat(
-    buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False,
-    ahead: Optional[AheadParts] = None,
+    buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False
 ) -> bool:
     """Copy the sources with the buffers' one-call copy, if they have one that applies (stager).
 
     ``build``: the sources fit the buffers, so a cached bucket of CPU sources gets one.
-    ``ahead``: the parts a copy ahead started for this bucket (see :meth:`FlatStaging.copy`).
     """
     if buffers.flat is None and build and buffers.reusable and not (
         buffers.for_cuda or buffers.cuda_devices
     ):
         buffers.flat = FlatStaging()
     return buffers.flat is not None and buffers.flat.copy(
-        sources, buffers.tensors, buffers.segment, build, ahead
+        sources, buffers.tensors, buffers.segment, build
     )
 
 
@@ -337,7 +304,6 @@ def preload_tensors(
     non_blocking: bool = True,
     *,
     staging_cache: Optional[StagingBufferCache] = None,
-    copy_ahead: Optional[CopyAhead] = None,
 ) -> List[WriteBucket]:
     """Stage the prepared buckets' tensors to host memory: a snapshot (trainer, every rank).
 
@@ -348,17 +314,16 @@ def preload_tensors(
     Args:
         resolved_plan_data: ``(checkpoint_dir, (identifier, write_buckets))`` as
             ``prepare_write_data`` left it in the writer's ``resolved_plan_data``. With a
-            :class:`~megatron_async.writer.layout.ConsistentDataIdentifier`, the buffers
+            :class:`~megatron_async.buckets.layout.ConsistentDataIdentifier`, the buffers
             staged under that key by an earlier save are reused
             (``use_cached_data_structure``); None stages into fresh buffers.
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
         staging_cache: where the reusable buffers live (the trainer's);
             :func:`~megatron_async.staging.buffers.default_staging_cache` when None.
-        copy_ahead: the copy ahead the strategy started for this save, if any.
 
     Returns:
         The staged buckets (a :class:`~megatron_async.staging.buffers.StagedBuckets`).
     """
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     key = identifier.key if identifier is not None else None
-    return stage_buckets(write_buckets, non_blocking, key, staging_cache, copy_ahead=copy_ahead)
+    return stage_buckets(write_buckets, non_blocking, key, staging_cache)

@@ -27,8 +27,7 @@ A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at onc
 node's memory bandwidth, docs/benchmarks.md): its pieces are cut into runs of about equal
 bytes, each its own ``torch.cat`` into its own part of the region, one on the calling
 thread and the others on a small pool of this process. The call returns only when every
-part is copied, so the snapshot is whole when scheduling returns. A copy ahead
-(:mod:`.copy_ahead`) hands every part to the pool before the save knows its sources.
+part is copied, so the snapshot is whole when scheduling returns.
 
 CUDA sources never come here: they keep the page-locked buffers, non-blocking copies and
 one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
@@ -62,7 +61,6 @@ pool thread costs tens of microseconds)."""
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 _nbytes = operator.attrgetter("nbytes")
-_version = operator.attrgetter("_version")
 
 _PADDING = torch.zeros(ALIGNMENT, dtype=torch.uint8)
 """Bytes that fill the alignment gaps between buffers (never read back: each buffer is
@@ -78,7 +76,7 @@ class FlatCopy:
         hits: the saves this copy served after the one it was built in.
     """
 
-    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "_versions", "hits", "stuck")
+    __slots__ = ("_views", "_addresses", "_nbytes", "_parts", "hits", "stuck")
 
     def __init__(self, views: List[torch.Tensor], nbytes: List[int],
                  pieces: List[torch.Tensor], region: torch.Tensor, threads: int = 1) -> None:
@@ -86,7 +84,6 @@ class FlatCopy:
         self._addresses = list(map(_data_ptr, views))  # a view's address never changes
         self._nbytes = nbytes
         self._parts = _split(pieces, region, threads)
-        self._versions: Optional[List[int]] = None  # the sources' versions when start() ran
         self.hits = 0
         self.stuck = False  # a part outlived its bound: its thread may still write
 
@@ -172,48 +169,14 @@ class FlatCopy:
             raise
         self.finish(running)
 
-    def start(self, max_threads: int, running: Optional[Running] = None) -> Running:
-        """Hand every part to the copy threads and return the running parts: the copy
-        ahead's (:mod:`.copy_ahead`). The pool grows to ``max_threads`` at most for them
-        (threads it already has all serve). Parts no thread could take are copied here
-        before this returns. ``running``: the list to record the parts in as they are
-        handed over (the caller's, so that an interrupt cannot lose one); a new one if None.
-
-        If anything fails, the parts handed over are waited for before it is raised
-        (``stuck`` is set for one past its bound)."""
-        self._versions = list(map(_version, self._views))  # a view shares its base's counter
-        running = [] if running is None else running
-        try:
-            for pieces, region in copy_pool.copy_thread_pool().hand_over(self._parts, running, max_threads):
-                torch.cat(pieces, out=region)
-        except BaseException:
-            self.settle(running)
-            raise
-        return running
-
-    def unchanged_since_start(self) -> bool:
-        """Whether no in-place operation changed a source's version counter since
-        :meth:`start` (writes through ``.data`` or numpy are not counted: see
-        :mod:`.copy_ahead`)."""
-        return list(map(_version, self._views)) == self._versions
-
     def finish(self, running: Running) -> None:
-        """Wait for the parts :meth:`start` (or :meth:`copy`) handed over; raise the first
+        """Wait for the parts :meth:`copy` handed over; raise the first
         interrupt, or else the first error (:class:`StagingCopyTimeoutError` for a part
         stuck past its bound, which also sets ``stuck``)."""
         self.stuck, interrupt, error = copy_pool.wait_all(running)
         if interrupt is not None:
             raise interrupt
         if error is not None:
-            raise error
-
-    def settle(self, running: Running) -> None:
-        """Wait for parts whose copy is not wanted any more: their errors are dropped; an
-        interrupt, or a part stuck past its bound (``stuck``), is still raised."""
-        self.stuck, interrupt, error = copy_pool.wait_all(running)
-        if interrupt is not None:
-            raise interrupt
-        if self.stuck:
             raise error
 
 
@@ -245,24 +208,12 @@ class FlatStaging:
     def copy(
         self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
         segment: Optional[torch.Tensor], build: bool,
-        ahead: Optional[Tuple["FlatCopy", Running]] = None,
     ) -> bool:
         """Copy ``sources`` into ``buffers`` in one call if possible; return whether it did.
 
         ``build``: the sources are known to fit the buffers (shapes and dtypes), so a
         copy may be planned for them when the current one does not apply.
-        ``ahead``: a copy of :attr:`current` and the parts of it a copy ahead started
-        (before this save's sources were known): they are this save's copy if the sources
-        are the memory they read and no version-counted in-place operation changed it
-        since; otherwise they are waited for, and the sources copied anew.
         """
-        if ahead is not None:
-            started, running = ahead
-            if started.matches(sources) and started.unchanged_since_start():
-                started.hits += 1
-                started.finish(running)
-                return True
-            started.settle(running)
         flat = self._flat
         if flat is not None and flat.matches(sources):
             flat.hits += 1

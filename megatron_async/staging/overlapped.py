@@ -8,8 +8,8 @@ returns once every saved tensor is copied to host memory. With it:
 2. once the request is handed to the background writer, one copy thread of the trainer
    process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
    on a side stream into page-locked shared memory), while training goes on;
-3. the background writer waits for that copy (a :class:`~.staging_gate.StagingGate` in
-   shared memory) before it writes a byte.
+3. the background writer waits for that copy (the save's :class:`~.gate.StagingGate`,
+   in shared memory) before it writes a byte.
 
 Nothing may change a saved tensor before it is copied:
 
@@ -27,8 +27,19 @@ Nothing may change a saved tensor before it is copied:
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
+Above the staging budget (a ``staging_memory_limit`` below a rank's state), the state
+goes through the budget's pool in rounds (:mod:`.rounds`' ring plan and writer view), and
+still nothing is copied at scheduling: :func:`stage_in_rounds_overlapped` places every
+item in the pool, records the version counters and marks the gate staged at once (the
+writer waits on it for each item instead); after the hand-over the same copy thread runs
+the same :class:`~.copy_job.CopyJob` in rounds, each item once the writer wrote the
+items whose bytes it overwrites (each wait bounded on its own, ending early when the
+writer is done, failed or gone), and the next optimizer step waits until the last round
+is copied: under a budget, the trainer's wait for the drain moves there. The files are
+byte-identical to a save staged in one go.
+
 Runs in the trainer; the gate's waiting side runs in the background writer
-(:mod:`.staging_gate`).
+(:func:`~.gate.write_after_staging`).
 """
 
 from __future__ import annotations
@@ -39,105 +50,33 @@ import queue
 import threading
 import time
 from functools import partial
-from typing import (
-    TYPE_CHECKING, Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple,
-)
+from typing import Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
+from megatron_async.buckets.layout import WriteBucket, unpack_resolved_plan_data
+from megatron_async.core import coordination
 from megatron_async.core.hand_over import require_hand_over
-from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError, StagingRaceError
-from megatron_async.staging.staging_gate import (
-    DEFAULT_STAGING_WAIT_S,
-    StagingGate,
-    write_after_staging,
-)
-
-if TYPE_CHECKING:  # the background writer imports this module and needs neither
-    from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache
+from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
+from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache, stage_buckets
+from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
+from megatron_async.staging.rounds import RoundPlan, place_in_pool
 
 __all__ = [
-    "StagingGate",
     "stage_buckets_overlapped",
+    "stage_in_rounds_overlapped",
+    "OverlappedRoundsStaged",
     "overlapped_save_functions",
-    "write_after_staging",
     "wait_for_staging",
     "staging_in_progress",
     "refuse_overlap_param_gather",
     "copies_held",
-    "CopyJob",
     "submit_copy",
     "install_optimizer_hook",
-    "DEFAULT_STAGING_WAIT_S",
 ]
 
 logger = logging.getLogger(__name__)
-
-class CopyJob:
-    """One save's copies: ``(name, source, buffer, version at scheduling)`` per tensor."""
-
-    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int):
-        self.gate = gate
-        self.copies = copies
-        self.rank = rank
-        self.done = threading.Event()
-        self.stream = None
-        if any(source.device.type == "cuda" for _, source, _, _ in copies):
-            # The side stream starts after the work queued so far on the current stream.
-            self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())
-
-    def progress(self) -> int:
-        """Items copied so far, for waits bounded by progress (0: counted as one piece)."""
-        return 0
-
-    def run(self) -> None:
-        """Copy thread: copy every tensor, checking its version before and after."""
-        try:
-            for name, source, buffer, version in self.copies:
-                self._check(name, source, version)
-                if source.device.type == "cuda":
-                    with torch.cuda.stream(self.stream):
-                        buffer.copy_(source, non_blocking=True)
-                else:
-                    buffer.copy_(source)
-                    self._check(name, source, version)  # not changed while it was copied
-            if self.stream is not None:
-                wait_for_stream(self.stream, holding=[buffer for _, _, buffer, _ in self.copies])
-                for name, source, _, version in self.copies:
-                    if source.device.type == "cuda":
-                        self._check(name, source, version)
-        except StagingRaceError as exc:
-            self._keep_queued_copies()
-            self.gate.mark_failed(str(exc))
-        except BaseException as exc:  # reported by the writer, on every rank at finalization
-            self._keep_queued_copies()
-            logger.error("rank %d: overlapped staging copy failed: %s", self.rank, exc)
-            self.gate.mark_failed(f"rank {self.rank}: overlapped staging copy failed: "
-                                  f"{type(exc).__name__}: {exc}")
-        else:
-            self.gate.mark_staged()
-        finally:
-            self.copies = []
-            self.done.set()
-
-    def _keep_queued_copies(self) -> None:
-        """After a failure (copy thread): the buffers live on until the queued copies land."""
-        if self.stream is not None:
-            landed_after_failure(stream=self.stream, holding=[b for _, _, b, _ in self.copies])
-
-    def _check(self, name: str, source: torch.Tensor, version: int) -> None:
-        now = source._version
-        if now != version:
-            raise StagingRaceError(
-                f"rank {self.rank}: saved tensor {name!r} was modified in place before "
-                f"overlapped staging had copied it (version {version} -> {now}), so this save "
-                "would mix two training steps and fails on every rank. Call "
-                "megatron_async.staging.overlapped.wait_for_staging() before changing saved "
-                "tensors (every torch optimizer's step() does it automatically), or save "
-                "without overlap_staging"
-            )
 
 
 class _Copier:
@@ -267,8 +206,6 @@ def stage_buckets_overlapped(
         StagingHandOverError: another library's caller runs this ``preload_fn`` (it would
             never start the copy).
     """
-    from megatron_async.staging.buffers import stage_buckets
-
     require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
     wait_for_staging()
     install_optimizer_hook()
@@ -282,23 +219,74 @@ def stage_buckets_overlapped(
     return staged
 
 
+class OverlappedRoundsStaged(StagedBuckets):
+    """Buckets staged in rounds by the overlapped copy thread: views of the pool (trainer).
+
+    ``start_background_copy`` hands the copies to the copy thread once the request is
+    with its writer; scheduling does not wait for them (the next optimizer step does).
+    Pickled, only the buckets travel.
+    """
+
+    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: CopyJob):
+        super().__init__(buckets)
+        self.plan = plan
+        self._job: Optional[CopyJob] = job
+
+    def start_background_copy(self) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            submit_copy(job)
+
+
+def stage_in_rounds_overlapped(
+    rank: int,
+    buckets: Sequence[WriteBucket],
+    pool: torch.Tensor,
+    budget: int,
+    gate: StagingGate,
+    timeout_s: float,
+) -> OverlappedRoundsStaged:
+    """Place ``buckets``' tensors in ``pool`` and prepare their copy without copying
+    (trainer, the request's ``preload_fn`` with overlapped staging above the budget).
+
+    Takes the arguments of :func:`~.rounds.stage_in_rounds` after ``rank``, which
+    :func:`overlapped_save_functions` binds. An earlier overlapped copy is waited for
+    first: copies run one save at a time.
+
+    Raises:
+        StagingMemoryError: a single tensor is larger than ``budget``.
+        AsyncTimeoutError: an earlier overlapped copy did not finish within ``timeout_s``.
+    """
+    wait_for_staging(timeout_s)
+    install_optimizer_hook()
+    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
+    job = CopyJob(gate, [entry[1:] for entry in to_copy], rank,
+                  indices=[entry[0] for entry in to_copy], waits_for=plan.waits_for,
+                  timeout_s=timeout_s, what="overlapped staging in rounds")
+    gate.mark_staged()  # the writer waits on the gate for each item
+    logger.debug(
+        "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
+        rank, len(plan.sizes), plan.rounds, plan.pool_bytes,
+    )
+    return OverlappedRoundsStaged(staged, plan, job)
+
+
 def overlapped_save_functions(
     save_fn: Callable[..., Any],
     resolved_plan_data: Any,
     staging_cache: Optional[StagingBufferCache],
     results_queue: Any,
-    gate: Optional[StagingGate] = None,
-) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any]]:
-    """Return ``(save_fn, preload_fn, args)`` of a save with overlapped staging (trainer).
+    gate: StagingGate,
+) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any], Callable[..., Any]]:
+    """Return ``(save_fn, preload_fn, args, stage_rounds)`` of a save with overlapped
+    staging (trainer).
 
     ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
-    ``save_fn`` waits for the copy (``gate``, a new one by default) before it calls the
-    given one (the writer's).
+    ``save_fn`` waits for the copy (the save's ``gate``) before it calls the given one
+    (the writer's). ``stage_rounds`` is :func:`stage_in_rounds_overlapped` with this rank
+    bound: :func:`~megatron_async.staging.budget.stage_within_budget` calls it in place of
+    :func:`~.rounds.stage_in_rounds` above the budget.
     """
-    from megatron_async.core import coordination
-    from megatron_async.writer.layout import unpack_resolved_plan_data
-
-    gate = gate if gate is not None else StagingGate()
     rank = coordination.get_rank()
     identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
     preload_fn = partial(
@@ -306,7 +294,7 @@ def overlapped_save_functions(
         identifier.key if identifier is not None else None, staging_cache,
     )
     save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
-    return save_fn, preload_fn, [rank, None, results_queue]
+    return save_fn, preload_fn, [rank, None, results_queue], partial(stage_in_rounds_overlapped, rank)
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:

@@ -8,12 +8,13 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   bucket, item by item), at a fixed offset of the pool: one after the other, wrapping to
   the start when the next item does not fit before the end (a ring). Each item depends
   on the earlier items whose bytes it overwrites (:func:`plan_rounds`);
-* the pool and a small *control block* (one state word per item, in shared memory) are
+* the pool and a small *gate* (one state word per item, in shared memory) are
   created in ``preload_fn``, before the fork or the send, so a forked writer inherits
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then starts a trainer thread (``start_background_copy``) that copies each further item
+  then starts a trainer thread (``start_background_copy``, running the same
+  :class:`~.copy_job.CopyJob` as overlapped staging) that copies each further item
   once the writer marked its predecessors in the ring *written*, and waits for it
   (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
   the snapshot is whole when scheduling returns;
@@ -40,11 +41,13 @@ from typing import Callable, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import StagingMemoryError, StagingRaceError
+from megatron_async.core.coordination import get_rank
+from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.rounds_control import RoundsControl, wait_for_room, wait_on_control
+from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.gate import StagingGate, wait_on_gate
 from megatron_async.staging.snapshot import synchronize_if_cuda
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "check_fits",
@@ -57,6 +60,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_ADVICE = ("Do not change saved tensors until scheduling returns, or raise "
+           "staging_memory_limit")
 
 @dataclasses.dataclass
 class RoundPlan:
@@ -148,24 +154,24 @@ def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
 class RoundsStaged(StagedBuckets):
     """Buckets staged in rounds: views of the pool, plus the copies still to make (trainer).
 
-    ``start_background_copy`` starts the copy thread once the request is with its writer;
-    ``finish_staging`` waits for it (bounded). Pickled, only the buckets travel.
+    ``start_background_copy`` starts the copy thread (the later rounds' :class:`CopyJob`)
+    once the request is with its writer; ``finish_staging`` waits for it (bounded).
+    Pickled, only the buckets travel.
     """
 
-    def __init__(self, buckets, control: RoundsControl, plan: RoundPlan,
-                 remaining: List[tuple], timeout_s: float):
+    def __init__(self, buckets, gate: StagingGate, plan: RoundPlan, job: CopyJob,
+                 timeout_s: float):
         super().__init__(buckets)
-        self.control = control
+        self.gate = gate
         self.plan = plan
-        self._remaining = remaining
+        self._job = job
         self._timeout_s = timeout_s
         self._thread: Optional[threading.Thread] = None
-        self._copied = 0
 
     def start_background_copy(self) -> None:
-        if self._remaining and self._thread is None:
+        if self._job.copies and self._thread is None:
             self._thread = threading.Thread(
-                target=self._copy_rest, name="megatron-async-rounds", daemon=True
+                target=self._job.run, name="megatron-async-rounds", daemon=True
             )
             self._thread.start()
 
@@ -174,7 +180,7 @@ class RoundsStaged(StagedBuckets):
 
         The copy thread bounds each of its waits for the writer; this join gives up (and
         fails the save) only if the thread copied nothing for longer than that bound."""
-        join_copy_thread(self._thread, self.control, lambda: self._copied, self._timeout_s)
+        join_copy_thread(self._thread, self.gate, self._job.progress, self._timeout_s)
 
     def join_copy(self, timeout_s: float) -> bool:
         """Trainer: wait (bounded) for the copy thread; whether it has ended."""
@@ -183,39 +189,12 @@ class RoundsStaged(StagedBuckets):
             return not self._thread.is_alive()
         return True
 
-    def _copy_rest(self) -> None:
-        try:
-            for idx, name, source, buffer, version in self._remaining:
-                if not wait_for_room(
-                    self.control, self.plan.waits_for[idx], self._timeout_s,
-                    f"the background writer freed no staging memory for "
-                    f"{self._timeout_s:.0f}s (staging in rounds); the writer is stuck",
-                ):
-                    return  # the writer stopped reading (it failed): its error fails the save
-                _copy_checked(name, source, buffer, version)
-                self.control.mark_copied(idx)
-                self._copied += 1
-        except BaseException as exc:  # the writer raises it; the save fails on every rank
-            logger.error("staging in rounds failed: %s", exc)
-            self.control.fail(str(exc))
-        finally:
-            self._remaining = []
-
     def __reduce__(self):
         return (StagedBuckets, (list(self),))
 
 
-def _copy_checked(name: str, source: torch.Tensor, buffer: torch.Tensor, version: int) -> None:
-    """Copy one item, failing if the source changed since scheduling, before or during the
-    copy (trainer)."""
-    _check_version(name, source, version)
-    buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source], holding=buffer)
-    _check_version(name, source, version)
-
-
 def join_copy_thread(
-    thread: Optional[threading.Thread], control: RoundsControl, progress: Callable[[], int],
+    thread: Optional[threading.Thread], gate: StagingGate, progress: Callable[[], int],
     timeout_s: float,
 ) -> None:
     """Trainer: join a rounds copy thread; while it copies nothing for ``timeout_s`` (plus
@@ -233,7 +212,7 @@ def join_copy_thread(
                 "(the copy thread is stuck)"
             )
             logger.error(message)
-            control.fail(message)
+            gate.fail(message)
             return
         last = progress()
 
@@ -246,22 +225,12 @@ def version_of(source: torch.Tensor) -> Optional[int]:
         return None
 
 
-def _check_version(name: str, source: torch.Tensor, version: Optional[int]) -> None:
-    if version is not None and source._version != version:
-        raise StagingRaceError(
-            f"saved tensor {name!r} was modified in place (version {version} -> "
-            f"{source._version}) before staging in rounds had copied it, so this save "
-            "would mix two training steps and fails on every rank. Do not change saved "
-            "tensors until scheduling returns, or raise staging_memory_limit"
-        )
-
-
 def place_in_pool(
-    buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, control: RoundsControl
+    buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, gate: StagingGate
 ) -> Tuple[RoundPlan, List[WriteBucket], List[tuple]]:
     """Plan the ring and give every item its view of ``pool``, copying nothing (trainer).
 
-    Marks the control block *in rounds* and empty items copied. Returns the plan, the
+    Marks the gate *in rounds* and empty items copied. Returns the plan, the
     staged buckets (views of the pool) and, in the writer's order, ``(index, name,
     source, buffer, version at scheduling)`` of every item still to copy.
 
@@ -278,13 +247,13 @@ def place_in_pool(
         [item.index.fqn for _, item, _ in entries],
         budget,
     )
-    control.start_rounds()
+    gate.start_rounds()
     to_copy: List[tuple] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]
     for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
         if offset is None:
             buffer = torch.empty(source.shape, dtype=source.dtype)
-            control.mark_copied(idx)
+            gate.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
             to_copy.append((idx, item.index.fqn, source, buffer, version_of(source)))
@@ -300,7 +269,7 @@ def stage_in_rounds(
     buckets: Sequence[WriteBucket],
     pool: torch.Tensor,
     budget: int,
-    control: RoundsControl,
+    gate: StagingGate,
     timeout_s: float,
 ) -> RoundsStaged:
     """Place ``buckets``' tensors in ``pool`` and copy the first round (trainer, ``preload_fn``).
@@ -310,25 +279,30 @@ def stage_in_rounds(
         pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
             sources by its owner).
         budget: the most pool bytes to use.
-        control: the save's control block, one word per tensor item of ``buckets``.
+        gate: the save's gate, one word per tensor item of ``buckets``.
         timeout_s: bound on every wait for the writer.
 
     Raises:
         StagingMemoryError: a single tensor is larger than ``budget``.
     """
-    plan, staged, to_copy = place_in_pool(buckets, pool, budget, control)
+    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
     first = [entry for entry in to_copy if not plan.waits_for[entry[0]]]
     for _, _, source, buffer, _ in first:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
     synchronize_if_cuda([source for _, _, source, _, _ in first], holding=pool)
     for entry in first:
-        control.mark_copied(entry[0])
+        gate.mark_copied(entry[0])
     remaining = [entry for entry in to_copy if plan.waits_for[entry[0]]]
     logger.debug(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
         len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(remaining),
     )
-    return RoundsStaged(staged, control, plan, remaining, timeout_s)
+    job = CopyJob(
+        gate, [entry[1:] for entry in remaining], get_rank(),
+        indices=[entry[0] for entry in remaining], waits_for=plan.waits_for,
+        timeout_s=timeout_s, what="staging in rounds", advice=_ADVICE,
+    )
+    return RoundsStaged(staged, gate, plan, job, timeout_s)
 
 
 class RoundItems(list):
@@ -338,47 +312,47 @@ class RoundItems(list):
     before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
     """
 
-    def __init__(self, pairs, control: RoundsControl, first: int, timeout_s: float):
+    def __init__(self, pairs, gate: StagingGate, first: int, timeout_s: float):
         super().__init__(pairs)
-        self.control = control
+        self.gate = gate
         self.first = first
         self.timeout_s = timeout_s
 
     def before_item(self, idx: int) -> None:
         """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
         number = self.first + idx
-        wait_on_control(
-            lambda: self.control.is_staged(number), self.control,
+        wait_on_gate(
+            lambda: self.gate.is_staged(number), self.gate,
             time.monotonic() + self.timeout_s,
             f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging in rounds); "
             "it is stuck",
         )
 
     def after_item(self, idx: int) -> None:
-        self.control.mark_written(self.first + idx)
+        self.gate.mark_written(self.first + idx)
 
     def abandon(self, exc: BaseException) -> None:
         """This bucket failed: stop the trainer's copy and the writer's other buckets."""
-        self.control.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
+        self.gate.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
 
 
 def writer_view(
-    control: RoundsControl, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
+    gate: StagingGate, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
 ) -> Optional[Sequence[WriteBucket]]:
     """Background writer: the staged buckets as the write path reads them.
 
     Staged in rounds, each bucket's tensor list waits for its items and frees them
     (:class:`RoundItems`); otherwise the buckets as they are. The write path marks the
-    control block done once it returns, whatever happened (``control.mark_done()``),
+    gate done once it returns, whatever happened (``gate.mark_done()``),
     which frees this save's staging memory for the next save.
     """
-    if not control.in_rounds or staged is None:
+    if not gate.in_rounds or staged is None:
         return staged
-    control.record_writer()
+    gate.record_writer()
     first, buckets = 0, []
     for bucket in staged:
         bytes_data, tensor_data = bucket.data
         buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
-                                   (bytes_data, RoundItems(tensor_data, control, first, timeout_s))))
+                                   (bytes_data, RoundItems(tensor_data, gate, first, timeout_s))))
         first += len(tensor_data)
     return buckets

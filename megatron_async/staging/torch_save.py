@@ -41,7 +41,7 @@ from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError, StagingRaceError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
 from megatron_async.staging.rounds import RoundPlan, join_copy_thread, plan_rounds
-from megatron_async.staging.rounds_control import RoundsControl, wait_for_room
+from megatron_async.staging.gate import StagingGate, wait_for_room
 from megatron_async.staging.snapshot import synchronize_if_cuda
 
 __all__ = ["TorchSaveStaged", "pickle_like_torch_save", "stage_torch_save"]
@@ -133,16 +133,16 @@ class TorchSaveStaged:
 
     ``header``: ``(name, bytes)`` records written first (``data.pkl`` and the format
     records); ``records``: ``(name, byte offset in buffer or None when empty, num_bytes)``
-    per storage, in order; ``buffer``: the shared-memory segment holding them; ``control``:
-    the save's control block (item ``i`` is ``records[i]``). Pickled (to the persistent
+    per storage, in order; ``buffer``: the shared-memory segment holding them; ``gate``:
+    the save's gate (item ``i`` is ``records[i]``). Pickled (to the persistent
     worker), only these travel: the copy thread and the budget hold stay with the trainer.
     """
 
-    def __init__(self, header, records, buffer, control: RoundsControl, alignment: int, crc32: bool):
+    def __init__(self, header, records, buffer, gate: StagingGate, alignment: int, crc32: bool):
         self.header: List[Tuple[str, bytes]] = header
         self.records: List[Tuple[str, Optional[int], int]] = records
         self.buffer: Optional[torch.Tensor] = buffer
-        self.control = control
+        self.gate = gate
         self.alignment = alignment
         self.crc32 = crc32
         self.rounds = 1
@@ -155,7 +155,7 @@ class TorchSaveStaged:
         self._copied = 0
 
     def __reduce__(self):
-        return (TorchSaveStaged, (self.header, self.records, self.buffer, self.control,
+        return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
     def start_background_copy(self) -> None:
@@ -169,7 +169,7 @@ class TorchSaveStaged:
     def finish_staging(self) -> None:
         """Trainer: wait until every storage is copied, or the copy failed (bounded by its
         progress, :func:`~megatron_async.staging.rounds.join_copy_thread`)."""
-        join_copy_thread(self._thread, self.control, lambda: self._copied, self._timeout_s)
+        join_copy_thread(self._thread, self.gate, lambda: self._copied, self._timeout_s)
 
     def join_copy(self, timeout_s: float) -> bool:
         """Trainer: wait (bounded) for the copy thread; whether it has ended."""
@@ -180,7 +180,7 @@ class TorchSaveStaged:
 
     def record_writer(self, pid: int) -> None:
         """Trainer, at the hand-over: the process that reads the staged bytes."""
-        self.control.record_writer(pid)
+        self.gate.record_writer(pid)
 
     def release(self) -> None:
         """Trainer: the writer is done with the staged bytes; stop holding them."""
@@ -190,11 +190,11 @@ class TorchSaveStaged:
         self.buffer = None  # a segment of this save alone is freed here
 
     def _copy_later(self) -> None:
-        control, plan, buffer = self.control, self._plan, self.buffer
+        gate, plan, buffer = self.gate, self._plan, self.buffer
         try:
             for idx, entry, versions in self._later:
                 if not wait_for_room(
-                    control, plan.waits_for[idx], self._timeout_s,
+                    gate, plan.waits_for[idx], self._timeout_s,
                     f"the background writer freed no staging memory for "
                     f"{self._timeout_s:.0f}s (torch.save staged in rounds); it is stuck",
                 ):
@@ -203,11 +203,11 @@ class TorchSaveStaged:
                 _check_versions(name, versions)
                 synchronize_if_cuda([_copy_storage(entry, buffer, plan.offsets[idx])], holding=buffer)
                 _check_versions(name, versions)
-                control.mark_copied(idx)
+                gate.mark_copied(idx)
                 self._copied += 1
         except BaseException as exc:  # the writer raises it; the save fails
             logger.error("staging a torch.save file in rounds failed: %s", exc)
-            control.fail(str(exc))
+            gate.fail(str(exc))
         finally:
             self._later = []
 
@@ -312,12 +312,12 @@ def stage_torch_save(
     if byteorder_record:
         header.append(("byteorder", sys.byteorder.encode()))
     records = [(f"data/{e.key}", offset, e.num_bytes) for e, offset in zip(storages, plan.offsets)]
-    control = RoundsControl(len(storages))
+    gate = StagingGate(len(storages))
     ledger = staging_ledger()
-    hold = ledger.reserve(budget if in_rounds else state_bytes, budget, control, timeout_s)
+    hold = ledger.reserve(budget if in_rounds else state_bytes, budget, gate, timeout_s)
     try:
         if in_rounds:
-            control.start_rounds()
+            gate.start_rounds()
             buffer = ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
         elif plan.pool_bytes:
             buffer = shared_memory.allocate_segment(plan.pool_bytes)
@@ -325,7 +325,7 @@ def stage_torch_save(
                 shared_memory.pin_segment(buffer)
         else:
             buffer = None
-        staged = TorchSaveStaged(header, records, buffer, control, alignment,
+        staged = TorchSaveStaged(header, records, buffer, gate, alignment,
                                  torch.serialization.get_crc32_options())
         copied = []
         for idx, (entry, offset) in enumerate(zip(storages, plan.offsets)):
@@ -336,7 +336,7 @@ def stage_torch_save(
         synchronize_if_cuda(copied, holding=buffer)
         for idx in range(len(storages)):
             if not plan.waits_for[idx]:
-                control.mark_copied(idx)
+                gate.mark_copied(idx)
     except BaseException:
         hold.end()
         raise

@@ -97,7 +97,7 @@ class CheckpointStorage(Protocol):
         """Make the entries of directory ``path`` (creates, renames) durable, best effort."""
 
     def open_bucket_file(self, path: str, hashing: bool) -> Any:
-        """Open one bucket's output (a :class:`~megatron_async.writer.bucket_file.BucketFile`;
+        """Open one bucket's output (a :class:`~megatron_async.buckets.bucket_file.BucketFile`;
         background writer)."""
 
 

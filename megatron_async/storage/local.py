@@ -192,6 +192,6 @@ class LocalStorage:
 
     def open_bucket_file(self, path: str, hashing: bool, direct_io: bool = True) -> Any:
         """Open a bucket's output file (background writer): direct I/O where it works."""
-        from megatron_async.writer.direct_io import open_local_bucket_file
+        from megatron_async.buckets.direct_io import open_local_bucket_file
 
         return open_local_bucket_file(path, hashing, direct_io)

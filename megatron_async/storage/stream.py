@@ -3,7 +3,7 @@
 :class:`ObjectStoreFileOpener` is the ``open_file`` that the writer's write paths get
 when the checkpoint is an ``msc://`` URL: called, it opens like multi-storage-client's
 ``open`` (the reference API's ``open_file``); :func:`megatron_async.writer.bucket_io.write_bucket`
-instead asks it for the bucket file, :func:`open_object_bucket_file`. It returns a :class:`~megatron_async.writer.bucket_file.BucketFile` whose bytes go
+instead asks it for the bucket file, :func:`open_object_bucket_file`. It returns a :class:`~megatron_async.buckets.bucket_file.BucketFile` whose bytes go
 to the store instead of a local file, so everything else (DCP's byte layout, the xxh3
 digest of every item while it passes) is the same code as on POSIX:
 
@@ -31,7 +31,7 @@ from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import RequestPolicy, call_with_deadline
 from megatron_async.storage.client import import_msc, resolve
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
-from megatron_async.writer.bucket_file import BucketFile
+from megatron_async.buckets.bucket_file import BucketFile
 
 __all__ = [
     "DEFAULT_PART_BYTES",

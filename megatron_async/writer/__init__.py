@@ -3,17 +3,15 @@
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
   DCP storage writer that prepares buckets and hands the write to a background caller;
 * :mod:`.staging_step` (trainer, every rank): the staging in front of a save's write path
-  (plain or overlapped, the copy ahead, the staging memory budget);
+  (plain or overlapped, the staging memory budget);
 * :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
-* :mod:`.layout` (trainer): which items share a file (size-balanced layout), the
-  prepared write and its staging key;
 * :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
   reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`
   delegates to;
 * :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
-  in DCP's ``torch_save`` layout, hashed on the way;
-* :mod:`.bucket_file` and :mod:`.direct_io` (background writer): the file a bucket's
-  bytes go to, buffered or with ``O_DIRECT`` through an aligned bounce chunk;
+  in DCP's ``torch_save`` layout, hashed on the way, into the bucket files of
+  :mod:`megatron_async.buckets` (the bucket layout lives there too: staging and storage
+  share it);
 * :mod:`.runners` (background writer): threads or forked processes, bounded waits, and
   this rank's checksum records written before the writer reports done;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
@@ -31,8 +29,8 @@ __all__ = ["FileSystemWriterAsync"]
 
 
 def __getattr__(name: str):
-    # Imported on first use, not with the package: the staging package imports
-    # :mod:`.layout` (and so this package), and :mod:`.filesystem` imports staging.
+    # Imported on first use, not with the package: importing one module of the package
+    # (a background writer's) does not import the storage writer and all it imports.
     if name == "FileSystemWriterAsync":
         from megatron_async.writer.filesystem import FileSystemWriterAsync
 

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.writer.bucket_file import BucketFile, OpenedBucketFile
-from megatron_async.writer.layout import WriteBucket, is_empty_chunk
-from megatron_async.writer.direct_io import open_local_bucket_file
+from megatron_async.buckets.bucket_file import BucketFile, OpenedBucketFile
+from megatron_async.buckets.layout import WriteBucket, is_empty_chunk
+from megatron_async.buckets.direct_io import open_local_bucket_file
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 __all__ = ["ChecksummedWriteResult", "OpenBucketFile", "write_bucket"]
@@ -165,7 +165,7 @@ def write_bucket(
             opener) gives the bucket file itself: a streamed upload that is abandoned
             (aborted) if closed before ``finish``.
         direct_io: write a local file with ``O_DIRECT`` where the file system accepts
-            it (:mod:`megatron_async.writer.direct_io`); False writes through the page
+            it (:mod:`megatron_async.buckets.direct_io`); False writes through the page
             cache. Ignored with an ``open_file``.
 
     Raises:

@@ -42,13 +42,13 @@ from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
-from megatron_async.writer.layout import (
+from megatron_async.buckets.layout import (
     BucketLayout,
     ConsistentDataIdentifier,
     PreparedWrite,
@@ -173,9 +173,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             fs, self.path = msc_filesystem(self.checkpoint_dir)
         self.fs = BoundedFileSystem(fs, options.request_policy) if use_msc else DeadlineFileSystem(self.fs)
         self.staging_cache = staging_cache
-        self.copy_ahead: Any = None
-        """This save's copy ahead (:mod:`megatron_async.staging.copy_ahead`), set by the
-        strategy that started it; its staging claims it."""
         self.can_run_decentralized_global_plan = True
 
         self.write_buckets: Optional[List[WriteBucket]] = None
@@ -239,7 +236,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
             resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
             layout: a bucket layout made for exactly these items (the ``layout`` of an
-                earlier save's :class:`~megatron_async.writer.layout.PreparedWrite`), or
+                earlier save's :class:`~megatron_async.buckets.layout.PreparedWrite`), or
                 None to compute it.
             staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
                 ``layout`` had, or None to compute it.
@@ -278,21 +275,19 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         worker, and a subclass's overrides are the ones used. ``args`` is
         ``[rank, None, results_queue]``: the caller replaces ``args[1]`` by the result of
         ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``. The staging
-        in front of the write (copy ahead, overlapped staging, the staging memory budget)
+        in front of the write (overlapped staging, the staging memory budget)
         is chosen by :func:`~megatron_async.writer.staging_step.with_staging_step`.
         """
         if not self.write_buckets:
-            if self.copy_ahead is not None:
-                self.copy_ahead.cancel()  # nothing to stage: nobody would claim it
             return None, None, None
         write_fn = (
             self.write_preloaded_data_multiproc
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
-        # Within the staging memory budget (staging/budget.py): the control block tells
+        # Within the staging memory budget (staging/budget.py): the gate tells
         # the write path which items arrive in rounds, and the write path marks it done.
-        control = RoundsControl(sum(len(b.data[1]) for b in self.write_buckets))
+        gate = StagingGate(sum(len(b.data[1]) for b in self.write_buckets))
         save_fn = bind_supported(
             write_fn,
             (self.transforms, self.use_msc, self._open_file()),
@@ -301,15 +296,14 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             bucket_writer=type(self).write_preloaded_data,
             compute_checksums=self.checksums,
             direct_io=self.direct_io,
-            staging_control=control,
+            staging_control=gate,
         )
         self.staging_stats = {}
         return with_staging_step(
-            save_fn, self.preload_tensors, control=control, write_buckets=self.write_buckets,
+            save_fn, self.preload_tensors, gate=gate, write_buckets=self.write_buckets,
             resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
             overlap_staging=self.overlap_staging, memory_limit=self.options.staging_memory_limit,
-            staging_cache=self.staging_cache, copy_ahead=self.copy_ahead,
-            stats=self.staging_stats,
+            staging_cache=self.staging_cache, stats=self.staging_stats,
         )
 
     def _open_file(self) -> Callable[..., Any]:

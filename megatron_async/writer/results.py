@@ -37,7 +37,7 @@ from megatron_async.errors import (
     StorageWriteError,
     WorkerDiedError,
 )
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "BucketResults",

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from megatron_async.core.process_lifetime import set_parent_death_signal
 from megatron_async.integrity import checksums
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.results import ResultFile, WriteOutcome
 
 __all__ = ["BucketWriter", "write_and_report", "write_with_threads", "write_with_processes"]

@@ -4,12 +4,9 @@
 binds the write path (the background writer's ``save_fn``); :func:`with_staging_step`
 chooses how the data reaches it, once per save, in the trainer:
 
-* plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`), which takes
-  over the save's copy ahead (:mod:`megatron_async.staging.copy_ahead`) if the strategy
-  started one;
+* plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`);
 * or, with ``overlap_staging``, the copy on a trainer thread after scheduling
-  (:mod:`megatron_async.staging.overlapped_rounds`); that copies on its own thread, so a
-  copy ahead is cancelled;
+  (:mod:`megatron_async.staging.overlapped`);
 
 and wraps either in the staging memory budget
 (:func:`~megatron_async.staging.budget.budgeted_preload`): rounds when the state is larger
@@ -24,9 +21,9 @@ from typing import Any, Callable, List, Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache
-from megatron_async.staging.overlapped_rounds import overlapped_functions_with_rounds
-from megatron_async.staging.rounds_control import RoundsControl
-from megatron_async.writer.layout import ResolvedPlanData, WriteBucket
+from megatron_async.staging.overlapped import overlapped_save_functions
+from megatron_async.staging.gate import StagingGate
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket
 from megatron_async.writer.write_paths import bind_supported
 
 __all__ = ["with_staging_step"]
@@ -36,14 +33,13 @@ def with_staging_step(
     save_fn: "partial[Any]",
     preload_tensors: Callable[..., Any],
     *,
-    control: RoundsControl,
+    gate: StagingGate,
     write_buckets: List[WriteBucket],
     resolved_plan_data: ResolvedPlanData,
     results_queue: Any,
     overlap_staging: bool,
     memory_limit: Any,
     staging_cache: Optional[StagingBufferCache],
-    copy_ahead: Any,
     stats: dict,
 ) -> Tuple[Callable[..., None], Callable[[], Any], List[Any]]:
     """Return ``(save_fn, preload_fn, args)`` of a save whose write path is ``save_fn``.
@@ -55,14 +51,14 @@ def with_staging_step(
             ``staging_control`` (an override with the reference signature does not, and
             a state above the budget is then refused).
         preload_tensors: the writer's staging function (a subclass may override it).
-        control: the rounds control block, also bound to ``save_fn``.
+        gate: the save's gate between stager and writer (:mod:`megatron_async.staging.gate`),
+            also bound to ``save_fn`` (``staging_control``).
         write_buckets: the save's buckets.
         resolved_plan_data: what ``preload_tensors`` stages.
         results_queue: where the background writer reports.
         overlap_staging: the writer's ``overlap_staging`` (the copy on a trainer thread).
         memory_limit: the writer's ``staging_memory_limit`` (the budget).
         staging_cache: the trainer's reusable staging buffers.
-        copy_ahead: the save's copy ahead, or None; handed to plain staging, or cancelled.
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
 
     Returns:
@@ -72,19 +68,16 @@ def with_staging_step(
     """
     rounds = "staging_control" in save_fn.keywords
     if overlap_staging:  # above the budget: rounds copied by the copy thread
-        if copy_ahead is not None:
-            copy_ahead.cancel()  # overlapped staging copies on its own thread
-        save_fn, preload_fn, args, overlapped = overlapped_functions_with_rounds(
-            save_fn, resolved_plan_data, staging_cache, results_queue
+        save_fn, preload_fn, args, overlapped = overlapped_save_functions(
+            save_fn, resolved_plan_data, staging_cache, results_queue, gate
         )
     else:
         preload_fn = bind_supported(
-            preload_tensors, (resolved_plan_data, True),
-            staging_cache=staging_cache, copy_ahead=copy_ahead,
+            preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache
         )
         args, overlapped = [coordination.get_rank(), None, results_queue], None
     preload_fn = budgeted_preload(
-        control, preload_fn, write_buckets, memory_limit,
+        gate, preload_fn, write_buckets, memory_limit,
         staging_cache, overlapped, stats, rounds=rounds,
     )
     return save_fn, preload_fn, args

@@ -20,7 +20,7 @@ import torch
 
 from megatron_async.core.shared_memory import segment_view
 from megatron_async.staging.budget import DEFAULT_STAGING_MEMORY_WAIT_S
-from megatron_async.staging.rounds_control import wait_on_control
+from megatron_async.staging.gate import wait_on_gate
 from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.storage.local import atomic_output
 
@@ -33,7 +33,7 @@ def write_torch_save_file(
     """Write ``staged`` to ``path`` atomically (background writer).
 
     A reader sees the previous file or the complete new one; on failure the temporary
-    file is removed. The staging memory is given back (the control block marked done) as
+    file is removed. The staging memory is given back (the gate marked done) as
     soon as the last record is written, before the fsync, or when the write fails.
 
     Raises:
@@ -43,24 +43,24 @@ def write_torch_save_file(
     try:
         with atomic_output(path) as stream:
             write_torch_save_records(stream, staged, timeout_s)
-            staged.control.mark_done()
+            staged.gate.mark_done()
     finally:
-        staged.control.mark_done()
+        staged.gate.mark_done()
 
 
 def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_s: float) -> None:
     """Write the zip archive of ``staged`` to ``stream`` (background writer)."""
-    control = staged.control
-    if control.in_rounds:
-        control.record_writer()  # the trainer's copy waits end if this process dies
+    gate = staged.gate
+    if gate.in_rounds:
+        gate.record_writer()  # the trainer's copy waits end if this process dies
     archive = torch._C.PyTorchFileWriter(stream, staged.crc32, staged.alignment)
     try:
         for name, data in staged.header:
             archive.write_record(name, data, len(data))
         for idx, (name, offset, num_bytes) in enumerate(staged.records):
-            if control.in_rounds:
-                wait_on_control(
-                    lambda: control.is_staged(idx), control, time.monotonic() + timeout_s,
+            if gate.in_rounds:
+                wait_on_gate(
+                    lambda: gate.is_staged(idx), gate, time.monotonic() + timeout_s,
                     f"the trainer staged nothing more for {timeout_s:.0f}s before {name}; "
                     "it is stuck",
                 )
@@ -69,7 +69,7 @@ def write_torch_save_records(stream: BinaryIO, staged: TorchSaveStaged, timeout_
                 archive.write_record(name, record.untyped_storage(), num_bytes)
             else:
                 archive.write_record(name, b"", 0)
-            control.mark_written(idx)
+            gate.mark_written(idx)
     except BaseException:
         # Finish the archive while the stream is open: an unfinished writer finishes it
         # in its destructor, and writing to the stream the caller closed (and removed)

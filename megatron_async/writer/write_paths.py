@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.staging.rounds import writer_view
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
 from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
 
@@ -218,7 +218,7 @@ def write_staged_buckets(
     ``write_preloaded_data_multiproc`` (True); the other arguments are theirs. The
     positional ones are a save function's ``args``, the keywords what the writer binds.
     A failed bucket is recorded in the outcome that goes to ``global_results_queue``, not
-    raised. ``staging_control`` (the staging budget's control block,
+    raised. ``staging_control`` (the save's staging gate,
     :mod:`megatron_async.staging.rounds`): items may arrive in rounds, and the block is
     marked done at the end, which frees the save's staging memory.
     """
@@ -272,7 +272,7 @@ def write_preloaded_data_multithread(
         bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
         compute_checksums: hash every item while writing it.
         direct_io: write local files with ``O_DIRECT`` where accepted.
-        staging_control: the staging budget's control block (see :func:`write_staged_buckets`).
+        staging_control: the save's staging gate (see :func:`write_staged_buckets`).
     """
     write_staged_buckets(
         rank, write_buckets, global_results_queue, use_processes=False,

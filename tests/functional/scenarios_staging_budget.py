@@ -27,9 +27,6 @@ from megatron_async.errors import AsyncSaveFailedError, StagingHandOverError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging import overlapped
-from megatron_async.staging import buffers
-from megatron_async.staging.copy_ahead import COPY_AHEAD_ENV
-from megatron_async.staging.copy_pool import COPY_THREADS_ENV
 from megatron_async.staging.buffers import clear_staging_cache
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
@@ -374,68 +371,7 @@ def megatron_core_queue_refuses_what_it_cannot_finish(ctx):
     dist.barrier()
 
 
-def _values(ctx, scale):
-    return [torch.arange(TENSOR_NUMEL, dtype=torch.float32) * scale + i + 1000 * ctx.rank
-            for i in range(TENSORS)]
-
-
-def warm_saves_copy_ahead_and_hold_each_saves_values(ctx, persistent):
-    """Tensors that stay in place, updated between saves (a training loop), saved with a
-    cached structure and the copy ahead on: from the second save on the staging copy
-    starts when async_save begins (staging/copy_ahead.py); each checkpoint holds its own save's values, also
-    when the tensors change in place right after scheduling returned."""
-    strategy = TorchDistAsyncSaveStrategy()
-    strategy.use_cached_ckpt_structure = True
-    queue = _queue(persistent)
-    params = _values(ctx, 0.0)
-    r, ws = ctx.rank, ctx.world_size
-    used = []  # per staging: whether a copy ahead was claimed
-    original = buffers.stage_buckets
-
-    def spy(*args, **kwargs):
-        staged = original(*args, **kwargs)
-        ahead = kwargs.get("copy_ahead")
-        used.append(ahead is not None and ahead.claimed)
-        return staged
-
-    buffers.stage_buckets = spy
-    # two ranks on this 2-CPU machine leave one copy thread each, which keeps the copy on
-    # the training thread (no copy ahead): ask for two, as a node with more CPUs gives
-    env_before = {name: os.environ.get(name) for name in (COPY_THREADS_ENV, COPY_AHEAD_ENV)}
-    os.environ.update({COPY_THREADS_ENV: "2", COPY_AHEAD_ENV: "1"})
-    try:
-        for step in range(4):
-            scale = float(step + 2)
-            with torch.no_grad():
-                for param, value in zip(params, _values(ctx, scale)):
-                    param.copy_(value)  # in place: the memory the copy ahead reads
-            state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", param, (0, r, ws))
-                     for i, param in enumerate(params)}
-            path = _dir(ctx, f"ahead-{persistent}-{step}")
-            request = dist_checkpointing.save(state, path, sharded_strategy=strategy,
-                                              async_sharded_save=True,
-                                              validate_access_integrity=step == 0)
-            queue.schedule_async_request(request)
-            with torch.no_grad():  # the next step, right after scheduling returned
-                for param in params:
-                    param.add_(12345)
-            queue.maybe_finalize_async_calls(blocking=True)
-            _check(ctx, path, scale)
-    finally:
-        buffers.stage_buckets = original
-        for name, value in env_before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        strategy.release_staging_buffers()
-    assert used == [False, True, True, True], used
-    assert strategy.staging_cache.unclaimed_aheads() == []
-    return used
-
-
 SCENARIOS = for_both_callers(
-    warm_saves_copy_ahead_and_hold_each_saves_values,
     large_state_saved_in_rounds_within_the_budget,
     two_saves_in_a_row_hold_one_copy,
     budget_below_the_largest_tensor_is_refused,

@@ -1,4 +1,5 @@
-"""The library's modules import each other without a circle (imports point down the pipeline).
+"""The library's modules import each other without a circle, and its packages import only
+packages below them in :data:`LAYERS` (imports point down the pipeline).
 
 The graph is read from the source (``ast``), so it also sees imports made inside
 functions: a lazy import that only dodges a circle is still a circle.
@@ -12,6 +13,30 @@ import megatron_async
 
 PACKAGE_ROOT = pathlib.Path(megatron_async.__file__).parent
 PACKAGE = "megatron_async"
+
+LAYERS = (
+    ("__main__",),
+    ("cli", "manager", "strategy", "state_dict_saver", "filesystem_async"),
+    ("mcore", "nvrx"),
+    ("torch_ckpt", "cached_metadata_filesystem_reader", "save_failures"),
+    ("saver",),
+    ("writer",),
+    ("staging",),
+    ("integrity",),
+    ("checkpoint_dirs",),
+    ("storage",),
+    ("core",),
+    ("buckets", "format"),
+    ("errors",),
+)
+"""The library's subpackages and top-level modules, top to bottom: each imports only units
+of the layers below its own. At the top the command line and the API a user imports (and
+the modules that re-export the reference libraries' names), then the megatron-core
+strategy and nvidia-resiliency-ext's surface, then the save pipeline from the saver down
+to the storage backends and the async machinery, and at the bottom the models every stage
+shares: the write buckets, the on-disk format and the errors. The package root
+(``megatron_async/__init__.py``) is outside the layers: it is the package's map, whose
+lazy names point into every layer, and every import of a submodule runs it first."""
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -116,3 +141,32 @@ def test_no_import_circle_among_library_modules():
     assert not found, "import circles (each list imports itself through the others):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a library module: its subpackage, or the top-level module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    """Every import of a unit in the same or a higher layer, and every unit not in a layer."""
+    layer_of = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+    found = []
+    for module, imported in sorted(graph.items()):
+        unit = _unit(module)
+        if not unit:
+            continue  # the package root (see LAYERS)
+        if unit not in layer_of:
+            found.append(f"{module}: {unit!r} is in no layer of LAYERS (place it)")
+            continue
+        for target in sorted(imported):
+            other = _unit(target)
+            if other and other != unit and layer_of.get(other, -1) <= layer_of[unit]:
+                found.append(f"{module} imports {target} ({other!r} is not below {unit!r})")
+    return found
+
+
+def test_no_package_imports_a_package_above_it():
+    found = upward_imports(import_graph())
+    assert not found, "imports that do not point down LAYERS:\n" + "\n".join(found)

@@ -9,10 +9,7 @@
 #    with the forked and the persistent worker, tensor parallelism, the distributed
 #    optimizer, overlapped staging, a SIGKILL during an async save, and a resume with other
 #    parallelism. With one GPU the two ranks share it (examples/gpt/devices.py);
-# 4. a measurement, on this machine's CPUs: the warm stall of 4,000 small CPU tensors
-#    without and with the experimental copy ahead (MEGATRON_ASYNC_STAGING_COPY_AHEAD=1),
-#    which showed no gain on our 2-CPU machine (docs/benchmarks.md);
-# 5. a measurement: the warm stall of device tensors, 4,000 x 16 KiB and then the same bytes
+# 4. a measurement: the warm stall of device tensors, 4,000 x 16 KiB and then the same bytes
 #    in 40 tensors, each beside one device-to-host copy of the state into pinned memory, one
 #    copy per tensor, and a device gather + one copy: whether gathering many small device
 #    tensors before the copy would pay (issue 24, item 4).
@@ -46,9 +43,6 @@ step gpu_tests "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests
 step d2h_throughput "$PYTHON" -m tools.bench.micro.d2h_throughput --mib 1024
 step gpt_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/functional/test_pretrain_gpt.py \
     -k "resume_reproduces and (persistent-tp2 or overlapped or fork-tp1) or kill_during or other_parallelism and tp2-to-tp1"
-step warm_stall_copy_ahead bash -c "for ahead in 0 1 0 1; do echo \"copy ahead: \$ahead\"; \
-    MEGATRON_ASYNC_STAGING_COPY_AHEAD=\$ahead '$PYTHON' -m tools.bench.micro.warm_stall \
-    --callers persistent --saves 10 --phases || exit 1; done"
 step warm_stall_cuda bash -c "for shape in '4000 16KiB' '40 1600KiB'; do set -- \$shape; \
     '$PYTHON' -m tools.bench.micro.warm_stall --device cuda --tensors \$1 --tensor-bytes \$2 \
     --callers persistent --saves 10 --phases || exit 1; done"

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from megatron_async.integrity import checksums
 from megatron_async.writer.bucket_io import ChecksummedWriteResult, write_bucket
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 

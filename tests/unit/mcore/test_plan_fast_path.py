@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megatron_async.saver import state_dict_saver
 from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_rank_group")]

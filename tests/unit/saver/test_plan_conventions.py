@@ -12,7 +12,7 @@ from megatron_async import state_dict_saver as public_saver
 from megatron_async.nvrx import state_dict_saver as nvrx_saver
 from megatron_async.saver import state_dict_saver as saver
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
-from megatron_async.writer.layout import PreparedWrite
+from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 pytestmark = pytest.mark.timeout(120)

@@ -49,7 +49,7 @@ def test_staging_is_a_snapshot_of_views_and_odd_dtypes():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     sources = [base[:, 1], torch.ones(3, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0), torch.tensor(7, dtype=torch.int8)]
@@ -70,7 +70,7 @@ def test_cached_buffers_are_reused_only_after_release():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     clear_staging_cache(include_in_use=True)
     source = torch.zeros(16)
@@ -125,7 +125,7 @@ def _one_tensor_buckets(source, count=1, name="t"):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     item = WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR)
     return [WriteBucket("/unused", f"b{i}", ([], [(item, source)])) for i in range(count)]
@@ -185,7 +185,7 @@ def _items(count, prefix="t"):
 
 
 def _buckets(items, sources):
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     return [WriteBucket("/unused", "unused", ([], list(zip(items, sources))))]
 
@@ -259,7 +259,7 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
 
     from megatron_async.core import device_wait
     from megatron_async.staging import buffers
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     clear_staging_cache(include_in_use=True)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_async.staging import buffers, copy_pool, flat_copy
 from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
 from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 
 def _bucket(sources):

@@ -12,16 +12,15 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_async.core.hand_over import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffers import StagingBufferCache
+from megatron_async.staging.gate import StagingGate, write_after_staging
 from megatron_async.staging.overlapped import (
-    StagingGate,
     copies_held,
     refuse_overlap_param_gather,
     stage_buckets_overlapped,
     staging_in_progress,
     wait_for_staging,
-    write_after_staging,
 )
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 
 
 DEVICES = [
@@ -49,11 +48,11 @@ def _staged_values(staged):
 def test_gate_reports_success_and_failure_with_the_message():
     gate = StagingGate()
     gate.mark_staged()
-    gate.wait(timeout_s=1.0)
+    gate.wait_staged(timeout_s=1.0)
     failed = StagingGate()
-    failed.mark_failed("tensor 'x' changed")
+    failed.fail("tensor 'x' changed")
     with pytest.raises(StagingRaceError, match="tensor 'x' changed"):
-        failed.wait(timeout_s=1.0)
+        failed.wait_staged(timeout_s=1.0)
     calls = []
     with pytest.raises(StagingRaceError):
         write_after_staging(failed, 1.0, calls.append, "written")
@@ -71,7 +70,7 @@ def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
     staged.start_background_copy()
     wait_for_staging(timeout_s=60)
     assert not staging_in_progress()
-    gate.wait(timeout_s=1.0)
+    gate.wait_staged(timeout_s=1.0)
     for tensor in tensors:  # the guarded point is over: the trainer may change them
         tensor.add_(100)
     for i, value in enumerate(_staged_values(staged)):
@@ -90,7 +89,7 @@ def test_optimizer_step_waits_for_the_copy(device):
         staged.start_background_copy()
         assert staging_in_progress()
     optimizer.step()  # the global step pre-hook waits for the copy
-    gate.wait(timeout_s=1.0)
+    gate.wait_staged(timeout_s=1.0)
     assert torch.equal(_staged_values(staged)[0], torch.full((5000,), 2.0))
     assert torch.equal(params[0].detach().cpu(), torch.full((5000,), 1.0))
 
@@ -106,7 +105,7 @@ def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device):
     wait_for_staging(timeout_s=60)
     with pytest.raises(StagingRaceError, match=r"rank 3: saved tensor 'layer1.weight'.*"
                        r"wait_for_staging\(\)"):
-        gate.wait(timeout_s=1.0)
+        gate.wait_staged(timeout_s=1.0)
 
 
 def test_overlap_param_gather_is_refused():

@@ -21,7 +21,7 @@ from megatron_async.errors import (
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from tests.unit.staging.test_overlapped_staging import _buckets
@@ -127,35 +127,35 @@ def test_rounds_write_the_same_bytes_as_one_go(tmp_path, thread_count):
 def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     tensors = _tensors(count=4, numel=1024)
     buckets = _buckets(tensors)
-    control = RoundsControl(len(tensors))
+    gate = StagingGate(len(tensors))
     pool = torch.zeros(8192, dtype=torch.uint8)
-    staged = stage_in_rounds(buckets, pool, 8192, control, timeout_s=30.0)
+    staged = stage_in_rounds(buckets, pool, 8192, gate, timeout_s=30.0)
     assert staged.plan.rounds == 2
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
     staged.start_background_copy()
-    (bucket,) = writer_view(control, 30.0, list(staged))
+    (bucket,) = writer_view(gate, 30.0, list(staged))
     with pytest.raises(StagingRaceError, match="layer3.weight"):
         for idx, (item, tensor) in enumerate(bucket.data[1]):
             bucket.data[1].before_item(idx)
             written.append(tensor.clone())
             bucket.data[1].after_item(idx)
-    control.mark_done()  # as the write path does at its end
+    gate.mark_done()  # as the write path does at its end
     staged.finish_staging()
-    assert len(written) == 3 and control.writer_done  # items 0-2; item 3 raced
+    assert len(written) == 3 and gate.writer_done  # items 0-2; item 3 raced
 
 
 def test_the_ledger_makes_a_second_save_wait_for_the_first_writer():
     ledger = StagingLedger()
-    first = RoundsControl(0)
+    first = StagingGate(0)
     ledger.reserve(100, 100, first, timeout_s=5.0)
     with pytest.raises(StagingMemoryError, match=r"needs 60 bytes.*still holds 100 of the 100-byte"):
-        ledger.reserve(60, 100, RoundsControl(0), timeout_s=0.2)
+        ledger.reserve(60, 100, StagingGate(0), timeout_s=0.2)
     threading.Timer(0.2, first.mark_done).start()
-    ledger.reserve(60, 100, RoundsControl(0), timeout_s=30.0)  # returns once the writer is done
+    ledger.reserve(60, 100, StagingGate(0), timeout_s=30.0)  # returns once the writer is done
     assert ledger.held_bytes() == 60 and ledger.peak_bytes == 100
-    ledger.reserve(40, 100, RoundsControl(0), timeout_s=0.0)  # room left: no wait
+    ledger.reserve(40, 100, StagingGate(0), timeout_s=0.0)  # room left: no wait
 
 
 def test_a_refused_save_leaves_nothing_held(tmp_path):
@@ -176,10 +176,10 @@ def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
     buckets = _buckets([torch.ones(1024), torch.ones(1024)])  # 8 KiB, budget 4 KiB
     held = staging_ledger().held_bytes()
     with pytest.raises(StagingHandOverError, match="at least 8192 bytes"):
-        stage_within_budget(RoundsControl(2), buckets, 4096, None, 5.0, list, None, {})
+        stage_within_budget(StagingGate(2), buckets, 4096, None, 5.0, list, None, {})
     assert staging_ledger().held_bytes() == held
     stats = {}
-    staged = stage_within_budget(RoundsControl(2), buckets, 8192, None, 5.0, _StagedList, None, stats)
+    staged = stage_within_budget(StagingGate(2), buckets, 8192, None, 5.0, _StagedList, None, stats)
     assert stats["rounds"] == 1  # within the budget any caller may stage
     staged.release()
     assert staging_ledger().held_bytes() == held
@@ -193,7 +193,7 @@ def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path
     held = ledger.held_bytes()
     stats = {}
     staged = stage_within_budget(
-        RoundsControl(1), buckets, None, None, 5.0, lambda: _StagedList(), False, stats
+        StagingGate(1), buckets, None, None, 5.0, lambda: _StagedList(), False, stats
     )
     assert stats == {"rounds": 1, "peak_bytes": 1024}
     assert ledger.held_bytes() == held + 1024  # no writer ran: still held
@@ -224,23 +224,22 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
 
 
 def _overlapped_rounds(tensors, pool_bytes, rank=0):
-    from megatron_async.staging.overlapped import StagingGate
-    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
 
-    control = RoundsControl(len(tensors))
+    gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
     staged = stage_in_rounds_overlapped(
-        StagingGate(), rank, _buckets(tensors), pool, pool_bytes, control, timeout_s=60.0
+        rank, _buckets(tensors), pool, pool_bytes, gate, timeout_s=60.0
     )
-    return staged, control
+    return staged, gate
 
 
-def _drain_in_thread(control, staged):
+def _drain_in_thread(gate, staged):
     """The background writer: read every item as the rounds arrive, then mark done."""
     written, errors = [], []
 
     def drain():
-        (bucket,) = writer_view(control, 60.0, list(staged))
+        (bucket,) = writer_view(gate, 60.0, list(staged))
         try:
             for idx, (_, tensor) in enumerate(bucket.data[1]):
                 bucket.data[1].before_item(idx)
@@ -249,7 +248,7 @@ def _drain_in_thread(control, staged):
         except BaseException as exc:
             errors.append(exc)
         finally:
-            control.mark_done()
+            gate.mark_done()
 
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
@@ -284,15 +283,15 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
     optimizer = torch.optim.SGD(params, lr=1.0)
     for param in params:
         param.grad = torch.ones(1024)
-    staged, control = _overlapped_rounds([p.detach() for p in params], 8192)
+    staged, gate = _overlapped_rounds([p.detach() for p in params], 8192)
     assert staged.plan.rounds == 2
-    assert not any(control.is_staged(i) for i in range(4))  # scheduling copied nothing
+    assert not any(gate.is_staged(i) for i in range(4))  # scheduling copied nothing
     with copies_held():
         staged.start_background_copy()
         assert staging_in_progress()
-    thread, written, errors = _drain_in_thread(control, staged)
+    thread, written, errors = _drain_in_thread(gate, staged)
     optimizer.step()  # the step pre-hook waits until the last round is copied
-    assert all(control.is_staged(i) for i in range(4)) and not control.failed
+    assert all(gate.is_staged(i) for i in range(4)) and not gate.failed
     thread.join(60)
     assert not errors and len(written) == 4
     for i, (param, value) in enumerate(zip(params, written)):
@@ -305,11 +304,11 @@ def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_nami
     from megatron_async.staging.overlapped import copies_held, wait_for_staging
 
     tensors = _tensors(count=4, numel=1024)
-    staged, control = _overlapped_rounds(tensors, 8192, rank=3)
+    staged, gate = _overlapped_rounds(tensors, 8192, rank=3)
     with copies_held():
         staged.start_background_copy()
         tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
-    thread, written, errors = _drain_in_thread(control, staged)
+    thread, written, errors = _drain_in_thread(gate, staged)
     wait_for_staging(timeout_s=60)
     thread.join(60)
     (error,) = errors
@@ -326,71 +325,71 @@ def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     from megatron_async.staging.overlapped import wait_for_staging
 
     tensors = _tensors(count=4, numel=1024)
-    staged, control = _overlapped_rounds(tensors, 8192)
+    staged, gate = _overlapped_rounds(tensors, 8192)
     # A writer that started reading (recorded its pid) and died without marking anything:
     # left unreaped, it is a zombie, which counts as gone.
-    writer = multiprocessing.get_context("fork").Process(target=control.record_writer)
+    writer = multiprocessing.get_context("fork").Process(target=gate.record_writer)
     writer.start()
     staged.start_background_copy()
     wait_for_staging(timeout_s=60)  # returns at the liveness check, not at the 60 s bound
     writer.join(10)
-    assert control.failed and "background writer of this save ended" in control.message()
-    assert [control.is_staged(i) for i in range(4)] == [True, True, False, False]
+    assert gate.failed and "background writer of this save ended" in gate.message()
+    assert [gate.is_staged(i) for i in range(4)] == [True, True, False, False]
 
 
-# -- the control block under failures: no wait outlives a failed or dead writer ------------
+# -- the gate under failures: no wait outlives a failed or dead writer ------------
 
 
 def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
     tensors = _tensors(count=count, numel=numel)
-    control = RoundsControl(len(tensors))
+    gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    staged = stage_in_rounds(_buckets(tensors), pool, pool_bytes, control, timeout_s=timeout_s)
-    return tensors, control, staged
+    staged = stage_in_rounds(_buckets(tensors), pool, pool_bytes, gate, timeout_s=timeout_s)
+    return tensors, gate, staged
 
 
 @pytest.mark.timeout(60)
 def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
     from megatron_async.errors import StorageWriteError
 
-    _, control, staged = _rounds(timeout_s=30.0)
+    _, gate, staged = _rounds(timeout_s=30.0)
     start = time.monotonic()
     staged.start_background_copy()  # waits for items 0 and 1 to be written
-    (bucket,) = writer_view(control, 30.0, list(staged))
+    (bucket,) = writer_view(gate, 30.0, list(staged))
     bucket.data[1].abandon(OSError(28, "No space left on device"))  # bucket 0 failed
     staged.finish_staging()
     with pytest.raises(StorageWriteError, match="No space left on device"):
         bucket.data[1].before_item(3)  # another bucket waiting for a later round
     assert time.monotonic() - start < 10.0  # not the 30 s bound
-    assert control.failed_by_writer and not control.is_staged(3)
+    assert gate.failed_by_writer and not gate.is_staged(3)
 
 
 def test_done_comes_first_and_a_late_copy_does_not_undo_written():
-    from megatron_async.staging.rounds_control import wait_for_room
+    from megatron_async.staging.gate import wait_for_room
 
-    control = RoundsControl(3)
-    control.mark_copied(0)
-    control.mark_done()
-    control.mark_copied(1)  # a trainer copy that finished after the writer stopped
-    assert control.writer_done and all(control.is_written(i) for i in range(3))
-    assert wait_for_room(control, [0, 1, 2], 1.0, "unused") is False  # nothing more to copy
+    gate = StagingGate(3)
+    gate.mark_copied(0)
+    gate.mark_done()
+    gate.mark_copied(1)  # a trainer copy that finished after the writer stopped
+    assert gate.writer_done and all(gate.is_written(i) for i in range(3))
+    assert wait_for_room(gate, [0, 1, 2], 1.0, "unused") is False  # nothing more to copy
 
 
 @pytest.mark.timeout(60)
 def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
-    tensors, control, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
+    tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
     assert staged.plan.rounds == 3
     staged.start_background_copy()
-    (bucket,) = writer_view(control, 30.0, list(staged))
+    (bucket,) = writer_view(gate, 30.0, list(staged))
     written = []
     for idx, (_, tensor) in enumerate(bucket.data[1]):  # a slow writer: 0.25 s an item
         bucket.data[1].before_item(idx)
         time.sleep(0.25)
         written.append(tensor.clone())
         bucket.data[1].after_item(idx)
-    control.mark_done()
+    gate.mark_done()
     staged.finish_staging()
-    assert not control.failed, control.message()  # 1.5 s in all, each wait below 0.6 s
+    assert not gate.failed, gate.message()  # 1.5 s in all, each wait below 0.6 s
     assert all(torch.equal(w, t) for w, t in zip(written, tensors))
 
 
@@ -402,10 +401,10 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     from megatron_async.staging.budget import stage_within_budget
 
     tensors = _tensors(count=4, numel=1024)
-    control = RoundsControl(len(tensors))
+    gate = StagingGate(len(tensors))
     held = staging_ledger().held_bytes()
     staged = run_preload(lambda: stage_within_budget(
-        control, _buckets(tensors), 8192, None, 30.0, list, None, {}))
+        gate, _buckets(tensors), 8192, None, 30.0, list, None, {}))
     writer = multiprocessing.get_context("fork").Process(target=lambda: None)  # dies at once
     writer.start()
     writer.join(10)
@@ -413,7 +412,7 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     start_background_copy(staged, writer.pid)  # as the callers do at the hand-over
     staged.finish_staging()
     assert time.monotonic() - start < 10.0
-    assert control.failed and "ended before it freed the staging memory" in control.message()
+    assert gate.failed and "ended before it freed the staging memory" in gate.message()
     assert staging_ledger().held_bytes() == held  # the hold ended with its writer
 
 
@@ -441,16 +440,16 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
 @pytest.mark.timeout(60)
 def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
     from megatron_async.staging.budget import stage_within_budget
-    from megatron_async.staging.overlapped import StagingGate, wait_for_staging
-    from megatron_async.staging.overlapped_rounds import stage_in_rounds_overlapped
+    from megatron_async.staging.overlapped import wait_for_staging
+    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
     from functools import partial
 
     tensors = _tensors(count=4, numel=1024)
-    control = RoundsControl(len(tensors))
+    gate = StagingGate(len(tensors))
     staged = run_preload(lambda: stage_within_budget(
-        control, _buckets(tensors), 8192, None, 30.0, list,
-        partial(stage_in_rounds_overlapped, StagingGate(), 0), {}))
-    control.mark_done()  # its writer is done; the staged data is still referenced here
+        gate, _buckets(tensors), 8192, None, 30.0, list,
+        partial(stage_in_rounds_overlapped, 0), {}))
+    gate.mark_done()  # its writer is done; the staged data is still referenced here
     staged.start_background_copy()
     wait_for_staging(timeout_s=30.0)
     assert staging_ledger().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192

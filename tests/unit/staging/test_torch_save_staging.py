@@ -17,7 +17,7 @@ from megatron_async.errors import (
     StagingRaceError,
 )
 from megatron_async.staging.budget import staging_ledger
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from megatron_async.writer.torch_save_file import write_torch_save_file, write_torch_save_records
@@ -49,7 +49,7 @@ def _write(staged):
     try:
         write_torch_save_records(stream, staged, 30.0)
     finally:
-        staged.control.mark_done()
+        staged.gate.mark_done()
         staged.finish_staging()
         staged.release()
     return stream.getvalue()
@@ -127,7 +127,7 @@ def test_a_tensor_larger_than_the_budget_is_refused_naming_it_and_the_budget_it_
 def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one():
     state = {"w": torch.zeros(4 * KIB)}  # 16 KiB
     ledger = staging_ledger()
-    earlier = RoundsControl(0)  # any save of this process, torch_dist ones included
+    earlier = StagingGate(0)  # any save of this process, torch_dist ones included
     ledger.reserve(16 * KIB, 16 * KIB, earlier, timeout_s=1.0)
     with pytest.raises(StagingMemoryError, match="still holds 16384 of the 16384-byte"):
         _stage(state, None, timeout_s=0.2)  # default budget: one copy of the state
@@ -140,11 +140,11 @@ def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one
 
 _FAILED_WRITE_SCRIPT = """
 import sys, torch
-from megatron_async.staging.rounds_control import RoundsControl
+from megatron_async.staging.gate import StagingGate
 from tests.unit.staging.test_torch_save_staging import _stage, KIB
 from megatron_async.writer.torch_save_file import write_torch_save_file
 staged = _stage({f"t{i}": torch.full((KIB,), float(i)) for i in range(4)}, 8 * KIB)
-staged.control.fail("a tensor changed before its copy")  # the write fails after its header
+staged.gate.fail("a tensor changed before its copy")  # the write fails after its header
 try:
     write_torch_save_file(sys.argv[1], staged, 5.0)
 except Exception as exc:
@@ -174,7 +174,7 @@ def test_a_failed_write_gives_the_staging_memory_back(tmp_path):
     staged = _stage({"w": torch.ones(8)}, None)
     with pytest.raises(OSError):
         write_torch_save_file(str(tmp_path / "missing" / "x.pt"), staged, 5.0)
-    assert staged.control.writer_done
+    assert staged.gate.writer_done
     assert not (tmp_path / "missing").exists()
 
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from megatron_async.integrity import checksums
 from megatron_async.saver.global_metadata import build_global_metadata
 from megatron_async.writer.bucket_io import write_bucket
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.commit import commit_checkpoint
 from tests.unit.saver.test_global_metadata import save_planner, shard_item
 

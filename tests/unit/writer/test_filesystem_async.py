@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.staging.buffers import clear_staging_cache, staging_cache_num_bytes
 from megatron_async.core import shared_memory
-from megatron_async.writer.layout import assign_buckets, balance_by_size, item_num_bytes
+from megatron_async.buckets.layout import assign_buckets, balance_by_size, item_num_bytes
 from megatron_async.errors import (
     CheckpointIntegrityError,
     CheckpointValidationError,
@@ -440,7 +440,7 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     from megatron_async.staging.buffers import clear_staging_cache, stage_buckets
-    from megatron_async.writer.layout import WriteBucket
+    from megatron_async.buckets.layout import WriteBucket
 
     source = torch.zeros(4)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)

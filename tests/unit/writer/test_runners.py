@@ -3,7 +3,7 @@
 import threading
 
 from megatron_async.writer import runners
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.results import WriteOutcome
 
 

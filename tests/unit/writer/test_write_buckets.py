@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.integrity import checksums
 from megatron_async.writer import tensor_archive as _tensor_archive
-from megatron_async.writer.bucket_file import BucketFile as _BucketFile
+from megatron_async.buckets.bucket_file import BucketFile as _BucketFile
 from megatron_async.writer.bucket_io import ChecksummedWriteResult, write_bucket
-from megatron_async.writer.layout import WriteBucket
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.results import WriteOutcome
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.writer.filesystem import FileSystemWriterAsync

@@ -2,7 +2,7 @@
 
 Writes ``--mib`` MiB of float32 tensors (1 MiB each, every third one a few bytes longer,
 so items straddle block edges) as one bucket file through the direct-I/O writer
-(:class:`~megatron_async.writer.direct_io.DirectBucketFile`, hashing on), as the
+(:class:`~megatron_async.buckets.direct_io.DirectBucketFile`, hashing on), as the
 background writer does, ``--reps`` times, and prints the median user and system CPU
 seconds and wall time of a write. ``--source shared`` places the tensors in a
 shared-memory segment as staging does (what the worker reads); ``private`` in the
@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from megatron_async.core import shared_memory
-from megatron_async.writer.direct_io import DirectBucketFile, open_local_bucket_file
+from megatron_async.buckets.direct_io import DirectBucketFile, open_local_bucket_file
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 _ELEMENTS = 256 * 1024  # 1 MiB of float32

@@ -1,19 +1,27 @@
-"""The control block of a save staged in rounds: what the stager and the writer share.
+"""The gate between a save's stager and its background writer (both sides).
 
-One small shared-memory segment per save (see :mod:`megatron_async.staging.rounds`): a
-header (the trainer's failure state and message, the writer's *done* mark, whether the
-save is staged in rounds) and one state word per tensor item (pending, copied, written).
-The trainer creates it in ``preload_fn``, before the fork or the send, so a forked writer
-inherits it and the persistent worker maps it from its segment reference. The writer
-records its process id when it starts reading, so the trainer's waits end when it is gone.
+One small shared-memory segment per save, :class:`StagingGate`: a header (the failure
+state and message, whether the stager has staged everything, the writer's *done* mark,
+whether the save is staged in rounds, the writer's process id) and one state word per
+tensor item (pending, copied, written). The trainer creates it with the save's functions,
+before the fork or the send, so a forked writer inherits it and the persistent worker
+maps it from its segment reference.
 
-Both sides run code from here: the trainer marks items copied; the background writer
-marks items written and the whole save done; either side records a failure, which ends
-the other side's waits at once (a failed bucket of the writer stops the trainer's copy
-and the writer's other buckets); either waits on the other's marks with
-:func:`wait_on_control` (bounded, and ending at a failure), the trainer's copy loops with
-:func:`wait_for_room` (each wait bounded on its own, so a slow but progressing writer is
-never cut off, and ending when the writer is done or gone).
+Every staging mode goes through it:
+
+* staged in one go on the training thread: nothing to wait for; the writer marks the
+  gate done when it has read everything (the staging budget's ledger watches that mark);
+* overlapped (:mod:`.overlapped`): the trainer's copy thread marks the gate staged, or
+  failed with its message, and the writer waits for that before it writes a byte
+  (:func:`write_after_staging`);
+* in rounds (:mod:`.rounds`, overlapped or not): the gate is marked staged at once, the
+  stager marks each item copied, and the writer marks each written (the stager waits for
+  room with :func:`wait_for_room`, the writer for each item with :func:`wait_on_gate`).
+
+Either side records a failure, which ends the other side's waits at once (a failed
+bucket of the writer stops the trainer's copy and the writer's other buckets). Every wait
+is bounded; the trainer's also end when the writer's process is gone (the writer records
+its process id as it starts reading; the caller records it at the hand-over).
 
 Ordering: an item's bytes are copied before its state word is stored, and its state word
 is read before its bytes are; the two processes rely on stores becoming visible in program
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -38,21 +46,32 @@ from megatron_async.errors import (
     WorkerDiedError,
 )
 
-__all__ = ["RoundsControl", "wait_on_control", "wait_for_room"]
+__all__ = [
+    "DEFAULT_STAGING_WAIT_S",
+    "StagingGate",
+    "wait_on_gate",
+    "wait_for_room",
+    "write_after_staging",
+]
+
+DEFAULT_STAGING_WAIT_S = 600.0
+"""Bound on every wait for an overlapped copy (trainer and background writer)."""
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1
-_HEADER_WORDS = 6  # failure, message length, writer done, in rounds, writer pid, failed by writer
+# failure, message length, writer done, in rounds, writer pid, failed by writer, staged
+_HEADER_WORDS = 7
 _LIVENESS_PERIOD_S = 0.5
 _MESSAGE_BYTES = 4096
 
 
-class RoundsControl:
+class StagingGate:
     """One save's shared state between the stager and the background writer.
 
-    A shared-memory segment: a header (failure state and message, the writer's *done*
-    mark) and one word per tensor item (pending, copied, written). Created by the trainer
-    in ``preload_fn``; pickles as its segment, so the persistent worker maps it.
+    A shared-memory segment: a header (failure state and message, the stager's *staged*
+    mark, the writer's *done* mark) and one word per tensor item (pending, copied,
+    written). Created by the trainer with the save's functions; pickles as its segment,
+    so the persistent worker maps it.
     """
 
     def __init__(self, num_items: int = 0, segment: Optional[torch.Tensor] = None):
@@ -66,7 +85,7 @@ class RoundsControl:
         self.num_items = int(self._words.numel()) - _HEADER_WORDS
 
     def __reduce__(self):
-        return (RoundsControl, (0, self.segment))
+        return (StagingGate, (0, self.segment))
 
     # -- items ---------------------------------------------------------------------
     def item_state(self, idx: int) -> int:
@@ -115,6 +134,28 @@ class RoundsControl:
 
     def message(self) -> str:
         return bytes(self.segment[: int(self._words[1])].tolist()).decode("utf-8", "replace")
+
+    def mark_staged(self) -> None:
+        """Trainer: the writer may start reading (every tensor is in the host buffers, or
+        the save is staged in rounds and the writer waits for each item)."""
+        self._words[6] = 1
+
+    @property
+    def staged(self) -> bool:
+        return int(self._words[6]) == 1
+
+    def wait_staged(self, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+        """Background writer: return once the trainer marked the gate staged (bounded).
+
+        Raises:
+            StagingRaceError: the copy failed (a saved tensor changed before it was copied).
+            AsyncTimeoutError: the copy did not finish within ``timeout_s``.
+        """
+        wait_on_gate(
+            lambda: self.staged, self, time.monotonic() + timeout_s,
+            f"the overlapped staging copy did not finish within {timeout_s:.0f}s; the "
+            "trainer process is stuck or gone. Save without overlap_staging to rule it out",
+        )
 
     def mark_done(self) -> None:
         """Writer: nothing of the staged data will be read any more.
@@ -169,25 +210,26 @@ def _process_running(pid: int) -> bool:
         return True
 
 
-def wait_on_control(
-    condition: Callable[[], bool], control: RoundsControl, deadline: float, what: str,
+def wait_on_gate(
+    condition: Callable[[], bool], gate: StagingGate, deadline: float, what: str,
     watch_writer: bool = False,
 ) -> None:
-    """Poll ``condition`` until true; raise on the trainer's failure mark or the deadline,
-    and with ``watch_writer`` (the trainer's waits) once the writer's process is gone."""
+    """Poll ``condition`` until true; raise on a recorded failure or at the deadline
+    (:class:`AsyncTimeoutError` saying ``what``), and with ``watch_writer`` (the trainer's
+    waits) once the writer's process is gone."""
     pause = 0.0002
     next_check = time.monotonic() + _LIVENESS_PERIOD_S
     while not condition():
-        if control.failed:
-            if control.failed_by_writer:
-                raise StorageWriteError(control.message())
-            raise StagingRaceError(control.message())
+        if gate.failed:
+            if gate.failed_by_writer:
+                raise StorageWriteError(gate.message())
+            raise StagingRaceError(gate.message())
         now = time.monotonic()
         if now > deadline:
             raise AsyncTimeoutError(what)
         if watch_writer and now > next_check:
             next_check = now + _LIVENESS_PERIOD_S
-            if control.writer_gone():
+            if gate.writer_gone():
                 raise WorkerDiedError(
                     "the background writer of this save ended before it freed the staging "
                     "memory (staging in rounds); the save fails, see the writer's error"
@@ -197,7 +239,7 @@ def wait_on_control(
 
 
 def wait_for_room(
-    control: RoundsControl, waits_for: Sequence[int], timeout_s: float, what: str
+    gate: StagingGate, waits_for: Sequence[int], timeout_s: float, what: str
 ) -> bool:
     """Trainer: wait until the writer wrote every item of ``waits_for`` (their bytes may be
     overwritten), watching the writer's process.
@@ -214,8 +256,20 @@ def wait_for_room(
         StagingRaceError / StorageWriteError: the save failed on either side.
         WorkerDiedError: the writer's process is gone.
     """
-    wait_on_control(
-        lambda: control.writer_done or all(control.is_written(k) for k in waits_for),
-        control, time.monotonic() + timeout_s, what, watch_writer=True,
+    wait_on_gate(
+        lambda: gate.writer_done or all(gate.is_written(k) for k in waits_for),
+        gate, time.monotonic() + timeout_s, what, watch_writer=True,
     )
-    return not control.writer_done
+    return not gate.writer_done
+
+
+def write_after_staging(
+    gate: StagingGate, timeout_s: float, write_fn: Callable[..., None], *args: Any
+) -> None:
+    """Background writer: wait (bounded) until the trainer marked the gate staged, then write.
+
+    A failed copy raises here (see :meth:`StagingGate.wait_staged`), before anything is
+    written: the call fails, and with it the save on every rank at finalization.
+    """
+    gate.wait_staged(timeout_s)
+    write_fn(*args)

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 from megatron_async.integrity import checksums
-from megatron_async.writer import direct_io
-from megatron_async.writer.bucket_file import BucketFile
+from megatron_async.buckets import direct_io
+from megatron_async.buckets.bucket_file import BucketFile
 from megatron_async.writer.bucket_io import write_bucket
 from tests.unit.writer.test_write_buckets import _bucket, _mixed_tensors
 

@@ -15,7 +15,7 @@ cache's copy plus writeback), and every full chunk is one ``write``. The last pa
 chunk is written padded to the alignment and the file is then cut to its true size.
 
 A file system that refuses direct I/O at open (``EINVAL``) gets the buffered
-:class:`~megatron_async.writer.bucket_file.BucketFile`; one that refuses it at the first
+:class:`~megatron_async.buckets.bucket_file.BucketFile`; one that refuses it at the first
 write (some network and FUSE file systems) has the flag cleared on the open file and the
 same chunks written buffered from then on.
 """
@@ -30,7 +30,7 @@ import os
 import threading
 from typing import Any, List, Optional
 
-from megatron_async.writer.bucket_file import BucketFile
+from megatron_async.buckets.bucket_file import BucketFile
 
 __all__ = ["DIRECT_IO_ALIGNMENT", "DirectBucketFile", "open_local_bucket_file"]
 

@@ -3,7 +3,7 @@
 Runs in the background writer (and in the trainer for synchronous saves).
 :class:`BucketFile` writes buffered, through the page cache; :class:`OpenedBucketFile`
 goes through a caller-given ``open_file`` (object stores, custom I/O). Local files are
-normally written with direct I/O instead (:mod:`megatron_async.writer.direct_io`), which
+normally written with direct I/O instead (:mod:`megatron_async.buckets.direct_io`), which
 keeps this interface.
 """
 
@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any, Callable, List, Optional
 
-from megatron_async.integrity.hashing import new_hasher
+from megatron_async.buckets.hashing import new_hasher
 
 __all__ = ["BucketFile", "OpenedBucketFile"]
 

@@ -1,7 +1,7 @@
 """The digest every item of a checkpoint gets: xxh3-64, streamed while it is written.
 
-Imports nothing of the package, so the bucket files of the background writer (below
-the writer and the storage backends) and the checksum records (above them) share it.
+Imports nothing of the package, so the bucket files (:mod:`.bucket_file`, below the
+writer and the storage backends) and the checksum records (above them) share it.
 """
 
 from __future__ import annotations
