@@ -49,7 +49,7 @@ class PersistentAsyncCaller(AsyncCaller):
     and its start-up (importing torch, at a lowered CPU priority) overlaps with
     training. Either way, the functions and classes a request refers to that the worker
     cannot import (those of the training script, lambdas, local functions) are sent by
-    value (:mod:`megatron_async.core.by_value_pickling`), so a script's own routines run
+    value (cloudpickle, :mod:`megatron_async.core.request_transport`), so a script's own routines run
     on the worker. A save scheduled before the worker is ready does
     not wait for it: it runs on a forked process, exactly as with
     :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at

@@ -12,8 +12,12 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   trainer's own tensors) is *copied* into a segment of this call (:class:`_CallArena`),
   so the worker always writes a snapshot.
 
-Functions and classes the worker cannot import (the training script's own routines)
-go by value, see :mod:`megatron_async.core.by_value_pickling`.
+Functions and classes the worker cannot import go by value, as cloudpickle pickles
+them: those of ``__main__`` (the training script, which the worker never runs; also
+``__mp_main__``, a script's name in a rank started by multiprocessing's spawn), lambdas
+and local functions, and those of any module registered with
+``cloudpickle.register_pickle_by_value`` (a module of the script that the worker could not
+import). Each carries the values its globals have when the request is scheduled.
 
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
 plan is cached) are sent once as well and then referred to by a token.
@@ -26,29 +30,33 @@ trainer. The worker unpickles them anew each time (into the same shared memory).
 
 Each segment crosses the process boundary once, the first time a request uses it: its
 descriptor goes over a Unix socket of its own (``SCM_RIGHTS``), so descriptors of a
-request the worker never read die with the worker instead of staying with the trainer. The worker keeps a *reusable* segment (cached staging buffers) mapped
-until the trainer says it is gone, and drops any other once the call that used it is
-written, so no staging memory outlives its save in the worker.
+request the worker never read die with the worker instead of staying with the trainer.
+The worker keeps a *reusable* segment (cached staging buffers) mapped until the trainer
+says it is gone, and drops any other once the call that used it is written, so no
+staging memory outlives its save in the worker.
 
 Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import socket
+import sys
 import weakref
+from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+import cloudpickle
 import torch
 import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler reductions (CUDA tensors)
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.by_value_pickling import ByValueReducer, CodeCache, describe_unpicklable
 from megatron_async.core.sent_objects import SentObjects
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
@@ -85,9 +93,15 @@ def _cached_object(token: int) -> Any:
     return item
 
 
-def _load_pairs(payload: bytes) -> List[Tuple[Any, torch.Tensor]]:
-    """Unpickling side (worker): a bucket's ``(item, tensor)`` pairs, pickled once by the trainer."""
-    return pickle.loads(payload)
+def _rebuild_cached_property(func, attrname: Optional[str], doc: Optional[str]):
+    """Unpickling side (worker): a ``functools.cached_property`` of a class sent by value.
+
+    Before Python 3.12 it holds a lock, which does not pickle; cloudpickle sends the class's
+    attributes after creating it, so ``__set_name__`` is not called again either.
+    """
+    prop = functools.cached_property(func)
+    prop.attrname, prop.__doc__ = attrname, doc
+    return prop
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -182,16 +196,22 @@ def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     )
 
 
-class _Pickler(ForkingPickler):
-    """Pickles CPU tensors as segment references (see the module docstring), and what the
-    training script defines by value (:mod:`megatron_async.core.by_value_pickling`)."""
+class _Pickler(cloudpickle.Pickler):
+    """Pickles CPU tensors as segment references and plan items as tokens (see the module
+    docstring); functions and classes as cloudpickle does; CUDA tensors as torch sends
+    them between processes (CUDA IPC handles, ``ForkingPickler``'s reductions)."""
+
+    dispatch_table = ChainMap(
+        {functools.cached_property: lambda p: (_rebuild_cached_property, (p.func, p.attrname, p.__doc__))},
+        ForkingPickler._extra_reducers,
+        cloudpickle.Pickler.dispatch_table,
+    )
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._sender = sender
         self._arena = arena
         self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
-        self.by_value = ByValueReducer(sender._code_cache)
         self.tokens: List[int] = []  # plan items referred to (kept for reused pairs)
         self.segments: List[shared_memory.Segment] = []  # segments referred to (same)
 
@@ -201,9 +221,9 @@ class _Pickler(ForkingPickler):
             self.tokens.append(token)
             return _cached_object, (token,)
         if type(obj) is shared_memory.ReusedTensorPairs:
-            return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
+            return pickle.loads, (self._sender._encode_pairs(obj, self._arena),)
         if not isinstance(obj, torch.Tensor):
-            return self.by_value.reduce(obj)
+            return super().reducer_override(obj)
         if obj.device.type == "cuda" and not self._sender.cuda_allowed:
             raise UnpicklableRequestError(_cuda_to_forked_worker(obj))
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
@@ -260,7 +280,6 @@ class RequestSender:
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = SentObjects()
-        self._code_cache = CodeCache()
         self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding
 
     def _encode_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> bytes:
@@ -292,14 +311,22 @@ class RequestSender:
             self._new[segment.segment_id] = segment
 
     def _dump(self, request: Any, buffer: io.BytesIO, arena: _CallArena) -> None:
-        pickler = _Pickler(buffer, self, arena)
+        main = sys.modules.get("__mp_main__")  # a spawned rank's script: the worker lacks it
+        if main is not None:
+            cloudpickle.register_pickle_by_value(main)
         try:
-            pickler.dump(request)
+            _Pickler(buffer, self, arena).dump(request)
         except UnpicklableRequestError:
             raise
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            message = describe_unpicklable(pickler.by_value, self._code_cache, exc)
-            raise UnpicklableRequestError(message) from exc
+            raise UnpicklableRequestError(
+                f"the request cannot be pickled for the persistent worker ({type(exc).__name__}: "
+                f"{exc}): async_fn, its arguments and what they refer to must pickle (a routine "
+                "of the training script goes by value, with the globals, closure variables and "
+                "defaults it uses: create such a value inside the routine, or pass it a request "
+                "argument that pickles), or use the temporal caller "
+                "(AsyncCallsQueue(persistent=False)), which forks and pickles nothing"
+            ) from exc
 
     def encode(self, request: Any) -> Tuple[EncodedRequest, List[torch.Tensor]]:
         """Pickle ``request`` for the worker.
