@@ -29,18 +29,18 @@ same bytes, so a warm save with thousands of tensors costs no per-tensor picklin
 trainer. The worker unpickles them anew each time (into the same shared memory).
 
 Each segment crosses the process boundary once, the first time a request uses it: its
-descriptor goes over a Unix socket of its own (``SCM_RIGHTS``), so descriptors of a
-request the worker never read die with the worker instead of staying with the trainer.
-The worker keeps a *reusable* segment (cached staging buffers) mapped until the trainer
-says it is gone, and drops any other once the call that used it is written, so no
-staging memory outlives its save in the worker.
+descriptor goes over a Unix socket of its own (``SCM_RIGHTS``, see
+:mod:`megatron_async.core.sent_objects`), so descriptors of a request the worker never
+read die with the worker instead of staying with the trainer. The worker keeps a
+*reusable* segment (cached staging buffers) mapped until the trainer says it is gone,
+and drops any other once the call that used it is written, so no staging memory
+outlives its save in the worker.
 
 Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
@@ -57,7 +57,7 @@ import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler red
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.sent_objects import SentObjects
+from megatron_async.core.sent_objects import SentObjects, receive_descriptors, send_descriptors
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
@@ -69,39 +69,28 @@ _ARENA_CHUNK_BYTES = 64 * 2**20
 _worker_segments: Dict[int, torch.Tensor] = {}
 _worker_objects: Dict[int, Any] = {}
 
+
+def _received(table: Dict[int, Any], key: int, what: str) -> Any:
+    """Unpickling side (worker): what the trainer sent with this or an earlier request."""
+    entry = table.get(key)
+    if entry is None:
+        raise CoordinationError(
+            f"persistent worker: {what} {key} was never received here; the trainer and this "
+            "worker disagree on what was sent (the worker exits and a new one starts with the "
+            "next save)"
+        )
+    return entry
+
+
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
     """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
-    segment = _worker_segments.get(segment_id)
-    if segment is None:
-        raise CoordinationError(
-            f"persistent worker: shared-memory segment {segment_id} was never mapped here; the "
-            "trainer and this worker disagree on what was sent (the worker exits and a new one "
-            "starts with the next save)"
-        )
+    segment = _received(_worker_segments, segment_id, "shared-memory segment")
     return shared_memory.segment_view(segment, byte_offset, shape, dtype)
 
 
 def _cached_object(token: int) -> Any:
     """Unpickling side (worker): a plan item sent with an earlier request."""
-    item = _worker_objects.get(token)
-    if item is None:
-        raise CoordinationError(
-            f"persistent worker: plan item {token} was never received here; the trainer and "
-            "this worker disagree on what was sent (the worker exits and a new one starts "
-            "with the next save)"
-        )
-    return item
-
-
-def _rebuild_cached_property(func, attrname: Optional[str], doc: Optional[str]):
-    """Unpickling side (worker): a ``functools.cached_property`` of a class sent by value.
-
-    Before Python 3.12 it holds a lock, which does not pickle; cloudpickle sends the class's
-    attributes after creating it, so ``__set_name__`` is not called again either.
-    """
-    prop = functools.cached_property(func)
-    prop.attrname, prop.__doc__ = attrname, doc
-    return prop
+    return _received(_worker_objects, token, "plan item")
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -149,44 +138,6 @@ class _CallArena:
         return copy
 
 
-_MAX_DESCRIPTORS_PER_MESSAGE = 200
-"""SCM_RIGHTS carries at most 253 descriptors per message on Linux."""
-
-DESCRIPTOR_TIMEOUT_S = 60.0
-"""Bound on sending or receiving one batch of segment descriptors."""
-
-
-def _send_descriptors(sock: socket.socket, segments: List[torch.Tensor]) -> None:
-    """Send the segments' shared-memory descriptors to the worker (trainer side).
-
-    The kernel holds descriptors in flight on the socket: if the worker dies before
-    taking them, closing the socket releases them, so a dead worker never pins the
-    shared memory of a request it did not read.
-    """
-    fds = [segment.untyped_storage()._share_fd_cpu_()[0] for segment in segments]
-    for start in range(0, len(fds), _MAX_DESCRIPTORS_PER_MESSAGE):
-        socket.send_fds(sock, [b"\0"], fds[start : start + _MAX_DESCRIPTORS_PER_MESSAGE])
-
-
-def _receive_descriptors(sock: socket.socket, count: int) -> List[int]:
-    """Receive ``count`` descriptors sent by :func:`_send_descriptors` (worker side)."""
-    fds: List[int] = []
-    while len(fds) < count:
-        try:
-            data, received, _flags, _addr = socket.recv_fds(sock, 1, _MAX_DESCRIPTORS_PER_MESSAGE)
-        except socket.timeout as exc:
-            for fd in fds:
-                os.close(fd)
-            raise CoordinationError(
-                f"the trainer announced {count} shared-memory segments but their descriptors "
-                f"did not arrive within {DESCRIPTOR_TIMEOUT_S:.0f}s"
-            ) from exc
-        if not data:
-            raise CoordinationError("the trainer closed the descriptor socket")
-        fds.extend(received)
-    return fds
-
-
 def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     return (
         f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
@@ -201,11 +152,7 @@ class _Pickler(cloudpickle.Pickler):
     docstring); functions and classes as cloudpickle does; CUDA tensors as torch sends
     them between processes (CUDA IPC handles, ``ForkingPickler``'s reductions)."""
 
-    dispatch_table = ChainMap(
-        {functools.cached_property: lambda p: (_rebuild_cached_property, (p.func, p.attrname, p.__doc__))},
-        ForkingPickler._extra_reducers,
-        cloudpickle.Pickler.dispatch_table,
-    )
+    dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
@@ -347,7 +294,7 @@ class RequestSender:
             self._dump(request, buffer, arena)
             new_objects, forget_objects = self._objects.finish_request()
             new_segments = tuple((sid, seg.tensor.numel()) for sid, seg in self._new.items())
-            _send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
+            send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
         except BaseException:
             self._objects.abandon_request()
             raise
@@ -389,7 +336,7 @@ class SegmentTable:
         """
         for sid in encoded.forget:
             _worker_segments.pop(sid, None)
-        descriptors = _receive_descriptors(self._socket, len(encoded.new_segments))
+        descriptors = receive_descriptors(self._socket, len(encoded.new_segments))
         for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
             try:
                 storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
