@@ -123,8 +123,8 @@ class ReplacedReferenceAPIError(AsyncCheckpointError, NotImplementedError):
 
 class UnpicklableRequestError(AsyncCheckpointError, pickle.PicklingError):
     """A request cannot be sent to the persistent worker: something it refers to does not
-    pickle (a lock a routine captures, an enum of the training script, an unstaged CUDA
-    tensor for a forked worker). The message names it and says what to do."""
+    pickle (a lock a routine of the training script captures, an unstaged CUDA tensor for
+    a forked worker). The message names its type and says what to do."""
 
 
 class RemoteFailureError(AsyncCheckpointError):

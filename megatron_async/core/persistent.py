@@ -7,11 +7,9 @@ import time
 from typing import Any, Dict, Optional
 
 from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import kill_and_reap, register_exit_cleanup
-from megatron_async.core.request_transport import RequestSender
+from megatron_async.core.process_lifetime import describe_exit, kill_and_reap, register_exit_cleanup
 from megatron_async.core.worker_loop import STOP
-from megatron_async.core.worker_process import WorkerProcess
-from megatron_async.core.worker_start import current_cuda_device, start_worker, startup_failure_message
+from megatron_async.core.worker_process import WorkerProcess, start_worker, startup_failure_message
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.hand_over import run_preload
@@ -44,29 +42,29 @@ class PersistentAsyncCaller(AsyncCaller):
     imports nothing and drops its share of the trainer's tensor pages at once (see
     :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and when a
     worker starts while staging buffers are alive, or the fork fails) it is a fresh
-    interpreter that
-    imports only the worker's module (see :mod:`megatron_async.core.worker_process`),
-    and its start-up (importing torch, at a lowered CPU priority) overlaps with
-    training. Either way, the functions and classes a request refers to that the worker
-    cannot import (those of the training script, lambdas, local functions) are sent by
-    value (:mod:`megatron_async.core.by_value_pickling`), so a script's own routines run
-    on the worker. A save scheduled before the worker is ready does
-    not wait for it: it runs on a forked process, exactly as with
+    interpreter that imports only the worker's module (see
+    :mod:`megatron_async.core.worker_process`), and its start-up (importing torch, at a
+    lowered CPU priority) overlaps with training. Either way, the functions and classes
+    a request refers to that the worker cannot import (those of the training script,
+    lambdas, local functions) are sent by value (cloudpickle, see
+    :mod:`megatron_async.core.request_transport`), so a script's own routines run on the
+    worker. A save scheduled before the worker is ready does not wait for it: it runs on
+    a forked process, exactly as with
     :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at
     scheduling, same bounded waits, same errors at finalization); the saves after that
     go to the ready worker. Each rank picks on its own, which is safe because the ranks
     agree on a call's completion by its index, whatever ran it. A worker that exits
     while starting fails the next save, with the worker's stderr; one still not ready
     after ``staging_timeout_s`` is killed and fails the next save with a timeout.
-    Once ready, the trainer stages each request's data itself
-    (``preload_fn``, a memory copy into shared-memory buffers) and sends the request with
-    its tensors as references into shared memory
-    (:mod:`megatron_async.core.request_transport`): :meth:`schedule_async_call` returns
-    right after that, without waiting for the worker.
-    The worker acknowledges receipt and writes on a separate thread; the staged data is
-    released for reuse when the worker reports the call done (or the worker is gone).
-    If the worker dies or overruns a timeout, its pending calls fail (on every rank, at
-    finalization) and the next save starts a fresh worker.
+    Once ready, the trainer stages each request's data itself (``preload_fn``, a memory
+    copy into shared-memory buffers) and sends the request with its tensors as
+    references into shared memory: :meth:`schedule_async_call` returns right after
+    that, without waiting for the worker. The worker acknowledges receipt and writes on
+    a separate thread; the staged data is released for reuse when the worker reports the
+    call done (or the worker is gone). If the worker dies or overruns a timeout, its
+    pending calls fail (on every rank, at finalization) and the next save starts a fresh
+    worker. A worker found dead between saves, and every replacement, is logged at
+    WARNING.
 
     Args:
         config: bounds of every wait, and the worker's CPU and I/O priority.
@@ -81,7 +79,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self.is_daemon = bool(is_daemon)
         self.rank = coordination.get_rank()
         self.process: Optional[WorkerProcess] = None
-        self._sender: Optional[RequestSender] = None
+        self._last_pid: Optional[int] = None  # of the last worker started: the next replaces it
         self._ready = False
         self._startup_failure: Optional[str] = None  # why the last worker did not start
         self._started_at = 0.0  # when the current worker was started
@@ -106,10 +104,14 @@ class PersistentAsyncCaller(AsyncCaller):
         self._started_at = time.monotonic()
         stack_dump.prepare()  # where the worker puts its stacks if a write times out
         self.process = start_worker(self.rank, self.config)
-        self._sender = RequestSender(
-            self.process.descriptor_socket, cuda_allowed=not self.process.forked
-        )
-        logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self.process.pid)
+        replaced, self._last_pid = self._last_pid, self.process.pid
+        if replaced is None:
+            logger.debug("rank %d: started persistent checkpoint worker pid %d", self.rank, self._last_pid)
+        else:
+            logger.warning(
+                "rank %d: started persistent checkpoint worker pid %d to replace pid %d",
+                self.rank, self._last_pid, replaced,
+            )
 
     def _discard_worker(self, kill: bool) -> None:
         if self.process is not None:
@@ -118,7 +120,7 @@ class PersistentAsyncCaller(AsyncCaller):
             # Descriptors still in flight (requests the worker never read) are freed here.
             self.process.close_channels()
             stack_dump.forget(self.process.pid)
-        self.process, self._sender = None, None
+        self.process = None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
             self._release_call(idx)
@@ -137,16 +139,19 @@ class PersistentAsyncCaller(AsyncCaller):
     def _worker_died(self) -> None:
         process = self.process
         process.join(timeout=1.0)
-        code = process.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        how = describe_exit(process.exitcode)
         if not self._ready:
             self._startup_failure = startup_failure_message(
                 f"rank {self.rank}: the persistent checkpoint worker (pid {process.pid}) {how} "
                 "while starting, before it could take a save",
-                process.startup_output(),
-                process.forked,
+                process,
             )
             logger.error("%s", self._startup_failure)
+        elif not self._closed and all(status.is_terminal for status in self._statuses.values()):
+            logger.warning(
+                "rank %d: the persistent checkpoint worker (pid %d) %s between saves; the next "
+                "save starts a new one", self.rank, process.pid, how,
+            )
 
         def failure(idx: int) -> RankFailure:
             exc = WorkerDiedError(
@@ -242,7 +247,7 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         request = async_req._replace(async_fn_args=tuple(args), preload_fn=None, finalize_fns=[])
         try:
-            encoded, arena = self._sender.encode(request)
+            encoded, arena = self.process.requests.encode(request)
         except Exception as exc:
             logger.error("rank %d: async call %d cannot be sent to the worker: %s", self.rank, idx, exc)
             release_staged_data(staged)
@@ -251,9 +256,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._held[idx] = (staged, arena)
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
-        # A forked worker must not touch CUDA (it never needs to: the data is staged).
-        device = None if self.process.forked else current_cuda_device()
-        self.process.send((idx, encoded, device))
+        self.process.send_request(idx, encoded)
         start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
         finish_staging(staged)  # staging in rounds: copied while the writer drains
 
@@ -281,8 +284,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
                 f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
                 "and a new one starts with the next save",
-                self.process.startup_output(),
-                self.process.forked,
+                self.process,
             )
         )
         self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
@@ -355,9 +357,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._discard_worker(kill=True)
             return
         self.process.send(STOP)
-        deadline = time.monotonic() + self.config.close_timeout_s
-        while time.monotonic() < deadline and self.process.is_alive():
-            self.process.join(timeout=self.config.poll_interval_s)
+        self.process.join(timeout=self.config.close_timeout_s)  # bounded: it polls
         if self.process.is_alive():
             logger.warning(
                 "rank %d: persistent worker pid %d did not stop within %.0fs; killing it",

@@ -20,6 +20,7 @@ import weakref
 from typing import Callable, Optional
 
 __all__ = [
+    "describe_exit",
     "raise_open_file_limit",
     "set_parent_death_signal",
     "parent_is_alive",
@@ -66,6 +67,13 @@ def raise_open_file_limit() -> int:
 def parent_is_alive(parent_pid: int) -> bool:
     """True while the process that started us is still our parent (background side)."""
     return os.getppid() == parent_pid
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    """How a background process ended, for messages: "was killed by signal 9", "exited with code 1"."""
+    if exitcode is not None and exitcode < 0:
+        return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def kill_and_reap(process, join_timeout_s: float = 5.0) -> None:

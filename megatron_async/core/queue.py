@@ -12,7 +12,7 @@ from megatron_async.core.caller import AsyncCaller, CallStatus, agree_on_call
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_report import details_of, log_finalized_save
+from megatron_async.core.save_report import checkpoint_of, details_of, log_finalized_save
 from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, QueueClosedError, RankFailure
 
@@ -183,11 +183,12 @@ class AsyncCallsQueue:
             self.async_calls.popleft()
             caller.release(idx)
             if agreement.failures:
+                checkpoint = checkpoint_of(request)  # named in the error's headline
                 # Free the request's resources (an in-flight directory claim) now: the
                 # caller may still hold the request, and the traceback keeps this frame.
                 request.abandon()
                 del request, caller
-                raise AsyncSaveFailedError(agreement.failures)
+                raise AsyncSaveFailedError(agreement.failures, checkpoint)
             start = time.monotonic()
             for finalize_fn in request.finalize_fns:
                 finalize_fn()

@@ -73,8 +73,8 @@ class AsyncRequest(NamedTuple):
         async_fn: runs in the background (a forked process or the persistent worker);
             None means there is nothing to write on this rank. It and its arguments may
             be defined in the training script itself: the persistent worker receives
-            what it cannot import by value
-            (:mod:`megatron_async.core.by_value_pickling`).
+            what it cannot import by value (cloudpickle, see
+            :mod:`megatron_async.core.request_transport`).
         async_fn_args: positional arguments of ``async_fn``. With a ``preload_fn``,
             element 1 is a placeholder that the staged data replaces.
         finalize_fns: run on every rank, in order, once ``async_fn`` is done on all ranks.

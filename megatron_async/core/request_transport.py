@@ -12,8 +12,12 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   trainer's own tensors) is *copied* into a segment of this call (:class:`_CallArena`),
   so the worker always writes a snapshot.
 
-Functions and classes the worker cannot import (the training script's own routines)
-go by value, see :mod:`megatron_async.core.by_value_pickling`.
+Functions and classes the worker cannot import go by value, as cloudpickle pickles
+them: those of ``__main__`` (the training script, which the worker never runs; also
+``__mp_main__``, a script's name in a rank started by multiprocessing's spawn), lambdas
+and local functions, and those of any module registered with
+``cloudpickle.register_pickle_by_value`` (a module of the script that the worker could not
+import). Each carries the values its globals have when the request is scheduled.
 
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
 plan is cached) are sent once as well and then referred to by a token.
@@ -25,10 +29,12 @@ same bytes, so a warm save with thousands of tensors costs no per-tensor picklin
 trainer. The worker unpickles them anew each time (into the same shared memory).
 
 Each segment crosses the process boundary once, the first time a request uses it: its
-descriptor goes over a Unix socket of its own (``SCM_RIGHTS``), so descriptors of a
-request the worker never read die with the worker instead of staying with the trainer. The worker keeps a *reusable* segment (cached staging buffers) mapped
-until the trainer says it is gone, and drops any other once the call that used it is
-written, so no staging memory outlives its save in the worker.
+descriptor goes over a Unix socket of its own (``SCM_RIGHTS``, see
+:mod:`megatron_async.core.sent_objects`), so descriptors of a request the worker never
+read die with the worker instead of staying with the trainer. The worker keeps a
+*reusable* segment (cached staging buffers) mapped until the trainer says it is gone,
+and drops any other once the call that used it is written, so no staging memory
+outlives its save in the worker.
 
 Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
 """
@@ -39,17 +45,19 @@ import io
 import os
 import pickle
 import socket
+import sys
 import weakref
+from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+import cloudpickle
 import torch
 import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler reductions (CUDA tensors)
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.by_value_pickling import ByValueReducer, CodeCache, describe_unpicklable
-from megatron_async.core.sent_objects import SentObjects
+from megatron_async.core.sent_objects import SentObjects, receive_descriptors, send_descriptors
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
@@ -61,33 +69,28 @@ _ARENA_CHUNK_BYTES = 64 * 2**20
 _worker_segments: Dict[int, torch.Tensor] = {}
 _worker_objects: Dict[int, Any] = {}
 
+
+def _received(table: Dict[int, Any], key: int, what: str) -> Any:
+    """Unpickling side (worker): what the trainer sent with this or an earlier request."""
+    entry = table.get(key)
+    if entry is None:
+        raise CoordinationError(
+            f"persistent worker: {what} {key} was never received here; the trainer and this "
+            "worker disagree on what was sent (the worker exits and a new one starts with the "
+            "next save)"
+        )
+    return entry
+
+
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
     """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
-    segment = _worker_segments.get(segment_id)
-    if segment is None:
-        raise CoordinationError(
-            f"persistent worker: shared-memory segment {segment_id} was never mapped here; the "
-            "trainer and this worker disagree on what was sent (the worker exits and a new one "
-            "starts with the next save)"
-        )
+    segment = _received(_worker_segments, segment_id, "shared-memory segment")
     return shared_memory.segment_view(segment, byte_offset, shape, dtype)
 
 
 def _cached_object(token: int) -> Any:
     """Unpickling side (worker): a plan item sent with an earlier request."""
-    item = _worker_objects.get(token)
-    if item is None:
-        raise CoordinationError(
-            f"persistent worker: plan item {token} was never received here; the trainer and "
-            "this worker disagree on what was sent (the worker exits and a new one starts "
-            "with the next save)"
-        )
-    return item
-
-
-def _load_pairs(payload: bytes) -> List[Tuple[Any, torch.Tensor]]:
-    """Unpickling side (worker): a bucket's ``(item, tensor)`` pairs, pickled once by the trainer."""
-    return pickle.loads(payload)
+    return _received(_worker_objects, token, "plan item")
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -135,44 +138,6 @@ class _CallArena:
         return copy
 
 
-_MAX_DESCRIPTORS_PER_MESSAGE = 200
-"""SCM_RIGHTS carries at most 253 descriptors per message on Linux."""
-
-DESCRIPTOR_TIMEOUT_S = 60.0
-"""Bound on sending or receiving one batch of segment descriptors."""
-
-
-def _send_descriptors(sock: socket.socket, segments: List[torch.Tensor]) -> None:
-    """Send the segments' shared-memory descriptors to the worker (trainer side).
-
-    The kernel holds descriptors in flight on the socket: if the worker dies before
-    taking them, closing the socket releases them, so a dead worker never pins the
-    shared memory of a request it did not read.
-    """
-    fds = [segment.untyped_storage()._share_fd_cpu_()[0] for segment in segments]
-    for start in range(0, len(fds), _MAX_DESCRIPTORS_PER_MESSAGE):
-        socket.send_fds(sock, [b"\0"], fds[start : start + _MAX_DESCRIPTORS_PER_MESSAGE])
-
-
-def _receive_descriptors(sock: socket.socket, count: int) -> List[int]:
-    """Receive ``count`` descriptors sent by :func:`_send_descriptors` (worker side)."""
-    fds: List[int] = []
-    while len(fds) < count:
-        try:
-            data, received, _flags, _addr = socket.recv_fds(sock, 1, _MAX_DESCRIPTORS_PER_MESSAGE)
-        except socket.timeout as exc:
-            for fd in fds:
-                os.close(fd)
-            raise CoordinationError(
-                f"the trainer announced {count} shared-memory segments but their descriptors "
-                f"did not arrive within {DESCRIPTOR_TIMEOUT_S:.0f}s"
-            ) from exc
-        if not data:
-            raise CoordinationError("the trainer closed the descriptor socket")
-        fds.extend(received)
-    return fds
-
-
 def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     return (
         f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
@@ -182,16 +147,18 @@ def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
     )
 
 
-class _Pickler(ForkingPickler):
-    """Pickles CPU tensors as segment references (see the module docstring), and what the
-    training script defines by value (:mod:`megatron_async.core.by_value_pickling`)."""
+class _Pickler(cloudpickle.Pickler):
+    """Pickles CPU tensors as segment references and plan items as tokens (see the module
+    docstring); functions and classes as cloudpickle does; CUDA tensors as torch sends
+    them between processes (CUDA IPC handles, ``ForkingPickler``'s reductions)."""
+
+    dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._sender = sender
         self._arena = arena
         self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
-        self.by_value = ByValueReducer(sender._code_cache)
         self.tokens: List[int] = []  # plan items referred to (kept for reused pairs)
         self.segments: List[shared_memory.Segment] = []  # segments referred to (same)
 
@@ -201,9 +168,9 @@ class _Pickler(ForkingPickler):
             self.tokens.append(token)
             return _cached_object, (token,)
         if type(obj) is shared_memory.ReusedTensorPairs:
-            return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
+            return pickle.loads, (self._sender._encode_pairs(obj, self._arena),)
         if not isinstance(obj, torch.Tensor):
-            return self.by_value.reduce(obj)
+            return super().reducer_override(obj)
         if obj.device.type == "cuda" and not self._sender.cuda_allowed:
             raise UnpicklableRequestError(_cuda_to_forked_worker(obj))
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
@@ -260,7 +227,6 @@ class RequestSender:
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = SentObjects()
-        self._code_cache = CodeCache()
         self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding
 
     def _encode_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> bytes:
@@ -292,14 +258,22 @@ class RequestSender:
             self._new[segment.segment_id] = segment
 
     def _dump(self, request: Any, buffer: io.BytesIO, arena: _CallArena) -> None:
-        pickler = _Pickler(buffer, self, arena)
+        main = sys.modules.get("__mp_main__")  # a spawned rank's script: the worker lacks it
+        if main is not None:
+            cloudpickle.register_pickle_by_value(main)
         try:
-            pickler.dump(request)
+            _Pickler(buffer, self, arena).dump(request)
         except UnpicklableRequestError:
             raise
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            message = describe_unpicklable(pickler.by_value, self._code_cache, exc)
-            raise UnpicklableRequestError(message) from exc
+            raise UnpicklableRequestError(
+                f"the request cannot be pickled for the persistent worker ({type(exc).__name__}: "
+                f"{exc}): async_fn, its arguments and what they refer to must pickle (a routine "
+                "of the training script goes by value, with the globals, closure variables and "
+                "defaults it uses: create such a value inside the routine, or pass it a request "
+                "argument that pickles), or use the temporal caller "
+                "(AsyncCallsQueue(persistent=False)), which forks and pickles nothing"
+            ) from exc
 
     def encode(self, request: Any) -> Tuple[EncodedRequest, List[torch.Tensor]]:
         """Pickle ``request`` for the worker.
@@ -320,7 +294,7 @@ class RequestSender:
             self._dump(request, buffer, arena)
             new_objects, forget_objects = self._objects.finish_request()
             new_segments = tuple((sid, seg.tensor.numel()) for sid, seg in self._new.items())
-            _send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
+            send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
         except BaseException:
             self._objects.abandon_request()
             raise
@@ -362,7 +336,7 @@ class SegmentTable:
         """
         for sid in encoded.forget:
             _worker_segments.pop(sid, None)
-        descriptors = _receive_descriptors(self._socket, len(encoded.new_segments))
+        descriptors = receive_descriptors(self._socket, len(encoded.new_segments))
         for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
             try:
                 storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)

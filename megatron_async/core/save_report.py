@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-__all__ = ["SaveDetails", "details_of", "log_finalized_save"]
+__all__ = ["SaveDetails", "checkpoint_of", "details_of", "log_finalized_save"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,17 @@ def details_of(request: Any) -> Optional[SaveDetails]:
         if callable(provide):
             return provide()
     return None
+
+
+def checkpoint_of(request: Any) -> Optional[str]:
+    """The checkpoint a request saves, when its finalize functions say (for the headline
+    of its failure); None when they do not, or cannot after the failure."""
+    try:
+        details = details_of(request)
+    except Exception:  # the failed save left its details incomplete: no name, no harm
+        logger.debug("cannot name the checkpoint of a failed save", exc_info=True)
+        return None
+    return details.checkpoint if details is not None else None
 
 
 def log_finalized_save(

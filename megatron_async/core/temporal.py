@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import (
+    describe_exit,
     kill_and_reap,
     parent_is_alive,
     register_exit_cleanup,
@@ -179,10 +180,9 @@ class TemporalAsyncCaller(AsyncCaller):
 
     def _died_failure(self, rank: int) -> RankFailure:
         self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         exc = WorkerDiedError(
-            f"rank {rank}: background save process (pid {self.process.pid}) {how} before "
+            f"rank {rank}: background save process (pid {self.process.pid}) "
+            f"{describe_exit(self.process.exitcode)} before "
             "reporting a result (out of memory? killed by the OS?)"
         )
         return RankFailure.from_exception(rank, "worker", exc)

@@ -1,24 +1,25 @@
 """Start the persistent worker as a fork of the trainer (trainer side, and the child's set-up).
 
-A fresh interpreter (:mod:`megatron_async.core.worker_process`) spends seconds of CPU
-importing torch before it can take a save, CPU that a busy trainer pays for (the
-lost-time benchmark measured ~3 CPU-seconds per rank). A fork has every module already
-imported and is ready within milliseconds of the fork; the trainer's own cost is the
-scan below (about 0.1 s in the GPT example) and copying its page tables. What the child
-inherits, and how each is kept from costing the trainer or the checkpoint:
+A fresh interpreter (``AsyncCallerConfig(worker_start="exec")``, see
+:mod:`megatron_async.core.worker_process`) spends seconds of CPU importing torch before it
+can take a save, CPU that a busy trainer pays for (the lost-time benchmark measured ~3
+CPU-seconds per rank). A fork has every module already imported and is ready within
+milliseconds of the fork; the trainer's own cost is the scan below (about 0.1 s in the GPT
+example) and copying its page tables. What the child inherits, and how each is kept from
+costing the trainer or the checkpoint:
 
 * **Memory, copy-on-write.** Before forking, the trainer lists the page-aligned insides
-  of its private CPU tensor storages that Python can see (a scan of the live objects,
-  once per worker start), clipped to its private anonymous mappings; the child discards
-  its share of those pages at once (``MADV_DONTNEED``). The trainer's in-place updates
-  of parameters and optimizer state then neither copy pages nor leave the old ones
-  pinned in the worker, which would double the memory of CPU-resident state
-  (:mod:`megatron_async.core.fork_pages`). (Storages held only by C++ code are not
-  found; their pages stay copy-on-write.) The child also
-  freezes the inherited objects out of its cyclic garbage collection, which would
-  otherwise touch, and so copy, the whole inherited heap. The worker never reads the
-  trainer's tensors: a request and its staged data reach it through its socket and
-  shared memory, exactly as for a fresh interpreter.
+  of its private CPU tensor storages that Python can see (:func:`trainer_tensor_pages`, a
+  scan of the live objects, once per worker start), clipped to its private anonymous
+  mappings; the child discards its share of those pages at once
+  (:func:`release_inherited_pages`, ``MADV_DONTNEED``). The trainer's in-place updates of
+  parameters and optimizer state then neither copy pages nor leave the old ones pinned in
+  the worker, which would double the memory of CPU-resident state. (Storages held only by
+  C++ code are not found; their pages stay copy-on-write.) The child also freezes the
+  inherited objects out of its cyclic garbage collection, which would otherwise touch,
+  and so copy, the whole inherited heap. The worker never reads the trainer's tensors: a
+  request and its staged data reach it through its socket and shared memory, exactly as
+  for a fresh interpreter.
 * **Staging segments.** A fork would keep the trainer's shared-memory segments mapped
   (and their descriptors open) for the worker's lifetime. So the worker is forked only
   while the trainer has no live segment, as when a queue is created before the first
@@ -47,42 +48,59 @@ inherits, and how each is kept from costing the trainer or the checkpoint:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
+import itertools
 import logging
+import mmap
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
-from multiprocessing.connection import Connection
-from typing import Any, Dict, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
-from megatron_async.core.fork_pages import (
-    MIN_RELEASED_STORAGE_BYTES,
-    PageRange,
-    libc_madvise,
-    release_inherited_pages,
-    trainer_tensor_pages,
-)
+from megatron_async.core import worker_loop
 from megatron_async.core.shared_memory import has_live_segments
-from megatron_async.core.worker_process import WorkerProcess
-from megatron_async.errors import WorkerDiedError
 
 __all__ = [
     "MIN_RELEASED_STORAGE_BYTES",
     "can_fork_worker",
-    "retire_inherited_descriptors",
-    "fork_worker_process",
+    "fork_worker",
     "release_inherited_pages",
+    "retire_inherited_descriptors",
     "trainer_tensor_pages",
 ]
 
 logger = logging.getLogger(__name__)
+
+MIN_RELEASED_STORAGE_BYTES = 1 << 20
+"""Tensor storages at least this large have their pages released in the forked worker;
+smaller ones share at most a few pages each with the trainer."""
+
+_MADV_DONTNEED = 4
+
+_REAP_POLL_S = 0.01
+
+PageRange = Tuple[int, int]
+"""``(start address, length)``, both multiples of the page size."""
+
+
+@functools.lru_cache(maxsize=None)
+def libc_madvise():
+    """libc's ``madvise`` (None where there is none), resolved in the trainer for the child."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def can_fork_worker() -> bool:
@@ -92,6 +110,110 @@ def can_fork_worker() -> bool:
     (see the module docstring).
     """
     return hasattr(os, "fork") and libc_madvise() is not None and not has_live_segments()
+
+
+# -- the trainer's tensor pages (trainer side, before the fork) ---------------------------
+
+
+def _private_anonymous_mappings() -> List[PageRange]:
+    """This process's private, writable, anonymous mappings (heap included), sorted."""
+    mappings: List[PageRange] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            perms, inode = fields[1], fields[4]
+            path = fields[5] if len(fields) > 5 else ""
+            if "w" in perms and perms.endswith("p") and inode == "0" and path in ("", "[heap]"):
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                mappings.append((start, end - start))
+    return sorted(mappings)
+
+
+def _clip(ranges: List[PageRange], mappings: List[PageRange]) -> List[PageRange]:
+    """The parts of ``ranges`` that lie inside ``mappings`` (both sorted by start)."""
+    clipped: List[PageRange] = []
+    index = 0
+    for start, length in sorted(ranges):
+        end = start + length
+        while index < len(mappings) and sum(mappings[index]) <= start:
+            index += 1
+        probe = index
+        while probe < len(mappings) and mappings[probe][0] < end:
+            low = max(start, mappings[probe][0])
+            high = min(end, sum(mappings[probe]))
+            if high > low:
+                clipped.append((low, high - low))
+            probe += 1
+    return clipped
+
+
+def trainer_tensor_pages(
+    min_bytes: int = MIN_RELEASED_STORAGE_BYTES,
+) -> Tuple[List[PageRange], List[torch.UntypedStorage]]:
+    """The whole pages inside every live private CPU tensor storage of ``min_bytes`` or more.
+
+    Runs on the trainer, just before the fork. Returns the ranges and the storages they
+    belong to: keep the storages referenced until the child exists, so that no range is
+    freed and reused by other data in between. Only whole pages are listed (the partial
+    pages at either end may hold other allocations, or the allocator's bookkeeping,
+    which the child may still touch), and only inside private anonymous mappings.
+    Shared-memory storages are skipped (a fork shares them without copy-on-write).
+    """
+    page = mmap.PAGESIZE
+    seen = set()
+    ranges: List[PageRange] = []
+    storages: List[torch.UntypedStorage] = []
+    objects = gc.get_objects()
+    # Filter by type first (hundreds of thousands of objects: this is the scan's cost),
+    # with map/compress so that the loop over every object runs in C, not in bytecode
+    # (a list comprehension took 60 of the scan's 130 ms in the GPT example).
+    # type(), not isinstance(): the latter reads ``__class__``, which some deprecated
+    # module attributes turn into a warning.
+    kinds = list(map(type, objects))
+    tensor_types = {t for t in set(kinds) if issubclass(t, torch.Tensor)}
+    tensors = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))
+    del objects, kinds
+    for obj in tensors:
+        try:
+            if obj.layout is not torch.strided:
+                continue
+            storage = obj.untyped_storage()
+            if storage.device.type != "cpu":
+                continue
+            address, size = storage.data_ptr(), storage.nbytes()
+            if address == 0 or size < min_bytes or address in seen or storage.is_shared():
+                continue
+        except Exception:  # tensor subclasses without a storage (wrappers, fake tensors)
+            continue
+        seen.add(address)
+        start = -(-address // page) * page
+        end = (address + size) // page * page
+        if end > start:
+            ranges.append((start, end - start))
+            storages.append(storage)
+    if not ranges:
+        return [], storages
+    try:
+        mappings = _private_anonymous_mappings()
+    except OSError:  # no /proc: release nothing rather than guess
+        return [], storages
+    return _clip(ranges, mappings), storages
+
+
+# -- the child's set-up (worker side) -----------------------------------------------------
+
+
+def release_inherited_pages(ranges: Sequence[PageRange], madvise) -> int:
+    """Drop this (forked) process's share of ``ranges``; return the bytes released (worker side).
+
+    After ``MADV_DONTNEED`` the pages read as zeros here, and the trainer owns its copies
+    alone: its next write to each reuses the page instead of copying it.
+    """
+    released = 0
+    for start, length in ranges:
+        if madvise(start, length, _MADV_DONTNEED) == 0:
+            released += length
+    return released
 
 
 def _reset_signal_handlers() -> None:
@@ -161,29 +283,43 @@ def retire_inherited_descriptors(keep: Set[int]) -> None:
         pass
 
 
-def _forked_worker_main(
-    options: Dict[str, Any], ranges: Sequence[PageRange], madvise
-) -> None:
-    """Body of the forked worker: shed what the fork inherited, then serve (worker side)."""
-    _reset_signal_handlers()  # first: no trainer handler may run here
-    gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
-    gc.enable()  # the trainer disabled it around the fork
-    keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
-    retire_inherited_descriptors(keep)
-    release_inherited_pages(ranges, madvise)
-    os.environ[BACKGROUND_WORKER_ENV] = "1"  # as in a fresh worker, for what it starts
-    torch.set_num_threads(1)
-    from megatron_async.core.worker_loop import main
+def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) -> None:
+    """Shed what the fork inherited, then serve; never returns into the trainer's code
+    (worker side). A failure is reported on the trainer's stderr and by the exit code."""
+    code = 1
+    try:
+        _reset_signal_handlers()  # first: no trainer handler may run here
+        gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
+        gc.enable()  # the trainer disabled it around the fork
+        keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
+        retire_inherited_descriptors(keep)
+        release_inherited_pages(ranges, madvise)
+        os.environ[BACKGROUND_WORKER_ENV] = "1"  # as in a fresh worker, for what it starts
+        torch.set_num_threads(1)
+        worker_loop.main(options)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
 
-    main(options)
+
+# -- the fork (trainer side) ------------------------------------------------------------
 
 
-_REAP_POLL_S = 0.01
-
-
-class _ForkedChild:
-    """The part of :class:`subprocess.Popen` that :class:`WorkerProcess` uses, over a child
-    of ``os.fork`` (trainer side). Every wait polls ``waitpid(WNOHANG)``: bounded."""
+class ForkedChild:
+    """The part of :class:`subprocess.Popen` that the worker's handle uses, over a child of
+    ``os.fork`` (trainer side). Every wait polls ``waitpid(WNOHANG)``: bounded."""
 
     def __init__(self, pid: int):
         self.pid = pid
@@ -209,53 +345,18 @@ class _ForkedChild:
         return self.returncode
 
 
-def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) -> None:
-    """What the forked child runs; never returns into the trainer's code (worker side)."""
-    code = 1
-    try:
-        _forked_worker_main(options, ranges, madvise)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # reported on the trainer's stderr; the trainer sees the exit code
-        try:
-            traceback.print_exc()
-        except BaseException:
-            pass
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(code)
+def fork_worker(options: Dict[str, Any]) -> ForkedChild:
+    """Fork the persistent worker (trainer side); return at once.
 
-
-def fork_worker_process(
-    rank: int, log_level: int, priority: Optional[Dict[str, Any]] = None
-) -> WorkerProcess:
-    """Fork the persistent worker of ``rank`` (trainer side); return at once.
-
-    The worker runs :func:`megatron_async.core.worker_loop.main`, like a fresh
-    interpreter's, and says ``("ready", None)`` within milliseconds. Check
+    The child sheds what it inherited (see the module docstring) and runs
+    :func:`megatron_async.core.worker_loop.main` with ``options``, like a fresh
+    interpreter, saying ``("ready", None)`` within milliseconds. Check
     :func:`can_fork_worker` first.
 
     Raises:
-        WorkerDiedError: the fork failed (no memory for the page tables, process limit).
+        OSError: the fork failed (no memory for the page tables, a process limit).
     """
     madvise = libc_madvise()
-    control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    options = {
-        "rank": rank,
-        "parent_pid": os.getpid(),
-        "log_level": log_level,
-        "cuda_device": None,  # a forked child must not touch CUDA
-        "control_fd": worker_control.fileno(),
-        "descriptor_fd": worker_descriptors.fileno(),
-        "stderr_fd": None,  # it writes to the trainer's stderr from the start
-        "priority": priority,
-    }
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection between the scan and the child's freeze
     try:
@@ -263,22 +364,12 @@ def fork_worker_process(
         pid = os.fork()
         if pid == 0:
             _run_child(options, ranges, madvise)
-    except Exception as exc:
-        control.close()
-        descriptors.close()
-        raise WorkerDiedError(
-            f"rank {rank}: cannot fork the persistent checkpoint worker: {exc}"
-        ) from exc
     finally:
         if gc_was_enabled:
             gc.enable()
-        worker_control.close()  # the worker has its own copies now
-        worker_descriptors.close()
     del storages  # the child has dropped or is dropping its share of them
     logger.debug(
         "rank %d: forked persistent worker pid %d; it drops its share of %.0f MiB of tensor pages",
-        rank, pid, sum(length for _start, length in ranges) / 2**20,
+        options["rank"], pid, sum(length for _start, length in ranges) / 2**20,
     )
-    return WorkerProcess(
-        _ForkedChild(pid), Connection(control.detach()), descriptors, None, rank, forked=True
-    )
+    return ForkedChild(pid)

@@ -1,9 +1,8 @@
 """The persistent worker's main loop (runs in the background process only).
 
-The worker is a fork of the trainer (:func:`megatron_async.core.worker_fork.fork_worker_process`)
-or a fresh interpreter (:func:`megatron_async.core.worker_process.start_worker_process`)
-that imports this module and what it needs, never the trainer's ``__main__``;
-:func:`main` is its entry point either way.
+The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) or a fresh
+interpreter that imports this module and what it needs, never the trainer's ``__main__``
+(:mod:`megatron_async.core.worker_process`); :func:`main` is its entry point either way.
 
 Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request, cuda_device)``: map the request's new shared-memory
@@ -29,6 +28,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
+import torch
+
 from megatron_async.core import stack_dump
 from megatron_async.core.process_lifetime import (
     parent_is_alive,
@@ -36,10 +37,11 @@ from megatron_async.core.process_lifetime import (
     set_parent_death_signal,
 )
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
-from megatron_async.core.request_transport import DESCRIPTOR_TIMEOUT_S, SegmentTable
+from megatron_async.core.request_transport import SegmentTable
+from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.errors import RankFailure
 
-__all__ = ["STOP", "main", "persistent_worker_main"]
+__all__ = ["STOP", "main"]
 
 STOP = "STOP"
 
@@ -86,30 +88,6 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter) -> None:
             reporter.send("done", call_idx)
 
 
-def main(options: Dict[str, Any]) -> None:
-    """Entry point of the worker interpreter (background side).
-
-    Args:
-        options: what :func:`~megatron_async.core.worker_process.start_worker_process`
-            passes: ``rank``, ``parent_pid``, ``log_level``, ``cuda_device``, ``priority``
-            (see :class:`~megatron_async.core.priority.WriterPriority`), and the
-            inherited descriptors ``control_fd``, ``descriptor_fd`` and ``stderr_fd`` (the
-            trainer's stderr, or None when start-up output is not captured), and
-            ``startup_niceness_increment``, which the bootstrap applied to its imports.
-    """
-    # First, before any thread exists: every thread of the worker inherits it.
-    lower_writer_priority(WriterPriority.from_options(options.get("priority")))
-    persistent_worker_main(
-        options["rank"],
-        Connection(options["control_fd"]),
-        socket.socket(fileno=options["descriptor_fd"]),
-        options["parent_pid"],
-        options["log_level"],
-        options["cuda_device"],
-        options["stderr_fd"],
-    )
-
-
 def _leave_startup_log(stderr_fd: Optional[int]) -> None:
     """Write to the trainer's stderr from now on, first copying what start-up wrote.
 
@@ -133,44 +111,41 @@ def _exit_early() -> None:
     os._exit(1)
 
 
-def persistent_worker_main(
-    rank: int,
-    control: Connection,
-    descriptor_socket: socket.socket,
-    parent_pid: int,
-    log_level: int,
-    cuda_device: Optional[int],
-    stderr_fd: Optional[int] = None,
-) -> None:
-    """Serve requests until ``STOP`` (background side).
+def main(options: Dict[str, Any]) -> None:
+    """Serve requests until ``STOP``: the entry point of the worker, forked or fresh (worker side).
 
     Args:
-        rank: the trainer's global rank (for messages).
-        control: the connection to the trainer: requests in, results out.
-        descriptor_socket: the worker's end of the socket that carries segment descriptors.
-        parent_pid: the trainer's pid; the worker exits when the trainer is gone.
-        log_level: the trainer's logging level.
-        cuda_device: device to make current, when the trainer uses CUDA.
-        stderr_fd: the trainer's stderr, to write to once started (see
-            :func:`_leave_startup_log`).
+        options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
+            ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
+            exits when the trainer is gone), ``log_level`` (the trainer's), ``cuda_device``
+            (to make current, when a fresh worker's trainer uses CUDA), ``priority`` (see
+            :class:`~megatron_async.core.priority.WriterPriority`), the inherited
+            descriptors ``control_fd`` (requests in, results out), ``descriptor_fd``
+            (segment descriptors) and ``stderr_fd`` (the trainer's stderr, to write to once
+            started, see :func:`_leave_startup_log`; None when start-up output is not
+            captured), and, for a fresh worker, ``startup_niceness_increment``, which the
+            bootstrap applied to its imports.
     """
+    # First, before any thread exists: every thread of the worker inherits it.
+    lower_writer_priority(WriterPriority.from_options(options.get("priority")))
+    rank, parent_pid = options["rank"], options["parent_pid"]
+    control = Connection(options["control_fd"])
+    descriptor_socket = socket.socket(fileno=options["descriptor_fd"])
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
-    logging.basicConfig(level=log_level)
+    logging.basicConfig(level=options["log_level"])
     stack_dump.arm()
-    if cuda_device is not None:
-        import torch
-
-        torch.cuda.set_device(cuda_device)
+    if options["cuda_device"] is not None:
+        torch.cuda.set_device(options["cuda_device"])
     reporter = _Reporter(control)
     descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
     table = SegmentTable(descriptor_socket)
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter), daemon=True)
     writer.start()
-    _leave_startup_log(stderr_fd)
+    _leave_startup_log(options["stderr_fd"])
     reporter.send("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
@@ -193,8 +168,6 @@ def persistent_worker_main(
         call_idx, encoded, request_device = message
         try:
             if request_device is not None:
-                import torch
-
                 torch.cuda.set_device(request_device)
             request = table.apply(encoded)
         except BaseException as exc:

@@ -1,8 +1,13 @@
-"""Start the persistent worker as a fresh interpreter and talk to it (trainer side).
+"""Start the persistent worker and talk to it (trainer side).
 
-The worker is ``sys.executable -c <bootstrap>``: a new interpreter that sets ``sys.path``
-to the trainer's and imports :mod:`megatron_async.core.worker_loop`, nothing else (on a
-thread of lowered CPU priority, see :data:`STARTUP_NICENESS_INCREMENT`). It never
+:class:`~megatron_async.core.persistent.PersistentAsyncCaller` starts a worker
+(:func:`start_worker`) when it is created and again for the save after its worker died or
+was killed. By default (``AsyncCallerConfig.worker_start="fork"``) the worker is a fork of
+the trainer (:mod:`megatron_async.core.worker_fork`), ready within milliseconds. With
+``worker_start="exec"``, and where the trainer cannot fork it (a live staging segment, a
+failed fork), it is a fresh interpreter: ``sys.executable -c <bootstrap>``, which sets
+``sys.path`` to the trainer's and imports :mod:`megatron_async.core.worker_loop`, nothing
+else (on a thread of lowered CPU priority, see :data:`STARTUP_NICENESS_INCREMENT`). It never
 runs the trainer's ``__main__`` module, so it behaves the same under ``torchrun``,
 ``python script.py`` (with or without an ``if __name__ == "__main__":`` guard),
 ``python -c``, stdin and notebooks. (multiprocessing's *spawn* re-imports ``__main__`` in
@@ -10,19 +15,20 @@ the child; it has no public switch to skip that.) The trainer's ``sys.path`` is 
 explicitly, as spawn does, rather than through ``PYTHONPATH``: the child finds the package
 where the trainer found it, even from a source tree or under ``python -I``.
 
-Channels, both Unix sockets whose worker ends the child inherits (``pass_fds``):
+Channels, both Unix sockets whose worker ends the child inherits:
 
 * *control*: messages both ways as :class:`multiprocessing.connection.Connection`
-  frames. Trainer -> worker messages go through a sender thread, so scheduling a save
-  never blocks on the worker (a stuck worker is caught by the bounded waits instead).
-  A dead worker reads as EOF, never as a hang.
+  frames (the protocol is in :mod:`megatron_async.core.worker_loop`). Trainer -> worker
+  messages go through a sender thread, so scheduling a save never blocks on the worker (a
+  stuck worker is caught by the bounded waits instead). A dead worker reads as EOF, never
+  as a hang.
 * *descriptors*: the shared-memory segments' descriptors (``SCM_RIGHTS``), see
   :mod:`megatron_async.core.request_transport`.
 
-Until the worker says it is ready, its stderr goes to an unlinked temporary file, so a
-worker that cannot start (a broken interpreter, a failing import) is reported with its
-own words. Once ready, the worker replays that output to the trainer's stderr and
-writes there directly.
+Until a fresh interpreter says it is ready, its stderr goes to an unlinked temporary
+file, so a worker that cannot start (a broken interpreter, a failing import) is reported
+with its own words (:func:`startup_failure_message`). Once ready, the worker replays that
+output to the trainer's stderr and writes there directly.
 """
 
 from __future__ import annotations
@@ -39,17 +45,28 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from megatron_async import BACKGROUND_WORKER_ENV
+from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.request_transport import EncodedRequest, RequestSender
+from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
+from megatron_async.core.worker_fork import can_fork_worker, fork_worker
 from megatron_async.errors import WorkerDiedError
 
-__all__ = ["STARTUP_NICENESS_INCREMENT", "WorkerProcess", "start_worker_process"]
+__all__ = [
+    "STARTUP_NICENESS_INCREMENT",
+    "WorkerProcess",
+    "start_worker",
+    "startup_failure_message",
+]
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "megatron_async.core.worker_loop"
 
 STARTUP_NICENESS_INCREMENT = 10
-"""How much lower the CPU priority of the worker's start-up (importing torch) is.
+"""How much lower the CPU priority of a fresh worker's start-up (importing torch) is.
 
 The imports run on a thread of their own whose niceness is raised (Linux sets it per
 thread); the threads that then serve requests keep the trainer's priority, which an
@@ -92,25 +109,6 @@ _SENDER_JOIN_TIMEOUT_S = 5.0
 _CLOSED = object()
 
 
-def _interpreter_flags() -> List[str]:
-    """The trainer's interpreter flags (``-W``, ``-X``, ``-O``...), as spawn passes them.
-
-    ``subprocess._args_from_interpreter_flags`` is what multiprocessing itself uses.
-    """
-    flags = getattr(subprocess, "_args_from_interpreter_flags", None)
-    return list(flags()) if flags is not None else []
-
-
-def _worker_sys_path() -> List[str]:
-    """The trainer's ``sys.path``, as strings, with the current directory spelled out."""
-    try:
-        cwd = os.getcwd()
-    except OSError:  # the current directory was removed: it cannot hold modules either
-        cwd = None
-    entries = [os.fsdecode(e) for e in sys.path if isinstance(e, (str, bytes, os.PathLike))]
-    return [cwd if entry == "" else entry for entry in entries if entry != "" or cwd is not None]
-
-
 class WorkerProcess:
     """A started persistent worker and the trainer's ends of its channels (trainer side).
 
@@ -129,16 +127,18 @@ class WorkerProcess:
         descriptor_socket: socket.socket,
         startup_log: Optional[Any],
         rank: int,
-        forked: bool = False,
+        forked: bool,
     ):
         self._popen = popen
         self.forked = forked
         """Whether the worker is a fork of the trainer (it cannot use CUDA) rather than a
-        fresh interpreter (see :mod:`megatron_async.core.worker_fork`)."""
+        fresh interpreter."""
         self.pid = popen.pid
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
         self.descriptor_socket = descriptor_socket
+        self.requests = RequestSender(descriptor_socket, cuda_allowed=not forked)
+        """Encodes requests for this worker (it knows what this worker has mapped)."""
         self._startup_log = startup_log
         self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._sender = threading.Thread(
@@ -167,6 +167,11 @@ class WorkerProcess:
     def send(self, message: Any) -> None:
         """Queue ``message`` for the worker; never blocks (the sender thread writes it)."""
         self._outbox.put(message)
+
+    def send_request(self, call_idx: int, encoded: EncodedRequest) -> None:
+        """Queue request ``call_idx`` for the worker, with the trainer's CUDA device to make
+        current there (none for a fork, which must not touch CUDA: the data is staged)."""
+        self.send((call_idx, encoded, None if self.forked else current_cuda_device()))
 
     def _send_loop(self) -> None:
         while True:
@@ -228,6 +233,125 @@ def _shutdown(fd: int) -> None:
         sock.detach()
 
 
+def current_cuda_device() -> Optional[int]:
+    """The trainer's current CUDA device, or None where CUDA is not in use (trainer side)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
+    """Start the persistent worker of ``rank`` by fork or exec; return at once (trainer side).
+
+    The worker runs :func:`megatron_async.core.worker_loop.main` and says ``("ready",
+    None)`` once it can take requests. A fork that fails falls back to a fresh
+    interpreter, with a warning.
+
+    Raises:
+        WorkerDiedError: the fresh interpreter could not be started at all (no executable,
+            no descriptors left). A worker that starts and then fails is reported by the
+            caller, from its exit code and :meth:`WorkerProcess.startup_output`.
+    """
+    control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    options = {
+        "rank": rank,
+        "parent_pid": os.getpid(),
+        "log_level": logging.getLogger().getEffectiveLevel(),
+        "cuda_device": None,  # set for a fresh interpreter: a fork must not touch CUDA
+        "control_fd": worker_control.fileno(),
+        "descriptor_fd": worker_descriptors.fileno(),
+        "stderr_fd": None,  # a fork writes to the trainer's stderr from the start
+        "priority": config.writer_priority.to_options(),
+    }
+    child, startup_log = None, None
+    try:
+        if config.worker_start == "fork" and can_fork_worker():
+            try:
+                child = fork_worker(options)
+            except Exception as exc:  # no memory for the page tables, a process limit
+                logger.warning(
+                    "rank %d: cannot fork the persistent checkpoint worker (%s); starting a "
+                    "fresh interpreter instead", rank, exc,
+                )
+        forked = child is not None
+        if child is None:
+            child, startup_log = _exec_worker(options)
+    except BaseException:
+        control.close()
+        descriptors.close()
+        raise
+    finally:
+        worker_control.close()  # the worker has its own copies now
+        worker_descriptors.close()
+    descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
+    return WorkerProcess(child, Connection(control.detach()), descriptors, startup_log, rank, forked)
+
+
+def _exec_worker(options: Dict[str, Any]) -> Tuple[subprocess.Popen, Optional[Any]]:
+    """Start a fresh interpreter that serves as the worker; return it and its start-up log."""
+    rank, executable = options["rank"], sys.executable
+    if not executable:
+        raise WorkerDiedError(
+            f"rank {rank}: cannot start the persistent checkpoint worker: sys.executable is "
+            "empty (an embedded interpreter?); use the temporal caller "
+            "(AsyncCallsQueue(persistent=False))"
+        )
+    startup_log, trainer_stderr = _capture_startup_output()
+    options = dict(
+        options,
+        cuda_device=current_cuda_device(),
+        stderr_fd=trainer_stderr,
+        startup_niceness_increment=STARTUP_NICENESS_INCREMENT,
+    )
+    inherited = [options["control_fd"], options["descriptor_fd"]]
+    if trainer_stderr is not None:
+        inherited.append(trainer_stderr)
+    command = [
+        executable, *_interpreter_flags(), "-c", _BOOTSTRAP,
+        json.dumps(_worker_sys_path()), json.dumps(options),
+    ]
+    try:
+        popen = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stderr=startup_log,
+            pass_fds=inherited,
+            env={**os.environ, BACKGROUND_WORKER_ENV: "1"},  # skips strategy registration
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        if startup_log is not None:
+            startup_log.close()
+        raise WorkerDiedError(
+            f"rank {rank}: cannot start the persistent checkpoint worker ({executable}): {exc}; "
+            "use the temporal caller (AsyncCallsQueue(persistent=False)) if this interpreter "
+            "cannot be started"
+        ) from exc
+    finally:
+        if trainer_stderr is not None:
+            os.close(trainer_stderr)
+    return popen, startup_log
+
+
+def _interpreter_flags() -> List[str]:
+    """The trainer's interpreter flags (``-W``, ``-X``, ``-O``...), as spawn passes them.
+
+    ``subprocess._args_from_interpreter_flags`` is what multiprocessing itself uses.
+    """
+    flags = getattr(subprocess, "_args_from_interpreter_flags", None)
+    return list(flags()) if flags is not None else []
+
+
+def _worker_sys_path() -> List[str]:
+    """The trainer's ``sys.path``, as strings, with the current directory spelled out."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the current directory was removed: it cannot hold modules either
+        cwd = None
+    entries = [os.fsdecode(e) for e in sys.path if isinstance(e, (str, bytes, os.PathLike))]
+    return [cwd if entry == "" else entry for entry in entries if entry != "" or cwd is not None]
+
+
 def _capture_startup_output() -> Tuple[Optional[Any], Optional[int]]:
     """An unlinked file for the worker's start-up stderr, and a copy of our stderr for later.
 
@@ -246,74 +370,24 @@ def _capture_startup_output() -> Tuple[Optional[Any], Optional[int]]:
         return None, None
 
 
-def start_worker_process(
-    rank: int,
-    log_level: int,
-    cuda_device: Optional[int],
-    priority: Optional[Dict[str, Any]] = None,
-) -> WorkerProcess:
-    """Start the persistent worker of ``rank`` (trainer side); return at once.
-
-    The worker runs :func:`megatron_async.core.worker_loop.main` and sends ``("ready",
-    None)`` once it can take requests. ``priority`` is a
-    :meth:`~megatron_async.core.priority.WriterPriority.to_options` dict (None: the
-    trainer's priority).
-
-    Raises:
-        WorkerDiedError: the interpreter could not be started at all (no executable, no
-            descriptors left). A worker that starts and then fails is reported by the
-            caller, from its exit code and :meth:`WorkerProcess.startup_output`.
-    """
-    executable = sys.executable
-    if not executable:
-        raise WorkerDiedError(
-            f"rank {rank}: cannot start the persistent checkpoint worker: sys.executable is "
-            "empty (an embedded interpreter?); use the temporal caller "
-            "(AsyncCallsQueue(persistent=False))"
+def startup_failure_message(what: str, process: WorkerProcess) -> str:
+    """Say why ``process`` did not start, with its stderr, and what to check."""
+    if process.forked:  # its traceback went straight to the trainer's stderr
+        return (
+            f"{what}. The worker was a fork of this process; its traceback, if any, is on "
+            "this process's stderr. Start it as a fresh interpreter instead "
+            "(AsyncCallerConfig(worker_start='exec')), or use the temporal caller "
+            "(AsyncCallsQueue(persistent=False))."
         )
-    control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    startup_log, trainer_stderr = _capture_startup_output()
-    options = {
-        "rank": rank,
-        "parent_pid": os.getpid(),
-        "log_level": log_level,
-        "cuda_device": cuda_device,
-        "control_fd": worker_control.fileno(),
-        "descriptor_fd": worker_descriptors.fileno(),
-        "stderr_fd": trainer_stderr,
-        "priority": priority,
-        "startup_niceness_increment": STARTUP_NICENESS_INCREMENT,
-    }
-    inherited = [worker_control.fileno(), worker_descriptors.fileno()]
-    if trainer_stderr is not None:
-        inherited.append(trainer_stderr)
-    command = [
-        executable, *_interpreter_flags(), "-c", _BOOTSTRAP,
-        json.dumps(_worker_sys_path()), json.dumps(options),
-    ]
-    try:
-        popen = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stderr=startup_log,
-            pass_fds=inherited,
-            env={**os.environ, BACKGROUND_WORKER_ENV: "1"},  # skips strategy registration
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        control.close()
-        descriptors.close()
-        if startup_log is not None:
-            startup_log.close()
-        raise WorkerDiedError(
-            f"rank {rank}: cannot start the persistent checkpoint worker ({executable}): {exc}; "
-            "use the temporal caller (AsyncCallsQueue(persistent=False)) if this interpreter "
-            "cannot be started"
-        ) from exc
-    finally:
-        # The worker has its own copies now.
-        worker_control.close()
-        worker_descriptors.close()
-        if trainer_stderr is not None:
-            os.close(trainer_stderr)
-    return WorkerProcess(popen, Connection(control.detach()), descriptors, startup_log, rank)
+    output = process.startup_output()
+    said = (
+        "Its stderr while starting:\n    " + "\n    ".join(output.splitlines())
+        if output
+        else "It wrote nothing to stderr."
+    )
+    return (
+        f"{what}. {said}\nThe worker is a fresh interpreter ({sys.executable}) that imports "
+        f"{WORKER_MODULE} with this process's sys.path; check that "
+        f"`{sys.executable} -c 'import {WORKER_MODULE}'` works in this environment, or use "
+        "the temporal caller (AsyncCallsQueue(persistent=False))."
+    )

@@ -1,12 +1,16 @@
 """Single-process behaviour of the async core: requests, both callers, the queue."""
 
 import functools
+import logging
+import os
+import signal
 import time
 
 import pytest
 import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import (
     AsyncSaveFailedError,
     FrozenRequestError,
@@ -22,6 +26,19 @@ CALLER_KINDS = [pytest.param(False, id="temporal"), pytest.param(True, id="persi
 
 def _request(fn, path, arg, finalize_fns=None, preload_fn=None):
     return AsyncRequest(fn, (str(path), None, arg), list(finalize_fns or []), preload_fn=preload_fn)
+
+
+class _Commit:
+    """A finalize step that knows its checkpoint, as our strategy's commit step does."""
+
+    def __init__(self, checkpoint, finalized):
+        self.checkpoint, self.finalized = str(checkpoint), finalized
+
+    def __call__(self):
+        self.finalized.append(self.checkpoint)
+
+    def save_details(self):
+        return SaveDetails(self.checkpoint, 0.0, None, None)
 
 
 @pytest.fixture
@@ -170,12 +187,16 @@ def test_background_failure_raises_and_queue_stays_usable(
 ):
     queue = make_queue(persistent)
     finalized = []
-    queue.schedule_async_request(_request(fn, tmp_path / "bad", arg, [lambda: finalized.append(1)]))
+    commit = _Commit(tmp_path / "iter_0000010", finalized)
+    queue.schedule_async_request(_request(fn, tmp_path / "bad", arg, [commit]))
     with pytest.raises(AsyncSaveFailedError) as info:
         queue.maybe_finalize_async_calls(blocking=True)
     failure = info.value.rank_failures[0]
     assert failure.phase == phase
     assert message in failure.message
+    # The headline names the checkpoint, whatever failed (a dead worker included).
+    assert str(info.value).startswith(f"async checkpoint save of {commit.checkpoint} failed on 1 rank(s)")
+    assert info.value.checkpoint == commit.checkpoint
     # megatron-core's wording, which log alerts and Megatron-LM's tests search for.
     assert f"rank 0 [{phase}] Worker failure: " in str(info.value), str(info.value)
     assert finalized == [], "a failed save must not be finalized"
@@ -185,6 +206,24 @@ def test_background_failure_raises_and_queue_stays_usable(
     queue.schedule_async_request(_request(fns.write_text, tmp_path / "good", "ok"))
     assert queue.maybe_finalize_async_calls(blocking=True) == [1]
     assert (tmp_path / "good").read_text() == "ok"
+
+
+def test_a_worker_killed_between_saves_is_told_and_its_replacement_too(make_queue, tmp_path, caplog):
+    queue = make_queue(True)
+    dead = queue.persistent_caller.process
+    os.kill(dead.pid, signal.SIGKILL)  # the OS's OOM killer, say, while the trainer trains
+    dead.join(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="megatron_async.core.persistent"):
+        queue.schedule_async_request(_request(fns.write_text, tmp_path / "next", "ok"))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(
+        f"rank 0: the persistent checkpoint worker (pid {dead.pid}) was killed by signal 9 between saves"
+    )
+    new_pid = queue.persistent_caller.process.pid
+    assert warnings[1] == f"rank 0: started persistent checkpoint worker pid {new_pid} to replace pid {dead.pid}"
+    assert (tmp_path / "next").read_text() == "ok"
 
 
 @pytest.mark.parametrize("persistent", CALLER_KINDS)

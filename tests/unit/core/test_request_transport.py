@@ -1,14 +1,29 @@
-"""Requests travel to the persistent worker with tensors as shared-memory references."""
+"""Requests travel to the persistent worker with tensors as shared-memory references, and
+what the training script defines goes by value (cloudpickle).
 
+The by-value tests run a small "training script" in a namespace of its own named
+``__main__`` (as ``python script.py`` would), encode a request for the worker and decode
+it as the worker does: the decoded functions are rebuilt, not found by reference (a class
+sent by value is rebuilt too, but cloudpickle maps it back to the original class within
+one process; tests/functional/test_script_routines.py sends them to a fresh interpreter).
+"""
+
+import dataclasses
 import gc
+import pickle
 import socket
+import sys
+import threading
+import types
 
+import cloudpickle
 import pytest
 import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core.request_transport import RequestSender, SegmentTable
 from megatron_async.errors import UnpicklableRequestError
+from tests import background_fns as fns
 
 
 def _pair():
@@ -119,19 +134,6 @@ def test_plan_items_are_sent_once_and_then_by_token():
     assert table.apply(third) == others
 
 
-def test_a_request_that_refers_to_the_training_script_goes_by_value():
-    """The worker never runs ``__main__``: what is defined there is sent by value
-    (tests/unit/core/test_by_value_pickling.py has the details)."""
-
-    def save_fn(path, staged):
-        return f"saved {path}"
-
-    save_fn.__module__ = "__main__"  # as if defined in the training script
-    sender, table = _pair()
-    decoded_fn, args = table.apply(sender.encode((save_fn, ("path", None)))[0])
-    assert decoded_fn is not save_fn and decoded_fn(*args) == "saved path"
-
-
 def _pairs(count, numel=4, prefix="t"):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -190,3 +192,196 @@ def test_reused_pairs_survive_a_request_that_was_never_sent():
         sender.encode((pairs, Unpicklable()))
     decoded = table.apply(sender.encode(pairs)[0])
     assert [item for item, _ in decoded] == [item for item, _ in pairs]
+
+
+# -- what the training script defines goes by value --------------------------------------
+
+SCRIPT = '''
+import os
+COUNT = 3
+UNUSED = "not sent"
+
+def helper(x):
+    return x * COUNT
+
+def write_marker(path, staged, *, sep=os.sep):
+    return f"{path}{sep}{helper(staged)}"
+
+def factorial(n):
+    return 1 if n <= 1 else n * factorial(n - 1)
+
+def make_adder(k):
+    def add(x, y=2):
+        return helper(x) + k + y
+    return add
+
+square = lambda v: v * v
+'''
+
+
+def _script(source: str = SCRIPT, name: str = "__main__") -> dict:
+    """Run ``source`` as a training script would run (its own ``__main__`` namespace)."""
+    namespace = {"__name__": name}
+    exec(compile(source, "<training script>", "exec"), namespace)
+    return namespace
+
+
+def _round_trip(obj, sender=None):
+    """Encode ``obj`` on the trainer's side and decode it on the worker's."""
+    trainer_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker_end.settimeout(10)
+    encoded, _ = (sender or RequestSender(trainer_end)).encode(obj)
+    return SegmentTable(worker_end).apply(encoded)
+
+
+def test_script_functions_run_with_their_globals_modules_defaults_and_closures():
+    script = _script()
+    write_marker, factorial, add, square = _round_trip(
+        (script["write_marker"], script["factorial"], script["make_adder"](10), script["square"])
+    )
+    assert write_marker is not script["write_marker"]
+    assert write_marker("dir", 2) == "dir/6" and write_marker("dir", 2, sep="|") == "dir|6"
+    assert factorial(5) == 120  # finds itself
+    assert add(1) == 15 and square(4) == 16
+    assert write_marker.__module__ == "__main__" and write_marker.__qualname__ == "write_marker"
+    assert "UNUSED" not in write_marker.__globals__  # only the globals the code uses travel
+
+
+def test_globals_are_the_values_at_scheduling():
+    script = _script()
+    trainer_end, _ = socket.socketpair()
+    sender = RequestSender(trainer_end)
+    first = _round_trip(script["helper"], sender)
+    script["COUNT"] = 100  # the training loop changes a global after scheduling
+    assert first(2) == 6
+    assert _round_trip(script["helper"], sender)(2) == 200
+
+
+CLASSES = '''
+import abc, dataclasses, enum
+from typing import NamedTuple
+
+class Base:
+    kind = "base"
+    def describe(self):
+        return f"{self.kind}:{self.value}"
+
+class Spec(Base):
+    kind = "spec"
+    __slots__ = ("value", "__hidden")
+    def __init__(self, value):
+        self.value = value
+    def describe(self):
+        return "S" + super().describe()
+    @staticmethod
+    def static():
+        return "static"
+    @classmethod
+    def name(cls):
+        return cls.__name__
+    @property
+    def next(self):
+        return self.value + 1
+
+@dataclasses.dataclass
+class Options:
+    path: str
+    tags: list = dataclasses.field(default_factory=list)
+
+class Writer(abc.ABC):
+    @abc.abstractmethod
+    def write(self): ...
+
+class MarkerWriter(Writer):
+    def __init__(self, suffix):
+        self.suffix = suffix
+    def write(self):
+        return "written" + self.suffix
+    def __call__(self, spec):
+        return f"{spec.describe()}{self.suffix}"
+
+class Point(NamedTuple):
+    x: int
+    y: int = 5
+
+class Mode(enum.Enum):
+    FULL = 1
+    DELTA = 2
+
+def uses_spec(spec):
+    return isinstance(spec, Spec)
+'''
+
+
+def test_script_classes_and_their_instances_are_rebuilt():
+    script = _script(CLASSES)
+    spec, writer, options, point, mode, uses_spec = _round_trip((
+        script["Spec"](7), script["MarkerWriter"]("!"), script["Options"]("/ckpt"), script["Point"](1), script["Mode"].DELTA, script["uses_spec"],
+    ))
+    assert spec.describe() == "Sspec:7"  # super() and class attributes of the base
+    assert (spec.static(), spec.name(), spec.next) == ("static", "Spec", 8)
+    assert writer(spec) == "Sspec:7!" and writer.write() == "written!"  # callable, abstract base
+    assert type(writer)("?").write() == "written?"
+    assert dataclasses.asdict(options) == {"path": "/ckpt", "tags": []}
+    assert type(options)("/other").tags == []  # default_factory still recognised
+    assert point == (1, 5) and type(point)(3).y == 5
+    assert mode.name == "DELTA" and mode is type(mode)(2)  # an enum of the script, too
+    assert uses_spec(spec)  # one rebuilt class, shared by all that use it
+
+
+def test_a_function_of_an_importable_module_goes_by_reference_or_keeps_working():
+    offset = 4
+
+    def local(x):
+        return fns.__name__, x + offset
+
+    decoded_local, write_text = _round_trip((local, fns.write_text))
+    assert write_text is fns.write_text
+    assert decoded_local is not local and decoded_local(1) == ("tests.background_fns", 5)
+
+
+def test_functions_of_a_spawned_ranks_script_go_by_value(monkeypatch):
+    """Under multiprocessing's spawn the script is the module ``__mp_main__``, which a
+    fresh worker cannot import: it goes by value as ``__main__`` does."""
+    module = types.ModuleType("__mp_main__")
+    exec(compile(SCRIPT, "<training script>", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "__mp_main__", module)
+    decoded = _round_trip(module.write_marker)
+    assert decoded is not module.write_marker and decoded("d", 1) == "d/3"
+
+
+def test_a_module_registered_by_value_goes_by_value(monkeypatch):
+    """A module of the script that the worker cannot import (loaded from a file path,
+    say) reaches it once registered with cloudpickle."""
+    module = types.ModuleType("script_helpers_not_importable")
+    exec(compile(SCRIPT, "<script helpers>", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert _round_trip(module.helper) is module.helper  # by reference until registered
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        decoded = _round_trip(module.helper)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert decoded is not module.helper and decoded(2) == 6
+
+
+def test_an_attribute_named_like_an_unpicklable_global_is_not_sent():
+    script = _script("import threading\nlock = threading.Lock()\ndef f(obj):\n    return obj.lock\n")
+    holder = type("Holder", (), {"lock": 1})  # a local class: by value as well
+    f, decoded_holder = _round_trip((script["f"], holder()))
+    assert f(decoded_holder) == 1
+
+
+def test_a_routine_capturing_something_unpicklable_is_refused_saying_what_to_do():
+    lock = threading.Lock()
+
+    def save_fn(path, staged):
+        with lock:
+            pass
+
+    with pytest.raises(UnpicklableRequestError) as info:
+        _round_trip((save_fn, ("path", None)))
+    message = str(info.value)
+    assert "_thread.lock" in message and "closure variables" in message
+    assert "AsyncCallsQueue(persistent=False)" in message
+    assert isinstance(info.value, pickle.PicklingError)

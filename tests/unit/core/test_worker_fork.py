@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
-from megatron_async.core import fork_pages, worker_fork
+from megatron_async.core import worker_fork
 from megatron_async.core.shared_memory import allocate_segment, has_live_segments
 from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.staging.budget import staging_ledger
@@ -260,6 +260,6 @@ def test_released_ranges_are_clipped_to_private_anonymous_mappings():
         (13 * page, 8 * page),  # runs over the hole into the second one
         (30 * page, page),  # in no mapping (a file mapping, say): dropped
     ]
-    assert fork_pages._clip(ranges, mappings) == [
+    assert worker_fork._clip(ranges, mappings) == [
         (11 * page, 2 * page), (13 * page, page), (20 * page, page),
     ]
