@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -223,8 +224,11 @@ def guard_save_function(module: Any, name: str = "save") -> bool:
 
     @functools.wraps(original)
     def save_with_call_recorded(*args, **kwargs):
-        strategy = signature.bind_partial(*args, **kwargs).arguments.get("sharded_strategy")
-        token = _save_call.set(SaveCall(_our_overwrite(strategy)))
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        call = SaveCall(_our_overwrite(arguments.get("sharded_strategy")))
+        if call.overwrite is not None and "checkpoint_dir" in arguments:
+            _create_on_coordinator(arguments["checkpoint_dir"])
+        token = _save_call.set(call)
         try:
             return original(*args, **kwargs)
         finally:
@@ -233,6 +237,27 @@ def guard_save_function(module: Any, name: str = "save") -> bool:
     save_with_call_recorded.__megatron_async_guarded__ = True
     setattr(module, name, save_with_call_recorded)
     return True
+
+
+def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
+    """Rank 0: create a missing local checkpoint directory before megatron-core's ``save()``
+    lists it there (on rank 0 alone); every rank then creates or checks it in the strategy's
+    agreed target check. Bounded; a failure here is rank 0's own, typed."""
+    directory = normalize_checkpoint_path(checkpoint_dir)
+    if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
+        return
+    directories = SaveDirectories.of_process()
+    try:
+        directories.run_bounded(
+            f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
+            error=FileSystemStepTimeoutError,
+        )
+    except OSError as exc:
+        raise CheckpointValidationError(
+            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save into a "
+            "directory rank 0 can create or write (the other ranks fail within the "
+            "coordination timeout)"
+        ) from exc
 
 
 def _our_overwrite(strategy: Any) -> Optional[bool]:

@@ -11,7 +11,7 @@ What it checks, in this order:
 * the process's saves may go on, and no unfinalized save of this process writes the
   directory (:class:`~megatron_async.core.save_directories.SaveDirectories`, which the
   save then claims);
-* a local directory exists, is a directory and is writable by this rank; an
+* a local directory is a directory (created if missing) and writable by this rank; an
   object-storage URL needs ``use_msc`` (a store has no directories or permissions to
   probe: an unreachable endpoint or a missing bucket fails the first request, which the
   background writer reports on every rank);
@@ -68,7 +68,7 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
         is_coordinator: whether this rank handles an existing checkpoint.
 
     Raises:
-        CheckpointValidationError: the target is missing, not a directory, not writable,
+        CheckpointValidationError: the target cannot be created, is not a directory, is not writable,
             an object-storage URL without ``use_msc``, or a complete checkpoint with
             ``overwrite=False``.
     """
@@ -77,15 +77,17 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
     if storage.needs_msc:
         _check_object_target(checkpoint_dir, config, is_coordinator, storage)
         return False
-    if not os.path.exists(checkpoint_dir):
-        raise CheckpointValidationError(
-            f"rank {rank}: checkpoint directory {checkpoint_dir} does not exist; create it "
-            "(visible to every rank) before saving"
-        )
-    if not os.path.isdir(checkpoint_dir):
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
         raise CheckpointValidationError(
             f"rank {rank}: checkpoint path {checkpoint_dir} is not a directory"
         )
+    try:  # a new directory per save, as Megatron-LM's iteration directories
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointValidationError(
+            f"rank {rank}: cannot create the checkpoint directory {checkpoint_dir} ({exc}); "
+            "save into a directory this rank can create or write"
+        ) from exc
     if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
         raise CheckpointValidationError(
             f"rank {rank}: checkpoint directory {checkpoint_dir} is not writable"

@@ -802,14 +802,14 @@ def _expect_error_everywhere(error_type, fn, text):
 def bad_inputs(ctx):
     strategy = TorchDistAsyncSaveStrategy()
     state = {k: v for k, v in _model_state(ctx, 1.0).items() if k != "common_value"}
-    missing = os.path.join(ctx.tmp_dir, "does-not-exist")
-    _expect_error_everywhere(
-        CheckpointValidationError, lambda: strategy.async_save(state, missing), "does not exist"
-    )
     a_file = os.path.join(ctx.tmp_dir, "a-file")
     if ctx.rank == 0:
         open(a_file, "w").close()
     dist.barrier()
+    uncreatable = os.path.join(a_file, "iter_1")  # a missing directory is created, not this
+    _expect_error_everywhere(
+        CheckpointValidationError, lambda: strategy.async_save(state, uncreatable), "cannot create"
+    )
     _expect_error_everywhere(
         CheckpointValidationError, lambda: strategy.async_save(state, a_file), "not a directory"
     )

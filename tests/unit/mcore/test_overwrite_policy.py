@@ -154,3 +154,16 @@ def test_a_process_whose_step_was_left_behind_refuses_the_next_save_and_keeps_co
                 _state(2.0), path, sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=async_save,
             )
         assert _files(tmp_path) == before and _loaded(tmp_path) == 1.0
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_into_a_missing_directory_creates_it(tmp_path, async_save):
+    """megatron-core's save() lists the directory on rank 0 before any strategy runs: a
+    per-iteration directory that does not exist yet is created first (every generation)."""
+    path = tmp_path / "run" / "iter_0000007"
+    request = dist_checkpointing.save(
+        _state(7.0), str(path), sharded_strategy=TorchDistAsyncSaveStrategy(), async_sharded_save=async_save,
+    )
+    if request is not None:
+        request.execute_sync()
+    assert _loaded(path) == 7.0

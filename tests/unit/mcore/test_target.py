@@ -20,13 +20,15 @@ def _complete(path):
     return str(path)
 
 
-def test_a_missing_target_or_a_file_is_refused(tmp_path):
+def test_a_missing_target_is_created_and_a_file_is_refused(tmp_path):
     config = TorchDistSaveConfig()
-    with pytest.raises(CheckpointValidationError, match="rank 0: .* does not exist; create it"):
-        check_save_target(str(tmp_path / "missing"), config, True)
+    check_save_target(str(tmp_path / "run" / "iter_0000001"), config, True)  # as Megatron-LM
+    assert (tmp_path / "run" / "iter_0000001").is_dir()
     (tmp_path / "a-file").write_text("")
     with pytest.raises(CheckpointValidationError, match="is not a directory"):
         check_save_target(str(tmp_path / "a-file"), config, True)
+    with pytest.raises(CheckpointValidationError, match="rank 0: cannot create the checkpoint directory"):
+        check_save_target(str(tmp_path / "a-file" / "iter_1"), config, True)
 
 
 def test_a_directory_still_being_written_is_refused(tmp_path):
