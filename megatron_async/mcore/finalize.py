@@ -43,6 +43,7 @@ from megatron_async.core.save_directories import Claim, run_coordinator_step
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RequestScheduledTwiceError
 from megatron_async.format import MEGATRON_METADATA_FILE
+from megatron_async.integrity.staleness import ChangeReport
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.storage.backend import storage_for
 
@@ -53,17 +54,29 @@ logger = logging.getLogger(__name__)
 
 class SaveFinalizer:
     """Commit one save of the strategy: runs on every rank once its background write is
-    done everywhere, and frees the directory for the next save whatever happens."""
+    done everywhere, and frees the directory for the next save whatever happens.
 
-    def __init__(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float):
+    Args:
+        writer, metadata, dist_wrapper: the planned save, for
+            :func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`.
+        claim: the save's claim on its directory, released when the save is over.
+        plan_s: how long planning took.
+        staging_stats: the dict that the save's staging fills (``rounds``, ``peak_bytes``).
+    """
+
+    def __init__(
+        self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float, staging_stats: dict
+    ):
         self._args = (writer, metadata, dist_wrapper)
         self._claim = claim
         self._plan_s = plan_s
+        self._staging_stats = staging_stats
+        self._change_report: Optional[ChangeReport] = None
         self._scheduled = False
 
     def __call__(self) -> None:
         try:
-            save_state_dict_async_finalize(*self._args)
+            self._change_report = save_state_dict_async_finalize(*self._args)
         finally:
             self.abandon()
 
@@ -87,9 +100,7 @@ class SaveFinalizer:
 
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
-        writer = self._args[0]
-        report = getattr(writer, "change_report", None)
-        stats = getattr(writer, "staging_stats", None) or {}
+        writer, report, stats = self._args[0], self._change_report, self._staging_stats
         return SaveDetails(
             self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
             report.summary() if report is not None else None,

@@ -147,13 +147,18 @@ class PlanCache:
         def local_step() -> _LocalStep:
             overwrites = check_target()
             structure = self._describe(sharded_state_dict, cached) if config.cached_metadata else None
+            binding = cached.binding if cached is not None else None
             if (
-                cached is not None
-                and cached.binding is not None
+                binding is not None
                 and structure is not None
                 and structure.fingerprint is cached.fingerprint
             ):
-                prepared = self._prepare_from_cache(cached, structure, create_writer())
+                # This save's data bound to the cached plan; the writer prepared from both.
+                resolved = rebind(binding, structure)
+                prepared = prepare_cached_write(
+                    create_writer(), cached.central_plan, resolved, binding.layout,
+                    binding.staging_key, coordinator_rank=COORDINATOR_RANK,
+                )
                 return _LocalStep(structure, prepared, overwrites=overwrites)
             pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
             return _LocalStep(structure, None, pyt_state_dict, overwrites)
@@ -219,21 +224,6 @@ class PlanCache:
                 exc_info=True,
             )
             return None
-
-    @staticmethod
-    def _prepare_from_cache(
-        cached: _CachedPlan, structure: Structure, writer: FileSystemWriterAsync
-    ) -> Tuple[FileSystemWriterAsync, Any]:
-        """Bind this save's data to the cached plan and prepare its writer (every rank, local)."""
-        binding = cached.binding
-        return prepare_cached_write(
-            writer,
-            cached.central_plan,
-            rebind(binding, structure),
-            binding.layout,
-            binding.staging_key,
-            coordinator_rank=COORDINATOR_RANK,
-        )
 
     def _plan(
         self,

@@ -288,13 +288,15 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             claims.append(claim)
             return overwrites
 
+        # The option may have changed since the previous save (a setter replaces config).
+        self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
         start = time.monotonic()
         try:
             writer, metadata, dist_wrapper = self.plan_cache.plan_save(
                 sharded_state_dict,
                 checkpoint_dir,
                 self.config,
-                lambda: self._with_history(self._create_writer(checkpoint_dir)),
+                lambda: self._create_writer(checkpoint_dir),
                 check_target,
             )
             plan_s = time.monotonic() - start
@@ -311,24 +313,27 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, claim, plan_s)
+        finalizer = SaveFinalizer(
+            writer, metadata, dist_wrapper, claim, plan_s, staging_stats=writer.staging_stats
+        )
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
         )
 
-    def _with_history(self, writer: FileSystemWriterAsync) -> FileSystemWriterAsync:
-        """Let the writer's finalization compare this save's digests with the previous
-        save's, and recognize a save that stores every item where the previous one did."""
-        self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
-        writer.digest_history = self.digest_history
-        writer.commit_cache = self.commit_cache
-        return writer
-
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
-        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
+        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes).
+
+        The writer gets this strategy's records of its previous save (``digest_history``,
+        ``commit_cache``); an override that leaves them out gets no stale-checkpoint
+        comparison, and every finalization then gathers the write results.
+        """
         return FileSystemWriterAsync(
-            checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
+            checkpoint_dir,
+            options=self.config.write_options,
+            staging_cache=self.staging_cache,
+            digest_history=self.digest_history,
+            commit_cache=self.commit_cache,
         )
 
 

@@ -40,7 +40,7 @@ from megatron_async.core import coordination
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
-    ChangeReport, RankComparison, StaleCheckpointError, digests_of,
+    ChangeReport, RankComparison, SaveDigestHistory, StaleCheckpointError, digests_of,
 )
 from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
 from megatron_async.writer.commit_cache import storage_layout
@@ -89,13 +89,19 @@ def save_state_dict_async_finalize(
     storage_writer: "FileSystemWriterAsync",
     global_metadata: Optional[Metadata],
     dist_wrapper: _DistWrapper,
-) -> None:
+) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
 
     Costs two all-reduces on the coordination group, plus a gather of the write results
     unless every rank stored every item where its previous committed save did (see the
-    module docstring). The writer's optional ``commit_cache`` and ``digest_history``
-    (set by the strategy) enable the warm path and the stale-checkpoint comparison.
+    module docstring). The writer's ``commit_cache`` and ``digest_history`` (given to it
+    when it was built, by the strategy) enable the warm path and the stale-checkpoint
+    comparison; a writer built without them takes the full path and compares nothing.
+
+    Returns:
+        On the coordinator, what changed since the previous save when the writer has a
+        ``digest_history`` and the save stored items; None elsewhere (the reference API
+        returns nothing).
 
     Raises:
         AsyncSaveFailedError: on every rank, when the write failed on any rank, the save
@@ -106,8 +112,8 @@ def save_state_dict_async_finalize(
     group = dist_wrapper.group
     rank = coordination.get_rank()
     is_coordinator = dist_wrapper.is_coordinator
-    cache = getattr(storage_writer, "commit_cache", None)
-    history = getattr(storage_writer, "digest_history", None)
+    cache = storage_writer.commit_cache
+    history = storage_writer.digest_history
 
     results, failure = _local_results(storage_writer, rank)
     layout = storage_layout(results) if failure is None else None
@@ -139,7 +145,6 @@ def save_state_dict_async_finalize(
             all_results = dist_wrapper.gather_object(results)
 
     def commit() -> Optional[CommittedMetadata]:
-        storage_writer.change_report = report
         if warm:
             commit_unchanged(storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta())
             return None
@@ -158,10 +163,11 @@ def save_state_dict_async_finalize(
         history.accept()
     if cache is not None and not warm:
         cache.remember(layout, global_metadata, committed if is_coordinator else None)
+    return report if is_coordinator else None
 
 
 def _judge_staleness(
-    history: Any,
+    history: Optional[SaveDigestHistory],
     summed: List[int],
     comparison: RankComparison,
     checkpoint: str,

@@ -44,7 +44,7 @@ from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
 from megatron_async.staging.gate import StagingGate
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
-from megatron_async.storage.client import MSC_EXTRA_HINT, import_msc, msc_filesystem
+from megatron_async.storage.client import MSC_EXTRA_HINT, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
@@ -57,7 +57,7 @@ from megatron_async.buckets.layout import (
     check_storage_prefix,
     prepare_buckets,
 )
-from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
+from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.writer.commit import CommittedMetadata, commit_checkpoint
 from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.options import (
@@ -109,6 +109,9 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         staging_cache: where the reusable staging buffers are kept (the trainer's); the
             process's :func:`~megatron_async.staging.buffers.default_staging_cache` when
             None.
+        digest_history, commit_cache: the strategy's record of its previous save (item
+            digests; where this rank stored each item): the finalization reports what
+            changed since, and gathers nothing when no rank's items moved. None: neither.
         separation_hint, use_msc, is_multiproc_io, use_cached_data_structure,
         write_timeout_s, checksums, object_part_bytes, overlap_staging, direct_io: the
             reference API's keywords for the fields of
@@ -138,6 +141,8 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         overlap_staging: bool = False,
         direct_io: bool = True,
         options: Optional[WriteOptions] = None,
+        digest_history: Optional[SaveDigestHistory] = None,
+        commit_cache: Optional[CommitCache] = None,
         **kwargs: Any,
     ):
         if not isinstance(path, (str, os.PathLike)):
@@ -153,10 +158,8 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             object_part_bytes=object_part_bytes, overlap_staging=overlap_staging,
             direct_io=direct_io,
         )
-        use_msc = options.use_msc
-        if use_msc:
-            import_msc()  # WriteOptions already did (a no-op then): kept beside the URL check
-        elif storage_for(path).needs_msc:
+        use_msc = options.use_msc  # WriteOptions imported multi-storage-client for it
+        if not use_msc and storage_for(path).needs_msc:
             raise CheckpointValidationError(
                 f"{os.fspath(path)} is an object-storage URL; pass use_msc=True (and install "
                 f"the extra: {MSC_EXTRA_HINT})"
@@ -182,12 +185,8 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
         self.write_elapsed_s: Optional[float] = None
         """How long the background write took, once ``retrieve_write_results`` succeeded."""
-        # Set by the strategy: the finalization compares the digests with the job's previous
-        # save and leaves the comparison in change_report (coordinator), and recognizes a
-        # save that stores every item where the previous one did (no results gathered).
-        self.digest_history: Optional[SaveDigestHistory] = None
-        self.commit_cache: Optional[CommitCache] = None
-        self.change_report: Optional[ChangeReport] = None
+        self.digest_history = digest_history
+        self.commit_cache = commit_cache
         self._write_results: Optional[List[WriteResult]] = None
         self.staging_stats: dict = {}
         """After staging: ``rounds`` and ``peak_bytes`` (staging memory) of this save."""

@@ -60,7 +60,6 @@ class _DoneWriter:
 
     def __init__(self, results: List[Any]):
         self.checkpoint_id = self.checkpoint_dir = "gather-calibration"
-        self.change_report = None
         self._results = results
 
     def retrieve_write_results(self) -> List[Any]:

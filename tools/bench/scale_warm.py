@@ -35,7 +35,6 @@ class _CoordinatorWriter:
         self.checkpoint_id = self.checkpoint_dir = directory
         self._results = results
         self.commit_cache, self.digest_history = cache, history
-        self.change_report = None
         self.save_id = uuid.uuid4().hex
 
     def retrieve_write_results(self) -> List[Any]:

@@ -137,8 +137,9 @@ def test_the_coordinator_also_wants_the_committed_structure():
 
 def _prepared_writer(path, state_dict, cache, history):
     """A single rank's writer whose background write is done, and the global metadata."""
-    writer = FileSystemWriterAsync(str(path), thread_count=2)
-    writer.commit_cache, writer.digest_history = cache, history
+    writer = FileSystemWriterAsync(
+        str(path), thread_count=2, commit_cache=cache, digest_history=history
+    )
     metadata = _prepare(writer, state_dict)
     _run(writer)
     return writer, metadata
@@ -155,7 +156,7 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         writer, metadata = _prepared_writer(path, state, cache, history)
         structure = structure or metadata  # the cached global metadata, as the plan cache keeps it
         before = finalize.get_result_gather_count()
-        finalize.save_state_dict_async_finalize(writer, structure, wrapper)
+        report = finalize.save_state_dict_async_finalize(writer, structure, wrapper)
         assert finalize.get_result_gather_count() - before == (1 if step == 0 else 0), step
 
         loaded = {k: torch.empty_like(v) for k, v in state.items()}
@@ -164,8 +165,8 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         written = FileSystemReader(str(path)).read_metadata()
         assert written.storage_meta.checkpoint_id == str(path)
         assert written.storage_meta.save_id == writer.save_id
-        assert writer.change_report.items == 2
-        assert writer.change_report.changed == (0 if step == 0 else 2)
+        assert report.items == 2
+        assert report.changed == (0 if step == 0 else 2)
         items = checksums.read_checksums(str(path))
         assert len(items) == 2 and checksums.verify_items(str(path), items) == []
 
