@@ -112,8 +112,10 @@ def save_state_dict_async_finalize(
     group = dist_wrapper.group
     rank = coordination.get_rank()
     is_coordinator = dist_wrapper.is_coordinator
-    cache = storage_writer.commit_cache
-    history = storage_writer.digest_history
+    # Optional capabilities of our writer (given when it was built); another library's
+    # storage writer, which the reference API accepts too, has neither.
+    cache = getattr(storage_writer, "commit_cache", None)
+    history = getattr(storage_writer, "digest_history", None)
 
     results, failure = _local_results(storage_writer, rank)
     layout = storage_layout(results) if failure is None else None
