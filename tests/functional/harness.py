@@ -34,6 +34,7 @@ __all__ = [
     "launch_once",
     "selected_scenarios",
     "for_both_callers",
+    "with_caller",
     "by_name",
     "only_selected",
     "run_scenarios",
@@ -212,18 +213,24 @@ def launch_once(
     return _launch_cache[key]
 
 
-def selected_scenarios(request) -> Optional[List[str]]:
+def selected_scenarios(request, test: Optional[str] = None,
+                       registry: Optional[List[str]] = None) -> Optional[List[str]]:
     """The scenarios that the tests of the requesting module selected (``pytest -k``).
 
-    Returns None when every test of the module runs, so that the launch runs all its
+    ``test`` limits this to one test function of the module (by name), ``registry`` names
+    the scenarios its launch can run (default: the module's ``SCENARIOS``). Returns None
+    when every scenario of the registry is selected, so that the launch runs all its
     scenarios; otherwise the launch runs only these.
     """
     names, everything = [], True
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.module is request.module and "scenario" in params:
+        if item.module is not request.module or "scenario" not in params:
+            continue
+        if test is None or getattr(item, "originalname", None) == test:
             names.append(params["scenario"])
-    registry = getattr(request.module, "SCENARIOS", None)
+    if registry is None:
+        registry = getattr(request.module, "SCENARIOS", None)
     if registry is not None:
         everything = set(names) >= set(registry)
     return None if everything else sorted(set(names))
@@ -236,6 +243,14 @@ def for_both_callers(*fns: Callable) -> Dict[str, Callable]:
         for kind in ("temporal", "persistent")
         for fn in fns
     }
+
+
+def with_caller(kind: str, *fns: Callable) -> Dict[str, Callable]:
+    """Scenarios ``name[kind]`` of each ``fn(ctx, persistent)`` with one caller ``kind``
+    (``"temporal"`` or ``"persistent"``): for behaviours that do not differ by caller."""
+    if kind not in ("temporal", "persistent"):
+        raise ValueError(f"caller kind {kind!r}: use 'temporal' or 'persistent'")
+    return {f"{fn.__name__}[{kind}]": functools.partial(fn, persistent=kind == "persistent") for fn in fns}
 
 
 def by_name(*fns: Callable) -> Dict[str, Callable]:

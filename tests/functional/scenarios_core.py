@@ -16,7 +16,14 @@ from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
-from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
+from tests.functional.harness import (
+    RankContext,
+    by_name,
+    for_both_callers,
+    only_selected,
+    run_scenarios,
+    with_caller,
+)
 
 
 def _queue(persistent: bool, **config) -> AsyncCallsQueue:
@@ -245,16 +252,18 @@ def foreign_request_with_nothing_to_write_on_one_rank(ctx, persistent):
 
 
 SCENARIOS = {
+    # Both callers: how a background call fails, hangs, is waited for and ordered differs
+    # by caller (a process per call, or one worker that runs the calls in turn).
     **for_both_callers(
-        foreign_request_with_nothing_to_write_on_one_rank,
         finalize_waits_for_every_rank,
         write_error_on_one_rank,
-        staging_error_on_one_rank,
         worker_killed_on_one_rank,
         hung_writer_on_one_rank,
         calls_in_flight_finalize_in_order,
-        torch_async_checkpoint_snapshot,
     ),
+    # One caller: staging and request building run in the trainer the same way for both.
+    **with_caller("temporal", torch_async_checkpoint_snapshot),
+    **with_caller("persistent", staging_error_on_one_rank, foreign_request_with_nothing_to_write_on_one_rank),
     **by_name(
         first_save_while_one_worker_starts,
         our_request_runs_through_megatron_execute_sync,
@@ -262,6 +271,15 @@ SCENARIOS = {
         our_request_on_megatron_queue,
     ),
 }
+
+FOUR_RANK_SCENARIOS = [
+    "finalize_waits_for_every_rank[persistent]",
+    "write_error_on_one_rank[temporal]",
+    "worker_killed_on_one_rank[persistent]",
+    "foreign_request_with_nothing_to_write_on_one_rank[persistent]",
+    "first_save_while_one_worker_starts",
+]
+"""The scenarios also run on 4 ranks: one rank that differs from several others."""
 
 
 def run_all(ctx: RankContext):

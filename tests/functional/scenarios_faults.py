@@ -44,7 +44,14 @@ from megatron_async.manager import (
     read_tracker,
 )
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
-from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
+from tests.functional.harness import (
+    RankContext,
+    by_name,
+    for_both_callers,
+    only_selected,
+    run_scenarios,
+    with_caller,
+)
 from tests.functional.scenarios_strategy import (
     _check_checkpoint,
     _dir,
@@ -584,17 +591,16 @@ SCENARIOS = {
         damaged_files_are_detected,
         second_save_into_a_directory_being_written,
     ),
-    **for_both_callers(
-        disk_full,
-        exception_while_staging,
-        exception_while_writing,
-        target_directory_removed_during_write,
-        worker_killed_mid_write,
-        worker_hangs,
-        two_saves_in_flight_to_different_directories,
-    ),
-    # Last: it takes a permission away from the faulty rank for the rest of the launch.
-    **for_both_callers(permission_denied),
+    # Both callers: the faults that differ by caller (the background process that dies,
+    # hangs or meets the full disk is a forked child or the persistent worker).
+    **for_both_callers(disk_full, worker_killed_mid_write, worker_hangs),
+    # One caller: staging runs in the trainer and a failed write is reported the same way
+    # for both (disk_full and worker_killed_mid_write cover how each caller reports).
+    **with_caller("temporal", exception_while_writing, target_directory_removed_during_write),
+    **with_caller("persistent", exception_while_staging, two_saves_in_flight_to_different_directories),
+    # Last: it takes a permission away from the faulty rank for the rest of the launch. The
+    # persistent worker starts after that, so it must run without the override too.
+    **with_caller("persistent", permission_denied),
 }
 
 

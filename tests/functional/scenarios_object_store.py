@@ -40,7 +40,7 @@ from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationErro
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.storage import storage_for
-from tests.functional.harness import RankContext, for_both_callers, only_selected, run_scenarios
+from tests.functional.harness import RankContext, for_both_callers, only_selected, run_scenarios, with_caller
 from tests.functional.scenarios_strategy import _assert_equal_states, _global_tensors, _model_state
 from tests.functional.scenarios_strategy import _load_dcp as load_with_dcp
 
@@ -276,10 +276,15 @@ def checkpoint_manager_on_the_store(ctx: RankContext, persistent: bool) -> None:
 
 
 SCENARIOS = {
-    **for_both_callers(save_and_load_back, snapshot_after_scheduling, staged_in_rounds_to_the_store),
-    **for_both_callers(server_stopped_mid_upload, store_stops_answering, store_drips_bytes),
-    **{k: v for k, v in for_both_callers(endpoint_down, credentials_refused, missing_bucket).items() if "temporal" in k},
-    **{k: v for k, v in for_both_callers(checkpoint_manager_on_the_store).items() if "persistent" in k},
+    # Both callers: each caller's uploads end to end, and an upload that fails in the
+    # background process (a forked child or the persistent worker) is reported by each.
+    **for_both_callers(save_and_load_back, server_stopped_mid_upload),
+    # One caller: staging, the request bounds and the up-front checks run the same way for
+    # both callers.
+    **with_caller("temporal", snapshot_after_scheduling, store_drips_bytes),
+    **with_caller("persistent", staged_in_rounds_to_the_store, store_stops_answering),
+    **with_caller("temporal", endpoint_down, credentials_refused, missing_bucket),
+    **with_caller("persistent", checkpoint_manager_on_the_store),
 }
 
 

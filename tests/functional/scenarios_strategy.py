@@ -47,7 +47,14 @@ from megatron_async.mcore.strategy import (
     TorchDistAsyncSaveStrategy,
     checkpoint_dirs_in_flight,
 )
-from tests.functional.harness import RankContext, by_name, for_both_callers, only_selected, run_scenarios
+from tests.functional.harness import (
+    RankContext,
+    by_name,
+    for_both_callers,
+    only_selected,
+    run_scenarios,
+    with_caller,
+)
 
 FAILING_RANK = 1
 
@@ -937,19 +944,30 @@ def _timed(fn):
 
 SCENARIOS = {
     **by_name(sync_save_round_trip),
+    # Both callers: each caller's data path end to end, and what differs by caller: a
+    # failed or killed background writer, write results returned from another process
+    # (warm saves), and I/O processes started from the writer (a forked child, or the
+    # persistent worker).
     **for_both_callers(
         async_equals_sync,
-        in_place_updates_after_schedule_are_not_saved,
-        cached_metadata_skips_plan_gathers,
         cached_data_structure_and_multiproc_io,
-        empty_shards_of_uneven_splits,
         write_failure_on_one_rank,
         killed_worker_on_one_rank,
-        overlapped_staging_update_after_the_guard,
-        overlapped_staging_unguarded_update_fails_everywhere,
-        deep_copy_saves_alternately_with_the_original,
-        stale_checkpoint_detection,
         warm_saves_gather_no_write_results,
+    ),
+    # One caller: both stage in the trainer and plan in the trainer the same way.
+    **with_caller(
+        "temporal",
+        in_place_updates_after_schedule_are_not_saved,
+        overlapped_staging_unguarded_update_fails_everywhere,
+        stale_checkpoint_detection,
+    ),
+    **with_caller(
+        "persistent",
+        cached_metadata_skips_plan_gathers,
+        empty_shards_of_uneven_splits,
+        overlapped_staging_update_after_the_guard,
+        deep_copy_saves_alternately_with_the_original,
     ),
     **by_name(
         structure_change_on_one_rank_plans_everywhere,
@@ -964,8 +982,24 @@ SCENARIOS = {
     ),
     **by_name(stock_save_keeps_our_writer, megatron_lm_constant_structure_switch),
     **(by_name(registered_backend) if generation.GENERATION == "registry" else {}),
-    **(for_both_callers(integrity_manifest_on_gloo) if _SAVE_VERIFIES_INTEGRITY else {}),
+    **(with_caller("persistent", integrity_manifest_on_gloo) if _SAVE_VERIFIES_INTEGRITY else {}),
 }
+
+FOUR_RANK_SCENARIOS = [
+    name for name in SCENARIOS if name in (
+        "empty_shards_of_uneven_splits[persistent]",
+        "a_rank_with_nothing_to_write",
+        "all_replicas_with_central_planning",
+        "structure_change_on_one_rank_plans_everywhere",
+        "fully_parallel_wrapper",
+        "warm_saves_gather_no_write_results[persistent]",
+        "write_failure_on_one_rank[persistent]",
+        "killed_worker_on_one_rank[temporal]",
+    )
+]
+"""The scenarios also run on 4 ranks: those where the rank count is what is tested (uneven
+splits, ranks with nothing or only replicas to write, one rank that differs from several,
+gathers over more than two ranks)."""
 
 
 def run_all(ctx: RankContext):

@@ -1,4 +1,4 @@
-"""Checkpoint coordination while megatron-core re-creates its groups (8 gloo ranks, one launch).
+"""Checkpoint coordination while megatron-core re-creates its groups (4 gloo ranks, one launch).
 
 Regression test for saves that hung in a long-lived process whose ranks created the
 coordination group at different points of their sequence of group creations.
@@ -16,7 +16,7 @@ SCENARIOS = list(scenarios_group_lifecycle.SCENARIOS)
 def launch_results(request, tmp_path_factory):
     return launch_once(
         "tests.functional.scenarios_group_lifecycle:run_all",
-        8,
+        4,
         tmp_path_factory,
         timeout_s=400,
         only=selected_scenarios(request),

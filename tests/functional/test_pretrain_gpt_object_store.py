@@ -35,9 +35,10 @@ def msc_config(tmp_path_factory):
 
 
 CASES = {
-    "async-persistent-distopt": ["--async-save", "--use-persistent-ckpt-worker",
-                                 "--use-distributed-optimizer"],
-    "async-fork-tp2": ["--async-save", "--tensor-model-parallel-size", "2"],
+    # One job shape: both callers' uploads run end to end in scenarios_object_store.py.
+    "async-persistent-tp2-distopt": ["--async-save", "--use-persistent-ckpt-worker",
+                                     "--tensor-model-parallel-size", "2",
+                                     "--use-distributed-optimizer"],
 }
 
 

@@ -5,12 +5,11 @@
 #
 # 1. megatron-core 0.16.1: the whole suite, plus the cross-generation checkpoint test
 #    (which drives the 0.19.2 environment's interpreter).
-# 2. megatron-core 0.19.2: the focused subset (strategy scenarios at 2 ranks, faults, the
-#    saver (first-save planning), warm commits, the staging budget,
-#    nvidia-resiliency-ext module surface with megatron-core's stock strategy, object
-#    storage on the loopback S3 server at 2 ranks, the GPT example's checkpointing flags,
-#    and two GPT example resume runs: both callers, distributed optimizer, PP 2, fully
-#    parallel save).
+# 2. megatron-core 0.19.2: what differs by generation (the strategy scenarios at 2 ranks,
+#    faults, the saver (first-save planning), the nvidia-resiliency-ext module surface with
+#    megatron-core's stock strategy, object storage on the loopback S3 server, the staging
+#    budget's scenario on megatron-core's own queue, and the GPT example's resume: sync
+#    with TP 2 and the distributed optimizer, and the persistent worker with PP 2).
 # 3. megatron-core 0.17.1 and 0.18.2 (the generation in between: no registry, but still a
 #    common.pt written by a plain function): the strategy-config unit tests and the strategy
 #    scenarios that differ between generations, at 2 ranks.
@@ -32,17 +31,15 @@ MEGATRON_ASYNC_OTHER_GENERATION_PYTHON="$ENVS/mcore019/bin/python" \
 PATH="$ENVS/mcore016/bin:$PATH" \
     "$ENVS/mcore016/bin/python" -m pytest -q -p no:cacheprovider tests
 
-echo "== megatron-core 0.19.2: strategy scenarios, faults, nvrx surface, object storage, group re-creation, GPT resume =="
+echo "== megatron-core 0.19.2: strategy scenarios, faults, saver, nvrx surface, object storage, GPT resume =="
 PATH="$ENVS/mcore019/bin:$PATH" \
     "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage tests/unit/examples \
+    tests/unit/mcore tests/unit/nvrx tests/unit/test_format.py tests/unit/storage tests/unit/saver \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
     tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py \
-    tests/functional/test_group_lifecycle.py tests/unit/core/test_coordination_group.py \
-    tests/unit/saver tests/unit/writer/test_warm_commit.py tests/functional/test_staging_budget.py -k "not 4ranks"
-PATH="$ENVS/mcore019/bin:$PATH" \
-    "$ENVS/mcore019/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/functional/test_pretrain_gpt.py -k "resume_reproduces and (fullyparallel or pp2)"
+    tests/functional/test_staging_budget.py tests/functional/test_pretrain_gpt.py \
+    -k "not 4ranks and (not test_staging_budget or megatron_core_queue) \
+        and (not test_pretrain_gpt or resume_reproduces)"
 
 for version in 017 018; do
     echo "== megatron-core ${version:0:1}.${version:1}: strategy config, generation-specific scenarios =="

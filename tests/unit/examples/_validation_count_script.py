@@ -1,6 +1,8 @@
-"""Save the example's tiny GPT three times on one rank; print, as JSON, which saves had
-megatron-core validate the sharding and which produced a complete checkpoint (one bool
-per save in each list)."""
+"""For each case (a list of flags, all cases given as one JSON argument), save the
+example's tiny GPT three times on one rank; print, as one JSON list with one entry per
+case, which saves had megatron-core validate the sharding and which produced a complete
+checkpoint (one bool per save in each list). One process runs every case: starting one
+costs seconds."""
 
 import json
 import os
@@ -23,10 +25,8 @@ from gpt.checkpointing import Checkpointer  # noqa: E402
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed  # noqa: E402
 
 
-def main(flags):
-    workdir = tempfile.mkdtemp()
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
-    cpu_compat.install()
+def run_case(workdir, flags):
+    """Three saves of a fresh model and checkpointer built from ``flags``."""
     args = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
                        "--seq-length", "16", "--train-iters", "3", "--save-interval", "1",
                        "--save", os.path.join(workdir, "ckpt"), *flags])
@@ -50,13 +50,25 @@ def main(flags):
             paths.append(checkpointer.save(iteration, iteration).path)
             checkpointer.maybe_finalize(blocking=True)
     finally:
+        state_dict_utils.validate_sharding_integrity = original
         checkpointer.close()
         parallel_state.destroy_model_parallel()
+    return {"validated": validated, "complete": [is_complete_checkpoint(path) for path in paths]}
+
+
+def main(cases):
+    workdir = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
+    cpu_compat.install()
+    results = []
+    try:
+        for index, flags in enumerate(cases):
+            results.append(run_case(os.path.join(workdir, f"case{index}"), flags))
+    finally:
         dist.destroy_process_group()
-    complete = [is_complete_checkpoint(path) for path in paths]
     shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps({"validated": validated, "complete": complete}))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(json.loads(sys.argv[1]))

@@ -1,6 +1,6 @@
 """The GPT example's checkpointing behaves as Megatron-LM's does for its flags.
 
-Each case runs the example's own ``Checkpointer`` in a fresh one-rank process (the
+The cases run the example's own ``Checkpointer`` in one fresh one-rank process (the
 example patches torch for CPU training, which must not leak into other tests).
 """
 
@@ -14,33 +14,45 @@ import pytest
 SCRIPT = Path(__file__).with_name("_validation_count_script.py")
 
 
-def _validated_saves(*flags):
-    """Which of three saves had megatron-core validate the sharding; each must be complete."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True,
-                          timeout=150)
+CONSTANT_STRUCTURE = {
+    "sync": ["--ckpt-assume-constant-structure"],
+    "async-persistent": ["--async-save", "--use-persistent-ckpt-worker",
+                         "--ckpt-assume-constant-structure"],
+}
+EVERY_SAVE = {
+    "sync": [],
+    "async-temporal": ["--async-save"],
+    "async-staging-in-rounds": ["--async-save", "--ckpt-staging-memory-limit", "256K"],
+}
+CASES = {**{f"constant-{k}": v for k, v in CONSTANT_STRUCTURE.items()},
+         **{f"every-{k}": v for k, v in EVERY_SAVE.items()}}
+
+
+@pytest.fixture(scope="module")
+def validated_saves():
+    """``{case: which of three saves had megatron-core validate the sharding}``, all cases
+    run in one fresh process; each save must be complete."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(list(CASES.values()))],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["complete"] == [True, True, True]
-    return result["validated"]
+    results = dict(zip(CASES, json.loads(proc.stdout.strip().splitlines()[-1])))
+    for case, result in results.items():
+        assert result["complete"] == [True, True, True], (case, result)
+    return {case: result["validated"] for case, result in results.items()}
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("flags", [
-    ["--ckpt-assume-constant-structure"],
-    ["--async-save", "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure"],
-], ids=["sync", "async-persistent"])
-def test_constant_structure_validates_the_sharding_on_the_first_save_only(flags):
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("case", sorted(CONSTANT_STRUCTURE))
+def test_constant_structure_validates_the_sharding_on_the_first_save_only(validated_saves, case):
     # Megatron-LM's --ckpt-assume-constant-structure: megatron-core's sharding validation
     # (an all-gather of every rank's shards) runs once, not on every warm save.
-    assert _validated_saves(*flags) == [True, False, False]
+    assert validated_saves[f"constant-{case}"] == [True, False, False]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("flags", [
-    [], ["--async-save"], ["--async-save", "--ckpt-staging-memory-limit", "256K"],
-], ids=["sync", "async-temporal", "async-staging-in-rounds"])
-def test_without_constant_structure_every_save_validates_the_sharding(flags):
-    assert _validated_saves(*flags) == [True, True, True]
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("case", sorted(EVERY_SAVE))
+def test_without_constant_structure_every_save_validates_the_sharding(validated_saves, case):
+    assert validated_saves[f"every-{case}"] == [True, True, True]
 
 
 def test_staging_memory_limit_flag_takes_sizes_and_fractions():

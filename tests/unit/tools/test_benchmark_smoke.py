@@ -1,4 +1,6 @@
-"""The benchmark runs end to end at minimal sizes and writes the results it promises.
+"""The benchmark runs end to end at minimal sizes and writes the results it promises: one
+run measures the main table (synthetic workload) and the training time lost per
+checkpoint (``--lost-time``).
 
 Only the shape of the output is checked: timings belong in the benchmark, never in tests.
 """
@@ -19,19 +21,27 @@ _RUN_KEYS = {"variant", "workload", "ranks", "tensor_count", "status", "reason",
 _SAVE_KEYS = {"stall_s", "plan_s", "stage_s", "write_s", "write_bytes_per_s", "finalize_s",
               "e2e_s", "e2e_bytes_per_s", "peak_rss", "peak_worker_rss", "held_total",
               "held_staging"}
+_LOST_TIME_KEYS = {"method", "ranks", "hidden_size", "status", "num_bytes_per_rank", "memcpy_s",
+                   "free_iteration_s", "setup_s", "saves", "stall_first_s", "stall_warm_s",
+                   "lost_warm_s", "first_and_setup_s"}
+_LOST_TIME_METHODS = "sync,ours_persistent_overlap,dcp_async_staging"
 
 
-@pytest.mark.timeout(180)
-def test_benchmark_writes_results_table_and_plots(tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_benchmark_writes_results_table_lost_time_and_plots(tmp_path):
     out = tmp_path / "bench"
     command = [
         sys.executable, str(REPO_ROOT / "tools" / "benchmark.py"),
         "--ranks", "1", "--bytes-per-rank", "2MiB", "--tensor-counts", "4",
         "--saves", "2", "--memory-saves", "2", "--workloads", "synthetic",
         "--variants", "ours_temporal,ours_persistent,dcp_async_thread,mcore_async_temporal",
-        "--scaling-ranks", "1", "--scaling-tensor-count", "4", "--out", str(out),
+        "--scaling-ranks", "1", "--scaling-tensor-count", "4",
+        "--lost-time", "--lost-time-ranks", "1", "--lost-time-hidden-sizes", "64",
+        "--lost-time-layers", "2", "--lost-time-saves", "2", "--lost-time-window", "1",
+        "--lost-time-methods", _LOST_TIME_METHODS, "--out", str(out),
     ]
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     results = json.loads((out / "results.json").read_text())
@@ -66,6 +76,23 @@ def test_benchmark_writes_results_table_and_plots(tmp_path):
         assert Path(plot).is_file() and Path(plot).stat().st_size > 0
     report = (out / "report.md").read_text()
     assert "Targets" in report and "Physical limits" in report
+
+    lost = results["lost_time"]
+    entries = {e["method"]: e for e in lost["runs"]}
+    assert set(entries) == set(_LOST_TIME_METHODS.split(","))
+    for entry in entries.values():
+        assert entry["status"] == "ok", entry.get("reason")
+        assert _LOST_TIME_KEYS <= set(entry)
+        assert len(entry["saves"]) == 2
+    lost_targets = {(t["target"], t["method"]) for t in lost["targets"]}
+    assert {("lost_vs_sync", "ours_persistent_overlap"),
+            ("lost_vs_dcp_best", "ours_persistent_overlap"),
+            ("first_vs_sync", "ours_persistent_overlap"),
+            ("overlap_stall_vs_memcpy", "ours_persistent_overlap")} <= lost_targets
+    assert all(t["verdict"] in ("PASS", "MISS", "N/A") for t in lost["targets"])
+    for plot in lost["plots"]:
+        assert Path(plot).is_file() and Path(plot).stat().st_size > 0
+    assert "Training time lost per checkpoint" in report and "Lost-time targets" in report
 
     # The tables and plots can be redone from results.json alone, measuring nothing.
     assert_report_redone(out, tmp_path)
