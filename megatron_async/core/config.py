@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_async.core.coordination import DEFAULT_COORDINATION_TIMEOUT_S
 from megatron_async.core.priority import WriterPriority
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["AsyncCallerConfig", "WORKER_STARTS"]
+__all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG", "WORKER_STARTS"]
 
 WORKER_STARTS = ("fork", "exec")
 """The values of :attr:`AsyncCallerConfig.worker_start`."""
@@ -21,6 +20,12 @@ class AsyncCallerConfig:
     Every wait a trainer can get stuck in is bounded by one of these fields, and each
     wait also checks that the background process is alive, so a dead worker is noticed
     within ``poll_interval_s`` rather than at the timeout.
+
+    The one place the library's user-facing bounds are set: a queue and its callers read
+    the config they were given; code that runs where no caller's config reaches it (the
+    writer's own options, staging inside ``preload_fn``, a coordination group created
+    before any queue) takes its default from :data:`DEFAULT_CONFIG`, never from a literal
+    of its own.
     """
 
     timeout_s: float = 3600.0
@@ -30,8 +35,10 @@ class AsyncCallerConfig:
     staging_timeout_s: float = 600.0
     """Longest the persistent worker may take to start (saves scheduled meanwhile run on
     forked processes), and to pick up a request sent to it, before it is killed and the
-    save scheduled then fails on every rank. Staging itself runs in the trainer and needs
-    no bound."""
+    save scheduled then fails on every rank. Staging itself runs in the trainer, inside
+    ``preload_fn`` where no caller's config reaches it: its waits (device-to-host copies,
+    staging memory held by an earlier save, an overlapped copy) are bounded by this
+    field's default."""
 
     poll_interval_s: float = 0.05
     """Pause between liveness/completion checks while waiting (blocking finalize, close)."""
@@ -39,9 +46,11 @@ class AsyncCallerConfig:
     close_timeout_s: float = 60.0
     """Longest ``close()`` waits for a worker to stop cleanly before killing it."""
 
-    coordination_timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S
+    coordination_timeout_s: float = 600.0
     """Bound on each checkpoint-coordination collective (how long a rank waits for a peer
-    that stopped calling ``maybe_finalize_async_calls``)."""
+    that stopped calling ``maybe_finalize_async_calls``). The first queue of a job decides
+    it for the job's coordination group; a coordinator-only file-system step gets half of
+    it (:mod:`megatron_async.core.save_directories`)."""
 
     writer_priority: WriterPriority = dataclasses.field(default_factory=WriterPriority)
     """CPU and I/O priority of the background processes (forked writers, the persistent
@@ -84,3 +93,7 @@ class AsyncCallerConfig:
                 "AsyncCallerConfig.poll_interval_s must not exceed timeout_s or "
                 f"staging_timeout_s (got poll_interval_s={self.poll_interval_s})"
             )
+
+
+DEFAULT_CONFIG = AsyncCallerConfig()
+"""The defaults, for the waits that no caller's config reaches (see :class:`AsyncCallerConfig`)."""

@@ -25,10 +25,10 @@ from typing import Any, Callable, List, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
 
 __all__ = [
-    "DEFAULT_COORDINATION_TIMEOUT_S",
     "is_distributed",
     "get_rank",
     "get_world_size",
@@ -48,16 +48,16 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_COORDINATION_TIMEOUT_S = 600.0
-"""How long one coordination collective may wait for the slowest peer to join it."""
-
 COORDINATION_GROUP_NAME = "megatron_async_checkpoint_coordination"
 """The name of the coordination group in torch's registry of process groups."""
 
+# A per-process fact with no owner: the one coordination group of this process's default
+# group, shared by every queue, strategy and save of the job (torch's own group registry
+# is process-wide too), and recreated when the job recreates its default group.
 _group_lock = threading.Lock()
 _cached_group: Optional[dist.ProcessGroup] = None
 _cached_for_world: Optional[object] = None
-_cached_timeout_s: float = DEFAULT_COORDINATION_TIMEOUT_S
+_cached_timeout_s: float = DEFAULT_CONFIG.coordination_timeout_s
 _recreated_in_world = 0
 
 
@@ -112,8 +112,9 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
 
     Args:
         timeout_s: bound on each collective of the group, applied when it is created
-            (None: :data:`DEFAULT_COORDINATION_TIMEOUT_S`). The first creation in a
-            default group decides it; a later, different value is ignored with a warning.
+            (None: the default of ``AsyncCallerConfig.coordination_timeout_s``). The first
+            creation in a default group decides it; a later, different value is ignored
+            with a warning.
 
     Returns:
         The group, or None outside a distributed job (single process).
@@ -137,7 +138,7 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
             _recreated_in_world = 0
         name = COORDINATION_GROUP_NAME + (f"_{_recreated_in_world}" if _recreated_in_world else "")
         logger.debug("rank %d: creating the gloo checkpoint-coordination group %s", dist.get_rank(), name)
-        bound_s = DEFAULT_COORDINATION_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        bound_s = DEFAULT_CONFIG.coordination_timeout_s if timeout_s is None else float(timeout_s)
         _cached_group = _create_named_gloo_group(name, bound_s)
         _cached_for_world = world
         _cached_timeout_s = bound_s

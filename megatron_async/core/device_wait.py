@@ -31,6 +31,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
@@ -38,14 +39,19 @@ __all__ = [
     "release_landed", "wait_for_device_copies", "wait_for_stream",
 ]
 
-DEVICE_COPY_WAIT_S = 600.0
+DEVICE_COPY_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
 """How long the copies queued on one stream may take, with the work queued before them
-on the same stream. A device still busy after this makes no progress."""
+on the same stream. A device still busy after this makes no progress. Staging runs
+inside ``preload_fn``, where no caller's config reaches it: the default of
+``AsyncCallerConfig.staging_timeout_s``."""
 
+# Internal pacing of the poll, not bounds: how soon a landed copy is seen.
 _SPIN_S = 100e-6  # short copies: query without sleeping first (a sleep lasts >= ~60 us)
 _FIRST_PAUSE_S = 20e-6
 _LONGEST_PAUSE_S = 200e-6  # a copy is seen done within 0.2 ms; a poll costs about 1 us
 
+# A per-process fact with no owner: host memory a CUDA stream of this process may still
+# write into, whichever save's wait gave up on it; any later wait, of any save, frees it.
 _held_lock = threading.Lock()
 _held: List[Tuple[List[Any], Any]] = []  # (events, what their copies write into)
 

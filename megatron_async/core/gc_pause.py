@@ -17,6 +17,8 @@ from typing import Iterator
 
 __all__ = ["paused_gc"]
 
+# A per-process fact with no owner: the collector is one per interpreter, so its pause is
+# shared by every thread and save of the process.
 _lock = threading.Lock()
 _depth = 0
 _resume = False

@@ -29,6 +29,8 @@ class _CallerMark(threading.local):
     depth = 0
 
 
+# Per thread, with no owner to pass: ``preload_fn`` takes no arguments (megatron-core's
+# request format), so the thread running it is what tells whose caller runs it.
 _mark = _CallerMark()
 
 

@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
+REAP_AFTER_KILL_S = 5.0
+"""How long :func:`kill_and_reap` waits, by default, for a killed process to be gone.
+Internal, not a user's bound: SIGKILL ends a process at once unless it is stuck in
+uninterruptible I/O (a hung mount), where waiting longer would only stall the trainer;
+a caller's ``close()`` passes its ``close_timeout_s`` instead."""
+
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask Linux to send ``sig`` to this (background) process when its parent dies.
@@ -76,7 +82,7 @@ def describe_exit(exitcode: Optional[int]) -> str:
     return f"exited with code {exitcode}"
 
 
-def kill_and_reap(process, join_timeout_s: float = 5.0) -> None:
+def kill_and_reap(process, join_timeout_s: float = REAP_AFTER_KILL_S) -> None:
     """SIGKILL a multiprocessing process (and its children) and join it, bounded.
 
     Runs on the trainer. Children are killed too because a background writer may have
@@ -113,6 +119,7 @@ def kill_and_reap(process, join_timeout_s: float = 5.0) -> None:
             children.discard(process)
 
 
+# Per process, like the atexit hook that reads it: every live caller of the interpreter.
 _cleanups: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _cleanup_lock = threading.Lock()
 _next_cleanup_id = 0

@@ -65,32 +65,22 @@ __all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
 _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
-# The worker process's tables; set by SegmentTable, read while unpickling a request.
-_worker_segments: Dict[int, torch.Tensor] = {}
-_worker_objects: Dict[int, Any] = {}
-
-
-def _received(table: Dict[int, Any], key: int, what: str) -> Any:
-    """Unpickling side (worker): what the trainer sent with this or an earlier request."""
-    entry = table.get(key)
-    if entry is None:
-        raise CoordinationError(
-            f"persistent worker: {what} {key} was never received here; the trainer and this "
-            "worker disagree on what was sent (the worker exits and a new one starts with the "
-            "next save)"
-        )
-    return entry
+# Names that a pickled request refers to; the worker's SegmentTable reads each as one of
+# its methods (a tensor over a mapped segment, a plan item sent earlier, a
+# ReusedTensorPairs list pickled once), so these bodies never run there.
+_OUTSIDE_A_TABLE = "decode a request for the persistent worker with SegmentTable.apply"
 
 
 def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
-    """Unpickling side (worker): a tensor over the mapped segment ``segment_id``'s bytes."""
-    segment = _received(_worker_segments, segment_id, "shared-memory segment")
-    return shared_memory.segment_view(segment, byte_offset, shape, dtype)
+    raise CoordinationError(_OUTSIDE_A_TABLE)
 
 
 def _cached_object(token: int) -> Any:
-    """Unpickling side (worker): a plan item sent with an earlier request."""
-    return _received(_worker_objects, token, "plan item")
+    raise CoordinationError(_OUTSIDE_A_TABLE)
+
+
+def _load_pairs(payload: bytes) -> Any:
+    raise CoordinationError(_OUTSIDE_A_TABLE)
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -168,7 +158,7 @@ class _Pickler(cloudpickle.Pickler):
             self.tokens.append(token)
             return _cached_object, (token,)
         if type(obj) is shared_memory.ReusedTensorPairs:
-            return pickle.loads, (self._sender._encode_pairs(obj, self._arena),)
+            return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
         if not isinstance(obj, torch.Tensor):
             return super().reducer_override(obj)
         if obj.device.type == "cuda" and not self._sender.cuda_allowed:
@@ -323,10 +313,14 @@ class RequestSender:
 
 
 class SegmentTable:
-    """The worker's mapped segments (background side)."""
+    """The segments and plan items one worker has received, and the decoding of requests
+    that refer to them (background side: one per worker, fed by one
+    :class:`RequestSender`)."""
 
     def __init__(self, descriptor_socket: socket.socket):
         self._socket = descriptor_socket
+        self._segments: Dict[int, torch.Tensor] = {}
+        self._objects: Dict[int, Any] = {}
 
     def apply(self, encoded: EncodedRequest) -> Any:
         """Unmap forgotten segments, map new ones, and return the unpickled request.
@@ -335,26 +329,66 @@ class SegmentTable:
             CoordinationError: the descriptors of new segments did not arrive in time.
         """
         for sid in encoded.forget:
-            _worker_segments.pop(sid, None)
+            self._segments.pop(sid, None)
         descriptors = receive_descriptors(self._socket, len(encoded.new_segments))
         for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
             try:
                 storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
             finally:
                 os.close(fd)
-            _worker_segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
         for token in encoded.forget_objects:
-            _worker_objects.pop(token, None)
-        _worker_objects.update(pickle.loads(encoded.new_objects))
-        return pickle.loads(encoded.payload)
+            self._objects.pop(token, None)
+        self._objects.update(pickle.loads(encoded.new_objects))
+        return self.load(encoded.payload)
+
+    def load(self, payload: bytes) -> Any:
+        """Unpickle ``payload``, resolving its references to segments and plan items here."""
+        return _Unpickler(io.BytesIO(payload), self).load()
+
+    def rebuild_tensor(self, segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
+        """A tensor over the mapped segment ``segment_id``'s bytes."""
+        segment = self._received(self._segments, segment_id, "shared-memory segment")
+        return shared_memory.segment_view(segment, byte_offset, shape, dtype)
+
+    def cached_object(self, token: int) -> Any:
+        """A plan item sent with this or an earlier request."""
+        return self._received(self._objects, token, "plan item")
 
     @staticmethod
-    def drop(segment_ids: Tuple[int, ...]) -> None:
-        """Unmap a finished call's arena segments."""
+    def _received(table: Dict[int, Any], key: int, what: str) -> Any:
+        entry = table.get(key)
+        if entry is None:
+            raise CoordinationError(
+                f"persistent worker: {what} {key} was never received here; the trainer and "
+                "this worker disagree on what was sent (the worker exits and a new one starts "
+                "with the next save)"
+            )
+        return entry
+
+    def drop(self, segment_ids: Tuple[int, ...]) -> None:
+        """Unmap a finished call's arena segments (the worker's writer thread)."""
         for sid in segment_ids:
-            _worker_segments.pop(sid, None)
+            self._segments.pop(sid, None)
 
-    @staticmethod
-    def mapped_ids() -> List[int]:
-        """Ids of the segments mapped in this process (for tests)."""
-        return sorted(_worker_segments)
+    def mapped_ids(self) -> List[int]:
+        """Ids of the segments mapped here (for tests)."""
+        return sorted(self._segments)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what :class:`_Pickler` wrote: its references by name to this module's
+    placeholders become the methods of one :class:`SegmentTable` (background side)."""
+
+    def __init__(self, file, table: SegmentTable):
+        super().__init__(file)
+        self._resolved = {
+            "_rebuild_tensor": table.rebuild_tensor,
+            "_cached_object": table.cached_object,
+            "_load_pairs": table.load,
+        }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name in self._resolved:
+            return self._resolved[name]
+        return super().find_class(module, name)

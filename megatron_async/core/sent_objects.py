@@ -95,7 +95,9 @@ _MAX_DESCRIPTORS_PER_MESSAGE = 200
 """SCM_RIGHTS carries at most 253 descriptors per message on Linux."""
 
 DESCRIPTOR_TIMEOUT_S = 60.0
-"""Bound on sending or receiving one batch of segment descriptors."""
+"""Bound on sending or receiving one batch of segment descriptors. Internal, not a user's
+bound: the descriptors go over a local socket just before their request, so a batch that
+does not move for this long means the other end is gone."""
 
 
 def send_descriptors(sock: socket.socket, segments: List[torch.Tensor]) -> None:

@@ -76,6 +76,9 @@ class Segment(NamedTuple):
     """The segment serves save after save (cached staging buffers); otherwise one call."""
 
 
+# A per-process fact with no owner: which addresses of this process's memory lie in a
+# segment, whoever allocated it (any stager, the request arena); the sender looks any
+# tensor up here.
 _lock = threading.Lock()
 _ids = itertools.count(1)
 _bases: List[int] = []  # sorted start addresses of the live segments

@@ -45,6 +45,8 @@ COLLECT_WAIT_S = 2.0
 """How long :func:`collect` waits for the stacks."""
 
 _FOLDER_ENV = "MEGATRON_ASYNC_STACK_DIR"
+# Per-process facts, shared with children through the environment and a signal handler:
+# the trainer's one stack folder, and this writer's armed handler.
 _folder: Optional[str] = None
 _armed: Optional[tuple] = None  # (stream, path) of this writer
 

@@ -66,7 +66,7 @@ class _Reporter:
             self._conn.send(message)
 
 
-def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter) -> None:
+def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter, table: SegmentTable) -> None:
     """Writer thread: run each accepted request's ``async_fn`` in order."""
     while True:
         job = jobs.get()
@@ -80,11 +80,11 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter) -> None:
             logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
             failure = RankFailure.from_exception(rank, "write", exc)
             del job, fn, args, kwargs
-            SegmentTable.drop(call_segments)
+            table.drop(call_segments)
             reporter.send("error", call_idx, failure)
         else:
             del job, fn, args, kwargs
-            SegmentTable.drop(call_segments)
+            table.drop(call_segments)
             reporter.send("done", call_idx)
 
 
@@ -143,7 +143,7 @@ def main(options: Dict[str, Any]) -> None:
     descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
     table = SegmentTable(descriptor_socket)
     jobs: "queue.Queue" = queue.Queue()
-    writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter), daemon=True)
+    writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter, table), daemon=True)
     writer.start()
     _leave_startup_log(options["stderr_fd"])
     reporter.send("ready", None)

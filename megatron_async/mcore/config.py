@@ -91,12 +91,12 @@ class TorchDistSaveConfig:
     """With ``use_msc``: bytes per uploaded part of a multipart upload (at least 5 MiB),
     about the memory each file's upload holds."""
 
-    object_request_timeout_s: float = 120.0
+    object_request_timeout_s: float = WriteOptions.object_request_timeout_s
     """With ``use_msc``: the most one request to the store (one uploaded part, the
     ``.metadata`` PUT) may take, answer included; an endpoint that stops answering, or
     answers a byte at a time, fails the save on every rank."""
 
-    object_request_retries: int = 3
+    object_request_retries: int = WriteOptions.object_request_retries
     """With ``use_msc``: further attempts of a request after a transient failure
     (timeouts, dropped connections, throttling, 5xx), with exponential backoff."""
 

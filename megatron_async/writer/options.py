@@ -14,14 +14,17 @@ import inspect
 import os
 from typing import Any, Optional, Union
 
+from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import RequestPolicy
 from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
-DEFAULT_WRITE_TIMEOUT_S = 3600.0
-"""How long the background writer waits for one save's bucket threads or processes."""
+DEFAULT_WRITE_TIMEOUT_S = DEFAULT_CONFIG.timeout_s
+"""How long the background writer waits for one save's bucket threads or processes: by
+default as long as a caller lets the whole background part run
+(``AsyncCallerConfig.timeout_s``), since the writer is built before any caller is known."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,12 +70,12 @@ class WriteOptions:
     """With ``use_msc``, bytes per uploaded part (at least S3's smallest, 5 MiB): about
     the memory each bucket's upload holds."""
 
-    object_request_timeout_s: float = 120.0
+    object_request_timeout_s: float = RequestPolicy.timeout_s
     """With ``use_msc``, the most one request to the store (one part of an upload) may take,
     answer included; a store that stops answering fails the save (see
     :mod:`megatron_async.storage.bounded_calls`)."""
 
-    object_request_retries: int = 3
+    object_request_retries: int = RequestPolicy.retries
     """With ``use_msc``, further attempts of a request after a transient failure."""
 
     overlap_staging: bool = False
