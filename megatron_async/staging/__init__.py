@@ -14,7 +14,8 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 * :mod:`.gate`: the one gate between the stager and the writer of a save, whatever the
   mode (both sides): staged or failed, and per item copied or written in rounds;
 * :mod:`.copy_job`: the one copy that runs after the hand-over, in one go or in rounds,
-  checking every tensor's version (the overlapped copy and the later rounds);
+  checking every tensor's version (the overlapped copy and the later rounds), on the
+  one copy thread of the process, and the one wait for it;
 * :mod:`.overlapped`: the copy on a trainer thread (a CUDA side stream with GPUs), waited
   for before the next in-place update; above the budget, the pool placed at scheduling,
   every round copied by that thread, the next optimizer step waiting for the last;

@@ -41,7 +41,7 @@ from megatron_async.core.coordination import local_world_size
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
-from megatron_async.staging.overlapped import wait_for_staging
+from megatron_async.staging.copy_job import stalled_copy
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 from megatron_async.staging.gate import StagingGate
 from megatron_async.buckets.layout import WriteBucket
@@ -141,7 +141,6 @@ class StagingLedger:
         self._lock = threading.Lock()
         self._holds: List[_Hold] = []
         self._pool: Optional[Tuple[torch.Tensor, bool]] = None
-        self._pool_users: List[weakref.ref] = []
         self.peak_bytes = 0
 
     def held_bytes(self) -> int:
@@ -181,31 +180,19 @@ class StagingLedger:
             self.peak_bytes = max(self.peak_bytes, held + num_bytes)
         return hold
 
-    def add_pool_user(self, staged: Any) -> None:
-        """Remember staged data whose trainer copy thread writes into the pool: the next
-        save waits for that thread (``staged.join_copy``) before it reuses the pool."""
-        with self._lock:
-            self._pool_users = [ref for ref in self._pool_users if ref() is not None]
-            self._pool_users.append(weakref.ref(staged))
-
-    def _wait_for_pool_users(self, timeout_s: float) -> None:
+    def _wait_for_pool_writers(self, timeout_s: float) -> None:
         """Wait (bounded) until no earlier save's copy can still write into the pool: its
-        writer may be done (failed) while its copy thread still runs."""
-        deadline = time.monotonic() + timeout_s
-        wait_for_staging(timeout_s)  # overlapped copies, rounds included
-        with self._lock:
-            users = [ref() for ref in self._pool_users]
-        for staged in users:
-            if staged is not None and not staged.join_copy(max(deadline - time.monotonic(), 0.0)):
-                raise StagingMemoryError(
-                    f"an earlier save's copy into the staging pool did not end within "
-                    f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
-                )
+        writer may be done (failed) while its copy job still runs."""
+        if stalled_copy(timeout_s) is not None:
+            raise StagingMemoryError(
+                f"an earlier save's copy into the staging pool made no progress for "
+                f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
+            )
 
     def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S) -> torch.Tensor:
         """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
-        once no earlier save's copy thread writes into it (bounded by ``timeout_s``)."""
-        self._wait_for_pool_users(timeout_s)
+        once no earlier save's copy job writes into it (bounded by ``timeout_s``)."""
+        self._wait_for_pool_writers(timeout_s)
         with self._lock:
             if self._pool is not None and self._pool[0].numel() == num_bytes and (
                 self._pool[1] or not pinned
@@ -333,8 +320,6 @@ def stage_within_budget(
     except BaseException:
         hold.end()
         raise
-    if overlapped is None:  # overlapped copies run on the copy thread: wait_for_staging's
-        _ledger.add_pool_user(staged)
     _mark(staged, hold, stats, staged.plan.rounds, staged.plan.pool_bytes)
     return staged
 

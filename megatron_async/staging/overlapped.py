@@ -44,11 +44,8 @@ Runs in the trainer; the gate's waiting side runs in the background writer
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
-import time
 from functools import partial
 from typing import Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple
 
@@ -59,14 +56,20 @@ from megatron_async.core import coordination
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache, stage_buckets
-from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.copy_job import (  # noqa: F401 (copies_held, submit_copy: this module's API)
+    CopyJob,
+    copies_held,
+    pending_copies,
+    stalled_copy,
+    submit_copy,
+    watch,
+)
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
-from megatron_async.staging.rounds import RoundPlan, place_in_pool
+from megatron_async.staging.rounds import place_in_pool
 
 __all__ = [
     "stage_buckets_overlapped",
     "stage_in_rounds_overlapped",
-    "OverlappedRoundsStaged",
     "overlapped_save_functions",
     "wait_for_staging",
     "staging_in_progress",
@@ -79,54 +82,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class _Copier:
-    """The copy thread of this process and the jobs it has not finished (trainer)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
-        self._pending: List[CopyJob] = []
-        self._thread: Optional[threading.Thread] = None
-        self._running = threading.Event()  # cleared while copies are held
-        self._running.set()
-
-    def submit(self, job: CopyJob) -> None:
-        with self._lock:
-            self._pending.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="megatron-async-staging", daemon=True
-                )
-                self._thread.start()
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._running.wait()
-            job.run()
-            with self._lock:
-                self._pending = [j for j in self._pending if j is not job]
-            # Wait for the next job holding nothing of this one: its gate is a shared-memory
-            # segment, and a live segment keeps a restarted persistent worker from forking.
-            del job
-
-    def hold(self, held: bool) -> None:
-        (self._running.clear if held else self._running.set)()
-
-    def pending(self) -> List[CopyJob]:
-        with self._lock:
-            return [job for job in self._pending if not job.done.is_set()]
-
-
-_copier = _Copier()
 _hook_lock = threading.Lock()
 _hook_handle = None
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     """Global torch optimizer step pre-hook: let pending copies finish first."""
-    if _copier.pending():
+    if pending_copies():
         wait_for_staging()
 
 
@@ -142,7 +104,7 @@ def install_optimizer_hook() -> None:
 
 def staging_in_progress() -> bool:
     """Whether an overlapped copy of this process is still running (trainer)."""
-    return bool(_copier.pending())
+    return bool(pending_copies())
 
 
 def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
@@ -157,33 +119,12 @@ def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
         AsyncTimeoutError: a copy made no progress for ``timeout_s`` (a copy in one go:
             did not finish within it).
     """
-    for job in _copier.pending():
-        deadline = time.monotonic() + timeout_s
-        last = job.progress()
-        while not job.done.wait(min(max(deadline - time.monotonic(), 0.0), 1.0)):
-            if job.progress() != last:  # staging in rounds: still copying as the writer drains
-                last, deadline = job.progress(), time.monotonic() + timeout_s
-            elif time.monotonic() > deadline:
-                raise AsyncTimeoutError(
-                    f"rank {job.rank}: the overlapped staging copy made no progress for "
-                    f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
-                )
-
-
-@contextlib.contextmanager
-def copies_held():
-    """Copies submitted inside this block start only when it exits (trainer; a debugging
-    and testing aid that makes "the tensor changed before it was copied" deterministic)."""
-    _copier.hold(True)
-    try:
-        yield
-    finally:
-        _copier.hold(False)
-
-
-def submit_copy(job: CopyJob) -> None:
-    """Hand ``job`` to this process's copy thread (after the request's hand-over)."""
-    _copier.submit(job)
+    job = stalled_copy(timeout_s)
+    if job is not None:
+        raise AsyncTimeoutError(
+            f"rank {job.rank}: the overlapped staging copy made no progress for "
+            f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
+        )
 
 
 def stage_buckets_overlapped(
@@ -211,31 +152,12 @@ def stage_buckets_overlapped(
     install_optimizer_hook()
     staged = stage_buckets(buckets, non_blocking, staging_key, staging_cache, copy_now=False)
     copies = [
-        (item.index.fqn, source, buffer, source._version)
+        (item.index.fqn, source, buffer, watch(source))
         for item, source, buffer in staged.uncopied
     ]
     staged.uncopied = []
-    staged.start_background_copy = partial(submit_copy, CopyJob(gate, copies, rank))
+    staged.copy_job = CopyJob(gate, copies, rank)
     return staged
-
-
-class OverlappedRoundsStaged(StagedBuckets):
-    """Buckets staged in rounds by the overlapped copy thread: views of the pool (trainer).
-
-    ``start_background_copy`` hands the copies to the copy thread once the request is
-    with its writer; scheduling does not wait for them (the next optimizer step does).
-    Pickled, only the buckets travel.
-    """
-
-    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: CopyJob):
-        super().__init__(buckets)
-        self.plan = plan
-        self._job: Optional[CopyJob] = job
-
-    def start_background_copy(self) -> None:
-        job, self._job = self._job, None
-        if job is not None:
-            submit_copy(job)
 
 
 def stage_in_rounds_overlapped(
@@ -245,7 +167,7 @@ def stage_in_rounds_overlapped(
     budget: int,
     gate: StagingGate,
     timeout_s: float,
-) -> OverlappedRoundsStaged:
+) -> StagedBuckets:
     """Place ``buckets``' tensors in ``pool`` and prepare their copy without copying
     (trainer, the request's ``preload_fn`` with overlapped staging above the budget).
 
@@ -268,7 +190,9 @@ def stage_in_rounds_overlapped(
         "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
         rank, len(plan.sizes), plan.rounds, plan.pool_bytes,
     )
-    return OverlappedRoundsStaged(staged, plan, job)
+    result = StagedBuckets(staged)
+    result.plan, result.copy_job = plan, job
+    return result
 
 
 def overlapped_save_functions(

@@ -13,10 +13,10 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then starts a trainer thread (``start_background_copy``, running the same
-  :class:`~.copy_job.CopyJob` as overlapped staging) that copies each further item
-  once the writer marked its predecessors in the ring *written*, and waits for it
-  (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
+  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``,
+  the thread of overlapped staging), which copies each further item once the writer
+  marked its predecessors in the ring *written*, and waits for it (``finish_staging``)
+  before scheduling returns: the trainer waits for the drain, and
   the snapshot is whole when scheduling returns;
 * the background writer (:func:`writer_view`) waits for an item's *copied* mark before
   writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
@@ -34,9 +34,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,7 +43,7 @@ from megatron_async.core import shared_memory
 from megatron_async.core.coordination import get_rank
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.copy_job import CopyJob, watch
 from megatron_async.staging.gate import StagingGate, wait_on_gate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
@@ -151,80 +150,6 @@ def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
                 plan_rounds([size], [item.index.fqn], budget)
 
 
-class RoundsStaged(StagedBuckets):
-    """Buckets staged in rounds: views of the pool, plus the copies still to make (trainer).
-
-    ``start_background_copy`` starts the copy thread (the later rounds' :class:`CopyJob`)
-    once the request is with its writer; ``finish_staging`` waits for it (bounded).
-    Pickled, only the buckets travel.
-    """
-
-    def __init__(self, buckets, gate: StagingGate, plan: RoundPlan, job: CopyJob,
-                 timeout_s: float):
-        super().__init__(buckets)
-        self.gate = gate
-        self.plan = plan
-        self._job = job
-        self._timeout_s = timeout_s
-        self._thread: Optional[threading.Thread] = None
-
-    def start_background_copy(self) -> None:
-        if self._job.copies and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._job.run, name="megatron-async-rounds", daemon=True
-            )
-            self._thread.start()
-
-    def finish_staging(self) -> None:
-        """Trainer: wait until every item is in the pool, or the copy failed.
-
-        The copy thread bounds each of its waits for the writer; this join gives up (and
-        fails the save) only if the thread copied nothing for longer than that bound."""
-        join_copy_thread(self._thread, self.gate, self._job.progress, self._timeout_s)
-
-    def join_copy(self, timeout_s: float) -> bool:
-        """Trainer: wait (bounded) for the copy thread; whether it has ended."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
-
-    def __reduce__(self):
-        return (StagedBuckets, (list(self),))
-
-
-def join_copy_thread(
-    thread: Optional[threading.Thread], gate: StagingGate, progress: Callable[[], int],
-    timeout_s: float,
-) -> None:
-    """Trainer: join a rounds copy thread; while it copies nothing for ``timeout_s`` (plus
-    a grace period for its own bound to fire first), fail the save and stop waiting."""
-    if thread is None:
-        return
-    last = progress()
-    while True:
-        thread.join(timeout_s + 5.0)
-        if not thread.is_alive():
-            return
-        if progress() == last:
-            message = (
-                f"staging in rounds copied nothing for {timeout_s:.0f}s; the save fails "
-                "(the copy thread is stuck)"
-            )
-            logger.error(message)
-            gate.fail(message)
-            return
-        last = progress()
-
-
-def version_of(source: torch.Tensor) -> Optional[int]:
-    """The version counter of ``source``; None for an inference tensor (it has none)."""
-    try:
-        return source._version
-    except RuntimeError:
-        return None
-
-
 def place_in_pool(
     buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, gate: StagingGate
 ) -> Tuple[RoundPlan, List[WriteBucket], List[tuple]]:
@@ -232,7 +157,7 @@ def place_in_pool(
 
     Marks the gate *in rounds* and empty items copied. Returns the plan, the
     staged buckets (views of the pool) and, in the writer's order, ``(index, name,
-    source, buffer, version at scheduling)`` of every item still to copy.
+    source, buffer, watched)`` of every item still to copy.
 
     Raises:
         StagingMemoryError: a single tensor is larger than ``budget``.
@@ -256,7 +181,7 @@ def place_in_pool(
             gate.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            to_copy.append((idx, item.index.fqn, source, buffer, version_of(source)))
+            to_copy.append((idx, item.index.fqn, source, buffer, watch(source)))
         staged_tensors[b_idx].append((item, buffer))
     staged = [
         WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
@@ -271,7 +196,7 @@ def stage_in_rounds(
     budget: int,
     gate: StagingGate,
     timeout_s: float,
-) -> RoundsStaged:
+) -> StagedBuckets:
     """Place ``buckets``' tensors in ``pool`` and copy the first round (trainer, ``preload_fn``).
 
     Args:
@@ -302,7 +227,9 @@ def stage_in_rounds(
         indices=[entry[0] for entry in remaining], waits_for=plan.waits_for,
         timeout_s=timeout_s, what="staging in rounds", advice=_ADVICE,
     )
-    return RoundsStaged(staged, gate, plan, job, timeout_s)
+    result = StagedBuckets(staged)
+    result.plan, result.copy_job, result.scheduling_waits = plan, job, True
+    return result
 
 
 class RoundItems(list):

@@ -147,6 +147,17 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
     assert not segments_outlive_a_bounded_wait()
 
 
+def test_an_inference_tensor_is_staged_overlapped_without_a_version_check():
+    with torch.inference_mode():
+        tensor = torch.arange(8.0)  # keeps no version counter
+    gate = StagingGate()
+    staged = run_preload(partial(stage_buckets_overlapped, gate, 0, _buckets([tensor]), True, None, None))
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=60)
+    gate.wait_staged(timeout_s=1.0)
+    assert torch.equal(_staged_values(staged)[0], tensor)
+
+
 def test_overlapped_staging_outside_our_callers_is_refused():
     with pytest.raises(StagingHandOverError, match="without overlap_staging"):
         stage_buckets_overlapped(StagingGate(), 0, _buckets([torch.ones(4)]), True, None, None)

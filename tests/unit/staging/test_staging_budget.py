@@ -417,22 +417,18 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 
 
 @pytest.mark.timeout(60)
-def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
+def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
+    from megatron_async.staging.copy_job import CopyJob, copies_held, submit_copy, watch
+    from megatron_async.staging.overlapped import wait_for_staging
+
     ledger = staging_ledger()
-
-    class _StillCopying:
-        joined = []
-
-        def join_copy(self, timeout_s):
-            self.joined.append(timeout_s)
-            return False
-
-    user = _StillCopying()
-    ledger.add_pool_user(user)
-    with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
-        ledger.pool(4096, pinned=False, timeout_s=0.1)
-    assert user.joined
-    del user
+    source, buffer = torch.ones(16), torch.zeros(16)
+    with copies_held():  # an earlier save's copy that has not run yet
+        submit_copy(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
+        with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
+            ledger.pool(4096, pinned=False, timeout_s=0.1)
+    wait_for_staging(timeout_s=30.0)
+    assert torch.equal(buffer, source)
     assert ledger.pool(4096, pinned=False, timeout_s=0.1).numel() == 4096
     ledger.drop_pool()
 
