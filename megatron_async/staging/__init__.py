@@ -7,8 +7,11 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   (:mod:`.buffer_cache`: the reusable buffers and their leases);
 * :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``, a large
   one in parts on the copy threads (:mod:`.copy_pool`: the threads and bounded waits);
+* :mod:`.stager`: one save's stager (:class:`~.stager.BucketStager`), every mode as one
+  pipeline: buffers from the layout cache or the budget's pool, copied by the training
+  thread or the copy thread;
 * :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
-  saves still being written, and the choice between staging in one go and in rounds;
+  saves still being written, and the pool for rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through
   one bounded pool (its :func:`~.rounds.writer_view` runs in the background writer);
 * :mod:`.gate`: the one gate between the stager and the writer of a save, whatever the

@@ -211,7 +211,7 @@ def stage_buckets(
         cache: where buffers are cached; :func:`default_staging_cache` when None.
         copy_now: False only leases the buffers and leaves the copies to the caller:
             ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
-            (overlapped staging, :mod:`megatron_async.staging.overlapped`).
+            (overlapped staging, :class:`~megatron_async.staging.stager.BucketStager`).
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call

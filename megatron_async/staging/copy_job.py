@@ -172,13 +172,14 @@ class CopyJob:
 
     def _copy(self, start: int, end: int) -> None:
         """Copy items ``start:end``, checking each version before and after its copy (CUDA
-        sources: on the side stream, checked once the stream is synchronized); in rounds,
-        mark each copied once its bytes are in the buffers."""
+        sources on the side stream's device: on that stream, checked once it is
+        synchronized; on another device: a blocking copy); in rounds, mark each copied
+        once its bytes are in the buffers."""
         on_stream = []
         for k in range(start, end):
             name, source, buffer, watched = self.copies[k]
             self._check(name, watched)
-            if source.device.type == "cuda":
+            if source.device.type == "cuda" and source.device == self.stream.device:
                 with torch.cuda.stream(self.stream):
                     buffer.copy_(source, non_blocking=True)
                 on_stream.append(k)

@@ -13,11 +13,12 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``,
-  the thread of overlapped staging), which copies each further item once the writer
-  marked its predecessors in the ring *written*, and waits for it (``finish_staging``)
-  before scheduling returns: the trainer waits for the drain, and
-  the snapshot is whole when scheduling returns;
+  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``),
+  which copies each further item once the writer marked its predecessors in the ring
+  *written*, and waits for it (``finish_staging``) before scheduling returns: the trainer
+  waits for the drain, and the snapshot is whole when scheduling returns. With
+  overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
+  and the next optimizer step waits for the last instead of scheduling;
 * the background writer (:func:`writer_view`) waits for an item's *copied* mark before
   writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
   or copied them), which frees its bytes for the next round.
@@ -39,11 +40,10 @@ from typing import Deque, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.core import shared_memory
-from megatron_async.core.coordination import get_rank
+from megatron_async.core import coordination, shared_memory
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.copy_job import CopyJob, watch
+from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate, wait_on_gate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
@@ -53,7 +53,6 @@ __all__ = [
     "RoundPlan",
     "RoundItems",
     "plan_rounds",
-    "place_in_pool",
     "stage_in_rounds",
     "writer_view",
 ]
@@ -150,14 +149,26 @@ def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
                 plan_rounds([size], [item.index.fqn], budget)
 
 
-def place_in_pool(
-    buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, gate: StagingGate
-) -> Tuple[RoundPlan, List[WriteBucket], List[tuple]]:
-    """Plan the ring and give every item its view of ``pool``, copying nothing (trainer).
+def stage_in_rounds(
+    buckets: Sequence[WriteBucket],
+    pool: torch.Tensor,
+    budget: int,
+    gate: StagingGate,
+    timeout_s: float,
+    overlapped: bool = False,
+) -> StagedBuckets:
+    """Give every item of ``buckets`` its place in ``pool`` and copy the first round
+    (trainer, ``preload_fn``); the later rounds are the result's ``copy_job``.
 
-    Marks the gate *in rounds* and empty items copied. Returns the plan, the
-    staged buckets (views of the pool) and, in the writer's order, ``(index, name,
-    source, buffer, watched)`` of every item still to copy.
+    Args:
+        buckets: the planned buckets (tensors anywhere).
+        pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
+            sources by its owner).
+        budget: the most pool bytes to use.
+        gate: the save's gate, one word per tensor item of ``buckets``; marked *in rounds*.
+        timeout_s: bound on every wait for the writer.
+        overlapped: copy nothing now: every round is the copy thread's, and scheduling
+            does not wait for it (the next optimizer step does).
 
     Raises:
         StagingMemoryError: a single tensor is larger than ``budget``.
@@ -173,7 +184,9 @@ def place_in_pool(
         budget,
     )
     gate.start_rounds()
-    to_copy: List[tuple] = []
+    now: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+    later: List[tuple] = []
+    indices: List[int] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]
     for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
         if offset is None:
@@ -181,55 +194,34 @@ def place_in_pool(
             gate.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            to_copy.append((idx, item.index.fqn, source, buffer, watch(source)))
+            if plan.waits_for[idx] or overlapped:
+                later.append((item.index.fqn, source, buffer, watch(source)))
+                indices.append(idx)
+            else:
+                now.append((idx, source, buffer))
         staged_tensors[b_idx].append((item, buffer))
-    staged = [
-        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
-        for bucket, tensors in zip(buckets, staged_tensors)
-    ]
-    return plan, staged, to_copy
-
-
-def stage_in_rounds(
-    buckets: Sequence[WriteBucket],
-    pool: torch.Tensor,
-    budget: int,
-    gate: StagingGate,
-    timeout_s: float,
-) -> StagedBuckets:
-    """Place ``buckets``' tensors in ``pool`` and copy the first round (trainer, ``preload_fn``).
-
-    Args:
-        buckets: the planned buckets (tensors anywhere).
-        pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
-            sources by its owner).
-        budget: the most pool bytes to use.
-        gate: the save's gate, one word per tensor item of ``buckets``.
-        timeout_s: bound on every wait for the writer.
-
-    Raises:
-        StagingMemoryError: a single tensor is larger than ``budget``.
-    """
-    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
-    first = [entry for entry in to_copy if not plan.waits_for[entry[0]]]
-    for _, _, source, buffer, _ in first:
+    for _, source, buffer in now:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source for _, _, source, _, _ in first], holding=pool)
-    for entry in first:
-        gate.mark_copied(entry[0])
-    remaining = [entry for entry in to_copy if plan.waits_for[entry[0]]]
+    synchronize_if_cuda([source for _, source, _ in now], holding=pool)
+    for idx, _, _ in now:
+        gate.mark_copied(idx)
     logger.debug(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
-        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(remaining),
+        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(later),
     )
-    job = CopyJob(
-        gate, [entry[1:] for entry in remaining], get_rank(),
-        indices=[entry[0] for entry in remaining], waits_for=plan.waits_for,
-        timeout_s=timeout_s, what="staging in rounds", advice=_ADVICE,
+    staged = StagedBuckets(
+        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
+        for bucket, tensors in zip(buckets, staged_tensors)
     )
-    result = StagedBuckets(staged)
-    result.plan, result.copy_job, result.scheduling_waits = plan, job, True
-    return result
+    what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
+                    else ("staging in rounds", _ADVICE))
+    staged.plan, staged.scheduling_waits = plan, not overlapped
+    staged.copy_job = CopyJob(
+        gate, later, coordination.get_rank(), indices=indices, waits_for=plan.waits_for,
+        timeout_s=timeout_s, what=what, advice=advice,
+    )
+    gate.mark_staged()  # the writer waits on the gate for each item instead
+    return staged
 
 
 class RoundItems(list):

@@ -30,14 +30,12 @@ import io
 import logging
 import pickle
 import sys
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from megatron_async.core import shared_memory
-from megatron_async.core.coordination import get_rank
+from megatron_async.core import coordination, shared_memory
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
 from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
@@ -152,21 +150,14 @@ class TorchSaveStaged(LateCopy):
         self.alignment = alignment
         self.crc32 = crc32
         self.rounds = 1
-        self._hold: Any = None
 
     def __reduce__(self):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def record_writer(self, pid: int) -> None:
-        """Trainer, at the hand-over: the process that reads the staged bytes."""
-        self.gate.record_writer(pid)
-
     def release(self) -> None:
-        """Trainer: the writer is done with the staged bytes; stop holding them."""
-        if self._hold is not None:
-            self._hold.end()
-            self._hold = None
+        """Trainer: the writer is done with the staged bytes (the budget's hold, tied to
+        this object, ends with it)."""
         self.buffer = None  # a segment of this save alone is freed here
 
 
@@ -281,11 +272,11 @@ def stage_torch_save(
         raise
     if later:
         staged.copy_job = CopyJob(
-            gate, later, get_rank(), indices=indices, waits_for=plan.waits_for,
+            gate, later, coordination.get_rank(), indices=indices, waits_for=plan.waits_for,
             timeout_s=timeout_s, what="torch.save staging in rounds", advice=_ADVICE,
         )
-    staged.rounds, staged._hold = plan.rounds, hold
-    hold.staged = weakref.ref(staged)
+    staged.rounds = plan.rounds
+    hold.tie_to(staged)
     stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
     if in_rounds:
         logger.info(
