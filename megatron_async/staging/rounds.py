@@ -36,7 +36,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence
 
 import torch
 
@@ -54,6 +54,7 @@ __all__ = [
     "RoundItems",
     "plan_rounds",
     "stage_in_rounds",
+    "copy_first_round",
     "writer_view",
 ]
 
@@ -184,31 +185,15 @@ def stage_in_rounds(
         budget,
     )
     gate.start_rounds()
-    now: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
-    later: List[tuple] = []
-    indices: List[int] = []
+    items: List[tuple] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]
     for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
         if offset is None:
             buffer = torch.empty(source.shape, dtype=source.dtype)
-            gate.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            if plan.waits_for[idx] or overlapped:
-                later.append((item.index.fqn, source, buffer, watch(source)))
-                indices.append(idx)
-            else:
-                now.append((idx, source, buffer))
+            items.append((idx, item.index.fqn, source, buffer, watch(source)))
         staged_tensors[b_idx].append((item, buffer))
-    for _, source, buffer in now:
-        buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source for _, source, _ in now], holding=pool)
-    for idx, _, _ in now:
-        gate.mark_copied(idx)
-    logger.debug(
-        "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
-        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(later),
-    )
     staged = StagedBuckets(
         WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
         for bucket, tensors in zip(buckets, staged_tensors)
@@ -216,12 +201,38 @@ def stage_in_rounds(
     what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
                     else ("staging in rounds", _ADVICE))
     staged.plan, staged.scheduling_waits = plan, not overlapped
-    staged.copy_job = CopyJob(
-        gate, later, coordination.get_rank(), indices=indices, waits_for=plan.waits_for,
-        timeout_s=timeout_s, what=what, advice=advice,
-    )
+    staged.copy_job = copy_first_round(gate, plan, items, pool, overlapped, timeout_s, what, advice)
     gate.mark_staged()  # the writer waits on the gate for each item instead
     return staged
+
+
+def copy_first_round(
+    gate: StagingGate, plan: RoundPlan, items: List[tuple], pool: torch.Tensor,
+    overlapped: bool, timeout_s: float, what: str, advice: str,
+) -> CopyJob:
+    """Copy now the items that overwrite nothing (none when ``overlapped``), mark them and
+    the empty items copied, and return the job of the rest (trainer, ``preload_fn``).
+
+    ``items``: ``(gate index, name, source, buffer in pool, watched)`` of every non-empty
+    item, in the writer's order; ``what`` and ``advice`` name the mode in messages.
+    """
+    now = [] if overlapped else [entry for entry in items if not plan.waits_for[entry[0]]]
+    for _, _, source, buffer, _ in now:
+        buffer.copy_(source, non_blocking=source.device.type == "cuda")
+    synchronize_if_cuda([entry[2] for entry in now], holding=pool)
+    for idx, offset in enumerate(plan.offsets):
+        if offset is None or not (overlapped or plan.waits_for[idx]):
+            gate.mark_copied(idx)
+    later = [entry for entry in items if overlapped or plan.waits_for[entry[0]]]
+    logger.debug(
+        "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
+        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(later),
+    )
+    return CopyJob(
+        gate, [entry[1:] for entry in later], coordination.get_rank(),
+        indices=[entry[0] for entry in later], waits_for=plan.waits_for,
+        timeout_s=timeout_s, what=what, advice=advice,
+    )
 
 
 class RoundItems(list):

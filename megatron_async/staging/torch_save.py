@@ -35,13 +35,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
-from megatron_async.core import coordination, shared_memory
+from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
-from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
-from megatron_async.staging.rounds import plan_rounds
+from megatron_async.staging.copy_job import LateCopy, watch
+from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.snapshot import synchronize_if_cuda
 
 __all__ = ["TorchSaveStaged", "pickle_like_torch_save", "stage_torch_save"]
 
@@ -252,29 +251,16 @@ def stage_torch_save(
             buffer = None
         staged = TorchSaveStaged(header, records, buffer, gate, alignment,
                                  torch.serialization.get_crc32_options())
-        copied, later, indices = [], [], []
-        for idx, (entry, offset, name) in enumerate(zip(storages, plan.offsets, names)):
-            if offset is None:
-                continue
-            source, target = _storage_copy(entry, buffer, offset)
-            if plan.waits_for[idx]:
-                later.append((name, source, target, watch(*entry.tensors)))
-                indices.append(idx)
-            else:
-                target.copy_(source, non_blocking=source.device.type == "cuda")
-                copied.append(source)
-        synchronize_if_cuda(copied, holding=buffer)
-        for idx in range(len(storages)):
-            if not plan.waits_for[idx]:
-                gate.mark_copied(idx)
+        items = [
+            (idx, name, *_storage_copy(entry, buffer, offset), watch(*entry.tensors))
+            for idx, (entry, offset, name) in enumerate(zip(storages, plan.offsets, names))
+            if offset is not None
+        ]
+        staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
+                                           "torch.save staging in rounds", _ADVICE)
     except BaseException:
         hold.end()
         raise
-    if later:
-        staged.copy_job = CopyJob(
-            gate, later, coordination.get_rank(), indices=indices, waits_for=plan.waits_for,
-            timeout_s=timeout_s, what="torch.save staging in rounds", advice=_ADVICE,
-        )
     staged.rounds = plan.rounds
     hold.tie_to(staged)
     stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
