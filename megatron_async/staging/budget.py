@@ -1,8 +1,9 @@
 """The staging memory budget: how much host memory one rank's saves may hold at once.
 
 Runs in the trainer (every rank), in the request's ``preload_fn``. Every save staged by
-:class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` goes through
-:func:`stage_within_budget`:
+:class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` (through
+:class:`~.stager.BucketStager`) or by ``TorchAsyncCheckpoint`` (:mod:`.torch_save`)
+stays within it:
 
 * the budget is ``staging_memory_limit`` (bytes, or a fraction of the node's memory
   shared by its local ranks, :func:`resolve_budget`); without one it is *one copy of the
@@ -11,13 +12,8 @@ Runs in the trainer (every rank), in the request's ``preload_fn``. Every save st
   written hold. A save first waits (bounded) until the ledger has room for it: a second
   save scheduled while the first is written waits for the first's writer to finish
   (logged) instead of allocating a second copy, unless the budget holds two copies;
-* a state that fits the budget is staged in one go (:func:`~.buffers.stage_buckets`,
-  unchanged); a larger one in rounds through a pool of the budget's size
-  (:mod:`megatron_async.staging.rounds`; with overlapped staging every round is copied
-  by the copy thread, :mod:`megatron_async.staging.overlapped`); a single tensor
-  larger than the budget is refused before anything is staged or lost
-  (:class:`~megatron_async.errors.StagingMemoryError` naming the tensor and the budget
-  it needs).
+* a state larger than the budget goes in rounds through the ledger's *pool*, one shared
+  segment of the budget's size reused save after save.
 
 A hold ends when the save's writer marks its gate done (it read everything)
 or when the caller releases the staged data, whichever comes first.
@@ -26,33 +22,25 @@ or when the caller releases the staged data, whichever comes first.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
 import weakref
-from functools import partial
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core.coordination import local_world_size
-from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
-from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache
-from megatron_async.staging.overlapped import wait_for_staging
-from megatron_async.staging.rounds import check_fits, stage_in_rounds
+from megatron_async.staging.copy_job import stalled_copy
 from megatron_async.staging.gate import StagingGate
-from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "StagingLedger",
     "staging_ledger",
     "validate_staging_memory_limit",
     "resolve_budget",
-    "stage_within_budget",
-    "budgeted_preload",
     "DEFAULT_STAGING_MEMORY_WAIT_S",
 ]
 
@@ -119,6 +107,31 @@ class _Hold:
         self.released = True
         self.gate = None
 
+    def tie_to(self, staged: Any) -> None:
+        """Tie this hold to ``staged``: the caller's ``release`` ends it too (a killed
+        writer never marks its gate done), and so does dropping the data unreleased; the
+        caller's ``record_writer`` at the hand-over names the writer the ledger watches."""
+        hold = self
+        try:  # dropped unreleased: its buffers are gone, and the hold lets go of the gate
+            staged_ref = weakref.ref(staged, lambda _: hold.end())
+        except TypeError:  # staged data without weak references: the writer's mark ends it
+            return
+        self.staged = staged_ref
+        release = getattr(type(staged), "release", None)
+
+        def release_and_end_hold() -> None:  # holds no strong reference: no cycle to collect
+            hold.end()
+            target = staged_ref()
+            if release is not None and target is not None:
+                release(target)
+
+        def record_writer(pid: int) -> None:
+            if hold.gate is not None:
+                hold.gate.record_writer(pid)
+
+        staged.release = release_and_end_hold
+        staged.record_writer = record_writer
+
     def done(self) -> bool:
         if self.released:
             return True
@@ -141,7 +154,6 @@ class StagingLedger:
         self._lock = threading.Lock()
         self._holds: List[_Hold] = []
         self._pool: Optional[Tuple[torch.Tensor, bool]] = None
-        self._pool_users: List[weakref.ref] = []
         self.peak_bytes = 0
 
     def held_bytes(self) -> int:
@@ -181,31 +193,19 @@ class StagingLedger:
             self.peak_bytes = max(self.peak_bytes, held + num_bytes)
         return hold
 
-    def add_pool_user(self, staged: Any) -> None:
-        """Remember staged data whose trainer copy thread writes into the pool: the next
-        save waits for that thread (``staged.join_copy``) before it reuses the pool."""
-        with self._lock:
-            self._pool_users = [ref for ref in self._pool_users if ref() is not None]
-            self._pool_users.append(weakref.ref(staged))
-
-    def _wait_for_pool_users(self, timeout_s: float) -> None:
+    def _wait_for_pool_writers(self, timeout_s: float) -> None:
         """Wait (bounded) until no earlier save's copy can still write into the pool: its
-        writer may be done (failed) while its copy thread still runs."""
-        deadline = time.monotonic() + timeout_s
-        wait_for_staging(timeout_s)  # overlapped copies, rounds included
-        with self._lock:
-            users = [ref() for ref in self._pool_users]
-        for staged in users:
-            if staged is not None and not staged.join_copy(max(deadline - time.monotonic(), 0.0)):
-                raise StagingMemoryError(
-                    f"an earlier save's copy into the staging pool did not end within "
-                    f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
-                )
+        writer may be done (failed) while its copy job still runs."""
+        if stalled_copy(timeout_s) is not None:
+            raise StagingMemoryError(
+                f"an earlier save's copy into the staging pool made no progress for "
+                f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
+            )
 
     def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S) -> torch.Tensor:
         """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
-        once no earlier save's copy thread writes into it (bounded by ``timeout_s``)."""
-        self._wait_for_pool_users(timeout_s)
+        once no earlier save's copy job writes into it (bounded by ``timeout_s``)."""
+        self._wait_for_pool_writers(timeout_s)
         with self._lock:
             if self._pool is not None and self._pool[0].numel() == num_bytes and (
                 self._pool[1] or not pinned
@@ -232,133 +232,3 @@ _ledger = StagingLedger()
 def staging_ledger() -> StagingLedger:
     """This process's ledger (one per trainer process)."""
     return _ledger
-
-
-_SECOND = operator.itemgetter(1)
-_NBYTES = operator.attrgetter("nbytes")
-_IS_CUDA = operator.attrgetter("is_cuda")
-
-
-def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
-    """The bytes of the buckets' tensors and whether any is on CUDA (``map``: every save
-    of thousands of tensors runs this on the training thread)."""
-    total, cuda = 0, False
-    for bucket in buckets:
-        tensors = list(map(_SECOND, bucket.data[1]))
-        total += sum(map(_NBYTES, tensors))
-        cuda = cuda or any(map(_IS_CUDA, tensors))
-    return total, cuda
-
-
-def _mark(staged: Any, hold: _Hold, stats: dict, rounds: int, peak: int) -> None:
-    """Tie the hold to the staged data: the caller's release ends it too (a killed writer
-    never marks its gate done), and so does dropping the data unreleased."""
-    stats.update(rounds=rounds, peak_bytes=peak)
-    try:
-        staged_ref = weakref.ref(staged)
-    except TypeError:  # staged data without weak references: the writer's mark ends it
-        return
-    hold.staged = staged_ref
-    release = getattr(type(staged), "release", None)
-
-    def release_and_end_hold() -> None:  # holds no strong reference: no cycle to collect
-        hold.end()
-        target = staged_ref()
-        if release is not None and target is not None:
-            release(target)
-
-    def record_writer(pid: int) -> None:  # the caller, at the hand-over
-        if hold.gate is not None:
-            hold.gate.record_writer(pid)
-
-    staged.release = release_and_end_hold
-    staged.record_writer = record_writer
-
-
-def stage_within_budget(
-    gate: StagingGate,
-    buckets: Sequence[WriteBucket],
-    limit: Any,
-    cache: Optional[StagingBufferCache],
-    timeout_s: float,
-    stage_one_go: Callable[[], Any],
-    overlapped: Optional[Callable[..., Any]],
-    stats: dict,
-    rounds: bool = True,
-) -> Any:
-    """Stage ``buckets`` within the budget (trainer, the request's ``preload_fn``).
-
-    ``stage_one_go`` is the writer's own staging (one go, or overlapped), used when the
-    state fits; ``overlapped`` (None without overlapped staging) stages in rounds in place
-    of :func:`~.rounds.stage_in_rounds`, with the same arguments
-    (:func:`~.overlapped.stage_in_rounds_overlapped` with the rank bound);
-    ``stats`` receives ``rounds`` and ``peak_bytes`` of this save.
-
-    Raises:
-        StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
-            free the memory in time, or the write path cannot take items in rounds;
-            nothing was staged.
-        StagingHandOverError: the state needs rounds but another library's caller runs
-            this ``preload_fn`` (it would never start the later rounds' copy).
-    """
-    state_bytes, cuda = _state_sizes(buckets)
-    budget = resolve_budget(limit, state_bytes)
-    if state_bytes <= budget:
-        hold = _ledger.reserve(state_bytes, budget, gate, timeout_s)
-        try:
-            staged = stage_one_go()
-        except BaseException:
-            hold.end()
-            raise
-        _mark(staged, hold, stats, 1, state_bytes)
-        return staged
-    if not rounds:
-        raise StagingMemoryError(
-            f"this rank's state ({state_bytes} bytes) is larger than the staging_memory_limit "
-            f"({budget} bytes); this writer's write path (an override without "
-            "staging_control) cannot take items in rounds. Accept staging_control in the "
-            "override, or raise staging_memory_limit to at least the state"
-        )
-    check_fits(buckets, budget)
-    require_hand_over(
-        f"staging this rank's state ({state_bytes} bytes) in rounds through the "
-        f"staging_memory_limit ({budget} bytes)",
-        f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
-    )
-    (cache if cache is not None else default_staging_cache()).clear()  # idle one-go buffers
-    hold = _ledger.reserve(budget, budget, gate, timeout_s)
-    try:
-        pool = _ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
-        staged = (overlapped or stage_in_rounds)(buckets, pool, budget, gate, timeout_s)
-    except BaseException:
-        hold.end()
-        raise
-    if overlapped is None:  # overlapped copies run on the copy thread: wait_for_staging's
-        _ledger.add_pool_user(staged)
-    _mark(staged, hold, stats, staged.plan.rounds, staged.plan.pool_bytes)
-    return staged
-
-
-def budgeted_preload(
-    gate: StagingGate,
-    preload_fn: Callable[[], Any],
-    buckets: Sequence[WriteBucket],
-    limit: Any,
-    cache: Optional[StagingBufferCache],
-    overlapped: Optional[Callable[..., Any]],
-    stats: dict,
-    timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S,
-    rounds: bool = True,
-) -> Callable[[], Any]:
-    """Wrap a writer's ``preload_fn`` so that the save stays within the budget (trainer).
-
-    ``gate`` (one word per tensor item of ``buckets``) also goes to the write path
-    (``staging_control``), which takes the items as they arrive and marks it done.
-    ``overlapped``: see :func:`stage_within_budget`.
-    ``rounds`` False: the write path does not take ``staging_control`` (an override with
-    the reference signature), so a state above the budget is refused.
-    """
-    return partial(
-        stage_within_budget, gate, buckets, limit, cache, timeout_s, preload_fn,
-        overlapped, stats, rounds,
-    )

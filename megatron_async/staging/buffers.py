@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import operator
 import time
-from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -60,6 +60,7 @@ from megatron_async.staging.buffer_cache import (
     default_staging_cache,
     staging_cache_num_bytes,
 )
+from megatron_async.staging.copy_job import LateCopy
 from megatron_async.staging.flat_copy import FlatStaging
 
 __all__ = [
@@ -155,13 +156,17 @@ def _allocate_bucket_buffers(
     return _BucketBuffers(segment, tensors, for_cuda, reusable)
 
 
-class StagedBuckets(list):
+class StagedBuckets(LateCopy, list):
     """Staged write buckets, plus the lease of the buffers they live in.
 
     ``lease`` is ``(cache_key, generation)`` of ``cache`` when the buckets use cached
-    buffers, else None (fresh buffers, freed with this object). Pickled (to the
+    buffers, else None (fresh buffers, freed with this object). With overlapped staging
+    or in rounds, the copies made after the hand-over (:class:`~.copy_job.LateCopy`), and
+    in rounds ``plan``, the pool's :class:`~.rounds.RoundPlan`. Pickled (to the
     persistent worker), only the buckets travel: :meth:`release` is the stager's to call.
     """
+
+    plan: Any = None
 
     def __init__(
         self,
@@ -206,7 +211,7 @@ def stage_buckets(
         cache: where buffers are cached; :func:`default_staging_cache` when None.
         copy_now: False only leases the buffers and leaves the copies to the caller:
             ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
-            (overlapped staging, :mod:`megatron_async.staging.overlapped`).
+            (overlapped staging, :class:`~megatron_async.staging.stager.BucketStager`).
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call

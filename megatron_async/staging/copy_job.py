@@ -1,17 +1,23 @@
-"""One save's staging copy after the hand-over: the same job in every mode that copies late.
+"""One save's staging copy after the hand-over, the thread that runs it, and the one wait.
 
-Runs in the trainer, on a thread of its own: the overlapped copy thread
-(:mod:`.overlapped`, in one go or in rounds) or the rounds copy thread that scheduling
-waits for (:mod:`.rounds`). A :class:`CopyJob` copies its tensors in runs:
+Runs in the trainer. Every staging mode that copies after the request is handed to its
+writer builds a :class:`CopyJob` at scheduling and hands it, after the hand-over, to the
+one copy thread of this process (:func:`submit_copy`):
 
-* in one go, every tensor in one run, then the save's gate is marked staged (the writer
-  waits for that mark before it writes a byte);
-* in rounds (the staging budget's pool), each run once the writer wrote the items whose
-  bytes it overwrites (a bounded wait on the gate), each item marked copied on the gate
-  once its bytes are in the pool.
+* overlapped staging in one go (:mod:`.overlapped`): every tensor in one run, then the
+  save's gate is marked staged (the writer waits for that mark before it writes a byte);
+* in rounds (the staging budget's pool: :mod:`.rounds`, :mod:`.torch_save`), each run
+  once the writer wrote the items whose bytes it overwrites (a bounded wait on the gate),
+  each item marked copied on the gate once its bytes are in the pool.
 
-Every source's version counter, recorded at scheduling, is checked before and after its
-copy: a tensor changed in between fails the save on every rank
+Staged data that carries a job derives from :class:`LateCopy`: our callers start the job
+(``start_background_copy``) once the request is with its writer and, where scheduling
+waits for the copy (rounds without overlap), wait for it (``finish_staging``). Every
+wait for a job (that one, the next optimizer step's, the next save's before it reuses the
+pool) is :meth:`CopyJob.wait`: bounded by the time the job copies nothing.
+
+Every watched tensor's version counter, recorded at scheduling, is checked before and
+after its copy: a tensor changed in between fails the save on every rank
 (:class:`~megatron_async.errors.StagingRaceError`, recorded on the gate; the writer raises
 it). CUDA sources are copied on a side stream into page-locked memory, one bounded wait
 per run; after a failure their buffers live on until the queued copies have landed.
@@ -19,9 +25,12 @@ per run; after a failure their buffers live on until the queued copies have land
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
-from typing import List, Optional, Sequence
+import time
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +38,16 @@ from megatron_async.core.device_wait import landed_after_failure, wait_for_strea
 from megatron_async.errors import StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
 
-__all__ = ["CopyJob", "OVERLAPPED_ADVICE"]
+__all__ = [
+    "CopyJob",
+    "LateCopy",
+    "OVERLAPPED_ADVICE",
+    "copies_held",
+    "pending_copies",
+    "stalled_copy",
+    "submit_copy",
+    "watch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +58,30 @@ OVERLAPPED_ADVICE = (
 )
 """What to do about a tensor changed before an overlapped copy (the race's message)."""
 
+Watched = Tuple[Tuple[torch.Tensor, int], ...]
+"""``(tensor, version at scheduling)`` of the saved tensors behind one copy."""
+
+
+def watch(*tensors: torch.Tensor) -> Watched:
+    """Record the version counters of ``tensors`` (an inference tensor has none: skipped)."""
+    watched = []
+    for tensor in tensors:
+        try:
+            watched.append((tensor, tensor._version))
+        except RuntimeError:
+            pass
+    return tuple(watched)
+
 
 class CopyJob:
-    """One save's copies, made in one go or in rounds by one trainer thread.
+    """One save's copies, made in one go or in rounds by the copy thread.
 
     Built by the trainer at scheduling and run (:meth:`run`) after the hand-over.
 
     Args:
         gate: the save's gate; a failure is recorded on it for the writer to raise.
-        copies: ``(name, source, buffer, version at scheduling or None)`` per tensor.
+        copies: ``(name, source, buffer, watched)`` per copy: ``buffer.copy_(source)``,
+            with ``watched`` (see :func:`watch`) checked around it.
         rank: this rank, for messages.
         indices: in rounds, the gate's item index of each copy (None: in one go).
         waits_for: in rounds, per gate item, the items whose bytes it overwrites.
@@ -71,6 +104,7 @@ class CopyJob:
         self.what = what
         self.advice = advice
         self.copied = 0
+        self.submitted = False
         self.done = threading.Event()
         self.stream = None
         if any(source.device.type == "cuda" for _, source, _, _ in copies):
@@ -78,9 +112,21 @@ class CopyJob:
             self.stream = torch.cuda.Stream()
             self.stream.wait_stream(torch.cuda.current_stream())
 
-    def progress(self) -> int:
-        """How many items are copied (the trainer's waits go on while this moves)."""
-        return self.copied
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until the job is done, for as long as it keeps copying (trainer).
+
+        Returns:
+            False when it copied nothing for ``timeout_s`` (stuck); True once done.
+        """
+        deadline = time.monotonic() + timeout_s
+        last = self.copied
+        while not self.done.wait(min(max(deadline - time.monotonic(), 0.0), 1.0)):
+            if self.copied != last:  # in rounds: still copying as the writer drains
+                last, deadline = self.copied, time.monotonic() + timeout_s
+            elif time.monotonic() > deadline:
+                return False
+        return True
+
 
     def run(self) -> None:
         """Copy every tensor, run after run, then mark the gate staged; a failure is
@@ -126,25 +172,26 @@ class CopyJob:
 
     def _copy(self, start: int, end: int) -> None:
         """Copy items ``start:end``, checking each version before and after its copy (CUDA
-        sources: on the side stream, checked once the stream is synchronized); in rounds,
-        mark each copied once its bytes are in the buffers."""
+        sources on the side stream's device: on that stream, checked once it is
+        synchronized; on another device: a blocking copy); in rounds, mark each copied
+        once its bytes are in the buffers."""
         on_stream = []
         for k in range(start, end):
-            name, source, buffer, version = self.copies[k]
-            self._check(name, source, version)
-            if source.device.type == "cuda":
+            name, source, buffer, watched = self.copies[k]
+            self._check(name, watched)
+            if source.device.type == "cuda" and source.device == self.stream.device:
                 with torch.cuda.stream(self.stream):
                     buffer.copy_(source, non_blocking=True)
                 on_stream.append(k)
             else:
                 buffer.copy_(source)
-                self._check(name, source, version)  # not changed while it was copied
+                self._check(name, watched)  # not changed while it was copied
                 self._mark_copied(k)
         if on_stream:
             wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
             for k in on_stream:
-                name, source, _, version = self.copies[k]
-                self._check(name, source, version)
+                name, _, _, watched = self.copies[k]
+                self._check(name, watched)
                 self._mark_copied(k)
 
     def _mark_copied(self, k: int) -> None:
@@ -156,15 +203,125 @@ class CopyJob:
         if self.stream is not None:
             landed_after_failure(stream=self.stream, holding=[b for _, _, b, _ in self.copies])
 
-    def _check(self, name: str, source: torch.Tensor, version: Optional[int]) -> None:
-        """Raise if ``source`` changed since scheduling (an inference tensor, recorded
-        without a version, is not checked)."""
-        if version is None:
+    def _check(self, name: str, watched: Watched) -> None:
+        """Raise if a watched tensor changed since scheduling."""
+        for tensor, version in watched:
+            now = tensor._version
+            if now != version:
+                raise StagingRaceError(
+                    f"rank {self.rank}: saved tensor {name!r} was modified in place before "
+                    f"{self.what} had copied it (version {version} -> {now}), so this save "
+                    f"would mix two training steps and fails on every rank. {self.advice}"
+                )
+
+
+class _Copier:
+    """The copy thread of this process and the jobs it has not finished (trainer)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
+        self._pending: List[CopyJob] = []
+        self._thread: Optional[threading.Thread] = None
+        self._running = threading.Event()  # cleared while copies are held
+        self._running.set()
+
+    def submit(self, job: CopyJob) -> None:
+        with self._lock:
+            if job.submitted:
+                return
+            job.submitted = True
+            self._pending.append(job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="megatron-async-staging", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            self._running.wait()
+            job.run()
+            with self._lock:
+                self._pending = [j for j in self._pending if j is not job]
+            # Wait for the next job holding nothing of this one: its gate is a shared-memory
+            # segment, and a live segment keeps a restarted persistent worker from forking.
+            del job
+
+    def hold(self, held: bool) -> None:
+        (self._running.clear if held else self._running.set)()
+
+    def pending(self) -> List[CopyJob]:
+        with self._lock:
+            return [job for job in self._pending if not job.done.is_set()]
+
+
+_copier = _Copier()
+
+
+def submit_copy(job: CopyJob) -> None:
+    """Hand ``job`` to this process's copy thread (after the request's hand-over; once)."""
+    _copier.submit(job)
+
+
+def pending_copies() -> List[CopyJob]:
+    """The jobs of this process not done yet (trainer)."""
+    return _copier.pending()
+
+
+def stalled_copy(timeout_s: float) -> Optional[CopyJob]:
+    """Wait until every pending job is done; return one that copied nothing for
+    ``timeout_s`` (the caller raises its own error), or None (trainer)."""
+    for job in _copier.pending():
+        if not job.wait(timeout_s):
+            return job
+    return None
+
+
+@contextlib.contextmanager
+def copies_held():
+    """Jobs submitted inside this block start only when it exits (trainer; a debugging
+    and testing aid that makes "the tensor changed before it was copied" deterministic)."""
+    _copier.hold(True)
+    try:
+        yield
+    finally:
+        _copier.hold(False)
+
+
+class LateCopy:
+    """Staged data whose copy, or part of it, runs after the hand-over (trainer).
+
+    ``copy_job``: the copies left (None: everything was copied at scheduling).
+    ``scheduling_waits``: scheduling returns only once they are done (staging in rounds);
+    otherwise the next optimizer step waits for them (overlapped staging). Our callers
+    call both hooks (:func:`megatron_async.core.request.start_background_copy`,
+    :func:`~megatron_async.core.request.finish_staging`); nothing of this travels when the
+    staged data is pickled.
+    """
+
+    copy_job: Optional[CopyJob] = None
+    scheduling_waits: bool = False
+
+    def start_background_copy(self) -> None:
+        """Trainer, once the request is with its writer: hand the job to the copy thread."""
+        if self.copy_job is not None and self.copy_job.copies:
+            submit_copy(self.copy_job)
+
+    def finish_staging(self) -> None:
+        """Trainer: where scheduling waits, wait until every copy is made or the copy failed.
+
+        The job bounds each of its waits for the writer; this wait gives up (and fails the
+        save) only if the job copied nothing for longer than that bound."""
+        job = self.copy_job
+        if job is None or not self.scheduling_waits or not job.submitted:
             return
-        now = source._version
-        if now != version:
-            raise StagingRaceError(
-                f"rank {self.rank}: saved tensor {name!r} was modified in place before "
-                f"{self.what} had copied it (version {version} -> {now}), so this save "
-                f"would mix two training steps and fails on every rank. {self.advice}"
-            )
+        gate = job.gate
+        if not job.wait(job.timeout_s + 5.0):
+            message = (f"rank {job.rank}: {job.what} copied nothing for {job.timeout_s:.0f}s; "
+                       "the save fails (the copy thread is stuck)")
+            logger.error(message)
+            if gate is not None:
+                gate.fail(message)

@@ -29,7 +29,7 @@ Nothing may change a saved tensor before it is copied:
 
 Above the staging budget (a ``staging_memory_limit`` below a rank's state), the state
 goes through the budget's pool in rounds (:mod:`.rounds`' ring plan and writer view), and
-still nothing is copied at scheduling: :func:`stage_in_rounds_overlapped` places every
+still nothing is copied at scheduling: :func:`~.rounds.stage_in_rounds` places every
 item in the pool, records the version counters and marks the gate staged at once (the
 writer waits on it for each item instead); after the hand-over the same copy thread runs
 the same :class:`~.copy_job.CopyJob` in rounds, each item once the writer wrote the
@@ -44,30 +44,20 @@ Runs in the trainer; the gate's waiting side runs in the background writer
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
-import time
-from functools import partial
-from typing import Any, Callable, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable
 
-import torch
-
-from megatron_async.buckets.layout import WriteBucket, unpack_resolved_plan_data
-from megatron_async.core import coordination
-from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
-from megatron_async.staging.buffers import StagedBuckets, StagingBufferCache, stage_buckets
-from megatron_async.staging.copy_job import CopyJob
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
-from megatron_async.staging.rounds import RoundPlan, place_in_pool
+from megatron_async.staging.copy_job import (  # noqa: F401 (copies_held, submit_copy: this module's API)
+    copies_held,
+    pending_copies,
+    stalled_copy,
+    submit_copy,
+)
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S
 
 __all__ = [
-    "stage_buckets_overlapped",
-    "stage_in_rounds_overlapped",
-    "OverlappedRoundsStaged",
-    "overlapped_save_functions",
     "wait_for_staging",
     "staging_in_progress",
     "refuse_overlap_param_gather",
@@ -79,54 +69,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class _Copier:
-    """The copy thread of this process and the jobs it has not finished (trainer)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
-        self._pending: List[CopyJob] = []
-        self._thread: Optional[threading.Thread] = None
-        self._running = threading.Event()  # cleared while copies are held
-        self._running.set()
-
-    def submit(self, job: CopyJob) -> None:
-        with self._lock:
-            self._pending.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="megatron-async-staging", daemon=True
-                )
-                self._thread.start()
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._running.wait()
-            job.run()
-            with self._lock:
-                self._pending = [j for j in self._pending if j is not job]
-            # Wait for the next job holding nothing of this one: its gate is a shared-memory
-            # segment, and a live segment keeps a restarted persistent worker from forking.
-            del job
-
-    def hold(self, held: bool) -> None:
-        (self._running.clear if held else self._running.set)()
-
-    def pending(self) -> List[CopyJob]:
-        with self._lock:
-            return [job for job in self._pending if not job.done.is_set()]
-
-
-_copier = _Copier()
 _hook_lock = threading.Lock()
 _hook_handle = None
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     """Global torch optimizer step pre-hook: let pending copies finish first."""
-    if _copier.pending():
+    if pending_copies():
         wait_for_staging()
 
 
@@ -142,7 +91,7 @@ def install_optimizer_hook() -> None:
 
 def staging_in_progress() -> bool:
     """Whether an overlapped copy of this process is still running (trainer)."""
-    return bool(_copier.pending())
+    return bool(pending_copies())
 
 
 def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
@@ -157,144 +106,12 @@ def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
         AsyncTimeoutError: a copy made no progress for ``timeout_s`` (a copy in one go:
             did not finish within it).
     """
-    for job in _copier.pending():
-        deadline = time.monotonic() + timeout_s
-        last = job.progress()
-        while not job.done.wait(min(max(deadline - time.monotonic(), 0.0), 1.0)):
-            if job.progress() != last:  # staging in rounds: still copying as the writer drains
-                last, deadline = job.progress(), time.monotonic() + timeout_s
-            elif time.monotonic() > deadline:
-                raise AsyncTimeoutError(
-                    f"rank {job.rank}: the overlapped staging copy made no progress for "
-                    f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
-                )
-
-
-@contextlib.contextmanager
-def copies_held():
-    """Copies submitted inside this block start only when it exits (trainer; a debugging
-    and testing aid that makes "the tensor changed before it was copied" deterministic)."""
-    _copier.hold(True)
-    try:
-        yield
-    finally:
-        _copier.hold(False)
-
-
-def submit_copy(job: CopyJob) -> None:
-    """Hand ``job`` to this process's copy thread (after the request's hand-over)."""
-    _copier.submit(job)
-
-
-def stage_buckets_overlapped(
-    gate: StagingGate,
-    rank: int,
-    buckets: Sequence[Any],
-    non_blocking: bool = True,
-    staging_key: Optional[Hashable] = None,
-    staging_cache: Optional[StagingBufferCache] = None,
-) -> StagedBuckets:
-    """Lease the host buffers and prepare the copy without copying (trainer, the
-    request's ``preload_fn`` with overlapped staging).
-
-    The caller starts the copy (``start_background_copy`` of the result, see
-    :func:`megatron_async.core.request.start_background_copy`) once the request is
-    handed to its background writer. A previous overlapped copy is waited for first:
-    copies run one save at a time, in order.
-
-    Raises:
-        StagingHandOverError: another library's caller runs this ``preload_fn`` (it would
-            never start the copy).
-    """
-    require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
-    wait_for_staging()
-    install_optimizer_hook()
-    staged = stage_buckets(buckets, non_blocking, staging_key, staging_cache, copy_now=False)
-    copies = [
-        (item.index.fqn, source, buffer, source._version)
-        for item, source, buffer in staged.uncopied
-    ]
-    staged.uncopied = []
-    staged.start_background_copy = partial(submit_copy, CopyJob(gate, copies, rank))
-    return staged
-
-
-class OverlappedRoundsStaged(StagedBuckets):
-    """Buckets staged in rounds by the overlapped copy thread: views of the pool (trainer).
-
-    ``start_background_copy`` hands the copies to the copy thread once the request is
-    with its writer; scheduling does not wait for them (the next optimizer step does).
-    Pickled, only the buckets travel.
-    """
-
-    def __init__(self, buckets: Sequence[WriteBucket], plan: RoundPlan, job: CopyJob):
-        super().__init__(buckets)
-        self.plan = plan
-        self._job: Optional[CopyJob] = job
-
-    def start_background_copy(self) -> None:
-        job, self._job = self._job, None
-        if job is not None:
-            submit_copy(job)
-
-
-def stage_in_rounds_overlapped(
-    rank: int,
-    buckets: Sequence[WriteBucket],
-    pool: torch.Tensor,
-    budget: int,
-    gate: StagingGate,
-    timeout_s: float,
-) -> OverlappedRoundsStaged:
-    """Place ``buckets``' tensors in ``pool`` and prepare their copy without copying
-    (trainer, the request's ``preload_fn`` with overlapped staging above the budget).
-
-    Takes the arguments of :func:`~.rounds.stage_in_rounds` after ``rank``, which
-    :func:`overlapped_save_functions` binds. An earlier overlapped copy is waited for
-    first: copies run one save at a time.
-
-    Raises:
-        StagingMemoryError: a single tensor is larger than ``budget``.
-        AsyncTimeoutError: an earlier overlapped copy did not finish within ``timeout_s``.
-    """
-    wait_for_staging(timeout_s)
-    install_optimizer_hook()
-    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
-    job = CopyJob(gate, [entry[1:] for entry in to_copy], rank,
-                  indices=[entry[0] for entry in to_copy], waits_for=plan.waits_for,
-                  timeout_s=timeout_s, what="overlapped staging in rounds")
-    gate.mark_staged()  # the writer waits on the gate for each item
-    logger.debug(
-        "rank %d: overlapped staging of %d items in %d rounds through a %d-byte pool",
-        rank, len(plan.sizes), plan.rounds, plan.pool_bytes,
-    )
-    return OverlappedRoundsStaged(staged, plan, job)
-
-
-def overlapped_save_functions(
-    save_fn: Callable[..., Any],
-    resolved_plan_data: Any,
-    staging_cache: Optional[StagingBufferCache],
-    results_queue: Any,
-    gate: StagingGate,
-) -> Tuple[Callable[..., Any], Callable[[], StagedBuckets], List[Any], Callable[..., Any]]:
-    """Return ``(save_fn, preload_fn, args, stage_rounds)`` of a save with overlapped
-    staging (trainer).
-
-    ``preload_fn`` leases the buffers, a trainer thread copies, and the returned
-    ``save_fn`` waits for the copy (the save's ``gate``) before it calls the given one
-    (the writer's). ``stage_rounds`` is :func:`stage_in_rounds_overlapped` with this rank
-    bound: :func:`~megatron_async.staging.budget.stage_within_budget` calls it in place of
-    :func:`~.rounds.stage_in_rounds` above the budget.
-    """
-    rank = coordination.get_rank()
-    identifier, write_buckets = unpack_resolved_plan_data(resolved_plan_data)
-    preload_fn = partial(
-        stage_buckets_overlapped, gate, rank, write_buckets, True,
-        identifier.key if identifier is not None else None, staging_cache,
-    )
-    save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
-    return save_fn, preload_fn, [rank, None, results_queue], partial(stage_in_rounds_overlapped, rank)
+    job = stalled_copy(timeout_s)
+    if job is not None:
+        raise AsyncTimeoutError(
+            f"rank {job.rank}: the overlapped staging copy made no progress for "
+            f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
+        )
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:

@@ -13,11 +13,12 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then starts a trainer thread (``start_background_copy``, running the same
-  :class:`~.copy_job.CopyJob` as overlapped staging) that copies each further item
-  once the writer marked its predecessors in the ring *written*, and waits for it
-  (``finish_staging``) before scheduling returns: the trainer waits for the drain, and
-  the snapshot is whole when scheduling returns;
+  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``),
+  which copies each further item once the writer marked its predecessors in the ring
+  *written*, and waits for it (``finish_staging``) before scheduling returns: the trainer
+  waits for the drain, and the snapshot is whole when scheduling returns. With
+  overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
+  and the next optimizer step waits for the last instead of scheduling;
 * the background writer (:func:`writer_view`) waits for an item's *copied* mark before
   writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
   or copied them), which frees its bytes for the next round.
@@ -34,17 +35,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence
 
 import torch
 
-from megatron_async.core import shared_memory
-from megatron_async.core.coordination import get_rank
+from megatron_async.core import coordination, shared_memory
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.copy_job import CopyJob
+from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate, wait_on_gate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
@@ -54,8 +53,8 @@ __all__ = [
     "RoundPlan",
     "RoundItems",
     "plan_rounds",
-    "place_in_pool",
     "stage_in_rounds",
+    "copy_first_round",
     "writer_view",
 ]
 
@@ -151,88 +150,26 @@ def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
                 plan_rounds([size], [item.index.fqn], budget)
 
 
-class RoundsStaged(StagedBuckets):
-    """Buckets staged in rounds: views of the pool, plus the copies still to make (trainer).
-
-    ``start_background_copy`` starts the copy thread (the later rounds' :class:`CopyJob`)
-    once the request is with its writer; ``finish_staging`` waits for it (bounded).
-    Pickled, only the buckets travel.
-    """
-
-    def __init__(self, buckets, gate: StagingGate, plan: RoundPlan, job: CopyJob,
-                 timeout_s: float):
-        super().__init__(buckets)
-        self.gate = gate
-        self.plan = plan
-        self._job = job
-        self._timeout_s = timeout_s
-        self._thread: Optional[threading.Thread] = None
-
-    def start_background_copy(self) -> None:
-        if self._job.copies and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._job.run, name="megatron-async-rounds", daemon=True
-            )
-            self._thread.start()
-
-    def finish_staging(self) -> None:
-        """Trainer: wait until every item is in the pool, or the copy failed.
-
-        The copy thread bounds each of its waits for the writer; this join gives up (and
-        fails the save) only if the thread copied nothing for longer than that bound."""
-        join_copy_thread(self._thread, self.gate, self._job.progress, self._timeout_s)
-
-    def join_copy(self, timeout_s: float) -> bool:
-        """Trainer: wait (bounded) for the copy thread; whether it has ended."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
-
-    def __reduce__(self):
-        return (StagedBuckets, (list(self),))
-
-
-def join_copy_thread(
-    thread: Optional[threading.Thread], gate: StagingGate, progress: Callable[[], int],
+def stage_in_rounds(
+    buckets: Sequence[WriteBucket],
+    pool: torch.Tensor,
+    budget: int,
+    gate: StagingGate,
     timeout_s: float,
-) -> None:
-    """Trainer: join a rounds copy thread; while it copies nothing for ``timeout_s`` (plus
-    a grace period for its own bound to fire first), fail the save and stop waiting."""
-    if thread is None:
-        return
-    last = progress()
-    while True:
-        thread.join(timeout_s + 5.0)
-        if not thread.is_alive():
-            return
-        if progress() == last:
-            message = (
-                f"staging in rounds copied nothing for {timeout_s:.0f}s; the save fails "
-                "(the copy thread is stuck)"
-            )
-            logger.error(message)
-            gate.fail(message)
-            return
-        last = progress()
+    overlapped: bool = False,
+) -> StagedBuckets:
+    """Give every item of ``buckets`` its place in ``pool`` and copy the first round
+    (trainer, ``preload_fn``); the later rounds are the result's ``copy_job``.
 
-
-def version_of(source: torch.Tensor) -> Optional[int]:
-    """The version counter of ``source``; None for an inference tensor (it has none)."""
-    try:
-        return source._version
-    except RuntimeError:
-        return None
-
-
-def place_in_pool(
-    buckets: Sequence[WriteBucket], pool: torch.Tensor, budget: int, gate: StagingGate
-) -> Tuple[RoundPlan, List[WriteBucket], List[tuple]]:
-    """Plan the ring and give every item its view of ``pool``, copying nothing (trainer).
-
-    Marks the gate *in rounds* and empty items copied. Returns the plan, the
-    staged buckets (views of the pool) and, in the writer's order, ``(index, name,
-    source, buffer, version at scheduling)`` of every item still to copy.
+    Args:
+        buckets: the planned buckets (tensors anywhere).
+        pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
+            sources by its owner).
+        budget: the most pool bytes to use.
+        gate: the save's gate, one word per tensor item of ``buckets``; marked *in rounds*.
+        timeout_s: bound on every wait for the writer.
+        overlapped: copy nothing now: every round is the copy thread's, and scheduling
+            does not wait for it (the next optimizer step does).
 
     Raises:
         StagingMemoryError: a single tensor is larger than ``budget``.
@@ -248,61 +185,54 @@ def place_in_pool(
         budget,
     )
     gate.start_rounds()
-    to_copy: List[tuple] = []
+    items: List[tuple] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]
     for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
         if offset is None:
             buffer = torch.empty(source.shape, dtype=source.dtype)
-            gate.mark_copied(idx)
         else:
             buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            to_copy.append((idx, item.index.fqn, source, buffer, version_of(source)))
+            items.append((idx, item.index.fqn, source, buffer, watch(source)))
         staged_tensors[b_idx].append((item, buffer))
-    staged = [
+    staged = StagedBuckets(
         WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
         for bucket, tensors in zip(buckets, staged_tensors)
-    ]
-    return plan, staged, to_copy
+    )
+    what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
+                    else ("staging in rounds", _ADVICE))
+    staged.plan, staged.scheduling_waits = plan, not overlapped
+    staged.copy_job = copy_first_round(gate, plan, items, pool, overlapped, timeout_s, what, advice)
+    gate.mark_staged()  # the writer waits on the gate for each item instead
+    return staged
 
 
-def stage_in_rounds(
-    buckets: Sequence[WriteBucket],
-    pool: torch.Tensor,
-    budget: int,
-    gate: StagingGate,
-    timeout_s: float,
-) -> RoundsStaged:
-    """Place ``buckets``' tensors in ``pool`` and copy the first round (trainer, ``preload_fn``).
+def copy_first_round(
+    gate: StagingGate, plan: RoundPlan, items: List[tuple], pool: torch.Tensor,
+    overlapped: bool, timeout_s: float, what: str, advice: str,
+) -> CopyJob:
+    """Copy now the items that overwrite nothing (none when ``overlapped``), mark them and
+    the empty items copied, and return the job of the rest (trainer, ``preload_fn``).
 
-    Args:
-        buckets: the planned buckets (tensors anywhere).
-        pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
-            sources by its owner).
-        budget: the most pool bytes to use.
-        gate: the save's gate, one word per tensor item of ``buckets``.
-        timeout_s: bound on every wait for the writer.
-
-    Raises:
-        StagingMemoryError: a single tensor is larger than ``budget``.
+    ``items``: ``(gate index, name, source, buffer in pool, watched)`` of every non-empty
+    item, in the writer's order; ``what`` and ``advice`` name the mode in messages.
     """
-    plan, staged, to_copy = place_in_pool(buckets, pool, budget, gate)
-    first = [entry for entry in to_copy if not plan.waits_for[entry[0]]]
-    for _, _, source, buffer, _ in first:
+    now = [] if overlapped else [entry for entry in items if not plan.waits_for[entry[0]]]
+    for _, _, source, buffer, _ in now:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([source for _, _, source, _, _ in first], holding=pool)
-    for entry in first:
-        gate.mark_copied(entry[0])
-    remaining = [entry for entry in to_copy if plan.waits_for[entry[0]]]
+    synchronize_if_cuda([entry[2] for entry in now], holding=pool)
+    for idx, offset in enumerate(plan.offsets):
+        if offset is None or not (overlapped or plan.waits_for[idx]):
+            gate.mark_copied(idx)
+    later = [entry for entry in items if overlapped or plan.waits_for[entry[0]]]
     logger.debug(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
-        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(remaining),
+        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(later),
     )
-    job = CopyJob(
-        gate, [entry[1:] for entry in remaining], get_rank(),
-        indices=[entry[0] for entry in remaining], waits_for=plan.waits_for,
-        timeout_s=timeout_s, what="staging in rounds", advice=_ADVICE,
+    return CopyJob(
+        gate, [entry[1:] for entry in later], coordination.get_rank(),
+        indices=[entry[0] for entry in later], waits_for=plan.waits_for,
+        timeout_s=timeout_s, what=what, advice=advice,
     )
-    return RoundsStaged(staged, gate, plan, job, timeout_s)
 
 
 class RoundItems(list):

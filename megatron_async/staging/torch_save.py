@@ -14,7 +14,7 @@ Runs in the trainer, in the ``preload_fn`` of
   share one budget; by default one copy of the object's storages). A save that fits is
   copied in one go into a segment of its own; a larger one in rounds through the
   ledger's pool, placed by :func:`~megatron_async.staging.rounds.plan_rounds`: the writer
-  writes record by record and marks each written, and a trainer thread copies a storage
+  writes record by record and marks each written, and the copy thread copies a storage
   once the writer wrote the storages whose bytes it overwrites. Scheduling returns once
   every storage is copied (``finish_staging``); a tensor changed in place before its copy
   fails the save (``StagingRaceError``), as staging in rounds does for torch_dist saves.
@@ -30,23 +30,23 @@ import io
 import logging
 import pickle
 import sys
-import threading
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.serialization import location_tag, normalize_storage_type
 
 from megatron_async.core import shared_memory
-from megatron_async.errors import CheckpointValidationError, StagingRaceError
+from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import resolve_budget, staging_ledger
-from megatron_async.staging.rounds import RoundPlan, join_copy_thread, plan_rounds
-from megatron_async.staging.gate import StagingGate, wait_for_room
-from megatron_async.staging.snapshot import synchronize_if_cuda
+from megatron_async.staging.copy_job import LateCopy, watch
+from megatron_async.staging.rounds import copy_first_round, plan_rounds
+from megatron_async.staging.gate import StagingGate
 
 __all__ = ["TorchSaveStaged", "pickle_like_torch_save", "stage_torch_save"]
 
 logger = logging.getLogger(__name__)
+
+_ADVICE = "Do not change saved tensors until async_save returns, or raise staging_memory_limit"
 
 _FORMAT_VERSION = b"1"
 """The ``.format_version`` record ``torch.save`` writes (storages numbered in order)."""
@@ -128,15 +128,18 @@ def pickle_like_torch_save(
     return buffer.getvalue(), storages
 
 
-class TorchSaveStaged:
+class TorchSaveStaged(LateCopy):
     """The records of one ``torch.save`` file, staged (trainer builds it, the writer reads it).
 
     ``header``: ``(name, bytes)`` records written first (``data.pkl`` and the format
     records); ``records``: ``(name, byte offset in buffer or None when empty, num_bytes)``
     per storage, in order; ``buffer``: the shared-memory segment holding them; ``gate``:
-    the save's gate (item ``i`` is ``records[i]``). Pickled (to the persistent
-    worker), only these travel: the copy thread and the budget hold stay with the trainer.
+    the save's gate (item ``i`` is ``records[i]``). In rounds, the later rounds' copies
+    (:class:`~.copy_job.LateCopy`), which scheduling waits for. Pickled (to the persistent
+    worker), only these travel: the copy job and the budget hold stay with the trainer.
     """
+
+    scheduling_waits = True
 
     def __init__(self, header, records, buffer, gate: StagingGate, alignment: int, crc32: bool):
         self.header: List[Tuple[str, bytes]] = header
@@ -146,109 +149,30 @@ class TorchSaveStaged:
         self.alignment = alignment
         self.crc32 = crc32
         self.rounds = 1
-        self._later: List[tuple] = []  # trainer: (index, entry, versions) left to copy
-        self._plan: Optional[RoundPlan] = None
-        self._names: Dict[str, str] = {}
-        self._timeout_s = 0.0
-        self._thread: Optional[threading.Thread] = None
-        self._hold: Any = None
-        self._copied = 0
 
     def __reduce__(self):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def start_background_copy(self) -> None:
-        """Trainer, once the writer has the request: copy the later rounds beside it."""
-        if self._later and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._copy_later, name="megatron-async-torch-save-rounds", daemon=True
-            )
-            self._thread.start()
-
-    def finish_staging(self) -> None:
-        """Trainer: wait until every storage is copied, or the copy failed (bounded by its
-        progress, :func:`~megatron_async.staging.rounds.join_copy_thread`)."""
-        join_copy_thread(self._thread, self.gate, lambda: self._copied, self._timeout_s)
-
-    def join_copy(self, timeout_s: float) -> bool:
-        """Trainer: wait (bounded) for the copy thread; whether it has ended."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
-
-    def record_writer(self, pid: int) -> None:
-        """Trainer, at the hand-over: the process that reads the staged bytes."""
-        self.gate.record_writer(pid)
-
     def release(self) -> None:
-        """Trainer: the writer is done with the staged bytes; stop holding them."""
-        if self._hold is not None:
-            self._hold.end()
-            self._hold = None
+        """Trainer: the writer is done with the staged bytes (the budget's hold, tied to
+        this object, ends with it)."""
         self.buffer = None  # a segment of this save alone is freed here
 
-    def _copy_later(self) -> None:
-        gate, plan, buffer = self.gate, self._plan, self.buffer
-        try:
-            for idx, entry, versions in self._later:
-                if not wait_for_room(
-                    gate, plan.waits_for[idx], self._timeout_s,
-                    f"the background writer freed no staging memory for "
-                    f"{self._timeout_s:.0f}s (torch.save staged in rounds); it is stuck",
-                ):
-                    return  # the writer stopped reading (it failed): its error fails the save
-                name = self._names.get(entry.key, f"data/{entry.key}")
-                _check_versions(name, versions)
-                synchronize_if_cuda([_copy_storage(entry, buffer, plan.offsets[idx])], holding=buffer)
-                _check_versions(name, versions)
-                gate.mark_copied(idx)
-                self._copied += 1
-        except BaseException as exc:  # the writer raises it; the save fails
-            logger.error("staging a torch.save file in rounds failed: %s", exc)
-            gate.fail(str(exc))
-        finally:
-            self._later = []
 
+def _storage_copy(entry: _SavedStorage, buffer: torch.Tensor, offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(source, target)``: one storage's bytes and their place in ``buffer`` at ``offset``,
+    viewed in the widest elements the size allows (trainer).
 
-def _versions(entry: _SavedStorage) -> List[Tuple[torch.Tensor, int]]:
-    found = []
-    for tensor in entry.tensors:
-        try:
-            found.append((tensor, tensor._version))
-        except RuntimeError:  # an inference tensor keeps no version counter
-            pass
-    return found
-
-
-def _check_versions(name: str, versions: List[Tuple[torch.Tensor, int]]) -> None:
-    for tensor, version in versions:
-        if tensor._version != version:
-            raise StagingRaceError(
-                f"saved tensor {name!r} was modified in place (version {version} -> "
-                f"{tensor._version}) before staging in rounds had copied it, so the file "
-                "would mix two training steps and the save fails. Do not change saved "
-                "tensors until async_save returns, or raise staging_memory_limit"
-            )
-
-
-def _copy_storage(entry: _SavedStorage, buffer: torch.Tensor, offset: int) -> torch.Tensor:
-    """Start copying one storage's bytes into ``buffer`` at ``offset`` (trainer).
-
-    Returns the source, for :func:`synchronize_if_cuda` (a device copy does not block).
-    """
+    A byte-wise copy of a large storage has 8x the elements, which torch splits over its
+    thread pool much sooner (slow when busy)."""
     storage = entry.storage
     source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     target = buffer[offset : offset + entry.num_bytes]
-    # Copied in the widest elements the size allows: a byte-wise copy of a large storage has
-    # 8x the elements, which torch splits over its thread pool much sooner (slow when busy).
     for dtype in (torch.int64, torch.int32, torch.int16):
         if entry.num_bytes % dtype.itemsize == 0 and source.data_ptr() % dtype.itemsize == 0:
-            source, target = source.view(dtype), target.view(dtype)
-            break
-    target.copy_(source, non_blocking=source.device.type == "cuda")
-    return source
+            return source.view(dtype), target.view(dtype)
+    return source, target
 
 
 def _storage_alignment() -> int:
@@ -327,25 +251,18 @@ def stage_torch_save(
             buffer = None
         staged = TorchSaveStaged(header, records, buffer, gate, alignment,
                                  torch.serialization.get_crc32_options())
-        copied = []
-        for idx, (entry, offset) in enumerate(zip(storages, plan.offsets)):
-            if offset is not None and plan.waits_for[idx]:
-                staged._later.append((idx, entry, _versions(entry)))
-            elif offset is not None:
-                copied.append(_copy_storage(entry, buffer, offset))
-        synchronize_if_cuda(copied, holding=buffer)
-        for idx in range(len(storages)):
-            if not plan.waits_for[idx]:
-                gate.mark_copied(idx)
+        items = [
+            (idx, name, *_storage_copy(entry, buffer, offset), watch(*entry.tensors))
+            for idx, (entry, offset, name) in enumerate(zip(storages, plan.offsets, names))
+            if offset is not None
+        ]
+        staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
+                                           "torch.save staging in rounds", _ADVICE)
     except BaseException:
         hold.end()
         raise
-    staged.rounds, staged._plan, staged._timeout_s = plan.rounds, plan, timeout_s
-    staged._names = {e.key: n for e, n in zip(storages, names)}
-    staged._hold = hold
-    hold.staged = weakref.ref(staged)
-    if in_rounds:
-        ledger.add_pool_user(staged)
+    staged.rounds = plan.rounds
+    hold.tie_to(staged)
     stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
     if in_rounds:
         logger.info(

@@ -2,15 +2,9 @@
 
 :meth:`~megatron_async.writer.filesystem.FileSystemWriterAsync.get_save_function_and_args`
 binds the write path (the background writer's ``save_fn``); :func:`with_staging_step`
-chooses how the data reaches it, once per save, in the trainer:
-
-* plain staging (:func:`~megatron_async.staging.buffers.preload_tensors`);
-* or, with ``overlap_staging``, the copy on a trainer thread after scheduling
-  (:mod:`megatron_async.staging.overlapped`);
-
-and wraps either in the staging memory budget
-(:func:`~megatron_async.staging.budget.budgeted_preload`): rounds when the state is larger
-than the budget, a wait for an earlier save's memory instead of a second copy.
+puts the save's stager (:class:`~megatron_async.staging.stager.BucketStager`: within the
+staging memory budget, in one round or in rounds, copied now or, with
+``overlap_staging``, on the copy thread after scheduling) in front of it.
 """
 
 from __future__ import annotations
@@ -18,12 +12,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, List, Optional, Tuple
 
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import coordination
-from megatron_async.staging.budget import budgeted_preload
 from megatron_async.staging.buffers import StagingBufferCache
-from megatron_async.staging.overlapped import overlapped_save_functions
-from megatron_async.staging.gate import StagingGate
-from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
+from megatron_async.staging.stager import BucketStager
 from megatron_async.writer.write_paths import bind_supported
 
 __all__ = ["with_staging_step"]
@@ -62,22 +55,19 @@ def with_staging_step(
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
 
     Returns:
-        ``save_fn`` (wrapped for overlapped staging), the budgeted ``preload_fn``, and
+        ``save_fn`` (wrapped for overlapped staging), the stager's ``stage``, and
         ``args`` (``[rank, None, results_queue]``; the caller puts the staged buckets
         in ``args[1]``).
     """
-    rounds = "staging_control" in save_fn.keywords
-    if overlap_staging:  # above the budget: rounds copied by the copy thread
-        save_fn, preload_fn, args, overlapped = overlapped_save_functions(
-            save_fn, resolved_plan_data, staging_cache, results_queue, gate
-        )
-    else:
-        preload_fn = bind_supported(
+    identifier, _ = unpack_resolved_plan_data(resolved_plan_data)
+    stager = BucketStager(
+        gate, write_buckets, limit=memory_limit, overlapped=overlap_staging,
+        cache=staging_cache, cache_key=identifier.key if identifier is not None else None,
+        stage_one_go=bind_supported(
             preload_tensors, (resolved_plan_data, True), staging_cache=staging_cache
-        )
-        args, overlapped = [coordination.get_rank(), None, results_queue], None
-    preload_fn = budgeted_preload(
-        gate, preload_fn, write_buckets, memory_limit,
-        staging_cache, overlapped, stats, rounds=rounds,
+        ),
+        rounds_allowed="staging_control" in save_fn.keywords, stats=stats,
     )
-    return save_fn, preload_fn, args
+    if overlap_staging:  # the writer waits for the copy thread before it writes a byte
+        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
+    return save_fn, stager.stage, [coordination.get_rank(), None, results_queue]

@@ -2,7 +2,6 @@
 and a saved tensor changed before its copy fails the save instead of tearing it."""
 
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from megatron_async.staging.gate import StagingGate, write_after_staging
 from megatron_async.staging.overlapped import (
     copies_held,
     refuse_overlap_param_gather,
-    stage_buckets_overlapped,
     staging_in_progress,
     wait_for_staging,
 )
+from megatron_async.staging.stager import BucketStager
 from megatron_async.buckets.layout import WriteBucket
 
 
@@ -39,6 +38,12 @@ def _buckets(tensors):
         for i, t in enumerate(tensors)
     ]
     return [WriteBucket("/nonexistent/file.distcp", "file.distcp", ([], items))]
+
+
+def _stage_overlapped(gate, tensors, cache_key=None, cache=None):
+    """The request's ``preload_fn`` of an overlapped save, run as our callers run it."""
+    return run_preload(BucketStager(gate, _buckets(tensors), overlapped=True, cache=cache,
+                                    cache_key=cache_key).stage)
 
 
 def _staged_values(staged):
@@ -63,7 +68,7 @@ def test_gate_reports_success_and_failure_with_the_message():
 def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
     tensors = [torch.full((1000,), float(i), device=device) for i in range(3)]
     gate = StagingGate()
-    staged = run_preload(partial(stage_buckets_overlapped, gate, 0, _buckets(tensors), True, "k", StagingBufferCache()))
+    staged = _stage_overlapped(gate, tensors, "k", StagingBufferCache())
     assert not staging_in_progress()
     assert all(not torch.equal(b, t.cpu()) for b, t in zip(_staged_values(staged), tensors)
                if t.abs().sum() > 0)
@@ -84,7 +89,7 @@ def test_optimizer_step_waits_for_the_copy(device):
     optimizer = torch.optim.SGD(params, lr=1.0)
     params[0].grad = torch.ones(5000, device=device)
     gate = StagingGate()
-    staged = run_preload(partial(stage_buckets_overlapped, gate, 0, _buckets([params[0].detach()]), True, None, None))
+    staged = _stage_overlapped(gate, [params[0].detach()])
     with copies_held():
         staged.start_background_copy()
         assert staging_in_progress()
@@ -95,10 +100,13 @@ def test_optimizer_step_waits_for_the_copy(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device):
+def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device, monkeypatch):
+    from megatron_async.core import coordination
+
+    monkeypatch.setattr(coordination, "get_rank", lambda: 3)
     tensors = [torch.zeros(100, device=device), torch.zeros(100, device=device)]
     gate = StagingGate()
-    staged = run_preload(partial(stage_buckets_overlapped, gate, 3, _buckets(tensors), True, None, None))
+    staged = _stage_overlapped(gate, tensors)
     with copies_held():
         staged.start_background_copy()
         tensors[1].add_(1)  # no wait: an unguarded in-place update
@@ -137,8 +145,7 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
 
     assert not segments_outlive_a_bounded_wait(), "an earlier test left a staging segment alive"
     cache = StagingBufferCache()
-    staged = run_preload(partial(stage_buckets_overlapped, StagingGate(), 0, _buckets([torch.arange(6.0)]),
-                                      staging_key="leak-check", staging_cache=cache))
+    staged = _stage_overlapped(StagingGate(), [torch.arange(6.0)], "leak-check", cache)
     staged.start_background_copy()
     wait_for_staging(timeout_s=30.0)
     staged.release()
@@ -147,7 +154,18 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
     assert not segments_outlive_a_bounded_wait()
 
 
+def test_an_inference_tensor_is_staged_overlapped_without_a_version_check():
+    with torch.inference_mode():
+        tensor = torch.arange(8.0)  # keeps no version counter
+    gate = StagingGate()
+    staged = _stage_overlapped(gate, [tensor])
+    staged.start_background_copy()
+    wait_for_staging(timeout_s=60)
+    gate.wait_staged(timeout_s=1.0)
+    assert torch.equal(_staged_values(staged)[0], tensor)
+
+
 def test_overlapped_staging_outside_our_callers_is_refused():
     with pytest.raises(StagingHandOverError, match="without overlap_staging"):
-        stage_buckets_overlapped(StagingGate(), 0, _buckets([torch.ones(4)]), True, None, None)
+        BucketStager(StagingGate(), _buckets([torch.ones(4)]), overlapped=True).stage()
     assert not staging_in_progress()

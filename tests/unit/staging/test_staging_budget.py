@@ -22,6 +22,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
 from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.stager import BucketStager
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from tests.unit.staging.test_overlapped_staging import _buckets
@@ -171,30 +172,26 @@ def test_a_refused_save_leaves_nothing_held(tmp_path):
 
 
 def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
-    from megatron_async.staging.budget import stage_within_budget
-
     buckets = _buckets([torch.ones(1024), torch.ones(1024)])  # 8 KiB, budget 4 KiB
     held = staging_ledger().held_bytes()
     with pytest.raises(StagingHandOverError, match="at least 8192 bytes"):
-        stage_within_budget(StagingGate(2), buckets, 4096, None, 5.0, list, None, {})
+        BucketStager(StagingGate(2), buckets, limit=4096, stage_one_go=list, timeout_s=5.0).stage()
     assert staging_ledger().held_bytes() == held
     stats = {}
-    staged = stage_within_budget(StagingGate(2), buckets, 8192, None, 5.0, _StagedList, None, stats)
+    staged = BucketStager(StagingGate(2), buckets, limit=8192, stage_one_go=_StagedList,
+                          stats=stats, timeout_s=5.0).stage()
     assert stats["rounds"] == 1  # within the budget any caller may stage
     staged.release()
     assert staging_ledger().held_bytes() == held
 
 
 def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path):
-    from megatron_async.staging.budget import stage_within_budget
-
     buckets = _buckets([torch.ones(256)])
     ledger = staging_ledger()
     held = ledger.held_bytes()
     stats = {}
-    staged = stage_within_budget(
-        StagingGate(1), buckets, None, None, 5.0, lambda: _StagedList(), False, stats
-    )
+    staged = BucketStager(StagingGate(1), buckets, stage_one_go=_StagedList, stats=stats,
+                          timeout_s=5.0).stage()
     assert stats == {"rounds": 1, "peak_bytes": 1024}
     assert ledger.held_bytes() == held + 1024  # no writer ran: still held
     staged.release()  # as a caller does once it killed a hung writer
@@ -223,15 +220,10 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
 # -- overlapped staging above the budget: every round copied by the copy thread ------------
 
 
-def _overlapped_rounds(tensors, pool_bytes, rank=0):
-    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
-
+def _overlapped_rounds(tensors, pool_bytes):
     gate = StagingGate(len(tensors))
-    pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    staged = stage_in_rounds_overlapped(
-        rank, _buckets(tensors), pool, pool_bytes, gate, timeout_s=60.0
-    )
-    return staged, gate
+    stager = BucketStager(gate, _buckets(tensors), limit=pool_bytes, overlapped=True, timeout_s=60.0)
+    return run_preload(stager.stage), gate
 
 
 def _drain_in_thread(gate, staged):
@@ -300,11 +292,13 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
 
 
 @pytest.mark.timeout(60)
-def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_naming_it():
+def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_naming_it(monkeypatch):
+    from megatron_async.core import coordination
     from megatron_async.staging.overlapped import copies_held, wait_for_staging
 
+    monkeypatch.setattr(coordination, "get_rank", lambda: 3)
     tensors = _tensors(count=4, numel=1024)
-    staged, gate = _overlapped_rounds(tensors, 8192, rank=3)
+    staged, gate = _overlapped_rounds(tensors, 8192)
     with copies_held():
         staged.start_background_copy()
         tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
@@ -398,13 +392,11 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     import multiprocessing
 
     from megatron_async.core.request import start_background_copy
-    from megatron_async.staging.budget import stage_within_budget
 
     tensors = _tensors(count=4, numel=1024)
     gate = StagingGate(len(tensors))
     held = staging_ledger().held_bytes()
-    staged = run_preload(lambda: stage_within_budget(
-        gate, _buckets(tensors), 8192, None, 30.0, list, None, {}))
+    staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, timeout_s=30.0).stage)
     writer = multiprocessing.get_context("fork").Process(target=lambda: None)  # dies at once
     writer.start()
     writer.join(10)
@@ -417,38 +409,30 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 
 
 @pytest.mark.timeout(60)
-def test_the_pool_is_reused_only_after_the_earlier_copy_thread_ended():
+def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
+    from megatron_async.staging.copy_job import CopyJob, copies_held, submit_copy, watch
+    from megatron_async.staging.overlapped import wait_for_staging
+
     ledger = staging_ledger()
-
-    class _StillCopying:
-        joined = []
-
-        def join_copy(self, timeout_s):
-            self.joined.append(timeout_s)
-            return False
-
-    user = _StillCopying()
-    ledger.add_pool_user(user)
-    with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
-        ledger.pool(4096, pinned=False, timeout_s=0.1)
-    assert user.joined
-    del user
+    source, buffer = torch.ones(16), torch.zeros(16)
+    with copies_held():  # an earlier save's copy that has not run yet
+        submit_copy(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
+        with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
+            ledger.pool(4096, pinned=False, timeout_s=0.1)
+    wait_for_staging(timeout_s=30.0)
+    assert torch.equal(buffer, source)
     assert ledger.pool(4096, pinned=False, timeout_s=0.1).numel() == 4096
     ledger.drop_pool()
 
 
 @pytest.mark.timeout(60)
 def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
-    from megatron_async.staging.budget import stage_within_budget
     from megatron_async.staging.overlapped import wait_for_staging
-    from megatron_async.staging.overlapped import stage_in_rounds_overlapped
-    from functools import partial
 
     tensors = _tensors(count=4, numel=1024)
     gate = StagingGate(len(tensors))
-    staged = run_preload(lambda: stage_within_budget(
-        gate, _buckets(tensors), 8192, None, 30.0, list,
-        partial(stage_in_rounds_overlapped, 0), {}))
+    staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, overlapped=True,
+                                      timeout_s=30.0).stage)
     gate.mark_done()  # its writer is done; the staged data is still referenced here
     staged.start_background_copy()
     wait_for_staging(timeout_s=30.0)

@@ -1,0 +1,176 @@
+"""The stager of a writer's save: every staging mode as one pipeline (trainer, every rank).
+
+:class:`BucketStager` is built once per save by the writer
+(:func:`~megatron_async.writer.staging_step.with_staging_step`); its :meth:`~BucketStager.stage`
+is the request's ``preload_fn``. Every save goes the same way: reserve the save's staging
+memory in the budget's ledger (:mod:`.budget`), give every tensor a host buffer, copy,
+and hand the staged buckets to the writer. Two choices differ, each made once per save:
+
+* **where the buffers come from**: a state within the budget is one round, staged into
+  its bucket layout's cached buffers (:mod:`.buffers`; a warm save is one ``torch.cat``
+  per bucket); a larger one goes in rounds through the budget's pool (:mod:`.rounds`);
+* **who copies**: the training thread, before scheduling returns (in rounds, the first
+  round; the copy thread copies the rest while the writer drains the pool, and
+  scheduling waits for it); or, with overlapped staging, the copy thread alone after the
+  hand-over, while training goes on, the next optimizer step waiting for it
+  (:mod:`.overlapped`).
+
+The copies left after the hand-over travel with the staged buckets as a
+:class:`~.copy_job.CopyJob` (:class:`~.copy_job.LateCopy`): our callers start it once the
+request is with its writer and, where scheduling waits, wait for it; the one gate between
+stager and writer (:mod:`.gate`) carries the rest.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
+
+from megatron_async.buckets.layout import WriteBucket
+from megatron_async.core import coordination
+from megatron_async.core.hand_over import require_hand_over
+from megatron_async.errors import StagingMemoryError
+from megatron_async.staging.budget import (
+    DEFAULT_STAGING_MEMORY_WAIT_S,
+    resolve_budget,
+    staging_ledger,
+)
+from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache, stage_buckets
+from megatron_async.staging.copy_job import CopyJob, watch
+from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.overlapped import install_optimizer_hook, wait_for_staging
+from megatron_async.staging.rounds import check_fits, stage_in_rounds
+
+__all__ = ["BucketStager"]
+
+_SECOND = operator.itemgetter(1)
+_NBYTES = operator.attrgetter("nbytes")
+_IS_CUDA = operator.attrgetter("is_cuda")
+
+
+def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
+    """The bytes of the buckets' tensors and whether any is on CUDA (``map``: every save
+    of thousands of tensors runs this on the training thread)."""
+    total, cuda = 0, False
+    for bucket in buckets:
+        tensors = list(map(_SECOND, bucket.data[1]))
+        total += sum(map(_NBYTES, tensors))
+        cuda = cuda or any(map(_IS_CUDA, tensors))
+    return total, cuda
+
+
+class BucketStager:
+    """Stages one save's write buckets within the staging budget (trainer, every rank).
+
+    Args:
+        gate: the save's gate, one word per tensor item of ``buckets`` (also bound to the
+            write path, which takes items in rounds and marks it done).
+        buckets: the save's planned buckets.
+        limit: the ``staging_memory_limit`` (None: one copy of the state).
+        overlapped: copy on the copy thread after the hand-over (``overlap_staging``).
+        cache: the trainer's reusable staging buffers (the default cache when None).
+        cache_key: the bucket layout's key in ``cache`` (None: fresh buffers).
+        stage_one_go: the writer's own staging of a state within the budget without
+            overlap (a subclass's ``preload_tensors``); None stages into ``cache``.
+        rounds_allowed: False when the write path cannot take items in rounds (an
+            override with the reference signature): a state above the budget is refused.
+        stats: receives ``rounds`` and ``peak_bytes`` of each save.
+        timeout_s: bound on the wait for an earlier save's memory or copy, and on each
+            wait for the writer in rounds.
+    """
+
+    def __init__(
+        self,
+        gate: StagingGate,
+        buckets: Sequence[WriteBucket],
+        *,
+        limit: Any = None,
+        overlapped: bool = False,
+        cache: Optional[StagingBufferCache] = None,
+        cache_key: Optional[Hashable] = None,
+        stage_one_go: Optional[Callable[[], Any]] = None,
+        rounds_allowed: bool = True,
+        stats: Optional[dict] = None,
+        timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S,
+    ):
+        self.gate = gate
+        self.buckets = buckets
+        self.limit = limit
+        self.overlapped = overlapped
+        self.cache = cache  # None: the default cache, looked up when staging (so this pickles)
+        self.cache_key = cache_key
+        self.stage_one_go = stage_one_go
+        self.rounds_allowed = rounds_allowed
+        self.stats = stats if stats is not None else {}
+        self.timeout_s = timeout_s
+
+    def stage(self) -> Any:
+        """Stage the buckets and return the staged data (trainer, the request's ``preload_fn``).
+
+        Raises:
+            StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
+                free the memory in time, or the write path cannot take items in rounds;
+                nothing was staged.
+            StagingHandOverError: the staging continues after the hand-over (overlapped,
+                or in rounds) but another library's caller runs this ``preload_fn``.
+        """
+        state_bytes, cuda = _state_sizes(self.buckets)
+        budget = resolve_budget(self.limit, state_bytes)
+        in_rounds = state_bytes > budget
+        if in_rounds:
+            self._refuse_rounds_it_cannot_do(state_bytes, budget)
+        if self.overlapped:
+            require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
+            wait_for_staging(self.timeout_s)  # copies run one save at a time, in order
+            install_optimizer_hook()
+        cache = self.cache if self.cache is not None else default_staging_cache()
+        if in_rounds:
+            cache.clear()  # the idle buffers of saves in one round
+        ledger = staging_ledger()
+        hold = ledger.reserve(budget if in_rounds else state_bytes, budget, self.gate, self.timeout_s)
+        try:
+            if in_rounds:
+                pool = ledger.pool(budget, pinned=cuda, timeout_s=self.timeout_s)
+                staged = stage_in_rounds(
+                    self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped
+                )
+                rounds, peak_bytes = staged.plan.rounds, staged.plan.pool_bytes
+            else:
+                staged = self._stage_one_round(cache)
+                rounds, peak_bytes = 1, state_bytes
+        except BaseException:
+            hold.end()
+            raise
+        hold.tie_to(staged)
+        self.stats.update(rounds=rounds, peak_bytes=peak_bytes)
+        return staged
+
+    def _stage_one_round(self, cache: StagingBufferCache) -> Any:
+        """A state within the budget: its layout's buffers, copied now or by the copy thread."""
+        if not self.overlapped:
+            if self.stage_one_go is not None:
+                return self.stage_one_go()
+            return stage_buckets(self.buckets, True, self.cache_key, cache)
+        staged = stage_buckets(self.buckets, True, self.cache_key, cache, copy_now=False)
+        copies = [(item.index.fqn, source, buffer, watch(source))
+                  for item, source, buffer in staged.uncopied]
+        staged.uncopied = []
+        staged.copy_job = CopyJob(self.gate, copies, coordination.get_rank())
+        return staged
+
+    def _refuse_rounds_it_cannot_do(self, state_bytes: int, budget: int) -> None:
+        """Refuse rounds before anything is held or staged: a write path that cannot take
+        them, a tensor larger than the budget, or a caller that does not hand over."""
+        if not self.rounds_allowed:
+            raise StagingMemoryError(
+                f"this rank's state ({state_bytes} bytes) is larger than the "
+                f"staging_memory_limit ({budget} bytes); this writer's write path (an override "
+                "without staging_control) cannot take items in rounds. Accept staging_control "
+                "in the override, or raise staging_memory_limit to at least the state"
+            )
+        check_fits(self.buckets, budget)
+        require_hand_over(
+            f"staging this rank's state ({state_bytes} bytes) in rounds through the "
+            f"staging_memory_limit ({budget} bytes)",
+            f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
+        )
