@@ -31,6 +31,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from megatron_async.core import shared_memory
+from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.core.coordination import local_world_size
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.copy_job import stalled_copy
@@ -46,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STAGING_MEMORY_WAIT_S = 600.0
+DEFAULT_STAGING_MEMORY_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
 """Bound on a save's wait for staging memory held by an earlier save, and on each wait
 for the writer while staging in rounds."""
 

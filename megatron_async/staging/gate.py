@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_async.core import shared_memory
+from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import (
     AsyncTimeoutError,
     StagingRaceError,
@@ -54,7 +55,7 @@ __all__ = [
     "write_after_staging",
 ]
 
-DEFAULT_STAGING_WAIT_S = 600.0
+DEFAULT_STAGING_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
 """Bound on every wait for an overlapped copy (trainer and background writer)."""
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
