@@ -13,19 +13,33 @@ item by item.
 The digest is of the items' ``repr`` (fqn, offsets, sizes, tensor properties, global
 size, type): deterministic across processes. A change of its rules changes
 ``_DIGEST_KEY``, so a checkpoint digested otherwise is simply not reused.
+:func:`verify_global_md_reuse` is the comparison, agreed on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import operator
 from typing import Any, List, Optional, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.utils import _DistWrapper
 
-__all__ = ["PLAN_DIGESTS_ATTR", "attach_plan_digests", "loaded_plans", "plan_digest", "same_plan"]
+from megatron_async.core import coordination
+
+__all__ = [
+    "PLAN_DIGESTS_ATTR",
+    "attach_plan_digests",
+    "loaded_plans",
+    "plan_digest",
+    "same_plan",
+    "verify_global_md_reuse",
+]
+
+logger = logging.getLogger(__name__)
 
 PLAN_DIGESTS_ATTR = "megatron_async_plan_digests"
 """Attribute of the metadata: ``[bytes]``, one digest per rank, in rank order."""
@@ -113,3 +127,41 @@ def same_plan(plan: SavePlan, loaded: Any) -> bool:
         for field in dataclasses.fields(plan)
         if field.name != "storage_data"
     )
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: Optional[Sequence[SavePlan]],
+    local_plan: SavePlan,
+    rank: int,
+    dist_wrapper: _DistWrapper,
+) -> bool:
+    """Tell whether a loaded checkpoint's metadata fits this save on every rank.
+
+    Runs on every rank and always costs one all-reduce (so that ranks with and without
+    loaded plans stay in step). A rank agrees when the loaded plans are from a job of
+    the same size and its own entry equals ``local_plan`` apart from the storage data.
+
+    Args:
+        loaded_all_plans: what the loaded metadata says of every rank's plan
+            (:func:`~megatron_async.saver.plan_digests.loaded_plans`: digests, or the
+            ``all_local_plans`` of older checkpoints), or None.
+        local_plan: this rank's fresh local plan.
+        rank: this rank's index in the planning group.
+        dist_wrapper: the planning wrapper.
+
+    Returns:
+        True on every rank if every rank agrees, else False on every rank.
+    """
+    try:
+        local_ok = (
+            bool(loaded_all_plans)
+            and len(loaded_all_plans) == dist_wrapper.get_world_size()
+            and same_plan(local_plan, loaded_all_plans[rank])
+        )
+    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
+        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
+        local_ok = False
+    if not local_ok and loaded_all_plans:
+        logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
+    (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)
+    return not any_mismatch

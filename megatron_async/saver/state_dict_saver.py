@@ -52,7 +52,7 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
-from megatron_async.saver.plan_digests import plan_digest, same_plan
+from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
 from megatron_async.saver.shared_sizes import share_equal_sizes
 from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.buckets.layout import BucketLayout, PreparedWrite
@@ -361,41 +361,3 @@ def _plan_centrally(
     except CheckpointException as exc:  # raised identically on every rank by DCP
         raise CheckpointValidationError(f"global save planning failed: {exc}") from exc
     return central_plan, (built[0] if built else None)
-
-
-def verify_global_md_reuse(
-    loaded_all_plans: Optional[Sequence[SavePlan]],
-    local_plan: SavePlan,
-    rank: int,
-    dist_wrapper: _DistWrapper,
-) -> bool:
-    """Tell whether a loaded checkpoint's metadata fits this save on every rank.
-
-    Runs on every rank and always costs one all-reduce (so that ranks with and without
-    loaded plans stay in step). A rank agrees when the loaded plans are from a job of
-    the same size and its own entry equals ``local_plan`` apart from the storage data.
-
-    Args:
-        loaded_all_plans: what the loaded metadata says of every rank's plan
-            (:func:`~megatron_async.saver.plan_digests.loaded_plans`: digests, or the
-            ``all_local_plans`` of older checkpoints), or None.
-        local_plan: this rank's fresh local plan.
-        rank: this rank's index in the planning group.
-        dist_wrapper: the planning wrapper.
-
-    Returns:
-        True on every rank if every rank agrees, else False on every rank.
-    """
-    try:
-        local_ok = (
-            bool(loaded_all_plans)
-            and len(loaded_all_plans) == dist_wrapper.get_world_size()
-            and same_plan(local_plan, loaded_all_plans[rank])
-        )
-    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
-        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
-        local_ok = False
-    if not local_ok and loaded_all_plans:
-        logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
-    (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)
-    return not any_mismatch
