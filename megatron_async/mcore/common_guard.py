@@ -16,16 +16,14 @@ written is refused on every rank alike (every rank schedules the same saves). Ra
 removes the markers of a complete checkpoint and megatron-core writes ``common.pt``, both
 bounded.
 
-megatron-core hands that step neither the sharded strategy nor its options, so the
-``save()`` function itself is wrapped too (:func:`guard_save_function`): it records the
-call's strategy (:class:`SaveCall`, in a context variable for the call's duration). With
-our strategy, rank 0 refuses a complete checkpoint under ``overwrite=False``, and a
-failure of its step (that refusal, a full disk, a hung mount, an object that will not
-pickle) is not raised on rank 0 alone, where the other ranks would wait for it in the
-strategy's first collective until the coordination timeout: ``common.pt`` stays
-untouched, and the strategy's agreed target check raises it on every rank. A process
-whose saves stopped (a step left behind) leaves ``common.pt`` untouched the same way.
-With another strategy rank 0 raises as megatron-core itself would.
+It learns the call's strategy from :mod:`megatron_async.mcore.save_call`. With our
+strategy, rank 0 refuses a complete checkpoint under ``overwrite=False``, and a failure of
+its step (that refusal, a full disk, a hung mount, an object that will not pickle) is not
+raised on rank 0 alone, where the other ranks would wait for it in the strategy's first
+collective until the coordination timeout: ``common.pt`` stays untouched, and the
+strategy's agreed target check raises it on every rank. A process whose saves stopped (a
+step left behind) leaves ``common.pt`` untouched the same way. With another strategy rank
+0 raises as megatron-core itself would.
 
 The checks are put in front of megatron-core's common save in whichever form the
 installed generation has (:func:`megatron_async.mcore.generation.register_strategies`
@@ -38,12 +36,8 @@ checkpoint: nothing to guard.
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import functools
-import inspect
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -53,42 +47,12 @@ from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import has_completion_markers, remove_completion_markers
+from megatron_async.mcore.save_call import SaveCall, current_save_call
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = [
-    "SaveCall",
-    "check_common_target",
-    "current_save_call",
-    "guard_save_common_function",
-    "guard_save_function",
-    "guarded_common_strategy_class",
-]
+__all__ = ["check_common_target", "guard_save_common_function", "guarded_common_strategy_class"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SaveCall:
-    """One megatron-core ``save()`` call, as its ``common.pt`` step sees it (every rank).
-
-    Attributes:
-        overwrite: our strategy's ``overwrite`` option, or None for another strategy.
-        failure: rank 0's ``common.pt`` step failed for our strategy: its agreed target
-            check raises this on every rank.
-    """
-
-    overwrite: Optional[bool]
-    failure: Optional[BaseException] = None
-
-
-_save_call: contextvars.ContextVar[Optional[SaveCall]] = contextvars.ContextVar(
-    "megatron_async_save_call", default=None
-)
-
-
-def current_save_call() -> Optional[SaveCall]:
-    """The ``save()`` call this code runs in (0.16-0.18, every rank), or None."""
-    return _save_call.get()
 
 
 def check_common_target(
@@ -209,68 +173,3 @@ def guard_save_common_function(
     guarded_save_common.__megatron_async_guarded__ = True
     setattr(module, name, guarded_save_common)
     return True
-
-
-def guard_save_function(module: Any, name: str = "save") -> bool:
-    """Wrap megatron-core's ``module.<name>`` (``dist_checkpointing.save``) so that its
-    ``common.pt`` step knows the call's strategy (:class:`SaveCall`; 0.16-0.18).
-
-    Idempotent; returns whether the function is wrapped now.
-    """
-    original: Callable[..., Any] = getattr(module, name)
-    if getattr(original, "__megatron_async_guarded__", False):
-        return True
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def save_with_call_recorded(*args, **kwargs):
-        arguments = signature.bind_partial(*args, **kwargs).arguments
-        call = SaveCall(_our_overwrite(arguments.get("sharded_strategy")))
-        if call.overwrite is not None and "checkpoint_dir" in arguments:
-            _create_on_coordinator(arguments["checkpoint_dir"])
-        token = _save_call.set(call)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _save_call.reset(token)
-
-    save_with_call_recorded.__megatron_async_guarded__ = True
-    setattr(module, name, save_with_call_recorded)
-    return True
-
-
-def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
-    """Rank 0: create a missing local checkpoint directory before megatron-core's ``save()``
-    lists it there (on rank 0 alone); every rank then creates or checks it in the strategy's
-    agreed target check. Bounded; a failure here is rank 0's own, typed."""
-    directory = normalize_checkpoint_path(checkpoint_dir)
-    if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
-        return
-    directories = SaveDirectories.of_process()
-    try:
-        directories.run_bounded(
-            f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
-            error=FileSystemStepTimeoutError,
-        )
-    except OSError as exc:
-        raise CheckpointValidationError(
-            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save into a "
-            "directory rank 0 can create or write (the other ranks fail within the "
-            "coordination timeout)"
-        ) from exc
-
-
-def _our_overwrite(strategy: Any) -> Optional[bool]:
-    """``overwrite`` of our strategy behind ``save()``'s ``sharded_strategy`` argument (an
-    instance, a fully parallel wrapper around one, or a registered backend name), or None."""
-    if isinstance(strategy, tuple):
-        from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
-
-        try:
-            strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
-        except Exception:  # save() itself reports an unknown backend
-            return None
-    while strategy is not None and not hasattr(strategy, "directories"):
-        strategy = getattr(strategy, "base_strategy", None)
-    overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
-    return overwrite if isinstance(overwrite, bool) else None

@@ -122,26 +122,17 @@ def create_save_planner(config: Any) -> Any:
 def register_strategies(strategy_cls: type, backend_name: str) -> bool:
     """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry exists.
 
-    Also wraps ``dist_checkpointing.save`` (every generation: it records the call's
-    strategy for the steps that run before the strategy, and with our strategy rank 0
-    creates a missing directory before megatron-core lists it), and guards megatron-core's
-    ``common.pt`` write where it has one: the registered common strategy (registry
-    generation) or the plain ``save_common`` function that ``serialization.save()`` calls
-    (0.17 / 0.18; 0.19+ keeps the common state inside the checkpoint). Returns whether a
-    strategy was registered.
+    Also guards megatron-core's ``common.pt`` write where it has one: the registered
+    common strategy (registry generation) or the plain ``save_common`` function that
+    ``serialization.save()`` calls (0.17 / 0.18; 0.19+ keeps the common state inside the
+    checkpoint). Returns whether a strategy was registered.
     """
     from megatron_async.core.save_directories import SaveDirectories
     from megatron_async.mcore import common_guard
 
     directories = SaveDirectories.of_process()
-    # save() lists the directory on rank 0 first, and up to 0.18 writes common.pt before
-    # the strategy: both need to know the call's strategy.
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-    dist_checkpointing = importlib.import_module("megatron.core.dist_checkpointing")
-    common_guard.guard_save_function(serialization)
-    if getattr(dist_checkpointing, "save", None) is not serialization.save:
-        common_guard.guard_save_function(dist_checkpointing)
     if GENERATION != "registry":
+        serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
         if callable(getattr(serialization, "save_common", None)):
             common_guard.guard_save_common_function(serialization, directories)
         return False

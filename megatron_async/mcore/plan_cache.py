@@ -31,7 +31,7 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
-from megatron_async.saver.agreement import agreed_step
+from megatron_async.saver.agreement import agree_or_raise, agreed_step
 from megatron_async.saver.plan_digests import loaded_plans
 from megatron_async.saver.state_dict_saver import PlanResult, plan_save, prepare_cached_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -96,6 +96,19 @@ class _LocalStep(NamedTuple):
         after a failure)."""
         prepared = step is not None and step.prepared is not None
         return [int(not prepared), int(prepared), int(step is not None and step.overwrites)]
+
+
+def fail_first_collective(error: BaseException, checkpoint_dir: str) -> None:
+    """Join the first collective of a save of ``checkpoint_dir`` with ``error`` (a rank that
+    failed before it reached :meth:`PlanCache.plan_save`; every rank that did so): the
+    ranks waiting in it and this one raise the same agreed error, naming this rank's cause.
+
+    Raises:
+        CheckpointValidationError, CheckpointInProgressError: always.
+    """
+    agree_or_raise(
+        error, f"async save to {checkpoint_dir}", _LocalStep.flags(None), coordination.get_coordination_group()
+    )
 
 
 class PlanCache:

@@ -41,10 +41,10 @@ from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
-from megatron_async.mcore.common_guard import current_save_call
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
-from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
+from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, fail_first_collective
+from megatron_async.mcore.save_call import current_save_call, guard_save_functions
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import staging_ledger
 from megatron_async.staging.buffers import StagingBufferCache
@@ -281,9 +281,11 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         claims: List[Claim] = []
 
         def check_target() -> bool:
-            call = current_save_call()  # megatron-core's save() on 0.16-0.18
-            if call is not None and call.failure is not None:  # rank 0's common.pt step
-                raise call.failure
+            call = current_save_call()  # inside megatron-core's save()
+            if call is not None:
+                call.entered = True
+                if call.failure is not None:  # rank 0's common.pt step (0.16-0.18)
+                    raise call.failure
             claim, overwrites = claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories)
             claims.append(claim)
             return overwrites
@@ -343,9 +345,11 @@ def register_strategies() -> None:
     On megatron-core 0.16.x, ``get_default_strategy(StrategyAction.SAVE_SHARDED,
     'megatron_async', 1)`` then returns it and ``dist_checkpointing.save(...,
     sharded_strategy=('megatron_async', 1))`` uses it; the checkpoint still says
-    ``torch_dist`` (the format). It also installs the ``common.pt`` guard
-    (:mod:`megatron_async.mcore.common_guard`). Creating the strategy runs no collective,
-    so this is safe at import time. On 0.17+ there is no registry and this does nothing:
-    pass a :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
+    ``torch_dist`` (the format). On every generation it wraps ``dist_checkpointing.save``
+    (:mod:`megatron_async.mcore.save_call`) and installs the ``common.pt`` guard where
+    megatron-core writes one (:mod:`megatron_async.mcore.common_guard`). Creating the
+    strategy runs no collective, so this is safe at import time. On 0.17+ there is no
+    registry: pass a :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
     """
+    guard_save_functions(fail_first_collective)
     generation.register_strategies(TorchDistAsyncSaveStrategy, REGISTERED_BACKEND)

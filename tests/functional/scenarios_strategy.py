@@ -830,6 +830,15 @@ def bad_inputs(ctx):
         lambda: strategy.async_save(overlap, _dir(ctx, "overlap")),
         "overlapping",
     )
+    # megatron-core's own validation in save() finds the overlap on rank 0 alone, before
+    # our strategy: every rank raises rank 0's cause at once, not a timeout on the others.
+    started = time.monotonic()
+    _expect_error_everywhere(
+        CheckpointValidationError,
+        lambda: dist_checkpointing.save(overlap, _dir(ctx, "overlap-save"), sharded_strategy=strategy),
+        "rank 0: CheckpointingException",
+    )
+    assert time.monotonic() - started < 60
     # Only rank 0's half of a tensor sharded in two: a missing shard.
     half = {"half": ShardedTensor.from_rank_offsets("half", torch.ones(2), (0, 0, 2), replica_id=ctx.rank)}
     _expect_error_everywhere(

@@ -1,0 +1,157 @@
+"""megatron-core's ``dist_checkpointing.save``, as our strategy sees it (every rank).
+
+``save()`` runs steps before it calls the sharded strategy, and hands them neither the
+strategy nor its options: rank 0 lists the checkpoint directory (every generation),
+megatron-core validates the sharding (rank 0 raises what it finds), and up to 0.18 rank
+0 writes ``common.pt`` (:mod:`megatron_async.mcore.common_guard`). A failure there is
+raised on one rank, while the others walk on into the strategy's first collective and
+wait for it until the coordination timeout: a user sees only a timeout, or a broken
+connection, on every rank but one.
+
+:func:`guard_save_functions` wraps ``save()`` so that those steps know the call
+(:class:`SaveCall`, in a context variable for the call's duration; no stack frames are
+read). With our strategy:
+
+* rank 0 creates a missing local directory before megatron-core lists it (a new
+  directory per iteration, as Megatron-LM saves);
+* a rank whose ``save()`` fails before it reached our strategy's first collective joins
+  that collective with its error (``fail_first_collective``, the strategy's:
+  :func:`~megatron_async.mcore.plan_cache.fail_first_collective`),
+  so every rank raises the same error naming that rank's cause, at once. Only where our
+  strategy is ``save()``'s own argument: a wrapper such as megatron-core's fully parallel
+  one runs collectives of its own first.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from megatron_async.core import coordination
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
+
+__all__ = ["SaveCall", "current_save_call", "guard_save_function", "guard_save_functions"]
+
+
+@dataclasses.dataclass
+class SaveCall:
+    """One megatron-core ``save()`` call (every rank).
+
+    Attributes:
+        overwrite: our strategy's ``overwrite`` option, or None for another strategy.
+        direct: our strategy is ``save()``'s argument itself, not wrapped.
+        entered: this rank reached our strategy's target check (its first collective).
+        failure: rank 0's ``common.pt`` step failed for our strategy: its agreed target
+            check raises this on every rank.
+    """
+
+    overwrite: Optional[bool]
+    direct: bool = False
+    entered: bool = False
+    failure: Optional[BaseException] = None
+
+
+_save_call: contextvars.ContextVar[Optional[SaveCall]] = contextvars.ContextVar(
+    "megatron_async_save_call", default=None
+)
+
+
+def current_save_call() -> Optional[SaveCall]:
+    """The ``save()`` call this code runs in (every rank), or None."""
+    return _save_call.get()
+
+
+def guard_save_functions(fail_first_collective: Callable[[BaseException, str], None]) -> None:
+    """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths (every
+    generation; idempotent); ``fail_first_collective`` joins our strategy's first collective
+    with a rank's early error (see the module docstring)."""
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    package = importlib.import_module("megatron.core.dist_checkpointing")
+    guard_save_function(serialization, fail_first_collective)
+    if getattr(package, "save", None) is not serialization.save:
+        guard_save_function(package, fail_first_collective)
+
+
+def guard_save_function(
+    module: Any, fail_first_collective: Callable[[BaseException, str], None], name: str = "save"
+) -> bool:
+    """Wrap ``module.<name>`` (megatron-core's ``save``) so that its steps before the
+    strategy know the call (:class:`SaveCall`).
+
+    Idempotent; returns whether the function is wrapped now.
+    """
+    original: Callable[..., Any] = getattr(module, name)
+    if getattr(original, "__megatron_async_guarded__", False):
+        return True
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_with_call_recorded(*args, **kwargs):
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        strategy = _resolved(arguments.get("sharded_strategy"))
+        call = SaveCall(_our_overwrite(strategy), direct=hasattr(strategy, "directories"))
+        checkpoint_dir = arguments.get("checkpoint_dir")
+        token = _save_call.set(call)
+        try:
+            if call.overwrite is not None and checkpoint_dir is not None:
+                _create_on_coordinator(checkpoint_dir)
+            return original(*args, **kwargs)
+        except Exception as exc:
+            if call.direct and not call.entered and isinstance(checkpoint_dir, (str, os.PathLike)):
+                fail_first_collective(exc, normalize_checkpoint_path(checkpoint_dir))
+            raise
+        finally:
+            _save_call.reset(token)
+
+    save_with_call_recorded.__megatron_async_guarded__ = True
+    setattr(module, name, save_with_call_recorded)
+    return True
+
+
+def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
+    """Rank 0: create a missing local checkpoint directory before megatron-core's ``save()``
+    lists it there; every rank then creates or checks it in the strategy's agreed target
+    check. Bounded."""
+    directory = normalize_checkpoint_path(checkpoint_dir)
+    if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
+        return
+    try:
+        SaveDirectories.of_process().run_bounded(
+            f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
+            error=FileSystemStepTimeoutError,
+        )
+    except OSError as exc:
+        raise CheckpointValidationError(
+            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save into "
+            "a directory rank 0 can create or write"
+        ) from exc
+
+
+def _resolved(strategy: Any) -> Any:
+    """``save()``'s ``sharded_strategy`` argument as an instance (a registered backend name
+    resolved as ``save()`` resolves it), or as it was."""
+    if not isinstance(strategy, tuple):
+        return strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+
+    try:
+        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
+    except Exception:  # save() itself reports an unknown backend
+        return None
+
+
+def _our_overwrite(strategy: Any) -> Optional[bool]:
+    """``overwrite`` of our strategy, or of the one a fully parallel wrapper holds; None
+    for another strategy."""
+    while strategy is not None and not hasattr(strategy, "directories"):
+        strategy = getattr(strategy, "base_strategy", None)
+    overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
+    return overwrite if isinstance(overwrite, bool) else None
