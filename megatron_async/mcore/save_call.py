@@ -14,12 +14,17 @@ read). With our strategy:
 
 * rank 0 creates a missing local directory before megatron-core lists it (a new
   directory per iteration, as Megatron-LM saves);
-* a rank whose ``save()`` fails before it reached our strategy's first collective joins
-  that collective with its error (``fail_first_collective``, the strategy's:
-  :func:`~megatron_async.mcore.plan_cache.fail_first_collective`),
-  so every rank raises the same error naming that rank's cause, at once. Only where our
-  strategy is ``save()``'s own argument: a wrapper such as megatron-core's fully parallel
-  one runs collectives of its own first.
+* megatron-core's sharding validation, whose verdict rank 0 alone raises, is agreed on
+  every rank (one all-reduce, only for a save that validates: Megatron-LM's first save
+  with ``--ckpt-assume-constant-structure``), also under megatron-core's fully parallel
+  wrapper;
+* a rank whose ``save()`` fails before any agreed step (the strategy's first collective,
+  or that validation) joins the strategy's first collective with its error
+  (``fail_first_collective``, the strategy's:
+  :func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
+  the same error naming that rank's cause, at once. Only where our strategy is
+  ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
+  collectives of its own first.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.saver.agreement import agree_or_raise
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["SaveCall", "current_save_call", "guard_save_function", "guard_save_functions"]
@@ -48,14 +54,15 @@ class SaveCall:
     Attributes:
         overwrite: our strategy's ``overwrite`` option, or None for another strategy.
         direct: our strategy is ``save()``'s argument itself, not wrapped.
-        entered: this rank reached our strategy's target check (its first collective).
+        agreed: this rank reached a step whose failures every rank agrees on (our
+            strategy's target check, or the agreed sharding validation).
         failure: rank 0's ``common.pt`` step failed for our strategy: its agreed target
             check raises this on every rank.
     """
 
     overwrite: Optional[bool]
     direct: bool = False
-    entered: bool = False
+    agreed: bool = False
     failure: Optional[BaseException] = None
 
 
@@ -78,6 +85,33 @@ def guard_save_functions(fail_first_collective: Callable[[BaseException, str], N
     guard_save_function(serialization, fail_first_collective)
     if getattr(package, "save", None) is not serialization.save:
         guard_save_function(package, fail_first_collective)
+    preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
+    if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
+        _agree_on_validation(preprocessing)
+
+
+def _agree_on_validation(module: Any, name: str = "validate_sharding_integrity") -> None:
+    """Make ``module.<name>`` (megatron-core's sharding validation in ``save()``, whose
+    verdict rank 0 alone raises) agreed on every rank within our strategy's saves."""
+    original: Callable[..., Any] = getattr(module, name)
+    if getattr(original, "__megatron_async_guarded__", False):
+        return
+
+    @functools.wraps(original)
+    def agreed_validation(*args, **kwargs):
+        call = current_save_call()
+        if call is None or call.overwrite is None:  # another strategy: as megatron-core
+            return original(*args, **kwargs)
+        error: Optional[Exception] = None
+        try:
+            original(*args, **kwargs)
+        except Exception as exc:  # agreed on below, so that no rank is left waiting
+            error = exc
+        call.agreed = True
+        agree_or_raise(error, "megatron-core's sharding validation")
+
+    agreed_validation.__megatron_async_guarded__ = True
+    setattr(module, name, agreed_validation)
 
 
 def guard_save_function(
@@ -105,7 +139,7 @@ def guard_save_function(
                 _create_on_coordinator(checkpoint_dir)
             return original(*args, **kwargs)
         except Exception as exc:
-            if call.direct and not call.entered and isinstance(checkpoint_dir, (str, os.PathLike)):
+            if call.direct and not call.agreed and isinstance(checkpoint_dir, (str, os.PathLike)):
                 fail_first_collective(exc, normalize_checkpoint_path(checkpoint_dir))
             raise
         finally:

@@ -283,7 +283,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         def check_target() -> bool:
             call = current_save_call()  # inside megatron-core's save()
             if call is not None:
-                call.entered = True
+                call.agreed = True
                 if call.failure is not None:  # rank 0's common.pt step (0.16-0.18)
                     raise call.failure
             claim, overwrites = claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories)

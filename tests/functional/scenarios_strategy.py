@@ -839,6 +839,20 @@ def bad_inputs(ctx):
         "rank 0: CheckpointingException",
     )
     assert time.monotonic() - started < 60
+    # The same under megatron-core's fully parallel wrapper (Megatron-LM's default), whose
+    # own collectives come first: megatron-core's validation itself is agreed.
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    started = time.monotonic()
+    _expect_error_everywhere(
+        CheckpointValidationError,
+        lambda: dist_checkpointing.save(
+            overlap, _dir(ctx, "overlap-fully-parallel"),
+            sharded_strategy=FullyParallelSaveStrategyWrapper(strategy),
+        ),
+        "rank 0: CheckpointingException",
+    )
+    assert time.monotonic() - started < 60
     # Only rank 0's half of a tensor sharded in two: a missing shard.
     half = {"half": ShardedTensor.from_rank_offsets("half", torch.ones(2), (0, 0, 2), replica_id=ctx.rank)}
     _expect_error_everywhere(
