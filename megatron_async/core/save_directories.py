@@ -83,7 +83,7 @@ def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str)
             (and logs its outcome, since nobody reads it any more).
     """
     outcome: Dict[str, Any] = {}
-    gave_up = threading.Event()
+    done, gave_up = threading.Event(), threading.Event()
 
     def run() -> None:
         try:
@@ -92,19 +92,16 @@ def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str)
             outcome["error"] = exc
             if gave_up.is_set():
                 logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=run, name=thread_name, daemon=True)
-    thread.start()
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
     try:
-        # A join, not an event the step sets: the thread must be gone, not still tearing
-        # down, when the caller goes on to fork (the temporal caller's writer): a fork
-        # while another thread deletes its state can deadlock the child in CPython
-        # (gh-112275, Python 3.11.7 and 3.12.0-3.12.1).
-        thread.join(timeout_s)
+        finished = done.wait(timeout_s)
     except BaseException:  # an interrupt: nobody waits any more
         gave_up.set()
         raise
-    if thread.is_alive():
+    if not finished:
         gave_up.set()
         raise DeadlineExpired(f"no answer within {timeout_s:.0f}s")
     if "error" in outcome:
