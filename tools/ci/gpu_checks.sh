@@ -6,13 +6,16 @@
 #    device tensors;
 # 2. the device-to-host throughput into our staging memory against pinned memory;
 # 3. the GPT example as a 2-rank NCCL job (with the gloo coordination group): exact resume
-#    with the forked and the persistent worker, tensor parallelism, the distributed
-#    optimizer, overlapped staging, a SIGKILL during an async save, and a resume with other
-#    parallelism. With one GPU the two ranks share it (examples/gpt/devices.py);
+#    with the persistent worker and pipeline parallelism (1F1B), a SIGKILL during an async
+#    save, and a resume from TP 2 to TP 1 and back. With one GPU the two ranks share it
+#    (examples/gpt/devices.py); overlapped staging on CUDA is among the gpu-marked tests;
 # 4. a measurement: the warm stall of device tensors, 4,000 x 16 KiB and then the same bytes
 #    in 40 tensors, each beside one device-to-host copy of the state into pinned memory, one
 #    copy per tensor, and a device gather + one copy: whether gathering many small device
-#    tensors before the copy would pay (issue 24, item 4).
+#    tensors before the copy would pay (issue 24, item 4);
+# 5. ours beside PyTorch DCP's async_save (a stager per save, and a reused DefaultStager) and
+#    megatron-core's own async save (persistent and forked caller), same GPU, same run; a
+#    method that hangs is cut after 90 s and reported as an error with its log.
 #
 #   bash tools/ci/gpu_checks.sh            # from the repository root, in the test venv
 #   GPU_CHECKS_LOG_DIR=DIR bash tools/ci/gpu_checks.sh   # also keep each step's output in DIR
@@ -42,10 +45,14 @@ step() {  # step NAME COMMAND...: run one check, keep its output, remember a fai
 step gpu_tests "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests
 step d2h_throughput "$PYTHON" -m tools.bench.micro.d2h_throughput --mib 1024
 step gpt_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/functional/test_pretrain_gpt.py \
-    -k "resume_reproduces and (persistent-tp2 or overlapped or fork-tp1) or kill_during or other_parallelism and tp2-to-tp1"
+    -k "resume_reproduces and persistent or kill_during or other_parallelism and tp2-to-tp1"
 step warm_stall_cuda bash -c "for shape in '4000 16KiB' '40 1600KiB'; do set -- \$shape; \
     '$PYTHON' -m tools.bench.micro.warm_stall --device cuda --tensors \$1 --tensor-bytes \$2 \
     --callers persistent --saves 10 --phases || exit 1; done"
+step compare "$PYTHON" tools/benchmark.py --ranks 1 --bytes-per-rank 256MiB --tensor-counts 100 \
+    --saves 4 --memory-saves 2 --scaling-ranks 1 --launch-timeout-s 90 --workloads synthetic \
+    --variants ours_persistent,dcp_async_thread,dcp_async_thread_staged,mcore_async_temporal,mcore_async_persistent \
+    --out "$LOG_DIR/compare"
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "gpu_checks: FAILED: ${failed[*]} (logs in $LOG_DIR)"

@@ -38,6 +38,7 @@ PATH="$ENVS/mcore019/bin:$PATH" \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
     tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py \
     tests/functional/test_staging_budget.py tests/functional/test_pretrain_gpt.py \
+    tests/unit/tools/test_bench_generations.py \
     -k "not 4ranks and (not test_staging_budget or megatron_core_queue) \
         and (not test_pretrain_gpt or resume_reproduces)"
 

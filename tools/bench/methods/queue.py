@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -58,6 +58,8 @@ class QueueSave(SaveMethod):
         self._source = source
         self._stamp_dir = stamp_dir
         self._strategy_plan_s: Optional[float] = None
+        self.save_options: Dict[str, Any] = {}
+        """Further keyword arguments of ``dist_checkpointing.save`` this method needs."""
 
     def _make_queue(self):
         raise NotImplementedError
@@ -93,6 +95,7 @@ class QueueSave(SaveMethod):
             sharded_strategy=self.strategy,
             async_sharded_save=True,
             validate_access_integrity=validate,
+            **self.save_options,
         )
         t1 = now()
         self._index = index
@@ -174,13 +177,8 @@ class OurQueueSave(QueueSave):
         self._profiler = None
 
     def _make_strategy(self):
-        import megatron_async  # noqa: F401  (registers the strategy)
-        from megatron.core.dist_checkpointing.strategies.base import (
-            StrategyAction,
-            get_default_strategy,
-        )
+        from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 
-        registered = get_default_strategy(StrategyAction.SAVE_SHARDED, "megatron_async", 1)
         options = dict(thread_count=self._thread_count)
         if self._checksums is not None:
             option = checksum_option()
@@ -189,17 +187,17 @@ class OurQueueSave(QueueSave):
             options[option[0]] = self._checksums
         method = self
 
-        class _TimedStrategy(type(registered)):
-            """The registered strategy class, timing its own planning (``async_save``)."""
+        class _TimedStrategy(TorchDistAsyncSaveStrategy):
+            """Our strategy, timing its own planning (``async_save``)."""
 
-            def async_save(self, sharded_state_dict, checkpoint_dir):
+            def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy=None):
                 start = now()
                 try:
                     return super().async_save(sharded_state_dict, checkpoint_dir)
                 finally:
                     method._strategy_plan_s = now() - start
 
-        strategy = _TimedStrategy(config=dataclasses.replace(registered.config, **options))
+        strategy = _TimedStrategy("torch_dist", 1, **options)
         strategy.use_cached_ckpt_structure = True  # what --ckpt-assume-constant-structure does
         return strategy
 
@@ -246,6 +244,13 @@ class McoreQueueSave(QueueSave):
         self._persistent = persistent
 
     def _make_strategy(self):
+        from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+        if hasattr(mcore_torch, "TorchDistSaveShardedStrategy"):  # 0.17+: no registry
+            # save() runs megatron-core's own async path only when asked ("nvrx" is its
+            # default from 0.17 and needs nvidia-resiliency-ext).
+            self.save_options = {"async_strategy": "mcore"}
+            return mcore_torch.TorchDistSaveShardedStrategy("torch_dist", 1)
         from megatron.core.dist_checkpointing.strategies.base import (
             StrategyAction,
             get_default_strategy,
