@@ -36,35 +36,22 @@ logger = logging.getLogger(__name__)
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker never runs the training script, so the script needs no ``if __name__ ==
-    "__main__":`` guard. By default (``AsyncCallerConfig.worker_start="fork"``) it is a
-    fork of the trainer, created with the caller and ready within milliseconds: it
-    imports nothing and drops its share of the trainer's tensor pages at once (see
-    :mod:`megatron_async.core.worker_fork`). With ``worker_start="exec"`` (and when a
-    worker starts while staging buffers are alive, or the fork fails) it is a fresh
-    interpreter that imports only the worker's module (see
-    :mod:`megatron_async.core.worker_process`), and its start-up (importing torch, at a
-    lowered CPU priority) overlaps with training. Either way, the functions and classes
-    a request refers to that the worker cannot import (those of the training script,
-    lambdas, local functions) are sent by value (cloudpickle, see
-    :mod:`megatron_async.core.request_transport`), so a script's own routines run on the
-    worker. A save scheduled before the worker is ready does not wait for it: it runs on
-    a forked process, exactly as with
-    :class:`~megatron_async.core.temporal.TemporalAsyncCaller` (same snapshot at
-    scheduling, same bounded waits, same errors at finalization); the saves after that
-    go to the ready worker. Each rank picks on its own, which is safe because the ranks
-    agree on a call's completion by its index, whatever ran it. A worker that exits
-    while starting fails the next save, with the worker's stderr; one still not ready
-    after ``staging_timeout_s`` is killed and fails the next save with a timeout.
-    Once ready, the trainer stages each request's data itself (``preload_fn``, a memory
-    copy into shared-memory buffers) and sends the request with its tensors as
-    references into shared memory: :meth:`schedule_async_call` returns right after
-    that, without waiting for the worker. The worker acknowledges receipt and writes on
-    a separate thread; the staged data is released for reuse when the worker reports the
-    call done (or the worker is gone). If the worker dies or overruns a timeout, its
-    pending calls fail (on every rank, at finalization) and the next save starts a fresh
-    worker. A worker found dead between saves, and every replacement, is logged at
-    WARNING.
+    The worker (started as :mod:`megatron_async.core.worker_process` describes: a fork of
+    the trainer by default, else a fresh interpreter) never runs the training script, so
+    the script needs no ``__main__`` guard; a script's own routines reach it by value
+    (:mod:`megatron_async.core.request_transport`). A save scheduled before the worker is
+    ready runs on a forked process exactly as with
+    :class:`~megatron_async.core.temporal.TemporalAsyncCaller`; each rank picks on its own,
+    which is safe because the ranks agree on a call's completion by its index. A worker
+    that exits while starting fails the next save with its stderr; one not ready in time
+    (``fork_start_timeout_s`` for a fork, ``staging_timeout_s`` for a fresh interpreter) is
+    killed and fails the next save with a timeout. Once ready, the trainer stages each
+    request's data itself (``preload_fn``) and sends the request with its tensors as
+    shared-memory references; :meth:`schedule_async_call` returns without waiting for the
+    worker, and the staged data is released when the worker reports the call done (or is
+    gone). A worker that dies or overruns a timeout fails its pending calls on every rank
+    and the next save starts a fresh one; a death found between saves, and every
+    replacement, is logged at WARNING.
 
     Args:
         config: bounds of every wait, and the worker's CPU and I/O priority.
@@ -276,13 +263,16 @@ class PersistentAsyncCaller(AsyncCaller):
         )
 
     def _fail_if_startup_overdue(self, idx: int) -> bool:
-        """Fail call ``idx`` and kill the worker if it is not ready after ``staging_timeout_s``."""
-        if time.monotonic() - self._started_at <= self.config.staging_timeout_s:
+        """Fail call ``idx`` and kill the worker if it is not ready in time: a fork within
+        ``fork_start_timeout_s`` (milliseconds when it did not hang), a fresh interpreter
+        within ``staging_timeout_s``."""
+        bound = "fork_start_timeout_s" if self.process.forked else "staging_timeout_s"
+        if time.monotonic() - self._started_at <= getattr(self.config, bound):
             return False
         exc = AsyncTimeoutError(
             startup_failure_message(
                 f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
-                f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
+                f"within {bound}={getattr(self.config, bound):.0f}s; it was killed "
                 "and a new one starts with the next save",
                 self.process,
             )

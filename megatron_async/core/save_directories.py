@@ -35,17 +35,16 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
 
 from megatron_async.core import coordination
+from megatron_async.core.deadline import DeadlineExpired, run_with_deadline
 from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [
     "Claim",
     "CoordinatorStepTimeoutError",
-    "DeadlineExpired",
     "FileSystemStepTimeoutError",
     "SaveDirectories",
     "coordinator_step_timeout_s",
     "run_coordinator_step",
-    "run_with_deadline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,50 +62,10 @@ class CoordinatorStepTimeoutError(FileSystemStepTimeoutError):
     """A coordinator-only step of a save (a file-system call) did not return in time."""
 
 
-class DeadlineExpired(TimeoutError):
-    """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
-
-
 def coordinator_step_timeout_s() -> float:
     """How long a bounded file-system step may take: half the coordination group's timeout,
     so the rank reports the failure while the others still wait for it in a collective."""
     return coordination.coordination_timeout_s() / 2
-
-
-def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
-    """Run ``call`` on a daemon thread and wait at most ``timeout_s`` for it (any side).
-
-    Returns what ``call`` returned, or raises what it raised.
-
-    Raises:
-        DeadlineExpired: ``call`` had not returned by then; its thread is left running
-            (and logs its outcome, since nobody reads it any more).
-    """
-    outcome: Dict[str, Any] = {}
-    done, gave_up = threading.Event(), threading.Event()
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as exc:  # handed to the waiting caller
-            outcome["error"] = exc
-            if gave_up.is_set():
-                logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
-    try:
-        finished = done.wait(timeout_s)
-    except BaseException:  # an interrupt: nobody waits any more
-        gave_up.set()
-        raise
-    if not finished:
-        gave_up.set()
-        raise DeadlineExpired(f"no answer within {timeout_s:.0f}s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 class Claim:

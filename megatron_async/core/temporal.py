@@ -52,6 +52,7 @@ def _run_forked_call(
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):
         os._exit(1)
+    result_conn.send(("started", None))  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
     stack_dump.arm()
     lower_writer_priority(priority)  # before any writer thread starts: they inherit it
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
@@ -89,6 +90,8 @@ class TemporalAsyncCaller(AsyncCaller):
         self._result_conn = None
         self._status: CallStatus = CallStatus.succeeded()
         self._start_time = 0.0
+        self._forked_at = 0.0
+        self._child_started = False
         self._staged: Any = None
         register_exit_cleanup(self, "_abort_at_exit")
 
@@ -132,6 +135,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 daemon=False,  # a daemon could not start the writer's own I/O processes
             )
             process.start()
+            self._forked_at = time.monotonic()
             child_conn.close()
         except Exception as exc:  # recorded: raising here would leave this rank out of step
             logger.error("rank %d: cannot start the background save: %s", rank, exc)
@@ -157,6 +161,18 @@ class TemporalAsyncCaller(AsyncCaller):
                 self._status = self._receive_result(rank)
             else:
                 self._status = CallStatus.failed(self._died_failure(rank))
+        elif (not self._child_started
+              and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
+            kill_and_reap(self.process)
+            exc = AsyncTimeoutError(
+                f"rank {rank}: the forked background save (pid {self.process.pid}) of async call "
+                f"{call_idx} did not start within fork_start_timeout_s="
+                f"{self.config.fork_start_timeout_s:.0f}s and was killed: the fork hung in the "
+                "child before running any code (CPython gh-112275, a thread starting or ending "
+                "as the trainer forked, or a library's at-fork handler). The next save forks "
+                "afresh; if this repeats, use the persistent caller or Python >= 3.12"
+            )
+            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._start_time > self.config.timeout_s:
             where = stack_dump.timeout_note(rank, self.process.pid)
             kill_and_reap(self.process)
@@ -172,8 +188,14 @@ class TemporalAsyncCaller(AsyncCaller):
         return self._status
 
     def _receive_result(self, rank: int) -> CallStatus:
+        """Read what the child sent: ``started`` first, then how the call ended."""
         try:
             kind, payload = self._result_conn.recv()
+            if kind == "started":
+                self._child_started = True
+                if not self._result_conn.poll(0):
+                    return self._status
+                kind, payload = self._result_conn.recv()
         except (EOFError, OSError):
             return CallStatus.failed(self._died_failure(rank))
         return CallStatus.succeeded() if kind == "done" else CallStatus.failed(payload)

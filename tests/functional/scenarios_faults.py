@@ -581,6 +581,11 @@ def _drop_permission_override() -> None:
     data[0].inheritable &= mask
     if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
+    # Capabilities belong to a thread: the helper threads of our bounded steps, started
+    # before the drop, would keep the override. New ones start from this thread.
+    from megatron_async.core.deadline import HelperThreads
+
+    HelperThreads._process = None
 
 
 SCENARIOS = {

@@ -259,6 +259,33 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
     assert not _pid_alive(pid), "the hanging background process must be killed"
 
 
+def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, fn, args, kwargs):
+    """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
+    (fn_path, _, _) = args
+    with open(fn_path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_a_forked_writer_that_never_starts_fails_fast_and_is_killed(make_queue, tmp_path,
+                                                                     monkeypatch):
+    from megatron_async.core import temporal
+
+    monkeypatch.setattr(temporal, "_run_forked_call", _fork_that_hangs_in_the_child)
+    queue = make_queue(False, fork_start_timeout_s=1.0)
+    pid_file = tmp_path / "pid"
+    queue.schedule_async_request(_request(fns.write_text, pid_file, "unused"))
+    started = time.monotonic()
+    with pytest.raises(AsyncSaveFailedError, match="did not start within fork_start_timeout_s=1s"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert time.monotonic() - started < 30  # not timeout_s (an hour)
+    assert not _pid_alive(int(pid_file.read_text())), "the hung child must be killed"
+    monkeypatch.undo()  # the next save forks afresh and succeeds
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "after", "ok"))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "after").read_text() == "ok"
+
+
 @pytest.mark.parametrize("persistent", CALLER_KINDS)
 def test_an_exception_while_checking_a_call_fails_it_instead_of_escaping(
     make_queue, tmp_path, persistent, monkeypatch

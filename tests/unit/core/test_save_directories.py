@@ -11,12 +11,11 @@ import time
 import pytest
 
 from megatron_async.core import coordination, save_directories
+from megatron_async.core.deadline import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import (
     CoordinatorStepTimeoutError,
-    DeadlineExpired,
     SaveDirectories,
     run_coordinator_step,
-    run_with_deadline,
 )
 from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
 

@@ -1,0 +1,123 @@
+"""Run a call that may never return (a file-system or object-store request on a hung mount)
+with a deadline, on a helper thread that outlives the call (any side).
+
+The helper threads are long-lived: a thread that finished a call waits for the next one
+instead of ending. A thread that starts or ends at the moment another thread forks can
+leave the forked child deadlocked before it runs a line of Python (CPython gh-112275:
+the child inherits the interpreter's thread-list lock held), and our saves fork right
+after such calls (the temporal caller's writer, a replacement persistent worker). With
+threads that neither start nor end once a process's first bounded call made one, that
+window is gone. A thread left behind in a call that never returned is simply not reused;
+the next call gets a new thread, so the pool grows only by the calls that hung (after
+which :class:`~megatron_async.core.save_directories.SaveDirectories` stops the process's
+saves anyway) and by the most calls ever run at once.
+
+The threads are a fact of the process, like the fork they protect: :meth:`HelperThreads.
+of_process` is the one instance, and a forked child starts with none (the parent's
+threads do not exist there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+
+__all__ = ["DeadlineExpired", "HelperThreads", "run_with_deadline"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_Job = Tuple[Callable[[], None], threading.Event, str]
+
+
+class DeadlineExpired(TimeoutError):
+    """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
+
+
+class HelperThreads:
+    """Daemon threads that run bounded calls, each kept for the next call once it is done."""
+
+    _process: Optional["HelperThreads"] = None
+
+    @classmethod
+    def of_process(cls) -> "HelperThreads":
+        """This process's helper threads (created at first use; none in a forked child)."""
+        if cls._process is None:
+            cls._process = cls()
+        return cls._process
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: List["queue.SimpleQueue[_Job]"] = []
+        self.started = 0
+        """How many threads this pool has started (a thread left in a hung call is not
+        counted out)."""
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_in_child)
+
+    def _forget_in_child(self) -> None:
+        # Only the forking thread exists in the child: none of the helpers is there.
+        self._lock = threading.Lock()
+        self._idle = []
+
+    def run(self, call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
+        """Run ``call`` on a helper thread and wait at most ``timeout_s`` for it.
+
+        Returns what ``call`` returned, or raises what it raised.
+
+        Raises:
+            DeadlineExpired: ``call`` had not returned by then; its thread is left in it
+                (and logs the outcome, since nobody reads it any more).
+        """
+        outcome: Dict[str, Any] = {}
+        done, gave_up = threading.Event(), threading.Event()
+
+        def job() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as exc:  # handed to the waiting caller
+                outcome["error"] = exc
+                if gave_up.is_set():
+                    logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
+
+        self._inbox().put((job, done, thread_name))
+        try:
+            finished = done.wait(timeout_s)
+        except BaseException:  # an interrupt: nobody waits any more
+            gave_up.set()
+            raise
+        if not finished:
+            gave_up.set()
+            raise DeadlineExpired(f"no answer within {timeout_s:.0f}s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _inbox(self) -> "queue.SimpleQueue[_Job]":
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            inbox: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True,
+                             name="megatron-async-bounded-call").start()
+            self.started += 1
+            return inbox
+
+    def _serve(self, inbox: "queue.SimpleQueue[_Job]") -> None:
+        while True:
+            job, done, name = inbox.get()
+            threading.current_thread().name = name  # what a stack dump shows it doing
+            job()
+            del job
+            with self._lock:
+                self._idle.append(inbox)  # idle before the caller hears: its next call reuses us
+            done.set()
+
+
+def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
+    """:meth:`HelperThreads.run` on this process's helper threads (any side)."""
+    return HelperThreads.of_process().run(call, timeout_s, thread_name)

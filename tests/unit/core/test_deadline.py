@@ -1,0 +1,86 @@
+"""Bounded calls run on helper threads that outlive them (megatron_async.core.deadline).
+
+Scenario: a save's bounded file-system steps are followed at once by a fork (the temporal
+caller's writer, a replacement persistent worker). A thread that ends at that moment can
+deadlock the forked child (CPython gh-112275), which then hangs the save until its timeout.
+"""
+
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_async.core.deadline import DeadlineExpired, HelperThreads, run_with_deadline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_calls_one_after_another_reuse_one_thread_that_never_ends():
+    pool = HelperThreads()
+    idents = set()
+    for value in range(20):
+        assert pool.run(lambda v=value: (threading.get_ident(), v), 5, "step")[1] == value
+        idents.add(pool.run(threading.get_ident, 5, "step"))
+    assert pool.started == 1 and len(idents) == 1
+    thread = next(t for t in threading.enumerate() if t.ident in idents)
+    assert thread.is_alive() and thread.daemon
+
+
+def test_a_call_that_hangs_keeps_its_thread_and_the_next_call_gets_another():
+    pool = HelperThreads()
+    mount_answers = threading.Event()
+    with pytest.raises(DeadlineExpired, match="no answer within 0s"):
+        pool.run(mount_answers.wait, 0.2, "save step: .metadata")
+    assert pool.run(lambda: 7, 5, "next step") == 7
+    assert pool.started == 2
+    mount_answers.set()  # the hung call returns late: its thread serves again
+    deadline = time.monotonic() + 5
+    while len(pool._idle) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = threading.Event()
+    both_running = threading.Barrier(3)
+    results = []
+
+    def blocked_call():
+        both_running.wait(5)
+        first.wait(5)
+        return threading.get_ident()
+
+    callers = [threading.Thread(target=lambda: results.append(pool.run(blocked_call, 5, "c")))
+               for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    both_running.wait(5)
+    first.set()
+    for caller in callers:
+        caller.join(5)
+    assert len(set(results)) == 2 and pool.started == 2  # two at once, no third thread
+
+
+def test_an_error_is_raised_to_the_caller_and_the_thread_serves_on():
+    pool = HelperThreads()
+    with pytest.raises(KeyError, match="mine"):
+        pool.run(lambda: {}["mine"], 5, "t")
+    assert pool.run(lambda: "again", 5, "t") == "again" and pool.started == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_starts_with_no_helper_threads_and_can_run_bounded_calls():
+    run_with_deadline(lambda: None, 5, "parent's step")  # the parent has an idle helper
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's helper thread does not exist here
+        try:
+            ok = run_with_deadline(lambda: 42, 2, "child's step") == 42
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the child's bounded call did not return")
