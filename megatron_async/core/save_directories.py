@@ -35,7 +35,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
 
 from megatron_async.core import coordination
-from megatron_async.core.deadline import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [

@@ -41,7 +41,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,6 +48,7 @@ import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.request_transport import EncodedRequest, RequestSender
 from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.core.worker_fork import can_fork_worker, fork_worker
@@ -141,10 +141,8 @@ class WorkerProcess:
         """Encodes requests for this worker (it knows what this worker has mapped)."""
         self._startup_log = startup_log
         self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._sender = threading.Thread(
-            target=self._send_loop, name=f"megatron-async-sender-{rank}", daemon=True
-        )
-        self._sender.start()
+        self._sender_stopped = HelperThreads.of_process().start(
+            self._send_loop, f"megatron-async-sender-{rank}")
 
     # -- the multiprocessing.Process part -----------------------------------------------
 
@@ -213,8 +211,7 @@ class WorkerProcess:
         """Close the trainer's ends; call once the worker has exited or was killed."""
         self._outbox.put(_CLOSED)
         _shutdown(self.control.fileno())  # wakes a sender blocked on a worker that is gone
-        self._sender.join(_SENDER_JOIN_TIMEOUT_S)
-        if self._sender.is_alive():
+        if not self._sender_stopped.wait(_SENDER_JOIN_TIMEOUT_S):
             # Closing a descriptor another thread still writes to could hit a reused number.
             logger.warning("worker %d: sender thread did not stop; leaving its socket open", self.pid)
         else:

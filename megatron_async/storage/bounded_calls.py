@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Callable, Optional, TypeVar
 
-from megatron_async.core.deadline import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, run_coordinator_step
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE

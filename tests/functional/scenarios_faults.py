@@ -583,7 +583,7 @@ def _drop_permission_override() -> None:
         raise OSError(ctypes.get_errno(), "capset failed")
     # Capabilities belong to a thread: the helper threads of our bounded steps, started
     # before the drop, would keep the override. New ones start from this thread.
-    from megatron_async.core.deadline import HelperThreads
+    from megatron_async.core.helper_threads import HelperThreads
 
     HelperThreads._process = None
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_async.core import coordination, save_directories
-from megatron_async.core.deadline import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import (
     CoordinatorStepTimeoutError,
     SaveDirectories,

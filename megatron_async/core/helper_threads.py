@@ -1,13 +1,13 @@
-"""Run a call that may never return (a file-system or object-store request on a hung mount)
-with a deadline, on a helper thread that outlives the call (any side).
+"""Threads of ours that never end: bounded calls (a file-system or object-store request
+that may never return on a hung mount) and long jobs (the persistent worker's sender) run
+on helper threads that outlive them (any side).
 
-The helper threads are long-lived: a thread that finished a call waits for the next one
-instead of ending. A thread that starts or ends at the moment another thread forks can
+A helper thread that finished its call waits for the next one instead of ending. A thread that starts or ends at the moment another thread forks can
 leave the forked child deadlocked before it runs a line of Python (CPython gh-112275:
 the child inherits the interpreter's thread-list lock held), and our saves fork right
-after such calls (the temporal caller's writer, a replacement persistent worker). With
-threads that neither start nor end once a process's first bounded call made one, that
-window is gone. A thread left behind in a call that never returned is simply not reused;
+after such calls (the temporal caller's writer, a replacement persistent worker right
+after its predecessor's sender stopped). With threads that neither start nor end once
+made, that window is gone. A thread left behind in a call that never returned is simply not reused;
 the next call gets a new thread, so the pool grows only by the calls that hung (after
 which :class:`~megatron_async.core.save_directories.SaveDirectories` stops the process's
 saves anyway) and by the most calls ever run at once.
@@ -74,7 +74,7 @@ class HelperThreads:
                 (and logs the outcome, since nobody reads it any more).
         """
         outcome: Dict[str, Any] = {}
-        done, gave_up = threading.Event(), threading.Event()
+        gave_up = threading.Event()
 
         def job() -> None:
             try:
@@ -84,7 +84,7 @@ class HelperThreads:
                 if gave_up.is_set():
                     logger.warning("%s failed after its caller stopped waiting: %s", thread_name, exc)
 
-        self._inbox().put((job, done, thread_name))
+        done = self.start(job, thread_name)
         try:
             finished = done.wait(timeout_s)
         except BaseException:  # an interrupt: nobody waits any more
@@ -96,6 +96,13 @@ class HelperThreads:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+    def start(self, call: Callable[[], None], thread_name: str) -> threading.Event:
+        """Run ``call`` on a helper thread without waiting for it; return an event set once
+        it returned (an exception it raises is logged)."""
+        done = threading.Event()
+        self._inbox().put((call, done, thread_name))
+        return done
 
     def _inbox(self) -> "queue.SimpleQueue[_Job]":
         with self._lock:
@@ -111,7 +118,10 @@ class HelperThreads:
         while True:
             job, done, name = inbox.get()
             threading.current_thread().name = name  # what a stack dump shows it doing
-            job()
+            try:
+                job()
+            except BaseException:  # a started job's own error: nobody else would see it
+                logger.exception("%s failed", name)
             del job
             with self._lock:
                 self._idle.append(inbox)  # idle before the caller hears: its next call reuses us

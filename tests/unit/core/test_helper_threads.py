@@ -1,4 +1,4 @@
-"""Bounded calls run on helper threads that outlive them (megatron_async.core.deadline).
+"""Bounded calls run on helper threads that outlive them (megatron_async.core.helper_threads).
 
 Scenario: a save's bounded file-system steps are followed at once by a fork (the temporal
 caller's writer, a replacement persistent worker). A thread that ends at that moment can
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_async.core.deadline import DeadlineExpired, HelperThreads, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads, run_with_deadline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +84,19 @@ def test_a_forked_child_starts_with_no_helper_threads_and_can_run_bounded_calls(
         time.sleep(0.05)
     os.kill(pid, 9)
     pytest.fail("the child's bounded call did not return")
+
+
+def test_a_started_job_returns_its_thread_to_the_pool_and_its_error_is_logged(caplog):
+    """The persistent worker's sender runs as a started job: when its worker is replaced
+    the thread serves the next one instead of ending just before the replacement's fork."""
+    pool = HelperThreads()
+    first = pool.start(lambda: None, "sender of worker 1")
+    assert first.wait(5)
+
+    def failing_sender():
+        raise OSError("the worker's socket is gone")
+
+    with caplog.at_level("ERROR"):
+        assert pool.start(failing_sender, "sender of worker 2").wait(5)
+    assert "sender of worker 2 failed" in caplog.text and "socket is gone" in caplog.text
+    assert pool.run(lambda: "next", 5, "a bounded step") == "next" and pool.started == 1
