@@ -36,13 +36,13 @@ read die with the worker instead of staying with the trainer. The worker keeps a
 and drops any other once the call that used it is written, so no staging memory
 outlives its save in the worker.
 
-Trainer side: :class:`RequestSender`. Worker side: :class:`SegmentTable`.
+Trainer side: :class:`RequestSender` (here). Worker side:
+:class:`~megatron_async.core.request_receiver.SegmentTable`.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import socket
 import sys
@@ -57,15 +57,16 @@ import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler red
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.sent_objects import SentObjects, receive_descriptors, send_descriptors
+from megatron_async.core.sent_objects import SentObjects, send_descriptors
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
-__all__ = ["EncodedRequest", "RequestSender", "SegmentTable"]
+__all__ = ["EncodedRequest", "RequestSender"]
 
 _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
-# Names that a pickled request refers to; the worker's SegmentTable reads each as one of
+# Names that a pickled request refers to; the worker's SegmentTable
+# (megatron_async.core.request_receiver) reads each as one of
 # its methods (a tensor over a mapped segment, a plan item sent earlier, a
 # ReusedTensorPairs list pickled once), so these bodies never run there.
 _OUTSIDE_A_TABLE = "decode a request for the persistent worker with SegmentTable.apply"
@@ -310,85 +311,3 @@ class RequestSender:
             forget_objects,
         )
         return encoded, arena.chunks
-
-
-class SegmentTable:
-    """The segments and plan items one worker has received, and the decoding of requests
-    that refer to them (background side: one per worker, fed by one
-    :class:`RequestSender`)."""
-
-    def __init__(self, descriptor_socket: socket.socket):
-        self._socket = descriptor_socket
-        self._segments: Dict[int, torch.Tensor] = {}
-        self._objects: Dict[int, Any] = {}
-
-    def apply(self, encoded: EncodedRequest) -> Any:
-        """Unmap forgotten segments, map new ones, and return the unpickled request.
-
-        Raises:
-            CoordinationError: the descriptors of new segments did not arrive in time.
-        """
-        for sid in encoded.forget:
-            self._segments.pop(sid, None)
-        descriptors = receive_descriptors(self._socket, len(encoded.new_segments))
-        for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
-            try:
-                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
-            finally:
-                os.close(fd)
-            self._segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        for token in encoded.forget_objects:
-            self._objects.pop(token, None)
-        self._objects.update(pickle.loads(encoded.new_objects))
-        return self.load(encoded.payload)
-
-    def load(self, payload: bytes) -> Any:
-        """Unpickle ``payload``, resolving its references to segments and plan items here."""
-        return _Unpickler(io.BytesIO(payload), self).load()
-
-    def rebuild_tensor(self, segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
-        """A tensor over the mapped segment ``segment_id``'s bytes."""
-        segment = self._received(self._segments, segment_id, "shared-memory segment")
-        return shared_memory.segment_view(segment, byte_offset, shape, dtype)
-
-    def cached_object(self, token: int) -> Any:
-        """A plan item sent with this or an earlier request."""
-        return self._received(self._objects, token, "plan item")
-
-    @staticmethod
-    def _received(table: Dict[int, Any], key: int, what: str) -> Any:
-        entry = table.get(key)
-        if entry is None:
-            raise CoordinationError(
-                f"persistent worker: {what} {key} was never received here; the trainer and "
-                "this worker disagree on what was sent (the worker exits and a new one starts "
-                "with the next save)"
-            )
-        return entry
-
-    def drop(self, segment_ids: Tuple[int, ...]) -> None:
-        """Unmap a finished call's arena segments (the worker's writer thread)."""
-        for sid in segment_ids:
-            self._segments.pop(sid, None)
-
-    def mapped_ids(self) -> List[int]:
-        """Ids of the segments mapped here (for tests)."""
-        return sorted(self._segments)
-
-
-class _Unpickler(pickle.Unpickler):
-    """Reads what :class:`_Pickler` wrote: its references by name to this module's
-    placeholders become the methods of one :class:`SegmentTable` (background side)."""
-
-    def __init__(self, file, table: SegmentTable):
-        super().__init__(file)
-        self._resolved = {
-            "_rebuild_tensor": table.rebuild_tensor,
-            "_cached_object": table.cached_object,
-            "_load_pairs": table.load,
-        }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name in self._resolved:
-            return self._resolved[name]
-        return super().find_class(module, name)

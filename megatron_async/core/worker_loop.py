@@ -37,7 +37,7 @@ from megatron_async.core.process_lifetime import (
     set_parent_death_signal,
 )
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
-from megatron_async.core.request_transport import SegmentTable
+from megatron_async.core.request_receiver import SegmentTable
 from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.errors import RankFailure
 

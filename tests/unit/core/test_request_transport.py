@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.core.request_transport import RequestSender, SegmentTable
+from megatron_async.core.request_receiver import SegmentTable
+from megatron_async.core.request_transport import RequestSender
 from megatron_async.errors import UnpicklableRequestError
 from tests import background_fns as fns
 
