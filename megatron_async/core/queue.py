@@ -141,7 +141,11 @@ class AsyncCallsQueue:
         request = request._replace(call_idx=self.call_idx).freeze()
         start = time.monotonic()
         caller = self._get_async_caller()
-        caller.schedule_async_call(request.without_finalize_fns())
+        try:
+            caller.schedule_async_call(request.without_finalize_fns())
+        except BaseException:  # an interrupt while staging, a caller's bug: never scheduled
+            request.abandon()  # frees what its steps hold (our commit step's directory claim)
+            raise
         schedule_s = time.monotonic() - start
         logger.debug(
             "rank %d: scheduled async call %d in %.3fs", coordination.get_rank(), self.call_idx, schedule_s

@@ -259,6 +259,32 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
     assert not _pid_alive(pid), "the hanging background process must be killed"
 
 
+def test_a_request_whose_scheduling_raises_is_abandoned(make_queue, tmp_path, monkeypatch):
+    """Ctrl-C while a save is being staged: the request was never scheduled, so what its
+    steps hold (our commit step's claim on the directory) is freed at once, not at GC."""
+    from megatron_async.core import temporal
+
+    class CommitStep:
+        abandoned = 0
+
+        def __call__(self):
+            raise AssertionError("never scheduled: never finalized")
+
+        def abandon(self):
+            self.abandoned += 1
+
+    def interrupted_while_staging(self, request):
+        raise KeyboardInterrupt
+
+    queue = make_queue(False)
+    step = CommitStep()
+    monkeypatch.setattr(temporal.TemporalAsyncCaller, "schedule_async_call", interrupted_while_staging)
+    with pytest.raises(KeyboardInterrupt):
+        queue.schedule_async_request(_request(fns.write_text, tmp_path / "x", "t", finalize_fns=[step]))
+    assert step.abandoned == 1
+    assert queue.get_num_unfinalized_calls() == 0
+
+
 def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, fn, args, kwargs):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
     (fn_path, _, _) = args
