@@ -24,8 +24,7 @@ from megatron_async.core.coordination import local_world_size
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 
 __all__ = [
-    "COPY_THREADS_ENV", "Running", "StagingCopyTimeoutError", "copy_threads", "copy_thread_pool",
-    "wait_all",
+    "COPY_THREADS_ENV", "CopyThreads", "Running", "StagingCopyTimeoutError", "copy_threads", "wait_all",
 ]
 
 COPY_THREADS_ENV = "MEGATRON_ASYNC_STAGING_COPY_THREADS"
@@ -71,8 +70,20 @@ class CopyThreads:
 
     Threads are started before any part is queued, so a part is either queued for a
     running thread or copied by the caller, never left in a queue nobody serves; being
-    daemons, a stuck copy cannot hold up the interpreter's exit.
+    daemons, a stuck copy cannot hold up the interpreter's exit. Threads belong to a
+    process, so the pool is one per process: :meth:`of_process`.
     """
+
+    _process: Optional["CopyThreads"] = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> "CopyThreads":
+        """This process's copy threads (a forked child starts its own: threads do not fork)."""
+        with cls._process_lock:
+            if cls._process is None or cls._process.pid != os.getpid():
+                cls._process = cls()
+            return cls._process
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -81,14 +92,12 @@ class CopyThreads:
         self._threads = 0
 
     def hand_over(self, parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
-                  running: Running,
-                  max_threads: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+                  running: Running) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
         """Queue ``parts`` (each listed in ``running`` before it is queued), growing the pool
-        to at most ``max_threads`` threads for them (every thread it has serves the queue);
-        return the parts to copy on the calling thread (none unless no thread could be
-        started)."""
+        to one thread per part (every thread it has serves the queue); return the parts to
+        copy on the calling thread (none unless no thread could be started)."""
         with self._lock:
-            while self._threads < min(len(parts), max_threads):
+            while self._threads < len(parts):
                 try:
                     threading.Thread(target=self._serve, daemon=True,
                                      name="megatron_async_staging_copy").start()
@@ -116,18 +125,6 @@ class CopyThreads:
                 future.set_result(None)
             # an idle thread keeps no reference: the segment is freed with its buffers
             del future, pieces, region
-
-
-_copy_threads: Optional[CopyThreads] = None
-
-
-def copy_thread_pool() -> CopyThreads:
-    """This process's copy threads (a forked child starts its own: threads do not fork)."""
-    global _copy_threads
-    threads = _copy_threads
-    if threads is None or threads.pid != os.getpid():
-        threads = _copy_threads = CopyThreads()
-    return threads
 
 
 def wait_all(running: Running):

@@ -41,18 +41,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.shared_memory import ALIGNMENT
-from megatron_async.staging import copy_pool
-from megatron_async.staging.copy_pool import (  # noqa: F401 (this module's names before the split)
-    COPY_THREADS_ENV,
-    Running,
-    StagingCopyTimeoutError,
-    copy_threads,
-)
+from megatron_async.staging.copy_pool import CopyThreads, Running, copy_threads, wait_all
 
-__all__ = [
-    "FlatCopy", "FlatStaging", "StagingCopyTimeoutError", "copy_threads", "SPLIT_MIN_BYTES",
-    "COPY_THREADS_ENV", "Running",
-]
+__all__ = ["FlatCopy", "FlatStaging", "SPLIT_MIN_BYTES"]
 
 SPLIT_MIN_BYTES = 8 * 2**20
 """A bucket smaller than this is copied by the calling thread alone (a hand-over to a
@@ -157,27 +148,18 @@ class FlatCopy:
             torch.cat(pieces, out=region)
             return
         running: Running = []
+        failure: Optional[BaseException] = None
         try:
-            inline = copy_pool.copy_thread_pool().hand_over(others, running, len(others))
+            inline = CopyThreads.of_process().hand_over(others, running)
             torch.cat(pieces, out=region)
             for part_pieces, part_region in inline:  # no copy thread could be started
                 torch.cat(part_pieces, out=part_region)
-        except BaseException:
-            self.stuck, interrupt, _ = copy_pool.wait_all(running)
-            if interrupt is not None:
-                raise interrupt from None
-            raise
-        self.finish(running)
-
-    def finish(self, running: Running) -> None:
-        """Wait for the parts :meth:`copy` handed over; raise the first
-        interrupt, or else the first error (:class:`StagingCopyTimeoutError` for a part
-        stuck past its bound, which also sets ``stuck``)."""
-        self.stuck, interrupt, error = copy_pool.wait_all(running)
-        if interrupt is not None:
-            raise interrupt
-        if error is not None:
-            raise error
+        except BaseException as exc:  # raised once every part handed over has ended
+            failure = exc
+        self.stuck, interrupt, error = wait_all(running)
+        raised = interrupt or failure or error  # an interrupt first, then this thread's error
+        if raised is not None:
+            raise raised
 
 
 class FlatStaging:
@@ -198,12 +180,6 @@ class FlatStaging:
     def stuck(self) -> bool:
         """Whether a copy thread may still write into the buffers (never reuse them)."""
         return self._flat is not None and self._flat.stuck
-
-    @property
-    def current(self) -> Optional[FlatCopy]:
-        """The copy that the next save of the same sources uses (None if there is none)."""
-        flat = self._flat
-        return None if flat is None or flat.stuck else flat
 
     def copy(
         self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],

@@ -10,7 +10,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.staging import buffers, copy_pool, flat_copy
 from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
-from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
+from megatron_async.staging.copy_pool import StagingCopyTimeoutError
+from megatron_async.staging.flat_copy import FlatCopy
 from megatron_async.buckets.layout import WriteBucket
 
 
@@ -126,7 +127,7 @@ def test_sources_in_new_memory_at_every_save_are_staged_correctly():
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_a_large_bucket_copied_in_parts_is_the_same_snapshot(monkeypatch, threads):
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, str(threads))
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, str(threads))
     cache = StagingBufferCache()
     sources = _mixed_sources() + [torch.rand(257) for _ in range(40)]
     _stage(sources, cache)
@@ -259,7 +260,7 @@ def _stage_with_a_stuck_copy_thread(monkeypatch, training_thread_hook=None, inte
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     monkeypatch.setattr(copy_pool, "_PART_WAIT_BASE_S", 0.2)
     monkeypatch.setattr(copy_pool, "_MIN_COPY_BYTES_PER_S", 1e12)
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "2")
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "2")
     cache = StagingBufferCache()
     sources = [torch.rand(257) for _ in range(8)]
     _stage(sources, cache)  # builds the two-part copy of the cached buffers
@@ -305,7 +306,7 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
     from megatron_async.core.shared_memory import has_live_segments
 
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "3")
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "3")
     cache = StagingBufferCache()
     sources = [torch.rand(300) for _ in range(12)]
     for _ in range(2):  # the second save runs the three-part copy of the cached buffers
@@ -318,20 +319,20 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
 
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
-    monkeypatch.delenv(flat_copy.COPY_THREADS_ENV, raising=False)
+    monkeypatch.delenv(copy_pool.COPY_THREADS_ENV, raising=False)
     monkeypatch.setattr(copy_pool.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert flat_copy.copy_threads() == 2
+    assert copy_pool.copy_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert flat_copy.copy_threads() == 1
+    assert copy_pool.copy_threads() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert flat_copy.copy_threads() == 4
+    assert copy_pool.copy_threads() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # as without it
-    assert flat_copy.copy_threads() == 4
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "1")
-    assert flat_copy.copy_threads() == 1
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "64")
-    assert flat_copy.copy_threads() == 16
-    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "many")
-    with pytest.raises(ValueError, match=flat_copy.COPY_THREADS_ENV):
-        flat_copy.copy_threads()
+    assert copy_pool.copy_threads() == 4
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "1")
+    assert copy_pool.copy_threads() == 1
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "64")
+    assert copy_pool.copy_threads() == 16
+    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=copy_pool.COPY_THREADS_ENV):
+        copy_pool.copy_threads()
