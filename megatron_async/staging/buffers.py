@@ -54,25 +54,11 @@ from megatron_async.core.device_wait import (
 )
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
-from megatron_async.staging.buffer_cache import (
-    StagingBufferCache,
-    clear_staging_cache,
-    default_staging_cache,
-    staging_cache_num_bytes,
-)
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.copy_job import LateCopy
 from megatron_async.staging.flat_copy import FlatStaging
 
-__all__ = [
-    "StagedBuckets",
-    "StagingBufferCache",
-    "default_staging_cache",
-    "stage_buckets",
-    "preload_tensors",
-    "staging_cache_num_bytes",
-    "clear_staging_cache",
-    "copy_batched",
-]
+__all__ = ["StagedBuckets", "stage_buckets", "preload_tensors", "copy_batched"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +194,7 @@ def stage_buckets(
             (followed by one bounded wait).
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
-        cache: where buffers are cached; :func:`default_staging_cache` when None.
+        cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
         copy_now: False only leases the buffers and leaves the copies to the caller:
             ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
             (overlapped staging, :class:`~megatron_async.staging.stager.BucketStager`).
@@ -221,7 +207,7 @@ def stage_buckets(
         StagingMemoryError: shared memory for the buffers could not be allocated.
     """
     start = time.monotonic()
-    cache = cache if cache is not None else default_staging_cache()
+    cache = cache if cache is not None else StagingBufferCache.of_process()
     entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
@@ -324,7 +310,7 @@ def preload_tensors(
             (``use_cached_data_structure``); None stages into fresh buffers.
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
         staging_cache: where the reusable buffers live (the trainer's);
-            :func:`~megatron_async.staging.buffers.default_staging_cache` when None.
+            :meth:`StagingBufferCache.of_process` when None.
 
     Returns:
         The staged buckets (a :class:`~megatron_async.staging.buffers.StagedBuckets`).

@@ -19,7 +19,7 @@ That check is four ``map`` calls over the sources (no Python bytecode per tensor
   logical order (an in-place ``resize_`` or ``t_()`` keeps the address).
 
 Holding the views keeps the sources' storages alive as long as the cached buffers (until
-a save of another layout, or ``clear_staging_cache``); a source replaced by new memory
+a save of another layout, or the cache's ``clear``); a source replaced by new memory
 fails the check and its storage is let go at the next save.
 
 A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at once

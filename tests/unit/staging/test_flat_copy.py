@@ -9,7 +9,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.staging import buffers, copy_pool, flat_copy
-from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_pool import StagingCopyTimeoutError
 from megatron_async.staging.flat_copy import FlatCopy
 from megatron_async.buckets.layout import WriteBucket
