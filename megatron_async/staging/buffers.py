@@ -56,7 +56,8 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.copy_job import LateCopy
-from megatron_async.staging.flat_copy import FlatStaging
+from megatron_async.staging.copy_pool import copy_threads
+from megatron_async.staging.flat_copy import FlatCopy
 
 __all__ = ["StagedBuckets", "stage_buckets", "preload_tensors", "copy_batched"]
 
@@ -80,8 +81,10 @@ class _BucketBuffers:
     """The CUDA devices among those sources (to wait for after the copies)."""
     pairs: Optional[ReusedTensorPairs] = None
     """``(item, buffer)`` pairs handed to every save whose items are these (reusable only)."""
-    flat: Optional[FlatStaging] = None
+    flat: Optional[FlatCopy] = None
     """The one-call copy of CPU sources into these buffers (cached buffers only)."""
+    flat_off: bool = False
+    """No one-call copy is tried any more (see :meth:`copy_flat`)."""
 
     def fits(self, sources: Sequence[torch.Tensor]) -> bool:
         signature = [(source.shape, source.dtype, source.device) for source in sources]
@@ -112,6 +115,32 @@ class _BucketBuffers:
 
     def num_bytes(self) -> int:
         return self.segment.numel() if self.segment is not None else 0
+
+    def copy_flat(self, sources: List[torch.Tensor], build: bool = False) -> bool:
+        """Copy the sources with one ``torch.cat`` if possible; return whether it did (stager).
+
+        ``build``: the sources fit these buffers (shapes and dtypes), so a cached bucket of
+        CPU sources may plan a new one-call copy when the current one does not apply. It
+        stops trying once a rebuilt copy did not serve a single later save: sources in new
+        memory at every save would pay for the views every time (the caller then copies
+        with ``torch._foreach_copy_``).
+        """
+        flat = self.flat
+        if flat is not None and flat.matches(sources):
+            flat.hits += 1
+            flat.copy()
+            return True
+        if not build or self.flat_off or not self.reusable or self.for_cuda or self.cuda_devices:
+            return False
+        if flat is not None and not flat.hits:
+            self.flat, self.flat_off = None, True
+            return False
+        flat = self.flat = FlatCopy.build(sources, self.tensors, self.segment, copy_threads())
+        if flat is None:  # a source that is not a contiguous CPU tensor
+            self.flat_off = True
+            return False
+        flat.copy()
+        return True
 
 
 def _allocate_bucket_buffers(
@@ -220,7 +249,7 @@ def stage_buckets(
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            copied = copy_now and buffers is not None and _copy_flat(buffers, sources)
+            copied = copy_now and buffers is not None and buffers.copy_flat(sources)
             if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
@@ -233,7 +262,7 @@ def stage_buckets(
             if not copy_now:
                 detached = [source.detach() for source in sources]
                 result.uncopied.extend(zip(items, detached, buffers.tensors))
-            elif not copied and not _copy_flat(buffers, sources, build=True):
+            elif not copied and not buffers.copy_flat(sources, build=True):
                 cuda_devices.update(buffers.cuda_devices)  # before: a failing copy may queue some
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
             copies = buffers.pairs_for(items)
@@ -261,22 +290,6 @@ def stage_buckets(
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
-
-
-def _copy_flat(
-    buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False
-) -> bool:
-    """Copy the sources with the buffers' one-call copy, if they have one that applies (stager).
-
-    ``build``: the sources fit the buffers, so a cached bucket of CPU sources gets one.
-    """
-    if buffers.flat is None and build and buffers.reusable and not (
-        buffers.for_cuda or buffers.cuda_devices
-    ):
-        buffers.flat = FlatStaging()
-    return buffers.flat is not None and buffers.flat.copy(
-        sources, buffers.tensors, buffers.segment, build
-    )
 
 
 def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:

@@ -41,9 +41,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.shared_memory import ALIGNMENT
-from megatron_async.staging.copy_pool import CopyThreads, Running, copy_threads, wait_all
+from megatron_async.staging.copy_pool import CopyThreads, Running, wait_all
 
-__all__ = ["FlatCopy", "FlatStaging", "SPLIT_MIN_BYTES"]
+__all__ = ["FlatCopy", "SPLIT_MIN_BYTES"]
 
 SPLIT_MIN_BYTES = 8 * 2**20
 """A bucket smaller than this is copied by the calling thread alone (a hand-over to a
@@ -160,52 +160,6 @@ class FlatCopy:
         raised = interrupt or failure or error  # an interrupt first, then this thread's error
         if raised is not None:
             raise raised
-
-
-class FlatStaging:
-    """The one-call copy of one cached bucket, rebuilt when its sources move (stager).
-
-    Stops trying once a rebuilt copy did not serve a single later save: sources in new
-    memory at every save would pay for the views every time (the caller then copies
-    with ``torch._foreach_copy_``).
-    """
-
-    __slots__ = ("_flat", "_off")
-
-    def __init__(self) -> None:
-        self._flat: Optional[FlatCopy] = None
-        self._off = False
-
-    @property
-    def stuck(self) -> bool:
-        """Whether a copy thread may still write into the buffers (never reuse them)."""
-        return self._flat is not None and self._flat.stuck
-
-    def copy(
-        self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-        segment: Optional[torch.Tensor], build: bool,
-    ) -> bool:
-        """Copy ``sources`` into ``buffers`` in one call if possible; return whether it did.
-
-        ``build``: the sources are known to fit the buffers (shapes and dtypes), so a
-        copy may be planned for them when the current one does not apply.
-        """
-        flat = self._flat
-        if flat is not None and flat.matches(sources):
-            flat.hits += 1
-            flat.copy()
-            return True
-        if not build or self._off:
-            return False
-        if flat is not None and not flat.hits:
-            self._flat, self._off = None, True
-            return False
-        flat = self._flat = FlatCopy.build(sources, buffers, segment, copy_threads())
-        if flat is None:  # a source that is not a contiguous CPU tensor
-            self._off = True
-            return False
-        flat.copy()
-        return True
 
 
 def _split(pieces: List[torch.Tensor], region: torch.Tensor,
