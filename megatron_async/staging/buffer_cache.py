@@ -76,15 +76,10 @@ class StagingBufferCache:
             elif entry.leased:
                 logger.debug("staging buffers of this layout are still being written; using new ones")
                 return None
-            return self._mark_leased(key, entry)
-
-    def _mark_leased(self, key: Hashable, entry: _BufferSet) -> _BufferSet:
-        """Lease ``entry`` to this process under a new generation and keep its layout as
-        the latest (with the lock held)."""
-        self._entries.move_to_end(key)
-        entry.leased, entry.owner_pid = True, os.getpid()
-        entry.generation = next(self._generations)
-        return entry
+            self._entries.move_to_end(key)  # the latest layout
+            entry.leased, entry.owner_pid = True, os.getpid()
+            entry.generation = next(self._generations)
+            return entry
 
     def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
         """Make the leased buffers reusable once nothing reads them any more (stager).

@@ -46,7 +46,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
-from megatron_async.core import shared_memory
+from megatron_async.core import coordination, shared_memory
 from megatron_async.core.device_wait import (
     DeviceCopyTimeoutError,
     landed_after_failure,
@@ -55,9 +55,10 @@ from megatron_async.core.device_wait import (
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.copy_job import LateCopy
+from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
 from megatron_async.staging.copy_pool import copy_threads
 from megatron_async.staging.flat_copy import FlatCopy
+from megatron_async.staging.gate import StagingGate
 
 __all__ = ["StagedBuckets", "stage_buckets", "preload_tensors", "copy_batched"]
 
@@ -193,7 +194,6 @@ class StagedBuckets(LateCopy, list):
         self.lease = lease
         self._cache = cache
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
-        self.uncopied: List[tuple] = []  # (item, source, buffer) left to copy (copy_now=False)
 
     def release(self) -> None:
         """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
@@ -211,7 +211,7 @@ def stage_buckets(
     non_blocking: bool = True,
     cache_key: Optional[Hashable] = None,
     cache: Optional[StagingBufferCache] = None,
-    copy_now: bool = True,
+    copy_later: Optional[StagingGate] = None,
 ) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
@@ -224,9 +224,9 @@ def stage_buckets(
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
         cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
-        copy_now: False only leases the buffers and leaves the copies to the caller:
-            ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
-            (overlapped staging, :class:`~megatron_async.staging.stager.BucketStager`).
+        copy_later: the save's gate, for overlapped staging: only lease the buffers; the
+            result's ``copy_job`` copies every tensor on the copy thread after the
+            hand-over (:class:`~.copy_job.LateCopy`) and marks that gate staged.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -242,6 +242,7 @@ def stage_buckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
     cuda_devices: Set[torch.device] = set()
+    late_copies: List[tuple] = []  # (name, source, buffer, watched) for the copy job (copy_later)
     allocated = 0
     try:
         for b_idx, bucket in enumerate(buckets):
@@ -249,7 +250,7 @@ def stage_buckets(
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            copied = copy_now and buffers is not None and buffers.copy_flat(sources)
+            copied = copy_later is None and buffers is not None and buffers.copy_flat(sources)
             if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
@@ -259,9 +260,10 @@ def stage_buckets(
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
-            if not copy_now:
-                detached = [source.detach() for source in sources]
-                result.uncopied.extend(zip(items, detached, buffers.tensors))
+            if copy_later is not None:
+                for item, source, buffer in zip(items, sources, buffers.tensors):
+                    source = source.detach()
+                    late_copies.append((item.index.fqn, source, buffer, watch(source)))
             elif not copied and not buffers.copy_flat(sources, build=True):
                 cuda_devices.update(buffers.cuda_devices)  # before: a failing copy may queue some
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
@@ -285,6 +287,8 @@ def stage_buckets(
             "staged %d bytes in %d buckets in %.3fs (%d of them into new buffers)",
             copied, len(result), time.monotonic() - start, allocated,
         )
+    if copy_later is not None:
+        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank())
     return result
 
 

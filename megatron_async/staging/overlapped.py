@@ -27,16 +27,8 @@ Nothing may change a saved tensor before it is copied:
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
-Above the staging budget (a ``staging_memory_limit`` below a rank's state), the state
-goes through the budget's pool in rounds (:mod:`.rounds`' ring plan and writer view), and
-still nothing is copied at scheduling: :func:`~.rounds.stage_in_rounds` places every
-item in the pool, records the version counters and marks the gate staged at once (the
-writer waits on it for each item instead); after the hand-over the same copy thread runs
-the same :class:`~.copy_job.CopyJob` in rounds, each item once the writer wrote the
-items whose bytes it overwrites (each wait bounded on its own, ending early when the
-writer is done, failed or gone), and the next optimizer step waits until the last round
-is copied: under a budget, the trainer's wait for the drain moves there. The files are
-byte-identical to a save staged in one go.
+Above the staging budget, the copy thread copies every round after the hand-over and
+the next optimizer step waits for the last (:mod:`.rounds`).
 
 Runs in the trainer; the gate's waiting side runs in the background writer
 (:func:`~.gate.write_after_staging`).

@@ -29,13 +29,12 @@ from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.buckets.layout import WriteBucket
-from megatron_async.core import coordination
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
-from megatron_async.staging.copy_job import CopyJob, CopyThread, watch
+from megatron_async.staging.copy_job import CopyThread
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 
@@ -127,9 +126,13 @@ class BucketStager:
             cache.clear()  # the idle buffers of saves in one round
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
-            if pool is None:
-                return self._stage_one_round(cache)
-            return stage_in_rounds(self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped)
+            if pool is not None:
+                return stage_in_rounds(self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped)
+            if self.overlapped:  # the layout's buffers, copied by the copy thread
+                return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
+            if self.stage_one_go is not None:
+                return self.stage_one_go()
+            return stage_buckets(self.buckets, True, self.cache_key, cache)
 
         staged = StagingLedger.of_process().stage_within(
             stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,
@@ -139,19 +142,6 @@ class BucketStager:
             self.stats.update(rounds=staged.plan.rounds, peak_bytes=staged.plan.pool_bytes)
         else:
             self.stats.update(rounds=1, peak_bytes=state_bytes)
-        return staged
-
-    def _stage_one_round(self, cache: StagingBufferCache) -> Any:
-        """A state within the budget: its layout's buffers, copied now or by the copy thread."""
-        if not self.overlapped:
-            if self.stage_one_go is not None:
-                return self.stage_one_go()
-            return stage_buckets(self.buckets, True, self.cache_key, cache)
-        staged = stage_buckets(self.buckets, True, self.cache_key, cache, copy_now=False)
-        copies = [(item.index.fqn, source, buffer, watch(source))
-                  for item, source, buffer in staged.uncopied]
-        staged.uncopied = []
-        staged.copy_job = CopyJob(self.gate, copies, coordination.get_rank())
         return staged
 
     def _refuse_rounds_it_cannot_do(self, state_bytes: int, budget: int) -> None:
