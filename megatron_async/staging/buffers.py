@@ -56,8 +56,7 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
-from megatron_async.staging.copy_pool import copy_threads
-from megatron_async.staging.flat_copy import FlatCopy
+from megatron_async.staging.flat_copy import FlatCopy, copy_threads
 from megatron_async.staging.gate import StagingGate
 
 __all__ = ["StagedBuckets", "stage_buckets", "preload_tensors", "copy_batched"]

@@ -8,11 +8,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging import buffers, copy_pool, flat_copy
+from megatron_async.staging import buffers, flat_copy
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
-from megatron_async.staging.copy_pool import StagingCopyTimeoutError
-from megatron_async.staging.flat_copy import FlatCopy
+from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
 from megatron_async.buckets.layout import WriteBucket
 
 
@@ -128,7 +127,7 @@ def test_sources_in_new_memory_at_every_save_are_staged_correctly():
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_a_large_bucket_copied_in_parts_is_the_same_snapshot(monkeypatch, threads):
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, str(threads))
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, str(threads))
     cache = StagingBufferCache()
     sources = _mixed_sources() + [torch.rand(257) for _ in range(40)]
     _stage(sources, cache)
@@ -231,7 +230,7 @@ def test_a_failed_training_thread_part_waits_for_the_copy_threads(monkeypatch):
 
 def _interrupt_first_wait(monkeypatch):
     """A KeyboardInterrupt arrives in the training thread's first wait for a copy thread."""
-    real_wait = copy_pool.futures_wait
+    real_wait = flat_copy.futures_wait
     calls = []
 
     def interrupted_once(*args, **kwargs):
@@ -240,7 +239,7 @@ def _interrupt_first_wait(monkeypatch):
             raise KeyboardInterrupt
         return real_wait(*args, **kwargs)
 
-    monkeypatch.setattr(copy_pool, "futures_wait", interrupted_once)
+    monkeypatch.setattr(flat_copy, "futures_wait", interrupted_once)
 
 
 def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch):
@@ -259,9 +258,9 @@ def _stage_with_a_stuck_copy_thread(monkeypatch, training_thread_hook=None, inte
     """Stage a cached two-part bucket whose copy thread hangs past its bound; return the
     cache and the event that frees the thread."""
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setattr(copy_pool, "_PART_WAIT_BASE_S", 0.2)
-    monkeypatch.setattr(copy_pool, "_MIN_COPY_BYTES_PER_S", 1e12)
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "2")
+    monkeypatch.setattr(flat_copy, "_PART_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(flat_copy, "_MIN_COPY_BYTES_PER_S", 1e12)
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "2")
     cache = StagingBufferCache()
     sources = [torch.rand(257) for _ in range(8)]
     _stage(sources, cache)  # builds the two-part copy of the cached buffers
@@ -307,7 +306,7 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
     from megatron_async.core.shared_memory import has_live_segments
 
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "3")
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "3")
     cache = StagingBufferCache()
     sources = [torch.rand(300) for _ in range(12)]
     for _ in range(2):  # the second save runs the three-part copy of the cached buffers
@@ -320,20 +319,20 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
 
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
-    monkeypatch.delenv(copy_pool.COPY_THREADS_ENV, raising=False)
-    monkeypatch.setattr(copy_pool.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv(flat_copy.COPY_THREADS_ENV, raising=False)
+    monkeypatch.setattr(flat_copy.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert copy_pool.copy_threads() == 2
+    assert flat_copy.copy_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert copy_pool.copy_threads() == 1
+    assert flat_copy.copy_threads() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert copy_pool.copy_threads() == 4
+    assert flat_copy.copy_threads() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # as without it
-    assert copy_pool.copy_threads() == 4
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "1")
-    assert copy_pool.copy_threads() == 1
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "64")
-    assert copy_pool.copy_threads() == 16
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "many")
-    with pytest.raises(ValueError, match=copy_pool.COPY_THREADS_ENV):
-        copy_pool.copy_threads()
+    assert flat_copy.copy_threads() == 4
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "1")
+    assert flat_copy.copy_threads() == 1
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "64")
+    assert flat_copy.copy_threads() == 16
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=flat_copy.COPY_THREADS_ENV):
+        flat_copy.copy_threads()

@@ -234,7 +234,7 @@ def _our_share(phases: Dict[str, List[float]], stalls: List[float]):
 
 def _staging_copy_threads() -> int:
     try:  # older revisions (timed with this tool for before/after) copy on one thread
-        from megatron_async.staging.copy_pool import copy_threads
+        from megatron_async.staging.flat_copy import copy_threads
     except ImportError:
         return 1
     return copy_threads()
