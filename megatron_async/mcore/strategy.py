@@ -46,8 +46,8 @@ from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, fail_first_collective
 from megatron_async.mcore.save_call import current_save_call, guard_save_functions
 from megatron_async.mcore.target import claim_save_target
-from megatron_async.staging.budget import staging_ledger
-from megatron_async.staging.buffers import StagingBufferCache
+from megatron_async.staging.budget import StagingLedger
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -228,7 +228,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         rounds (see :mod:`megatron_async.staging.budget`) is freed the same way.
         """
         self.staging_cache.clear()
-        staging_ledger().drop_pool()
+        StagingLedger.of_process().drop_pool()
 
     # megatron-core's attribute names for options that live in ``config`` here; its
     # fully parallel wrapper and Megatron-LM read or set them on the strategy.

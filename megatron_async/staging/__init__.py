@@ -6,7 +6,7 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   from save to save through a :class:`~.buffer_cache.StagingBufferCache`
   (:mod:`.buffer_cache`: the reusable buffers and their leases);
 * :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``, a large
-  one in parts on the copy threads (:mod:`.copy_pool`: the threads and bounded waits);
+  one in parts on the copy threads of the process, each part's wait bounded;
 * :mod:`.stager`: one save's stager (:class:`~.stager.BucketStager`), every mode as one
   pipeline: buffers from the layout cache or the budget's pool, copied by the training
   thread or the copy thread;

@@ -26,30 +26,19 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.core.coordination import local_world_size
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
-from megatron_async.staging.copy_job import stalled_copy
-from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.copy_job import CopyThread
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
 
-__all__ = [
-    "StagingLedger",
-    "staging_ledger",
-    "validate_staging_memory_limit",
-    "resolve_budget",
-    "DEFAULT_STAGING_MEMORY_WAIT_S",
-]
+__all__ = ["StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STAGING_MEMORY_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
-"""Bound on a save's wait for staging memory held by an earlier save, and on each wait
-for the writer while staging in rounds."""
 
 
 def validate_staging_memory_limit(limit: Any) -> None:
@@ -149,7 +138,22 @@ class _Hold:
 
 
 class StagingLedger:
-    """The staging memory held by this process's saves, and the pool they share (trainer)."""
+    """The staging memory held by this process's saves, and the pool they share (trainer).
+
+    The budget is per rank, shared by every save of the process (torch_dist and
+    ``torch.save`` alike), so there is one ledger per process: :meth:`of_process`.
+    """
+
+    _process: Optional["StagingLedger"] = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> "StagingLedger":
+        """This process's ledger (created on first use)."""
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -194,19 +198,44 @@ class StagingLedger:
             self.peak_bytes = max(self.peak_bytes, held + num_bytes)
         return hold
 
-    def _wait_for_pool_writers(self, timeout_s: float) -> None:
-        """Wait (bounded) until no earlier save's copy can still write into the pool: its
-        writer may be done (failed) while its copy job still runs."""
-        if stalled_copy(timeout_s) is not None:
+    def stage_within(
+        self, stage: Callable[[Optional[torch.Tensor]], Any], *, state_bytes: int, budget: int,
+        in_rounds: bool, gate: StagingGate, pinned: bool, timeout_s: float,
+    ) -> Any:
+        """Run one save's ``stage`` within ``budget`` and return what it staged (trainer,
+        ``preload_fn``).
+
+        Waits until the save's memory fits (``state_bytes``; in rounds, the whole budget),
+        calls ``stage(pool)`` (in rounds the pool, page-locked if ``pinned``; otherwise
+        None) and holds the memory until the save's writer is done with the staged data or
+        the caller releases it (:meth:`_Hold.tie_to`); a failed ``stage`` holds nothing.
+
+        Raises:
+            StagingMemoryError: earlier saves did not free the memory or the pool within
+                ``timeout_s``; and whatever ``stage`` raises.
+        """
+        hold = self.reserve(budget if in_rounds else state_bytes, budget, gate, timeout_s)
+        try:
+            staged = stage(self.pool(budget, pinned, timeout_s) if in_rounds else None)
+        except BaseException:
+            hold.end()
+            raise
+        hold.tie_to(staged)
+        return staged
+
+    def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> torch.Tensor:
+        """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
+        once no earlier save's copy job writes into it (bounded by ``timeout_s``: its
+        writer may be done, or failed, while its copy job still runs).
+
+        Raises:
+            StagingMemoryError: an earlier save's copy made no progress for ``timeout_s``.
+        """
+        if CopyThread.of_process().stalled(timeout_s) is not None:
             raise StagingMemoryError(
                 f"an earlier save's copy into the staging pool made no progress for "
                 f"{timeout_s:.0f}s, so the pool cannot be reused; its writer is stuck"
             )
-
-    def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S) -> torch.Tensor:
-        """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
-        once no earlier save's copy job writes into it (bounded by ``timeout_s``)."""
-        self._wait_for_pool_writers(timeout_s)
         with self._lock:
             if self._pool is not None and self._pool[0].numel() == num_bytes and (
                 self._pool[1] or not pinned
@@ -226,10 +255,3 @@ class StagingLedger:
         with self._lock:
             self._pool = None
 
-
-_ledger = StagingLedger()
-
-
-def staging_ledger() -> StagingLedger:
-    """This process's ledger (one per trainer process)."""
-    return _ledger

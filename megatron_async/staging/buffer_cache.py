@@ -18,12 +18,7 @@ from typing import Any, Hashable, List, Optional, Tuple
 
 from megatron_async.core.device_wait import release_landed
 
-__all__ = [
-    "StagingBufferCache",
-    "default_staging_cache",
-    "staging_cache_num_bytes",
-    "clear_staging_cache",
-]
+__all__ = ["StagingBufferCache"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +37,32 @@ class _BufferSet:
         return sum(b.num_bytes() for b in self.buckets if b is not None)
 
 
-_generations = itertools.count(1)
-"""Lease generations, unique across every cache of the process: a lease on a dropped and
-re-created entry never matches."""
-
-
 class StagingBufferCache:
     """Reusable staging buffers, one bucket layout at a time, each lent to one save at a time.
 
     Lives in the trainer process that stages (every rank has its own). An owner (a
     strategy, a writer) passes it explicitly to
     :func:`~megatron_async.staging.buffers.stage_buckets`; writers built
-    without one share :func:`default_staging_cache`. A new layout replaces the others
+    without one share the process's (:meth:`of_process`). A new layout replaces the others
     (a changed structure does not leave a checkpoint's worth of shared memory behind);
     buffers still leased are dropped when their lease ends.
     """
 
+    _process: Optional["StagingBufferCache"] = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> "StagingBufferCache":
+        """The cache of the writers of this process that were given none (created on first use)."""
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
+        self._generations = itertools.count(1)  # a lease on a dropped and re-created entry never matches
 
     def lease(self, key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
         """Return ``key``'s buffer set, leased to the caller, or None if it is leased already."""
@@ -74,15 +76,10 @@ class StagingBufferCache:
             elif entry.leased:
                 logger.debug("staging buffers of this layout are still being written; using new ones")
                 return None
-            return self._mark_leased(key, entry)
-
-    def _mark_leased(self, key: Hashable, entry: _BufferSet) -> _BufferSet:
-        """Lease ``entry`` to this process under a new generation and keep its layout as
-        the latest (with the lock held)."""
-        self._entries.move_to_end(key)
-        entry.leased, entry.owner_pid = True, os.getpid()
-        entry.generation = next(_generations)
-        return entry
+            self._entries.move_to_end(key)  # the latest layout
+            entry.leased, entry.owner_pid = True, os.getpid()
+            entry.generation = next(self._generations)
+            return entry
 
     def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
         """Make the leased buffers reusable once nothing reads them any more (stager).
@@ -119,7 +116,8 @@ class StagingBufferCache:
             return sum(entry.num_bytes() for entry in self._entries.values())
 
     def clear(self, include_in_use: bool = False) -> None:
-        """Drop the cached buffers that are not in use (or all of them).
+        """Drop the cached buffers that are not in use (or all of them), and the host memory
+        kept for device copies that have landed since a failed wait.
 
         ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
         holds it); use it only when no save is in flight, e.g. in tests.
@@ -127,23 +125,5 @@ class StagingBufferCache:
         with self._lock:
             for key in [k for k, e in self._entries.items() if include_in_use or not e.leased]:
                 del self._entries[key]
+        release_landed()
 
-
-_default_cache = StagingBufferCache()
-
-
-def default_staging_cache() -> StagingBufferCache:
-    """The cache of writers that were given none (one per process)."""
-    return _default_cache
-
-
-def staging_cache_num_bytes() -> int:
-    """Bytes held by the default cache's buffers (see :func:`default_staging_cache`)."""
-    return _default_cache.num_bytes()
-
-
-def clear_staging_cache(include_in_use: bool = False) -> None:
-    """Drop the default cache's buffers (see :meth:`StagingBufferCache.clear`), and the
-    host memory kept for device copies that have landed since a failed wait."""
-    _default_cache.clear(include_in_use)
-    release_landed()

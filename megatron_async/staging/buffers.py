@@ -46,7 +46,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
-from megatron_async.core import shared_memory
+from megatron_async.core import coordination, shared_memory
 from megatron_async.core.device_wait import (
     DeviceCopyTimeoutError,
     landed_after_failure,
@@ -54,25 +54,12 @@ from megatron_async.core.device_wait import (
 )
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
-from megatron_async.staging.buffer_cache import (
-    StagingBufferCache,
-    clear_staging_cache,
-    default_staging_cache,
-    staging_cache_num_bytes,
-)
-from megatron_async.staging.copy_job import LateCopy
-from megatron_async.staging.flat_copy import FlatStaging
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
+from megatron_async.staging.flat_copy import FlatCopy, copy_threads
+from megatron_async.staging.gate import StagingGate
 
-__all__ = [
-    "StagedBuckets",
-    "StagingBufferCache",
-    "default_staging_cache",
-    "stage_buckets",
-    "preload_tensors",
-    "staging_cache_num_bytes",
-    "clear_staging_cache",
-    "copy_batched",
-]
+__all__ = ["StagedBuckets", "stage_buckets", "preload_tensors", "copy_batched"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +81,10 @@ class _BucketBuffers:
     """The CUDA devices among those sources (to wait for after the copies)."""
     pairs: Optional[ReusedTensorPairs] = None
     """``(item, buffer)`` pairs handed to every save whose items are these (reusable only)."""
-    flat: Optional[FlatStaging] = None
+    flat: Optional[FlatCopy] = None
     """The one-call copy of CPU sources into these buffers (cached buffers only)."""
+    flat_off: bool = False
+    """No one-call copy is tried any more (see :meth:`copy_flat`)."""
 
     def fits(self, sources: Sequence[torch.Tensor]) -> bool:
         signature = [(source.shape, source.dtype, source.device) for source in sources]
@@ -126,6 +115,32 @@ class _BucketBuffers:
 
     def num_bytes(self) -> int:
         return self.segment.numel() if self.segment is not None else 0
+
+    def copy_flat(self, sources: List[torch.Tensor], build: bool = False) -> bool:
+        """Copy the sources with one ``torch.cat`` if possible; return whether it did (stager).
+
+        ``build``: the sources fit these buffers (shapes and dtypes), so a cached bucket of
+        CPU sources may plan a new one-call copy when the current one does not apply. It
+        stops trying once a rebuilt copy did not serve a single later save: sources in new
+        memory at every save would pay for the views every time (the caller then copies
+        with ``torch._foreach_copy_``).
+        """
+        flat = self.flat
+        if flat is not None and flat.matches(sources):
+            flat.hits += 1
+            flat.copy()
+            return True
+        if not build or self.flat_off or not self.reusable or self.for_cuda or self.cuda_devices:
+            return False
+        if flat is not None and not flat.hits:
+            self.flat, self.flat_off = None, True
+            return False
+        flat = self.flat = FlatCopy.build(sources, self.tensors, self.segment, copy_threads())
+        if flat is None:  # a source that is not a contiguous CPU tensor
+            self.flat_off = True
+            return False
+        flat.copy()
+        return True
 
 
 def _allocate_bucket_buffers(
@@ -178,7 +193,6 @@ class StagedBuckets(LateCopy, list):
         self.lease = lease
         self._cache = cache
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
-        self.uncopied: List[tuple] = []  # (item, source, buffer) left to copy (copy_now=False)
 
     def release(self) -> None:
         """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
@@ -196,7 +210,7 @@ def stage_buckets(
     non_blocking: bool = True,
     cache_key: Optional[Hashable] = None,
     cache: Optional[StagingBufferCache] = None,
-    copy_now: bool = True,
+    copy_later: Optional[StagingGate] = None,
 ) -> StagedBuckets:
     """Copy every tensor of ``buckets`` into host memory and return the staged buckets.
 
@@ -208,10 +222,10 @@ def stage_buckets(
             (followed by one bounded wait).
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
-        cache: where buffers are cached; :func:`default_staging_cache` when None.
-        copy_now: False only leases the buffers and leaves the copies to the caller:
-            ``uncopied`` of the result lists ``(item, source, buffer)`` for every tensor
-            (overlapped staging, :class:`~megatron_async.staging.stager.BucketStager`).
+        cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
+        copy_later: the save's gate, for overlapped staging: only lease the buffers; the
+            result's ``copy_job`` copies every tensor on the copy thread after the
+            hand-over (:class:`~.copy_job.LateCopy`) and marks that gate staged.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -221,12 +235,13 @@ def stage_buckets(
         StagingMemoryError: shared memory for the buffers could not be allocated.
     """
     start = time.monotonic()
-    cache = cache if cache is not None else default_staging_cache()
+    cache = cache if cache is not None else StagingBufferCache.of_process()
     entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
     result = StagedBuckets(
         lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
     )
     cuda_devices: Set[torch.device] = set()
+    late_copies: List[tuple] = []  # (name, source, buffer, watched) for the copy job (copy_later)
     allocated = 0
     try:
         for b_idx, bucket in enumerate(buckets):
@@ -234,7 +249,7 @@ def stage_buckets(
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
             buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
-            copied = copy_now and buffers is not None and _copy_flat(buffers, sources)
+            copied = copy_later is None and buffers is not None and buffers.copy_flat(sources)
             if not copied and (buffers is None or not buffers.fits(sources)):
                 cached = entry is not None and b_idx < len(entry.buckets)
                 buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
@@ -244,10 +259,11 @@ def stage_buckets(
                     entry.buckets[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
-            if not copy_now:
-                detached = [source.detach() for source in sources]
-                result.uncopied.extend(zip(items, detached, buffers.tensors))
-            elif not copied and not _copy_flat(buffers, sources, build=True):
+            if copy_later is not None:
+                for item, source, buffer in zip(items, sources, buffers.tensors):
+                    source = source.detach()
+                    late_copies.append((item.index.fqn, source, buffer, watch(source)))
+            elif not copied and not buffers.copy_flat(sources, build=True):
                 cuda_devices.update(buffers.cuda_devices)  # before: a failing copy may queue some
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
             copies = buffers.pairs_for(items)
@@ -270,27 +286,13 @@ def stage_buckets(
             "staged %d bytes in %d buckets in %.3fs (%d of them into new buffers)",
             copied, len(result), time.monotonic() - start, allocated,
         )
+    if copy_later is not None:
+        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank())
     return result
 
 
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
-
-
-def _copy_flat(
-    buffers: _BucketBuffers, sources: List[torch.Tensor], build: bool = False
-) -> bool:
-    """Copy the sources with the buffers' one-call copy, if they have one that applies (stager).
-
-    ``build``: the sources fit the buffers, so a cached bucket of CPU sources gets one.
-    """
-    if buffers.flat is None and build and buffers.reusable and not (
-        buffers.for_cuda or buffers.cuda_devices
-    ):
-        buffers.flat = FlatStaging()
-    return buffers.flat is not None and buffers.flat.copy(
-        sources, buffers.tensors, buffers.segment, build
-    )
 
 
 def copy_batched(buffers: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool) -> None:
@@ -324,7 +326,7 @@ def preload_tensors(
             (``use_cached_data_structure``); None stages into fresh buffers.
         non_blocking: pinned buffers and asynchronous copies for CUDA tensors.
         staging_cache: where the reusable buffers live (the trainer's);
-            :func:`~megatron_async.staging.buffers.default_staging_cache` when None.
+            :meth:`StagingBufferCache.of_process` when None.
 
     Returns:
         The staged buckets (a :class:`~megatron_async.staging.buffers.StagedBuckets`).

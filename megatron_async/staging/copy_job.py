@@ -2,7 +2,7 @@
 
 Runs in the trainer. Every staging mode that copies after the request is handed to its
 writer builds a :class:`CopyJob` at scheduling and hands it, after the hand-over, to the
-one copy thread of this process (:func:`submit_copy`):
+one copy thread of this process (:class:`CopyThread`):
 
 * overlapped staging in one go (:mod:`.overlapped`): every tensor in one run, then the
   save's gate is marked staged (the writer waits for that mark before it writes a byte);
@@ -35,19 +35,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
-from megatron_async.errors import StagingRaceError
+from megatron_async.errors import AsyncTimeoutError, StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
 
-__all__ = [
-    "CopyJob",
-    "LateCopy",
-    "OVERLAPPED_ADVICE",
-    "copies_held",
-    "pending_copies",
-    "stalled_copy",
-    "submit_copy",
-    "watch",
-]
+__all__ = ["CopyJob", "CopyThread", "LateCopy", "OVERLAPPED_ADVICE", "watch"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +206,24 @@ class CopyJob:
                 )
 
 
-class _Copier:
-    """The copy thread of this process and the jobs it has not finished (trainer)."""
+class CopyThread:
+    """The copy thread of this process and the jobs it has not finished (trainer).
+
+    A thread belongs to a process and the next optimizer step of the process waits for
+    all of its jobs, so there is one per process (:meth:`of_process`). Jobs run one at a
+    time, in the order they were submitted.
+    """
+
+    _process: Optional["CopyThread"] = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> "CopyThread":
+        """This process's copy thread (created on first use; started by the first job)."""
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -225,8 +232,10 @@ class _Copier:
         self._thread: Optional[threading.Thread] = None
         self._running = threading.Event()  # cleared while copies are held
         self._running.set()
+        self._optimizer_hook = None
 
     def submit(self, job: CopyJob) -> None:
+        """Hand ``job`` to the thread (after the request's hand-over; once)."""
         with self._lock:
             if job.submitted:
                 return
@@ -250,45 +259,53 @@ class _Copier:
             # segment, and a live segment keeps a restarted persistent worker from forking.
             del job
 
-    def hold(self, held: bool) -> None:
-        (self._running.clear if held else self._running.set)()
+    @contextlib.contextmanager
+    def held(self):
+        """Jobs submitted inside this block start only when it exits (a debugging and
+        testing aid that makes "the tensor changed before it was copied" deterministic)."""
+        self._running.clear()
+        try:
+            yield
+        finally:
+            self._running.set()
 
     def pending(self) -> List[CopyJob]:
+        """The jobs not done yet."""
         with self._lock:
             return [job for job in self._pending if not job.done.is_set()]
 
+    def stalled(self, timeout_s: float) -> Optional[CopyJob]:
+        """Wait until every pending job is done; return one that copied nothing for
+        ``timeout_s`` (the caller raises its own error), or None."""
+        for job in self.pending():
+            if not job.wait(timeout_s):
+                return job
+        return None
 
-_copier = _Copier()
+    def wait_for_copies(self, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+        """Block until every job is done (see :func:`~.overlapped.wait_for_staging`).
 
+        Raises:
+            AsyncTimeoutError: a job made no progress for ``timeout_s`` (a copy in one go:
+                did not finish within it).
+        """
+        job = self.stalled(timeout_s)
+        if job is not None:
+            raise AsyncTimeoutError(
+                f"rank {job.rank}: the overlapped staging copy made no progress for "
+                f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
+            )
 
-def submit_copy(job: CopyJob) -> None:
-    """Hand ``job`` to this process's copy thread (after the request's hand-over; once)."""
-    _copier.submit(job)
+    def hook_optimizer_steps(self) -> None:
+        """Make the step of every torch optimizer wait for the jobs first (a global step
+        pre-hook, installed once)."""
+        with self._lock:
+            if self._optimizer_hook is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-
-def pending_copies() -> List[CopyJob]:
-    """The jobs of this process not done yet (trainer)."""
-    return _copier.pending()
-
-
-def stalled_copy(timeout_s: float) -> Optional[CopyJob]:
-    """Wait until every pending job is done; return one that copied nothing for
-    ``timeout_s`` (the caller raises its own error), or None (trainer)."""
-    for job in _copier.pending():
-        if not job.wait(timeout_s):
-            return job
-    return None
-
-
-@contextlib.contextmanager
-def copies_held():
-    """Jobs submitted inside this block start only when it exits (trainer; a debugging
-    and testing aid that makes "the tensor changed before it was copied" deterministic)."""
-    _copier.hold(True)
-    try:
-        yield
-    finally:
-        _copier.hold(False)
+                self._optimizer_hook = register_optimizer_step_pre_hook(
+                    lambda optimizer, args, kwargs: self.wait_for_copies()
+                )
 
 
 class LateCopy:
@@ -308,7 +325,7 @@ class LateCopy:
     def start_background_copy(self) -> None:
         """Trainer, once the request is with its writer: hand the job to the copy thread."""
         if self.copy_job is not None and self.copy_job.copies:
-            submit_copy(self.copy_job)
+            CopyThread.of_process().submit(self.copy_job)
 
     def finish_staging(self) -> None:
         """Trainer: where scheduling waits, wait until every copy is made or the copy failed.

@@ -19,15 +19,16 @@ That check is four ``map`` calls over the sources (no Python bytecode per tensor
   logical order (an in-place ``resize_`` or ``t_()`` keeps the address).
 
 Holding the views keeps the sources' storages alive as long as the cached buffers (until
-a save of another layout, or ``clear_staging_cache``); a source replaced by new memory
+a save of another layout, or the cache's ``clear``); a source replaced by new memory
 fails the check and its storage is let go at the next save.
 
 A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at once
 (:func:`copy_threads`; ``torch.cat`` releases the GIL; one thread alone does not reach a
 node's memory bandwidth, docs/benchmarks.md): its pieces are cut into runs of about equal
 bytes, each its own ``torch.cat`` into its own part of the region, one on the calling
-thread and the others on a small pool of this process. The call returns only when every
-part is copied, so the snapshot is whole when scheduling returns.
+thread and the others on the copy threads of this process (:class:`FlatCopyThreads`).
+The call returns only when every part is copied, so the snapshot is whole when
+scheduling returns; every wait for a part is bounded by its size (:func:`wait_all`).
 
 CUDA sources never come here: they keep the page-locked buffers, non-blocking copies and
 one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
@@ -36,23 +37,158 @@ one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.
 from __future__ import annotations
 
 import operator
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_async.core.coordination import local_world_size
 from megatron_async.core.shared_memory import ALIGNMENT
-from megatron_async.staging import copy_pool
-from megatron_async.staging.copy_pool import (  # noqa: F401 (this module's names before the split)
-    COPY_THREADS_ENV,
-    Running,
-    StagingCopyTimeoutError,
-    copy_threads,
-)
+from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 
 __all__ = [
-    "FlatCopy", "FlatStaging", "StagingCopyTimeoutError", "copy_threads", "SPLIT_MIN_BYTES",
-    "COPY_THREADS_ENV", "Running",
+    "COPY_THREADS_ENV", "FlatCopy", "FlatCopyThreads", "SPLIT_MIN_BYTES", "StagingCopyTimeoutError",
+    "copy_threads", "wait_all",
 ]
+
+COPY_THREADS_ENV = "MEGATRON_ASYNC_STAGING_COPY_THREADS"
+"""Overrides :func:`copy_threads` (an integer from 1 to 16; 1 copies on the training
+thread only)."""
+
+_DEFAULT_MAX_COPY_THREADS = 4
+_MAX_COPY_THREADS = 16
+_PART_WAIT_BASE_S = 30.0  # the wait for a part: this, plus its bytes at the rate below
+_MIN_COPY_BYTES_PER_S = 50e6  # a copy slower than this is stuck
+
+Running = List[Tuple[Future, torch.Tensor]]
+"""Parts handed to the copy threads: each one's future and the region it copies into."""
+
+
+class StagingCopyTimeoutError(AsyncTimeoutError):
+    """A copy thread of the staging did not finish its part in time; it may still write
+    into the buffers, which are therefore never used again (stager)."""
+
+
+def copy_threads() -> int:
+    """How many threads copy one large bucket: the CPUs this process may run on, shared by
+    the node's local ranks (torchrun's ``LOCAL_WORLD_SIZE``), at most 4 and at least 1;
+    :data:`COPY_THREADS_ENV` overrides it."""
+    configured = os.environ.get(COPY_THREADS_ENV)
+    if configured:
+        try:
+            return max(1, min(_MAX_COPY_THREADS, int(configured)))
+        except ValueError:
+            raise CheckpointValidationError(
+                f"{COPY_THREADS_ENV}={configured!r} is not an integer; set it to the number of "
+                "threads that copy a bucket (1: the training thread only)"
+            ) from None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_world_size()))
+
+
+class FlatCopyThreads:
+    """Daemon threads of one process that copy the parts handed to them (trainer).
+
+    Threads are started before any part is queued, so a part is either queued for a
+    running thread or copied by the caller, never left in a queue nobody serves; being
+    daemons, a stuck copy cannot hold up the interpreter's exit. Threads belong to a
+    process, so the pool is one per process: :meth:`of_process`.
+    """
+
+    _process: Optional["FlatCopyThreads"] = None
+    _process_lock = threading.Lock()
+
+    @classmethod
+    def of_process(cls) -> "FlatCopyThreads":
+        """This process's copy threads (a forked child starts its own: threads do not fork)."""
+        with cls._process_lock:
+            if cls._process is None or cls._process.pid != os.getpid():
+                cls._process = cls()
+            return cls._process
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+
+    def hand_over(self, parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
+                  running: Running) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+        """Queue ``parts`` (each listed in ``running`` before it is queued), growing the pool
+        to one thread per part (every thread it has serves the queue); return the parts to
+        copy on the calling thread (none unless no thread could be started)."""
+        with self._lock:
+            while self._threads < len(parts):
+                try:
+                    threading.Thread(target=self._serve, daemon=True,
+                                     name="megatron_async_staging_copy").start()
+                except RuntimeError:  # "can't start new thread": use the ones running
+                    break
+                self._threads += 1
+            if not self._threads:
+                return list(parts)
+        for pieces, region in parts:
+            future: Future = Future()
+            running.append((future, region))
+            self._jobs.put((future, pieces, region))
+        return []
+
+    def _serve(self) -> None:
+        while True:
+            future, pieces, region = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                torch.cat(pieces, out=region)
+            except BaseException as exc:  # handed to the waiting training thread
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            # an idle thread keeps no reference: the segment is freed with its buffers
+            del future, pieces, region
+
+
+def wait_all(running: Running):
+    """Wait for every handed-over part, each bounded by its size (training thread).
+
+    An interrupt (``KeyboardInterrupt``, an exception of a signal handler) that arrives
+    while waiting does not end the wait: it is returned once every part ended or passed
+    its bound. Returns ``(stuck, interrupt, error)``: whether a part is still running
+    past its bound, the first interrupt, and the first error (a part's own, or
+    :class:`StagingCopyTimeoutError` for a stuck one).
+    """
+    interrupt: Optional[BaseException] = None
+    error: Optional[BaseException] = None
+    stuck = False
+    for future, region in running:
+        timeout_s = _PART_WAIT_BASE_S + region.numel() / _MIN_COPY_BYTES_PER_S
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if future.done() or time.monotonic() >= deadline:
+                    break
+                futures_wait([future], timeout=max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:  # an interrupt: the part still writes, so wait on
+                interrupt = interrupt or exc
+        if not future.done():
+            stuck = True
+            error = error or StagingCopyTimeoutError(
+                f"a staging copy thread did not copy {region.numel()} bytes within "
+                f"{timeout_s:.0f}s; the host is overloaded or stuck. Set {COPY_THREADS_ENV}=1 "
+                "to copy on the training thread only"
+            )
+        elif future.exception() is not None:
+            error = error or future.exception()
+    return stuck, interrupt, error
+
 
 SPLIT_MIN_BYTES = 8 * 2**20
 """A bucket smaller than this is copied by the calling thread alone (a hand-over to a
@@ -157,79 +293,18 @@ class FlatCopy:
             torch.cat(pieces, out=region)
             return
         running: Running = []
+        failure: Optional[BaseException] = None
         try:
-            inline = copy_pool.copy_thread_pool().hand_over(others, running, len(others))
+            inline = FlatCopyThreads.of_process().hand_over(others, running)
             torch.cat(pieces, out=region)
             for part_pieces, part_region in inline:  # no copy thread could be started
                 torch.cat(part_pieces, out=part_region)
-        except BaseException:
-            self.stuck, interrupt, _ = copy_pool.wait_all(running)
-            if interrupt is not None:
-                raise interrupt from None
-            raise
-        self.finish(running)
-
-    def finish(self, running: Running) -> None:
-        """Wait for the parts :meth:`copy` handed over; raise the first
-        interrupt, or else the first error (:class:`StagingCopyTimeoutError` for a part
-        stuck past its bound, which also sets ``stuck``)."""
-        self.stuck, interrupt, error = copy_pool.wait_all(running)
-        if interrupt is not None:
-            raise interrupt
-        if error is not None:
-            raise error
-
-
-class FlatStaging:
-    """The one-call copy of one cached bucket, rebuilt when its sources move (stager).
-
-    Stops trying once a rebuilt copy did not serve a single later save: sources in new
-    memory at every save would pay for the views every time (the caller then copies
-    with ``torch._foreach_copy_``).
-    """
-
-    __slots__ = ("_flat", "_off")
-
-    def __init__(self) -> None:
-        self._flat: Optional[FlatCopy] = None
-        self._off = False
-
-    @property
-    def stuck(self) -> bool:
-        """Whether a copy thread may still write into the buffers (never reuse them)."""
-        return self._flat is not None and self._flat.stuck
-
-    @property
-    def current(self) -> Optional[FlatCopy]:
-        """The copy that the next save of the same sources uses (None if there is none)."""
-        flat = self._flat
-        return None if flat is None or flat.stuck else flat
-
-    def copy(
-        self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-        segment: Optional[torch.Tensor], build: bool,
-    ) -> bool:
-        """Copy ``sources`` into ``buffers`` in one call if possible; return whether it did.
-
-        ``build``: the sources are known to fit the buffers (shapes and dtypes), so a
-        copy may be planned for them when the current one does not apply.
-        """
-        flat = self._flat
-        if flat is not None and flat.matches(sources):
-            flat.hits += 1
-            flat.copy()
-            return True
-        if not build or self._off:
-            return False
-        if flat is not None and not flat.hits:
-            self._flat, self._off = None, True
-            return False
-        flat = self._flat = FlatCopy.build(sources, buffers, segment, copy_threads())
-        if flat is None:  # a source that is not a contiguous CPU tensor
-            self._off = True
-            return False
-        flat.copy()
-        return True
+        except BaseException as exc:  # raised once every part handed over has ended
+            failure = exc
+        self.stuck, interrupt, error = wait_all(running)
+        raised = interrupt or failure or error  # an interrupt first, then this thread's error
+        if raised is not None:
+            raise raised
 
 
 def _split(pieces: List[torch.Tensor], region: torch.Tensor,

@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_STAGING_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
-"""Bound on every wait for an overlapped copy (trainer and background writer)."""
+"""Bound on every staging wait without a configured one: for an overlapped copy, for an
+earlier save's staging memory or copy, and for each round (trainer and background writer)."""
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1

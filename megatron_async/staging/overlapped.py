@@ -27,16 +27,8 @@ Nothing may change a saved tensor before it is copied:
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
-Above the staging budget (a ``staging_memory_limit`` below a rank's state), the state
-goes through the budget's pool in rounds (:mod:`.rounds`' ring plan and writer view), and
-still nothing is copied at scheduling: :func:`~.rounds.stage_in_rounds` places every
-item in the pool, records the version counters and marks the gate staged at once (the
-writer waits on it for each item instead); after the hand-over the same copy thread runs
-the same :class:`~.copy_job.CopyJob` in rounds, each item once the writer wrote the
-items whose bytes it overwrites (each wait bounded on its own, ending early when the
-writer is done, failed or gone), and the next optimizer step waits until the last round
-is copied: under a budget, the trainer's wait for the drain moves there. The files are
-byte-identical to a save staged in one go.
+Above the staging budget, the copy thread copies every round after the hand-over and
+the next optimizer step waits for the last (:mod:`.rounds`).
 
 Runs in the trainer; the gate's waiting side runs in the background writer
 (:func:`~.gate.write_after_staging`).
@@ -44,17 +36,10 @@ Runs in the trainer; the gate's waiting side runs in the background writer
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any, Iterable
 
-from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
-from megatron_async.staging.copy_job import (  # noqa: F401 (copies_held, submit_copy: this module's API)
-    copies_held,
-    pending_copies,
-    stalled_copy,
-    submit_copy,
-)
+from megatron_async.errors import CheckpointValidationError
+from megatron_async.staging.copy_job import CopyThread
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S
 
 __all__ = [
@@ -62,36 +47,11 @@ __all__ = [
     "staging_in_progress",
     "refuse_overlap_param_gather",
     "copies_held",
-    "submit_copy",
-    "install_optimizer_hook",
 ]
-
-logger = logging.getLogger(__name__)
-
-
-_hook_lock = threading.Lock()
-_hook_handle = None
-
-
-def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    """Global torch optimizer step pre-hook: let pending copies finish first."""
-    if pending_copies():
-        wait_for_staging()
-
-
-def install_optimizer_hook() -> None:
-    """Install the global optimizer step pre-hook that waits for pending copies (once)."""
-    global _hook_handle
-    with _hook_lock:
-        if _hook_handle is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
-
 
 def staging_in_progress() -> bool:
     """Whether an overlapped copy of this process is still running (trainer)."""
-    return bool(pending_copies())
+    return bool(CopyThread.of_process().pending())
 
 
 def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
@@ -106,12 +66,13 @@ def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
         AsyncTimeoutError: a copy made no progress for ``timeout_s`` (a copy in one go:
             did not finish within it).
     """
-    job = stalled_copy(timeout_s)
-    if job is not None:
-        raise AsyncTimeoutError(
-            f"rank {job.rank}: the overlapped staging copy made no progress for "
-            f"{timeout_s:.0f}s; save without overlap_staging to rule it out"
-        )
+    CopyThread.of_process().wait_for_copies(timeout_s)
+
+
+def copies_held():
+    """Copies submitted inside this ``with`` block start only when it exits (trainer; a
+    debugging and testing aid, see :meth:`~.copy_job.CopyThread.held`)."""
+    return CopyThread.of_process().held()
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:

@@ -73,7 +73,6 @@ class RoundPlan:
     """
 
     pool_bytes: int
-    sizes: List[int]
     offsets: List[Optional[int]]
     waits_for: List[List[int]]
 
@@ -134,7 +133,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
         waits_for.append(waits)
         position = end
         used = max(used, end)
-    return RoundPlan(used, list(sizes), offsets, waits_for)
+    return RoundPlan(used, offsets, waits_for)
 
 
 def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
@@ -226,7 +225,7 @@ def copy_first_round(
     later = [entry for entry in items if overlapped or plan.waits_for[entry[0]]]
     logger.debug(
         "staging %d items in %d rounds through a %d-byte pool (%d copied now)",
-        len(plan.sizes), plan.rounds, plan.pool_bytes, len(plan.sizes) - len(later),
+        len(plan.offsets), plan.rounds, plan.pool_bytes, len(plan.offsets) - len(later),
     )
     return CopyJob(
         gate, [entry[1:] for entry in later], coordination.get_rank(),

@@ -26,19 +26,16 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
 
+import torch
+
 from megatron_async.buckets.layout import WriteBucket
-from megatron_async.core import coordination
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import StagingMemoryError
-from megatron_async.staging.budget import (
-    DEFAULT_STAGING_MEMORY_WAIT_S,
-    resolve_budget,
-    staging_ledger,
-)
-from megatron_async.staging.buffers import StagingBufferCache, default_staging_cache, stage_buckets
-from megatron_async.staging.copy_job import CopyJob, watch
-from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.overlapped import install_optimizer_hook, wait_for_staging
+from megatron_async.staging.budget import StagingLedger, resolve_budget
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffers import stage_buckets
+from megatron_async.staging.copy_job import CopyThread
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 
 __all__ = ["BucketStager"]
@@ -91,7 +88,7 @@ class BucketStager:
         stage_one_go: Optional[Callable[[], Any]] = None,
         rounds_allowed: bool = True,
         stats: Optional[dict] = None,
-        timeout_s: float = DEFAULT_STAGING_MEMORY_WAIT_S,
+        timeout_s: float = DEFAULT_STAGING_WAIT_S,
     ):
         self.gate = gate
         self.buckets = buckets
@@ -121,41 +118,30 @@ class BucketStager:
             self._refuse_rounds_it_cannot_do(state_bytes, budget)
         if self.overlapped:
             require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
-            wait_for_staging(self.timeout_s)  # copies run one save at a time, in order
-            install_optimizer_hook()
-        cache = self.cache if self.cache is not None else default_staging_cache()
+            copy_thread = CopyThread.of_process()
+            copy_thread.wait_for_copies(self.timeout_s)  # copies run one save at a time, in order
+            copy_thread.hook_optimizer_steps()
+        cache = self.cache if self.cache is not None else StagingBufferCache.of_process()
         if in_rounds:
             cache.clear()  # the idle buffers of saves in one round
-        ledger = staging_ledger()
-        hold = ledger.reserve(budget if in_rounds else state_bytes, budget, self.gate, self.timeout_s)
-        try:
-            if in_rounds:
-                pool = ledger.pool(budget, pinned=cuda, timeout_s=self.timeout_s)
-                staged = stage_in_rounds(
-                    self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped
-                )
-                rounds, peak_bytes = staged.plan.rounds, staged.plan.pool_bytes
-            else:
-                staged = self._stage_one_round(cache)
-                rounds, peak_bytes = 1, state_bytes
-        except BaseException:
-            hold.end()
-            raise
-        hold.tie_to(staged)
-        self.stats.update(rounds=rounds, peak_bytes=peak_bytes)
-        return staged
 
-    def _stage_one_round(self, cache: StagingBufferCache) -> Any:
-        """A state within the budget: its layout's buffers, copied now or by the copy thread."""
-        if not self.overlapped:
+        def stage_into(pool: Optional[torch.Tensor]) -> Any:
+            if pool is not None:
+                return stage_in_rounds(self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped)
+            if self.overlapped:  # the layout's buffers, copied by the copy thread
+                return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
             if self.stage_one_go is not None:
                 return self.stage_one_go()
             return stage_buckets(self.buckets, True, self.cache_key, cache)
-        staged = stage_buckets(self.buckets, True, self.cache_key, cache, copy_now=False)
-        copies = [(item.index.fqn, source, buffer, watch(source))
-                  for item, source, buffer in staged.uncopied]
-        staged.uncopied = []
-        staged.copy_job = CopyJob(self.gate, copies, coordination.get_rank())
+
+        staged = StagingLedger.of_process().stage_within(
+            stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,
+            gate=self.gate, pinned=cuda, timeout_s=self.timeout_s,
+        )
+        if in_rounds:
+            self.stats.update(rounds=staged.plan.rounds, peak_bytes=staged.plan.pool_bytes)
+        else:
+            self.stats.update(rounds=1, peak_bytes=state_bytes)
         return staged
 
     def _refuse_rounds_it_cannot_do(self, state_bytes: int, budget: int) -> None:

@@ -37,7 +37,7 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.staging.budget import resolve_budget, staging_ledger
+from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.copy_job import LateCopy, watch
 from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
@@ -237,18 +237,15 @@ def stage_torch_save(
         header.append(("byteorder", sys.byteorder.encode()))
     records = [(f"data/{e.key}", offset, e.num_bytes) for e, offset in zip(storages, plan.offsets)]
     gate = StagingGate(len(storages))
-    ledger = staging_ledger()
-    hold = ledger.reserve(budget if in_rounds else state_bytes, budget, gate, timeout_s)
-    try:
+
+    def stage_into(pool: Optional[torch.Tensor]) -> TorchSaveStaged:
+        buffer = pool
         if in_rounds:
             gate.start_rounds()
-            buffer = ledger.pool(budget, pinned=cuda, timeout_s=timeout_s)
         elif plan.pool_bytes:
             buffer = shared_memory.allocate_segment(plan.pool_bytes)
             if cuda:
                 shared_memory.pin_segment(buffer)
-        else:
-            buffer = None
         staged = TorchSaveStaged(header, records, buffer, gate, alignment,
                                  torch.serialization.get_crc32_options())
         items = [
@@ -258,11 +255,13 @@ def stage_torch_save(
         ]
         staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
                                            "torch.save staging in rounds", _ADVICE)
-    except BaseException:
-        hold.end()
-        raise
-    staged.rounds = plan.rounds
-    hold.tie_to(staged)
+        staged.rounds = plan.rounds
+        return staged
+
+    staged = StagingLedger.of_process().stage_within(
+        stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds, gate=gate,
+        pinned=cuda, timeout_s=timeout_s,
+    )
     stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
     if in_rounds:
         logger.info(

@@ -41,7 +41,8 @@ from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE
-from megatron_async.staging.buffers import StagingBufferCache, preload_tensors
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffers import preload_tensors
 from megatron_async.staging.gate import StagingGate
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, msc_filesystem
@@ -106,9 +107,9 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         options: how to write (see :class:`~megatron_async.writer.options.WriteOptions`),
             built and validated by the caller, e.g. the strategy from its config. Without
             it the options are the keyword arguments below, as in the reference API.
-        staging_cache: where the reusable staging buffers are kept (the trainer's); the
-            process's :func:`~megatron_async.staging.buffers.default_staging_cache` when
-            None.
+        staging_cache: where the reusable staging buffers are kept (the trainer's);
+            :meth:`~megatron_async.staging.buffer_cache.StagingBufferCache.of_process`
+            when None.
         digest_history, commit_cache: the strategy's record of its previous save (item
             digests; where this rank stored each item): the finalization reports what
             changed since, and gathers nothing when no rank's items moved. None: neither.

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core import coordination
-from megatron_async.staging.buffers import StagingBufferCache
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
 from megatron_async.staging.stager import BucketStager
 from megatron_async.writer.write_paths import bind_supported

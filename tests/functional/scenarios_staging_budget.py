@@ -25,9 +25,9 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron_async.core import AsyncCallsQueue, shared_memory
 from megatron_async.errors import AsyncSaveFailedError, StagingHandOverError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
-from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging import overlapped
-from megatron_async.staging.buffers import clear_staging_cache
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.persistent_worker import wait_until_worker_ready
@@ -73,9 +73,9 @@ class _Sampler:
     """The most staging shared memory this trainer process held while it ran."""
 
     def __init__(self):
-        clear_staging_cache()  # staging memory of earlier scenarios: counted from zero
-        staging_ledger().drop_pool()
-        staging_ledger().peak_bytes = 0
+        StagingBufferCache.of_process().clear()  # staging memory of earlier scenarios: counted from zero
+        StagingLedger.of_process().drop_pool()
+        StagingLedger.of_process().peak_bytes = 0
         gc.collect()
         self.baseline = shared_memory.live_bytes()
         self.peak = 0
@@ -100,7 +100,7 @@ def _within(sampler: _Sampler, limit: int) -> int:
     """Check the sampled staging memory (measured from what was alive before: a pool an
     earlier scenario left is reused) and the ledger's peak against ``limit``; return the peak."""
     assert sampler.peak <= limit + SLACK, (sampler.peak, limit)
-    assert staging_ledger().peak_bytes == limit, staging_ledger().peak_bytes
+    assert StagingLedger.of_process().peak_bytes == limit, StagingLedger.of_process().peak_bytes
     return sampler.peak
 
 
@@ -199,7 +199,7 @@ def overlapped_rounds_within_the_budget(ctx, persistent):
             _check(ctx, path, float(step + 1))
             assert torch.equal(params[0].detach(), _state(ctx, float(step + 1))["w0"].data - 12345.0)
     assert sampler.peak <= BUDGET + SLACK, (sampler.peak, BUDGET)
-    assert staging_ledger().peak_bytes == BUDGET, staging_ledger().peak_bytes
+    assert StagingLedger.of_process().peak_bytes == BUDGET, StagingLedger.of_process().peak_bytes
     return sampler.peak
 
 
@@ -340,7 +340,7 @@ def megatron_core_queue_refuses_what_it_cannot_finish(ctx):
     except ImportError:
         return "skipped: this megatron-core has no AsyncCallsQueue"
     good = _dir(ctx, "mcore-queue-one-go")
-    refused, held = {}, staging_ledger().held_bytes()
+    refused, held = {}, StagingLedger.of_process().held_bytes()
     with mock.patch("torch.cuda.synchronize", lambda *a, **k: None), mock.patch(
         "torch.cuda.current_device", lambda: "cpu"
     ):
@@ -366,7 +366,7 @@ def megatron_core_queue_refuses_what_it_cannot_finish(ctx):
     assert f"at least {TENSORS * TENSOR_NUMEL * 4} bytes" in message, message
     assert "without overlap_staging" in refused["overlapped"][0], refused["overlapped"][0]
     assert all(elapsed < 30.0 for _, elapsed in refused.values()), refused
-    assert staging_ledger().held_bytes() == held
+    assert StagingLedger.of_process().held_bytes() == held
     _check(ctx, good, 3.0)
     dist.barrier()
 

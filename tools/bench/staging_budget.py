@@ -92,14 +92,14 @@ def _rank_main(rank, args, port, out_dir):
 
     import megatron_async
     from megatron_async import AsyncCallsQueue, TorchDistAsyncSaveStrategy
-    from megatron_async.staging.buffers import clear_staging_cache
+    from megatron_async.staging.buffer_cache import StagingBufferCache
     from megatron_async.staging.overlapped import wait_for_staging
     from tools.bench.memory import RssSampler
 
     try:
-        from megatron_async.staging.budget import staging_ledger
+        from megatron_async.staging.budget import StagingLedger
     except ImportError:  # --default-only against a revision from before the budget
-        staging_ledger = None
+        StagingLedger = None
     if rank == 0:
         print(f"megatron_async from {os.path.dirname(megatron_async.__file__)}", flush=True)
 
@@ -115,9 +115,9 @@ def _rank_main(rank, args, port, out_dir):
         rows = [("sync", None, False)] + [(f"{f}x", f, False) for f in _FACTORS]
         rows += [(f"{f}x ovl", f, True) for f in _OVERLAPPED_FACTORS]
     for label, factor, overlap in rows:
-        clear_staging_cache()
-        if staging_ledger is not None:
-            staging_ledger().drop_pool()
+        StagingBufferCache.of_process().clear()
+        if StagingLedger is not None:
+            StagingLedger.of_process().drop_pool()
         gc.collect()
         if args.default_only:
             limit, strategy = None, TorchDistAsyncSaveStrategy()

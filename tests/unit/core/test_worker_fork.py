@@ -17,8 +17,8 @@ from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.core import worker_fork
 from megatron_async.core.shared_memory import allocate_segment, has_live_segments
 from megatron_async.errors import AsyncSaveFailedError
-from megatron_async.staging.budget import staging_ledger
-from megatron_async.staging.buffers import clear_staging_cache
+from megatron_async.staging.budget import StagingLedger
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
 
@@ -30,8 +30,8 @@ def no_live_staging_segments():
     """A worker is forked only while the trainer holds no staging segment (see
     ``can_fork_worker``): free what earlier tests of this process left cached, so that
     these tests do not depend on the order they run in."""
-    clear_staging_cache(include_in_use=True)
-    staging_ledger().drop_pool()
+    StagingBufferCache.of_process().clear(include_in_use=True)
+    StagingLedger.of_process().drop_pool()
     gc.collect()
     assert not has_live_segments(), "a staging segment is still referenced by an earlier test"
 

@@ -103,11 +103,11 @@ def test_a_checkpoint_dir_that_is_no_path_is_a_validation_error(checkpoint_dir):
 
 def test_an_invalid_copy_thread_count_is_a_validation_error(monkeypatch):
     from megatron_async.errors import CheckpointValidationError
-    from megatron_async.staging import copy_pool
+    from megatron_async.staging import flat_copy
 
-    monkeypatch.setenv(copy_pool.COPY_THREADS_ENV, "two")
+    monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "two")
     with pytest.raises(CheckpointValidationError, match="not an integer; set it to the number"):
-        copy_pool.copy_threads()
+        flat_copy.copy_threads()
 
 
 def test_a_complete_checkpoint_rank_0_may_not_unmark_is_a_validation_error(tmp_path, monkeypatch):

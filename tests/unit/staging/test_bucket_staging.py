@@ -8,7 +8,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megatron_async.staging.buffers import clear_staging_cache, stage_buckets
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffers import stage_buckets
 from megatron_async.core import shared_memory
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
@@ -72,7 +73,7 @@ def test_cached_buffers_are_reused_only_after_release():
 
     from megatron_async.buckets.layout import WriteBucket
 
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     source = torch.zeros(16)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
@@ -86,7 +87,7 @@ def test_cached_buffers_are_reused_only_after_release():
         busy.release()  # an old lease: must not free the buffers "again" holds
         assert stage_buckets(buckets, True, "layout")[0].data[1][0][1].data_ptr() != again[0].data[1][0][1].data_ptr()
     finally:
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
@@ -132,30 +133,29 @@ def _one_tensor_buckets(source, count=1, name="t"):
 
 
 def test_a_new_layout_replaces_the_old_one():
-    from megatron_async.staging.buffers import staging_cache_num_bytes
 
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     try:
         stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old").release()
         in_flight = stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old")
         in_flight.release()
         stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new").release()
-        assert staging_cache_num_bytes() == 2048 * 4  # not a checkpoint per layout seen
+        assert StagingBufferCache.of_process().num_bytes() == 2048 * 4  # not a checkpoint per layout seen
         # A layout replaced while its save was still being written goes at release.
         busy = stage_buckets(_one_tensor_buckets(torch.zeros(2048)), True, "new")
         stage_buckets(_one_tensor_buckets(torch.zeros(512)), True, "newer").release()
         busy.release()
-        assert staging_cache_num_bytes() == 512 * 4
+        assert StagingBufferCache.of_process().num_bytes() == 512 * 4
     finally:
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_a_lease_from_before_a_cache_reset_frees_nothing():
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     source = torch.ones(4)
     try:
         old = stage_buckets(_one_tensor_buckets(source), True, "layout")
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)
         current = stage_buckets(_one_tensor_buckets(source), True, "layout")
         old.release()  # must not free the buffers "current" still holds
         source.fill_(2.0)
@@ -163,18 +163,18 @@ def test_a_lease_from_before_a_cache_reset_frees_nothing():
         assert torch.equal(current[0].data[1][0][1], torch.ones(4))
         assert later[0].data[1][0][1].data_ptr() != current[0].data[1][0][1].data_ptr()
     finally:
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_a_cached_layout_with_more_buckets_stages_the_extra_ones_fresh():
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     try:
         stage_buckets(_one_tensor_buckets(torch.ones(4), 1), True, "layout").release()
         staged = stage_buckets(_one_tensor_buckets(torch.ones(4), 3), True, "layout")
         assert [torch.equal(b.data[1][0][1], torch.ones(4)) for b in staged] == [True] * 3
         staged.release()
     finally:
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def _items(count, prefix="t"):
@@ -196,7 +196,7 @@ def test_a_warm_save_gets_the_same_staged_pairs_with_the_new_values():
     replaced tensors of the same shape included."""
     from megatron_async.core.shared_memory import ReusedTensorPairs
 
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     items = _items(50)
     sources = [torch.full((8,), float(i)) for i in range(50)]
     first = stage_buckets(_buckets(items, sources), True, "warm")
@@ -219,11 +219,11 @@ def test_a_warm_save_gets_the_same_staged_pairs_with_the_new_values():
     assert third[0].data[1] is not pairs
     assert [t.data_ptr() for _, t in third[0].data[1]] == [t.data_ptr() for _, t in pairs]
     third.release()
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_a_warm_save_whose_tensor_changed_shape_gets_new_buffers():
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     items = _items(3)
     sources = [torch.ones(4), torch.ones(4), torch.ones(4)]
     first = stage_buckets(_buckets(items, sources), True, "shape")
@@ -235,7 +235,7 @@ def test_a_warm_save_whose_tensor_changed_shape_gets_new_buffers():
     assert second[0].data[1] is not pairs
     assert torch.equal(staged[1], torch.arange(6.0))
     second.release()
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_sources_that_require_grad_are_copied_without_autograd():
@@ -261,7 +261,7 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
     from megatron_async.staging import buffers
     from megatron_async.buckets.layout import WriteBucket
 
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, torch.ones(1 << 20, device="cuda"))]))]
     real_wait, calls = buffers.wait_for_device_copies, []
@@ -281,9 +281,9 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
         with pytest.raises(RuntimeError, match="injected: a failure after"):
             stage_buckets(buckets, True, "layout")
         assert calls == [{torch.device("cuda", torch.cuda.current_device())}] * 2  # then the wait
-        entry = buffers.default_staging_cache().lease("layout", 1)
+        entry = StagingBufferCache.of_process().lease("layout", 1)
         assert (entry is not None and entry.buckets[0] is not None) == copies_land  # the old ones
     finally:
         torch.cuda.synchronize()
         device_wait.release_landed()
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)

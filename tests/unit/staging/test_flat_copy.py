@@ -8,8 +8,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging import buffers, copy_pool, flat_copy
-from megatron_async.staging.buffers import StagingBufferCache, stage_buckets
+from megatron_async.staging import buffers, flat_copy
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
 from megatron_async.buckets.layout import WriteBucket
 
@@ -131,7 +132,7 @@ def test_a_large_bucket_copied_in_parts_is_the_same_snapshot(monkeypatch, thread
     sources = _mixed_sources() + [torch.rand(257) for _ in range(40)]
     _stage(sources, cache)
     entry = cache.lease("layout", 1)
-    assert entry.buckets[0].flat._flat.parts == threads  # the split copy is what runs next
+    assert entry.buckets[0].flat.parts == threads  # the split copy is what runs next
     cache.release(("layout", entry.generation))
     _update_and_stage(sources, cache, saves=2)
 
@@ -229,7 +230,7 @@ def test_a_failed_training_thread_part_waits_for_the_copy_threads(monkeypatch):
 
 def _interrupt_first_wait(monkeypatch):
     """A KeyboardInterrupt arrives in the training thread's first wait for a copy thread."""
-    real_wait = copy_pool.futures_wait
+    real_wait = flat_copy.futures_wait
     calls = []
 
     def interrupted_once(*args, **kwargs):
@@ -238,7 +239,7 @@ def _interrupt_first_wait(monkeypatch):
             raise KeyboardInterrupt
         return real_wait(*args, **kwargs)
 
-    monkeypatch.setattr(copy_pool, "futures_wait", interrupted_once)
+    monkeypatch.setattr(flat_copy, "futures_wait", interrupted_once)
 
 
 def test_an_interrupt_while_waiting_is_raised_after_the_parts_ended(monkeypatch):
@@ -257,8 +258,8 @@ def _stage_with_a_stuck_copy_thread(monkeypatch, training_thread_hook=None, inte
     """Stage a cached two-part bucket whose copy thread hangs past its bound; return the
     cache and the event that frees the thread."""
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
-    monkeypatch.setattr(copy_pool, "_PART_WAIT_BASE_S", 0.2)
-    monkeypatch.setattr(copy_pool, "_MIN_COPY_BYTES_PER_S", 1e12)
+    monkeypatch.setattr(flat_copy, "_PART_WAIT_BASE_S", 0.2)
+    monkeypatch.setattr(flat_copy, "_MIN_COPY_BYTES_PER_S", 1e12)
     monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "2")
     cache = StagingBufferCache()
     sources = [torch.rand(257) for _ in range(8)]
@@ -319,7 +320,7 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
     monkeypatch.delenv(flat_copy.COPY_THREADS_ENV, raising=False)
-    monkeypatch.setattr(copy_pool.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(flat_copy.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert flat_copy.copy_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")

@@ -19,7 +19,7 @@ from megatron_async.errors import (
     StagingRaceError,
 )
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.staging.budget import StagingLedger, resolve_budget, staging_ledger
+from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager
@@ -161,33 +161,33 @@ def test_the_ledger_makes_a_second_save_wait_for_the_first_writer():
 
 def test_a_refused_save_leaves_nothing_held(tmp_path):
     tensors = [torch.zeros(4096), torch.zeros(16)]
-    held = staging_ledger().held_bytes()
+    held = StagingLedger.of_process().held_bytes()
     with pytest.raises(CheckpointException) as raised:  # DCP wraps every rank's error
         _save(str(tmp_path / "refused"), tensors, 8192)
     error = next(iter(raised.value.failures.values()))[0]
     assert isinstance(error, StagingMemoryError)
     assert "tensor 't0' alone needs 16384 bytes" in str(error)
     assert not any(f.endswith(".distcp") for f in os.listdir(tmp_path / "refused"))
-    assert staging_ledger().held_bytes() == held
+    assert StagingLedger.of_process().held_bytes() == held
 
 
 def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
     buckets = _buckets([torch.ones(1024), torch.ones(1024)])  # 8 KiB, budget 4 KiB
-    held = staging_ledger().held_bytes()
+    held = StagingLedger.of_process().held_bytes()
     with pytest.raises(StagingHandOverError, match="at least 8192 bytes"):
         BucketStager(StagingGate(2), buckets, limit=4096, stage_one_go=list, timeout_s=5.0).stage()
-    assert staging_ledger().held_bytes() == held
+    assert StagingLedger.of_process().held_bytes() == held
     stats = {}
     staged = BucketStager(StagingGate(2), buckets, limit=8192, stage_one_go=_StagedList,
                           stats=stats, timeout_s=5.0).stage()
     assert stats["rounds"] == 1  # within the budget any caller may stage
     staged.release()
-    assert staging_ledger().held_bytes() == held
+    assert StagingLedger.of_process().held_bytes() == held
 
 
 def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path):
     buckets = _buckets([torch.ones(256)])
-    ledger = staging_ledger()
+    ledger = StagingLedger.of_process()
     held = ledger.held_bytes()
     stats = {}
     staged = BucketStager(StagingGate(1), buckets, stage_one_go=_StagedList, stats=stats,
@@ -395,7 +395,7 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 
     tensors = _tensors(count=4, numel=1024)
     gate = StagingGate(len(tensors))
-    held = staging_ledger().held_bytes()
+    held = StagingLedger.of_process().held_bytes()
     staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, timeout_s=30.0).stage)
     writer = multiprocessing.get_context("fork").Process(target=lambda: None)  # dies at once
     writer.start()
@@ -405,18 +405,18 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     staged.finish_staging()
     assert time.monotonic() - start < 10.0
     assert gate.failed and "ended before it freed the staging memory" in gate.message()
-    assert staging_ledger().held_bytes() == held  # the hold ended with its writer
+    assert StagingLedger.of_process().held_bytes() == held  # the hold ended with its writer
 
 
 @pytest.mark.timeout(60)
 def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
-    from megatron_async.staging.copy_job import CopyJob, copies_held, submit_copy, watch
+    from megatron_async.staging.copy_job import CopyJob, CopyThread, watch
     from megatron_async.staging.overlapped import wait_for_staging
 
-    ledger = staging_ledger()
+    ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
     source, buffer = torch.ones(16), torch.zeros(16)
-    with copies_held():  # an earlier save's copy that has not run yet
-        submit_copy(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
+    with copy_thread.held():  # an earlier save's copy that has not run yet
+        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
         with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
             ledger.pool(4096, pinned=False, timeout_s=0.1)
     wait_for_staging(timeout_s=30.0)
@@ -436,5 +436,5 @@ def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
     gate.mark_done()  # its writer is done; the staged data is still referenced here
     staged.start_background_copy()
     wait_for_staging(timeout_s=30.0)
-    assert staging_ledger().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192
+    assert StagingLedger.of_process().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192
     staged.release()

@@ -16,7 +16,7 @@ from megatron_async.errors import (
     StagingMemoryError,
     StagingRaceError,
 )
-from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
@@ -117,16 +117,16 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write():
 
 
 def test_a_tensor_larger_than_the_budget_is_refused_naming_it_and_the_budget_it_needs():
-    held = staging_ledger().held_bytes()
+    held = StagingLedger.of_process().held_bytes()
     with pytest.raises(StagingMemoryError, match=r"'model.big' alone needs 65536 bytes.*at least 65536"):
         _stage(_state(), 32 * KIB)
-    assert staging_ledger().held_bytes() == held
+    assert StagingLedger.of_process().held_bytes() == held
 
 
 @pytest.mark.timeout(60)
 def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one():
     state = {"w": torch.zeros(4 * KIB)}  # 16 KiB
-    ledger = staging_ledger()
+    ledger = StagingLedger.of_process()
     earlier = StagingGate(0)  # any save of this process, torch_dist ones included
     ledger.reserve(16 * KIB, 16 * KIB, earlier, timeout_s=1.0)
     with pytest.raises(StagingMemoryError, match="still holds 16384 of the 16384-byte"):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging.buffers import clear_staging_cache, staging_cache_num_bytes
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.core import shared_memory
 from megatron_async.buckets.layout import assign_buckets, balance_by_size, item_num_bytes
 from megatron_async.errors import (
@@ -211,7 +211,7 @@ def test_staged_data_is_a_snapshot_of_cpu_tensors(tmp_path):
 
 
 def test_cached_data_structure_reuses_buffers_without_growth(tmp_path):
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     state_dict = {"a": torch.ones(256), "b": torch.ones(64, dtype=torch.bfloat16)}
     checkpoint_bytes = 256 * 4 + 64 * 2
     pointers = []
@@ -228,15 +228,15 @@ def test_cached_data_structure_reuses_buffers_without_growth(tmp_path):
         save_fn(args[0], staged, args[2])
         staged.release()  # what the caller does once the call is over
         writer.finish(metadata, [writer.retrieve_write_results()])
-        assert staging_cache_num_bytes() == checkpoint_bytes
+        assert StagingBufferCache.of_process().num_bytes() == checkpoint_bytes
         out = _load(target, state_dict)
         assert torch.equal(out["a"], torch.full((256,), float(step)))
     assert pointers[0] == pointers[1] == pointers[2]
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     state_dict = {"a": torch.zeros(32)}
     writers, staged = [], []
     for step in range(2):
@@ -253,7 +253,7 @@ def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
     # The first staging is not written yet (a pipelined caller): the second got new buffers.
     assert torch.equal(staged[0][0].data[1][0][1], torch.zeros(32))
     assert torch.equal(staged[1][0].data[1][0][1], torch.ones(32))
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 def _exit_with_first_value(tensor):
@@ -262,7 +262,7 @@ def _exit_with_first_value(tensor):
 
 def test_staging_buffers_are_shared_memory_leased_until_released(tmp_path):
     """A forked writer reads the staged snapshot; the buffers are reused only after release."""
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     state_dict = {"a": torch.zeros(32)}
     pointers = []
     for step in range(2):
@@ -282,7 +282,7 @@ def test_staging_buffers_are_shared_memory_leased_until_released(tmp_path):
         assert child.exitcode == step + 3
         staged.release()
     assert pointers[0] == pointers[1]
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
 
 
 # -- results and errors ----------------------------------------------------------------
@@ -439,14 +439,14 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_async.staging.buffers import clear_staging_cache, stage_buckets
+    from megatron_async.staging.buffers import stage_buckets
     from megatron_async.buckets.layout import WriteBucket
 
     source = torch.zeros(4)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
     key = "pipelined-layout"
-    clear_staging_cache(include_in_use=True)
+    StagingBufferCache.of_process().clear(include_in_use=True)
     try:
         source.fill_(1)
         save1 = stage_buckets(buckets, True, key)  # into the cached buffers
@@ -462,4 +462,4 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
         assert [t[0].item() for t in staged[1:]] == [2.0, 3.0, 4.0]
         assert staged[2].data_ptr() != staged[3].data_ptr()
     finally:
-        clear_staging_cache(include_in_use=True)
+        StagingBufferCache.of_process().clear(include_in_use=True)

@@ -31,7 +31,7 @@ import time
 import torch
 
 from megatron_async.core import shared_memory
-from megatron_async.staging.budget import staging_ledger
+from megatron_async.staging.budget import StagingLedger
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 
 __all__ = ["main"]
@@ -42,7 +42,7 @@ class _PeakSampler(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        staging_ledger().drop_pool()  # an earlier case's pool: counted from zero
+        StagingLedger.of_process().drop_pool()  # an earlier case's pool: counted from zero
         gc.collect()
         self.baseline = shared_memory.live_bytes()
         self.peak = 0
