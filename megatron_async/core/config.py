@@ -41,9 +41,9 @@ class AsyncCallerConfig:
     field's default."""
 
     fork_start_timeout_s: float = 30.0
-    """Longest a forked writer (the temporal caller's, a persistent worker forked from the
-    trainer) may take to run its first line once forked. A fork is ready within
-    milliseconds; one that is not ready by then is hung in the child before any of our code
+    """Longest a forked writer (the temporal caller's, and the persistent caller's while
+    its worker starts) may take to run its first line once forked. A fork gets there within
+    milliseconds; one that has not by then is hung in the child before any of our code
     runs (CPython gh-112275: another thread started or ended at the moment of the fork; also
     a library's at-fork handler that blocks). It is killed and the save fails on every rank
     at once (the next save forks afresh) instead of after ``timeout_s``."""

@@ -19,6 +19,7 @@ threads do not exist there).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import queue
@@ -33,6 +34,8 @@ T = TypeVar("T")
 
 _Job = Tuple[Callable[[], None], threading.Event, str]
 
+_IDLE_NAME = "megatron-async-helper (idle)"
+
 
 class DeadlineExpired(TimeoutError):
     """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
@@ -42,13 +45,26 @@ class HelperThreads:
     """Daemon threads that run bounded calls, each kept for the next call once it is done."""
 
     _process: Optional["HelperThreads"] = None
+    _process_lock = threading.Lock()
 
     @classmethod
     def of_process(cls) -> "HelperThreads":
         """This process's helper threads (created at first use; none in a forked child)."""
-        if cls._process is None:
-            cls._process = cls()
-        return cls._process
+        with cls._process_lock:
+            if cls._process is None:
+                cls._process = cls()
+            return cls._process
+
+    @classmethod
+    def restart_for_process(cls) -> None:
+        """Let the process's next calls run on new threads (the old ones serve nobody).
+
+        Per-thread attributes (capabilities, CPU affinity, niceness, the signal mask) are
+        copied from the creating thread when a thread starts: a process that changes its
+        own calls this so that its bounded calls run with the change.
+        """
+        with cls._process_lock:
+            cls._process = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,19 +126,23 @@ class HelperThreads:
                 return self._idle.pop()
             inbox: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(inbox,), daemon=True,
-                             name="megatron-async-bounded-call").start()
+                             name=_IDLE_NAME).start()
             self.started += 1
             return inbox
 
     def _serve(self, inbox: "queue.SimpleQueue[_Job]") -> None:
         while True:
             job, done, name = inbox.get()
-            threading.current_thread().name = name  # what a stack dump shows it doing
+            thread = threading.current_thread()
+            thread.name = name  # what a stack dump shows it doing
             try:
-                job()
+                # A fresh context, as a fresh thread had: no context variable a job set
+                # reaches the next one.
+                contextvars.Context().run(job)
             except BaseException:  # a started job's own error: nobody else would see it
                 logger.exception("%s failed", name)
             del job
+            thread.name = _IDLE_NAME
             with self._lock:
                 self._idle.append(inbox)  # idle before the caller hears: its next call reuses us
             done.set()

@@ -43,13 +43,12 @@ class PersistentAsyncCaller(AsyncCaller):
     ready runs on a forked process exactly as with
     :class:`~megatron_async.core.temporal.TemporalAsyncCaller`; each rank picks on its own,
     which is safe because the ranks agree on a call's completion by its index. A worker
-    that exits while starting fails the next save with its stderr; one not ready in time
-    (``fork_start_timeout_s`` for a fork, ``staging_timeout_s`` for a fresh interpreter) is
-    killed and fails the next save with a timeout. Once ready, the trainer stages each
-    request's data itself (``preload_fn``) and sends the request with its tensors as
-    shared-memory references; :meth:`schedule_async_call` returns without waiting for the
-    worker, and the staged data is released when the worker reports the call done (or is
-    gone). A worker that dies or overruns a timeout fails its pending calls on every rank
+    that exits while starting fails the next save with its stderr; one not ready after
+    ``staging_timeout_s`` is killed and fails the next save with a timeout. Once ready,
+    the trainer stages each request's data itself (``preload_fn``) and sends the request
+    with its tensors as shared-memory references; :meth:`schedule_async_call` returns
+    without waiting for the worker, and the staged data is released when the worker
+    reports the call done (or is gone). A worker that dies or overruns a timeout fails its pending calls on every rank
     and the next save starts a fresh one; a death found between saves, and every
     replacement, is logged at WARNING.
 
@@ -244,8 +243,15 @@ class PersistentAsyncCaller(AsyncCaller):
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
         self.process.send_request(idx, encoded)
-        start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
-        finish_staging(staged)  # staging in rounds: copied while the writer drains
+        try:
+            start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
+            finish_staging(staged)  # staging in rounds: copied while the writer drains
+        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
+            self._statuses.pop(idx, None)
+            self._kill_worker("worker", WorkerDiedError(
+                f"rank {self.rank}: the persistent worker was killed because scheduling async "
+                f"call {idx} was interrupted"))
+            raise
 
     def _run_while_starting(self, async_req: AsyncRequest) -> None:
         """Run a save scheduled before the worker is ready on a forked process.
@@ -263,16 +269,16 @@ class PersistentAsyncCaller(AsyncCaller):
         )
 
     def _fail_if_startup_overdue(self, idx: int) -> bool:
-        """Fail call ``idx`` and kill the worker if it is not ready in time: a fork within
-        ``fork_start_timeout_s`` (milliseconds when it did not hang), a fresh interpreter
-        within ``staging_timeout_s``."""
-        bound = "fork_start_timeout_s" if self.process.forked else "staging_timeout_s"
-        if time.monotonic() - self._started_at <= getattr(self.config, bound):
+        """Fail call ``idx`` and kill the worker if it is not ready after ``staging_timeout_s``.
+
+        Saves scheduled meanwhile run on forked processes, each under
+        ``fork_start_timeout_s``: a worker whose start hangs delays no save."""
+        if time.monotonic() - self._started_at <= self.config.staging_timeout_s:
             return False
         exc = AsyncTimeoutError(
             startup_failure_message(
                 f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
-                f"within {bound}={getattr(self.config, bound):.0f}s; it was killed "
+                f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
                 "and a new one starts with the next save",
                 self.process,
             )
@@ -309,7 +315,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s "
                 "(stuck at start-up?); it was killed and a new one starts with the next save"
             )
-            self._kill_worker_after_timeout(exc)
+            self._kill_worker("timeout", exc)
         elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
@@ -317,12 +323,12 @@ class PersistentAsyncCaller(AsyncCaller):
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
                 + stack_dump.timeout_note(self.rank, pid)
             )
-            self._kill_worker_after_timeout(exc)
+            self._kill_worker("timeout", exc)
         return self._statuses[call_idx]
 
-    def _kill_worker_after_timeout(self, exc: AsyncTimeoutError) -> None:
+    def _kill_worker(self, phase: str, exc: Exception) -> None:
         """Fail every pending call with ``exc`` and kill the worker (the next save starts one)."""
-        self._fail_pending(lambda _i: RankFailure.from_exception(self.rank, "timeout", exc))
+        self._fail_pending(lambda _i: RankFailure.from_exception(self.rank, phase, exc))
         self._discard_worker(kill=True)
 
     def release(self, call_idx: int) -> None:

@@ -144,8 +144,12 @@ class TemporalAsyncCaller(AsyncCaller):
             return
         self.process = process
         self._status = CallStatus.running()
-        start_background_copy(self._staged, process.pid)  # overlapped: the child waits for it
-        finish_staging(self._staged)  # staging in rounds: copied while the writer drains
+        try:
+            start_background_copy(self._staged, process.pid)  # overlapped: the child waits for it
+            finish_staging(self._staged)  # staging in rounds: copied while the writer drains
+        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
+            self.close(abort=True)
+            raise
         logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
 
     def poll(self, call_idx: int) -> CallStatus:

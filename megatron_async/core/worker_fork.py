@@ -1,7 +1,7 @@
 """Start the persistent worker as a fork of the trainer (trainer side, and the child's set-up).
 
 A fresh interpreter (``AsyncCallerConfig(worker_start="exec")``, see
-:mod:`megatron_async.core.worker_process`) spends seconds of CPU importing torch before it
+:mod:`megatron_async.core.worker_exec`) spends seconds of CPU importing torch before it
 can take a save, CPU that a busy trainer pays for (the lost-time benchmark measured ~3
 CPU-seconds per rank). A fork has every module already imported and is ready within
 milliseconds of the fork; the trainer's own cost is the scan below (about 0.1 s in the GPT

@@ -2,7 +2,7 @@
 
 The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) or a fresh
 interpreter that imports this module and what it needs, never the trainer's ``__main__``
-(:mod:`megatron_async.core.worker_process`); :func:`main` is its entry point either way.
+(:mod:`megatron_async.core.worker_exec`); :func:`main` is its entry point either way.
 
 Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request, cuda_device)``: map the request's new shared-memory

@@ -259,10 +259,13 @@ def test_hanging_writer_times_out_and_is_killed(make_queue, tmp_path, persistent
     assert not _pid_alive(pid), "the hanging background process must be killed"
 
 
-def test_a_request_whose_scheduling_raises_is_abandoned(make_queue, tmp_path, monkeypatch):
-    """Ctrl-C while a save is being staged: the request was never scheduled, so what its
-    steps hold (our commit step's claim on the directory) is freed at once, not at GC."""
-    from megatron_async.core import temporal
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer(
+        make_queue, tmp_path, monkeypatch, persistent):
+    """Ctrl-C while a save is still being staged, after the writer was forked or the request
+    sent: the queue abandons the request, so what its steps hold (our commit step's claim on
+    the directory) is freed at once, and the writer that could still write it is killed."""
+    from megatron_async.core import persistent as persistent_module, temporal
 
     class CommitStep:
         abandoned = 0
@@ -273,16 +276,30 @@ def test_a_request_whose_scheduling_raises_is_abandoned(make_queue, tmp_path, mo
         def abandon(self):
             self.abandoned += 1
 
-    def interrupted_while_staging(self, request):
+    writers = []
+
+    def interrupted_while_staging(staged, writer_pid):
+        writers.append(writer_pid)
         raise KeyboardInterrupt
 
-    queue = make_queue(False)
+    queue = make_queue(persistent)
+    module = persistent_module if persistent else temporal
+    monkeypatch.setattr(module, "start_background_copy", interrupted_while_staging)
+    callers = []  # kept alive, as a traceback being handled keeps them: no kill at collection
+    schedule = temporal.TemporalAsyncCaller.schedule_async_call
+    monkeypatch.setattr(temporal.TemporalAsyncCaller, "schedule_async_call",
+                        lambda self, request: (callers.append(self), schedule(self, request)))
     step = CommitStep()
-    monkeypatch.setattr(temporal.TemporalAsyncCaller, "schedule_async_call", interrupted_while_staging)
     with pytest.raises(KeyboardInterrupt):
-        queue.schedule_async_request(_request(fns.write_text, tmp_path / "x", "t", finalize_fns=[step]))
+        queue.schedule_async_request(
+            _request(fns.sleep_then_write, tmp_path / "x", 30.0, finalize_fns=[step]))
     assert step.abandoned == 1
     assert queue.get_num_unfinalized_calls() == 0
+    assert writers and not _pid_alive(writers[0]), "the writer of an abandoned request must be killed"
+    monkeypatch.undo()  # the next save gets a new writer and succeeds
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "after", "ok"))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "after").read_text() == "ok"
 
 
 def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, fn, args, kwargs):
@@ -310,6 +327,13 @@ def test_a_forked_writer_that_never_starts_fails_fast_and_is_killed(make_queue, 
     queue.schedule_async_request(_request(fns.write_text, tmp_path / "after", "ok"))
     queue.maybe_finalize_async_calls(blocking=True)
     assert (tmp_path / "after").read_text() == "ok"
+
+
+def test_a_forked_writer_that_started_may_run_longer_than_the_start_bound(make_queue, tmp_path):
+    queue = make_queue(False, fork_start_timeout_s=0.3)
+    queue.schedule_async_request(_request(fns.sleep_then_write, tmp_path / "slow", 1.5))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "slow").exists()
 
 
 @pytest.mark.parametrize("persistent", CALLER_KINDS)

@@ -100,3 +100,17 @@ def test_a_started_job_returns_its_thread_to_the_pool_and_its_error_is_logged(ca
         assert pool.start(failing_sender, "sender of worker 2").wait(5)
     assert "sender of worker 2 failed" in caplog.text and "socket is gone" in caplog.text
     assert pool.run(lambda: "next", 5, "a bounded step") == "next" and pool.started == 1
+
+
+def test_each_call_gets_a_fresh_context_and_an_idle_thread_says_it_is_idle():
+    """As on a fresh thread per call: no context variable set by one call reaches the next,
+    and a stack dump of a later hang does not show an idle helper under an old step's name."""
+    import contextvars
+
+    pool = HelperThreads()
+    seen = contextvars.ContextVar("seen", default="unset")
+    pool.run(lambda: seen.set("left by the first call"), 5, "first step")
+    assert pool.run(seen.get, 5, "second step") == "unset"
+    assert pool.started == 1
+    idle = [t.name for t in threading.enumerate() if t.name.startswith("megatron-async-helper")]
+    assert "megatron-async-helper (idle)" in idle
