@@ -1,8 +1,11 @@
 """The stager of a writer's save: every staging mode as one pipeline (trainer, every rank).
 
-:class:`BucketStager` is built once per save by the writer
-(:func:`~megatron_async.writer.staging_step.with_staging_step`); its :meth:`~BucketStager.stage`
-is the request's ``preload_fn``. Every save goes the same way: reserve the save's staging
+A storage writer enters staging once per save, through :func:`prepare_staged_write`
+(as PyTorch DCP keeps its ``AsyncStager`` apart from its ``FileSystemWriter``): it names
+its write path and that path's own arguments, and gets back the request's ``save_fn`` and
+``preload_fn``; the gate, the stager and the choice between one go, rounds and overlapped
+staging stay here. The stager, :class:`BucketStager`, is built once per save; its
+:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same way: reserve the save's staging
 memory in the budget's ledger (:mod:`.budget`), give every tensor a host buffer, copy,
 and hand the staged buckets to the writer. Two choices differ, each made once per save:
 
@@ -23,22 +26,24 @@ stager and writer (:mod:`.gate`) carries the rest.
 
 from __future__ import annotations
 
+import inspect
 import operator
-from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_async.buckets.layout import WriteBucket
+from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core.hand_over import require_hand_over
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 
-__all__ = ["BucketStager"]
+__all__ = ["BucketStager", "prepare_staged_write"]
 
 _SECOND = operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
@@ -160,3 +165,74 @@ class BucketStager:
             f"staging_memory_limit ({budget} bytes)",
             f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
         )
+
+
+def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
+    """``partial(fn, *args, **options)`` without the options ``fn`` does not take (trainer).
+
+    A subclass may override a write path or ``preload_tensors`` with the reference API's
+    signature only; it then runs without our extra options (checksums, bounded waits, the
+    staging gate) instead of failing.
+    """
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        options = {k: v for k, v in options.items() if k in params}
+    return partial(fn, *args, **options)
+
+
+def prepare_staged_write(
+    write_path: Callable[..., None],
+    write_args: tuple,
+    write_options: Mapping[str, Any],
+    *,
+    preload_tensors: Callable[..., Any],
+    resolved_plan_data: ResolvedPlanData,
+    overlapped: bool,
+    limit: Any,
+    cache: Optional[StagingBufferCache],
+    stats: dict,
+) -> Tuple[Callable[..., None], Callable[[], Any]]:
+    """Put one save's staging in front of its write path: ``(save_fn, preload_fn)`` (trainer).
+
+    Runs in the trainer, on every rank, once per save with something to write: the
+    storage writer's one entry into staging. Here the save's gate and stager are built,
+    the gate is bound to the write path (``staging_control``), and the staging mode is
+    chosen: within the budget in one go or above it in rounds (:class:`BucketStager`),
+    copied before scheduling returns or, with ``overlapped``, on the copy thread after.
+
+    Args:
+        write_path: the writer's background write path (``write_preloaded_data_multithread``
+            or ``_multiproc``, or a subclass's override). It takes the items in rounds if
+            it accepts ``staging_control`` (an override with the reference signature does
+            not, and a state above the budget is then refused).
+        write_args: its leading positional arguments (``transform_list, use_msc, open_file``).
+        write_options: its keyword options; those an override does not take are left out.
+        preload_tensors: the writer's staging in one go (a subclass may override it),
+            called with ``(resolved_plan_data, True)``.
+        resolved_plan_data: the writer's ``resolved_plan_data``: the save's planned
+            buckets and the key of their layout's cached buffers, what
+            ``preload_tensors`` stages.
+        overlapped: copy on the copy thread after the hand-over (``overlap_staging``).
+        limit: the ``staging_memory_limit`` (the budget; None: one copy of the state).
+        cache: the trainer's reusable staging buffers (the default cache when None).
+        stats: filled by staging with ``rounds`` and ``peak_bytes``.
+
+    Returns:
+        ``save_fn``: the write path with its arguments and the save's gate bound (with
+        ``overlapped``, it first waits for the copy thread, before it writes a byte); it
+        takes the request's ``args``. ``preload_fn``: the stager's ``stage``.
+    """
+    identifier, buckets = unpack_resolved_plan_data(resolved_plan_data)
+    gate = StagingGate(sum(len(bucket.data[1]) for bucket in buckets))
+    save_fn = _bind_supported(write_path, write_args, **write_options, staging_control=gate)
+    stager = BucketStager(
+        gate, buckets, limit=limit, overlapped=overlapped, cache=cache,
+        cache_key=identifier.key if identifier is not None else None,
+        stage_one_go=_bind_supported(
+            preload_tensors, (resolved_plan_data, True), staging_cache=cache
+        ),
+        rounds_allowed="staging_control" in save_fn.keywords, stats=stats,
+    )
+    if overlapped:
+        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
+    return save_fn, stager.stage

@@ -1,9 +1,9 @@
 """The storage writer: how staged buckets become durable ``.distcp`` files.
 
 * :mod:`.filesystem` (trainer, every rank): :class:`FileSystemWriterAsync`, the PyTorch
-  DCP storage writer that prepares buckets and hands the write to a background caller;
-* :mod:`.staging_step` (trainer, every rank): the staging in front of a save's write path
-  (plain or overlapped, the staging memory budget);
+  DCP storage writer that prepares buckets, hands them to staging once
+  (:func:`megatron_async.staging.stager.prepare_staged_write`) and the write to a
+  background caller;
 * :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
 * :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
   reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`

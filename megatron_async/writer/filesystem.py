@@ -8,8 +8,8 @@ writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
    size-balanced buckets, one file each;
 2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
    tensor to host memory, a real snapshot (``preload_tensors``, see
-   :mod:`megatron_async.staging.buffers`; the staging step chosen by
-   :mod:`megatron_async.writer.staging_step`);
+   :mod:`megatron_async.staging.buffers`; the staging mode chosen by
+   :func:`megatron_async.staging.stager.prepare_staged_write`);
 3. ``save_fn`` (background writer): write the staged buckets with threads or processes
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
@@ -43,7 +43,7 @@ from megatron_async.errors import CheckpointIntegrityError, CheckpointValidation
 from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import preload_tensors
-from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.stager import prepare_staged_write
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -67,8 +67,6 @@ from megatron_async.writer.options import (
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
 )
-from megatron_async.writer.staging_step import with_staging_step
-from megatron_async.writer.write_paths import bind_supported
 
 __all__ = [
     "FileSystemWriterAsync",
@@ -268,15 +266,16 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
     ) -> Tuple[Optional[Callable[..., None]], Optional[Callable[[], Any]], Optional[List[Any]]]:
         """Return ``(save_fn, preload_fn, args)``, or ``(None, None, None)`` with nothing to write.
 
-        Runs in the trainer. ``save_fn`` is ``write_preloaded_data_multithread`` (or
-        ``_multiproc``) with ``(transform_list, use_msc, open_file)`` bound, ``preload_fn``
-        is ``preload_tensors`` with ``(resolved_plan_data, non_blocking)`` bound; both are
-        ``functools.partial`` objects of static methods, so they pickle to the persistent
-        worker, and a subclass's overrides are the ones used. ``args`` is
-        ``[rank, None, results_queue]``: the caller replaces ``args[1]`` by the result of
-        ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``. The staging
-        in front of the write (overlapped staging, the staging memory budget)
-        is chosen by :func:`~megatron_async.writer.staging_step.with_staging_step`.
+        Runs in the trainer. The writer names its write path,
+        ``write_preloaded_data_multithread`` (or ``_multiproc``), with its arguments
+        ``(transform_list, use_msc, open_file)`` and options; staging
+        (:func:`~megatron_async.staging.stager.prepare_staged_write`) puts the save's
+        staging in front of it (the staging memory budget, overlapped staging) and returns
+        ``save_fn`` and ``preload_fn`` (which stages with ``preload_tensors`` where the
+        state fits in one go). Both pickle to the persistent worker, and a subclass's
+        overrides are the ones used. ``args`` is ``[rank, None, results_queue]``: the
+        caller replaces ``args[1]`` by the result of ``preload_fn`` (the staged buckets)
+        before calling ``save_fn(*args)``.
         """
         if not self.write_buckets:
             return None, None, None
@@ -285,26 +284,21 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             if self.is_multiproc_io
             else self.write_preloaded_data_multithread
         )
-        # Within the staging memory budget (staging/budget.py): the gate tells
-        # the write path which items arrive in rounds, and the write path marks it done.
-        gate = StagingGate(sum(len(b.data[1]) for b in self.write_buckets))
-        save_fn = bind_supported(
-            write_fn,
-            (self.transforms, self.use_msc, self._open_file()),
-            use_fsync=self.sync_files,
-            write_timeout_s=self.write_timeout_s,
-            bucket_writer=type(self).write_preloaded_data,
-            compute_checksums=self.checksums,
-            direct_io=self.direct_io,
-            staging_control=gate,
-        )
+        write_options = {
+            "use_fsync": self.sync_files,
+            "write_timeout_s": self.write_timeout_s,
+            "bucket_writer": type(self).write_preloaded_data,
+            "compute_checksums": self.checksums,
+            "direct_io": self.direct_io,
+        }
         self.staging_stats = {}
-        return with_staging_step(
-            save_fn, self.preload_tensors, gate=gate, write_buckets=self.write_buckets,
-            resolved_plan_data=self.resolved_plan_data, results_queue=self.results_queue,
-            overlap_staging=self.overlap_staging, memory_limit=self.options.staging_memory_limit,
-            staging_cache=self.staging_cache, stats=self.staging_stats,
+        save_fn, preload_fn = prepare_staged_write(
+            write_fn, (self.transforms, self.use_msc, self._open_file()), write_options,
+            preload_tensors=self.preload_tensors, resolved_plan_data=self.resolved_plan_data,
+            overlapped=self.overlap_staging, limit=self.options.staging_memory_limit,
+            cache=self.staging_cache, stats=self.staging_stats,
         )
+        return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
 
     def _open_file(self) -> Callable[..., Any]:
         """The ``open_file`` the write paths get: ``open``, or the object store's opener."""

@@ -12,7 +12,6 @@ by :mod:`.runners`.
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -27,7 +26,6 @@ from megatron_async.writer.runners import write_and_report, write_with_processes
 
 __all__ = [
     "SpecBucketWriter",
-    "bind_supported",
     "write_preloaded_data",
     "write_preloaded_data_proc",
     "write_preloaded_data_multithread",
@@ -37,18 +35,6 @@ __all__ = [
 
 SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
 """``write_preloaded_data``'s signature (see :func:`write_preloaded_data`)."""
-
-
-def bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
-    """``partial(fn, *args, **options)`` without the options ``fn`` does not take (trainer).
-
-    A subclass may override a write path with the reference API's signature only; it
-    then runs without our extra options (checksums, bounded waits) instead of failing.
-    """
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        options = {k: v for k, v in options.items() if k in params}
-    return partial(fn, *args, **options)
 
 
 def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
@@ -216,7 +202,8 @@ def write_staged_buckets(
     Runs in the background writer, for ``FileSystemWriterAsync``'s
     ``write_preloaded_data_multithread`` (``use_processes=False``) and
     ``write_preloaded_data_multiproc`` (True); the other arguments are theirs. The
-    positional ones are a save function's ``args``, the keywords what the writer binds.
+    positional ones are a save function's ``args``, the keywords what the writer names and
+    staging binds (:func:`~megatron_async.staging.stager.prepare_staged_write`).
     A failed bucket is recorded in the outcome that goes to ``global_results_queue``, not
     raised. ``staging_control`` (the save's staging gate,
     :mod:`megatron_async.staging.rounds`): items may arrive in rounds, and the block is

@@ -21,8 +21,8 @@ from megatron_async.errors import (
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
-from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.stager import BucketStager
+from megatron_async.staging.gate import StagingGate, write_after_staging
+from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from tests.unit.staging.test_overlapped_staging import _buckets
@@ -203,6 +203,46 @@ class _StagedList(list):
 
     def release(self):
         self.released = True
+
+
+def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
+    """The writer's one entry into staging: the write path gets the save's gate if it takes
+    ``staging_control``; overrides with the reference signature run without it (and then
+    refuse rounds), and a reference ``preload_tensors`` stages without the cache."""
+    buckets = _buckets([torch.ones(256), torch.ones(4)])  # 1040 bytes
+    plan_data = ("/nonexistent", (None, buckets))
+    preloaded = []
+
+    def ours(transforms, rank, staged, queue, *, use_fsync=True, staging_control=None):
+        pass
+
+    def reference(transforms, rank, staged, queue, *, use_fsync=True):
+        pass
+
+    def preload_reference(resolved_plan_data, non_blocking=True):
+        preloaded.append((resolved_plan_data, non_blocking))
+        return _StagedList()
+
+    def prepare(write_path, limit=None, overlapped=False):
+        return prepare_staged_write(
+            write_path, ("transforms",), {"use_fsync": False}, preload_tensors=preload_reference,
+            resolved_plan_data=plan_data, overlapped=overlapped, limit=limit, cache=None,
+            stats={},
+        )
+
+    save_fn, _ = prepare(ours)
+    assert save_fn.args == ("transforms",) and save_fn.keywords["use_fsync"] is False
+    assert isinstance(save_fn.keywords["staging_control"], StagingGate)
+    save_fn, _ = prepare(ours, overlapped=True)
+    assert save_fn.func is write_after_staging  # waits for the copy thread, then writes
+    save_fn, preload_fn = prepare(reference, limit=1024)
+    assert save_fn.keywords == {"use_fsync": False}
+    with pytest.raises(StagingMemoryError, match="cannot take items in rounds"):
+        preload_fn()
+    assert preloaded == []
+    _, preload_fn = prepare(reference)
+    preload_fn().release()
+    assert preloaded == [(plan_data, True)]
 
 
 def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
