@@ -185,16 +185,22 @@ def _boxes_overlap(one, other) -> bool:
     return True
 
 
-def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
+def index_items(all_local_plans: Sequence[SavePlan], refuse_duplicates: bool = True) -> Set[int]:
     """Refuse items that several ranks plan; return the ids of redundant empty chunks.
 
     DCP's global planning silently deduplicates identical chunks, but with decentralized
     planning every rank writes its own plan, so which copy the metadata points to would
     depend on the order of the results. Chunks without elements are exempt: they overlap
     nothing, and the commit points the metadata at one of them. Of the empty chunks at
-    one ``(fqn, offset)`` only one is listed, never in place of a chunk with data (see
-    ``without_redundant_empty_chunks``): the others' ids are returned. One pass over the
-    items; keys are ``(fqn, offset)`` tuples, hashed in C (a ``MetadataIndex`` is not).
+    one ``(fqn, offset)`` only one is listed, never in place of a chunk with data: the
+    chunk with data is kept, else the lowest rank's empty chunk, and the others' ids are
+    returned. One pass over the items; keys are ``(fqn, offset)`` tuples, hashed in C (a
+    ``MetadataIndex`` is not).
+
+    Args:
+        all_local_plans: every rank's local plan, in rank order.
+        refuse_duplicates: False for central planning, where DCP deduplicates the
+            replicas that several ranks plan.
 
     Raises:
         CheckpointValidationError: naming the first items planned by several ranks.
@@ -214,7 +220,7 @@ def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
             first = owner.setdefault(key, rank)
             if len(owner) == known:  # planned before
                 duplicates.setdefault(key, [first]).append(rank)
-    if duplicates:
+    if duplicates and refuse_duplicates:
         shown = "; ".join(
             f"{fqn} at offset {tuple(offset or ())} on ranks {ranks}"
             for (fqn, offset), ranks in list(duplicates.items())[:_SHOWN_ERRORS]
