@@ -153,17 +153,12 @@ def guarded_common_strategy_class(directories: SaveDirectories) -> type:
     return GuardedCommonSaveStrategy
 
 
-def guard_save_common_function(
-    module: Any, directories: SaveDirectories, name: str = "save_common"
-) -> bool:
-    """0.17 / 0.18: wrap ``module.<name>`` (the function ``save()`` calls) with the checks
-    against ``directories`` (the process's record).
-
-    Idempotent; returns whether the function is guarded now.
-    """
-    original: Callable[..., None] = getattr(module, name)
+def guard_save_common_function(module: Any, directories: SaveDirectories) -> None:
+    """0.17 / 0.18: wrap ``module.save_common`` (the function ``save()`` calls) with the
+    checks against ``directories`` (the process's record). Idempotent."""
+    original: Callable[..., None] = module.save_common
     if getattr(original, "__megatron_async_guarded__", False):
-        return True
+        return
 
     @functools.wraps(original)
     def guarded_save_common(common_state_dict: StateDict, checkpoint_dir: Union[str, Path], *args, **kwargs):
@@ -171,5 +166,4 @@ def guard_save_common_function(
         return _guarded_write(write, checkpoint_dir, directories)
 
     guarded_save_common.__megatron_async_guarded__ = True
-    setattr(module, name, guarded_save_common)
-    return True
+    module.save_common = guarded_save_common

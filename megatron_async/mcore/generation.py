@@ -119,14 +119,10 @@ def create_save_planner(config: Any) -> Any:
     )
 
 
-def register_strategies(strategy_cls: type, backend_name: str) -> bool:
-    """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry exists.
-
-    Also guards megatron-core's ``common.pt`` write where it has one: the registered
-    common strategy (registry generation) or the plain ``save_common`` function that
-    ``serialization.save()`` calls (0.17 / 0.18; 0.19+ keeps the common state inside the
-    checkpoint). Returns whether a strategy was registered.
-    """
+def register_strategies(strategy_cls: type, backend_name: str) -> None:
+    """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry
+    exists, and guard megatron-core's ``common.pt`` write in the form this generation has
+    (see :mod:`megatron_async.mcore.common_guard`)."""
     from megatron_async.core.save_directories import SaveDirectories
     from megatron_async.mcore import common_guard
 
@@ -135,7 +131,7 @@ def register_strategies(strategy_cls: type, backend_name: str) -> bool:
         serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
         if callable(getattr(serialization, "save_common", None)):
             common_guard.guard_save_common_function(serialization, directories)
-        return False
+        return
     from megatron.core.dist_checkpointing.strategies.base import (
         StrategyAction,
         register_default_strategy,
@@ -144,4 +140,3 @@ def register_strategies(strategy_cls: type, backend_name: str) -> bool:
     guarded_cls = common_guard.guarded_common_strategy_class(directories)
     register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, guarded_cls("torch", 1))
-    return True
