@@ -154,8 +154,7 @@ class PlanCache:
                 check or the planning failed on any rank.
         """
         group = coordination.get_coordination_group()
-        is_coordinator = coordination.get_rank() == COORDINATOR_RANK
-        cached = self._usable(config, is_coordinator)
+        cached = self._usable(config)
 
         def local_step() -> _LocalStep:
             overwrites = check_target()
@@ -206,8 +205,12 @@ class PlanCache:
             )
         return prepared
 
-    def _usable(self, config: TorchDistSaveConfig, is_coordinator: bool) -> Optional[_CachedPlan]:
-        """Return the latest save's plans if this save may reuse them (every rank, local)."""
+    def _usable(self, config: TorchDistSaveConfig) -> Optional[_CachedPlan]:
+        """Return the latest save's plans if this save may reuse them (every rank, local).
+
+        The coordinator's cached metadata is never None: a planning that caches either
+        built it or reused a metadata that was there.
+        """
         cached = self._cached
         if cached is None or not config.cached_metadata or cached.config != config:
             return None
@@ -217,8 +220,6 @@ class PlanCache:
         # metadata is verified against fresh plans instead.
         if cached.metadata is not self.cached_global_metadata:
             return None
-        if is_coordinator and cached.metadata is None:
-            return None  # without metadata to reuse, force a fresh plan on every rank
         return cached
 
     @staticmethod
