@@ -32,12 +32,8 @@ def build_global_metadata(
 ) -> Metadata:
     """Build the global metadata of a decentralized save from every rank's local plan.
 
-    Runs on the coordinator. With decentralized planning every rank writes its own local
-    plan as it is, so no item may be planned by two ranks; the one exception is a tensor
-    chunk without elements, which several ranks may hold at the same offset (uneven
-    splits). The metadata lists each ``(fqn, offset)`` once, as megatron-core's does: an
-    empty chunk at the offset of a chunk with data is left out, and of several empty
-    chunks at one offset only one zero-size chunk is listed.
+    Runs on the coordinator; refuses items planned by two ranks (see the module
+    docstring). The metadata lists each ``(fqn, offset)`` once, as megatron-core's does.
 
     DCP's own planners (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``,
     which add nothing to its global planning) are not run: their global plan is not used

@@ -22,11 +22,10 @@ of a chunk with data; see :mod:`megatron_async.saver.global_metadata`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from bisect import bisect_right, insort
-from operator import add, attrgetter, le
+from operator import add, le
 from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
@@ -39,10 +38,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.saver.plan_digests import properties_key
 
 __all__ = ["build_metadata", "index_items", "validate_chunks"]
 
-_properties_key = attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
 
 _SHOWN_ERRORS = 5
 
@@ -86,7 +85,7 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
                 )
             entry = state.get(fqn)
             if entry is None:
-                properties = shared_properties.setdefault(_properties_key(data.properties), data.properties)
+                properties = shared_properties.setdefault(properties_key(data.properties), data.properties)
                 entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
             chunk = data.chunk
             sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
