@@ -290,14 +290,7 @@ class PlanCache:
         if structure is None or prepared is None:
             return None
         try:
-            return bind_plan(
-                structure,
-                result.central_plan,
-                prepared.write_buckets,
-                prepared.layout,
-                prepared.staging_key,
-                config.keep_only_main_replica,
-            )
+            return bind_plan(structure, result.central_plan, prepared, config.keep_only_main_replica)
         except Exception:  # an optimization only: this save goes on, the next ones plan in full
             logger.warning(
                 "rank %d: cannot bind the plan to the state dict's structure; later saves "

@@ -89,9 +89,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             and picks its loader from it).
         version: must be 1.
         config: the options; see :class:`TorchDistSaveConfig`.
-        directories: the record of directories being written that this strategy claims
-            in and checks (default: the process's, which megatron-core's ``common.pt``
-            guard also checks; copies share it).
         **options: fields of :class:`TorchDistSaveConfig`, overriding ``config``
             (megatron-core's ``keep_only_main_replica``, ``thread_count``,
             ``cached_metadata`` and ``separation_hint`` keep their meaning).
@@ -130,8 +127,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         backend: str = "torch_dist",
         version: int = 1,
         config: Optional[TorchDistSaveConfig] = None,
-        *,
-        directories: Optional[SaveDirectories] = None,
         **options: Any,
     ):
         if backend != "torch_dist" or version != 1:
@@ -150,7 +145,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         # that are properties here (thread_count, use_cached_ckpt_structure, ...): let it
         # write into a throw-away config, then put the chosen options in force.
         self.config = TorchDistSaveConfig()
-        self.directories = directories or SaveDirectories.of_process()
+        # The process's record of directories being written, which megatron-core's
+        # common.pt guard checks too; copies share it.
+        self.directories = SaveDirectories.of_process()
         self._create_caches()
         generation.StrategyBase.__init__(self, backend, version)
         self.config = chosen

@@ -37,13 +37,13 @@ import dataclasses
 import io
 import logging
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from megatron_async.buckets.layout import BucketLayout, WriteBucket
+from megatron_async.buckets.layout import BucketLayout, PreparedWrite
 
 __all__ = ["Structure", "PlanBinding", "describe_structure", "bind_plan", "rebind"]
 
@@ -185,12 +185,7 @@ class PlanBinding:
 
 
 def bind_plan(
-    structure: Structure,
-    plan: SavePlan,
-    write_buckets: Sequence[WriteBucket],
-    layout: BucketLayout,
-    staging_key: Optional[str],
-    keep_only_main_replica: bool,
+    structure: Structure, plan: SavePlan, prepared: PreparedWrite, keep_only_main_replica: bool
 ) -> Optional[PlanBinding]:
     """Record where the items of a fully planned save take their data from.
 
@@ -200,9 +195,7 @@ def bind_plan(
     Args:
         structure: the structure of the state dict that was planned.
         plan: the final plan of this rank (the writer's buckets hold its items).
-        write_buckets: the buckets the writer prepared for ``plan``.
-        layout: the bucket layout the writer chose for ``plan``.
-        staging_key: the writer's staging key for that layout, if any.
+        prepared: what the writer made of ``plan`` (its buckets, layout and staging key).
         keep_only_main_replica: whether the strategy saved only main replicas.
 
     Returns:
@@ -211,7 +204,10 @@ def bind_plan(
         every save in full).
     """
     resolved = {
-        id(item): data for bucket in write_buckets for pairs in bucket.data for item, data in pairs
+        id(item): data
+        for bucket in prepared.write_buckets
+        for pairs in bucket.data
+        for item, data in pairs
     }
     tensors: Dict[Tuple[str, tuple], int] = {}
     objects: Dict[str, List[int]] = {}
@@ -242,7 +238,7 @@ def bind_plan(
         if not _same_view(source, _derive(source, shape), data):
             return _unbound(item, "its shard does not rebind to the planned data")
         entries.append((item, pos, shape))
-    return PlanBinding(entries, layout, staging_key)
+    return PlanBinding(entries, prepared.layout, prepared.staging_key)
 
 
 def rebind(binding: PlanBinding, structure: Structure) -> List[Tuple[WriteItem, Any]]:
