@@ -21,9 +21,7 @@ metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` 
 tiers), and a change on any rank makes every rank plan from scratch.
 
 A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy compares a fingerprint of the sharded state dict) skips even the local plan:
-it agrees on that with every rank itself and calls :func:`prepare_cached_write` with the
-cached plan and the items resolved to the new data.
+strategy's fingerprint) skips even the local plan: see :func:`prepare_cached_write`.
 
 All collectives run on the library's gloo coordination group, never on CUDA tensors.
 """
