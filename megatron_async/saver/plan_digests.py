@@ -94,12 +94,11 @@ def attach_plan_digests(
 ) -> None:
     """Store every rank's plan digest on the metadata (coordinator, first save).
 
-    ``digests`` are the ranks' own, gathered with their plans; computed here when None
-    (or when they do not match the plans in number).
+    ``digests`` are the ranks' own, gathered with their plans; computed here when None.
     """
-    if digests is None or len(digests) != len(all_local_plans):
+    if digests is None:
         digests = [plan_digest(plan) for plan in all_local_plans]
-    setattr(metadata, PLAN_DIGESTS_ATTR, [bytes(digest) for digest in digests])
+    setattr(metadata, PLAN_DIGESTS_ATTR, list(digests))
 
 
 def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:
