@@ -217,9 +217,9 @@ def index_items(all_local_plans: Sequence[SavePlan], refuse_duplicates: bool = T
             key = (index.fqn, index.offset)
             known = len(owner)
             first = owner.setdefault(key, rank)
-            if len(owner) == known:  # planned before
+            if len(owner) == known and refuse_duplicates:  # planned before
                 duplicates.setdefault(key, [first]).append(rank)
-    if duplicates and refuse_duplicates:
+    if duplicates:
         shown = "; ".join(
             f"{fqn} at offset {tuple(offset or ())} on ranks {ranks}"
             for (fqn, offset), ranks in list(duplicates.items())[:_SHOWN_ERRORS]
