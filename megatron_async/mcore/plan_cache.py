@@ -106,9 +106,7 @@ def fail_first_collective(error: BaseException, checkpoint_dir: str) -> None:
     Raises:
         CheckpointValidationError, CheckpointInProgressError: always.
     """
-    agree_or_raise(
-        error, f"async save to {checkpoint_dir}", _LocalStep.flags(None), coordination.get_coordination_group()
-    )
+    agree_or_raise(error, f"async save to {checkpoint_dir}", _LocalStep.flags(None))
 
 
 class PlanCache:
@@ -153,7 +151,6 @@ class PlanCache:
             CheckpointValidationError, CheckpointInProgressError: on every rank, when a
                 check or the planning failed on any rank.
         """
-        group = coordination.get_coordination_group()
         cached = self._usable(config)
 
         def local_step() -> _LocalStep:
@@ -178,7 +175,7 @@ class PlanCache:
         # The one collective of a save with an unchanged structure: did any rank fail, did
         # any rank's structure change, did any rank prepare a reuse, is a checkpoint there?
         step, (changed, any_prepared, overwrites) = agreed_step(
-            f"async save to {checkpoint_dir}", local_step, group, _LocalStep.flags
+            f"async save to {checkpoint_dir}", local_step, flags=_LocalStep.flags
         )
         if not changed:
             writer, dist_wrapper = step.prepared
@@ -195,13 +192,11 @@ class PlanCache:
                         return pyt_state_dict
                     return generation.to_dcp_state_dict(sharded_state_dict, config)
 
-                pyt_state_dict, _ = agreed_step(
-                    f"translating the state dict for {checkpoint_dir}", translate, group
-                )
+                pyt_state_dict, _ = agreed_step(f"translating the state dict for {checkpoint_dir}", translate)
             prepared = self._plan(pyt_state_dict, config, step.structure, cached, create_writer())
         if overwrites:  # planned on every rank: now the complete checkpoint there may go
             coordination.run_on_coordinator(
-                "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir, group
+                "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir
             )
         return prepared
 
