@@ -10,7 +10,7 @@ strategy alone comes too late:
 * overwriting a complete checkpoint would put a new ``common.pt`` next to the old
   completion markers, so a crash right then leaves a mixed checkpoint that looks complete.
 
-:func:`check_common_target` runs first, on every rank, against the process's
+The guard checks first, on every rank, against the process's
 :class:`~megatron_async.core.save_directories.SaveDirectories`: a directory still being
 written is refused on every rank alike (every rank schedules the same saves). Rank 0 then
 removes the markers of a complete checkpoint and megatron-core writes ``common.pt``, both
@@ -47,36 +47,12 @@ from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import has_completion_markers, remove_completion_markers
-from megatron_async.mcore.save_call import SaveCall, current_save_call
+from megatron_async.mcore.save_call import current_save_call
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = ["check_common_target", "guard_save_common_function", "guarded_common_strategy_class"]
+__all__ = ["guard_save_common_function", "guarded_common_strategy_class"]
 
 logger = logging.getLogger(__name__)
-
-
-def check_common_target(
-    checkpoint_dir: Union[str, Path], directories: SaveDirectories, call: Optional[SaveCall] = None
-) -> bool:
-    """Refuse a directory being written; say whether ``common.pt`` may be written (every rank).
-
-    Returns:
-        False when rank 0 leaves ``common.pt`` untouched because the process's saves
-        stopped and our strategy will refuse the save on every rank; True otherwise.
-
-    Raises:
-        CheckpointInProgressError: an unfinalized async save of this process still
-            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
-            another strategy, the process's saves stopped (rank 0).
-    """
-    directories.refuse_if_claimed(normalize_checkpoint_path(checkpoint_dir))
-    if coordination.get_rank() != 0 or directories.stuck is None:
-        return True
-    if call is not None and call.overwrite is not None:
-        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
-        return False
-    directories.refuse_if_stuck()
-    return True
 
 
 def _unmark_then_write(
@@ -118,19 +94,27 @@ def _unmark_then_write(
 def _guarded_write(
     write: Callable[[], Any], checkpoint_dir: Union[str, Path], directories: SaveDirectories
 ) -> Any:
-    """Run megatron-core's ``common.pt`` write behind the checks (every rank)."""
+    """Run megatron-core's ``common.pt`` write behind the checks (every rank).
+
+    Raises:
+        CheckpointInProgressError: an unfinalized async save of this process still
+            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
+            another strategy, the process's saves stopped (rank 0).
+    """
     call = current_save_call()
-    if not check_common_target(checkpoint_dir, directories, call):
-        return None
+    ours = call is not None and call.overwrite is not None
+    directory = normalize_checkpoint_path(checkpoint_dir)
+    directories.refuse_if_claimed(directory)
     if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
         return write()
+    if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
+        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
+        return None
+    directories.refuse_if_stuck()
     try:
-        return _unmark_then_write(
-            write, normalize_checkpoint_path(checkpoint_dir), directories,
-            call.overwrite if call is not None else None,
-        )
+        return _unmark_then_write(write, directory, directories, call.overwrite if ours else None)
     except Exception as exc:
-        if call is None or call.overwrite is None:
+        if not ours:
             raise  # another strategy: as megatron-core would
         logger.error("rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc)
         call.failure = exc
@@ -153,17 +137,12 @@ def guarded_common_strategy_class(directories: SaveDirectories) -> type:
     return GuardedCommonSaveStrategy
 
 
-def guard_save_common_function(
-    module: Any, directories: SaveDirectories, name: str = "save_common"
-) -> bool:
-    """0.17 / 0.18: wrap ``module.<name>`` (the function ``save()`` calls) with the checks
-    against ``directories`` (the process's record).
-
-    Idempotent; returns whether the function is guarded now.
-    """
-    original: Callable[..., None] = getattr(module, name)
+def guard_save_common_function(module: Any, directories: SaveDirectories) -> None:
+    """0.17 / 0.18: wrap ``module.save_common`` (the function ``save()`` calls) with the
+    checks against ``directories`` (the process's record). Idempotent."""
+    original: Callable[..., None] = module.save_common
     if getattr(original, "__megatron_async_guarded__", False):
-        return True
+        return
 
     @functools.wraps(original)
     def guarded_save_common(common_state_dict: StateDict, checkpoint_dir: Union[str, Path], *args, **kwargs):
@@ -171,5 +150,4 @@ def guard_save_common_function(
         return _guarded_write(write, checkpoint_dir, directories)
 
     guarded_save_common.__megatron_async_guarded__ = True
-    setattr(module, name, guarded_save_common)
-    return True
+    module.save_common = guarded_save_common

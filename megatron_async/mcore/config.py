@@ -116,15 +116,7 @@ class TorchDistSaveConfig:
 
     def __post_init__(self) -> None:
         # Built (and so validated) once per config; every save's writer gets this object.
-        object.__setattr__(self, "_write_options", self._make_write_options())
-
-    @property
-    def write_options(self) -> WriteOptions:
-        """The options of this config's storage writers (every rank)."""
-        return self._write_options
-
-    def _make_write_options(self) -> WriteOptions:
-        return WriteOptions(
+        write_options = WriteOptions(
             thread_count=self.thread_count,
             sync_files=self.sync_files,
             separation_hint=self.separation_hint,
@@ -140,3 +132,9 @@ class TorchDistSaveConfig:
             direct_io=self.direct_io,
             staging_memory_limit=self.staging_memory_limit,
         )
+        object.__setattr__(self, "_write_options", write_options)
+
+    @property
+    def write_options(self) -> WriteOptions:
+        """The options of this config's storage writers (every rank)."""
+        return self._write_options

@@ -61,16 +61,12 @@ class SaveFinalizer:
             :func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`.
         claim: the save's claim on its directory, released when the save is over.
         plan_s: how long planning took.
-        staging_stats: the dict that the save's staging fills (``rounds``, ``peak_bytes``).
     """
 
-    def __init__(
-        self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float, staging_stats: dict
-    ):
+    def __init__(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float):
         self._args = (writer, metadata, dist_wrapper)
         self._claim = claim
         self._plan_s = plan_s
-        self._staging_stats = staging_stats
         self._change_report: Optional[ChangeReport] = None
         self._scheduled = False
 
@@ -100,7 +96,8 @@ class SaveFinalizer:
 
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
-        writer, report, stats = self._args[0], self._change_report, self._staging_stats
+        writer, report = self._args[0], self._change_report
+        stats = writer.staging_stats  # filled by the save's staging
         return SaveDetails(
             self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
             report.summary() if report is not None else None,

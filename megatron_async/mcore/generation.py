@@ -22,7 +22,7 @@ missing. The other modules of :mod:`megatron_async.mcore` use only the names bel
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 from megatron_async.errors import UnsupportedMegatronError
 
@@ -37,69 +37,40 @@ __all__ = [
 
 SUPPORTED_RANGE = "megatron-core 0.16.x (strategy registry) and 0.17 to 0.19.x"
 
+try:
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+except ImportError as exc:
+    raise UnsupportedMegatronError(
+        "megatron.core.dist_checkpointing.strategies.torch with MCoreSavePlanner, "
+        f"_replace_state_dict_keys_with_sharded_keys and mcore_to_pyt_state_dict is not "
+        f"importable ({exc}); megatron_async supports {SUPPORTED_RANGE}"
+    ) from exc
 
-def _find(module_name: str, *names: str) -> Optional[Tuple[Any, ...]]:
-    """Return the attributes ``names`` of ``module_name``, or None if any is missing."""
+try:
+    from megatron.core.dist_checkpointing.strategies.base import (
+        AsyncSaveShardedStrategy as StrategyBase,
+        StrategyAction,
+        register_default_strategy,
+    )
+
+    GENERATION = "registry"
+except ImportError:
     try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    found = tuple(getattr(module, name, None) for name in names)
-    return None if any(value is None for value in found) else found
-
-
-def _detect() -> str:
-    try:
-        importlib.import_module("megatron.core.dist_checkpointing")
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy as StrategyBase,
+        )
     except ImportError as exc:
         raise UnsupportedMegatronError(
-            f"megatron-core is not importable ({exc}); install {SUPPORTED_RANGE}"
+            "this megatron-core has neither a strategy registry "
+            "(strategies.base.register_default_strategy) nor "
+            "strategies.torch.TorchDistSaveShardedStrategy; megatron_async supports "
+            f"{SUPPORTED_RANGE}"
         ) from exc
-    torch_names = _find(
-        "megatron.core.dist_checkpointing.strategies.torch",
-        "MCoreSavePlanner",
-        "_replace_state_dict_keys_with_sharded_keys",
-        "mcore_to_pyt_state_dict",
-    )
-    if torch_names is None:
-        raise UnsupportedMegatronError(
-            "megatron.core.dist_checkpointing.strategies.torch lacks MCoreSavePlanner, "
-            "_replace_state_dict_keys_with_sharded_keys or mcore_to_pyt_state_dict; "
-            f"megatron_async supports {SUPPORTED_RANGE}"
-        )
-    if _find(
-        "megatron.core.dist_checkpointing.strategies.base",
-        "register_default_strategy",
-        "AsyncSaveShardedStrategy",
-        "StrategyAction",
-    ):
-        return "registry"
-    if _find("megatron.core.dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy"):
-        return "builtin"
-    raise UnsupportedMegatronError(
-        "this megatron-core has neither a strategy registry "
-        "(strategies.base.register_default_strategy) nor "
-        "strategies.torch.TorchDistSaveShardedStrategy; megatron_async supports "
-        f"{SUPPORTED_RANGE}"
-    )
-
-
-GENERATION = _detect()
-
-from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402  (after detection)
-    MCoreSavePlanner,
-    _replace_state_dict_keys_with_sharded_keys,
-    mcore_to_pyt_state_dict,
-)
-
-if GENERATION == "registry":
-    from megatron.core.dist_checkpointing.strategies.base import (  # noqa: E402
-        AsyncSaveShardedStrategy as StrategyBase,
-    )
-else:
-    from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402
-        TorchDistSaveShardedStrategy as StrategyBase,
-    )
+    GENERATION = "builtin"
 
 
 def to_dcp_state_dict(sharded_state_dict: Any, config: Any) -> Dict[str, Any]:
@@ -119,14 +90,10 @@ def create_save_planner(config: Any) -> Any:
     )
 
 
-def register_strategies(strategy_cls: type, backend_name: str) -> bool:
-    """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry exists.
-
-    Also guards megatron-core's ``common.pt`` write where it has one: the registered
-    common strategy (registry generation) or the plain ``save_common`` function that
-    ``serialization.save()`` calls (0.17 / 0.18; 0.19+ keeps the common state inside the
-    checkpoint). Returns whether a strategy was registered.
-    """
+def register_strategies(strategy_cls: type, backend_name: str) -> None:
+    """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry
+    exists, and guard megatron-core's ``common.pt`` write in the form this generation has
+    (see :mod:`megatron_async.mcore.common_guard`)."""
     from megatron_async.core.save_directories import SaveDirectories
     from megatron_async.mcore import common_guard
 
@@ -135,13 +102,7 @@ def register_strategies(strategy_cls: type, backend_name: str) -> bool:
         serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
         if callable(getattr(serialization, "save_common", None)):
             common_guard.guard_save_common_function(serialization, directories)
-        return False
-    from megatron.core.dist_checkpointing.strategies.base import (
-        StrategyAction,
-        register_default_strategy,
-    )
-
+        return
     guarded_cls = common_guard.guarded_common_strategy_class(directories)
     register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, guarded_cls("torch", 1))
-    return True

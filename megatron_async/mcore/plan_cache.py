@@ -106,9 +106,7 @@ def fail_first_collective(error: BaseException, checkpoint_dir: str) -> None:
     Raises:
         CheckpointValidationError, CheckpointInProgressError: always.
     """
-    agree_or_raise(
-        error, f"async save to {checkpoint_dir}", _LocalStep.flags(None), coordination.get_coordination_group()
-    )
+    agree_or_raise(error, f"async save to {checkpoint_dir}", _LocalStep.flags(None))
 
 
 class PlanCache:
@@ -153,9 +151,7 @@ class PlanCache:
             CheckpointValidationError, CheckpointInProgressError: on every rank, when a
                 check or the planning failed on any rank.
         """
-        group = coordination.get_coordination_group()
-        is_coordinator = coordination.get_rank() == COORDINATOR_RANK
-        cached = self._usable(config, is_coordinator)
+        cached = self._usable(config)
 
         def local_step() -> _LocalStep:
             overwrites = check_target()
@@ -179,7 +175,7 @@ class PlanCache:
         # The one collective of a save with an unchanged structure: did any rank fail, did
         # any rank's structure change, did any rank prepare a reuse, is a checkpoint there?
         step, (changed, any_prepared, overwrites) = agreed_step(
-            f"async save to {checkpoint_dir}", local_step, group, _LocalStep.flags
+            f"async save to {checkpoint_dir}", local_step, flags=_LocalStep.flags
         )
         if not changed:
             writer, dist_wrapper = step.prepared
@@ -196,18 +192,20 @@ class PlanCache:
                         return pyt_state_dict
                     return generation.to_dcp_state_dict(sharded_state_dict, config)
 
-                pyt_state_dict, _ = agreed_step(
-                    f"translating the state dict for {checkpoint_dir}", translate, group
-                )
+                pyt_state_dict, _ = agreed_step(f"translating the state dict for {checkpoint_dir}", translate)
             prepared = self._plan(pyt_state_dict, config, step.structure, cached, create_writer())
         if overwrites:  # planned on every rank: now the complete checkpoint there may go
             coordination.run_on_coordinator(
-                "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir, group
+                "prepare", lambda: unmark_before_rewrite(checkpoint_dir, strict=True), checkpoint_dir
             )
         return prepared
 
-    def _usable(self, config: TorchDistSaveConfig, is_coordinator: bool) -> Optional[_CachedPlan]:
-        """Return the latest save's plans if this save may reuse them (every rank, local)."""
+    def _usable(self, config: TorchDistSaveConfig) -> Optional[_CachedPlan]:
+        """Return the latest save's plans if this save may reuse them (every rank, local).
+
+        The coordinator's cached metadata is never None: a planning that caches either
+        built it or reused a metadata that was there.
+        """
         cached = self._cached
         if cached is None or not config.cached_metadata or cached.config != config:
             return None
@@ -217,8 +215,6 @@ class PlanCache:
         # metadata is verified against fresh plans instead.
         if cached.metadata is not self.cached_global_metadata:
             return None
-        if is_coordinator and cached.metadata is None:
-            return None  # without metadata to reuse, force a fresh plan on every rank
         return cached
 
     @staticmethod
@@ -289,14 +285,7 @@ class PlanCache:
         if structure is None or prepared is None:
             return None
         try:
-            return bind_plan(
-                structure,
-                result.central_plan,
-                prepared.write_buckets,
-                prepared.layout,
-                prepared.staging_key,
-                config.keep_only_main_replica,
-            )
+            return bind_plan(structure, result.central_plan, prepared, config.keep_only_main_replica)
         except Exception:  # an optimization only: this save goes on, the next ones plan in full
             logger.warning(
                 "rank %d: cannot bind the plan to the state dict's structure; later saves "

@@ -83,17 +83,17 @@ def guard_save_functions(fail_first_collective: Callable[[BaseException, str], N
     serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
     package = importlib.import_module("megatron.core.dist_checkpointing")
     guard_save_function(serialization, fail_first_collective)
-    if getattr(package, "save", None) is not serialization.save:
-        guard_save_function(package, fail_first_collective)
+    guard_save_function(package, fail_first_collective)  # its own reference to the original
     preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
     if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
         _agree_on_validation(preprocessing)
 
 
-def _agree_on_validation(module: Any, name: str = "validate_sharding_integrity") -> None:
-    """Make ``module.<name>`` (megatron-core's sharding validation in ``save()``, whose
-    verdict rank 0 alone raises) agreed on every rank within our strategy's saves."""
-    original: Callable[..., Any] = getattr(module, name)
+def _agree_on_validation(module: Any) -> None:
+    """Make ``module.validate_sharding_integrity`` (megatron-core's sharding validation in
+    ``save()``, whose verdict rank 0 alone raises) agreed on every rank within our
+    strategy's saves."""
+    original: Callable[..., Any] = module.validate_sharding_integrity
     if getattr(original, "__megatron_async_guarded__", False):
         return
 
@@ -111,20 +111,17 @@ def _agree_on_validation(module: Any, name: str = "validate_sharding_integrity")
         agree_or_raise(error, "megatron-core's sharding validation")
 
     agreed_validation.__megatron_async_guarded__ = True
-    setattr(module, name, agreed_validation)
+    module.validate_sharding_integrity = agreed_validation
 
 
 def guard_save_function(
-    module: Any, fail_first_collective: Callable[[BaseException, str], None], name: str = "save"
-) -> bool:
-    """Wrap ``module.<name>`` (megatron-core's ``save``) so that its steps before the
-    strategy know the call (:class:`SaveCall`).
-
-    Idempotent; returns whether the function is wrapped now.
-    """
-    original: Callable[..., Any] = getattr(module, name)
+    module: Any, fail_first_collective: Callable[[BaseException, str], None]
+) -> None:
+    """Wrap ``module.save`` (megatron-core's ``save``) so that its steps before the
+    strategy know the call (:class:`SaveCall`). Idempotent."""
+    original: Callable[..., Any] = module.save
     if getattr(original, "__megatron_async_guarded__", False):
-        return True
+        return
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -146,8 +143,7 @@ def guard_save_function(
             _save_call.reset(token)
 
     save_with_call_recorded.__megatron_async_guarded__ = True
-    setattr(module, name, save_with_call_recorded)
-    return True
+    module.save = save_with_call_recorded
 
 
 def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:

@@ -13,14 +13,9 @@ The checkpoint is megatron-core's ``torch_dist`` format, version 1 (megatron-cor
 it without this package. ``register_strategies()`` makes the strategy megatron-core's
 default for the backend name ``'megatron_async'``.
 
-Overwriting: megatron-core's ``save()`` writes ``common.pt`` before the sharded strategy
-runs, so refusing a directory that holds a complete checkpoint at that point would leave
-the old checkpoint with a new ``common.pt``. By default the strategy therefore overwrites,
-like megatron-core, but safely: it logs a warning and first removes the old completion
-markers (``.metadata`` and ``metadata.json``), so a save that then fails leaves a
-directory that every loader sees as incomplete, never a mix of old and new data.
-``overwrite=False`` refuses instead (for callers that do not write ``common.pt`` first).
-The checks of the target, overwriting included, are :mod:`megatron_async.mcore.target`.
+A directory that holds a complete checkpoint is overwritten by default, like
+megatron-core, but safely (its completion markers go first); how, and
+``overwrite=False``, are :mod:`megatron_async.mcore.target`'s.
 """
 
 from __future__ import annotations
@@ -94,9 +89,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             and picks its loader from it).
         version: must be 1.
         config: the options; see :class:`TorchDistSaveConfig`.
-        directories: the record of directories being written that this strategy claims
-            in and checks (default: the process's, which megatron-core's ``common.pt``
-            guard also checks; copies share it).
         **options: fields of :class:`TorchDistSaveConfig`, overriding ``config``
             (megatron-core's ``keep_only_main_replica``, ``thread_count``,
             ``cached_metadata`` and ``separation_hint`` keep their meaning).
@@ -112,12 +104,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             to let the first save of a resumed job skip the plan gather too.
         last_save_reused_plans: whether the latest ``async_save`` reused cached plans.
 
-    With ``cached_metadata``, a save whose sharded state dict has the same fingerprint as
-    the previous save's (keys, shapes, offsets, dtypes, replica ids, ... of every
-    ShardedTensor and ShardedObject) on every rank skips planning altogether: it binds the
-    new tensors, and the freshly serialized ShardedObjects, to the previous save's write
-    items (see :mod:`megatron_async.mcore.structure`). A change on any rank makes every rank
-    plan again.
+    With ``cached_metadata``, saves reuse the previous save's plans while the structure
+    holds on every rank (see :mod:`megatron_async.mcore.plan_cache`).
 
     Copies: ``copy.copy``, ``copy.deepcopy`` and pickling give an independent strategy
     with the same options (``config``) and empty caches: no cached plans or
@@ -139,8 +127,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         backend: str = "torch_dist",
         version: int = 1,
         config: Optional[TorchDistSaveConfig] = None,
-        *,
-        directories: Optional[SaveDirectories] = None,
         **options: Any,
     ):
         if backend != "torch_dist" or version != 1:
@@ -159,7 +145,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         # that are properties here (thread_count, use_cached_ckpt_structure, ...): let it
         # write into a throw-away config, then put the chosen options in force.
         self.config = TorchDistSaveConfig()
-        self.directories = directories or SaveDirectories.of_process()
+        # The process's record of directories being written, which megatron-core's
+        # common.pt guard checks too; copies share it.
+        self.directories = SaveDirectories.of_process()
         self._create_caches()
         generation.StrategyBase.__init__(self, backend, version)
         self.config = chosen
@@ -315,9 +303,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(
-            writer, metadata, dist_wrapper, claim, plan_s, staging_stats=writer.staging_stats
-        )
+        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, claim, plan_s)
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn

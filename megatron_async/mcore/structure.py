@@ -37,13 +37,13 @@ import dataclasses
 import io
 import logging
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from megatron_async.buckets.layout import BucketLayout, WriteBucket
+from megatron_async.buckets.layout import BucketLayout, PreparedWrite
 
 __all__ = ["Structure", "PlanBinding", "describe_structure", "bind_plan", "rebind"]
 
@@ -147,50 +147,31 @@ def _walk(values, add_entry, add_source) -> bool:
     return True
 
 
-# One entry per item of the final plan: (item, source position, shape to reshape to or
-# None) for a tensor; (item, positions of the ShardedObjects, _BYTES) for serialized objects.
-_Entry = Tuple[WriteItem, Union[int, Tuple[int, ...]], Any]
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanBinding:
     """Where each item of a cached plan takes its data from, and how its file layout looks.
 
     Attributes:
-        entries: per item of the final plan, in plan order.
+        items: the items of the final plan, in plan order.
+        positions: per item, the position in :attr:`Structure.sources` of the data it
+            takes by reference (0 for the items in ``derived``).
+        derived: ``(index in items, where, shape)`` for the few items whose data is
+            derived: ``(source position, shape to reshape to)`` for a tensor,
+            ``(positions of the ShardedObjects, _BYTES)`` for serialized objects.
         layout: the bucket layout the writer chose for the plan.
         staging_key: the writer's key of that layout's staging buffers (None without
             ``use_cached_data_structure``).
     """
 
-    entries: List[_Entry]
+    items: List[WriteItem]
+    positions: List[int]
+    derived: List[Tuple[int, Union[int, Tuple[int, ...]], Any]]
     layout: BucketLayout
     staging_key: Optional[str]
-    _items: List[WriteItem] = dataclasses.field(init=False, repr=False, compare=False)
-    _positions: List[int] = dataclasses.field(init=False, repr=False, compare=False)
-    _derived: List[Tuple[int, _Entry]] = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # What rebind needs, split once: the items, the source position of every item
-        # taken by reference (0 for the others), and the few that are reshaped or bytes.
-        derived = [
-            (idx, (item, where, shape))
-            for idx, (item, where, shape) in enumerate(self.entries)
-            if shape is not None
-        ]
-        positions = [0 if shape is not None else where for _, where, shape in self.entries]
-        object.__setattr__(self, "_items", [item for item, _, _ in self.entries])
-        object.__setattr__(self, "_positions", positions)
-        object.__setattr__(self, "_derived", derived)
 
 
 def bind_plan(
-    structure: Structure,
-    plan: SavePlan,
-    write_buckets: Sequence[WriteBucket],
-    layout: BucketLayout,
-    staging_key: Optional[str],
-    keep_only_main_replica: bool,
+    structure: Structure, plan: SavePlan, prepared: PreparedWrite, keep_only_main_replica: bool
 ) -> Optional[PlanBinding]:
     """Record where the items of a fully planned save take their data from.
 
@@ -200,9 +181,7 @@ def bind_plan(
     Args:
         structure: the structure of the state dict that was planned.
         plan: the final plan of this rank (the writer's buckets hold its items).
-        write_buckets: the buckets the writer prepared for ``plan``.
-        layout: the bucket layout the writer chose for ``plan``.
-        staging_key: the writer's staging key for that layout, if any.
+        prepared: what the writer made of ``plan`` (its buckets, layout and staging key).
         keep_only_main_replica: whether the strategy saved only main replicas.
 
     Returns:
@@ -211,7 +190,10 @@ def bind_plan(
         every save in full).
     """
     resolved = {
-        id(item): data for bucket in write_buckets for pairs in bucket.data for item, data in pairs
+        id(item): data
+        for bucket in prepared.write_buckets
+        for pairs in bucket.data
+        for item, data in pairs
     }
     tensors: Dict[Tuple[str, tuple], int] = {}
     objects: Dict[str, List[int]] = {}
@@ -224,14 +206,16 @@ def bind_plan(
             where = (entry[_KEY], tuple(entry[_OFFSET]))
             tensors[where] = -1 if where in tensors else pos  # -1: two shards, ambiguous
 
-    entries: List[_Entry] = []
-    for item in plan.items:
+    positions: List[int] = []
+    derived: List[Tuple[int, Any, Any]] = []
+    for idx, item in enumerate(plan.items):
         data = resolved.get(id(item))
         if item.type == WriteItemType.BYTE_IO:
-            positions = tuple(objects.get(item.index.fqn, ()))
-            if not positions or not _same_bytes(structure.sources, positions, data):
+            owners = tuple(objects.get(item.index.fqn, ()))
+            if not owners or not _same_bytes(structure.sources, owners, data):
                 return _unbound(item, "its ShardedObjects do not serialize to the planned bytes")
-            entries.append((item, positions, _BYTES))
+            positions.append(0)
+            derived.append((idx, owners, _BYTES))
             continue
         offset = tuple(item.index.offset) if item.index.offset is not None else None
         pos = tensors.get((item.index.fqn, offset), -1)
@@ -241,8 +225,10 @@ def bind_plan(
         shape = None if data.shape == source.shape else data.shape
         if not _same_view(source, _derive(source, shape), data):
             return _unbound(item, "its shard does not rebind to the planned data")
-        entries.append((item, pos, shape))
-    return PlanBinding(entries, layout, staging_key)
+        positions.append(pos if shape is None else 0)
+        if shape is not None:
+            derived.append((idx, pos, shape))
+    return PlanBinding(list(plan.items), positions, derived, prepared.layout, prepared.staging_key)
 
 
 def rebind(binding: PlanBinding, structure: Structure) -> List[Tuple[WriteItem, Any]]:
@@ -255,13 +241,13 @@ def rebind(binding: PlanBinding, structure: Structure) -> List[Tuple[WriteItem, 
         ``(write_item, data)`` for every item, in plan order.
     """
     sources = structure.sources
-    data = list(map(sources.__getitem__, binding._positions))  # no bytecode per tensor
-    for idx, (_, where, shape) in binding._derived:
+    data = list(map(sources.__getitem__, binding.positions))  # no bytecode per tensor
+    for idx, where, shape in binding.derived:
         if shape is _BYTES:
             data[idx] = _serialize([sources[pos] for pos in where])
         else:
             data[idx] = _derive(sources[where], shape)
-    return list(zip(binding._items, data))
+    return list(zip(binding.items, data))
 
 
 def _derive(source: torch.Tensor, shape: Optional[torch.Size]) -> torch.Tensor:

@@ -28,11 +28,6 @@ The file-system checks run within half the coordination timeout on a helper thre
 hung mount even ``os.path.exists`` never returns, and the rank would never reach the
 save's first collective. A check left behind stops the process's saves
 (:meth:`~megatron_async.core.save_directories.SaveDirectories.run_bounded`).
-
-Raises :class:`~megatron_async.errors.CheckpointInProgressError` for a directory still
-being written (or a process whose saves stopped) and
-:class:`~megatron_async.errors.CheckpointValidationError` for anything else; each message
-names the rank or the path and what to do.
 """
 
 from __future__ import annotations

@@ -75,11 +75,8 @@ def save_state_dict_async_plan(
         cached_ckpt_structure=cached_structure,
         loaded_all_plans=cache.loaded_all_plans,
     )
-    metadata = cache.record_plan(
-        result.central_plan,
-        result.local_plan,
-        result.metadata,
-        result.reused_cached_plans,
-        result.reused_loaded_metadata,
+    cache.record_plan(
+        result.central_plan, result.local_plan, result.reused_cached_plans, result.reused_loaded_metadata
     )
-    return result.writer, metadata, result.dist_wrapper
+    # The fresh metadata is remembered; reused plans or loaded metadata: the cached one.
+    return cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)

@@ -64,18 +64,14 @@ def get_result_gather_count() -> int:
     return _counts["result gathers"]
 
 
-def _is_wrapped_exception(results: Any) -> bool:
-    """Whether ``results`` is DCP's ``(exception, traceback)`` instead of write results."""
-    return isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException)
-
-
 def _local_results(
     storage_writer: "FileSystemWriterAsync", rank: int
 ) -> Tuple[List[Any], Optional[RankFailure]]:
     """This rank's write results, or its failure (every rank)."""
     try:
         results = storage_writer.retrieve_write_results()
-        if _is_wrapped_exception(results):  # the reference API returns background failures
+        # The reference API returns a background failure as DCP's (exception, traceback).
+        if isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException):
             raise results[0]
         return results, None
     except Exception as exc:  # reported on every rank by the caller
@@ -92,9 +88,7 @@ def save_state_dict_async_finalize(
 ) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
 
-    Costs two all-reduces on the coordination group, plus a gather of the write results
-    unless every rank stored every item where its previous committed save did (see the
-    module docstring). The writer's ``commit_cache`` and ``digest_history`` (given to it
+    Costs what the module docstring says (a warm save gathers nothing). The writer's ``commit_cache`` and ``digest_history`` (given to it
     when it was built, by the strategy) enable the warm path and the stale-checkpoint
     comparison; a writer built without them takes the full path and compares nothing.
 

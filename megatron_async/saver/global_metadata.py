@@ -20,7 +20,6 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.global_plan import build_metadata, index_items
 from megatron_async.saver.plan_digests import attach_plan_digests
-from megatron_async.buckets.layout import is_empty_chunk
 
 __all__ = ["build_global_metadata", "without_redundant_empty_chunks"]
 
@@ -33,12 +32,8 @@ def build_global_metadata(
 ) -> Metadata:
     """Build the global metadata of a decentralized save from every rank's local plan.
 
-    Runs on the coordinator. With decentralized planning every rank writes its own local
-    plan as it is, so no item may be planned by two ranks; the one exception is a tensor
-    chunk without elements, which several ranks may hold at the same offset (uneven
-    splits). The metadata lists each ``(fqn, offset)`` once, as megatron-core's does: an
-    empty chunk at the offset of a chunk with data is left out, and of several empty
-    chunks at one offset only one zero-size chunk is listed.
+    Runs on the coordinator; refuses items planned by two ranks (see the module
+    docstring). The metadata lists each ``(fqn, offset)`` once, as megatron-core's does.
 
     DCP's own planners (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``,
     which add nothing to its global planning) are not run: their global plan is not used
@@ -67,9 +62,9 @@ def build_global_metadata(
         # decentralized save writes every rank's plan as it is).
         planner.global_plan, planner.metadata = all_local_plans, metadata
     else:
-        _raise_on_duplicate_items(all_local_plans)
+        plans = without_redundant_empty_chunks(all_local_plans, refuse_duplicates=True)
         try:
-            _, metadata = planner.create_global_plan(without_redundant_empty_chunks(all_local_plans))
+            _, metadata = planner.create_global_plan(plans)
         except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
             raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
     # Stored in .metadata so that a resumed job can skip this gather.
@@ -93,33 +88,22 @@ def _plans_like_dcp(planner: SavePlanner) -> bool:
     )
 
 
-def _raise_on_duplicate_items(all_local_plans: Sequence[SavePlan]) -> None:
-    """Refuse items that several ranks would write (planners with their own global planning)."""
-    index_items(all_local_plans)
-
-
-def without_redundant_empty_chunks(all_local_plans: List[SavePlan]) -> List[SavePlan]:
+def without_redundant_empty_chunks(
+    all_local_plans: List[SavePlan], refuse_duplicates: bool = False
+) -> List[SavePlan]:
     """Leave out the empty chunks that another item already describes (coordinator).
 
     ``MetadataIndex`` equality ignores the index hint, so the metadata (and DCP's
     deduplication) treat items at the same ``(fqn, offset)`` as one. Left to DCP, which
     copy survives depends on plan sizes, and an empty chunk could replace a chunk with
-    data at its offset (a "missing shard" error). Here the chunk with data is kept, else
-    the lowest rank's empty chunk; the plans are returned unchanged when nothing is left
-    out.
+    data at its offset (a "missing shard" error). Which are left out is
+    :func:`~megatron_async.saver.global_plan.index_items`'s rule; the plans are returned
+    unchanged when nothing is left out.
+
+    Raises:
+        CheckpointValidationError: with ``refuse_duplicates``, items that several ranks plan.
     """
-    empty = [item for plan in all_local_plans for item in plan.items if is_empty_chunk(item)]
-    if not empty:
-        return all_local_plans
-    described = {
-        item.index for plan in all_local_plans for item in plan.items if not is_empty_chunk(item)
-    }
-    left_out = set()
-    for item in empty:  # in rank order
-        if item.index in described:
-            left_out.add(id(item))
-        else:
-            described.add(item.index)
+    left_out = index_items(all_local_plans, refuse_duplicates)
     if not left_out:
         return all_local_plans
     return [

@@ -22,11 +22,10 @@ of a chunk with data; see :mod:`megatron_async.saver.global_metadata`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from bisect import bisect_right, insort
-from operator import add, attrgetter, le
+from operator import add, le
 from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
@@ -39,10 +38,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.saver.plan_digests import properties_key
 
 __all__ = ["build_metadata", "index_items", "validate_chunks"]
 
-_properties_key = attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
 
 _SHOWN_ERRORS = 5
 
@@ -86,7 +85,7 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
                 )
             entry = state.get(fqn)
             if entry is None:
-                properties = shared_properties.setdefault(_properties_key(data.properties), data.properties)
+                properties = shared_properties.setdefault(properties_key(data.properties), data.properties)
                 entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
             chunk = data.chunk
             sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
@@ -185,16 +184,22 @@ def _boxes_overlap(one, other) -> bool:
     return True
 
 
-def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
+def index_items(all_local_plans: Sequence[SavePlan], refuse_duplicates: bool = True) -> Set[int]:
     """Refuse items that several ranks plan; return the ids of redundant empty chunks.
 
     DCP's global planning silently deduplicates identical chunks, but with decentralized
     planning every rank writes its own plan, so which copy the metadata points to would
     depend on the order of the results. Chunks without elements are exempt: they overlap
     nothing, and the commit points the metadata at one of them. Of the empty chunks at
-    one ``(fqn, offset)`` only one is listed, never in place of a chunk with data (see
-    ``without_redundant_empty_chunks``): the others' ids are returned. One pass over the
-    items; keys are ``(fqn, offset)`` tuples, hashed in C (a ``MetadataIndex`` is not).
+    one ``(fqn, offset)`` only one is listed, never in place of a chunk with data: the
+    chunk with data is kept, else the lowest rank's empty chunk, and the others' ids are
+    returned. One pass over the items; keys are ``(fqn, offset)`` tuples, hashed in C (a
+    ``MetadataIndex`` is not).
+
+    Args:
+        all_local_plans: every rank's local plan, in rank order.
+        refuse_duplicates: False for central planning, where DCP deduplicates the
+            replicas that several ranks plan.
 
     Raises:
         CheckpointValidationError: naming the first items planned by several ranks.
@@ -212,7 +217,7 @@ def index_items(all_local_plans: Sequence[SavePlan]) -> Set[int]:
             key = (index.fqn, index.offset)
             known = len(owner)
             first = owner.setdefault(key, rank)
-            if len(owner) == known:  # planned before
+            if len(owner) == known and refuse_duplicates:  # planned before
                 duplicates.setdefault(key, [first]).append(rank)
     if duplicates:
         shown = "; ".join(

@@ -102,25 +102,16 @@ class CheckpointMetadataCache:
         self,
         central_plan: SavePlan,
         local_plan: SavePlan,
-        global_metadata: Optional[Metadata],
         reused_cached_plans: bool,
         reused_loaded_metadata: bool,
-    ) -> Optional[Metadata]:
-        """Remember a save's plans and return the metadata its finalization needs.
-
-        Runs on every rank after :func:`save_state_dict_async_plan` planned. The
-        returned metadata is the fresh one when planning built it, otherwise (plans or a
-        loaded checkpoint's metadata reused) the cached one; off the coordinator it is
-        whatever the cache holds, which finalization does not read.
-        """
+    ) -> None:
+        """Remember a save's plans and how they were made (every rank, after
+        :func:`save_state_dict_async_plan` planned); its metadata goes through
+        :meth:`prepare_save_state_dict_ret`."""
         self.validated_loaded_metadata_reuse = bool(reused_loaded_metadata)
         self.validated_cache_reuse = bool(reused_cached_plans)
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
-        if global_metadata is not None:
-            self.cached_global_metadata = global_metadata
-            return global_metadata
-        return self.cached_global_metadata
 
     def prepare_save_state_dict_ret(self, rank: int, coordinator: int, save_state_dict_ret):
         """Fill the cached metadata into a planning result that has none (every rank).

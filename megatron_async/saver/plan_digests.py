@@ -35,6 +35,7 @@ __all__ = [
     "attach_plan_digests",
     "loaded_plans",
     "plan_digest",
+    "properties_key",
     "same_plan",
     "verify_global_md_reuse",
 ]
@@ -46,8 +47,9 @@ PLAN_DIGESTS_ATTR = "megatron_async_plan_digests"
 
 _DIGEST_KEY = b"megatron_async.plan.v1"
 _SHARD = WriteItemType.SHARD.name  # the usual type, named without an enum lookup per item
-# In field order: an unpickled TensorProperties holds its attributes in another order.
-_properties = operator.attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
+# TensorProperties' values in field order (an unpickled one holds its attributes in another
+# order), hashable: the key of equal properties.
+properties_key = operator.attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
 _PLAN_FIELDS_LEFT_OUT = ("items", "storage_data")
 
 
@@ -80,7 +82,7 @@ def _item_key(item) -> tuple:
         _SHARD if item.type is WriteItemType.SHARD else item.type.name,
         chunk.offsets,
         chunk.sizes,
-        _properties(data.properties),
+        properties_key(data.properties),
         data.size,
     )
 
@@ -92,12 +94,11 @@ def attach_plan_digests(
 ) -> None:
     """Store every rank's plan digest on the metadata (coordinator, first save).
 
-    ``digests`` are the ranks' own, gathered with their plans; computed here when None
-    (or when they do not match the plans in number).
+    ``digests`` are the ranks' own, gathered with their plans; computed here when None.
     """
-    if digests is None or len(digests) != len(all_local_plans):
+    if digests is None:
         digests = [plan_digest(plan) for plan in all_local_plans]
-    setattr(metadata, PLAN_DIGESTS_ATTR, [bytes(digest) for digest in digests])
+    setattr(metadata, PLAN_DIGESTS_ATTR, list(digests))
 
 
 def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:

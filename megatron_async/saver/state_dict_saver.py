@@ -17,16 +17,11 @@ error instead of waiting in the next collective. The global metadata is built by
 :mod:`megatron_async.saver.global_metadata`.
 
 Planning gathers every rank's local plan on the coordinator, which builds the global
-metadata. When the structure of the checkpoint does not change from save to save (the
-usual case in training), that gather is skipped: each rank compares its fresh local plan
-with the cached one and one small all-reduce tells whether any rank's plan changed. If
-none did, the cached plans and metadata are reused; if any did, the ranks plan from
-scratch, so a changed structure never produces a wrong checkpoint.
+metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` lists the
+tiers), and a change on any rank makes every rank plan from scratch.
 
 A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy compares a fingerprint of the sharded state dict) skips even the local plan:
-it agrees on that with every rank itself and calls :func:`prepare_cached_write` with the
-cached plan and the items resolved to the new data.
+strategy's fingerprint) skips even the local plan: see :func:`prepare_cached_write`.
 
 All collectives run on the library's gloo coordination group, never on CUDA tensors.
 """
@@ -286,7 +281,6 @@ def prepare_cached_write(
     resolved: Sequence[Tuple[WriteItem, Any]],
     layout: Optional[BucketLayout] = None,
     staging_key: Optional[str] = None,
-    process_group: Optional[dist.ProcessGroup] = None,
     coordinator_rank: int = 0,
 ) -> Tuple[FileSystemWriterAsync, _DistWrapper]:
     """Prepare the writer of a save that reuses the previous save's plan (every rank, local).
@@ -302,13 +296,12 @@ def prepare_cached_write(
             order, with this save's data.
         layout: the previous save's bucket layout (computed when None).
         staging_key: the previous save's staging key (computed when None).
-        process_group: group the plan was made in; defaults to the coordination group.
-        coordinator_rank: rank (in that group) that writes the metadata.
+        coordinator_rank: rank (in the coordination group) that writes the metadata.
 
     Returns:
         ``(writer, dist_wrapper)``, for :func:`save_state_dict_async_finalize`.
     """
-    dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
+    dist_wrapper = _make_dist_wrapper(None, coordinator_rank)
     storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
     storage_writer.prepare_resolved_write_data(central_plan, resolved, layout, staging_key)
     return storage_writer, dist_wrapper

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megatron_async.saver import state_dict_saver
 from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
-from megatron_async.buckets.layout import WriteBucket
+from megatron_async.buckets.layout import PreparedWrite, WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_rank_group")]
@@ -359,7 +359,7 @@ def test_central_planning_of_all_replicas_is_reused_too(tmp_path):
 
 
 def _planned(tensor: torch.Tensor, key: str = "t"):
-    """A one-item plan for ``key`` and the bucket that holds ``tensor`` as its data."""
+    """A one-item plan for ``key`` and what a writer made of it: one bucket with ``tensor``."""
     item = WriteItem(
         index=MetadataIndex(key, torch.Size([0])),
         type=WriteItemType.SHARD,
@@ -370,20 +370,20 @@ def _planned(tensor: torch.Tensor, key: str = "t"):
         ),
     )
     bucket = WriteBucket("/unused/f.distcp", "f.distcp", ([], [(item, tensor)]))
-    return SavePlan(items=[item]), [bucket]
+    return SavePlan(items=[item]), PreparedWrite([bucket], [("", [0])], None)
 
 
 def test_a_plan_binds_only_where_the_rebinding_gives_the_planned_data():
     data = torch.arange(3.0)
     structure = describe_structure({"t": ShardedTensor.from_rank_offsets("t", data)})
-    plan, buckets = _planned(data)
-    binding = bind_plan(structure, plan, buckets, [("", [0])], None, True)
+    plan, prepared = _planned(data)
+    binding = bind_plan(structure, plan, prepared, True)
     assert binding is not None
     assert rebind(binding, structure)[0][1] is data
     # The planner resolved other memory than the shard's (a layout this module does not
     # know): no binding, every save plans in full.
-    plan, buckets = _planned(data.clone())
-    assert bind_plan(structure, plan, buckets, [("", [0])], None, True) is None
+    plan, prepared = _planned(data.clone())
+    assert bind_plan(structure, plan, prepared, True) is None
 
 
 def test_two_shards_at_one_offset_do_not_bind():
@@ -394,5 +394,5 @@ def test_two_shards_at_one_offset_do_not_bind():
             "b": ShardedTensor.from_rank_offsets("t", data.clone()),
         }
     )
-    plan, buckets = _planned(data)
-    assert bind_plan(structure, plan, buckets, [("", [0])], None, False) is None
+    plan, prepared = _planned(data)
+    assert bind_plan(structure, plan, prepared, False) is None

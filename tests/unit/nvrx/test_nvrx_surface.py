@@ -55,20 +55,21 @@ def test_metadata_cache_fills_in_reused_metadata_and_keeps_fresh_metadata():
     cache = CheckpointMetadataCache()
     assert not cache.can_offer_cached_plans(is_coordinator=True)
     fresh = object()
-    assert cache.record_plan("central", "local", fresh, False, False) is fresh
+    cache.record_plan("central", "local", False, False)
+    assert cache.prepare_save_state_dict_ret(0, 0, ("w", fresh, "d")) == ("w", fresh, "d")
     assert cache.get_cache_metadata() == ("central", "local", False, None)
     assert cache.can_offer_cached_plans(is_coordinator=True)
-    # the next save reused the plans: no metadata was built, the cached one is returned
-    assert cache.record_plan("central", "local", None, True, False) is fresh
+    # the next save reused the plans: no metadata was built, the cached one is returned,
+    # on the coordinator only
+    cache.record_plan("central", "local", True, False)
     assert cache.validated_cache_reuse
-    # prepare_save_state_dict_ret fills the coordinator's only
     assert cache.prepare_save_state_dict_ret(0, 0, ("w", None, "d")) == ("w", fresh, "d")
     assert cache.prepare_save_state_dict_ret(1, 0, ("w", None, "d")) == ("w", None, "d")
 
 
 def test_metadata_cache_without_metadata_makes_the_coordinator_plan_afresh():
     cache = CheckpointMetadataCache()
-    cache.record_plan("central", "local", None, False, False)  # a non-coordinator rank
+    cache.record_plan("central", "local", False, False)  # a non-coordinator rank
     assert cache.can_offer_cached_plans(is_coordinator=False)
     assert not cache.can_offer_cached_plans(is_coordinator=True)
 
