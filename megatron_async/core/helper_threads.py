@@ -2,29 +2,31 @@
 that may never return on a hung mount) and long jobs (the persistent worker's sender) run
 on helper threads that outlive them (any side).
 
-A helper thread that finished its call waits for the next one instead of ending. A thread that starts or ends at the moment another thread forks can
-leave the forked child deadlocked before it runs a line of Python (CPython gh-112275:
-the child inherits the interpreter's thread-list lock held), and our saves fork right
-after such calls (the temporal caller's writer, a replacement persistent worker right
-after its predecessor's sender stopped). With threads that neither start nor end once
-made, that window is gone. A thread left behind in a call that never returned is simply not reused;
-the next call gets a new thread, so the pool grows only by the calls that hung (after
-which :class:`~megatron_async.core.save_directories.SaveDirectories` stops the process's
-saves anyway) and by the most calls ever run at once.
+A helper thread that finished its call waits for the next one instead of ending. A
+thread that starts or ends at the moment another thread forks can leave the forked child
+deadlocked before it runs a line of Python (CPython gh-112275: the child inherits the
+interpreter's thread-list lock held), and our saves fork right after such calls (the
+temporal caller's writer, a replacement persistent worker right after its predecessor's
+sender stopped). With threads that neither start nor end once made, that window is gone.
+A thread left behind in a call that never returned is simply not reused; the next call
+gets a new thread, so the pool grows only by the calls that hung (after which
+:class:`~megatron_async.core.save_directories.SaveDirectories` stops the process's saves
+anyway) and by the most calls ever run at once.
 
-The threads are a fact of the process, like the fork they protect: :meth:`HelperThreads.
-of_process` is the one instance, and a forked child starts with none (the parent's
-threads do not exist there).
+The threads are a fact of the process, like the fork they protect:
+``HelperThreads.of_process()`` is the one instance, and a forked child gets a new one (the
+parent's threads do not exist there).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import queue
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Tuple, TypeVar
+
+from megatron_async.core.one_per_process import OnePerProcess
 
 __all__ = ["DeadlineExpired", "HelperThreads", "run_with_deadline"]
 
@@ -41,30 +43,15 @@ class DeadlineExpired(TimeoutError):
     """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
 
 
-class HelperThreads:
-    """Daemon threads that run bounded calls, each kept for the next call once it is done."""
+class HelperThreads(OnePerProcess):
+    """Daemon threads that run bounded calls, each kept for the next call once it is done.
 
-    _process: Optional["HelperThreads"] = None
-    _process_lock = threading.Lock()
+    Per-thread attributes (capabilities, CPU affinity, niceness, the signal mask) are
+    copied from the creating thread when a thread starts: a process that changes its own
+    calls :meth:`forget_process_instance` so that its bounded calls run on new threads.
+    """
 
-    @classmethod
-    def of_process(cls) -> "HelperThreads":
-        """This process's helper threads (created at first use; none in a forked child)."""
-        with cls._process_lock:
-            if cls._process is None:
-                cls._process = cls()
-            return cls._process
-
-    @classmethod
-    def restart_for_process(cls) -> None:
-        """Let the process's next calls run on new threads (the old ones serve nobody).
-
-        Per-thread attributes (capabilities, CPU affinity, niceness, the signal mask) are
-        copied from the creating thread when a thread starts: a process that changes its
-        own calls this so that its bounded calls run with the change.
-        """
-        with cls._process_lock:
-            cls._process = None
+    fresh_in_forked_child = True  # the parent's threads are not in the child
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -72,13 +59,6 @@ class HelperThreads:
         self.started = 0
         """How many threads this pool has started (a thread left in a hung call is not
         counted out)."""
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget_in_child)
-
-    def _forget_in_child(self) -> None:
-        # Only the forking thread exists in the child: none of the helpers is there.
-        self._lock = threading.Lock()
-        self._idle = []
 
     def run(self, call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
         """Run ``call`` on a helper thread and wait at most ``timeout_s`` for it.

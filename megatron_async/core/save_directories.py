@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
 
 from megatron_async.core import coordination
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [
@@ -84,29 +85,18 @@ class Claim:
         weakref.finalize(holder, self._owner._release, self.directory, self._token)
 
 
-class SaveDirectories:
+class SaveDirectories(OnePerProcess):
     """The directories a process's saves are writing, and whether a step was left behind.
 
     Thread-safe; every method runs on the rank that calls it, with no collective and no
     file-system call (but :meth:`run_bounded`, which runs the caller's step).
     """
 
-    _process: Optional["SaveDirectories"] = None
-    _process_lock = threading.Lock()
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._claims: Dict[str, int] = {}  # directory -> token of the save writing it
         self._tokens = itertools.count()
         self._stuck: Optional[str] = None
-
-    @classmethod
-    def of_process(cls) -> "SaveDirectories":
-        """The record of this process (created on first use)."""
-        with cls._process_lock:
-            if cls._process is None:
-                cls._process = cls()
-            return cls._process
 
     def __reduce__(self):
         """A pickled strategy (or a copy sent to another process) gets that process's record."""

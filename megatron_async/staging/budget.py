@@ -32,6 +32,7 @@ import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core.coordination import local_world_size
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.copy_job import CopyThread
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
@@ -137,23 +138,12 @@ class _Hold:
         return self.released
 
 
-class StagingLedger:
+class StagingLedger(OnePerProcess):
     """The staging memory held by this process's saves, and the pool they share (trainer).
 
     The budget is per rank, shared by every save of the process (torch_dist and
     ``torch.save`` alike), so there is one ledger per process: :meth:`of_process`.
     """
-
-    _process: Optional["StagingLedger"] = None
-    _process_lock = threading.Lock()
-
-    @classmethod
-    def of_process(cls) -> "StagingLedger":
-        """This process's ledger (created on first use)."""
-        with cls._process_lock:
-            if cls._process is None:
-                cls._process = cls()
-            return cls._process
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ import threading
 from typing import Any, Hashable, List, Optional, Tuple
 
 from megatron_async.core.device_wait import release_landed
+from megatron_async.core.one_per_process import OnePerProcess
 
 __all__ = ["StagingBufferCache"]
 
@@ -37,7 +38,7 @@ class _BufferSet:
         return sum(b.num_bytes() for b in self.buckets if b is not None)
 
 
-class StagingBufferCache:
+class StagingBufferCache(OnePerProcess):
     """Reusable staging buffers, one bucket layout at a time, each lent to one save at a time.
 
     Lives in the trainer process that stages (every rank has its own). An owner (a
@@ -47,17 +48,6 @@ class StagingBufferCache:
     (a changed structure does not leave a checkpoint's worth of shared memory behind);
     buffers still leased are dropped when their lease ends.
     """
-
-    _process: Optional["StagingBufferCache"] = None
-    _process_lock = threading.Lock()
-
-    @classmethod
-    def of_process(cls) -> "StagingBufferCache":
-        """The cache of the writers of this process that were given none (created on first use)."""
-        with cls._process_lock:
-            if cls._process is None:
-                cls._process = cls()
-            return cls._process
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -35,6 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
 
@@ -206,24 +207,13 @@ class CopyJob:
                 )
 
 
-class CopyThread:
+class CopyThread(OnePerProcess):
     """The copy thread of this process and the jobs it has not finished (trainer).
 
     A thread belongs to a process and the next optimizer step of the process waits for
     all of its jobs, so there is one per process (:meth:`of_process`). Jobs run one at a
     time, in the order they were submitted.
     """
-
-    _process: Optional["CopyThread"] = None
-    _process_lock = threading.Lock()
-
-    @classmethod
-    def of_process(cls) -> "CopyThread":
-        """This process's copy thread (created on first use; started by the first job)."""
-        with cls._process_lock:
-            if cls._process is None:
-                cls._process = cls()
-            return cls._process
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -48,6 +48,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.coordination import local_world_size
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.core.shared_memory import ALIGNMENT
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 
@@ -94,7 +95,7 @@ def copy_threads() -> int:
     return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_world_size()))
 
 
-class FlatCopyThreads:
+class FlatCopyThreads(OnePerProcess):
     """Daemon threads of one process that copy the parts handed to them (trainer).
 
     Threads are started before any part is queued, so a part is either queued for a
@@ -103,19 +104,9 @@ class FlatCopyThreads:
     process, so the pool is one per process: :meth:`of_process`.
     """
 
-    _process: Optional["FlatCopyThreads"] = None
-    _process_lock = threading.Lock()
-
-    @classmethod
-    def of_process(cls) -> "FlatCopyThreads":
-        """This process's copy threads (a forked child starts its own: threads do not fork)."""
-        with cls._process_lock:
-            if cls._process is None or cls._process.pid != os.getpid():
-                cls._process = cls()
-            return cls._process
+    fresh_in_forked_child = True  # threads do not fork
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0

@@ -585,7 +585,7 @@ def _drop_permission_override() -> None:
     # before the drop, would keep the override. New ones start from this thread.
     from megatron_async.core.helper_threads import HelperThreads
 
-    HelperThreads.restart_for_process()
+    HelperThreads.forget_process_instance()
 
 
 SCENARIOS = {
