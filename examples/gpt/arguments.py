@@ -87,10 +87,6 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="write checkpoints in the background while training continues")
     ckpt.add_argument("--use-persistent-ckpt-worker", action="store_true",
                       help="one long-lived background process instead of a fork per save")
-    ckpt.add_argument("--ckpt-worker-start", choices=["fork", "exec"], default="fork",
-                      help="with --use-persistent-ckpt-worker: start the worker as a fork of "
-                      "the trainer (ready at once; default) or as a fresh interpreter that "
-                      "imports torch first (seconds of CPU)")
     ckpt.add_argument("--ckpt-assume-constant-structure", action="store_true",
                       help="reuse the save plan of the first save for later ones")
     ckpt.add_argument("--ckpt-overlap-staging", action="store_true",
@@ -148,8 +144,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--save needs --save-interval >= 1")
     if args.use_persistent_ckpt_worker and not args.async_save:
         parser.error("--use-persistent-ckpt-worker only applies with --async-save")
-    if args.ckpt_worker_start != "fork" and not args.use_persistent_ckpt_worker:
-        parser.error("--ckpt-worker-start only applies with --use-persistent-ckpt-worker")
     if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
         parser.error("--dist-ckpt-optim-fully-reshardable only applies with "
                      "--use-distributed-optimizer")

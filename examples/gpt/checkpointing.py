@@ -45,7 +45,7 @@ from gpt.resharding import (
     check_optimizer_resume,
     with_process_groups,
 )
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
+from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import AsyncSaveFailedError, CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
@@ -154,17 +154,13 @@ def create_checkpoint_queue(args) -> Optional[AsyncCallsQueue]:
 
     Create it once the process groups exist and before the model is built, as
     Megatron-LM starts its persistent worker right after ``initialize_megatron``: a
-    worker forked then (the default ``--ckpt-worker-start fork``) shares none of the
-    model's or the optimizer's pages with the trainer, so the trainer's updates after
-    the fork copy none of them (a worker forked after the model made the next iterations
-    fault on every page of the state).
+    worker forked then shares none of the model's or the optimizer's pages with the
+    trainer, so the trainer's updates after the fork copy none of them (a worker forked
+    after the model made the next iterations fault on every page of the state).
     """
     if not args.async_save:
         return None
-    return AsyncCallsQueue(
-        persistent=args.use_persistent_ckpt_worker,
-        config=AsyncCallerConfig(worker_start=args.ckpt_worker_start),
-    )
+    return AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
 
 
 class Checkpointer:

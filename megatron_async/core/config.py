@@ -7,10 +7,7 @@ import dataclasses
 from megatron_async.core.priority import WriterPriority
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG", "WORKER_STARTS"]
-
-WORKER_STARTS = ("fork", "exec")
-"""The values of :attr:`AsyncCallerConfig.worker_start`."""
+__all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,20 +30,19 @@ class AsyncCallerConfig:
     may run before its process is killed and the save fails on every rank with a timeout."""
 
     staging_timeout_s: float = 600.0
-    """Longest the persistent worker may take to start (saves scheduled meanwhile run on
-    forked processes), and to pick up a request sent to it, before it is killed and the
-    save scheduled then fails on every rank. Staging itself runs in the trainer, inside
+    """Longest the persistent worker may take to pick up a request sent to it, before it
+    is killed and the save fails on every rank. Staging itself runs in the trainer, inside
     ``preload_fn`` where no caller's config reaches it: its waits (device-to-host copies,
     staging memory held by an earlier save, an overlapped copy) are bounded by this
     field's default."""
 
     fork_start_timeout_s: float = 30.0
-    """Longest a forked writer (the temporal caller's, and the persistent caller's while
-    its worker starts) may take to run its first line once forked. A fork gets there within
-    milliseconds; one that has not by then is hung in the child before any of our code
-    runs (CPython gh-112275: another thread started or ended at the moment of the fork; also
-    a library's at-fork handler that blocks). It is killed and the save fails on every rank
-    at once (the next save forks afresh) instead of after ``timeout_s``."""
+    """Longest a forked writer (the temporal caller's, or the persistent worker) may take
+    to run its first line once forked. A fork gets there within milliseconds; one that
+    has not by then is hung in the child before any of our code runs (CPython gh-112275:
+    another thread started or ended at the moment of the fork; also a library's at-fork
+    handler that blocks). It is killed and the save fails on every rank at once (the next
+    save forks afresh) instead of after ``timeout_s``."""
 
     poll_interval_s: float = 0.05
     """Pause between liveness/completion checks while waiting (blocking finalize, close)."""
@@ -66,29 +62,14 @@ class AsyncCallerConfig:
     to the training loop. ``WriterPriority(nice_increment=0, io_class="inherit")`` keeps
     the trainer's priority."""
 
-    worker_start: str = "fork"
-    """How the persistent worker starts. ``"fork"``: as a fork of the trainer, ready within
-    milliseconds of the fork, with the trainer's modules already imported; the trainer
-    pays one scan of its live objects (about 0.1 s in the GPT example) so that the worker
-    can drop its share of the trainer's tensor pages (see
-    :mod:`megatron_async.core.worker_fork`). ``"exec"``: as a fresh interpreter that
-    imports torch first (seconds of CPU, at a lowered priority; saves scheduled meanwhile
-    run forked). A worker that starts while staging buffers are alive, whose fork fails,
-    or on a system without ``fork`` is a fresh interpreter."""
-
     def __post_init__(self) -> None:
-        if self.worker_start not in WORKER_STARTS:
-            raise CheckpointValidationError(
-                f"AsyncCallerConfig.worker_start must be one of {', '.join(WORKER_STARTS)}, "
-                f"got {self.worker_start!r}"
-            )
         if not isinstance(self.writer_priority, WriterPriority):
             raise CheckpointValidationError(
                 "AsyncCallerConfig.writer_priority must be a megatron_async.core.priority."
                 f"WriterPriority, got {self.writer_priority!r}"
             )
         for field in dataclasses.fields(self):
-            if field.name in ("writer_priority", "worker_start"):
+            if field.name == "writer_priority":
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:

@@ -9,11 +9,10 @@ from typing import Any, Dict, Optional
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import describe_exit, kill_and_reap, register_exit_cleanup
 from megatron_async.core.worker_loop import STOP
-from megatron_async.core.worker_process import WorkerProcess, start_worker, startup_failure_message
+from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.hand_over import run_preload
-from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.core.request import (
     STAGED_ARG_INDEX,
     AsyncRequest,
@@ -36,21 +35,18 @@ logger = logging.getLogger(__name__)
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker (started as :mod:`megatron_async.core.worker_process` describes: a fork of
-    the trainer by default, else a fresh interpreter) never runs the training script, so
-    the script needs no ``__main__`` guard; a script's own routines reach it by value
-    (:mod:`megatron_async.core.request_transport`). A save scheduled before the worker is
-    ready runs on a forked process exactly as with
-    :class:`~megatron_async.core.temporal.TemporalAsyncCaller`; each rank picks on its own,
-    which is safe because the ranks agree on a call's completion by its index. A worker
-    that exits while starting fails the next save with its stderr; one not ready after
-    ``staging_timeout_s`` is killed and fails the next save with a timeout. Once ready,
-    the trainer stages each request's data itself (``preload_fn``) and sends the request
-    with its tensors as shared-memory references; :meth:`schedule_async_call` returns
-    without waiting for the worker, and the staged data is released when the worker
-    reports the call done (or is gone). A worker that dies or overruns a timeout fails its pending calls on every rank
-    and the next save starts a fresh one; a death found between saves, and every
-    replacement, is logged at WARNING.
+    The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) that
+    never runs the training script's code, so the script needs no ``__main__`` guard; a
+    script's own routines reach it by value
+    (:mod:`megatron_async.core.request_transport`). The trainer stages each request's
+    data itself (``preload_fn``) and sends the request with its tensors as shared-memory
+    references; :meth:`schedule_async_call` returns without waiting for the worker, and
+    the staged data is released when the worker reports the call done (or is gone). A
+    request sent before the worker is ready (milliseconds after the fork) waits in its
+    socket. A worker not ready within ``fork_start_timeout_s`` (hung in the child before
+    our code runs) is killed; one that dies or overruns a timeout fails its pending calls
+    on every rank, and the next save starts a fresh one; a death found between saves, and
+    every replacement, is logged at WARNING.
 
     Args:
         config: bounds of every wait, and the worker's CPU and I/O priority.
@@ -67,9 +63,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self.process: Optional[WorkerProcess] = None
         self._last_pid: Optional[int] = None  # of the last worker started: the next replaces it
         self._ready = False
-        self._startup_failure: Optional[str] = None  # why the last worker did not start
         self._started_at = 0.0  # when the current worker was started
-        self._calls_while_starting: Dict[int, TemporalAsyncCaller] = {}  # forked, not sent
         self._statuses: Dict[int, CallStatus] = {}
         self._start_times: Dict[int, float] = {}
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
@@ -86,7 +80,6 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _start_worker(self) -> None:
         self._ready = False
-        self._startup_failure = None
         self._started_at = time.monotonic()
         stack_dump.prepare()  # where the worker puts its stacks if a write times out
         self.process = start_worker(self.rank, self.config)
@@ -127,12 +120,9 @@ class PersistentAsyncCaller(AsyncCaller):
         process.join(timeout=1.0)
         how = describe_exit(process.exitcode)
         if not self._ready:
-            self._startup_failure = startup_failure_message(
-                f"rank {self.rank}: the persistent checkpoint worker (pid {process.pid}) {how} "
-                "while starting, before it could take a save",
-                process,
-            )
-            logger.error("%s", self._startup_failure)
+            how += " while starting (its traceback, if any, is on this process's stderr)"
+            logger.error("rank %d: the persistent checkpoint worker (pid %d) %s",
+                         self.rank, process.pid, how)
         elif not self._closed and all(status.is_terminal for status in self._statuses.values()):
             logger.warning(
                 "rank %d: the persistent checkpoint worker (pid %d) %s between saves; the next "
@@ -168,7 +158,6 @@ class PersistentAsyncCaller(AsyncCaller):
                     self._unreceived.pop(idx, None)
                 elif kind == "ready":
                     self._ready = True
-                    self.process.startup_finished()
                 elif kind == "received":
                     self._unreceived.pop(idx, None)
                     # timeout_s bounds the background part from here on; the time
@@ -186,11 +175,9 @@ class PersistentAsyncCaller(AsyncCaller):
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Stage the request's data, send the request to the worker and return.
 
-        Runs on every rank. While the worker is still starting, the request runs on a
-        forked process instead (see the class docstring). Failures (staging error,
-        unpicklable request, no shared memory, a worker that could not start) are
-        recorded for :meth:`poll`, never raised here. A worker that died since the last
-        call is replaced (its start-up failure, if it died starting, fails this call).
+        Runs on every rank. Failures (staging error, unpicklable request, no shared
+        memory, a failed fork) are recorded for :meth:`poll`, never raised here. A worker
+        that died since the last call is replaced.
         """
         idx = async_req.call_idx
         self._current_call_idx = idx
@@ -200,11 +187,6 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         self._drain_messages()  # notices a worker that became ready, or died
         if self.process is None:
-            if self._startup_failure is not None:  # the last worker died while starting
-                exc = WorkerDiedError(self._startup_failure)
-                self._startup_failure = None  # reported once; the next save starts a new worker
-                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "worker", exc))
-                return
             try:
                 self._start_worker()
             except Exception as exc:  # recorded: raising here would leave this rank out of step
@@ -212,10 +194,6 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._discard_worker(kill=True)
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
                 return
-        if not self._ready:
-            if not self._fail_if_startup_overdue(idx):
-                self._run_while_starting(async_req)
-            return
         args = list(async_req.async_fn_args or ())
         staged = None
         try:
@@ -253,40 +231,6 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"call {idx} was interrupted"))
             raise
 
-    def _run_while_starting(self, async_req: AsyncRequest) -> None:
-        """Run a save scheduled before the worker is ready on a forked process.
-
-        The save does not wait for the worker's start-up (seconds of importing torch):
-        it is staged and forked as :class:`TemporalAsyncCaller` does, and reported by
-        :meth:`poll` like any other call.
-        """
-        forked = TemporalAsyncCaller(self.config)
-        forked.schedule_async_call(async_req)
-        self._calls_while_starting[async_req.call_idx] = forked
-        logger.debug(
-            "rank %d: persistent worker not ready yet; async call %d runs on a forked process",
-            self.rank, async_req.call_idx,
-        )
-
-    def _fail_if_startup_overdue(self, idx: int) -> bool:
-        """Fail call ``idx`` and kill the worker if it is not ready after ``staging_timeout_s``.
-
-        Saves scheduled meanwhile run on forked processes, each under
-        ``fork_start_timeout_s``: a worker whose start hangs delays no save."""
-        if time.monotonic() - self._started_at <= self.config.staging_timeout_s:
-            return False
-        exc = AsyncTimeoutError(
-            startup_failure_message(
-                f"rank {self.rank}: persistent worker (pid {self.process.pid}) did not start "
-                f"within staging_timeout_s={self.config.staging_timeout_s:.0f}s; it was killed "
-                "and a new one starts with the next save",
-                self.process,
-            )
-        )
-        self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "timeout", exc))
-        self._discard_worker(kill=True)
-        return True
-
     def is_worker_ready(self) -> bool:
         """Whether the worker has started and takes the next save (trainer side, never blocks)."""
         self._drain_messages()
@@ -294,9 +238,6 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead worker and enforces the timeouts."""
-        forked = self._calls_while_starting.get(call_idx)
-        if forked is not None:
-            return forked.poll(call_idx)
         status = self._statuses.get(call_idx)
         if status is None:
             raise KeyError(f"async call {call_idx} was never scheduled on this caller")
@@ -309,11 +250,18 @@ class PersistentAsyncCaller(AsyncCaller):
         now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
         sent = self._unreceived.get(call_idx)
-        if sent is not None and now - sent > self.config.staging_timeout_s:
+        if pid is not None and not self._ready and now - self._started_at > self.config.fork_start_timeout_s:
+            exc = AsyncTimeoutError(
+                f"rank {self.rank}: the forked persistent worker (pid {pid}) did not start within "
+                f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s (hung in the child "
+                "before its first line); it was killed and a new one starts with the next save"
+            )
+            self._kill_worker("timeout", exc)
+        elif sent is not None and now - sent > self.config.staging_timeout_s:
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: persistent worker (pid {pid}) did not take async call "
-                f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s "
-                "(stuck at start-up?); it was killed and a new one starts with the next save"
+                f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s; "
+                "it was killed and a new one starts with the next save"
             )
             self._kill_worker("timeout", exc)
         elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
@@ -333,20 +281,14 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def release(self, call_idx: int) -> None:
         """Forget a finalized call (the worker itself stays up)."""
-        forked = self._calls_while_starting.pop(call_idx, None)
-        if forked is not None:
-            forked.release(call_idx)
         self._statuses.pop(call_idx, None)
         self._start_times.pop(call_idx, None)
 
     def close(self, abort: bool = False) -> None:
-        """Stop the worker and the forked saves: let them finish (bounded), or kill them with ``abort``."""
+        """Stop the worker: let it finish (bounded), or kill it with ``abort``."""
         if self._closed:
             return
         self._closed = True
-        for forked in self._calls_while_starting.values():
-            forked.close(abort=abort)
-        self._calls_while_starting.clear()
         if self.process is None:
             return
         if abort or not self.process.is_alive():
@@ -366,7 +308,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
         """The reference API's worker main loop over three multiprocessing queues.
 
-        Our worker (a fork of the trainer, or a fresh interpreter) runs
+        Our worker (a fork of the trainer) runs
         :func:`megatron_async.core.worker_loop.main` and receives requests with their
         staged tensors as shared-memory references (a queue cannot carry them into a running
         process without pickling every tensor), so this loop has no counterpart here.

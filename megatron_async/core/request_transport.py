@@ -47,13 +47,10 @@ import pickle
 import socket
 import sys
 import weakref
-from collections import ChainMap
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import cloudpickle
 import torch
-import torch.multiprocessing  # noqa: F401  registers torch's ForkingPickler reductions (CUDA tensors)
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
@@ -129,21 +126,9 @@ class _CallArena:
         return copy
 
 
-def _cuda_to_forked_worker(tensor: torch.Tensor) -> str:
-    return (
-        f"the request holds a CUDA tensor (shape {tuple(tensor.shape)}, {tensor.dtype}) that "
-        "was not staged to host memory; the persistent worker is a fork of the trainer and "
-        "cannot use CUDA: copy it to the host in the request's preload_fn, or start the "
-        "worker as a fresh interpreter (AsyncCallerConfig(worker_start='exec'))"
-    )
-
-
 class _Pickler(cloudpickle.Pickler):
     """Pickles CPU tensors as segment references and plan items as tokens (see the module
-    docstring); functions and classes as cloudpickle does; CUDA tensors as torch sends
-    them between processes (CUDA IPC handles, ``ForkingPickler``'s reductions)."""
-
-    dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.Pickler.dispatch_table)
+    docstring); functions and classes as cloudpickle does."""
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
@@ -162,10 +147,15 @@ class _Pickler(cloudpickle.Pickler):
             return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
         if not isinstance(obj, torch.Tensor):
             return super().reducer_override(obj)
-        if obj.device.type == "cuda" and not self._sender.cuda_allowed:
-            raise UnpicklableRequestError(_cuda_to_forked_worker(obj))
+        if obj.device.type == "cuda":
+            raise UnpicklableRequestError(
+                f"the request holds a CUDA tensor (shape {tuple(obj.shape)}, "
+                f"{obj.dtype}) that was not staged to host memory; the persistent worker is a "
+                "fork of the trainer and cannot use CUDA: copy it to the host in the "
+                "request's preload_fn"
+            )
         if obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized:
-            return NotImplemented  # CUDA tensors go as CUDA IPC handles, as torch sends them
+            return NotImplemented
         if obj.numel() == 0:
             # torch would share the whole storage of an empty view; nothing to send.
             return _rebuild_empty, (tuple(obj.shape), obj.dtype)
@@ -211,10 +201,8 @@ class RequestSender:
     Tracks which segments that worker has mapped; create a new sender for a new worker.
     """
 
-    def __init__(self, descriptor_socket: socket.socket, *, cuda_allowed: bool = True):
+    def __init__(self, descriptor_socket: socket.socket):
         self._socket = descriptor_socket
-        self.cuda_allowed = cuda_allowed
-        """False for a worker forked from the trainer: it cannot open CUDA IPC handles."""
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = SentObjects()

@@ -46,6 +46,7 @@ __all__ = [
     "find_segment",
     "segment_is_alive",
     "has_live_segments",
+    "segment_ranges",
     "ReusedTensorPairs",
     "live_bytes",
 ]
@@ -212,9 +213,19 @@ def segment_is_alive(segment_id: int) -> bool:
 
 
 def has_live_segments() -> bool:
-    """Whether this process holds any registered segment (a fork would keep it mapped)."""
+    """Whether this process holds any registered segment."""
     with _lock:
         return bool(_live_ids)
+
+
+def segment_ranges() -> List[Tuple[int, int]]:
+    """``(start address, bytes)`` of every registered segment.
+
+    Reads without the lock: the forked persistent worker calls it first thing, where a
+    thread that no longer exists may have held the lock at the fork (and no other thread
+    runs there to change the table).
+    """
+    return [(base, entry[2]) for base, entry in list(_by_base.items())]
 
 
 def live_bytes() -> int:

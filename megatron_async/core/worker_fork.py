@@ -1,12 +1,10 @@
 """Start the persistent worker as a fork of the trainer (trainer side, and the child's set-up).
 
-A fresh interpreter (``AsyncCallerConfig(worker_start="exec")``, see
-:mod:`megatron_async.core.worker_exec`) spends seconds of CPU importing torch before it
-can take a save, CPU that a busy trainer pays for (the lost-time benchmark measured ~3
-CPU-seconds per rank). A fork has every module already imported and is ready within
-milliseconds of the fork; the trainer's own cost is the scan below (about 0.1 s in the GPT
-example) and copying its page tables. What the child inherits, and how each is kept from
-costing the trainer or the checkpoint:
+A fork has every module already imported and is ready within milliseconds (a fresh
+interpreter would spend seconds of CPU importing torch, which a busy trainer pays for); the
+trainer's own cost is the scan below (about 0.1 s in the GPT example) and copying its
+page tables. What the child inherits, and how each is kept from costing the trainer or
+the checkpoint:
 
 * **Memory, copy-on-write.** Before forking, the trainer lists the page-aligned insides
   of its private CPU tensor storages that Python can see (:func:`trainer_tensor_pages`, a
@@ -18,13 +16,13 @@ costing the trainer or the checkpoint:
   C++ code are not found; their pages stay copy-on-write.) The child also freezes the
   inherited objects out of its cyclic garbage collection, which would otherwise touch,
   and so copy, the whole inherited heap. The worker never reads the trainer's tensors: a
-  request and its staged data reach it through its socket and shared memory, exactly as
-  for a fresh interpreter.
-* **Staging segments.** A fork would keep the trainer's shared-memory segments mapped
-  (and their descriptors open) for the worker's lifetime. So the worker is forked only
-  while the trainer has no live segment, as when a queue is created before the first
-  save; otherwise (a worker restarted while the strategy keeps its staging buffers for
-  the next save, say) it is a fresh interpreter.
+  request and its staged data reach it through its socket and shared memory.
+* **Staging segments.** The child would keep the trainer's shared-memory segments mapped
+  for its whole life, so their memory would outlive the trainer's use of them. The child
+  replaces its mapping of every registered segment with private zero pages at once
+  (:func:`release_inherited_segments`); the address ranges stay taken, so nothing the
+  child maps later lands where a stale inherited object points. A segment the worker
+  needs reaches it like any other, through its descriptor socket.
 * **CUDA.** A forked child cannot use CUDA; the worker never needs it, since the trainer
   stages every tensor to host shared memory before sending a request.
 * **Signal handlers** the trainer installed are reset to a fresh interpreter's first
@@ -41,9 +39,6 @@ costing the trainer or the checkpoint:
   closes it, a pipe's reader sees EOF when the trainer closes its end, and the trainer's
   ends of the worker's own sockets are the only ones: a dead worker reads as EOF in the
   trainer and a gone trainer in the worker.
-* **Reaping.** The child is a plain ``os.fork``, reaped by its own non-blocking
-  ``waitpid`` polls, so every wait on it is bounded and no exit hook of
-  ``multiprocessing`` joins it.
 """
 
 from __future__ import annotations
@@ -56,23 +51,21 @@ import logging
 import mmap
 import os
 import signal
-import subprocess
 import sys
-import time
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core import worker_loop
-from megatron_async.core.shared_memory import has_live_segments
+from megatron_async.core.shared_memory import segment_ranges
 
 __all__ = [
     "MIN_RELEASED_STORAGE_BYTES",
-    "can_fork_worker",
     "fork_worker",
     "release_inherited_pages",
+    "release_inherited_segments",
     "retire_inherited_descriptors",
     "trainer_tensor_pages",
 ]
@@ -85,31 +78,33 @@ smaller ones share at most a few pages each with the trainer."""
 
 _MADV_DONTNEED = 4
 
-_REAP_POLL_S = 0.01
+# mmap(2) on Linux: private zero pages that replace whatever was mapped at the address.
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 PageRange = Tuple[int, int]
 """``(start address, length)``, both multiples of the page size."""
 
 
+class _Libc:
+    """libc's ``madvise`` and ``mmap``, resolved in the trainer for the child (Linux)."""
+
+    def __init__(self):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.madvise = libc.madvise
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.madvise.restype = ctypes.c_int
+        self.mmap = libc.mmap
+        self.mmap.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+        ]
+        self.mmap.restype = ctypes.c_void_p
+
+
 @functools.lru_cache(maxsize=None)
-def libc_madvise():
-    """libc's ``madvise`` (None where there is none), resolved in the trainer for the child."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def can_fork_worker() -> bool:
-    """Whether the next worker can start as a fork of this process (trainer side).
-
-    Needs Linux's ``fork`` and ``madvise``, and no live shared-memory staging segment
-    (see the module docstring).
-    """
-    return hasattr(os, "fork") and libc_madvise() is not None and not has_live_segments()
+def libc() -> _Libc:
+    return _Libc()
 
 
 # -- the trainer's tensor pages (trainer side, before the fork) ---------------------------
@@ -216,6 +211,17 @@ def release_inherited_pages(ranges: Sequence[PageRange], madvise) -> int:
     return released
 
 
+def release_inherited_segments(ranges: Sequence[PageRange], mmap_fn) -> None:
+    """Map private zero pages over this (forked) process's inherited staging segments (worker side).
+
+    The shared memory then belongs to the trainer alone and is freed when it drops a
+    segment; an inherited object that still points there reads zeros.
+    """
+    for start, length in ranges:
+        if mmap_fn(start, length, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0) == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), f"cannot replace the inherited segment at {start:#x}")
+
+
 def _reset_signal_handlers() -> None:
     """Give the child a fresh interpreter's handlers for every signal the trainer handles in Python."""
     for sig in signal.valid_signals():
@@ -283,7 +289,7 @@ def retire_inherited_descriptors(keep: Set[int]) -> None:
         pass
 
 
-def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) -> None:
+def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], functions: _Libc) -> None:
     """Shed what the fork inherited, then serve; never returns into the trainer's code
     (worker side). A failure is reported on the trainer's stderr and by the exit code."""
     code = 1
@@ -293,8 +299,9 @@ def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) ->
         gc.enable()  # the trainer disabled it around the fork
         keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
         retire_inherited_descriptors(keep)
-        release_inherited_pages(ranges, madvise)
-        os.environ[BACKGROUND_WORKER_ENV] = "1"  # as in a fresh worker, for what it starts
+        release_inherited_pages(ranges, functions.madvise)
+        release_inherited_segments(segment_ranges(), functions.mmap)
+        os.environ[BACKGROUND_WORKER_ENV] = "1"  # for what it starts: skips strategy registration
         torch.set_num_threads(1)
         worker_loop.main(options)
         code = 0
@@ -317,53 +324,24 @@ def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], madvise) ->
 # -- the fork (trainer side) ------------------------------------------------------------
 
 
-class ForkedChild:
-    """The part of :class:`subprocess.Popen` that the worker's handle uses, over a child of
-    ``os.fork`` (trainer side). Every wait polls ``waitpid(WNOHANG)``: bounded."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: Optional[int] = None
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: it is gone, how is unknown
-                self.returncode = 1
-            else:
-                if pid == self.pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"persistent worker {self.pid}", timeout)
-            time.sleep(_REAP_POLL_S)
-        return self.returncode
-
-
-def fork_worker(options: Dict[str, Any]) -> ForkedChild:
-    """Fork the persistent worker (trainer side); return at once.
+def fork_worker(options: Dict[str, Any]) -> int:
+    """Fork the persistent worker (trainer side); return its pid at once.
 
     The child sheds what it inherited (see the module docstring) and runs
-    :func:`megatron_async.core.worker_loop.main` with ``options``, like a fresh
-    interpreter, saying ``("ready", None)`` within milliseconds. Check
-    :func:`can_fork_worker` first.
+    :func:`megatron_async.core.worker_loop.main` with ``options``, saying ``("ready",
+    None)`` within milliseconds.
 
     Raises:
         OSError: the fork failed (no memory for the page tables, a process limit).
     """
-    madvise = libc_madvise()
+    functions = libc()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection between the scan and the child's freeze
     try:
         ranges, storages = trainer_tensor_pages()
         pid = os.fork()
         if pid == 0:
-            _run_child(options, ranges, madvise)
+            _run_child(options, ranges, functions)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -372,4 +350,4 @@ def fork_worker(options: Dict[str, Any]) -> ForkedChild:
         "rank %d: forked persistent worker pid %d; it drops its share of %.0f MiB of tensor pages",
         options["rank"], pid, sum(length for _start, length in ranges) / 2**20,
     )
-    return ForkedChild(pid)
+    return pid

@@ -1,11 +1,10 @@
 """The persistent worker's main loop (runs in the background process only).
 
-The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) or a fresh
-interpreter that imports this module and what it needs, never the trainer's ``__main__``
-(:mod:`megatron_async.core.worker_exec`); :func:`main` is its entry point either way.
+The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) that runs
+:func:`main` and never returns into the trainer's code.
 
 Protocol over the control connection, trainer -> worker:
-    ``(call_idx, encoded_request, cuda_device)``: map the request's new shared-memory
+    ``(call_idx, encoded_request)``: map the request's new shared-memory
     segments, unpickle it (see :mod:`megatron_async.core.request_transport`; its data
     is already staged by the trainer), acknowledge, then write;
     ``STOP``: finish the writes already accepted, say ``stopped`` and exit.
@@ -23,12 +22,10 @@ import logging
 import os
 import queue
 import socket
-import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
-import torch
 
 from megatron_async.core import stack_dump
 from megatron_async.core.process_lifetime import (
@@ -48,9 +45,6 @@ STOP = "STOP"
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 1.0
-
-_STARTUP_REPLAY_BYTES = 64 * 1024
-"""At most this much start-up output is copied to the trainer's stderr."""
 
 
 class _Reporter:
@@ -88,23 +82,6 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter, table: Segm
             reporter.send("done", call_idx)
 
 
-def _leave_startup_log(stderr_fd: Optional[int]) -> None:
-    """Write to the trainer's stderr from now on, first copying what start-up wrote.
-
-    Until here stderr was a file that the trainer reads only if start-up fails.
-    """
-    if stderr_fd is None:
-        return
-    sys.stderr.flush()
-    size = os.fstat(2).st_size
-    start = max(0, size - _STARTUP_REPLAY_BYTES)
-    output = os.pread(2, size - start, start) if size else b""
-    with open(stderr_fd, "wb", closefd=False) as trainer_stderr:
-        trainer_stderr.write(output)
-    os.dup2(stderr_fd, 2)
-    os.close(stderr_fd)
-
-
 def _exit_early() -> None:
     """Leave at once (background side): no cleanup but the stack-dump file's."""
     stack_dump.disarm()
@@ -112,19 +89,15 @@ def _exit_early() -> None:
 
 
 def main(options: Dict[str, Any]) -> None:
-    """Serve requests until ``STOP``: the entry point of the worker, forked or fresh (worker side).
+    """Serve requests until ``STOP``: the entry point of the forked worker (worker side).
 
     Args:
         options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
             ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
-            exits when the trainer is gone), ``log_level`` (the trainer's), ``cuda_device``
-            (to make current, when a fresh worker's trainer uses CUDA), ``priority`` (see
-            :class:`~megatron_async.core.priority.WriterPriority`), the inherited
-            descriptors ``control_fd`` (requests in, results out), ``descriptor_fd``
-            (segment descriptors) and ``stderr_fd`` (the trainer's stderr, to write to once
-            started, see :func:`_leave_startup_log`; None when start-up output is not
-            captured), and, for a fresh worker, ``startup_niceness_increment``, which the
-            bootstrap applied to its imports.
+            exits when the trainer is gone), ``priority`` (see
+            :class:`~megatron_async.core.priority.WriterPriority`), and the inherited
+            descriptors ``control_fd`` (requests in, results out) and ``descriptor_fd``
+            (segment descriptors).
     """
     # First, before any thread exists: every thread of the worker inherits it.
     lower_writer_priority(WriterPriority.from_options(options.get("priority")))
@@ -135,17 +108,13 @@ def main(options: Dict[str, Any]) -> None:
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
-    logging.basicConfig(level=options["log_level"])
     stack_dump.arm()
-    if options["cuda_device"] is not None:
-        torch.cuda.set_device(options["cuda_device"])
     reporter = _Reporter(control)
     descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
     table = SegmentTable(descriptor_socket)
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter, table), daemon=True)
     writer.start()
-    _leave_startup_log(options["stderr_fd"])
     reporter.send("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
@@ -165,10 +134,8 @@ def main(options: Dict[str, Any]) -> None:
             reporter.send("stopped", None)
             stack_dump.disarm()
             return
-        call_idx, encoded, request_device = message
+        call_idx, encoded = message
         try:
-            if request_device is not None:
-                torch.cuda.set_device(request_device)
             request = table.apply(encoded)
         except BaseException as exc:
             # The trainer now believes segments or plan items reached this worker that

@@ -1,12 +1,8 @@
 """Start the persistent worker and talk to it (trainer side).
 
 :class:`~megatron_async.core.persistent.PersistentAsyncCaller` starts a worker
-(:func:`start_worker`) when it is created and again for the save after its worker died or
-was killed. By default (``AsyncCallerConfig.worker_start="fork"``) the worker is a fork of
-the trainer (:mod:`megatron_async.core.worker_fork`), ready within milliseconds. With
-``worker_start="exec"``, and where the trainer cannot fork it (a live staging segment, a
-failed fork), it is a fresh interpreter that imports only the worker's module
-(:mod:`megatron_async.core.worker_exec`).
+(:func:`start_worker`, a fork of the trainer: :mod:`megatron_async.core.worker_fork`)
+when it is created and again for the save after its worker died or was killed.
 
 Channels, both Unix sockets whose worker ends the child inherits:
 
@@ -17,11 +13,6 @@ Channels, both Unix sockets whose worker ends the child inherits:
   as a hang.
 * *descriptors*: the shared-memory segments' descriptors (``SCM_RIGHTS``), see
   :mod:`megatron_async.core.request_transport`.
-
-Until a fresh interpreter says it is ready, its stderr goes to an unlinked temporary
-file, so a worker that cannot start (a broken interpreter, a failing import) is reported
-with its own words (:func:`startup_failure_message`). Once ready, the worker replays that
-output to the trainer's stderr and writes there directly.
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ import logging
 import os
 import queue
 import socket
-import subprocess
-import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
@@ -39,75 +29,64 @@ from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.request_transport import EncodedRequest, RequestSender
 from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
-from megatron_async.core.worker_exec import WORKER_MODULE, current_cuda_device, exec_worker
-from megatron_async.core.worker_fork import can_fork_worker, fork_worker
+from megatron_async.core.worker_fork import fork_worker
+from megatron_async.errors import WorkerDiedError
 
-__all__ = [
-    "WorkerProcess",
-    "start_worker",
-    "startup_failure_message",
-]
+__all__ = ["WorkerProcess", "start_worker"]
 
 logger = logging.getLogger(__name__)
 
-_STARTUP_OUTPUT_CHARS = 3000
-"""How much of a failed start-up's stderr goes into the error message."""
-
 _SENDER_JOIN_TIMEOUT_S = 5.0
+
+_REAP_POLL_S = 0.01
 
 _CLOSED = object()
 
 
 class WorkerProcess:
-    """A started persistent worker and the trainer's ends of its channels (trainer side).
-
-    ``popen`` is the :class:`subprocess.Popen` of a fresh interpreter, or anything with its
-    ``pid``, ``poll()`` and ``wait(timeout)`` (a forked worker).
+    """A forked persistent worker and the trainer's ends of its channels (trainer side).
 
     Has the part of :class:`multiprocessing.Process`'s interface the callers and
     :func:`~megatron_async.core.process_lifetime.kill_and_reap` use: ``pid``,
-    ``is_alive()``, ``join(timeout)``, ``exitcode``.
+    ``is_alive()``, ``join(timeout)``, ``exitcode``. The child is a plain ``os.fork``,
+    reaped by non-blocking ``waitpid`` polls, so every wait on it is bounded and no exit
+    hook of ``multiprocessing`` joins it.
     """
 
-    def __init__(
-        self,
-        popen: subprocess.Popen,
-        control: Connection,
-        descriptor_socket: socket.socket,
-        startup_log: Optional[Any],
-        rank: int,
-        forked: bool,
-    ):
-        self._popen = popen
-        self.forked = forked
-        """Whether the worker is a fork of the trainer (it cannot use CUDA) rather than a
-        fresh interpreter."""
-        self.pid = popen.pid
+    def __init__(self, pid: int, control: Connection, descriptor_socket: socket.socket, rank: int):
+        self.pid = pid
+        self._returncode: Optional[int] = None
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
         self.descriptor_socket = descriptor_socket
-        self.requests = RequestSender(descriptor_socket, cuda_allowed=not forked)
+        self.requests = RequestSender(descriptor_socket)
         """Encodes requests for this worker (it knows what this worker has mapped)."""
-        self._startup_log = startup_log
         self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._sender_stopped = HelperThreads.of_process().start(
             self._send_loop, f"megatron-async-sender-{rank}")
 
     # -- the multiprocessing.Process part -----------------------------------------------
 
-    def is_alive(self) -> bool:
-        return self._popen.poll() is None
-
     @property
     def exitcode(self) -> Optional[int]:
         """The exit code, ``-N`` if killed by signal N, None while running."""
-        return self._popen.poll()
+        if self._returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, how is unknown
+                self._returncode = 1
+            else:
+                if pid == self.pid:
+                    self._returncode = os.waitstatus_to_exitcode(status)
+        return self._returncode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
 
     def join(self, timeout: Optional[float] = None) -> None:
-        try:
-            self._popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(_REAP_POLL_S)
 
     # -- messages -----------------------------------------------------------------------
 
@@ -116,9 +95,8 @@ class WorkerProcess:
         self._outbox.put(message)
 
     def send_request(self, call_idx: int, encoded: EncodedRequest) -> None:
-        """Queue request ``call_idx`` for the worker, with the trainer's CUDA device to make
-        current there (none for a fork, which must not touch CUDA: the data is staged)."""
-        self.send((call_idx, encoded, None if self.forked else current_cuda_device()))
+        """Queue request ``call_idx`` for the worker."""
+        self.send((call_idx, encoded))
 
     def _send_loop(self) -> None:
         while True:
@@ -132,28 +110,6 @@ class WorkerProcess:
                 logger.debug("worker %d: cannot send to it any more: %s", self.pid, exc)
                 return
 
-    # -- start-up -----------------------------------------------------------------------
-
-    def startup_finished(self) -> None:
-        """Drop the start-up log once the worker is ready (it writes to our stderr now)."""
-        if self._startup_log is not None:
-            self._startup_log.close()
-            self._startup_log = None
-
-    def startup_output(self) -> str:
-        """The end of what the worker wrote to stderr while starting ("" if unknown)."""
-        log = self._startup_log
-        if log is None:
-            return ""
-        try:
-            size = os.fstat(log.fileno()).st_size
-            start = max(0, size - _STARTUP_OUTPUT_CHARS)
-            data = os.pread(log.fileno(), size - start, start)
-        except OSError as exc:
-            logger.debug("cannot read the worker's start-up output: %s", exc)
-            return ""
-        return data.decode("utf-8", errors="replace").strip()
-
     # -- end ------------------------------------------------------------------------------
 
     def close_channels(self) -> None:
@@ -166,7 +122,6 @@ class WorkerProcess:
         else:
             self.control.close()
         self.descriptor_socket.close()
-        self.startup_finished()
 
 
 def _shutdown(fd: int) -> None:
@@ -180,71 +135,38 @@ def _shutdown(fd: int) -> None:
 
 
 def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
-    """Start the persistent worker of ``rank`` by fork or exec; return at once (trainer side).
+    """Fork the persistent worker of ``rank``; return at once (trainer side).
 
     The worker runs :func:`megatron_async.core.worker_loop.main` and says ``("ready",
-    None)`` once it can take requests. A fork that fails falls back to a fresh
-    interpreter, with a warning.
+    None)`` once it can take requests; requests sent before then wait in its socket.
 
     Raises:
-        WorkerDiedError: the fresh interpreter could not be started at all (no executable,
-            no descriptors left). A worker that starts and then fails is reported by the
-            caller, from its exit code and :meth:`WorkerProcess.startup_output`.
+        WorkerDiedError: the fork failed (no memory for the page tables, a process limit).
+            A worker that forks and then fails is reported by the caller, from its exit code.
     """
     control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     options = {
         "rank": rank,
         "parent_pid": os.getpid(),
-        "log_level": logging.getLogger().getEffectiveLevel(),
-        "cuda_device": None,  # set for a fresh interpreter: a fork must not touch CUDA
         "control_fd": worker_control.fileno(),
         "descriptor_fd": worker_descriptors.fileno(),
-        "stderr_fd": None,  # a fork writes to the trainer's stderr from the start
         "priority": config.writer_priority.to_options(),
     }
-    child, startup_log = None, None
     try:
-        if config.worker_start == "fork" and can_fork_worker():
-            try:
-                child = fork_worker(options)
-            except Exception as exc:  # no memory for the page tables, a process limit
-                logger.warning(
-                    "rank %d: cannot fork the persistent checkpoint worker (%s); starting a "
-                    "fresh interpreter instead", rank, exc,
-                )
-        forked = child is not None
-        if child is None:
-            child, startup_log = exec_worker(options)
-    except BaseException:
+        pid = fork_worker(options)
+    except BaseException as exc:
         control.close()
         descriptors.close()
+        if isinstance(exc, OSError):
+            raise WorkerDiedError(
+                f"rank {rank}: cannot fork the persistent checkpoint worker ({exc}): the "
+                "trainer is out of memory for the child's page tables or at its process "
+                "limit; the next save tries again"
+            ) from exc
         raise
     finally:
         worker_control.close()  # the worker has its own copies now
         worker_descriptors.close()
     descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
-    return WorkerProcess(child, Connection(control.detach()), descriptors, startup_log, rank, forked)
-
-
-def startup_failure_message(what: str, process: WorkerProcess) -> str:
-    """Say why ``process`` did not start, with its stderr, and what to check."""
-    if process.forked:  # its traceback went straight to the trainer's stderr
-        return (
-            f"{what}. The worker was a fork of this process; its traceback, if any, is on "
-            "this process's stderr. Start it as a fresh interpreter instead "
-            "(AsyncCallerConfig(worker_start='exec')), or use the temporal caller "
-            "(AsyncCallsQueue(persistent=False))."
-        )
-    output = process.startup_output()
-    said = (
-        "Its stderr while starting:\n    " + "\n    ".join(output.splitlines())
-        if output
-        else "It wrote nothing to stderr."
-    )
-    return (
-        f"{what}. {said}\nThe worker is a fresh interpreter ({sys.executable}) that imports "
-        f"{WORKER_MODULE} with this process's sys.path; check that "
-        f"`{sys.executable} -c 'import {WORKER_MODULE}'` works in this environment, or use "
-        "the temporal caller (AsyncCallsQueue(persistent=False))."
-    )
+    return WorkerProcess(pid, Connection(control.detach()), descriptors, rank)

@@ -6,8 +6,8 @@ are defined in the script itself. test_script_routines.py runs it as a file, thr
 Usage: ``... OUT_DIR REPO_ROOT`` on every rank, with torchrun's environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The repository is put on ``sys.path``
 here, not through ``PYTHONPATH``. Each rank saves twice with each caller: persistent with
-a worker forked before the routines were defined (as Megatron-LM creates it), temporal,
-and persistent with ``worker_start="exec"``. The routines write marker files in the
+a worker forked before the routines were defined (as Megatron-LM creates it), and
+temporal. The routines write marker files in the
 background; finalize functions (trainer side) write one more once every rank is done.
 Every run of this top-level code appends its pid to ``OUT_DIR/top_level_runs``.
 """
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_async  # noqa: E402
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest  # noqa: E402
+from megatron_async.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
 from tests.persistent_worker import wait_until_worker_ready  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -101,8 +101,6 @@ def save_twice(queue, caller):
 results = {"package_file": megatron_async.__file__}
 results["fork"] = save_twice(wait_until_worker_ready(early_queue), "fork")
 results["temporal"] = save_twice(AsyncCallsQueue(persistent=False), "temporal")
-exec_queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(worker_start="exec"))
-results["exec"] = save_twice(wait_until_worker_ready(exec_queue), "exec")
 with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
     json.dump(results, f)
 dist.destroy_process_group()

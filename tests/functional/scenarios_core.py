@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, worker_process
 from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests import background_fns as fns
@@ -27,7 +27,6 @@ from tests.functional.harness import (
 
 
 def _queue(persistent: bool, **config) -> AsyncCallsQueue:
-    # Persistent saves must reach the worker, not run forked while it starts.
     return wait_until_worker_ready(AsyncCallsQueue(persistent=persistent, config=AsyncCallerConfig(**config)))
 
 
@@ -126,36 +125,39 @@ def torch_async_checkpoint_snapshot(ctx, persistent):
     ckpt.close()
 
 
-def first_save_while_one_worker_starts(ctx):
-    """The last rank's worker is still starting at the first save, the others' are ready:
-    each rank picks its own path, and the save is one agreed call with the right data."""
-    queue = AsyncCallsQueue(persistent=True)
+def _fork_fails(options):
+    raise OSError(11, "simulated: Resource temporarily unavailable")
+
+
+def worker_fork_fails_on_one_rank(ctx):
+    """The last rank's worker died and forking its replacement fails: the save fails on
+    every rank with that rank's typed error, and the next save forks a working worker."""
+    queue = _queue(True)
     caller = queue.persistent_caller
-    worker_pid = caller.process.pid
     if _is_odd_one(ctx):
-        os.kill(worker_pid, signal.SIGSTOP)  # its start-up cannot finish before the save
-    else:
-        wait_until_worker_ready(queue)
+        os.kill(caller.process.pid, signal.SIGKILL)
+        caller.process.join(timeout=30)
+        assert caller.process.exitcode == -signal.SIGKILL
+        worker_process.fork_worker, real_fork = _fork_fails, worker_process.fork_worker
     try:
-        weights = torch.full((256,), float(ctx.rank))
-        for idx in range(2):
-            if idx == 1 and _is_odd_one(ctx):
-                os.kill(worker_pid, signal.SIGCONT)
-                wait_until_worker_ready(queue)
-            expected = weights.clone()
-            queue.schedule_async_request(AsyncRequest(
-                fns.save_staged_tensor_and_pid, (_path(ctx, f"first{idx}.pt"), None), [],
-                preload_fn=functools.partial(fns.stage_clone, weights),
-            ))
-            weights.add_(1000.0)  # the optimizer step right after scheduling
-            assert queue.maybe_finalize_async_calls(blocking=True) == [idx]
-            saved = torch.load(_path(ctx, f"first{idx}.pt"))
-            assert torch.equal(saved["tensor"], expected)
-            forked = idx == 0 and _is_odd_one(ctx)
-            assert (saved["pid"] != worker_pid) == forked, (idx, saved["pid"], worker_pid)
+        request = AsyncRequest(fns.write_text, (_path(ctx, "bad"), None, "x"), [])
+        queue.schedule_async_request(request)
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+        except AsyncSaveFailedError as exc:
+            odd = ctx.world_size - 1
+            assert set(exc.failures) == {odd}, exc.failures
+            assert exc.rank_failures[odd].phase == "schedule", exc.rank_failures[odd]
+            assert "cannot fork the persistent checkpoint worker" in exc.rank_failures[odd].message
+        else:
+            raise AssertionError("no AsyncSaveFailedError on this rank")
     finally:
         if _is_odd_one(ctx):
-            os.kill(worker_pid, signal.SIGCONT)
+            worker_process.fork_worker = real_fork
+    queue.schedule_async_request(AsyncRequest(fns.write_text, (_path(ctx, "next"), None, "y"), []))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    with open(_path(ctx, "next")) as f:
+        assert f.read() == "y"
     queue.close()
 
 
@@ -265,7 +267,7 @@ SCENARIOS = {
     **with_caller("temporal", torch_async_checkpoint_snapshot),
     **with_caller("persistent", staging_error_on_one_rank, foreign_request_with_nothing_to_write_on_one_rank),
     **by_name(
-        first_save_while_one_worker_starts,
+        worker_fork_fails_on_one_rank,
         our_request_runs_through_megatron_execute_sync,
         megatron_queue_fails_on_cpu_only_torch,
         our_request_on_megatron_queue,
@@ -277,7 +279,7 @@ FOUR_RANK_SCENARIOS = [
     "write_error_on_one_rank[temporal]",
     "worker_killed_on_one_rank[persistent]",
     "foreign_request_with_nothing_to_write_on_one_rank[persistent]",
-    "first_save_while_one_worker_starts",
+    "worker_fork_fails_on_one_rank",
 ]
 """The scenarios also run on 4 ranks: one rank that differs from several others."""
 

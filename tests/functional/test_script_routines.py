@@ -1,5 +1,5 @@
 """Save routines defined in an unguarded two-rank training script run in the background
-with every caller (temporal, persistent forked, persistent exec) and every launcher."""
+with both callers (temporal, persistent) and every launcher."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from tests.functional.harness import _free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_script_routines.py")
 WORLD_SIZE = 2
-CALLERS = ("fork", "temporal", "exec")
+CALLERS = ("fork", "temporal")
 
 
 def _launch(launch: str, out_dir: Path, timeout_s: float) -> None:

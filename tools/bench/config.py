@@ -53,8 +53,7 @@ measure what yielding to training buys in the GPT workload's "train step" column
 
 WORKLOADS = ("synthetic", "gpt")
 
-LOST_TIME_OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_exec",
-                         "ours_persistent_overlap")
+LOST_TIME_OUR_METHODS = ("ours_temporal", "ours_persistent", "ours_persistent_overlap")
 """The lost-time loop's methods on the GPT example's ``Checkpointer`` with our callers."""
 
 LOST_TIME_DCP_METHODS = ("dcp_thread", "dcp_process", "dcp_async_staging")
@@ -69,8 +68,6 @@ EXAMPLE_FLAGS = {
     "ours_temporal": ["--async-save", "--ckpt-assume-constant-structure"],
     "ours_persistent": ["--async-save", "--use-persistent-ckpt-worker",
                         "--ckpt-assume-constant-structure"],
-    "ours_persistent_exec": ["--async-save", "--use-persistent-ckpt-worker",
-                             "--ckpt-assume-constant-structure", "--ckpt-worker-start", "exec"],
     "ours_persistent_overlap": ["--async-save", "--use-persistent-ckpt-worker",
                                 "--ckpt-assume-constant-structure", "--ckpt-overlap-staging"],
 }

@@ -17,10 +17,9 @@ Order (the warm-up is three iterations once the model is built):
 
 The first free window follows the set-up, so it carries what the set-up still costs
 afterwards; the others give the checkpoint-free iteration time, interleaved with the
-saves so that drift cancels. Since our queue is created before the model, a persistent
-worker's start-up (a fresh interpreter importing torch, with ``ours_persistent_exec``)
-runs during the model's build and warm-up, and during the memory-copy measurement: it
-shows in ``build_s`` and the warm-up times, which the report puts beside every row. Per-iteration times
+saves so that drift cancels. Our queue is created before the model, so a persistent
+worker's start-up shows in ``build_s`` and the warm-up times, which the report puts beside
+every row. Per-iteration times
 are the maximum over ranks (a step is as slow as its slowest rank).
 
 Methods (:data:`~.config.LOST_TIME_METHODS`, built by :mod:`.methods.catalog`):
@@ -28,8 +27,7 @@ Methods (:data:`~.config.LOST_TIME_METHODS`, built by :mod:`.methods.catalog`):
 * ``sync``: the example without ``--async-save`` (our strategy, synchronous);
 * ``ours_temporal`` / ``ours_persistent``: ``--async-save`` (``--use-persistent-ckpt-worker``)
   ``--ckpt-assume-constant-structure`` (the worker forked from the trainer);
-  ``ours_persistent_exec`` starts the worker as a fresh interpreter instead
-  (``--ckpt-worker-start exec``); ``ours_persistent_overlap`` adds
+  ``ours_persistent_overlap`` adds
   ``--ckpt-overlap-staging``;
 * ``dcp_thread`` / ``dcp_process``: ``dcp.async_save`` with its thread or process
   executor and one reused ``DefaultStager`` (synchronous staging; shared memory for the

@@ -5,7 +5,8 @@ The by-value tests run a small "training script" in a namespace of its own named
 ``__main__`` (as ``python script.py`` would), encode a request for the worker and decode
 it as the worker does: the decoded functions are rebuilt, not found by reference (a class
 sent by value is rebuilt too, but cloudpickle maps it back to the original class within
-one process; tests/functional/test_script_routines.py sends them to a fresh interpreter).
+one process; tests/functional/test_script_routines.py sends them to a worker forked
+before the script defined them).
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
-"""The persistent worker started as a fork of the trainer (the default): ready at once,
-it gives up its share of the trainer's tensor pages, resets the trainer's signal
-handlers, and a fork that fails while starting fails the next save, saying what to do."""
+"""The persistent worker is a fork of the trainer: ready at once, it gives up its share
+of the trainer's tensor pages and staging segments, resets the trainer's signal handlers,
+and a fork that fails, or a child that fails while starting, fails the save."""
 
 import functools
 import gc
@@ -15,25 +15,12 @@ import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
 from megatron_async.core import worker_fork
-from megatron_async.core.shared_memory import allocate_segment, has_live_segments
+from megatron_async.core.shared_memory import allocate_segment, segment_view
 from megatron_async.errors import AsyncSaveFailedError
-from megatron_async.staging.budget import StagingLedger
-from megatron_async.staging.buffer_cache import StagingBufferCache
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
 
 MIB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def no_live_staging_segments():
-    """A worker is forked only while the trainer holds no staging segment (see
-    ``can_fork_worker``): free what earlier tests of this process left cached, so that
-    these tests do not depend on the order they run in."""
-    StagingBufferCache.of_process().clear(include_in_use=True)
-    StagingLedger.of_process().drop_pool()
-    gc.collect()
-    assert not has_live_segments(), "a staging segment is still referenced by an earlier test"
 
 
 def _private_dirty_kib(pid: int) -> int:
@@ -58,7 +45,6 @@ def test_forked_worker_is_ready_at_once_and_holds_none_of_the_trainers_tensor_pa
     queue = AsyncCallsQueue(persistent=True)
     caller = queue.persistent_caller
     try:
-        assert caller.process.forked
         wait_until_worker_ready(queue)  # a fork needs no imports: this takes milliseconds
         worker_pid = caller.process.pid
         # The trainer updates its state in place after the fork. A worker that kept its
@@ -87,7 +73,6 @@ def test_forked_worker_keeps_none_of_the_trainers_descriptors_open(tmp_path):
     port = listener.getsockname()[1]
     queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
     try:
-        assert queue.persistent_caller.process.forked
         os.close(write_end)  # the pipe's reader must see EOF now, not when the worker exits
         readable, _, _ = select.select([read_end], [], [], 5.0)
         assert readable and os.read(read_end, 1) == b"", "the worker holds the pipe's write end"
@@ -107,36 +92,48 @@ def _record_signal(path, signum, frame):
         f.write(f"{os.getpid()}\n")
 
 
-@pytest.mark.timeout(180)
-def test_trainer_signal_handler_does_not_run_in_the_worker_and_a_restart_while_staging_is_alive_execs(
-    tmp_path,
-):
+@pytest.mark.timeout(120)
+def test_trainer_signal_handler_does_not_run_in_the_worker(tmp_path):
     ran = tmp_path / "handler_ran"
     previous = signal.signal(signal.SIGUSR1, functools.partial(_record_signal, str(ran)))
-    queue = AsyncCallsQueue(persistent=True)
+    queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
     caller = queue.persistent_caller
     try:
-        wait_until_worker_ready(queue)
-        worker_pid = caller.process.pid
-        os.kill(worker_pid, signal.SIGUSR1)  # a fresh interpreter dies of it: so must the fork
+        os.kill(caller.process.pid, signal.SIGUSR1)  # a fresh interpreter dies of it: so must the fork
         caller.process.join(timeout=30)
         assert caller.process.exitcode == -signal.SIGUSR1
         assert not ran.exists(), "the trainer's SIGUSR1 handler ran in the worker"
-
-        # Staging memory is alive now (held here), so the replacement worker is a fresh
-        # interpreter: a fork would keep the segment mapped for its whole life.
-        held = allocate_segment(4096, reusable=True)
-        _save_tensor(queue, tmp_path / "1.pt", torch.zeros(10))
-        assert not caller.process.forked
-        assert queue.maybe_finalize_async_calls(blocking=True) == [0]  # ran forked meanwhile
-        wait_until_worker_ready(queue)
-        _save_tensor(queue, tmp_path / "2.pt", torch.ones(10))
-        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
-        assert torch.load(tmp_path / "2.pt")["pid"] == caller.process.pid != worker_pid
-        assert torch.equal(torch.load(tmp_path / "1.pt")["tensor"], torch.zeros(10))
-        del held
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        queue.close(abort=True)
+
+
+def _mapping_at(pid: int, address: int) -> str:
+    """The line of ``pid``'s memory map for the mapping that starts at ``address``."""
+    with open(f"/proc/{pid}/maps") as f:
+        return next(line for line in f if line.startswith(f"{address:x}-"))
+
+
+@pytest.mark.timeout(120)
+def test_worker_restarted_while_staging_buffers_are_alive_holds_none_of_them(tmp_path):
+    queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
+    caller = queue.persistent_caller
+    try:
+        held = allocate_segment(16 * MIB, reusable=True)  # kept for the next save, as a strategy does
+        staged = segment_view(held, 0, (1000,), torch.float32)
+        os.kill(caller.process.pid, signal.SIGKILL)  # the restart happens while it is alive
+        caller.process.join(timeout=30)
+        staged.copy_(torch.arange(1000, dtype=torch.float32))
+        queue.schedule_async_request(AsyncRequest(fns.save_staged_tensor_and_pid, (str(tmp_path / "0.pt"), staged), []))
+        wait_until_worker_ready(queue)
+        segment_file = _mapping_at(os.getpid(), held.data_ptr()).split()[5]  # /dev/shm/...
+        inherited = _mapping_at(caller.process.pid, held.data_ptr())
+        assert segment_file not in inherited and " rw-p " in inherited, inherited  # private zero pages
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        saved = torch.load(tmp_path / "0.pt")
+        assert saved["pid"] == caller.process.pid  # a forked worker, which got the segment by descriptor
+        assert torch.equal(saved["tensor"], torch.arange(1000, dtype=torch.float32))
+    finally:
         queue.close(abort=True)
 
 
@@ -157,8 +154,8 @@ def test_fork_that_fails_while_starting_fails_the_next_save_saying_what_to_do(tm
             queue.maybe_finalize_async_calls(blocking=True)
         failure = info.value.rank_failures[0]
         assert failure.phase == "worker"
-        assert "while starting" in failure.message and "fork of this process" in failure.message
-        assert "worker_start='exec'" in failure.message  # what to do
+        assert "exited with code 1 while starting" in failure.message
+        assert "stderr" in failure.message  # where its traceback is
         assert not (tmp_path / "0.pt").exists()
 
         monkeypatch.undo()  # repaired: the next save forks a working worker
@@ -167,12 +164,6 @@ def test_fork_that_fails_while_starting_fails_the_next_save_saying_what_to_do(tm
         assert torch.equal(torch.load(tmp_path / "1.pt")["tensor"], torch.ones(10))
     finally:
         queue.close(abort=True)
-
-
-def test_worker_start_is_validated():
-    with pytest.raises(ValueError, match="worker_start must be one of fork, exec"):
-        AsyncCallerConfig(worker_start="spawn")
-    assert AsyncCallerConfig().worker_start == "fork"
 
 
 @pytest.mark.gpu
@@ -186,7 +177,6 @@ def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unsta
     expected = weights.cpu()
     queue = wait_until_worker_ready(AsyncCallsQueue(persistent=True))
     try:
-        assert queue.persistent_caller.process.forked
         queue.schedule_async_request(AsyncRequest(
             fns.save_staged_tensor, (str(tmp_path / "0.pt"), None), [],
             preload_fn=functools.partial(snapshot_to_host, weights),
@@ -200,7 +190,7 @@ def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unsta
         with pytest.raises(AsyncSaveFailedError, match="cannot use CUDA") as info:
             queue.maybe_finalize_async_calls(blocking=True)
         assert info.value.rank_failures[0].phase == "schedule"
-        assert "worker_start='exec'" in info.value.rank_failures[0].message
+        assert "preload_fn" in info.value.rank_failures[0].message  # what to do
         worker_pid = queue.persistent_caller.process.pid
         queue.schedule_async_request(AsyncRequest(
             fns.save_staged_tensor, (str(tmp_path / "2.pt"), None), [],
@@ -237,17 +227,24 @@ def _fork_fails():
     raise OSError(11, "simulated: Resource temporarily unavailable")
 
 
-@pytest.mark.timeout(180)
-def test_a_fork_that_fails_starts_a_fresh_interpreter_instead(tmp_path, monkeypatch):
+@pytest.mark.timeout(120)
+def test_a_fork_that_fails_fails_the_save_and_the_next_save_forks_again(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(worker_fork.os, "fork", _fork_fails)
-        queue = AsyncCallsQueue(persistent=True)
-    try:
-        assert not queue.persistent_caller.process.forked
-        wait_until_worker_ready(queue)
+        queue = AsyncCallsQueue(persistent=True)  # logged: the first save tries again
+        assert queue.persistent_caller.process is None
         _save_tensor(queue, tmp_path / "0.pt", torch.ones(4))
-        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
-        assert torch.load(tmp_path / "0.pt")["pid"] == queue.persistent_caller.process.pid
+        with pytest.raises(AsyncSaveFailedError) as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+    try:
+        failure = info.value.rank_failures[0]
+        assert failure.phase == "schedule"
+        assert "cannot fork the persistent checkpoint worker" in failure.message
+        assert "Resource temporarily unavailable" in failure.message
+        assert not (tmp_path / "0.pt").exists()
+        _save_tensor(queue, tmp_path / "1.pt", torch.ones(4))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        assert torch.load(tmp_path / "1.pt")["pid"] == queue.persistent_caller.process.pid
     finally:
         queue.close(abort=True)
 

@@ -1,13 +1,12 @@
-"""Micro-benchmark: what starting the persistent worker costs the trainer, by start method.
+"""Micro-benchmark: what starting the persistent worker costs the trainer.
 
 One process holds ``--state-mib`` of CPU-resident state (think an offloaded optimizer)
-and starts a :class:`~megatron_async.core.persistent.PersistentAsyncCaller` with each
-method in turn:
+and starts a :class:`~megatron_async.core.persistent.PersistentAsyncCaller` each way in
+turn:
 
-* ``fork``: the default (``worker_start="fork"``);
+* ``fork``: as the library does;
 * ``fork, pages kept``: the same fork without the worker dropping its share of the
-  trainer's tensor pages (what the release saves);
-* ``exec``: a fresh interpreter (``worker_start="exec"``).
+  trainer's tensor pages (what the release saves).
 
 Columns: the trainer's stall creating the caller, the time until the worker is ready,
 the worker's CPU until then, the trainer's first in-place update of the whole state
@@ -31,11 +30,10 @@ from typing import Dict, List
 import torch
 
 from megatron_async.core import worker_fork
-from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 
-METHODS = ("fork", "fork, pages kept", "exec")
-_READY_TIMEOUT_S = 300.0
+METHODS = ("fork", "fork, pages kept")
+_READY_TIMEOUT_S = 60.0
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -58,9 +56,8 @@ def measure(method: str, state: torch.Tensor) -> Dict[str, float]:
     if method == "fork, pages kept":
         worker_fork.trainer_tensor_pages = lambda: ([], [])
     try:
-        config = AsyncCallerConfig(worker_start="exec" if method == "exec" else "fork")
         started = time.monotonic()
-        caller = PersistentAsyncCaller(config)
+        caller = PersistentAsyncCaller()
         created = time.monotonic()
         while not caller.is_worker_ready():
             if time.monotonic() - started > _READY_TIMEOUT_S:
