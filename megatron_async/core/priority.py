@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import platform
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from megatron_async.errors import CheckpointValidationError
 
@@ -79,14 +79,6 @@ class WriterPriority:
             0 <= self.io_level <= 7
         ):
             raise CheckpointValidationError(f"WriterPriority.io_level must be an int from 0 to 7, got {self.io_level!r}")
-
-    def to_options(self) -> Dict[str, Any]:
-        """The fields as a plain dict (passed to the persistent worker as JSON)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_options(cls, options: Optional[Dict[str, Any]]) -> "WriterPriority":
-        return cls(**options) if options else cls(nice_increment=0, io_class="inherit")
 
 
 def lower_writer_priority(priority: WriterPriority) -> None:

@@ -8,15 +8,15 @@ the checkpoint:
 
 * **Memory, copy-on-write.** Before forking, the trainer lists the page-aligned insides
   of its private CPU tensor storages that Python can see (:func:`trainer_tensor_pages`, a
-  scan of the live objects, once per worker start), clipped to its private anonymous
-  mappings; the child discards its share of those pages at once
-  (:func:`release_inherited_pages`, ``MADV_DONTNEED``). The trainer's in-place updates of
-  parameters and optimizer state then neither copy pages nor leave the old ones pinned in
-  the worker, which would double the memory of CPU-resident state. (Storages held only by
-  C++ code are not found; their pages stay copy-on-write.) The child also freezes the
-  inherited objects out of its cyclic garbage collection, which would otherwise touch,
-  and so copy, the whole inherited heap. The worker never reads the trainer's tensors: a
-  request and its staged data reach it through its socket and shared memory.
+  scan of the live objects, once per worker start); the child discards its share of
+  those pages at once (:func:`release_inherited_pages`, ``MADV_DONTNEED``). The
+  trainer's in-place updates of parameters and optimizer state then neither copy pages
+  nor leave the old ones pinned in the worker, which would double the memory of
+  CPU-resident state. (Storages held only by C++ code are not found; their pages stay
+  copy-on-write.) The child also freezes the inherited objects out of its cyclic garbage
+  collection, which would otherwise touch, and so copy, the whole inherited heap. The
+  worker never reads the trainer's tensors: a request and its staged data reach it
+  through its socket and shared memory.
 * **Staging segments.** The child would keep the trainer's shared-memory segments mapped
   for its whole life, so their memory would outlive the trainer's use of them. The child
   replaces its mapping of every registered segment with private zero pages at once
@@ -110,38 +110,6 @@ def libc() -> _Libc:
 # -- the trainer's tensor pages (trainer side, before the fork) ---------------------------
 
 
-def _private_anonymous_mappings() -> List[PageRange]:
-    """This process's private, writable, anonymous mappings (heap included), sorted."""
-    mappings: List[PageRange] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            perms, inode = fields[1], fields[4]
-            path = fields[5] if len(fields) > 5 else ""
-            if "w" in perms and perms.endswith("p") and inode == "0" and path in ("", "[heap]"):
-                start, end = (int(bound, 16) for bound in fields[0].split("-"))
-                mappings.append((start, end - start))
-    return sorted(mappings)
-
-
-def _clip(ranges: List[PageRange], mappings: List[PageRange]) -> List[PageRange]:
-    """The parts of ``ranges`` that lie inside ``mappings`` (both sorted by start)."""
-    clipped: List[PageRange] = []
-    index = 0
-    for start, length in sorted(ranges):
-        end = start + length
-        while index < len(mappings) and sum(mappings[index]) <= start:
-            index += 1
-        probe = index
-        while probe < len(mappings) and mappings[probe][0] < end:
-            low = max(start, mappings[probe][0])
-            high = min(end, sum(mappings[probe]))
-            if high > low:
-                clipped.append((low, high - low))
-            probe += 1
-    return clipped
-
-
 def trainer_tensor_pages(
     min_bytes: int = MIN_RELEASED_STORAGE_BYTES,
 ) -> Tuple[List[PageRange], List[torch.UntypedStorage]]:
@@ -151,8 +119,9 @@ def trainer_tensor_pages(
     belong to: keep the storages referenced until the child exists, so that no range is
     freed and reused by other data in between. Only whole pages are listed (the partial
     pages at either end may hold other allocations, or the allocator's bookkeeping,
-    which the child may still touch), and only inside private anonymous mappings.
-    Shared-memory storages are skipped (a fork shares them without copy-on-write).
+    which the child may still touch). Shared-memory storages are skipped (a fork shares
+    them without copy-on-write). Whatever mapping a range lies in, ``MADV_DONTNEED`` in
+    the child drops only the child's view of it, never the trainer's data.
     """
     page = mmap.PAGESIZE
     seen = set()
@@ -186,13 +155,7 @@ def trainer_tensor_pages(
         if end > start:
             ranges.append((start, end - start))
             storages.append(storage)
-    if not ranges:
-        return [], storages
-    try:
-        mappings = _private_anonymous_mappings()
-    except OSError:  # no /proc: release nothing rather than guess
-        return [], storages
-    return _clip(ranges, mappings), storages
+    return ranges, storages
 
 
 # -- the child's set-up (worker side) -----------------------------------------------------

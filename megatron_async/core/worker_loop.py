@@ -26,14 +26,13 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
-
 from megatron_async.core import stack_dump
 from megatron_async.core.process_lifetime import (
     parent_is_alive,
     raise_open_file_limit,
     set_parent_death_signal,
 )
-from megatron_async.core.priority import WriterPriority, lower_writer_priority
+from megatron_async.core.priority import lower_writer_priority
 from megatron_async.core.request_receiver import SegmentTable
 from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.errors import RankFailure
@@ -100,7 +99,7 @@ def main(options: Dict[str, Any]) -> None:
             (segment descriptors).
     """
     # First, before any thread exists: every thread of the worker inherits it.
-    lower_writer_priority(WriterPriority.from_options(options.get("priority")))
+    lower_writer_priority(options["priority"])
     rank, parent_pid = options["rank"], options["parent_pid"]
     control = Connection(options["control_fd"])
     descriptor_socket = socket.socket(fileno=options["descriptor_fd"])

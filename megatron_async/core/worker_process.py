@@ -151,7 +151,7 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         "parent_pid": os.getpid(),
         "control_fd": worker_control.fileno(),
         "descriptor_fd": worker_descriptors.fileno(),
-        "priority": config.writer_priority.to_options(),
+        "priority": config.writer_priority,
     }
     try:
         pid = fork_worker(options)

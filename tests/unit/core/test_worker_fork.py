@@ -3,7 +3,6 @@ of the trainer's tensor pages and staging segments, resets the trainer's signal 
 and a fork that fails, or a child that fails while starting, fails the save."""
 
 import functools
-import gc
 import os
 import select
 import signal
@@ -247,16 +246,3 @@ def test_a_fork_that_fails_fails_the_save_and_the_next_save_forks_again(tmp_path
         assert torch.load(tmp_path / "1.pt")["pid"] == queue.persistent_caller.process.pid
     finally:
         queue.close(abort=True)
-
-
-def test_released_ranges_are_clipped_to_private_anonymous_mappings():
-    page = 4096
-    mappings = [(10 * page, 4 * page), (20 * page, 2 * page)]
-    ranges = [
-        (11 * page, 2 * page),  # inside the first mapping
-        (13 * page, 8 * page),  # runs over the hole into the second one
-        (30 * page, page),  # in no mapping (a file mapping, say): dropped
-    ]
-    assert worker_fork._clip(ranges, mappings) == [
-        (11 * page, 2 * page), (13 * page, page), (20 * page, page),
-    ]
