@@ -81,7 +81,6 @@ class PersistentAsyncCaller(AsyncCaller):
     def _start_worker(self) -> None:
         self._ready = False
         self._started_at = time.monotonic()
-        stack_dump.prepare()  # where the worker puts its stacks if a write times out
         self.process = start_worker(self.rank, self.config)
         replaced, self._last_pid = self._last_pid, self.process.pid
         if replaced is None:
@@ -98,7 +97,6 @@ class PersistentAsyncCaller(AsyncCaller):
                 kill_and_reap(self.process, self.config.close_timeout_s)
             # Descriptors still in flight (requests the worker never read) are freed here.
             self.process.close_channels()
-            stack_dump.forget(self.process.pid)
         self.process = None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
@@ -269,7 +267,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
                 f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
                 "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + stack_dump.timeout_note(self.rank, pid)
+                + stack_dump.timeout_note(self.rank, pid, self.process and self.process.stack_file)
             )
             self._kill_worker("timeout", exc)
         return self._statuses[call_idx]

@@ -1,38 +1,35 @@
 """Where a timed-out background writer was stuck: its Python stacks, asked for before the kill.
 
-A writer killed for running past ``timeout_s`` used to leave only "it took too long". Now
-the failing rank logs where each of its threads was (a write blocked on a stalled file
-system, a lock never released), and the error every rank raises names each thread's
-innermost frame on its one line.
+The failing rank logs where each thread of a writer killed for running past ``timeout_s``
+was (a write blocked on a stalled file system, a lock never released), and the error
+every rank raises names each thread's innermost frame on its one line.
 
-Trainer side: :func:`prepare` makes, once per trainer process, a private folder (0700)
-that the writers it starts inherit through the environment; :func:`collect` sends
-:data:`DUMP_SIGNAL` to its own writer (a child it has not reaped, so the pid is its
-writer's) and waits a bounded moment for the stacks; :func:`forget` removes a finished
-writer's file. Background side: :func:`arm`, first thing in the forked child of a
-temporal call and in the persistent worker, has :mod:`faulthandler` write every thread's
-stack to the writer's own file on that signal; :func:`disarm` undoes it on a normal exit.
-A writer in an uninterruptible system call (a hung NFS server) cannot run the handler
-until the call returns: :func:`collect` then gives up after its wait and returns None.
-Where the platform has no real-time signals, all of this is a no-op.
+Trainer side: :func:`new_file`, just before forking a writer (the temporal caller's child,
+the persistent worker), makes an anonymous file that the child inherits; :func:`collect`
+sends :data:`DUMP_SIGNAL` to the writer (a child not yet reaped, so the pid is its
+writer's) and reads what it wrote there, waiting a bounded moment. Background side:
+:func:`arm`, first thing in the child, has :mod:`faulthandler` write every thread's stack
+to that file on the signal and then writes a first line, so the trainer signals only a
+writer that armed itself (the signal's default action would end it); :func:`disarm`
+ignores the signal on a normal exit. A writer in an uninterruptible system call (a hung
+NFS server) cannot run the handler until the call returns: :func:`collect` then gives up
+after its wait and returns None. Where the platform has no real-time signals or
+``memfd_create``, all of this is a no-op.
 """
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
+import io
 import logging
 import os
 import re
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from typing import List, Optional
 
-__all__ = ["DUMP_SIGNAL", "prepare", "arm", "disarm", "collect", "forget", "innermost_frames",
-           "timeout_note"]
+__all__ = ["DUMP_SIGNAL", "new_file", "arm", "disarm", "collect", "innermost_frames", "timeout_note"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,117 +41,76 @@ else sends: SIGUSR1/2 keep their meaning); None where there is none."""
 COLLECT_WAIT_S = 2.0
 """How long :func:`collect` waits for the stacks."""
 
-_FOLDER_ENV = "MEGATRON_ASYNC_STACK_DIR"
-# Per-process facts, shared with children through the environment and a signal handler:
-# the trainer's one stack folder, and this writer's armed handler.
-_folder: Optional[str] = None
-_armed: Optional[tuple] = None  # (stream, path) of this writer
+_armed = False  # whether this writer installed the handler
 
 
-def _stack_file(folder: str, pid: int) -> str:
-    return os.path.join(folder, f"{pid}.txt")
+def new_file() -> Optional[io.FileIO]:
+    """An anonymous file for the writer about to be forked (trainer side); None if unavailable.
 
-
-def prepare() -> Optional[str]:
-    """The folder this trainer's writers write their stacks to (trainer side; made once).
-
-    Call before starting a writer: the writer finds it in its inherited environment.
+    Closed when the caller drops it, once the writer is gone.
     """
-    global _folder
-    if DUMP_SIGNAL is None:
+    if DUMP_SIGNAL is None or not hasattr(os, "memfd_create"):
         return None
-    if _folder is None or not os.path.isdir(_folder):
-        try:
-            _folder = tempfile.mkdtemp(prefix="megatron_async_stacks.")
-        except OSError as exc:
-            logger.debug("no stack dumps of timed-out writers: %s", exc)
-            return None
-        atexit.register(shutil.rmtree, _folder, True)
-    os.environ[_FOLDER_ENV] = _folder
-    return _folder
-
-
-def arm() -> None:
-    """Dump this writer's stacks on :data:`DUMP_SIGNAL` (background side; best effort)."""
-    global _armed
-    folder = os.environ.get(_FOLDER_ENV)
-    if DUMP_SIGNAL is None or not folder:
-        return
-    path = _stack_file(folder, os.getpid())
     try:
-        if os.path.lexists(path):  # left by a dead writer whose pid this one reuses
-            os.unlink(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        return io.FileIO(os.memfd_create("megatron-async-stacks"), "r+")
     except OSError as exc:
-        logger.debug("no stack dump on timeout for pid %d: %s", os.getpid(), exc)
+        logger.debug("no stack dumps of timed-out writers: %s", exc)
+        return None
+
+
+def arm(stack_file: Optional[io.FileIO]) -> None:
+    """Dump this writer's stacks to ``stack_file`` on :data:`DUMP_SIGNAL` (background side; best effort)."""
+    global _armed
+    if stack_file is None:
         return
-    stream = os.fdopen(fd, "w")
     try:
-        faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
+        faulthandler.register(DUMP_SIGNAL, file=stack_file.fileno(), all_threads=True, chain=False)
+        os.write(stack_file.fileno(), f"writer {os.getpid()} armed\n".encode())
     except (OSError, ValueError, RuntimeError) as exc:
         logger.debug("no stack dump on timeout for pid %d: %s", os.getpid(), exc)
-        stream.close()
-        os.unlink(path)
         return
-    _armed = (stream, path)
+    _armed = True
 
 
 def disarm() -> None:
-    """Undo :func:`arm` (background side, at a normal exit).
+    """Ignore :data:`DUMP_SIGNAL` from now on (background side, at a normal exit).
 
-    The file goes first, so that the trainer no longer signals this process; then the
-    signal is ignored rather than restored to its default action, which would end it.
+    Ignored rather than restored to its default action, which would end the writer.
     """
     global _armed
-    armed, _armed = _armed, None
-    if armed is None:
-        return
-    stream, path = armed
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    if threading.current_thread() is threading.main_thread():
+    if _armed and threading.current_thread() is threading.main_thread():
         signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
+    _armed = False
 
 
-def forget(pid: int) -> None:
-    """Remove the stack file of the finished writer ``pid``, if any (trainer side)."""
-    if _folder is not None:
-        try:
-            os.unlink(_stack_file(_folder, pid))
-        except OSError:
-            pass
+def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_WAIT_S) -> Optional[str]:
+    """Ask the armed writer ``pid`` for its stacks in ``stack_file``; return them, or None.
 
-
-def collect(pid: int, wait_s: float = COLLECT_WAIT_S) -> Optional[str]:
-    """Ask this trainer's armed writer ``pid`` for its stacks; return them, or None.
-
-    Trainer side, on a writer it started and has not reaped. Bounded by ``wait_s``. Only a
-    writer that armed itself is signalled: its file exists only while it is armed.
+    Trainer side, on a writer it forked with this file and has not reaped. Bounded by
+    ``wait_s``. A writer that wrote nothing yet has not armed itself and is not signalled.
     """
-    if _folder is None:
+    if stack_file is None:
         return None
-    path = _stack_file(_folder, pid)
+    fd = stack_file.fileno()
     try:
-        before = os.path.getsize(path)
+        before = os.fstat(fd).st_size
+        if before == 0:
+            return None
         os.kill(pid, DUMP_SIGNAL)
-    except OSError:
+    except (OSError, ValueError):
         return None
     deadline = time.monotonic() + wait_s
-    size, text = before, ""
+    size, data = before, b""
     while time.monotonic() < deadline:
         time.sleep(0.05)
         try:
-            with open(path) as stream:
-                stream.seek(before)
-                text = stream.read()
-        except OSError:
+            data = os.pread(fd, os.fstat(fd).st_size - before, before)
+        except (OSError, ValueError):
             return None
-        if text and before + len(text) == size:  # written, and nothing more in 50 ms
+        if data and before + len(data) == size:  # written, and nothing more in 50 ms
             break
-        size = before + len(text)
-    return text or None
+        size = before + len(data)
+    return data.decode("utf-8", errors="replace") or None
 
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
@@ -179,10 +135,10 @@ def innermost_frames(stacks: Optional[str], limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def timeout_note(rank: int, pid: Optional[int]) -> str:
+def timeout_note(rank: int, pid: Optional[int], stack_file: Optional[io.FileIO]) -> str:
     """For a writer about to be killed for its timeout (trainer side): collect its stacks,
     log them on this rank, and return what the error's one line adds ('' without them)."""
-    stacks = collect(pid) if pid is not None else None
+    stacks = collect(pid, stack_file) if pid is not None else None
     if not stacks:
         return ""
     logger.error("rank %d: where the timed-out writer (pid %d) was, most recent call first:\n%s",

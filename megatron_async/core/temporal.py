@@ -46,14 +46,15 @@ def _synchronize_cuda_if_used() -> None:
 
 
 def _run_forked_call(
-    result_conn, rank: int, parent_pid: int, priority: WriterPriority, fn, args: Sequence[Any], kwargs
+    result_conn, rank: int, parent_pid: int, priority: WriterPriority, stack_file, fn,
+    args: Sequence[Any], kwargs,
 ):
     """Body of the forked child (background side): run ``fn`` and report how it ended."""
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):
         os._exit(1)
     result_conn.send(("started", None))  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
-    stack_dump.arm()
+    stack_dump.arm(stack_file)
     lower_writer_priority(priority)  # before any writer thread starts: they inherit it
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
@@ -93,6 +94,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._forked_at = 0.0
         self._child_started = False
         self._staged: Any = None
+        self._stack_file = None
         register_exit_cleanup(self, "_abort_at_exit")
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
@@ -122,13 +124,13 @@ class TemporalAsyncCaller(AsyncCaller):
             return
         try:
             _synchronize_cuda_if_used()
-            stack_dump.prepare()  # where the child puts its stacks if it times out
+            self._stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
             ctx = mp.get_context("fork")
             self._result_conn, child_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=_run_forked_call,
                 args=(
-                    child_conn, rank, os.getpid(), self.config.writer_priority,
+                    child_conn, rank, os.getpid(), self.config.writer_priority, self._stack_file,
                     async_req.async_fn, args, async_req.async_fn_kwargs or {},
                 ),
                 name=f"megatron-async-save-{async_req.call_idx}",
@@ -178,7 +180,7 @@ class TemporalAsyncCaller(AsyncCaller):
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._start_time > self.config.timeout_s:
-            where = stack_dump.timeout_note(rank, self.process.pid)
+            where = stack_dump.timeout_note(rank, self.process.pid, self._stack_file)
             kill_and_reap(self.process)
             exc = AsyncTimeoutError(
                 f"rank {rank}: background save (pid {self.process.pid}) of async call "
@@ -188,7 +190,7 @@ class TemporalAsyncCaller(AsyncCaller):
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         if self._status.is_terminal:
-            stack_dump.forget(self.process.pid)  # the child is done: no stacks to ask for
+            self._stack_file = None  # the child is done: no stacks to ask for
         return self._status
 
     def _receive_result(self, rank: int) -> CallStatus:

@@ -261,6 +261,8 @@ def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], functions: 
         gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
         gc.enable()  # the trainer disabled it around the fork
         keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
+        if options["stack_file"] is not None:
+            keep.add(options["stack_file"].fileno())
         retire_inherited_descriptors(keep)
         release_inherited_pages(ranges, functions.madvise)
         release_inherited_segments(segment_ranges(), functions.mmap)

@@ -96,7 +96,8 @@ def main(options: Dict[str, Any]) -> None:
             exits when the trainer is gone), ``priority`` (see
             :class:`~megatron_async.core.priority.WriterPriority`), and the inherited
             descriptors ``control_fd`` (requests in, results out) and ``descriptor_fd``
-            (segment descriptors).
+            (segment descriptors), and ``stack_file`` (see
+            :mod:`~megatron_async.core.stack_dump`).
     """
     # First, before any thread exists: every thread of the worker inherits it.
     lower_writer_priority(options["priority"])
@@ -107,7 +108,7 @@ def main(options: Dict[str, Any]) -> None:
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
-    stack_dump.arm()
+    stack_dump.arm(options["stack_file"])
     reporter = _Reporter(control)
     descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
     table = SegmentTable(descriptor_socket)

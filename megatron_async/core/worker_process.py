@@ -25,6 +25,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
+from megatron_async.core import stack_dump
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.request_transport import EncodedRequest, RequestSender
@@ -53,8 +54,12 @@ class WorkerProcess:
     hook of ``multiprocessing`` joins it.
     """
 
-    def __init__(self, pid: int, control: Connection, descriptor_socket: socket.socket, rank: int):
+    def __init__(
+        self, pid: int, control: Connection, descriptor_socket: socket.socket, stack_file, rank: int
+    ):
         self.pid = pid
+        self.stack_file = stack_file
+        """Where the worker writes its stacks when asked (:mod:`~megatron_async.core.stack_dump`)."""
         self._returncode: Optional[int] = None
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
@@ -152,6 +157,7 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         "control_fd": worker_control.fileno(),
         "descriptor_fd": worker_descriptors.fileno(),
         "priority": config.writer_priority,
+        "stack_file": stack_dump.new_file(),
     }
     try:
         pid = fork_worker(options)
@@ -169,4 +175,4 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         worker_control.close()  # the worker has its own copies now
         worker_descriptors.close()
     descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
-    return WorkerProcess(pid, Connection(control.detach()), descriptors, rank)
+    return WorkerProcess(pid, Connection(control.detach()), descriptors, options["stack_file"], rank)

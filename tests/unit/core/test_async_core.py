@@ -302,7 +302,7 @@ def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer
     assert (tmp_path / "after").read_text() == "ok"
 
 
-def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, fn, args, kwargs):
+def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, stack_file, fn, args, kwargs):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
     (fn_path, _, _) = args
     with open(fn_path, "w") as f:

@@ -8,8 +8,8 @@ import time
 from megatron_async.core import stack_dump
 
 
-def _stuck_in_a_stalled_write(ready, leave):
-    stack_dump.arm()
+def _stuck_in_a_stalled_write(stack_file, ready, leave):
+    stack_dump.arm(stack_file)
     ready.set()
     while not leave.is_set():
         time.sleep(0.01)
@@ -18,52 +18,50 @@ def _stuck_in_a_stalled_write(ready, leave):
     os._exit(7)
 
 
-def _unarmed_sleeper(ready, leave):
+def _unarmed_sleeper(stack_file, ready, leave):
     ready.set()
     leave.wait(600)
     os._exit(7)
 
 
 def _start(target):
-    stack_dump.prepare()
+    stack_file = stack_dump.new_file()
     ctx = mp.get_context("fork")
     ready, leave = ctx.Event(), ctx.Event()
-    process = ctx.Process(target=target, args=(ready, leave), daemon=True)
+    process = ctx.Process(target=target, args=(stack_file, ready, leave), daemon=True)
     process.start()
     assert ready.wait(30)
-    return process, leave
+    return process, stack_file, leave
 
 
 def test_an_armed_writer_reports_where_it_is_stuck_and_disarming_is_safe():
-    process, leave = _start(_stuck_in_a_stalled_write)
+    process, stack_file, leave = _start(_stuck_in_a_stalled_write)
     try:
-        stacks = stack_dump.collect(process.pid)
+        stacks = stack_dump.collect(process.pid, stack_file)
         assert stacks is not None and "in _stuck_in_a_stalled_write" in stacks, stacks
         assert process.is_alive(), "asking for the stacks must not end the writer"
-        again = stack_dump.collect(process.pid)  # only what the second signal wrote
+        again = stack_dump.collect(process.pid, stack_file)  # only what the second signal wrote
         assert again is not None and again.count("_stuck_in_a_stalled_write") == 1
-        note = stack_dump.timeout_note(3, process.pid)
+        note = stack_dump.timeout_note(3, process.pid, stack_file)
         assert note.startswith("; its threads were in: ") and "\n" not in note
         assert "_stuck_in_a_stalled_write (test_stack_dump.py:" in note and "rank 3" in note
         leave.set()
-        deadline = time.monotonic() + 10
-        while stack_dump.collect(process.pid, wait_s=0.1) is not None:  # file gone: disarmed
-            assert time.monotonic() < deadline
-        os.kill(process.pid, stack_dump.DUMP_SIGNAL)  # ignored after disarm
+        time.sleep(0.2)  # it disarms (a signal before that only dumps the stacks)
+        for _ in range(3):  # ignored after disarm
+            os.kill(process.pid, stack_dump.DUMP_SIGNAL)
         process.join(10)
         assert process.exitcode == 7
     finally:
         if process.is_alive():
             os.kill(process.pid, signal.SIGKILL)
             process.join(10)
-        stack_dump.forget(process.pid)
 
 
 def test_an_unarmed_process_is_not_signalled():
-    process, leave = _start(_unarmed_sleeper)
+    process, stack_file, leave = _start(_unarmed_sleeper)
     try:
-        assert stack_dump.collect(process.pid) is None
-        assert stack_dump.timeout_note(0, process.pid) == ""
+        assert stack_dump.collect(process.pid, stack_file) is None
+        assert stack_dump.timeout_note(0, process.pid, stack_file) == ""
         leave.set()
         process.join(10)
         assert process.exitcode == 7, "the dump signal's default action would have killed it"

@@ -15,7 +15,6 @@ import torch
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, worker_fork
 from megatron_async.errors import AsyncSaveFailedError
 from tests import background_fns as fns
-from tests.persistent_worker import wait_until_worker_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 UNGUARDED_SCRIPT = Path(__file__).with_name("_unguarded_script.py")
