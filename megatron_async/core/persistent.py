@@ -95,8 +95,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if self.process is not None:
             if kill:
                 kill_and_reap(self.process, self.config.close_timeout_s)
-            # Descriptors still in flight (requests the worker never read) are freed here.
-            self.process.close_channels()
+            self.process.close_channel()
         self.process = None
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):

@@ -7,14 +7,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import socket
 from typing import Any, Dict, List, Tuple
 
 import torch
 
 from megatron_async.core import request_transport, shared_memory
 from megatron_async.core.request_transport import EncodedRequest
-from megatron_async.core.sent_objects import receive_descriptors
 from megatron_async.errors import CoordinationError
 
 __all__ = ["SegmentTable"]
@@ -25,8 +23,8 @@ class SegmentTable:
     that refer to them (background side: one per worker, fed by one
     :class:`RequestSender`)."""
 
-    def __init__(self, descriptor_socket: socket.socket):
-        self._socket = descriptor_socket
+    def __init__(self, trainer_pid: int):
+        self._trainer_pid = trainer_pid
         self._segments: Dict[int, torch.Tensor] = {}
         self._objects: Dict[int, Any] = {}
 
@@ -34,12 +32,21 @@ class SegmentTable:
         """Unmap forgotten segments, map new ones, and return the unpickled request.
 
         Raises:
-            CoordinationError: the descriptors of new segments did not arrive in time.
+            CoordinationError: a new segment cannot be opened through ``/proc``.
         """
         for sid in encoded.forget:
             self._segments.pop(sid, None)
-        descriptors = receive_descriptors(self._socket, len(encoded.new_segments))
-        for (sid, num_bytes), fd in zip(encoded.new_segments, descriptors):
+        for sid, number, num_bytes in encoded.new_segments:
+            path = f"/proc/{self._trainer_pid}/fd/{number}"
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise CoordinationError(
+                    f"persistent worker: cannot open the trainer's staging segment {sid} as "
+                    f"{path} ({exc}); the worker maps the trainer's shared memory through /proc, "
+                    "which a system that hides a process's descriptors from its own children "
+                    "refuses: use the temporal caller (AsyncCallsQueue(persistent=False))"
+                ) from exc
             try:
                 storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
             finally:

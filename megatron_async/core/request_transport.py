@@ -28,10 +28,11 @@ its staging buffers stay the same) is pickled once per worker; later requests em
 same bytes, so a warm save with thousands of tensors costs no per-tensor pickling on the
 trainer. The worker unpickles them anew each time (into the same shared memory).
 
-Each segment crosses the process boundary once, the first time a request uses it: its
-descriptor goes over a Unix socket of its own (``SCM_RIGHTS``, see
-:mod:`megatron_async.core.sent_objects`), so descriptors of a request the worker never
-read die with the worker instead of staying with the trainer. The worker keeps a
+Each segment crosses the process boundary once, the first time a request uses it: the
+request names the trainer's descriptor of it, and the worker (the trainer's child) opens
+it as ``/proc/<trainer pid>/fd/<number>``. The number stays the segment's while the call
+holds its staged data, and nothing is in flight for a worker that never reads the
+request. The worker keeps a
 *reusable* segment (cached staging buffers) mapped until the trainer says it is gone,
 and drops any other once the call that used it is written, so no staging memory
 outlives its save in the worker.
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import socket
 import sys
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -54,7 +54,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.sent_objects import SentObjects, send_descriptors
+from megatron_async.core.sent_objects import SentObjects
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender"]
@@ -90,9 +90,9 @@ class EncodedRequest(NamedTuple):
     """A pickled request and what the worker must map or unmap before reading it."""
 
     payload: bytes
-    new_segments: Tuple[Tuple[int, int], ...]
-    """``(segment id, bytes)`` of the segments the worker has not mapped yet; their
-    descriptors travel, in this order, over the descriptor socket."""
+    new_segments: Tuple[Tuple[int, int, int], ...]
+    """``(segment id, the trainer's descriptor number, bytes)`` of the segments the worker
+    has not mapped yet."""
     forget: Tuple[int, ...]
     """Segments the trainer no longer has: the worker unmaps them first."""
     call_segments: Tuple[int, ...]
@@ -201,8 +201,7 @@ class RequestSender:
     Tracks which segments that worker has mapped; create a new sender for a new worker.
     """
 
-    def __init__(self, descriptor_socket: socket.socket):
-        self._socket = descriptor_socket
+    def __init__(self):
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = SentObjects()
@@ -272,8 +271,10 @@ class RequestSender:
         try:
             self._dump(request, buffer, arena)
             new_objects, forget_objects = self._objects.finish_request()
-            new_segments = tuple((sid, seg.tensor.numel()) for sid, seg in self._new.items())
-            send_descriptors(self._socket, [seg.tensor for seg in self._new.values()])
+            new_segments = tuple(
+                (sid, seg.tensor.untyped_storage()._share_fd_cpu_()[0], seg.tensor.numel())
+                for sid, seg in self._new.items()
+            )
         except BaseException:
             self._objects.abandon_request()
             raise

@@ -1,33 +1,17 @@
-"""What crosses to the persistent worker once and is then named by id.
+"""Plan items that cross to the persistent worker once and are then named by a token.
 
-Used by :mod:`megatron_async.core.request_transport` while it encodes a request:
-
-* plan items (:class:`SentObjects`, trainer side): sent once, then named by a token; the
-  worker keeps the items it received in a table of its own, keyed by the same tokens;
-* shared-memory segments: each segment's descriptor crosses once, over a Unix socket of
-  its own (:func:`send_descriptors` on the trainer, :func:`receive_descriptors` in the
-  worker); requests then name the segment by its id.
+Used by :mod:`megatron_async.core.request_transport` while it encodes a request (trainer
+side); the worker keeps the items it received in a table of its own
+(:class:`~megatron_async.core.request_receiver.SegmentTable`), keyed by the same tokens.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import pickle
-import socket
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
-import torch
-
-from megatron_async.errors import CoordinationError
-
-__all__ = [
-    "DESCRIPTOR_TIMEOUT_S",
-    "KEEP_UNUSED_OBJECTS",
-    "SentObjects",
-    "receive_descriptors",
-    "send_descriptors",
-]
+__all__ = ["KEEP_UNUSED_OBJECTS", "SentObjects"]
 
 KEEP_UNUSED_OBJECTS = 1024
 """Plan items not used by the latest request that a sender keeps (a structure that
@@ -89,43 +73,3 @@ class SentObjects:
             self._tokens.pop(key, None)
         self._new = {}
         self.epoch += 1
-
-
-_MAX_DESCRIPTORS_PER_MESSAGE = 200
-"""SCM_RIGHTS carries at most 253 descriptors per message on Linux."""
-
-DESCRIPTOR_TIMEOUT_S = 60.0
-"""Bound on sending or receiving one batch of segment descriptors. Internal, not a user's
-bound: the descriptors go over a local socket just before their request, so a batch that
-does not move for this long means the other end is gone."""
-
-
-def send_descriptors(sock: socket.socket, segments: List[torch.Tensor]) -> None:
-    """Send the segments' shared-memory descriptors to the worker (trainer side).
-
-    The kernel holds descriptors in flight on the socket: if the worker dies before
-    taking them, closing the socket releases them, so a dead worker never pins the
-    shared memory of a request it did not read.
-    """
-    fds = [segment.untyped_storage()._share_fd_cpu_()[0] for segment in segments]
-    for start in range(0, len(fds), _MAX_DESCRIPTORS_PER_MESSAGE):
-        socket.send_fds(sock, [b"\0"], fds[start : start + _MAX_DESCRIPTORS_PER_MESSAGE])
-
-
-def receive_descriptors(sock: socket.socket, count: int) -> List[int]:
-    """Receive ``count`` descriptors sent by :func:`send_descriptors` (worker side)."""
-    fds: List[int] = []
-    while len(fds) < count:
-        try:
-            data, received, _flags, _addr = socket.recv_fds(sock, 1, _MAX_DESCRIPTORS_PER_MESSAGE)
-        except socket.timeout as exc:
-            for fd in fds:
-                os.close(fd)
-            raise CoordinationError(
-                f"the trainer announced {count} shared-memory segments but their descriptors "
-                f"did not arrive within {DESCRIPTOR_TIMEOUT_S:.0f}s"
-            ) from exc
-        if not data:
-            raise CoordinationError("the trainer closed the descriptor socket")
-        fds.extend(received)
-    return fds

@@ -22,7 +22,7 @@ the checkpoint:
   replaces its mapping of every registered segment with private zero pages at once
   (:func:`release_inherited_segments`); the address ranges stay taken, so nothing the
   child maps later lands where a stale inherited object points. A segment the worker
-  needs reaches it like any other, through its descriptor socket.
+  needs it opens anew, as it does one made after the fork.
 * **CUDA.** A forked child cannot use CUDA; the worker never needs it, since the trainer
   stages every tensor to host shared memory before sending a request.
 * **Signal handlers** the trainer installed are reset to a fresh interpreter's first
@@ -32,12 +32,12 @@ the checkpoint:
   one thread so the child never enters a parallel region whose threads it lost.
 * **Descriptors.** The child keeps what a fresh interpreter would have: standard input
   and output, the streams of ``sys.stdout``/``sys.stderr`` and of the logging handlers,
-  and its own ends of its two sockets. Every other descriptor the trainer had open is
+  and its own end of its socket. Every other descriptor the trainer had open is
   pointed at ``/dev/null`` in the child (not closed: an inherited object that still
   writes to its old number must not land in a checkpoint file that reused it). So a
   listening socket (a rendezvous store's port) is free to bind again once the trainer
   closes it, a pipe's reader sees EOF when the trainer closes its end, and the trainer's
-  ends of the worker's own sockets are the only ones: a dead worker reads as EOF in the
+  end of the worker's own socket is the only one: a dead worker reads as EOF in the
   trainer and a gone trainer in the worker.
 """
 
@@ -260,7 +260,7 @@ def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], functions: 
         _reset_signal_handlers()  # first: no trainer handler may run here
         gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
         gc.enable()  # the trainer disabled it around the fork
-        keep = {0, 1, 2, options["control_fd"], options["descriptor_fd"]} | _output_stream_fds()
+        keep = {0, 1, 2, options["control_fd"]} | _output_stream_fds()
         if options["stack_file"] is not None:
             keep.add(options["stack_file"].fileno())
         retire_inherited_descriptors(keep)

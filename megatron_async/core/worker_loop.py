@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
@@ -34,7 +33,6 @@ from megatron_async.core.process_lifetime import (
 )
 from megatron_async.core.priority import lower_writer_priority
 from megatron_async.core.request_receiver import SegmentTable
-from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.errors import RankFailure
 
 __all__ = ["STOP", "main"]
@@ -93,25 +91,23 @@ def main(options: Dict[str, Any]) -> None:
     Args:
         options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
             ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
-            exits when the trainer is gone), ``priority`` (see
-            :class:`~megatron_async.core.priority.WriterPriority`), and the inherited
-            descriptors ``control_fd`` (requests in, results out) and ``descriptor_fd``
-            (segment descriptors), and ``stack_file`` (see
+            exits when the trainer is gone, and its descriptors are opened through
+            ``/proc/<parent_pid>``), ``priority`` (see
+            :class:`~megatron_async.core.priority.WriterPriority`), the inherited
+            descriptor ``control_fd`` (requests in, results out), and ``stack_file`` (see
             :mod:`~megatron_async.core.stack_dump`).
     """
     # First, before any thread exists: every thread of the worker inherits it.
     lower_writer_priority(options["priority"])
     rank, parent_pid = options["rank"], options["parent_pid"]
     control = Connection(options["control_fd"])
-    descriptor_socket = socket.socket(fileno=options["descriptor_fd"])
     set_parent_death_signal()
     if not parent_is_alive(parent_pid):  # died before the death signal was armed
         os._exit(1)
     raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
     stack_dump.arm(options["stack_file"])
     reporter = _Reporter(control)
-    descriptor_socket.settimeout(DESCRIPTOR_TIMEOUT_S)
-    table = SegmentTable(descriptor_socket)
+    table = SegmentTable(parent_pid)
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter, table), daemon=True)
     writer.start()

@@ -4,15 +4,11 @@
 (:func:`start_worker`, a fork of the trainer: :mod:`megatron_async.core.worker_fork`)
 when it is created and again for the save after its worker died or was killed.
 
-Channels, both Unix sockets whose worker ends the child inherits:
-
-* *control*: messages both ways as :class:`multiprocessing.connection.Connection`
-  frames (the protocol is in :mod:`megatron_async.core.worker_loop`). Trainer -> worker
-  messages go through a sender thread, so scheduling a save never blocks on the worker (a
-  stuck worker is caught by the bounded waits instead). A dead worker reads as EOF, never
-  as a hang.
-* *descriptors*: the shared-memory segments' descriptors (``SCM_RIGHTS``), see
-  :mod:`megatron_async.core.request_transport`.
+The channel is a Unix socket whose worker end the child inherits: messages both ways as
+:class:`multiprocessing.connection.Connection` frames (the protocol is in
+:mod:`megatron_async.core.worker_loop`). Trainer -> worker messages go through a sender
+thread, so scheduling a save never blocks on the worker (a stuck worker is caught by the
+bounded waits instead). A dead worker reads as EOF, never as a hang.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from megatron_async.core import stack_dump
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.request_transport import EncodedRequest, RequestSender
-from megatron_async.core.sent_objects import DESCRIPTOR_TIMEOUT_S
 from megatron_async.core.worker_fork import fork_worker
 from megatron_async.errors import WorkerDiedError
 
@@ -45,7 +40,7 @@ _CLOSED = object()
 
 
 class WorkerProcess:
-    """A forked persistent worker and the trainer's ends of its channels (trainer side).
+    """A forked persistent worker and the trainer's end of its channel (trainer side).
 
     Has the part of :class:`multiprocessing.Process`'s interface the callers and
     :func:`~megatron_async.core.process_lifetime.kill_and_reap` use: ``pid``,
@@ -54,17 +49,14 @@ class WorkerProcess:
     hook of ``multiprocessing`` joins it.
     """
 
-    def __init__(
-        self, pid: int, control: Connection, descriptor_socket: socket.socket, stack_file, rank: int
-    ):
+    def __init__(self, pid: int, control: Connection, stack_file, rank: int):
         self.pid = pid
         self.stack_file = stack_file
         """Where the worker writes its stacks when asked (:mod:`~megatron_async.core.stack_dump`)."""
         self._returncode: Optional[int] = None
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
-        self.descriptor_socket = descriptor_socket
-        self.requests = RequestSender(descriptor_socket)
+        self.requests = RequestSender()
         """Encodes requests for this worker (it knows what this worker has mapped)."""
         self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._sender_stopped = HelperThreads.of_process().start(
@@ -117,8 +109,8 @@ class WorkerProcess:
 
     # -- end ------------------------------------------------------------------------------
 
-    def close_channels(self) -> None:
-        """Close the trainer's ends; call once the worker has exited or was killed."""
+    def close_channel(self) -> None:
+        """Close the trainer's end; call once the worker has exited or was killed."""
         self._outbox.put(_CLOSED)
         _shutdown(self.control.fileno())  # wakes a sender blocked on a worker that is gone
         if not self._sender_stopped.wait(_SENDER_JOIN_TIMEOUT_S):
@@ -126,7 +118,6 @@ class WorkerProcess:
             logger.warning("worker %d: sender thread did not stop; leaving its socket open", self.pid)
         else:
             self.control.close()
-        self.descriptor_socket.close()
 
 
 def _shutdown(fd: int) -> None:
@@ -150,12 +141,10 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
             A worker that forks and then fails is reported by the caller, from its exit code.
     """
     control, worker_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    descriptors, worker_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     options = {
         "rank": rank,
         "parent_pid": os.getpid(),
         "control_fd": worker_control.fileno(),
-        "descriptor_fd": worker_descriptors.fileno(),
         "priority": config.writer_priority,
         "stack_file": stack_dump.new_file(),
     }
@@ -163,7 +152,6 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         pid = fork_worker(options)
     except BaseException as exc:
         control.close()
-        descriptors.close()
         if isinstance(exc, OSError):
             raise WorkerDiedError(
                 f"rank {rank}: cannot fork the persistent checkpoint worker ({exc}): the "
@@ -172,7 +160,5 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
             ) from exc
         raise
     finally:
-        worker_control.close()  # the worker has its own copies now
-        worker_descriptors.close()
-    descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
-    return WorkerProcess(pid, Connection(control.detach()), descriptors, options["stack_file"], rank)
+        worker_control.close()  # the worker has its own copy now
+    return WorkerProcess(pid, Connection(control.detach()), options["stack_file"], rank)

@@ -11,8 +11,8 @@ before the script defined them).
 
 import dataclasses
 import gc
+import os
 import pickle
-import socket
 import sys
 import threading
 import types
@@ -24,15 +24,14 @@ import torch
 from megatron_async.core import shared_memory
 from megatron_async.core.request_receiver import SegmentTable
 from megatron_async.core.request_transport import RequestSender
-from megatron_async.errors import UnpicklableRequestError
+from megatron_async.errors import CoordinationError, UnpicklableRequestError
 from tests import background_fns as fns
 
 
 def _pair():
-    """A sender and a table joined by a descriptor socket, as trainer and worker are."""
-    trainer_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    worker_end.settimeout(10)
-    return RequestSender(trainer_end), SegmentTable(worker_end)
+    """A sender and a table that opens this process's descriptors, as the worker opens its
+    trainer's."""
+    return RequestSender(), SegmentTable(os.getpid())
 
 
 def _segment_views(num_tensors: int, numel: int, reusable: bool = True):
@@ -84,7 +83,7 @@ def test_a_segment_freed_by_the_trainer_is_forgotten_by_the_worker():
     sender, table = _pair()
     encoded, _ = sender.encode(views)
     table.apply(encoded)
-    ((segment_id, _),) = encoded.new_segments
+    ((segment_id, _, _),) = encoded.new_segments
     assert segment_id in table.mapped_ids()
     del segment, views, encoded
     gc.collect()
@@ -109,7 +108,7 @@ def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
     segment, views = _segment_views(4, 8, reusable=False)
     sender, table = _pair()
     encoded, _ = sender.encode(views)
-    assert encoded.call_segments == tuple(sid for sid, _ in encoded.new_segments)
+    assert encoded.call_segments == tuple(sid for sid, _, _ in encoded.new_segments)
     assert len(encoded.call_segments) == 1
     table.apply(encoded)
     table.drop(encoded.call_segments)
@@ -230,10 +229,8 @@ def _script(source: str = SCRIPT, name: str = "__main__") -> dict:
 
 def _round_trip(obj, sender=None):
     """Encode ``obj`` on the trainer's side and decode it on the worker's."""
-    trainer_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    worker_end.settimeout(10)
-    encoded, _ = (sender or RequestSender(trainer_end)).encode(obj)
-    return SegmentTable(worker_end).apply(encoded)
+    encoded, _ = (sender or RequestSender()).encode(obj)
+    return SegmentTable(os.getpid()).apply(encoded)
 
 
 def test_script_functions_run_with_their_globals_modules_defaults_and_closures():
@@ -251,8 +248,7 @@ def test_script_functions_run_with_their_globals_modules_defaults_and_closures()
 
 def test_globals_are_the_values_at_scheduling():
     script = _script()
-    trainer_end, _ = socket.socketpair()
-    sender = RequestSender(trainer_end)
+    sender = RequestSender()
     first = _round_trip(script["helper"], sender)
     script["COUNT"] = 100  # the training loop changes a global after scheduling
     assert first(2) == 6
@@ -387,3 +383,12 @@ def test_a_routine_capturing_something_unpicklable_is_refused_saying_what_to_do(
     assert "_thread.lock" in message and "closure variables" in message
     assert "AsyncCallsQueue(persistent=False)" in message
     assert isinstance(info.value, pickle.PicklingError)
+
+
+def test_a_segment_the_worker_cannot_open_fails_the_request_saying_what_to_do():
+    segment = shared_memory.allocate_segment(4096)
+    tensor = shared_memory.segment_view(segment, 0, (4,), torch.float32)
+    encoded, _ = RequestSender().encode(tensor)
+    no_such_trainer = 2**22 + 1  # above any pid_max: /proc has no such process
+    with pytest.raises(CoordinationError, match=r"cannot open the trainer's staging segment .*temporal caller"):
+        SegmentTable(no_such_trainer).apply(encoded)
