@@ -20,22 +20,18 @@ and local functions, and those of any module registered with
 import). Each carries the values its globals have when the request is scheduled.
 
 Plan items (``WriteItem``, immutable and the same objects from save to save while the
-plan is cached) are sent once as well and then referred to by a token.
-
-A :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list (the stager's
-``(item, staged tensor)`` pairs of one bucket, the same object while the structure and
-its staging buffers stay the same) is pickled once per worker; later requests embed the
-same bytes, so a warm save with thousands of tensors costs no per-tensor pickling on the
-trainer. The worker unpickles them anew each time (into the same shared memory).
+plan is cached) are sent once and then named by a token (:class:`SentObjects`), and a
+:class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list is pickled once per
+worker; later requests embed the same bytes, so a warm save with thousands of tensors
+costs no per-tensor pickling on the trainer.
 
 Each segment crosses the process boundary once, the first time a request uses it: the
 request names the trainer's descriptor of it, and the worker (the trainer's child) opens
 it as ``/proc/<trainer pid>/fd/<number>``. The number stays the segment's while the call
 holds its staged data, and nothing is in flight for a worker that never reads the
-request. The worker keeps a
-*reusable* segment (cached staging buffers) mapped until the trainer says it is gone,
-and drops any other once the call that used it is written, so no staging memory
-outlives its save in the worker.
+request. The worker keeps a *reusable* segment (cached staging buffers) mapped until the
+trainer says it is gone, and drops any other once the call that used it is written, so
+no staging memory outlives its save in the worker.
 
 Trainer side: :class:`RequestSender` (here). Worker side:
 :class:`~megatron_async.core.request_receiver.SegmentTable`.
@@ -44,6 +40,7 @@ Trainer side: :class:`RequestSender` (here). Worker side:
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import sys
 import weakref
@@ -54,7 +51,6 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
-from megatron_async.core.sent_objects import SentObjects
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
 
 __all__ = ["EncodedRequest", "RequestSender"]
@@ -102,6 +98,68 @@ class EncodedRequest(NamedTuple):
     """Pickled ``{token: write item}`` of the plan items the worker has not seen yet."""
     forget_objects: Tuple[int, ...]
     """Tokens of plan items no longer used: the worker drops them first."""
+
+
+KEEP_UNUSED_OBJECTS = 1024
+"""Plan items not used by the latest request that a sender keeps (a structure that
+alternates, e.g. two models saved in turn, still finds its items)."""
+
+
+class SentObjects:
+    """The plan items (``WriteItem``) a worker already has, by token (trainer side).
+
+    A warm save with a cached plan sends the same immutable ``WriteItem`` objects again;
+    pickling their ~10 objects each was most of the cost of sending a request with
+    thousands of tensors. Each item is sent once and then referred to by its token. The
+    sender keeps the items it sent alive (so their ``id`` stays theirs) and forgets
+    those the latest request did not use once they exceed ``KEEP_UNUSED_OBJECTS``.
+    """
+
+    def __init__(self):
+        self._tokens: Dict[int, Tuple[int, Any]] = {}  # id(item) -> (token, item)
+        self._next = itertools.count(1)
+        self._used: set = set()
+        self._new: Dict[int, Tuple[int, Any]] = {}  # token -> (id(item), item)
+        self.epoch = 0
+        """Counts the times tokens were dropped: bytes encoded in an earlier epoch may
+        name tokens the worker no longer has."""
+
+    def start_request(self) -> None:
+        self._used, self._new = set(), {}
+
+    def token_of(self, item: Any) -> int:
+        entry = self._tokens.get(id(item))
+        if entry is None:
+            entry = (next(self._next), item)
+            self._tokens[id(item)] = entry
+            self._new[entry[0]] = (id(item), item)
+        self._used.add(entry[0])
+        return entry[0]
+
+    def use_tokens(self, tokens: Tuple[int, ...]) -> None:
+        """Count tokens embedded in reused bytes as used by this request."""
+        self._used.update(tokens)
+
+    def finish_request(self) -> Tuple[bytes, Tuple[int, ...]]:
+        """Return the pickled new items and the tokens the worker may drop."""
+        new_objects = pickle.dumps(
+            {token: item for token, (_, item) in self._new.items()}, pickle.HIGHEST_PROTOCOL
+        )
+        forget: Tuple[int, ...] = ()
+        unused = len(self._tokens) - len(self._used)
+        if unused > KEEP_UNUSED_OBJECTS:
+            stale = [key for key, (token, _) in self._tokens.items() if token not in self._used]
+            forget = tuple(self._tokens.pop(key)[0] for key in stale)
+            self.epoch += 1
+        self._new = {}
+        return new_objects, forget
+
+    def abandon_request(self) -> None:
+        """Forget the items first sent by a request that was never sent."""
+        for key, _ in self._new.values():
+            self._tokens.pop(key, None)
+        self._new = {}
+        self.epoch += 1
 
 
 class _CallArena:

@@ -6,11 +6,8 @@ tensors in POSIX shared memory, each with a process-unique id. Two things follow
 * a forked writer (temporal caller) reads the segment through a shared mapping, so the
   fork write-protects nothing and the next staging into a reused buffer copies at
   memory speed instead of taking a copy-on-write fault per page;
-* the persistent worker maps a segment once (one file descriptor, at its first use) and
-  from then on receives tensors in it as ``(segment id, byte offset, shape, dtype)``
-  references (see :mod:`megatron_async.core.request_transport`), whatever the number
-  of tensors. A :class:`ReusedTensorPairs` list, which the stager hands out unchanged
-  from save to save, is encoded once per worker.
+* the persistent worker maps a segment once and from then on receives tensors in it by
+  reference (:mod:`megatron_async.core.request_transport`).
 
 A segment stays registered while the tensor returned by :func:`allocate_segment` is
 alive; ids are never reused, so a stale id can never name other memory.
