@@ -217,7 +217,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._held[idx] = (staged, arena)
         self._statuses[idx] = CallStatus.running()
         self._unreceived[idx] = time.monotonic()
-        self.process.send_request(idx, encoded)
+        self.process.send((idx, encoded))
         try:
             start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
             finish_staging(staged)  # staging in rounds: copied while the writer drains

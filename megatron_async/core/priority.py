@@ -24,7 +24,7 @@ from typing import Optional
 
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["WriterPriority", "lower_writer_priority", "current_io_priority"]
+__all__ = ["WriterPriority", "lower_writer_priority"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +106,3 @@ def lower_writer_priority(priority: WriterPriority) -> None:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except (OSError, AttributeError) as exc:
         logger.debug("cannot set the writer's I/O priority: %s", exc)
-
-
-def current_io_priority() -> Optional[int]:
-    """The calling thread's raw I/O priority value (``ioprio_get``), or None if unknown."""
-    number = _ioprio_syscall(1)
-    if number is None:
-        return None
-    value = ctypes.CDLL(None, use_errno=True).syscall(number, _IOPRIO_WHO_PROCESS, 0)
-    return None if value < 0 else value

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -85,10 +85,6 @@ class SegmentTable:
         """Unmap a finished call's arena segments (the worker's writer thread)."""
         for sid in segment_ids:
             self._segments.pop(sid, None)
-
-    def mapped_ids(self) -> List[int]:
-        """Ids of the segments mapped here (for tests)."""
-        return sorted(self._segments)
 
 
 class _Unpickler(pickle.Unpickler):

@@ -42,7 +42,6 @@ __all__ = [
     "segment_view",
     "find_segment",
     "segment_is_alive",
-    "has_live_segments",
     "segment_ranges",
     "ReusedTensorPairs",
     "live_bytes",
@@ -207,12 +206,6 @@ def segment_is_alive(segment_id: int) -> bool:
     """Whether the segment ``segment_id`` is still registered in this process."""
     with _lock:
         return segment_id in _live_ids
-
-
-def has_live_segments() -> bool:
-    """Whether this process holds any registered segment."""
-    with _lock:
-        return bool(_live_ids)
 
 
 def segment_ranges() -> List[Tuple[int, int]]:

@@ -44,7 +44,6 @@ the checkpoint:
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 import itertools
 import logging
@@ -87,24 +86,14 @@ PageRange = Tuple[int, int]
 """``(start address, length)``, both multiples of the page size."""
 
 
-class _Libc:
-    """libc's ``madvise`` and ``mmap``, resolved in the trainer for the child (Linux)."""
-
-    def __init__(self):
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.madvise = libc.madvise
-        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self.madvise.restype = ctypes.c_int
-        self.mmap = libc.mmap
-        self.mmap.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-        ]
-        self.mmap.restype = ctypes.c_void_p
-
-
-@functools.lru_cache(maxsize=None)
-def libc() -> _Libc:
-    return _Libc()
+# libc's madvise and mmap, resolved here so that the child only calls them.
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
 
 
 # -- the trainer's tensor pages (trainer side, before the fork) ---------------------------
@@ -252,7 +241,7 @@ def retire_inherited_descriptors(keep: Set[int]) -> None:
         pass
 
 
-def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], functions: _Libc) -> None:
+def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange]) -> None:
     """Shed what the fork inherited, then serve; never returns into the trainer's code
     (worker side). A failure is reported on the trainer's stderr and by the exit code."""
     code = 1
@@ -264,8 +253,8 @@ def _run_child(options: Dict[str, Any], ranges: Sequence[PageRange], functions: 
         if options["stack_file"] is not None:
             keep.add(options["stack_file"].fileno())
         retire_inherited_descriptors(keep)
-        release_inherited_pages(ranges, functions.madvise)
-        release_inherited_segments(segment_ranges(), functions.mmap)
+        release_inherited_pages(ranges, _madvise)
+        release_inherited_segments(segment_ranges(), _mmap)
         os.environ[BACKGROUND_WORKER_ENV] = "1"  # for what it starts: skips strategy registration
         torch.set_num_threads(1)
         worker_loop.main(options)
@@ -299,14 +288,13 @@ def fork_worker(options: Dict[str, Any]) -> int:
     Raises:
         OSError: the fork failed (no memory for the page tables, a process limit).
     """
-    functions = libc()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection between the scan and the child's freeze
     try:
         ranges, storages = trainer_tensor_pages()
         pid = os.fork()
         if pid == 0:
-            _run_child(options, ranges, functions)
+            _run_child(options, ranges)
     finally:
         if gc_was_enabled:
             gc.enable()

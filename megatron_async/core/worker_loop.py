@@ -7,10 +7,10 @@ Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request)``: map the request's new shared-memory
     segments, unpickle it (see :mod:`megatron_async.core.request_transport`; its data
     is already staged by the trainer), acknowledge, then write;
-    ``STOP``: finish the writes already accepted, say ``stopped`` and exit.
+    ``STOP``: finish the writes already accepted and exit.
 Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
 ``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
-``("error", idx, RankFailure)``, ``("stopped", None)``.
+``("error", idx, RankFailure)``.
 
 Receiving and writing run on different threads, so a second request is taken while the
 first is still being written.
@@ -127,7 +127,6 @@ def main(options: Dict[str, Any]) -> None:
         if message == STOP:
             jobs.put(None)
             writer.join()
-            reporter.send("stopped", None)
             stack_dump.disarm()
             return
         call_idx, encoded = message

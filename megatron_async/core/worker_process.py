@@ -24,7 +24,7 @@ from typing import Any, Optional
 from megatron_async.core import stack_dump
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.helper_threads import HelperThreads
-from megatron_async.core.request_transport import EncodedRequest, RequestSender
+from megatron_async.core.request_transport import RequestSender
 from megatron_async.core.worker_fork import fork_worker
 from megatron_async.errors import WorkerDiedError
 
@@ -90,10 +90,6 @@ class WorkerProcess:
     def send(self, message: Any) -> None:
         """Queue ``message`` for the worker; never blocks (the sender thread writes it)."""
         self._outbox.put(message)
-
-    def send_request(self, call_idx: int, encoded: EncodedRequest) -> None:
-        """Queue request ``call_idx`` for the worker."""
-        self.send((call_idx, encoded))
 
     def _send_loop(self) -> None:
         while True:

@@ -75,7 +75,7 @@ def test_other_cpu_tensors_are_copied_so_later_updates_do_not_leak():
     assert not trainer_tensor.is_shared()  # the trainer's memory stays where it was
     assert len(arena) == 1 and len(encoded.call_segments) == 1
     table.drop(encoded.call_segments)
-    assert encoded.call_segments[0] not in table.mapped_ids()
+    assert encoded.call_segments[0] not in table._segments
 
 
 def test_a_segment_freed_by_the_trainer_is_forgotten_by_the_worker():
@@ -84,14 +84,14 @@ def test_a_segment_freed_by_the_trainer_is_forgotten_by_the_worker():
     encoded, _ = sender.encode(views)
     table.apply(encoded)
     ((segment_id, _, _),) = encoded.new_segments
-    assert segment_id in table.mapped_ids()
+    assert segment_id in table._segments
     del segment, views, encoded
     gc.collect()
     assert not shared_memory.segment_is_alive(segment_id)
     nothing, _ = sender.encode([])
     assert nothing.forget == (segment_id,)
     table.apply(nothing)
-    assert segment_id not in table.mapped_ids()
+    assert segment_id not in table._segments
 
 
 def test_segment_ids_are_never_reused():
@@ -112,7 +112,7 @@ def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
     assert len(encoded.call_segments) == 1
     table.apply(encoded)
     table.drop(encoded.call_segments)
-    assert encoded.call_segments[0] not in table.mapped_ids()
+    assert encoded.call_segments[0] not in table._segments
 
 
 def test_plan_items_are_sent_once_and_then_by_token():

@@ -303,7 +303,7 @@ def test_buffers_a_stuck_copy_thread_may_write_into_are_never_leased_again(monke
 def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
     import gc
 
-    from megatron_async.core.shared_memory import has_live_segments
+    from megatron_async.core.shared_memory import segment_ranges
 
     monkeypatch.setattr(flat_copy, "SPLIT_MIN_BYTES", 1)
     monkeypatch.setenv(flat_copy.COPY_THREADS_ENV, "3")
@@ -313,9 +313,9 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
         _assert_snapshot(_stage(sources, cache), sources)
     cache.clear()
     deadline = time.monotonic() + 5  # a thread freed by an earlier test may still be ending
-    while gc.collect() is not None and has_live_segments() and time.monotonic() < deadline:
+    while gc.collect() is not None and segment_ranges() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not has_live_segments()
+    assert not segment_ranges()
 
 
 def test_copy_threads_follow_the_cpus_shared_by_local_ranks(monkeypatch):
