@@ -219,10 +219,7 @@ def retire_inherited_descriptors(keep: Set[int]) -> None:
     reference, while their numbers stay taken: a stale inherited object that still
     writes to one writes to ``/dev/null``, never into a file opened later.
     """
-    try:
-        open_fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc: every number up to the limit
-        open_fds = list(range(os.sysconf("SC_OPEN_MAX")))
+    open_fds = [int(name) for name in os.listdir("/proc/self/fd")]  # the worker needs /proc anyway
     null = os.open(os.devnull, os.O_RDWR)
     try:
         for fd in open_fds:
