@@ -416,8 +416,6 @@ def worker_killed_mid_write(ctx, persistent):
             for child in psutil.Process().children(recursive=True):
                 child.send_signal(signal.SIGKILL)
 
-    # The save must reach the worker (a save scheduled while it starts runs forked, and
-    # killing every child would then also kill the starting worker).
     queue = wait_until_worker_ready(_queue(persistent))
     summary = _fault_round(
         ctx, f"kill-{persistent}", queue, _Strategy(_SlowWriter), after_schedule=kill_writer
