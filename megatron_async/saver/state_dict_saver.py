@@ -5,7 +5,7 @@ asynchronous save splits it:
 
 1. :func:`plan_save` (every rank, synchronous; this module): plan, and prepare the
    writer's buckets. It returns a :class:`PlanResult`; :func:`save_state_dict_async_plan`
-   is megatron-core's name for it, with megatron-core's five-element tuple;
+   is the public name for it, in megatron-core's and nvidia-resiliency-ext's conventions;
 2. the writer's save function (background): write the data;
 3. :func:`save_state_dict_async_finalize` (every rank, once the background part is done
    everywhere; :mod:`megatron_async.saver.finalize`): the coordinator writes
@@ -46,6 +46,7 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache, default_metadata_cache
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
 from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
 from megatron_async.saver.shared_sizes import share_equal_sizes
@@ -67,10 +68,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CachedStructure = Tuple[Optional[SavePlan], Optional[SavePlan], bool]
-MCorePlanResult = Tuple[
-    Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper], SavePlan, SavePlan, bool, bool
-]
-"""megatron-core's result of planning; see :func:`save_state_dict_async_plan`."""
 
 _gather_lock = threading.Lock()
 _plan_gather_count = 0
@@ -245,34 +242,62 @@ def save_state_dict_async_plan(
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
     loaded_all_plans: Optional[List[SavePlan]] = None,
-) -> MCorePlanResult:
-    """Plan a save and prepare the writer's buckets, in megatron-core's convention.
+    enable_cache: Optional[bool] = None,
+    metadata_cache: Optional[CheckpointMetadataCache] = None,
+):
+    """Plan a save and prepare the writer's buckets (every rank, synchronous).
 
-    Runs on every rank, synchronously; see :func:`plan_save` for the arguments and how
-    plans are reused. (nvidia-resiliency-ext's convention, with a metadata cache, is
-    :func:`megatron_async.nvrx.state_dict_saver.save_state_dict_async_plan`.)
+    Two calling conventions share this entry point (see :func:`plan_save` for the
+    arguments and how plans are reused):
 
-    Returns:
-        ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
-        reused_cached_plans, reused_loaded_metadata)``; pass the first element to
-        :func:`save_state_dict_async_finalize` and the next two as the next call's
-        ``cached_ckpt_structure``.
+    * megatron-core's (``cached_ckpt_structure`` / ``loaded_all_plans``): returns
+      ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
+      reused_cached_plans, reused_loaded_metadata)``; pass the first element to
+      :func:`save_state_dict_async_finalize` and the next two as the next call's
+      ``cached_ckpt_structure``;
+    * nvidia-resiliency-ext's, chosen by passing ``enable_cache`` or ``metadata_cache``:
+      returns ``(writer, metadata, dist_wrapper)``. With ``enable_cache`` the plans of
+      ``metadata_cache`` (the process-wide one when None) are offered for reuse, verified
+      against fresh local plans on every rank, and the cache is updated; the
+      coordinator's metadata is the cached one when reused. With ``enable_cache=False``
+      the cache is neither read nor updated.
 
     Raises:
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
+    if enable_cache is None and metadata_cache is None:
+        result = plan_save(
+            state_dict, storage_writer, process_group, coordinator_rank, planner,
+            cached_ckpt_structure, loaded_all_plans,
+        )
+        return (
+            result.finalize_args,
+            result.central_plan,
+            result.local_plan,
+            result.reused_cached_plans,
+            result.reused_loaded_metadata,
+        )
+    if not enable_cache:
+        return plan_save(state_dict, storage_writer, process_group, coordinator_rank, planner).finalize_args
+    cache = metadata_cache if metadata_cache is not None else default_metadata_cache()
+    if process_group is not None and coordination.is_distributed():
+        rank = dist.get_rank(process_group)
+    else:
+        rank = coordination.get_rank()
+    cached_structure = None
+    if cache.can_offer_cached_plans(rank == coordinator_rank):
+        cached_structure = (cache.cached_central_plan, cache.cached_local_plan, True)
     result = plan_save(
         state_dict, storage_writer, process_group, coordinator_rank, planner,
-        cached_ckpt_structure, loaded_all_plans,
+        cached_ckpt_structure=cached_structure,
+        loaded_all_plans=cache.loaded_all_plans,
     )
-    return (
-        result.finalize_args,
-        result.central_plan,
-        result.local_plan,
-        result.reused_cached_plans,
-        result.reused_loaded_metadata,
+    cache.record_plan(
+        result.central_plan, result.local_plan, result.reused_cached_plans, result.reused_loaded_metadata
     )
+    # The fresh metadata is remembered; reused plans or loaded metadata: the cached one.
+    return cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
 
 
 def prepare_cached_write(
