@@ -39,56 +39,19 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
-from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import has_completion_markers, remove_completion_markers
 from megatron_async.mcore.save_call import current_save_call
+from megatron_async.mcore.target import unmark_or_refuse
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["guard_save_common_function", "guarded_common_strategy_class"]
 
 logger = logging.getLogger(__name__)
-
-
-def _unmark_then_write(
-    write: Callable[[], Any], directory: str, directories: SaveDirectories, overwrite: Optional[bool]
-) -> Any:
-    """Rank 0: make a complete checkpoint there incomplete (or refuse it under
-    ``overwrite=False``), then write ``common.pt``; each file-system step bounded."""
-    storage = storage_for(directory)
-    if overwrite is False and directories.run_bounded(
-        f"checking {directory}", lambda: has_completion_markers(directory, storage),
-        error=FileSystemStepTimeoutError,
-    ):
-        raise CheckpointValidationError(
-            f"{directory} already holds a complete torch_dist checkpoint and the strategy "
-            "has overwrite=False; its common.pt was left untouched. Save into a new "
-            "directory or delete it first"
-        )
-    try:
-        removed = directories.run_bounded(
-            f"unmarking {directory}", lambda: remove_completion_markers(directory, storage),
-            error=FileSystemStepTimeoutError,
-        )
-    except PermissionError as exc:
-        raise CheckpointValidationError(
-            f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "
-            "checkpoint this user may not overwrite: save into a directory you can write"
-        ) from exc
-    if removed:
-        logger.warning(
-            "overwriting the checkpoint in %s: its completion markers were removed first, "
-            "so it reads as incomplete until the new save is finalized",
-            directory,
-        )
-    return directories.run_bounded(
-        f"writing common.pt of {directory}", write, error=FileSystemStepTimeoutError
-    )
 
 
 def _guarded_write(
@@ -112,7 +75,14 @@ def _guarded_write(
         return None
     directories.refuse_if_stuck()
     try:
-        return _unmark_then_write(write, directory, directories, call.overwrite if ours else None)
+        directories.run_bounded(
+            f"unmarking {directory}",
+            lambda: unmark_or_refuse(directory, call.overwrite if ours else None, storage_for(directory)),
+            error=FileSystemStepTimeoutError,
+        )
+        return directories.run_bounded(
+            f"writing common.pt of {directory}", write, error=FileSystemStepTimeoutError
+        )
     except Exception as exc:
         if not ours:
             raise  # another strategy: as megatron-core would
