@@ -303,25 +303,19 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, claim, plan_s)
+        finalizer = SaveFinalizer(
+            writer, metadata, dist_wrapper, claim, plan_s,
+            commit_cache=self.commit_cache, digest_history=self.digest_history,
+        )
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
         )
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
-        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes).
-
-        The writer gets this strategy's records of its previous save (``digest_history``,
-        ``commit_cache``); an override that leaves them out gets no stale-checkpoint
-        comparison, and every finalization then gathers the write results.
-        """
+        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
         return FileSystemWriterAsync(
-            checkpoint_dir,
-            options=self.config.write_options,
-            staging_cache=self.staging_cache,
-            digest_history=self.digest_history,
-            commit_cache=self.commit_cache,
+            checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
         )
 
 

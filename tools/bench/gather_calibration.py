@@ -55,9 +55,6 @@ class _DoneWriter:
     gathered); ``finish`` does no work, so what is timed is the finalization's collectives.
     """
 
-    commit_cache = None
-    digest_history = None
-
     def __init__(self, results: List[Any]):
         self.checkpoint_id = self.checkpoint_dir = "gather-calibration"
         self._results = results
