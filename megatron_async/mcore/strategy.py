@@ -326,10 +326,10 @@ def register_strategies() -> None:
     'megatron_async', 1)`` then returns it and ``dist_checkpointing.save(...,
     sharded_strategy=('megatron_async', 1))`` uses it; the checkpoint still says
     ``torch_dist`` (the format). On every generation it wraps ``dist_checkpointing.save``
-    (:mod:`megatron_async.mcore.save_call`) and installs the ``common.pt`` guard where
-    megatron-core writes one (:mod:`megatron_async.mcore.common_guard`). Creating the
-    strategy runs no collective, so this is safe at import time. On 0.17+ there is no
-    registry: pass a :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
+    and guards the ``common.pt`` write where megatron-core has one
+    (:mod:`megatron_async.mcore.save_call`). Creating the strategy runs no collective, so
+    this is safe at import time. On 0.17+ there is no registry: pass a
+    :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
     """
     guard_save_functions(fail_first_collective)
     generation.register_strategies(TorchDistAsyncSaveStrategy, REGISTERED_BACKEND)

@@ -108,7 +108,7 @@ _PHASES = (
      "megatron-core save_preprocess"),
     ("megatron.core.dist_checkpointing.strategies.common", "TorchCommonSaveStrategy.save_common",
      "megatron-core common.pt (rank 0)"),
-    ("megatron_async.mcore.common_guard", "_guarded_write", "  our common.pt guard (in the above)"),
+    ("megatron_async.mcore.save_call", "_guarded_write", "  our common.pt guard (in the above)"),
     ("megatron_async.mcore.strategy", "TorchDistAsyncSaveStrategy.async_save", "our async_save"),
     ("megatron_async.mcore.plan_cache", "describe_structure", "  structure fingerprint"),
     ("megatron_async.mcore.plan_cache", "rebind", "  rebind to the new tensors"),
