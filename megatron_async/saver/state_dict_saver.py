@@ -21,7 +21,8 @@ metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` 
 tiers), and a change on any rank makes every rank plan from scratch.
 
 A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy's fingerprint) skips even the local plan: see :func:`prepare_cached_write`.
+strategy's fingerprint) skips even the local plan
+(:mod:`megatron_async.mcore.plan_cache`).
 
 All collectives run on the library's gloo coordination group, never on CUDA tensors.
 """
@@ -31,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
@@ -51,14 +52,14 @@ from megatron_async.saver.global_metadata import build_global_metadata, without_
 from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
 from megatron_async.saver.shared_sizes import share_equal_sizes
 from megatron_async.writer.commit import unmark_before_rewrite
-from megatron_async.buckets.layout import BucketLayout, PreparedWrite
+from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
     "PlanResult",
     "plan_save",
     "save_state_dict_async_plan",
-    "prepare_cached_write",
+    "make_dist_wrapper",
     "verify_global_md_reuse",
     "build_global_metadata",
     "save_state_dict_async_finalize",
@@ -84,7 +85,8 @@ def _count_plan_gather() -> None:
         _plan_gather_count += 1
 
 
-def _make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int):
+def make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int) -> _DistWrapper:
+    """The planning group of a save: ``process_group``, else the gloo coordination group."""
     if not coordination.is_distributed():
         return _DistWrapper(None, False, coordinator_rank)
     group = process_group if process_group is not None else coordination.get_coordination_group()
@@ -166,7 +168,7 @@ def plan_save(
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
-    dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
+    dist_wrapper = make_dist_wrapper(process_group, coordinator_rank)
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
     cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
@@ -298,38 +300,6 @@ def save_state_dict_async_plan(
     )
     # The fresh metadata is remembered; reused plans or loaded metadata: the cached one.
     return cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
-
-
-def prepare_cached_write(
-    storage_writer: FileSystemWriterAsync,
-    central_plan: SavePlan,
-    resolved: Sequence[Tuple[WriteItem, Any]],
-    layout: Optional[BucketLayout] = None,
-    staging_key: Optional[str] = None,
-    coordinator_rank: int = 0,
-) -> Tuple[FileSystemWriterAsync, _DistWrapper]:
-    """Prepare the writer of a save that reuses the previous save's plan (every rank, local).
-
-    Runs no collective. The caller must have established, with every rank, that no
-    rank's structure changed since the save that produced ``central_plan`` (one
-    all-reduce) before it schedules the write, and reuses that save's metadata.
-
-    Args:
-        storage_writer: the writer of this save.
-        central_plan: this rank's final plan of the previous save.
-        resolved: ``(write_item, data)`` for every item of ``central_plan``, in plan
-            order, with this save's data.
-        layout: the previous save's bucket layout (computed when None).
-        staging_key: the previous save's staging key (computed when None).
-        coordinator_rank: rank (in the coordination group) that writes the metadata.
-
-    Returns:
-        ``(writer, dist_wrapper)``, for :func:`save_state_dict_async_finalize`.
-    """
-    dist_wrapper = _make_dist_wrapper(None, coordinator_rank)
-    storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
-    storage_writer.prepare_resolved_write_data(central_plan, resolved, layout, staging_key)
-    return storage_writer, dist_wrapper
 
 
 def _gather_and_build_metadata(
