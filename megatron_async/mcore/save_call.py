@@ -19,8 +19,7 @@ read). With our strategy:
   wrapper;
 * a rank whose ``save()`` fails before any agreed step (the strategy's first collective,
   or that validation) joins the strategy's first collective with its error
-  (``fail_first_collective``, the strategy's:
-  :func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
+  (:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
   the same error naming that rank's cause, at once. Only where our strategy is
   ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
   collectives of its own first.
@@ -57,6 +56,7 @@ from megatron_async.core import coordination
 from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
+from megatron_async.mcore.plan_cache import fail_first_collective
 from megatron_async.mcore.target import unmark_or_refuse
 from megatron_async.saver.agreement import agree_or_raise
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -95,15 +95,14 @@ def current_save_call() -> Optional[SaveCall]:
     return _save_call.get()
 
 
-def guard_save_functions(fail_first_collective: Callable[[BaseException, str], None]) -> None:
+def guard_save_functions() -> None:
     """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths, and its
-    ``common.pt`` write where it has one (every generation; idempotent);
-    ``fail_first_collective`` joins our strategy's first collective with a rank's early
-    error (see the module docstring)."""
+    ``common.pt`` write where it has one (every generation; idempotent; see the module
+    docstring)."""
     serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
     package = importlib.import_module("megatron.core.dist_checkpointing")
-    guard_save_function(serialization, fail_first_collective)
-    guard_save_function(package, fail_first_collective)  # its own reference to the original
+    guard_save_function(serialization)
+    guard_save_function(package)  # its own reference to the original
     preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
     if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
         _agree_on_validation(preprocessing)
@@ -136,9 +135,7 @@ def _agree_on_validation(module: Any) -> None:
     module.validate_sharding_integrity = agreed_validation
 
 
-def guard_save_function(
-    module: Any, fail_first_collective: Callable[[BaseException, str], None]
-) -> None:
+def guard_save_function(module: Any) -> None:
     """Wrap ``module.save`` (megatron-core's ``save``) so that its steps before the
     strategy know the call (:class:`SaveCall`). Idempotent."""
     original: Callable[..., Any] = module.save

@@ -38,7 +38,7 @@ from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
-from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, fail_first_collective
+from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.mcore.save_call import current_save_call, guard_save_functions
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import StagingLedger
@@ -331,5 +331,5 @@ def register_strategies() -> None:
     this is safe at import time. On 0.17+ there is no registry: pass a
     :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
     """
-    guard_save_functions(fail_first_collective)
+    guard_save_functions()
     generation.register_strategies(TorchDistAsyncSaveStrategy, REGISTERED_BACKEND)
