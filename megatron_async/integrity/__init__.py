@@ -3,7 +3,8 @@
 * :mod:`.checksums` (background writer and tools): the xxh3 digests of every item,
   computed while writing and re-checked on demand;
 * :mod:`.inspection` (one process): what a checkpoint holds and whether it is complete;
-* :mod:`.verify` (every rank): the opt-in check before loading.
+* :mod:`.verify`: re-hash and report damage (the ``verify`` command; every rank in the
+  opt-in check before loading).
 
 ``verify_checkpoint_integrity`` is imported on first use, so that tools which only read
 checksums do not import torch.distributed.

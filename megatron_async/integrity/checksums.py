@@ -28,7 +28,7 @@ import dataclasses
 import json
 import operator
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 
 from megatron_async.format import CHECKSUM_FILE, checksum_record_name, is_checksum_record
@@ -203,17 +203,12 @@ def _hash_range(storage: CheckpointStorage, path: str, offset: int, length: int)
     return hasher.hexdigest()
 
 
-def verify_items(
-    checkpoint_dir: str,
-    items: Iterable[ItemChecksum],
-    on_progress: Optional[Callable[[int], None]] = None,
-) -> List[str]:
+def verify_items(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> List[str]:
     """Re-hash ``items`` from disk; return one message per damaged item (empty if intact).
 
     Args:
         checkpoint_dir: the checkpoint directory.
         items: the checksums to check (all of them, or one rank's share).
-        on_progress: called with the number of bytes checked after each item.
     """
     storage = storage_for(checkpoint_dir)
     problems: List[str] = []
@@ -227,14 +222,5 @@ def verify_items(
             problems.append(f"{item.describe()}: file {item.file} is truncated")
         elif digest != item.digest:
             problems.append(f"{item.describe()}: checksum mismatch (recorded {item.digest}, found {digest})")
-        if on_progress is not None:
-            on_progress(item.length)
     return problems
 
-
-def group_by_file(items: Iterable[ItemChecksum]) -> Dict[str, List[ItemChecksum]]:
-    """Items grouped by the file that holds them."""
-    grouped: Dict[str, List[ItemChecksum]] = {}
-    for item in items:
-        grouped.setdefault(item.file, []).append(item)
-    return grouped

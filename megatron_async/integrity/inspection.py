@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Dict, List, Optional
 
-import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -33,7 +33,6 @@ __all__ = [
     "find_completeness_problems",
     "summarize_checkpoint",
 ]
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +90,6 @@ def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
         if size is not None:
             entries.append(FileEntry(name, size))
     return entries
-
-
-def _dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
@@ -160,15 +155,12 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
     if metadata is not None:
         for fqn, item in sorted(metadata.state_dict_metadata.items()):
             if isinstance(item, TensorStorageMetadata):
-                numel = 1
-                for dim in item.size:
-                    numel *= dim
                 tensors.append(
                     TensorEntry(
                         name=fqn,
                         global_shape=list(item.size),
                         dtype=str(item.properties.dtype).replace("torch.", ""),
-                        num_bytes=numel * _dtype_size(item.properties.dtype),
+                        num_bytes=math.prod(item.size) * item.properties.dtype.itemsize,
                         num_chunks=len(item.chunks),
                     )
                 )
