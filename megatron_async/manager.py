@@ -274,25 +274,18 @@ class CheckpointManager:
 
         Raises:
             CheckpointValidationError: on every rank, when the requested iteration has
-                no complete checkpoint, or the tracker or ``load_dir`` is unreadable.
+                no complete checkpoint, or the tracker or ``load_dir`` is unreadable
+                (rank 0's cause in the message).
         """
-        if self.config.load_dir is None:
+        load_dir = self.config.load_dir
+        if load_dir is None:
             return None
-        choice, failure = None, None
-        if coordination.get_rank() == 0:
-            try:
-                choice = choose_resume_point(self.config.load_dir, iteration)
-            except CheckpointValidationError as exc:
-                failure = str(exc)
-            except Exception as exc:  # an unreadable load_dir: reported on every rank below
-                failure = (
-                    f"rank 0 could not look for a checkpoint in {self.config.load_dir}: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-        choice, failure = coordination.all_gather_objects((choice, failure))[0]
-        if failure is not None:
-            raise CheckpointValidationError(failure)
-        return choice
+
+        def choose() -> Optional[ResumePoint]:
+            return choose_resume_point(load_dir, iteration) if coordination.get_rank() == 0 else None
+
+        choice, _ = agreed_step(f"looking for a checkpoint to resume from in {load_dir}", choose)
+        return coordination.all_gather_objects(choice)[0]
 
     # Helpers below run on the coordinator rank only.
 
