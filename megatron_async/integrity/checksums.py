@@ -17,8 +17,7 @@ Where each piece runs:
   commit costs the coordinator nothing per item. Stock loaders ignore the extra files, so
   the checkpoint stays a plain ``torch_dist`` one.
 * :func:`read_checksums` reads the records of a checkpoint (those of the items its
-  ``.metadata`` stores; or the single :data:`CHECKSUM_FILE` of checkpoints written by
-  earlier versions) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
+  ``.metadata`` stores) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
   tool and the opt-in load-time check).
 """
 
@@ -31,17 +30,14 @@ import os
 from typing import Any, Dict, Iterable, List, Optional
 
 
-from megatron_async.format import CHECKSUM_FILE, checksum_record_name, is_checksum_record
+from megatron_async.format import checksum_record_name, is_checksum_record
 from megatron_async.buckets.hashing import ALGORITHM, new_hasher
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [
-    "CHECKSUM_FILE",
     "ALGORITHM",
     "ItemChecksum",
     "new_hasher",
-    "write_checksum_file",
-    "write_checksum_records",
     "read_checksum_file",
     "records_of_results",
     "write_rank_record",
@@ -64,47 +60,13 @@ class ItemChecksum:
     fqn: str
     chunk_offsets: Optional[List[int]] = None
 
-    def to_record(self) -> Dict[str, Any]:
-        """The item as the checksum file stores it (shallow, unlike ``dataclasses.asdict``)."""
-        return {
-            "file": self.file,
-            "offset": self.offset,
-            "length": self.length,
-            "digest": self.digest,
-            "fqn": self.fqn,
-            "chunk_offsets": None if self.chunk_offsets is None else list(self.chunk_offsets),
-        }
-
     def describe(self) -> str:
         where = f"{self.fqn}" + (f" chunk {self.chunk_offsets}" if self.chunk_offsets else "")
         return f"{where} in {self.file} (bytes {self.offset}..{self.offset + self.length})"
 
 
-def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
-    """Write the single checksum file of earlier versions' checkpoints, atomically.
-
-    This package now records checksums per rank (:func:`write_rank_record`); the single
-    file is still read, and written here to make such checkpoints (tests, conversions).
-    """
-    write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
-
-
-def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
-    """Write the single checksum file of earlier versions from item records, atomically
-    (see :func:`write_checksum_file`).
-
-    A record is the fields of :class:`ItemChecksum` as a dict (:meth:`ItemChecksum.to_record`).
-    ``records`` is sorted in place by file and offset.
-    """
-    records.sort(key=operator.itemgetter("file", "offset"))
-    payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}
-    text = json.dumps(payload)  # json.dump would encode in pure Python, item by item
-    storage_for(checkpoint_dir).write_atomically(os.path.join(checkpoint_dir, CHECKSUM_FILE), text)
-
-
-def read_checksum_file(checkpoint_dir: str, name: str = CHECKSUM_FILE) -> Optional[List[ItemChecksum]]:
-    """The checksums recorded in one file (default: the single file of checkpoints written
-    by earlier versions), or None when there is no such file."""
+def read_checksum_file(checkpoint_dir: str, name: str) -> Optional[List[ItemChecksum]]:
+    """The checksums recorded in the file ``name`` of a checkpoint, or None without it."""
     path = os.path.join(checkpoint_dir, name)
     try:
         payload = json.loads(storage_for(checkpoint_dir).read(path))
@@ -164,8 +126,7 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     Reads the per-rank records; a record of an item that ``.metadata`` does not store (a
     rank that wrote in an earlier, unfinished save into the same directory, or a chunk
     without elements that several ranks wrote) is left out, so the result describes
-    exactly the checkpoint's stored items. Without per-rank records, the single
-    :data:`CHECKSUM_FILE` of earlier versions is read.
+    exactly the checkpoint's stored items.
 
     Args:
         checkpoint_dir: the checkpoint directory.
@@ -177,7 +138,7 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
         if not is_dir and is_checksum_record(name)
     ]
     if not names:
-        return read_checksum_file(checkpoint_dir)
+        return None
     if metadata is None:
         metadata = storage.dcp_reader(checkpoint_dir).read_metadata()
     stored = {
