@@ -4,11 +4,9 @@ The directory layout (``iter_*`` checkpoints, the tracker) and its file operatio
 in :mod:`megatron_async.checkpoint_dirs`; this module decides, for a multi-rank job,
 what to resume from, when the tracker moves and what retention may delete.
 
-A checkpoint directory is *complete* once it holds both ``metadata.json`` (written by
-megatron-core after every rank's shards are written) and ``.metadata`` (the global
-PyTorch DCP metadata). The tracker is written only after that, by the coordinator rank
-(rank 0), atomically: a crash at any moment leaves it pointing at the previous complete
-checkpoint or at the new one, never at a partial file or directory.
+The tracker is written only once the checkpoint is complete (both markers of
+:mod:`megatron_async.format`), by the coordinator rank (rank 0), atomically: a crash at
+any moment leaves it pointing at the previous complete checkpoint or at the new one.
 
 With an async save the tracker update runs as a finalize function of the save's
 :class:`~megatron_async.core.request.AsyncRequest` (see :meth:`CheckpointManager.attach_commit`),

@@ -29,7 +29,6 @@ __all__ = [
     "TensorEntry",
     "FileEntry",
     "CheckpointSummary",
-    "read_dcp_metadata",
     "find_completeness_problems",
     "summarize_checkpoint",
 ]
@@ -78,11 +77,6 @@ class CheckpointSummary:
         return data
 
 
-def read_dcp_metadata(path: str) -> Metadata:
-    """Load DCP's ``.metadata`` of a checkpoint directory (or ``msc://`` prefix)."""
-    return storage_for(path).dcp_reader(path).read_metadata()
-
-
 def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
     entries = []
     for name, is_dir in storage.list_dir(path):
@@ -109,7 +103,7 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
         return problems
     if metadata is None:
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = storage.dcp_reader(path).read_metadata()
         except Exception as exc:  # a damaged .metadata is a finding, not a crash
             return problems + [f"{DCP_METADATA_FILE} cannot be read: {exc}"]
     storage_data = metadata.storage_data or {}
@@ -149,7 +143,7 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
     metadata = None
     if storage.size(os.path.join(path, DCP_METADATA_FILE)) is not None:
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = storage.dcp_reader(path).read_metadata()
         except Exception:
             metadata = None
     if metadata is not None:

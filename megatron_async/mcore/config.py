@@ -64,7 +64,7 @@ class TorchDistSaveConfig:
     checksums: bool = True
     """Hash every item while it is written (xxh3, in the background writer) and store the
     digests next to the data, for ``python -m megatron_async verify`` and
-    :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
+    :func:`megatron_async.integrity.verify.verify_checkpoint_integrity`."""
 
     fail_on_stale_checkpoint: bool = False
     """With ``checksums``, the coordinator compares every item's digest with the previous
