@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from megatron_async.checkpoint_dirs import iteration_from_path
-from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE
+from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE, missing_completion_markers
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 
 __all__ = [
@@ -93,13 +93,11 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
     entry, and that each storage entry lies inside an existing file.
     """
     storage = storage_for(path)
-    problems: List[str] = []
     if not storage.is_dir(path):
         return [f"{path} is not a directory"]
-    if storage.size(os.path.join(path, MEGATRON_METADATA_FILE)) is None:
-        problems.append(f"{MEGATRON_METADATA_FILE} is missing (the save never finalized)")
-    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is None:
-        problems.append(f"{DCP_METADATA_FILE} is missing (the save never finalized)")
+    missing = missing_completion_markers(path, storage)
+    problems = [f"{name} is missing (the save never finalized)" for name in missing]
+    if DCP_METADATA_FILE in missing:
         return problems
     if metadata is None:
         try:
