@@ -27,8 +27,7 @@ import dataclasses
 import json
 import operator
 import os
-from typing import Any, Dict, Iterable, List, Optional
-
+from typing import Any, Iterable, List, Optional
 
 from megatron_async.format import checksum_record_name, is_checksum_record
 from megatron_async.buckets.hashing import ALGORITHM, new_hasher
@@ -39,7 +38,6 @@ __all__ = [
     "ItemChecksum",
     "new_hasher",
     "read_checksum_file",
-    "records_of_results",
     "write_rank_record",
     "read_checksums",
     "verify_items",
@@ -77,12 +75,17 @@ def read_checksum_file(checkpoint_dir: str, name: str) -> Optional[List[ItemChec
     return [ItemChecksum(**item) for item in payload["items"]]
 
 
-def records_of_results(results: Iterable[Any]) -> List[Dict[str, Any]]:
-    """The checksum records of the write results that carry a digest (any side).
+def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) -> None:
+    """Record the checksums of the items ``rank`` wrote, durably (background writer).
 
-    Built as the record files store them, without an intermediate object per item.
+    Runs once the rank's data files are durable and before it reports its write done,
+    so the record is durable before the coordinator writes ``.metadata``. A rank whose
+    results carry no digest (checksums off) removes a record an earlier save into the
+    same directory left, which would otherwise describe other bytes.
     """
-    records = []
+    storage = storage_for(checkpoint_dir)
+    path = os.path.join(checkpoint_dir, checksum_record_name(rank))
+    records = []  # as the record file stores them, without an object per item
     for result in results:
         digest = getattr(result, "checksum", None)
         if digest is None:
@@ -98,20 +101,6 @@ def records_of_results(results: Iterable[Any]) -> List[Dict[str, Any]]:
                 "chunk_offsets": None if index.offset is None else list(index.offset),
             }
         )
-    return records
-
-
-def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) -> None:
-    """Record the checksums of the items ``rank`` wrote, durably (background writer).
-
-    Runs once the rank's data files are durable and before it reports its write done,
-    so the record is durable before the coordinator writes ``.metadata``. A rank whose
-    results carry no digest (checksums off) removes a record an earlier save into the
-    same directory left, which would otherwise describe other bytes.
-    """
-    storage = storage_for(checkpoint_dir)
-    path = os.path.join(checkpoint_dir, checksum_record_name(rank))
-    records = records_of_results(results)
     if not records:
         storage.remove(path)
         return
