@@ -40,7 +40,7 @@ from megatron_async.core import coordination
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
-    ChangeReport, RankComparison, SaveDigestHistory, StaleCheckpointError, digests_of,
+    ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
 )
 from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
 from megatron_async.writer.commit_cache import CommitCache, storage_layout
@@ -127,7 +127,7 @@ def save_state_dict_async_finalize(
     comparison = (
         history.compare(checkpoint, digests_of(results))
         if history is not None and failure is None
-        else RankComparison(0, 0, 0, None)
+        else ChangeReport(0, 0, 0, None)
     )
     summed = coordination.all_reduce_sum(
         [int(failure is not None), int(moved), 1, *comparison.counts()], group
@@ -171,7 +171,7 @@ def save_state_dict_async_finalize(
 def _judge_staleness(
     history: Optional[SaveDigestHistory],
     summed: List[int],
-    comparison: RankComparison,
+    comparison: ChangeReport,
     checkpoint: str,
     dist_wrapper: _DistWrapper,
 ) -> Optional[ChangeReport]:

@@ -37,12 +37,8 @@ from megatron_async.errors import (
 )
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.integrity.verify import verify_checkpoint_integrity
-from megatron_async.manager import (
-    CheckpointManager,
-    CheckpointManagerConfig,
-    is_complete_checkpoint,
-    read_tracker,
-)
+from megatron_async.checkpoint_dirs import is_complete_checkpoint, read_tracker
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
 from tests.functional.harness import (
     RankContext,

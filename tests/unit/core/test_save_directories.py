@@ -18,6 +18,8 @@ from megatron_async.core.save_directories import (
     run_coordinator_step,
 )
 from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
+from megatron_async.checkpoint_dirs import read_tracker
+from megatron_async.format import COMPLETION_MARKERS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,12 +68,12 @@ def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mou
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
     path = manager.prepare_save(1)
-    for marker in mgr.COMPLETE_MARKERS:
+    for marker in COMPLETION_MARKERS:
         (tmp_path / os.path.basename(path) / marker).write_text("{}")
     monkeypatch.setattr(mgr, "write_tracker", lambda *args: hung_mount.wait())
     with pytest.raises(AsyncSaveFailedError, match="marking .* as the latest checkpoint did not return"):
         manager.commit(1)
-    assert mgr.read_tracker(str(tmp_path)) is None
+    assert read_tracker(str(tmp_path)) is None
 
 
 def test_megatron_cores_metadata_json_step_is_bounded(tmp_path, monkeypatch, hung_mount):
@@ -180,7 +182,7 @@ def test_a_tracker_write_left_behind_stops_the_next_commit(tmp_path, monkeypatch
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)), directories)
     for iteration in (1, 2):
         path = manager.prepare_save(iteration)
-        for marker in mgr.COMPLETE_MARKERS:
+        for marker in COMPLETION_MARKERS:
             (tmp_path / os.path.basename(path) / marker).write_text("{}")
     calls = []
 

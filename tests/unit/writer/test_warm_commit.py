@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.format import CHECKSUM_FILE, checksum_record_name
+from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.saver import finalize
@@ -171,7 +171,7 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         assert len(items) == 2 and checksums.verify_items(str(path), items) == []
 
 
-def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_file(tmp_path):
+def test_read_checksums_keeps_only_the_stored_items(tmp_path):
     state = {"w": torch.randn(16, 4)}
     writer, metadata = _prepared_writer(tmp_path, state)
     writer.finish(metadata, [writer.retrieve_write_results()])
@@ -183,10 +183,4 @@ def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_fil
     stale = dataclasses.replace(result, storage_data=elsewhere)
     checksums.write_rank_record(str(tmp_path), 7, [stale])
     assert os.path.exists(tmp_path / checksum_record_name(7))
-    assert checksums.read_checksums(str(tmp_path)) == ours
-    # A checkpoint of an earlier version: one checksum file, no per-rank records.
-    for name in (checksum_record_name(0), checksum_record_name(7)):
-        os.remove(tmp_path / name)
-    checksums.write_checksum_file(str(tmp_path), ours)
-    assert os.path.exists(tmp_path / CHECKSUM_FILE)
     assert checksums.read_checksums(str(tmp_path)) == ours
