@@ -137,14 +137,6 @@ class AsyncCaller(abc.ABC):
     def close(self, abort: bool = False) -> None:
         """Stop the background processes; with ``abort``, kill them without waiting."""
 
-    def wait(self, call_idx: int) -> CallStatus:
-        """Block until call ``call_idx`` is finished locally; bounded by the call timeout."""
-        while True:
-            status = self.poll(call_idx)
-            if status.is_terminal:
-                return status
-            time.sleep(self.config.poll_interval_s)
-
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
         """Return whether the oldest scheduled call is done on every rank.
 

@@ -38,7 +38,6 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "all_gather_objects",
-    "barrier",
     "raise_if_any_rank_failed",
     "run_on_coordinator",
     "raise_agreed_failures",
@@ -252,11 +251,6 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> L
     except Exception as exc:
         raise _describe_collective_failure("all_gather_object", exc) from exc
     return gathered
-
-
-def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
-    """Wait for every rank, bounded by the coordination group's timeout."""
-    all_reduce_max([0], group)
 
 
 def raise_if_any_rank_failed(

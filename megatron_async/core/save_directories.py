@@ -28,7 +28,6 @@ system may be the thing that hangs.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
@@ -72,17 +71,17 @@ def coordinator_step_timeout_s() -> float:
 class Claim:
     """One save's hold on its directory; :meth:`release` ends it (idempotent)."""
 
-    def __init__(self, owner: "SaveDirectories", directory: str, token: int) -> None:
+    def __init__(self, owner: "SaveDirectories", directory: str) -> None:
         self.directory = directory
-        self._owner, self._token = owner, token
+        self._owner = owner
 
     def release(self) -> None:
         """Free the directory for the next save (any thread; no file-system call)."""
-        self._owner._release(self.directory, self._token)
+        self._owner._release(self)
 
     def release_when_dropped(self, holder: Any) -> None:
         """Release when ``holder`` is garbage collected (a request never finalized)."""
-        weakref.finalize(holder, self._owner._release, self.directory, self._token)
+        weakref.finalize(holder, self._owner._release, self)
 
 
 class SaveDirectories(OnePerProcess):
@@ -94,8 +93,7 @@ class SaveDirectories(OnePerProcess):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._claims: Dict[str, int] = {}  # directory -> token of the save writing it
-        self._tokens = itertools.count()
+        self._claims: Dict[str, Claim] = {}  # directory -> the claim of the save writing it
         self._stuck: Optional[str] = None
 
     def __reduce__(self):
@@ -132,9 +130,8 @@ class SaveDirectories(OnePerProcess):
             CheckpointInProgressError: it does; nothing was written.
         """
         with self._lock:
-            claimed = directory in self._claims
-        if claimed:
-            raise _still_being_written(directory)
+            if directory in self._claims:
+                raise _still_being_written(directory)
 
     def claim(self, directory: str) -> Claim:
         """Mark ``directory`` (normalized) as being written by a new save.
@@ -144,23 +141,20 @@ class SaveDirectories(OnePerProcess):
         """
         self.refuse_if_stuck()
         with self._lock:
-            claimed = directory in self._claims
-            if not claimed:
-                token = next(self._tokens)
-                self._claims[directory] = token
-        if claimed:
-            raise _still_being_written(directory)
-        return Claim(self, directory, token)
+            if directory in self._claims:
+                raise _still_being_written(directory)
+            claim = self._claims[directory] = Claim(self, directory)
+        return claim
 
     def directories(self) -> List[str]:
         """The directories being written, sorted."""
         with self._lock:
             return sorted(self._claims)
 
-    def _release(self, directory: str, token: int) -> None:
+    def _release(self, claim: Claim) -> None:
         with self._lock:
-            if self._claims.get(directory) == token:
-                del self._claims[directory]
+            if self._claims.get(claim.directory) is claim:
+                del self._claims[claim.directory]
 
     def run_bounded(
         self,

@@ -82,7 +82,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process: Optional[mp.Process] = None
         self._result_conn = None
         self._status: CallStatus = CallStatus.succeeded()
-        self._start_time = 0.0
         self._forked_at = 0.0
         self._child_started = False
         self._staged: Any = None
@@ -98,7 +97,6 @@ class TemporalAsyncCaller(AsyncCaller):
             raise RuntimeError("a TemporalAsyncCaller runs exactly one call; create a new one")
         rank = coordination.get_rank()
         self._current_call_idx = async_req.call_idx
-        self._start_time = time.monotonic()
         try:
             args, self._staged = stage_request(async_req)
         except Exception as exc:
@@ -165,7 +163,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 "afresh; if this repeats, use the persistent caller or Python >= 3.12"
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        elif time.monotonic() - self._start_time > self.config.timeout_s:
+        elif time.monotonic() - self._forked_at > self.config.timeout_s:
             where = stack_dump.timeout_note(rank, self.process.pid)
             kill_and_reap(self.process)
             exc = AsyncTimeoutError(

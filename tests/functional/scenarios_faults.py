@@ -676,7 +676,9 @@ def rank_stopped_during_finalize(ctx: RankContext):
     _check_checkpoint(ctx, good, 1.0)
     queue.close(abort=True)
     _assert_no_process_left_behind()
-    _expect_error_everywhere(CoordinationError, coordination.barrier, "failed")  # at once
+    _expect_error_everywhere(
+        CoordinationError, lambda: coordination.all_reduce_max([0]), "failed"
+    )  # at once
     return {
         "error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300],
         "hung_commit": hung_commit,
