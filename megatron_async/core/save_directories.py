@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from megatron_async.core import coordination
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
@@ -40,7 +40,6 @@ from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [
     "Claim",
-    "CoordinatorStepTimeoutError",
     "FileSystemStepTimeoutError",
     "SaveDirectories",
     "coordinator_step_timeout_s",
@@ -55,11 +54,7 @@ HUNG_MOUNT_HINT = "the file system is not answering (a hung network mount?); che
 
 
 class FileSystemStepTimeoutError(AsyncTimeoutError):
-    """A bounded file-system step of a save did not return in time (any rank)."""
-
-
-class CoordinatorStepTimeoutError(FileSystemStepTimeoutError):
-    """A coordinator-only step of a save (a file-system call) did not return in time."""
+    """A bounded file-system step of a save (rank 0's, or every rank's) did not return in time."""
 
 
 def coordinator_step_timeout_s() -> float:
@@ -161,7 +156,6 @@ class SaveDirectories(OnePerProcess):
         what: str,
         step: Callable[[], T],
         timeout_s: Optional[float] = None,
-        error: Type[Exception] = CoordinatorStepTimeoutError,
         hint: str = f"{HUNG_MOUNT_HINT}, then restart the job",
     ) -> T:
         """Run one file-system step of a save within its bound (the rank that runs it).
@@ -173,11 +167,10 @@ class SaveDirectories(OnePerProcess):
             what: the step, for messages (``"writing .metadata of /ckpt/iter_10"``).
             step: the step; it must be safe to complete after its caller gave up.
             timeout_s: the bound; :func:`coordinator_step_timeout_s` by default.
-            error: what to raise when the step is left behind.
             hint: what the message says is likely wrong and what to do.
 
         Raises:
-            CoordinatorStepTimeoutError: ``step`` did not return in time (or ``error``).
+            FileSystemStepTimeoutError: ``step`` did not return in time.
             Exception: whatever ``step`` raised.
         """
         bound_s = coordinator_step_timeout_s() if timeout_s is None else timeout_s
@@ -187,7 +180,7 @@ class SaveDirectories(OnePerProcess):
             with self._lock:
                 self._stuck = self._stuck or what
             logger.error("%s did not return within %gs; left behind: no more saves", what, bound_s)
-            raise error(f"{what} did not return within {bound_s:g}s: {hint}") from exc
+            raise FileSystemStepTimeoutError(f"{what} did not return within {bound_s:g}s: {hint}") from exc
 
 
 def _still_being_written(directory: str) -> CheckpointInProgressError:

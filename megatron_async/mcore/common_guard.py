@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Union
 from megatron.core.dist_checkpointing.mapping import StateDict
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import has_completion_markers, remove_completion_markers
 from megatron_async.mcore.save_call import current_save_call
@@ -63,7 +63,6 @@ def _unmark_then_write(
     storage = storage_for(directory)
     if overwrite is False and directories.run_bounded(
         f"checking {directory}", lambda: has_completion_markers(directory, storage),
-        error=FileSystemStepTimeoutError,
     ):
         raise CheckpointValidationError(
             f"{directory} already holds a complete torch_dist checkpoint and the strategy "
@@ -73,7 +72,6 @@ def _unmark_then_write(
     try:
         removed = directories.run_bounded(
             f"unmarking {directory}", lambda: remove_completion_markers(directory, storage),
-            error=FileSystemStepTimeoutError,
         )
     except PermissionError as exc:
         raise CheckpointValidationError(
@@ -86,9 +84,7 @@ def _unmark_then_write(
             "so it reads as incomplete until the new save is finalized",
             directory,
         )
-    return directories.run_bounded(
-        f"writing common.pt of {directory}", write, error=FileSystemStepTimeoutError
-    )
+    return directories.run_bounded(f"writing common.pt of {directory}", write)
 
 
 def _guarded_write(

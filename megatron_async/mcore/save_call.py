@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agree_or_raise
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
@@ -156,7 +156,6 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
     try:
         SaveDirectories.of_process().run_bounded(
             f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
-            error=FileSystemStepTimeoutError,
         )
     except OSError as exc:
         raise CheckpointValidationError(

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
-from megatron_async.core.save_directories import CoordinatorStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CoordinationError,
@@ -693,7 +693,7 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     does not name. Runs first in the stopped-rank launch, which has a short timeout."""
     summary = _fault_round(ctx, "hung-commit", queue, _Strategy(_HangingFinishWriter))
     _expect_phase(summary, 0, "finalize", "writing .metadata of")
-    assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
+    assert summary["lines"][0].startswith("rank 0 [finalize] " + FileSystemStepTimeoutError.__module__), summary
     assert summary["error"] == "AsyncSaveFailedError", summary
     assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
     # The step left behind stops the process's saves: a retry into that directory is
