@@ -142,7 +142,7 @@ class AsyncCallsQueue:
         start = time.monotonic()
         caller = self._get_async_caller()
         try:
-            caller.schedule_async_call(request.without_finalize_fns())
+            caller.schedule_async_call(request._replace(finalize_fns=[]))  # they stay here
         except BaseException:  # an interrupt while staging, a caller's bug: never scheduled
             request.abandon()  # frees what its steps hold (our commit step's directory claim)
             raise

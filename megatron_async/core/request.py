@@ -153,10 +153,6 @@ class AsyncRequest(NamedTuple):
                 except Exception:  # freeing is best effort; the save's own error is raised
                     logger.warning("abandoning finalize step %r failed", fn, exc_info=True)
 
-    def without_finalize_fns(self) -> "AsyncRequest":
-        """Return a copy without finalize functions (what is sent to a background process)."""
-        return self._replace(finalize_fns=[])
-
     def execute_sync(self) -> None:
         """Run the whole request in the calling thread: stage, write, agree, finalize.
 
