@@ -2,10 +2,8 @@
 
 Every error the library raises on purpose derives from :class:`AsyncCheckpointError`.
 A failure of a background save is always reported on *every* rank as one
-:class:`AsyncSaveFailedError` that carries each failing rank's exception and traceback
-(``failures``, DCP's contract) and its :class:`RankFailure` (``rank_failures``: exception
-type, message, traceback text and the phase it happened in), so that a training job can
-catch a single type and log what went wrong everywhere.
+:class:`AsyncSaveFailedError` that carries every failing rank's :class:`RankFailure`, so
+that a training job can catch a single type and log what went wrong everywhere.
 
 :class:`AsyncSaveFailedError` derives from PyTorch DCP's ``CheckpointException``, so it
 is created on first use (module ``__getattr__``): the command-line tools import this
