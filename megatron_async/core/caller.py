@@ -58,7 +58,9 @@ class CallStatus:
         return cls(CallState.FAILED, failure)
 
 
-def agree_on_call(call_idx: int, status: CallStatus, no_dist: bool) -> Optional[Dict[int, RankFailure]]:
+def agree_on_call(
+    call_idx: int, status: CallStatus, no_dist: bool
+) -> Optional[Dict[int, RankFailure]]:
     """Agree across ranks whether call ``call_idx`` is finished, and whether it failed.
 
     Runs on every rank (unless ``no_dist``). One all-reduce (MAX) of four integers

@@ -13,7 +13,9 @@ from megatron_async.core.worker_process import WorkerProcess, start_worker, star
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.temporal import TemporalAsyncCaller
-from megatron_async.core.request import AsyncRequest, hand_over_staged, release_staged_data, stage_request
+from megatron_async.core.request import (
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
+)
 from megatron_async.errors import (
     AsyncTimeoutError,
     RankFailure,

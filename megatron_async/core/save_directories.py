@@ -180,7 +180,9 @@ class SaveDirectories(OnePerProcess):
             with self._lock:
                 self._stuck = self._stuck or what
             logger.error("%s did not return within %gs; left behind: no more saves", what, bound_s)
-            raise FileSystemStepTimeoutError(f"{what} did not return within {bound_s:g}s: {hint}") from exc
+            raise FileSystemStepTimeoutError(
+                f"{what} did not return within {bound_s:g}s: {hint}"
+            ) from exc
 
 
 def _still_being_written(directory: str) -> CheckpointInProgressError:

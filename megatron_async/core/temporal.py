@@ -23,7 +23,9 @@ from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
-from megatron_async.core.request import AsyncRequest, hand_over_staged, release_staged_data, stage_request
+from megatron_async.core.request import (
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
+)
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
