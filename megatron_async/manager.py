@@ -40,7 +40,7 @@ from megatron_async.checkpoint_dirs import (
 )
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import COMPLETION_MARKERS, missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
@@ -108,7 +108,7 @@ class CheckpointManager:
             probe = functools.partial(check_save_dir_writable, config.save_dir)
             # Bounded: on a hung mount the check fails on every rank instead of hanging one.
             agreed_step(what, lambda: self._directories.run_bounded(
-                what, probe, error=FileSystemStepTimeoutError,
+                what, probe,
                 hint="the file system is not answering; check the mount or pick another save_dir"))
 
     @property

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
@@ -175,7 +175,6 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
     try:
         SaveDirectories.of_process().run_bounded(
             f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
-            error=FileSystemStepTimeoutError,
         )
     except OSError as exc:
         raise CheckpointValidationError(
@@ -230,11 +229,8 @@ def _guarded_write(
         directories.run_bounded(
             f"unmarking {directory}",
             lambda: unmark_or_refuse(directory, call.overwrite if ours else None, storage_for(directory)),
-            error=FileSystemStepTimeoutError,
         )
-        return directories.run_bounded(
-            f"writing common.pt of {directory}", write, error=FileSystemStepTimeoutError
-        )
+        return directories.run_bounded(f"writing common.pt of {directory}", write)
     except Exception as exc:
         if not ours:
             raise  # another strategy: as megatron-core would

@@ -37,7 +37,7 @@ import os
 from typing import Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import Claim, FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
 from megatron_async.mcore.config import TorchDistSaveConfig
@@ -163,7 +163,6 @@ def claim_save_target(
         complete = directories.run_bounded(
             f"checking the save target {checkpoint_dir}",
             lambda: check_save_target(checkpoint_dir, config, is_coordinator),
-            error=FileSystemStepTimeoutError,
         )
     except BaseException:
         claim.release()

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
-from megatron_async.core.save_directories import CoordinatorStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CoordinationError,
@@ -669,7 +669,9 @@ def rank_stopped_during_finalize(ctx: RankContext):
     _check_checkpoint(ctx, good, 1.0)
     queue.close(abort=True)
     _assert_no_process_left_behind()
-    _expect_error_everywhere(CoordinationError, coordination.barrier, "failed")  # at once
+    _expect_error_everywhere(
+        CoordinationError, lambda: coordination.all_reduce_max([0]), "failed"
+    )  # at once
     return {
         "error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300],
         "hung_commit": hung_commit,
@@ -684,7 +686,7 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     does not name. Runs first in the stopped-rank launch, which has a short timeout."""
     summary = _fault_round(ctx, "hung-commit", queue, _Strategy(_HangingFinishWriter))
     _expect_phase(summary, 0, "finalize", "writing .metadata of")
-    assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
+    assert summary["lines"][0].startswith("rank 0 [finalize] " + FileSystemStepTimeoutError.__module__), summary
     assert summary["error"] == "AsyncSaveFailedError", summary
     assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
     # The step left behind stops the process's saves: a retry into that directory is

@@ -13,7 +13,7 @@ import pytest
 from megatron_async.core import coordination, save_directories
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import (
-    CoordinatorStepTimeoutError,
+    FileSystemStepTimeoutError,
     SaveDirectories,
     run_coordinator_step,
 )
@@ -47,7 +47,7 @@ def test_a_step_returns_its_value_or_raises_its_own_error():
 
 def test_a_step_that_never_returns_fails_within_its_bound(hung_mount):
     started = time.monotonic()
-    with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of /x did not return within 0.3s") as caught:
+    with pytest.raises(FileSystemStepTimeoutError, match="writing .metadata of /x did not return within 0.3s") as caught:
         run_coordinator_step("writing .metadata of /x", hung_mount.wait, timeout_s=0.3)
     assert time.monotonic() - started < 5
     assert isinstance(caught.value, AsyncTimeoutError)
@@ -104,7 +104,7 @@ def test_a_commit_left_behind_does_not_leave_the_collector_paused(tmp_path, monk
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
     assert gc.isenabled()
-    with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of"):
+    with pytest.raises(FileSystemStepTimeoutError, match="writing .metadata of"):
         commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     assert gc.isenabled()  # the metadata was built on this thread; only the write was left behind
 
@@ -156,7 +156,7 @@ def test_a_step_left_behind_stops_every_later_save_of_the_process(tmp_path, monk
 
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
-    with pytest.raises(CoordinatorStepTimeoutError):
+    with pytest.raises(FileSystemStepTimeoutError):
         commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     process = SaveDirectories.of_process()
     assert process.stuck == f"writing .metadata of {tmp_path}"
