@@ -10,7 +10,7 @@ writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
    tensor to host memory, a real snapshot (``preload_tensors``, see
    :mod:`megatron_async.staging.buffers`; the staging mode chosen by
    :func:`megatron_async.staging.stager.prepare_staged_write`);
-3. ``save_fn`` (background writer): write the staged buckets with threads or processes
+3. ``save_fn`` (background writer): write the staged buckets on threads
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
    write paths, the functions of :mod:`megatron_async.writer.write_paths`;

@@ -22,7 +22,7 @@ from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
 DEFAULT_WRITE_TIMEOUT_S = DEFAULT_CONFIG.timeout_s
-"""How long the background writer waits for one save's bucket threads or processes: by
+"""How long the background writer waits for one save's bucket threads: by
 default as long as a caller lets the whole background part run
 (``AsyncCallerConfig.timeout_s``), since the writer is built before any caller is known."""
 
@@ -40,7 +40,7 @@ class WriteOptions:
     """
 
     thread_count: int = 1
-    """Files (and writer threads or processes) per rank and save; at least 1."""
+    """Files (and writer threads) per rank and save; at least 1."""
 
     sync_files: bool = True
     """fsync every file before the save counts as written."""
@@ -50,8 +50,8 @@ class WriteOptions:
     a non-empty prefix without the path separator, since it starts file names."""
 
     is_multiproc_io: bool = False
-    """Write buckets with forked processes instead of threads (the process running the
-    save function must be allowed to have children)."""
+    """The reference API's choice of forked processes per bucket; accepted, and the
+    buckets are written on threads either way (see :mod:`megatron_async.writer.runners`)."""
 
     use_cached_data_structure: bool = False
     """Reuse the staging buffers of the previous save of the same bucket layout."""
