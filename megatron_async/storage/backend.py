@@ -96,10 +96,6 @@ class CheckpointStorage(Protocol):
     def sync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` (creates, renames) durable, best effort."""
 
-    def open_bucket_file(self, path: str, hashing: bool) -> Any:
-        """Open one bucket's output (a :class:`~megatron_async.buckets.bucket_file.BucketFile`;
-        background writer)."""
-
 
 _LOCAL = LocalStorage()
 
