@@ -161,7 +161,7 @@ def resolve_writer_options(
     Args:
         options: the options the writer's creator built, or None.
         parent: the writer's arguments bound to ``FileSystemWriter.__init__``.
-        **keywords: the reference API's keywords for the other fields; used only when
+        **keywords: the reference API's keywords for other fields; used only when
             ``options`` is None.
 
     Raises:
@@ -197,9 +197,3 @@ class ReferenceOptionNames:
     use_msc = property(lambda self: self.options.use_msc)
     is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
     use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)
-    write_timeout_s = property(lambda self: self.options.write_timeout_s)
-    checksums = property(lambda self: self.options.checksums)
-    object_part_bytes = property(lambda self: self.options.object_part_bytes)
-    overlap_staging = property(lambda self: self.options.overlap_staging)
-    direct_io = property(lambda self: self.options.direct_io)
-    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)

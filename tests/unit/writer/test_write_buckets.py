@@ -33,6 +33,7 @@ from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.results import WriteOutcome
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.writer.options import WriteOptions
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from tests.unit.integrity.test_checksums import _tensor_item
 
@@ -230,8 +231,8 @@ def test_results_pickle_flat_and_come_back_equal():
 # -- the whole writer -----------------------------------------------------------------
 
 
-def _save(path, state_dict, **kwargs):
-    writer = FileSystemWriterAsync(str(path), thread_count=2, **kwargs)
+def _save(path, state_dict, **options):
+    writer = FileSystemWriterAsync(str(path), options=WriteOptions(thread_count=2, **options))
     dcp.save(state_dict, storage_writer=writer, no_dist=True)
 
 
