@@ -20,7 +20,7 @@ import os
 from typing import Any, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 from megatron_async.storage.local import LocalStorage
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage.client import is_object_url, normalize_checkpoint_path
 
 __all__ = ["CheckpointStorage", "is_object_url", "normalize_checkpoint_path", "storage_for"]
 
