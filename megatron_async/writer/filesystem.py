@@ -58,8 +58,9 @@ from megatron_async.buckets.layout import (
     prepare_buckets,
 )
 from megatron_async.integrity.staleness import SaveDigestHistory
-from megatron_async.writer.commit import CommittedMetadata, commit_checkpoint
+from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.commit_cache import CommitCache
+from megatron_async.writer.metadata_bytes import MetadataTemplate
 from megatron_async.writer.options import (
     DEFAULT_WRITE_TIMEOUT_S, ReferenceOptionNames, WriteOptions, resolve_writer_options,
 )
@@ -367,13 +368,14 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             local_plan, storage_data=_StoragePrefix(f"__{coordination.get_rank()}_")
         )
 
-    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> CommittedMetadata:
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> Optional[MetadataTemplate]:
         """Write ``.metadata`` atomically (coordinator only).
 
         Runs after every rank's data and checksum record is written; see
         :func:`megatron_async.writer.commit.commit_checkpoint`.
 
         Returns:
-            What was written (DCP ignores it; the finalization keeps it for a warm save).
+            The template of what was written, or None (DCP ignores it; the finalization
+            keeps it for a warm save).
         """
         return commit_checkpoint(self.checkpoint_dir, metadata, results, self.storage_meta())
