@@ -156,29 +156,6 @@ def _write_one_bucket(
     return result
 
 
-def _one_bucket_writer(
-    bucket_writer: Optional[SpecBucketWriter],
-    transform_list: Any,
-    use_msc: bool,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    compute_checksums: bool,
-    direct_io: bool,
-) -> Callable[[int, WriteBucket], List[WriteResult]]:
-    """``(index, bucket) -> results`` through ``bucket_writer`` (``write_preloaded_data``)."""
-    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
-    if not direct_io:  # only when off: overrides then get the reference API's keywords
-        options["direct_io"] = False
-    return partial(
-        _write_one_bucket,
-        bucket_writer or write_preloaded_data,
-        transform_list,
-        open_file,
-        use_fsync,
-        options,
-    )
-
-
 def write_preloaded_data_multithread(
     transform_list: Any,
     use_msc: bool,
@@ -219,9 +196,12 @@ def write_preloaded_data_multithread(
             items may arrive in rounds, and the block is marked done at the end, which
             frees the save's staging memory.
     """
-    write_one = _one_bucket_writer(
-        bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
-        direct_io,
+    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
+    if not direct_io:  # only when off: overrides then get the reference API's keywords
+        options["direct_io"] = False
+    write_one = partial(
+        _write_one_bucket, bucket_writer or write_preloaded_data, transform_list, open_file,
+        use_fsync, options,
     )
     runner = partial(write_with_threads, write_one, write_timeout_s)
     if staging_control is None:
