@@ -12,13 +12,8 @@ from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.hand_over import run_preload
 from megatron_async.core.request import (
-    STAGED_ARG_INDEX,
-    AsyncRequest,
-    release_staged_data,
-    finish_staging,
-    start_background_copy,
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
 from megatron_async.errors import (
     AsyncTimeoutError,
@@ -52,8 +47,7 @@ class PersistentAsyncCaller(AsyncCaller):
         config: bounds of every wait, and the worker's CPU and I/O priority.
         is_daemon: accepted for the reference API, where it makes the worker a
             multiprocessing daemon. Ours is never one: it always dies with the trainer
-            (parent-death signal, exit hook) and may always start writer processes
-            (``is_multiproc_io``), so both values behave the same.
+            (parent-death signal, exit hook), so both values behave the same.
     """
 
     def __init__(self, config: Optional[AsyncCallerConfig] = None, *, is_daemon: bool = False):
@@ -191,13 +185,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._discard_worker(kill=True)
                 self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
                 return
-        args = list(async_req.async_fn_args or ())
-        staged = None
         try:
-            if async_req.preload_fn is not None:
-                staged = run_preload(async_req.preload_fn)
-                if len(args) > STAGED_ARG_INDEX:
-                    args[STAGED_ARG_INDEX] = staged
+            args, staged = stage_request(async_req)
         except Exception as exc:
             logger.error("rank %d: staging of async call %d failed: %s", self.rank, idx, exc)
             self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "staging", exc))
@@ -206,7 +195,7 @@ class PersistentAsyncCaller(AsyncCaller):
             release_staged_data(staged)
             self._statuses[idx] = CallStatus.succeeded()
             return
-        request = async_req._replace(async_fn_args=tuple(args), preload_fn=None, finalize_fns=[])
+        request = async_req._replace(async_fn_args=args, preload_fn=None, finalize_fns=[])
         try:
             encoded, arena = self.process.requests.encode(request)
         except Exception as exc:
@@ -219,8 +208,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._unreceived[idx] = time.monotonic()
         self.process.send((idx, encoded))
         try:
-            start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
-            finish_staging(staged)  # staging in rounds: copied while the writer drains
+            hand_over_staged(staged, self.process.pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
             self._statuses.pop(idx, None)
             self._kill_worker("worker", WorkerDiedError(

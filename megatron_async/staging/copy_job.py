@@ -304,9 +304,8 @@ class LateCopy:
     ``copy_job``: the copies left (None: everything was copied at scheduling).
     ``scheduling_waits``: scheduling returns only once they are done (staging in rounds);
     otherwise the next optimizer step waits for them (overlapped staging). Our callers
-    call both hooks (:func:`megatron_async.core.request.start_background_copy`,
-    :func:`~megatron_async.core.request.finish_staging`); nothing of this travels when the
-    staged data is pickled.
+    call both hooks (:func:`megatron_async.core.request.hand_over_staged`); nothing of this
+    travels when the staged data is pickled.
     """
 
     copy_job: Optional[CopyJob] = None

@@ -761,10 +761,7 @@ class _StrategyWithWriter(TorchDistAsyncSaveStrategy):
         self._writer_cls = writer_cls
 
     def _create_writer(self, checkpoint_dir):
-        return self._writer_cls(
-            checkpoint_dir, thread_count=self.config.thread_count,
-            digest_history=self.digest_history, commit_cache=self.commit_cache,
-        )
+        return self._writer_cls(checkpoint_dir, thread_count=self.config.thread_count)
 
 
 def _expect_failure_on_every_rank(ctx, persistent, writer_cls, phase):
@@ -968,9 +965,8 @@ def _timed(fn):
 SCENARIOS = {
     **by_name(sync_save_round_trip),
     # Both callers: each caller's data path end to end, and what differs by caller: a
-    # failed or killed background writer, write results returned from another process
-    # (warm saves), and I/O processes started from the writer (a forked child, or the
-    # persistent worker).
+    # failed or killed background writer, and write results returned from another
+    # process (warm saves).
     **for_both_callers(
         async_equals_sync,
         cached_data_structure_and_multiproc_io,

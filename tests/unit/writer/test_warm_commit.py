@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.format import CHECKSUM_FILE, checksum_record_name
+from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.saver import finalize
@@ -86,14 +86,14 @@ def test_a_path_checkpoint_id_is_pickled_afresh():
 
 
 def test_a_value_that_is_not_a_short_string_is_pickled_afresh(tmp_path):
-    from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
+    from megatron_async.writer.commit import commit_unchanged
 
     metadata = _metadata(5)
     template = MetadataTemplate.build(metadata)
     odd = StorageMeta(checkpoint_id=Path("/p"), save_id="s")
     assert template.render(odd) is None
     assert template.render(StorageMeta(checkpoint_id="/" + "z" * (1 << 16), save_id="s")) is None
-    commit_unchanged(str(tmp_path), CommittedMetadata(None, template), odd)
+    commit_unchanged(str(tmp_path), template, odd)
     written = FileSystemReader(str(tmp_path)).read_metadata()
     assert written.storage_meta.checkpoint_id == Path("/p") and written.storage_meta.save_id == "s"
     assert written.storage_data == metadata.storage_data
@@ -121,25 +121,21 @@ def test_the_reuse_check_wants_every_item_where_it_was():
 
 
 def test_the_coordinator_also_wants_the_committed_structure():
-    from megatron_async.writer.commit import CommittedMetadata
-
     structure = _metadata(2)
     cache = CommitCache()
     layout = storage_layout(_results(2))
     cache.remember(layout)  # a rank's view: no commit of its own
     assert not cache.matches(layout, structure, is_coordinator=True)
-    cache.remember(layout, structure, CommittedMetadata(structure, None))
+    cache.remember(layout, structure, MetadataTemplate.build(structure))
     assert cache.matches(layout, structure, is_coordinator=True)
     assert not cache.matches(layout, _metadata(2), is_coordinator=True)  # equal, not the same
     cache.forget()
     assert not cache.matches(layout, structure, is_coordinator=False)
 
 
-def _prepared_writer(path, state_dict, cache, history):
+def _prepared_writer(path, state_dict):
     """A single rank's writer whose background write is done, and the global metadata."""
-    writer = FileSystemWriterAsync(
-        str(path), thread_count=2, commit_cache=cache, digest_history=history
-    )
+    writer = FileSystemWriterAsync(str(path), thread_count=2)
     metadata = _prepare(writer, state_dict)
     _run(writer)
     return writer, metadata
@@ -153,10 +149,12 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         path = tmp_path / f"iter_{step}"
         path.mkdir()
         state = {"w": torch.full((64, 8), float(step)), "b": torch.arange(8.0) + step}
-        writer, metadata = _prepared_writer(path, state, cache, history)
+        writer, metadata = _prepared_writer(path, state)
         structure = structure or metadata  # the cached global metadata, as the plan cache keeps it
         before = finalize.get_result_gather_count()
-        report = finalize.save_state_dict_async_finalize(writer, structure, wrapper)
+        report = finalize.save_state_dict_async_finalize(
+            writer, structure, wrapper, commit_cache=cache, digest_history=history
+        )
         assert finalize.get_result_gather_count() - before == (1 if step == 0 else 0), step
 
         loaded = {k: torch.empty_like(v) for k, v in state.items()}
@@ -171,9 +169,9 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         assert len(items) == 2 and checksums.verify_items(str(path), items) == []
 
 
-def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_file(tmp_path):
+def test_read_checksums_keeps_only_the_stored_items(tmp_path):
     state = {"w": torch.randn(16, 4)}
-    writer, metadata = _prepared_writer(tmp_path, state, None, None)
+    writer, metadata = _prepared_writer(tmp_path, state)
     writer.finish(metadata, [writer.retrieve_write_results()])
     ours = checksums.read_checksums(str(tmp_path))
     assert [item.fqn for item in ours] == ["w"]
@@ -183,10 +181,4 @@ def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_fil
     stale = dataclasses.replace(result, storage_data=elsewhere)
     checksums.write_rank_record(str(tmp_path), 7, [stale])
     assert os.path.exists(tmp_path / checksum_record_name(7))
-    assert checksums.read_checksums(str(tmp_path)) == ours
-    # A checkpoint of an earlier version: one checksum file, no per-rank records.
-    for name in (checksum_record_name(0), checksum_record_name(7)):
-        os.remove(tmp_path / name)
-    checksums.write_checksum_file(str(tmp_path), ours)
-    assert os.path.exists(tmp_path / CHECKSUM_FILE)
     assert checksums.read_checksums(str(tmp_path)) == ours
