@@ -225,7 +225,7 @@ def stage_buckets(
         cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
         copy_later: the save's gate, for overlapped staging: only lease the buffers; the
             result's ``copy_job`` copies every tensor on the copy thread after the
-            hand-over (:class:`~.copy_job.LateCopy`) and marks that gate staged.
+            hand-over (:class:`~.copy_job.LateCopy`), marking each copied on that gate.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -287,7 +287,9 @@ def stage_buckets(
             copied, len(result), time.monotonic() - start, allocated,
         )
     if copy_later is not None:
-        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank())
+        copy_later.start_rounds()  # the writer waits for each item's copied mark
+        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank(),
+                                  indices=list(range(len(late_copies))))
     return result
 
 

@@ -1,14 +1,12 @@
 """One save's staging copy after the hand-over, the thread that runs it, and the one wait.
 
 Runs in the trainer. Every staging mode that copies after the request is handed to its
-writer builds a :class:`CopyJob` at scheduling and hands it, after the hand-over, to the
-one copy thread of this process (:class:`CopyThread`):
-
-* overlapped staging in one go (:mod:`.overlapped`): every tensor in one run, then the
-  save's gate is marked staged (the writer waits for that mark before it writes a byte);
-* in rounds (the staging budget's pool: :mod:`.rounds`, :mod:`.torch_save`), each run
-  once the writer wrote the items whose bytes it overwrites (a bounded wait on the gate),
-  each item marked copied on the gate once its bytes are in the pool.
+writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
+staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
+scheduling and hands it, after the hand-over, to the one copy thread of this process
+(:class:`CopyThread`). The job copies its items run after run (in rounds, each run once
+the writer wrote the items whose bytes it overwrites: a bounded wait on the gate) and
+marks each item copied on the save's gate; the writer waits per item for that mark.
 
 Staged data that carries a job derives from :class:`LateCopy`: our callers start the job
 (``start_background_copy``) once the request is with its writer and, where scheduling
@@ -71,19 +69,20 @@ class CopyJob:
     Built by the trainer at scheduling and run (:meth:`run`) after the hand-over.
 
     Args:
-        gate: the save's gate; a failure is recorded on it for the writer to raise.
+        gate: the save's gate; each item is marked copied on it, and a failure recorded
+            for the writer to raise.
         copies: ``(name, source, buffer, watched)`` per copy: ``buffer.copy_(source)``,
             with ``watched`` (see :func:`watch`) checked around it.
         rank: this rank, for messages.
-        indices: in rounds, the gate's item index of each copy (None: in one go).
-        waits_for: in rounds, per gate item, the items whose bytes it overwrites.
+        indices: the gate's item index of each copy.
+        waits_for: in rounds, per gate item, the items whose bytes it overwrites (None:
+            every copy at once).
         timeout_s: in rounds, the bound of each wait for the writer.
         what: the staging mode, as messages name it.
         advice: what to do about a tensor changed before its copy.
     """
 
-    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int,
-                 indices: Optional[List[int]] = None,
+    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int, indices: List[int],
                  waits_for: Optional[Sequence[Sequence[int]]] = None,
                  timeout_s: float = DEFAULT_STAGING_WAIT_S,
                  what: str = "overlapped staging", advice: str = OVERLAPPED_ADVICE):
@@ -121,8 +120,8 @@ class CopyJob:
 
 
     def run(self) -> None:
-        """Copy every tensor, run after run, then mark the gate staged; a failure is
-        recorded on the gate instead (the trainer's copy thread)."""
+        """Copy every tensor, run after run, marking each copied; a failure is recorded
+        on the gate instead (the trainer's copy thread)."""
         gate = self.gate
         try:
             position = 0
@@ -132,7 +131,6 @@ class CopyJob:
                     return  # the writer failed and reads nothing more: its error fails the save
                 self._copy(position, end)
                 position = self.copied = end
-            gate.mark_staged()
         except BaseException as exc:  # reported by the writer, on every rank at finalization
             self._keep_queued_copies()
             if not isinstance(exc, StagingRaceError):
@@ -165,8 +163,8 @@ class CopyJob:
     def _copy(self, start: int, end: int) -> None:
         """Copy items ``start:end``, checking each version before and after its copy (CUDA
         sources on the side stream's device: on that stream, checked once it is
-        synchronized; on another device: a blocking copy); in rounds, mark each copied
-        once its bytes are in the buffers."""
+        synchronized; on another device: a blocking copy); mark each copied once its
+        bytes are in the buffers."""
         on_stream = []
         for k in range(start, end):
             name, source, buffer, watched = self.copies[k]
@@ -178,17 +176,13 @@ class CopyJob:
             else:
                 buffer.copy_(source)
                 self._check(name, watched)  # not changed while it was copied
-                self._mark_copied(k)
+                self.gate.mark_copied(self.indices[k])
         if on_stream:
             wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
             for k in on_stream:
                 name, _, _, watched = self.copies[k]
                 self._check(name, watched)
-                self._mark_copied(k)
-
-    def _mark_copied(self, k: int) -> None:
-        if self.indices is not None:
-            self.gate.mark_copied(self.indices[k])
+                self.gate.mark_copied(self.indices[k])
 
     def _keep_queued_copies(self) -> None:
         """After a failure: the buffers live on until the queued device copies land."""

@@ -201,7 +201,6 @@ def stage_in_rounds(
                     else ("staging in rounds", _ADVICE))
     staged.plan, staged.scheduling_waits = plan, not overlapped
     staged.copy_job = copy_first_round(gate, plan, items, pool, overlapped, timeout_s, what, advice)
-    gate.mark_staged()  # the writer waits on the gate for each item instead
     return staged
 
 
@@ -253,8 +252,8 @@ class RoundItems(list):
         wait_on_gate(
             lambda: self.gate.is_staged(number), self.gate,
             time.monotonic() + self.timeout_s,
-            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging in rounds); "
-            "it is stuck",
+            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging after the "
+            "hand-over: in rounds, or overlap_staging); it is stuck or gone",
         )
 
     def after_item(self, idx: int) -> None:
@@ -270,8 +269,9 @@ def writer_view(
 ) -> Optional[Sequence[WriteBucket]]:
     """Background writer: the staged buckets as the write path reads them.
 
-    Staged in rounds, each bucket's tensor list waits for its items and frees them
-    (:class:`RoundItems`); otherwise the buckets as they are. The write path marks the
+    Where items are copied after the hand-over (in rounds, or overlapped), each bucket's
+    tensor list waits for its items and frees them (:class:`RoundItems`); otherwise the
+    buckets as they are. The write path marks the
     gate done once it returns, whatever happened (``gate.mark_done()``),
     which frees this save's staging memory for the next save.
     """

@@ -40,7 +40,7 @@ from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
 from megatron_async.staging.rounds import check_fits, stage_in_rounds
 
 __all__ = ["BucketStager", "prepare_staged_write"]
@@ -74,8 +74,9 @@ class BucketStager:
         cache_key: the bucket layout's key in ``cache`` (None: fresh buffers).
         stage_one_go: the writer's own staging of a state within the budget without
             overlap (a subclass's ``preload_tensors``); None stages into ``cache``.
-        rounds_allowed: False when the write path cannot take items in rounds (an
-            override with the reference signature): a state above the budget is refused.
+        rounds_allowed: False when the write path cannot take items as they are copied
+            (an override with the reference signature): a state above the budget, and
+            overlapped staging, are refused.
         stats: receives ``rounds`` and ``peak_bytes`` of each save.
         timeout_s: bound on the wait for an earlier save's memory or copy, and on each
             wait for the writer in rounds.
@@ -111,14 +112,21 @@ class BucketStager:
 
         Raises:
             StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
-                free the memory in time, or the write path cannot take items in rounds;
-                nothing was staged.
+                free the memory in time, or the write path cannot take items as they are
+                copied; nothing was staged.
             StagingHandOverError: the staging continues after the hand-over (overlapped,
                 or in rounds) but another library's caller runs this ``preload_fn``.
         """
         state_bytes, cuda = _state_sizes(self.buckets)
         budget = resolve_budget(self.limit, state_bytes)
         in_rounds = state_bytes > budget
+        if self.overlapped and not self.rounds_allowed:
+            raise StagingMemoryError(
+                "overlapped staging (overlap_staging) needs a write path that takes items as "
+                "they are copied; this writer's write path is an override without "
+                "staging_control. Accept staging_control in the override, or save without "
+                "overlap_staging"
+            )
         if in_rounds:
             self._refuse_rounds_it_cannot_do(state_bytes, budget)
         if self.overlapped:
@@ -218,8 +226,7 @@ def prepare_staged_write(
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
 
     Returns:
-        ``save_fn``: the write path with its arguments and the save's gate bound (with
-        ``overlapped``, it first waits for the copy thread, before it writes a byte); it
+        ``save_fn``: the write path with its arguments and the save's gate bound; it
         takes the request's ``args``. ``preload_fn``: the stager's ``stage``.
     """
     identifier, buckets = unpack_resolved_plan_data(resolved_plan_data)
@@ -233,6 +240,4 @@ def prepare_staged_write(
         ),
         rounds_allowed="staging_control" in save_fn.keywords, stats=stats,
     )
-    if overlapped:
-        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
     return save_fn, stager.stage

@@ -21,7 +21,7 @@ from megatron_async.errors import (
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
-from megatron_async.staging.gate import StagingGate, write_after_staging
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
@@ -208,7 +208,8 @@ class _StagedList(list):
 def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     """The writer's one entry into staging: the write path gets the save's gate if it takes
     ``staging_control``; overrides with the reference signature run without it (and then
-    refuse rounds), and a reference ``preload_tensors`` stages without the cache."""
+    refuse rounds and overlapped staging), and a reference ``preload_tensors`` stages
+    without the cache."""
     buckets = _buckets([torch.ones(256), torch.ones(4)])  # 1040 bytes
     plan_data = ("/nonexistent", (None, buckets))
     preloaded = []
@@ -233,12 +234,13 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     save_fn, _ = prepare(ours)
     assert save_fn.args == ("transforms",) and save_fn.keywords["use_fsync"] is False
     assert isinstance(save_fn.keywords["staging_control"], StagingGate)
-    save_fn, _ = prepare(ours, overlapped=True)
-    assert save_fn.func is write_after_staging  # waits for the copy thread, then writes
     save_fn, preload_fn = prepare(reference, limit=1024)
     assert save_fn.keywords == {"use_fsync": False}
     with pytest.raises(StagingMemoryError, match="cannot take items in rounds"):
         preload_fn()
+    _, preload_fn = prepare(reference, overlapped=True)
+    with pytest.raises(StagingMemoryError, match="overlap_staging"):
+        run_preload(preload_fn)
     assert preloaded == []
     _, preload_fn = prepare(reference)
     preload_fn().release()
@@ -456,7 +458,7 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
     ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
     source, buffer = torch.ones(16), torch.zeros(16)
     with copy_thread.held():  # an earlier save's copy that has not run yet
-        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
+        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0, [0]))
         with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
             ledger.pool(4096, pinned=False, timeout_s=0.1)
     wait_for_staging(timeout_s=30.0)
