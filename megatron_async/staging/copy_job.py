@@ -3,8 +3,8 @@
 Runs in the trainer. Every staging mode that copies after the request is handed to its
 writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
 staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
-scheduling and hands it, after the hand-over, to the one copy thread of this process
-(:class:`CopyThread`). The job copies its items run after run (in rounds, each run once
+scheduling and hands it, after the hand-over, to :class:`CopyThread`, which runs it on
+one of the process's helper threads. The job copies its items run after run (in rounds, each run once
 the writer wrote the items whose bytes it overwrites: a bounded wait on the gate) and
 marks each item copied on the save's gate; the writer waits per item for that mark.
 
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
+from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
@@ -202,46 +203,38 @@ class CopyJob:
 
 
 class CopyThread(OnePerProcess):
-    """The copy thread of this process and the jobs it has not finished (trainer).
+    """The copy jobs of this process not done yet, each run on a helper thread (trainer).
 
-    A thread belongs to a process and the next optimizer step of the process waits for
-    all of its jobs, so there is one per process (:meth:`of_process`). Jobs run one at a
-    time, in the order they were submitted.
+    The next optimizer step of the process waits for all of its jobs, so there is one
+    per process (:meth:`of_process`); a forked child starts with none. Jobs run on the
+    process's :class:`~megatron_async.core.helper_threads.HelperThreads`; a job that
+    reuses an earlier one's buffers waits for it first (the stager's
+    :meth:`wait_for_copies`, the pool's :meth:`stalled`).
     """
+
+    fresh_in_forked_child = True  # the parent's jobs do not run in the child
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
         self._pending: List[CopyJob] = []
-        self._thread: Optional[threading.Thread] = None
         self._running = threading.Event()  # cleared while copies are held
         self._running.set()
         self._optimizer_hook = None
 
     def submit(self, job: CopyJob) -> None:
-        """Hand ``job`` to the thread (after the request's hand-over; once)."""
+        """Start ``job`` on a helper thread (after the request's hand-over; once)."""
         with self._lock:
             if job.submitted:
                 return
             job.submitted = True
             self._pending.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="megatron-async-staging", daemon=True
-                )
-                self._thread.start()
-        self._jobs.put(job)
+        HelperThreads.of_process().start(partial(self._run, job), "megatron-async-staging")
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._running.wait()
-            job.run()
-            with self._lock:
-                self._pending = [j for j in self._pending if j is not job]
-            # Wait for the next job holding nothing of this one: its gate is a shared-memory
-            # segment, and a live segment keeps a restarted persistent worker from forking.
-            del job
+    def _run(self, job: CopyJob) -> None:
+        self._running.wait()
+        job.run()
+        with self._lock:
+            self._pending = [j for j in self._pending if j is not job]
 
     @contextlib.contextmanager
     def held(self):
@@ -288,7 +281,7 @@ class CopyThread(OnePerProcess):
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
                 self._optimizer_hook = register_optimizer_step_pre_hook(
-                    lambda optimizer, args, kwargs: self.wait_for_copies()
+                    lambda optimizer, args, kwargs: CopyThread.of_process().wait_for_copies()
                 )
 
 
