@@ -49,10 +49,10 @@ from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
-    "check_fits",
     "RoundPlan",
     "RoundItems",
     "plan_rounds",
+    "plan_bucket_rounds",
     "stage_in_rounds",
     "copy_first_round",
     "writer_view",
@@ -136,23 +136,25 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
     return RoundPlan(used, offsets, waits_for)
 
 
-def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
-    """Refuse, before anything is staged, a tensor larger than ``budget`` (trainer).
+def plan_bucket_rounds(buckets: Sequence[WriteBucket], budget: int) -> RoundPlan:
+    """Place every tensor item of ``buckets``, in the writer's order, in a ring of at most
+    ``budget`` bytes (trainer, before anything is held or staged).
 
     Raises:
-        StagingMemoryError: naming the tensor and the budget it needs.
+        StagingMemoryError: one tensor alone is larger than ``budget`` (naming it).
     """
-    for bucket in buckets:
-        for item, tensor in bucket.data[1]:
-            size = tensor.numel() * tensor.element_size()
-            if size > budget:
-                plan_rounds([size], [item.index.fqn], budget)
+    pairs = [pair for bucket in buckets for pair in bucket.data[1]]
+    return plan_rounds(
+        [tensor.numel() * tensor.element_size() for _, tensor in pairs],
+        [item.index.fqn for item, _ in pairs],
+        budget,
+    )
 
 
 def stage_in_rounds(
     buckets: Sequence[WriteBucket],
     pool: torch.Tensor,
-    budget: int,
+    plan: RoundPlan,
     gate: StagingGate,
     timeout_s: float,
     overlapped: bool = False,
@@ -164,25 +166,17 @@ def stage_in_rounds(
         buckets: the planned buckets (tensors anywhere).
         pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
             sources by its owner).
-        budget: the most pool bytes to use.
+        plan: the items' places in ``pool`` (:func:`plan_bucket_rounds`).
         gate: the save's gate, one word per tensor item of ``buckets``; marked *in rounds*.
         timeout_s: bound on every wait for the writer.
         overlapped: copy nothing now: every round is the copy thread's, and scheduling
             does not wait for it (the next optimizer step does).
-
-    Raises:
-        StagingMemoryError: a single tensor is larger than ``budget``.
     """
     entries = [
         (b_idx, item, tensor.detach())
         for b_idx, bucket in enumerate(buckets)
         for item, tensor in bucket.data[1]
     ]
-    plan = plan_rounds(
-        [t.numel() * t.element_size() for _, _, t in entries],
-        [item.index.fqn for _, item, _ in entries],
-        budget,
-    )
     gate.start_rounds()
     items: List[tuple] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]

@@ -41,7 +41,7 @@ from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
-from megatron_async.staging.rounds import check_fits, stage_in_rounds
+from megatron_async.staging.rounds import RoundPlan, plan_bucket_rounds, stage_in_rounds
 
 __all__ = ["BucketStager", "prepare_staged_write"]
 
@@ -127,8 +127,7 @@ class BucketStager:
                 "staging_control. Accept staging_control in the override, or save without "
                 "overlap_staging"
             )
-        if in_rounds:
-            self._refuse_rounds_it_cannot_do(state_bytes, budget)
+        plan = self._plan_rounds(state_bytes, budget) if in_rounds else None
         if self.overlapped:
             require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
             copy_thread = CopyThread.of_process()
@@ -140,7 +139,7 @@ class BucketStager:
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
             if pool is not None:
-                return stage_in_rounds(self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped)
+                return stage_in_rounds(self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped)
             if self.overlapped:  # the layout's buffers, copied by the copy thread
                 return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
             if self.stage_one_go is not None:
@@ -152,14 +151,15 @@ class BucketStager:
             gate=self.gate, pinned=cuda, timeout_s=self.timeout_s,
         )
         if in_rounds:
-            self.stats.update(rounds=staged.plan.rounds, peak_bytes=staged.plan.pool_bytes)
+            self.stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
         else:
             self.stats.update(rounds=1, peak_bytes=state_bytes)
         return staged
 
-    def _refuse_rounds_it_cannot_do(self, state_bytes: int, budget: int) -> None:
-        """Refuse rounds before anything is held or staged: a write path that cannot take
-        them, a tensor larger than the budget, or a caller that does not hand over."""
+    def _plan_rounds(self, state_bytes: int, budget: int) -> RoundPlan:
+        """Plan the rounds, refusing them before anything is held or staged: a write path
+        that cannot take them, a tensor larger than the budget, or a caller that does not
+        hand over."""
         if not self.rounds_allowed:
             raise StagingMemoryError(
                 f"this rank's state ({state_bytes} bytes) is larger than the "
@@ -167,12 +167,13 @@ class BucketStager:
                 "without staging_control) cannot take items in rounds. Accept staging_control "
                 "in the override, or raise staging_memory_limit to at least the state"
             )
-        check_fits(self.buckets, budget)
+        plan = plan_bucket_rounds(self.buckets, budget)
         require_hand_over(
             f"staging this rank's state ({state_bytes} bytes) in rounds through the "
             f"staging_memory_limit ({budget} bytes)",
             f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
         )
+        return plan
 
 
 def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":

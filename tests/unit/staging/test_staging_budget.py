@@ -20,7 +20,7 @@ from megatron_async.errors import (
 )
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
+from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds, writer_view
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -130,7 +130,7 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     buckets = _buckets(tensors)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(8192, dtype=torch.uint8)
-    staged = stage_in_rounds(buckets, pool, 8192, gate, timeout_s=30.0)
+    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, 8192), gate, timeout_s=30.0)
     assert staged.plan.rounds == 2
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
@@ -380,7 +380,9 @@ def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
     tensors = _tensors(count=count, numel=numel)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    staged = stage_in_rounds(_buckets(tensors), pool, pool_bytes, gate, timeout_s=timeout_s)
+    buckets = _buckets(tensors)
+    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, pool_bytes), gate,
+                             timeout_s=timeout_s)
     return tensors, gate, staged
 
 
