@@ -8,7 +8,7 @@ one of the process's helper threads. The job copies its items run after run (in 
 the writer wrote the items whose bytes it overwrites: a bounded wait on the gate) and
 marks each item copied on the save's gate; the writer waits per item for that mark.
 
-Staged data that carries a job derives from :class:`LateCopy`: our callers start the job
+Our staged data derives from :class:`StagedData`: our callers start its job
 (``start_background_copy``) once the request is with its writer and, where scheduling
 waits for the copy (rounds without overlap), wait for it (``finish_staging``). Every
 wait for a job (that one, the next optimizer step's, the next save's before it reuses the
@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
 
-__all__ = ["CopyJob", "CopyThread", "LateCopy", "OVERLAPPED_ADVICE", "watch"]
+__all__ = ["CopyJob", "CopyThread", "OVERLAPPED_ADVICE", "StagedData", "watch"]
 
 logger = logging.getLogger(__name__)
 
@@ -285,19 +285,38 @@ class CopyThread(OnePerProcess):
                 )
 
 
-class LateCopy:
-    """Staged data whose copy, or part of it, runs after the hand-over (trainer).
+class StagedData:
+    """Our staged data: the staging memory it holds, and the copies left after the hand-over
+    (trainer; :class:`~.buffers.StagedBuckets`, :class:`~.torch_save.TorchSaveStaged`).
 
-    ``copy_job``: the copies left (None: everything was copied at scheduling).
-    ``scheduling_waits``: scheduling returns only once they are done (staging in rounds);
-    otherwise the next optimizer step waits for them (overlapped staging). Our callers
-    call both hooks (:func:`megatron_async.core.request.start_background_copy`,
-    :func:`~megatron_async.core.request.finish_staging`); nothing of this travels when the
-    staged data is pickled.
+    ``hold``: the staging budget's hold on this save's memory (:mod:`.budget`), ended by
+    :meth:`release`. ``copy_job``: the copies left (None: everything was copied at
+    scheduling). ``scheduling_waits``: scheduling returns only once they are done
+    (staging in rounds); otherwise the next optimizer step waits for them (overlapped
+    staging). Our callers call the hooks (:func:`megatron_async.core.request.start_background_copy`,
+    :func:`~megatron_async.core.request.finish_staging`,
+    :func:`~megatron_async.core.request.release_staged_data`); nothing of this travels
+    when the staged data is pickled.
     """
 
+    hold: Any = None
     copy_job: Optional[CopyJob] = None
     scheduling_waits: bool = False
+
+    def release(self) -> None:
+        """Trainer: nothing reads the staged data any more (written, failed, or its writer
+        gone): end the budget's hold and give the buffers back."""
+        if self.hold is not None:
+            self.hold.end()
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Give the buffers back (a subclass's own; the budget's hold is not touched)."""
+
+    def record_writer(self, pid: int) -> None:
+        """Trainer, at the hand-over: the process that reads the data (the budget watches it)."""
+        if self.hold is not None and self.hold.gate is not None:
+            self.hold.gate.record_writer(pid)
 
     def start_background_copy(self) -> None:
         """Trainer, once the request is with its writer: hand the job to the copy thread."""

@@ -19,7 +19,7 @@ and hand the staged buckets to the writer. Two choices differ, each made once pe
   (:mod:`.overlapped`).
 
 The copies left after the hand-over travel with the staged buckets as a
-:class:`~.copy_job.CopyJob` (:class:`~.copy_job.LateCopy`): our callers start it once the
+:class:`~.copy_job.CopyJob` (:class:`~.copy_job.StagedData`): our callers start it once the
 request is with its writer and, where scheduling waits, wait for it; the one gate between
 stager and writer (:mod:`.gate`) carries the rest.
 """

@@ -38,7 +38,7 @@ from torch.serialization import location_tag, normalize_storage_type
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.copy_job import LateCopy, watch
+from megatron_async.staging.copy_job import StagedData, watch
 from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
 
@@ -128,14 +128,14 @@ def pickle_like_torch_save(
     return buffer.getvalue(), storages
 
 
-class TorchSaveStaged(LateCopy):
+class TorchSaveStaged(StagedData):
     """The records of one ``torch.save`` file, staged (trainer builds it, the writer reads it).
 
     ``header``: ``(name, bytes)`` records written first (``data.pkl`` and the format
     records); ``records``: ``(name, byte offset in buffer or None when empty, num_bytes)``
     per storage, in order; ``buffer``: the shared-memory segment holding them; ``gate``:
     the save's gate (item ``i`` is ``records[i]``). In rounds, the later rounds' copies
-    (:class:`~.copy_job.LateCopy`), which scheduling waits for. Pickled (to the persistent
+    (:class:`~.copy_job.StagedData`), which scheduling waits for. Pickled (to the persistent
     worker), only these travel: the copy job and the budget hold stay with the trainer.
     """
 
@@ -154,9 +154,8 @@ class TorchSaveStaged(LateCopy):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def release(self) -> None:
-        """Trainer: the writer is done with the staged bytes (the budget's hold, tied to
-        this object, ends with it)."""
+    def release_buffers(self) -> None:
+        """Trainer: the writer is done with the staged bytes."""
         self.buffer = None  # a segment of this save alone is freed here
 
 

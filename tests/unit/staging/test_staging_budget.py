@@ -20,6 +20,7 @@ from megatron_async.errors import (
 )
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds, writer_view
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
@@ -181,7 +182,7 @@ def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
     staged = BucketStager(StagingGate(2), buckets, limit=8192, stage_one_go=_StagedList,
                           stats=stats, timeout_s=5.0).stage()
     assert stats["rounds"] == 1  # within the budget any caller may stage
-    staged.release()
+    del staged  # an override's staged data: the hold ends when the caller drops it
     assert StagingLedger.of_process().held_bytes() == held
 
 
@@ -190,12 +191,12 @@ def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path
     ledger = StagingLedger.of_process()
     held = ledger.held_bytes()
     stats = {}
-    staged = BucketStager(StagingGate(1), buckets, stage_one_go=_StagedList, stats=stats,
+    staged = BucketStager(StagingGate(1), buckets, cache=StagingBufferCache(), stats=stats,
                           timeout_s=5.0).stage()
     assert stats == {"rounds": 1, "peak_bytes": 1024}
     assert ledger.held_bytes() == held + 1024  # no writer ran: still held
     staged.release()  # as a caller does once it killed a hung writer
-    assert ledger.held_bytes() == held and staged.released
+    assert ledger.held_bytes() == held and staged.hold.released
 
 
 class _StagedList(list):
