@@ -13,7 +13,7 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 * :mod:`.budget`: the ``staging_memory_limit``: the ledger of staging memory held by
   saves still being written, and the pool for rounds;
 * :mod:`.rounds`: a state larger than the budget, staged and written in rounds through
-  one bounded pool (its :func:`~.rounds.writer_view` runs in the background writer);
+  one bounded pool;
 * :mod:`.gate`: the one gate between the stager and the writer of a save, whatever the
   mode (both sides): failed or not, and per item copied or written;
 * :mod:`.copy_job`: the one copy that runs after the hand-over, in one go or in rounds,

@@ -12,7 +12,8 @@ thread, nothing is left to wait for; the writer marks the gate done when it has 
 everything (the staging budget's ledger watches that mark). Where items are copied after
 the hand-over (in rounds, or overlapped: :mod:`.rounds`), the stager marks each item
 copied and the writer marks each written (the stager waits for room with
-:func:`wait_for_room`, the writer for each item with :func:`wait_on_gate`).
+:func:`wait_for_room`; the writer reads the buckets through :meth:`StagingGate.writer_view`,
+which waits for each item).
 
 Either side records a failure, which ends the other side's waits at once (a failed
 bucket of the writer stops the trainer's copy and the writer's other buckets). Every wait
@@ -30,10 +31,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.core import shared_memory
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import (
@@ -161,6 +163,28 @@ class StagingGate:
         (``pid`` None: this process) as it starts reading."""
         self._words[4] = os.getpid() if pid is None else int(pid)
 
+    def writer_view(
+        self, staged: Optional[Sequence[WriteBucket]], timeout_s: float
+    ) -> Optional[Sequence[WriteBucket]]:
+        """Background writer: the staged buckets as the write path reads them.
+
+        Where items are copied after the hand-over (in rounds, or overlapped), each
+        bucket's tensor list waits for its items and frees them (:class:`_ArrivingItems`);
+        otherwise the buckets as they are. The write path marks the gate done once it
+        returns, whatever happened (:meth:`mark_done`), which frees this save's staging
+        memory for the next save.
+        """
+        if not self.in_rounds or staged is None:
+            return staged
+        self.record_writer()
+        first, buckets = 0, []
+        for bucket in staged:
+            bytes_data, tensor_data = bucket.data
+            items = _ArrivingItems(tensor_data, self, first, timeout_s)
+            buckets.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, items)))
+            first += len(tensor_data)
+        return buckets
+
     def writer_gone(self) -> bool:
         """Trainer: whether the recorded writer process ended (False before it recorded)."""
         pid = int(self._words[4])
@@ -183,6 +207,38 @@ def _process_running(pid: int) -> bool:
         except OSError:
             pass
         return True
+
+
+class _ArrivingItems(list):
+    """A bucket's ``(item, tensor)`` list whose items arrive after the hand-over
+    (background writer).
+
+    :func:`~megatron_async.writer.bucket_io.write_bucket` calls :meth:`before_item`
+    before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
+    """
+
+    def __init__(self, pairs, gate: StagingGate, first: int, timeout_s: float):
+        super().__init__(pairs)
+        self.gate = gate
+        self.first = first
+        self.timeout_s = timeout_s
+
+    def before_item(self, idx: int) -> None:
+        """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
+        number = self.first + idx
+        wait_on_gate(
+            lambda: self.gate.is_staged(number), self.gate,
+            time.monotonic() + self.timeout_s,
+            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging after the "
+            "hand-over: in rounds, or overlap_staging); it is stuck or gone",
+        )
+
+    def after_item(self, idx: int) -> None:
+        self.gate.mark_written(self.first + idx)
+
+    def abandon(self, exc: BaseException) -> None:
+        """This bucket failed: stop the trainer's copy and the writer's other buckets."""
+        self.gate.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
 
 
 def wait_on_gate(

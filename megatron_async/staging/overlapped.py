@@ -31,7 +31,7 @@ Within the staging budget this is one round; above it, the copy thread copies ev
 round after the hand-over and the next optimizer step waits for the last (:mod:`.rounds`).
 
 Runs in the trainer; the gate's waiting side runs in the background writer
-(:func:`~.rounds.writer_view`).
+(:meth:`~.gate.StagingGate.writer_view`).
 """
 
 from __future__ import annotations

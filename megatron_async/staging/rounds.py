@@ -19,15 +19,15 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   waits for the drain, and the snapshot is whole when scheduling returns. With
   overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
   and the next optimizer step waits for the last instead of scheduling;
-* the background writer (:func:`writer_view`) waits for an item's *copied* mark before
-  writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
-  or copied them), which frees its bytes for the next round.
+* the background writer (:meth:`~.gate.StagingGate.writer_view`) waits for an item's
+  *copied* mark before writing it, and marks it *written* once its bytes left the pool
+  (the bucket file wrote or copied them), which frees its bytes for the next round.
 
 The files are byte-identical to a save staged in one go (same buckets, items, write
 path). Version counters recorded in ``preload_fn`` are checked around every later copy: a
 tensor changed before its copy fails the save on every rank (``StagingRaceError``).
 
-Runs in the trainer, except :func:`writer_view` and :class:`RoundItems` (background writer).
+Runs in the trainer.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 from typing import Deque, List, Optional, Sequence
 
 import torch
@@ -44,18 +43,16 @@ from megatron_async.core import coordination, shared_memory
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
 from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
-from megatron_async.staging.gate import StagingGate, wait_on_gate
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
     "RoundPlan",
-    "RoundItems",
     "plan_rounds",
     "plan_bucket_rounds",
     "stage_in_rounds",
     "copy_first_round",
-    "writer_view",
 ]
 
 logger = logging.getLogger(__name__)
@@ -225,57 +222,3 @@ def copy_first_round(
         indices=[entry[0] for entry in later], waits_for=plan.waits_for,
         timeout_s=timeout_s, what=what, advice=advice,
     )
-
-
-class RoundItems(list):
-    """A bucket's ``(item, tensor)`` list whose items arrive in rounds (background writer).
-
-    :func:`~megatron_async.writer.bucket_io.write_bucket` calls :meth:`before_item`
-    before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
-    """
-
-    def __init__(self, pairs, gate: StagingGate, first: int, timeout_s: float):
-        super().__init__(pairs)
-        self.gate = gate
-        self.first = first
-        self.timeout_s = timeout_s
-
-    def before_item(self, idx: int) -> None:
-        """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
-        number = self.first + idx
-        wait_on_gate(
-            lambda: self.gate.is_staged(number), self.gate,
-            time.monotonic() + self.timeout_s,
-            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging after the "
-            "hand-over: in rounds, or overlap_staging); it is stuck or gone",
-        )
-
-    def after_item(self, idx: int) -> None:
-        self.gate.mark_written(self.first + idx)
-
-    def abandon(self, exc: BaseException) -> None:
-        """This bucket failed: stop the trainer's copy and the writer's other buckets."""
-        self.gate.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
-
-
-def writer_view(
-    gate: StagingGate, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
-) -> Optional[Sequence[WriteBucket]]:
-    """Background writer: the staged buckets as the write path reads them.
-
-    Where items are copied after the hand-over (in rounds, or overlapped), each bucket's
-    tensor list waits for its items and frees them (:class:`RoundItems`); otherwise the
-    buckets as they are. The write path marks the
-    gate done once it returns, whatever happened (``gate.mark_done()``),
-    which frees this save's staging memory for the next save.
-    """
-    if not gate.in_rounds or staged is None:
-        return staged
-    gate.record_writer()
-    first, buckets = 0, []
-    for bucket in staged:
-        bytes_data, tensor_data = bucket.data
-        buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
-                                   (bytes_data, RoundItems(tensor_data, gate, first, timeout_s))))
-        first += len(tensor_data)
-    return buckets

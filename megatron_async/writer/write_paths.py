@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.staging.rounds import writer_view
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
@@ -206,8 +205,8 @@ def write_staged_buckets(
     staging binds (:func:`~megatron_async.staging.stager.prepare_staged_write`).
     A failed bucket is recorded in the outcome that goes to ``global_results_queue``, not
     raised. ``staging_control`` (the save's staging gate,
-    :mod:`megatron_async.staging.rounds`): items may arrive in rounds, and the block is
-    marked done at the end, which frees the save's staging memory.
+    :class:`~megatron_async.staging.gate.StagingGate`): items may arrive after the
+    hand-over, and the gate is marked done at the end, which frees the save's staging memory.
     """
     write_one = _one_bucket_writer(
         bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
@@ -219,7 +218,7 @@ def write_staged_buckets(
         write_and_report(runner, rank, write_buckets, global_results_queue)
         return
     try:
-        write_buckets = writer_view(staging_control, write_timeout_s, write_buckets)
+        write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
         write_and_report(runner, rank, write_buckets, global_results_queue)
     finally:
         staging_control.mark_done()

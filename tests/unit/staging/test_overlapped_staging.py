@@ -18,7 +18,6 @@ from megatron_async.staging.overlapped import (
     staging_in_progress,
     wait_for_staging,
 )
-from megatron_async.staging.rounds import writer_view
 from megatron_async.staging.stager import BucketStager
 from megatron_async.buckets.layout import WriteBucket
 
@@ -53,7 +52,7 @@ def _staged_values(staged):
 
 def _read_as_the_writer(staged, gate):
     """Read every item as the background writer does: each waits for its copied mark."""
-    (bucket,) = writer_view(gate, 1.0, staged)
+    (bucket,) = gate.writer_view(staged, 1.0)
     items = bucket.data[1]
     for idx in range(len(items)):
         items.before_item(idx)

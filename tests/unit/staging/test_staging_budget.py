@@ -21,7 +21,7 @@ from megatron_async.errors import (
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds, writer_view
+from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -137,7 +137,7 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     written = []
 
     staged.start_background_copy()
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     with pytest.raises(StagingRaceError, match="layer3.weight"):
         for idx, (item, tensor) in enumerate(bucket.data[1]):
             bucket.data[1].before_item(idx)
@@ -274,7 +274,7 @@ def _drain_in_thread(gate, staged):
     written, errors = [], []
 
     def drain():
-        (bucket,) = writer_view(gate, 60.0, list(staged))
+        (bucket,) = gate.writer_view(list(staged), 60.0)
         try:
             for idx, (_, tensor) in enumerate(bucket.data[1]):
                 bucket.data[1].before_item(idx)
@@ -394,7 +394,7 @@ def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
     _, gate, staged = _rounds(timeout_s=30.0)
     start = time.monotonic()
     staged.start_background_copy()  # waits for items 0 and 1 to be written
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     bucket.data[1].abandon(OSError(28, "No space left on device"))  # bucket 0 failed
     staged.finish_staging()
     with pytest.raises(StorageWriteError, match="No space left on device"):
@@ -419,7 +419,7 @@ def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
     tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
     assert staged.plan.rounds == 3
     staged.start_background_copy()
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     written = []
     for idx, (_, tensor) in enumerate(bucket.data[1]):  # a slow writer: 0.25 s an item
         bucket.data[1].before_item(idx)
