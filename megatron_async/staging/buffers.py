@@ -273,12 +273,10 @@ def stage_buckets(
     except BaseException as exc:
         device_stuck = isinstance(exc, DeviceCopyTimeoutError) or bool(cuda_devices) and not (
             landed_after_failure(cuda_devices, holding=(result, entry)))  # queued before it
-        if device_stuck or entry is not None and any(
-                b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):
-            cache.discard(result.lease)  # a stuck copy may still write into them
-            result.lease = None
-        else:
-            result.release()
+        stuck = device_stuck or entry is not None and any(
+            b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets)
+        cache.release(result.lease, reusable=not stuck)  # a stuck copy may still write into them
+        result.lease = None
         raise
     if logger.isEnabledFor(logging.DEBUG):
         copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])
