@@ -26,6 +26,7 @@ stager and writer (:mod:`.gate`) carries the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from functools import partial
@@ -61,6 +62,7 @@ def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
     return total, cuda
 
 
+@dataclasses.dataclass
 class BucketStager:
     """Stages one save's write buckets within the staging budget (trainer, every rank).
 
@@ -82,30 +84,17 @@ class BucketStager:
             wait for the writer in rounds.
     """
 
-    def __init__(
-        self,
-        gate: StagingGate,
-        buckets: Sequence[WriteBucket],
-        *,
-        limit: Any = None,
-        overlapped: bool = False,
-        cache: Optional[StagingBufferCache] = None,
-        cache_key: Optional[Hashable] = None,
-        stage_one_go: Optional[Callable[[], Any]] = None,
-        rounds_allowed: bool = True,
-        stats: Optional[dict] = None,
-        timeout_s: float = DEFAULT_STAGING_WAIT_S,
-    ):
-        self.gate = gate
-        self.buckets = buckets
-        self.limit = limit
-        self.overlapped = overlapped
-        self.cache = cache  # None: the default cache, looked up when staging (so this pickles)
-        self.cache_key = cache_key
-        self.stage_one_go = stage_one_go
-        self.rounds_allowed = rounds_allowed
-        self.stats = stats if stats is not None else {}
-        self.timeout_s = timeout_s
+    gate: StagingGate
+    buckets: Sequence[WriteBucket]
+    _: dataclasses.KW_ONLY
+    limit: Any = None
+    overlapped: bool = False
+    cache: Optional[StagingBufferCache] = None  # None: looked up when staging (so this pickles)
+    cache_key: Optional[Hashable] = None
+    stage_one_go: Optional[Callable[[], Any]] = None
+    rounds_allowed: bool = True
+    stats: dict = dataclasses.field(default_factory=dict)
+    timeout_s: float = DEFAULT_STAGING_WAIT_S
 
     def stage(self) -> Any:
         """Stage the buckets and return the staged data (trainer, the request's ``preload_fn``).
