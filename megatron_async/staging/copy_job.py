@@ -4,9 +4,10 @@ Runs in the trainer. Every staging mode that copies after the request is handed 
 writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
 staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
 scheduling and hands it, after the hand-over, to :class:`CopyThread`, which runs it on
-one of the process's helper threads. The job copies its items run after run (in rounds, each run once
-the writer wrote the items whose bytes it overwrites: a bounded wait on the gate) and
-marks each item copied on the save's gate; the writer waits per item for that mark.
+one of the process's helper threads. The job copies its items run after run (in rounds,
+each run once the writer wrote the items whose bytes it overwrites: a bounded wait on
+the gate) and marks each item copied on the save's gate; the writer waits per item for
+that mark.
 
 Our staged data derives from :class:`StagedData`: our callers start its job
 (``start_background_copy``) once the request is with its writer and, where scheduling

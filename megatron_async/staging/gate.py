@@ -3,17 +3,17 @@
 One small shared-memory segment per save, :class:`StagingGate`: a header (the failure
 state and message, the writer's *done* mark, whether items are copied after the
 hand-over, the writer's process id) and one state word per tensor item (pending, copied,
-written). The trainer creates it with the save's functions,
-before the fork or the send, so a forked writer inherits it and the persistent worker
-maps it from its segment reference.
+written). The trainer creates it with the save's functions, before the fork or the send,
+so a forked writer inherits it and the persistent worker maps it from its segment
+reference.
 
 Every staging mode goes through it the same way. Staged in one go on the training
 thread, nothing is left to wait for; the writer marks the gate done when it has read
 everything (the staging budget's ledger watches that mark). Where items are copied after
 the hand-over (in rounds, or overlapped: :mod:`.rounds`), the stager marks each item
 copied and the writer marks each written (the stager waits for room with
-:func:`wait_for_room`; the writer reads the buckets through :meth:`StagingGate.writer_view`,
-which waits for each item).
+:func:`wait_for_room`; the writer reads the buckets through
+:meth:`StagingGate.writer_view`, which waits for each item).
 
 Either side records a failure, which ends the other side's waits at once (a failed
 bucket of the writer stops the trainer's copy and the writer's other buckets). Every wait
@@ -58,7 +58,7 @@ earlier save's staging memory or copy, and for each round (trainer and backgroun
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1
-# failure, message length, writer done, in rounds, writer pid, failed by writer
+# failure, message length, writer done, copied later (in_rounds), writer pid, failed by writer
 _HEADER_WORDS = 6
 _LIVENESS_PERIOD_S = 0.5
 _MESSAGE_BYTES = 4096
@@ -68,8 +68,8 @@ class StagingGate:
     """One save's shared state between the stager and the background writer.
 
     A shared-memory segment: a header (failure state and message, the writer's *done*
-    mark) and one word per tensor item (pending, copied, written). Created by the trainer with the save's functions; pickles as its segment,
-    so the persistent worker maps it.
+    mark) and one word per tensor item (pending, copied, written). Created by the trainer
+    with the save's functions; pickles as its segment, so the persistent worker maps it.
     """
 
     def __init__(self, num_items: int = 0, segment: Optional[torch.Tensor] = None):

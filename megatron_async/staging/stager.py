@@ -5,9 +5,9 @@ A storage writer enters staging once per save, through :func:`prepare_staged_wri
 its write path and that path's own arguments, and gets back the request's ``save_fn`` and
 ``preload_fn``; the gate, the stager and the choice between one go, rounds and overlapped
 staging stay here. The stager, :class:`BucketStager`, is built once per save; its
-:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same way: reserve the save's staging
-memory in the budget's ledger (:mod:`.budget`), give every tensor a host buffer, copy,
-and hand the staged buckets to the writer. Two choices differ, each made once per save:
+:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same
+way: reserve the save's staging memory in the budget's ledger (:mod:`.budget`), give
+every tensor a host buffer, copy, and hand the staged buckets to the writer. Two choices differ, each made once per save:
 
 * **where the buffers come from**: a state within the budget is one round, staged into
   its bucket layout's cached buffers (:mod:`.buffers`; a warm save is one ``torch.cat``
@@ -19,9 +19,8 @@ and hand the staged buckets to the writer. Two choices differ, each made once pe
   (:mod:`.overlapped`).
 
 The copies left after the hand-over travel with the staged buckets as a
-:class:`~.copy_job.CopyJob` (:class:`~.copy_job.StagedData`): our callers start it once the
-request is with its writer and, where scheduling waits, wait for it; the one gate between
-stager and writer (:mod:`.gate`) carries the rest.
+:class:`~.copy_job.CopyJob` (:class:`~.copy_job.StagedData`); the one gate between
+stager and writer (:mod:`.gate`) carries each item's state.
 """
 
 from __future__ import annotations
@@ -128,7 +127,9 @@ class BucketStager:
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
             if pool is not None:
-                return stage_in_rounds(self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped)
+                return stage_in_rounds(
+                    self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped
+                )
             if self.overlapped:  # the layout's buffers, copied by the copy thread
                 return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
             if self.stage_one_go is not None:
