@@ -148,7 +148,6 @@ class TorchSaveStaged(StagedData):
         self.gate = gate
         self.alignment = alignment
         self.crc32 = crc32
-        self.rounds = 1
 
     def __reduce__(self):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
@@ -254,7 +253,6 @@ def stage_torch_save(
         ]
         staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
                                            "torch.save staging in rounds", _ADVICE)
-        staged.rounds = plan.rounds
         return staged
 
     staged = StagingLedger.of_process().stage_within(
