@@ -32,25 +32,6 @@ __version__ = "0.2.0"
 BACKGROUND_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"
 """Set to ``1`` in the environment of our background workers (see the docstring above)."""
 
-__all__ = [
-    "AsyncCallerConfig",
-    "AsyncCallsQueue",
-    "AsyncCheckpointError",
-    "AsyncRequest",
-    "AsyncSaveFailedError",
-    "FileSystemWriterAsync",
-    "PersistentAsyncCaller",
-    "TemporalAsyncCaller",
-    "TorchAsyncCheckpoint",
-    "TorchDistAsyncSaveStrategy",
-    "TorchDistSaveConfig",
-    "WriterPriority",
-    "register_strategies",
-    "save_state_dict_async_finalize",
-    "save_state_dict_async_plan",
-    "verify_global_md_reuse",
-]
-
 _LAZY = {
     "AsyncCallerConfig": "megatron_async.core",
     "AsyncCallsQueue": "megatron_async.core",
@@ -69,6 +50,9 @@ _LAZY = {
     "TorchAsyncCheckpoint": "megatron_async.torch_ckpt",
     "WriterPriority": "megatron_async.core.priority",
 }
+"""Each public name and the module it is imported from on first use."""
+
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name):

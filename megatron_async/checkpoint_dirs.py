@@ -40,32 +40,21 @@ from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE, has_completi
 from megatron_async.storage.backend import storage_for
 
 __all__ = [
-    "TRACKER_FILENAME",
-    "COMPLETE_MARKERS",
     "CheckpointInfo",
     "ResumePoint",
     "check_save_dir_writable",
-    "checkpoint_dir_exists",
     "checkpoint_dir_name",
     "choose_resume_point",
-    "create_checkpoint_dir",
     "delete_checkpoint_dir",
     "is_complete_checkpoint",
     "iteration_from_path",
     "list_checkpoints",
-    "purge_trash",
     "read_tracker",
     "select_for_deletion",
     "write_tracker",
 ]
 
 logger = logging.getLogger(__name__)
-
-TRACKER_FILENAME = TRACKER_FILE
-"""Name of the tracker file in a save directory (Megatron-LM's name)."""
-
-COMPLETE_MARKERS = COMPLETION_MARKERS
-"""Files whose presence makes a checkpoint directory complete (see :mod:`megatron_async.format`)."""
 
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
@@ -90,21 +79,8 @@ def checkpoint_dir_name(iteration: int) -> str:
 
 
 def is_complete_checkpoint(path: str) -> bool:
-    """Return True when ``path`` is a directory holding every file of :data:`COMPLETE_MARKERS`."""
+    """Return True when ``path`` is a directory holding every completion marker."""
     return has_completion_markers(path, storage_for(path))
-
-
-def checkpoint_dir_exists(path: str) -> bool:
-    """Whether the checkpoint directory ``path`` exists (for a URL: any object under it)."""
-    return storage_for(path).is_dir(path)
-
-
-def create_checkpoint_dir(path: str) -> None:
-    """Create the empty checkpoint directory ``path``, durably (the coordinator rank).
-
-    An ``msc://`` prefix needs nothing: it appears with its first object.
-    """
-    storage_for(path).make_dir(path)
 
 
 def check_save_dir_writable(save_dir: str) -> None:
@@ -143,7 +119,7 @@ class CheckpointInfo:
     Attributes:
         iteration: the iteration in the directory name.
         path: the directory.
-        complete: whether it holds every file of :data:`COMPLETE_MARKERS`.
+        complete: whether it holds every completion marker.
     """
 
     iteration: int
@@ -170,7 +146,7 @@ def read_tracker(save_dir: str) -> Optional[int]:
         CheckpointValidationError: the tracker exists but does not hold an iteration
             number (Megatron-LM's ``release`` marker included).
     """
-    path = os.path.join(save_dir, TRACKER_FILENAME)
+    path = os.path.join(save_dir, TRACKER_FILE)
     try:
         text = storage_for(path).read(path).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
@@ -191,7 +167,7 @@ def write_tracker(save_dir: str, iteration: int) -> None:
     (``CheckpointStorage.write_atomically``; in object storage one PUT). Runs on the
     coordinator rank only.
     """
-    storage_for(save_dir).write_atomically(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
+    storage_for(save_dir).write_atomically(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +202,7 @@ def choose_resume_point(load_dir: str, iteration: Optional[int]) -> Optional[Res
         if not is_complete_checkpoint(path):
             raise CheckpointValidationError(
                 f"cannot resume from iteration {iteration}: {path} is not a complete "
-                f"checkpoint (it needs {' and '.join(COMPLETE_MARKERS)}); choose one of "
+                f"checkpoint (it needs {' and '.join(COMPLETION_MARKERS)}); choose one of "
                 f"{[c.iteration for c in list_checkpoints(load_dir) if c.complete]}"
             )
         return ResumePoint(iteration, path, "requested")
@@ -297,12 +273,3 @@ def delete_checkpoint_dir(path: str) -> bool:
         logger.warning("could not delete checkpoint %s: %s", path, exc)
         return False
     return True
-
-
-def purge_trash(save_dir: str) -> None:
-    """Finish deletions that a crash interrupted (best effort).
-
-    Under an ``msc://`` prefix there is no trash: an interrupted deletion left an
-    incomplete checkpoint, which retention deletes like any other.
-    """
-    storage_for(save_dir).finish_removals(save_dir)

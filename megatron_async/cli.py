@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import select
 import signal
 import sys
-import time
-from typing import List, Optional, TextIO
+from typing import List, Optional
 
 from megatron_async.checkpoint_dirs import list_checkpoints, read_tracker
 from megatron_async.errors import ObjectStoreError, ObjectStoreUnavailableError
@@ -38,34 +36,6 @@ def _human_bytes(num_bytes: float) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
         num_bytes /= 1024
     return f"{num_bytes:.2f} TiB"
-
-
-class _ProgressBar:
-    """A one-line progress bar on a terminal; silent elsewhere (logs, CI)."""
-
-    def __init__(self, total_bytes: int, stream: TextIO, min_total_bytes: int = 64 << 20):
-        self.total = max(total_bytes, 1)
-        self.done = 0
-        self.stream = stream
-        self.enabled = stream.isatty() and total_bytes >= min_total_bytes
-        self._last_draw = 0.0
-
-    def advance(self, num_bytes: int) -> None:
-        self.done += num_bytes
-        now = time.monotonic()
-        if self.enabled and (now - self._last_draw > 0.1 or self.done >= self.total):
-            self._last_draw = now
-            width = 30
-            filled = int(width * self.done / self.total)
-            self.stream.write(
-                f"\rverifying [{'#' * filled}{'.' * (width - filled)}] "
-                f"{100 * self.done / self.total:5.1f}% of {_human_bytes(self.total)}"
-            )
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -103,28 +73,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from megatron_async.integrity import checksums
-    from megatron_async.integrity.inspection import find_completeness_problems
+    from megatron_async.integrity.verify import find_damage
 
-    problems = find_completeness_problems(args.checkpoint)
-    items = None
-    try:
-        items = checksums.read_checksums(args.checkpoint)
-    except (ValueError, OSError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
-        problems.append(f"the checksum records cannot be read: {exc}")
-    if items is not None:
-        progress = _ProgressBar(sum(item.length for item in items), sys.stderr)
-        problems += checksums.verify_items(args.checkpoint, items, progress.advance)
-        progress.close()
+    problems, num_items = find_damage(args.checkpoint)
     if problems:
         print(f"DAMAGED: {args.checkpoint}")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    if items is None:
+    if num_items is None:
         print(f"COMPLETE (no checksums recorded, content not verified): {args.checkpoint}")
     else:
-        print(f"INTACT: {args.checkpoint} ({len(items)} items, checksums match)")
+        print(f"INTACT: {args.checkpoint} ({num_items} items, checksums match)")
     return 0
 
 

@@ -2,10 +2,8 @@
 
 Every error the library raises on purpose derives from :class:`AsyncCheckpointError`.
 A failure of a background save is always reported on *every* rank as one
-:class:`AsyncSaveFailedError` that carries each failing rank's exception and traceback
-(``failures``, DCP's contract) and its :class:`RankFailure` (``rank_failures``: exception
-type, message, traceback text and the phase it happened in), so that a training job can
-catch a single type and log what went wrong everywhere.
+:class:`AsyncSaveFailedError` that carries every failing rank's :class:`RankFailure`, so
+that a training job can catch a single type and log what went wrong everywhere.
 
 :class:`AsyncSaveFailedError` derives from PyTorch DCP's ``CheckpointException``, so it
 is created on first use (module ``__getattr__``): the command-line tools import this
@@ -17,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import traceback
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
 
 
 __all__ = [
@@ -195,10 +193,6 @@ class RankFailure:
                 pass
         return RemoteFailureError(f"{self.exception_type}: {self.message}")
 
-    def as_wrapped_exception(self) -> Tuple[BaseException, traceback.StackSummary]:
-        """``(exception, stack)``: PyTorch DCP's form of one rank's failure."""
-        return self.exception(), self.stack or traceback.StackSummary()
-
     def summary(self) -> str:
         """One line: rank, phase, exception type and message.
 
@@ -265,7 +259,10 @@ def _define_async_save_failed_error() -> type:
                 "checkpoints in other directories are untouched. Fix the cause above and save "
                 "again."
             )
-            wrapped = {rank: f.as_wrapped_exception() for rank, f in self.rank_failures.items()}
+            wrapped = {  # DCP's form: rank -> (exception, stack)
+                rank: (f.exception(), f.stack or traceback.StackSummary())
+                for rank, f in self.rank_failures.items()
+            }
             CheckpointException.__init__(self, "\n".join(lines), wrapped)
 
         def __str__(self) -> str:
@@ -273,14 +270,6 @@ def _define_async_save_failed_error() -> type:
 
         def __reduce__(self):
             return (type(self), (self.rank_failures, self.checkpoint, self._hint))
-
-        def full_report(self) -> str:
-            """The message followed by every failing rank's traceback."""
-            parts = [str(self)]
-            for failure in self.rank_failures.values():
-                if failure.traceback_text:
-                    parts.append(f"--- rank {failure.rank} traceback ---\n{failure.traceback_text}")
-            return "\n".join(parts)
 
     # Defined in a function only to defer importing torch; pickled by this name.
     AsyncSaveFailedError.__qualname__ = "AsyncSaveFailedError"

@@ -13,8 +13,7 @@ A ``torch_dist`` checkpoint directory holds:
   by every rank's background writer;
 * one checksum record per rank, :func:`checksum_record_name` (``megatron_async_checksums_rank{N}.json``):
   the xxh3 digest of every item that rank wrote, written by its background writer once its
-  data files are durable (ours; stock loaders ignore them). Checkpoints of earlier versions
-  hold one :data:`CHECKSUM_FILE` for all ranks instead, still read;
+  data files are durable (ours; stock loaders ignore them);
 * :data:`DCP_METADATA_FILE` (``.metadata``), DCP's global metadata, written by the
   coordinator once every rank's data is durable;
 * :data:`MEGATRON_METADATA_FILE` (``metadata.json``), megatron-core's backend record,
@@ -39,7 +38,6 @@ __all__ = [
     "DCP_METADATA_FILE",
     "MEGATRON_METADATA_FILE",
     "COMMON_FILE",
-    "CHECKSUM_FILE",
     "checksum_record_name",
     "is_checksum_record",
     "COMPLETION_MARKERS",
@@ -59,10 +57,6 @@ MEGATRON_METADATA_FILE = "metadata.json"
 
 COMMON_FILE = "common.pt"
 """megatron-core's non-sharded state, in checkpoints of megatron-core 0.16 and older."""
-
-CHECKSUM_FILE = "megatron_async_checksums.json"
-"""All ranks' per-item xxh3 digests in one file, as checkpoints of earlier versions hold
-them (the coordinator wrote it before ``.metadata``); read, no longer written."""
 
 CHECKSUM_RECORD_PREFIX = "megatron_async_checksums_rank"
 """Start of the name of a rank's checksum record (see :func:`checksum_record_name`)."""

@@ -4,11 +4,9 @@ The directory layout (``iter_*`` checkpoints, the tracker) and its file operatio
 in :mod:`megatron_async.checkpoint_dirs`; this module decides, for a multi-rank job,
 what to resume from, when the tracker moves and what retention may delete.
 
-A checkpoint directory is *complete* once it holds both ``metadata.json`` (written by
-megatron-core after every rank's shards are written) and ``.metadata`` (the global
-PyTorch DCP metadata). The tracker is written only after that, by the coordinator rank
-(rank 0), atomically: a crash at any moment leaves it pointing at the previous complete
-checkpoint or at the new one, never at a partial file or directory.
+The tracker is written only once the checkpoint is complete (both markers of
+:mod:`megatron_async.format`), by the coordinator rank (rank 0), atomically: a crash at
+any moment leaves it pointing at the previous complete checkpoint or at the new one.
 
 With an async save the tracker update runs as a finalize function of the save's
 :class:`~megatron_async.core.request.AsyncRequest` (see :meth:`CheckpointManager.attach_commit`),
@@ -30,47 +28,26 @@ import os
 from typing import List, Optional, Set
 
 from megatron_async.checkpoint_dirs import (
-    COMPLETE_MARKERS,
-    TRACKER_FILENAME,
-    CheckpointInfo,
     ResumePoint,
     check_save_dir_writable,
-    checkpoint_dir_exists,
     checkpoint_dir_name,
     choose_resume_point,
-    create_checkpoint_dir,
     delete_checkpoint_dir,
-    is_complete_checkpoint,
     list_checkpoints,
-    purge_trash,
     read_tracker,
     select_for_deletion,
     write_tracker,
 )
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.format import missing_completion_markers
+from megatron_async.format import COMPLETION_MARKERS, missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import storage_for
 
-# The directory functions are part of this module's public surface too (older imports).
-__all__ = [
-    "TRACKER_FILENAME",
-    "COMPLETE_MARKERS",
-    "CheckpointInfo",
-    "CheckpointManager",
-    "CheckpointManagerConfig",
-    "ResumePoint",
-    "checkpoint_dir_name",
-    "is_complete_checkpoint",
-    "list_checkpoints",
-    "read_tracker",
-    "select_for_deletion",
-    "write_tracker",
-]
+__all__ = ["CheckpointManager", "CheckpointManagerConfig", "ResumePoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +108,7 @@ class CheckpointManager:
             probe = functools.partial(check_save_dir_writable, config.save_dir)
             # Bounded: on a hung mount the check fails on every rank instead of hanging one.
             agreed_step(what, lambda: self._directories.run_bounded(
-                what, probe, error=FileSystemStepTimeoutError,
+                what, probe,
                 hint="the file system is not answering; check the mount or pick another save_dir"))
 
     @property
@@ -271,7 +248,8 @@ class CheckpointManager:
         for info in select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected):
             if delete_checkpoint_dir(info.path):
                 deleted.append(info.path)
-        purge_trash(save_dir)
+        # Finish deletions a crash interrupted (on disk: the renamed-away directories).
+        storage_for(save_dir).finish_removals(save_dir)
         if deleted:
             logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
         return deleted
@@ -294,25 +272,18 @@ class CheckpointManager:
 
         Raises:
             CheckpointValidationError: on every rank, when the requested iteration has
-                no complete checkpoint, or the tracker or ``load_dir`` is unreadable.
+                no complete checkpoint, or the tracker or ``load_dir`` is unreadable
+                (rank 0's cause in the message).
         """
-        if self.config.load_dir is None:
+        load_dir = self.config.load_dir
+        if load_dir is None:
             return None
-        choice, failure = None, None
-        if coordination.get_rank() == 0:
-            try:
-                choice = choose_resume_point(self.config.load_dir, iteration)
-            except CheckpointValidationError as exc:
-                failure = str(exc)
-            except Exception as exc:  # an unreadable load_dir: reported on every rank below
-                failure = (
-                    f"rank 0 could not look for a checkpoint in {self.config.load_dir}: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-        choice, failure = coordination.all_gather_objects((choice, failure))[0]
-        if failure is not None:
-            raise CheckpointValidationError(failure)
-        return choice
+
+        def choose() -> Optional[ResumePoint]:
+            return choose_resume_point(load_dir, iteration) if coordination.get_rank() == 0 else None
+
+        choice, _ = agreed_step(f"looking for a checkpoint to resume from in {load_dir}", choose)
+        return coordination.all_gather_objects(choice)[0]
 
     # Helpers below run on the coordinator rank only.
 
@@ -324,13 +295,14 @@ class CheckpointManager:
                 "overwriting would leave no complete checkpoint while the save runs. Save "
                 "under a new iteration or into another directory."
             )
-        if checkpoint_dir_exists(path):
+        storage = storage_for(path)
+        if storage.is_dir(path):
             logger.warning("deleting the remains of an earlier save of %s", path)
             if not delete_checkpoint_dir(path):
                 raise CheckpointValidationError(
                     f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
                 )
-        create_checkpoint_dir(path)
+        storage.make_dir(path)
 
     def _write_tracker_for(self, iteration: int, path: str) -> None:
         storage = storage_for(path)
@@ -341,7 +313,7 @@ class CheckpointManager:
                 "marking it as the latest"
             )
         # Files need an fsync; an object store acknowledged each marker's PUT durably.
-        for marker in COMPLETE_MARKERS:
+        for marker in COMPLETION_MARKERS:
             storage.sync(os.path.join(path, marker))
         storage.sync_dir(path)
         write_tracker(self._require_save_dir(), iteration)

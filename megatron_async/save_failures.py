@@ -27,7 +27,6 @@ from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointInProgressError,
     CheckpointValidationError,
-    CoordinationError,
     RankFailure,
 )
 
@@ -103,9 +102,7 @@ class SaveFailureTracker:
             TooManySaveFailuresError: under ``"continue"``, once
                 ``max_consecutive_failures`` saves failed in a row.
         """
-        if self.policy.mode == "raise" or isinstance(error, CoordinationError):
-            raise error
-        if not isinstance(error, _SAVE_FAILURES):
+        if self.policy.mode == "raise" or not isinstance(error, _SAVE_FAILURES):
             raise error
         self.consecutive_failures += 1
         self.total_failures += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import pickle
 from pathlib import Path
@@ -24,16 +23,14 @@ from megatron_async.writer.torch_save_file import write_torch_save_file
 
 __all__ = ["TorchAsyncCheckpoint"]
 
-logger = logging.getLogger(__name__)
 
-
-def _pickle_options(save_kwargs: Dict[str, Any]):
-    """``(pickle_module, pickle_protocol, byteorder_record)`` from ``torch.save`` keywords.
+def _pickle_options(options: Dict[str, Any]):
+    """``(pickle_module, pickle_protocol, byteorder_record)`` from ``torch.save`` keywords
+    (consumed from ``options``).
 
     Raises:
         CheckpointValidationError: a keyword ``torch.save``'s zip format does not take.
     """
-    options = dict(save_kwargs)
     pickle_module = options.pop("pickle_module", pickle)
     pickle_protocol = options.pop("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL)
     byteorder_record = not options.pop("_disable_byteorder_record", False)
@@ -112,14 +109,14 @@ class TorchAsyncCheckpoint:
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
         self._paths_in_flight: Dict[int, Path] = {}
 
-    def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
+    def async_save(self, state_dict: Any, f: Union[str, os.PathLike], **kwargs: Any) -> int:
         """Start saving ``state_dict`` like ``torch.save(state_dict, f, **kwargs)``.
 
         Args:
             state_dict: any object ``torch.save`` accepts; its tensors are snapshotted.
-            f: (first positional argument or ``f=``) the destination path.
+            f: the destination path.
             **kwargs: ``torch.save``'s ``pickle_module``, ``pickle_protocol`` and
-                ``_disable_byteorder_record``.
+                ``_disable_byteorder_record``, by keyword.
 
         Returns:
             The call index of the save.
@@ -134,24 +131,12 @@ class TorchAsyncCheckpoint:
         touching the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose
         failure is the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
         """
-        save_kwargs = dict(kwargs)
-        if args:
-            path, extra = args[0], args[1:]
-            if extra:
-                raise CheckpointValidationError(
-                    "TorchAsyncCheckpoint.async_save(state_dict, f, **kwargs): pass torch.save "
-                    "options by keyword"
-                )
-        elif "f" in save_kwargs:
-            path = save_kwargs.pop("f")
-        else:
-            raise CheckpointValidationError("TorchAsyncCheckpoint.async_save needs a destination path f")
-        if not isinstance(path, (str, os.PathLike)):
+        if not isinstance(f, (str, os.PathLike)):
             raise CheckpointValidationError(
-                f"TorchAsyncCheckpoint saves to a path, got {type(path).__name__}; file objects "
+                f"TorchAsyncCheckpoint saves to a path, got {type(f).__name__}; file objects "
                 "cannot be written from a background process"
             )
-        target = Path(path).absolute()
+        target = Path(f).absolute()
         if not target.parent.is_dir():
             raise CheckpointValidationError(
                 f"cannot save to {target}: directory {target.parent} does not exist; create it first"
@@ -167,7 +152,7 @@ class TorchAsyncCheckpoint:
                 f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
                 "before saving to the same path again, or save to another path"
             )
-        pickle_module, pickle_protocol, byteorder_record = _pickle_options(save_kwargs)
+        pickle_module, pickle_protocol, byteorder_record = _pickle_options(kwargs)
         self.staging_stats = {}
         request = AsyncRequest(
             async_fn=write_torch_save_file,

@@ -21,7 +21,7 @@ from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
 
-__all__ = ["CallState", "CallStatus", "CallAgreement", "AsyncCaller", "agree_on_call"]
+__all__ = ["CallState", "CallStatus", "AsyncCaller", "agree_on_call"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +58,9 @@ class CallStatus:
         return cls(CallState.FAILED, failure)
 
 
-@dataclasses.dataclass(frozen=True)
-class CallAgreement:
-    """What every rank agrees on for one call after :func:`agree_on_call`."""
-
-    done_everywhere: bool
-    failures: Dict[int, RankFailure]
-
-
-def agree_on_call(call_idx: int, status: CallStatus, no_dist: bool) -> CallAgreement:
+def agree_on_call(
+    call_idx: int, status: CallStatus, no_dist: bool
+) -> Optional[Dict[int, RankFailure]]:
     """Agree across ranks whether call ``call_idx`` is finished, and whether it failed.
 
     Runs on every rank (unless ``no_dist``). One all-reduce (MAX) of four integers
@@ -77,12 +71,17 @@ def agree_on_call(call_idx: int, status: CallStatus, no_dist: bool) -> CallAgree
     A rank that failed counts as finished: the agreement waits until no rank is still
     running, so that no background writer is left behind when the error is raised.
 
+    Returns:
+        None while some rank still runs the call; else every rank's failure of it (empty:
+        it succeeded everywhere).
+
     Raises:
         CoordinationError: ranks are finalizing different calls, or a peer is gone.
     """
     if no_dist or not coordination.is_distributed():
-        failures = {} if status.failure is None else {status.failure.rank: status.failure}
-        return CallAgreement(status.is_terminal, failures)
+        if not status.is_terminal:
+            return None
+        return {} if status.failure is None else {status.failure.rank: status.failure}
     still_running = int(not status.is_terminal)
     failed = int(status.state is CallState.FAILED)
     any_running, any_failed, max_idx, neg_min_idx = coordination.all_reduce_max(
@@ -95,11 +94,11 @@ def agree_on_call(call_idx: int, status: CallStatus, no_dist: bool) -> CallAgree
             "the same order and call maybe_finalize_async_calls together."
         )
     if any_running:
-        return CallAgreement(False, {})
+        return None
     if not any_failed:
-        return CallAgreement(True, {})
+        return {}
     gathered = coordination.all_gather_objects(status.failure)
-    return CallAgreement(True, {f.rank: f for f in gathered if f is not None})
+    return {f.rank: f for f in gathered if f is not None}
 
 
 class AsyncCaller(abc.ABC):
@@ -137,14 +136,6 @@ class AsyncCaller(abc.ABC):
     def close(self, abort: bool = False) -> None:
         """Stop the background processes; with ``abort``, kill them without waiting."""
 
-    def wait(self, call_idx: int) -> CallStatus:
-        """Block until call ``call_idx`` is finished locally; bounded by the call timeout."""
-        while True:
-            status = self.poll(call_idx)
-            if status.is_terminal:
-                return status
-            time.sleep(self.config.poll_interval_s)
-
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
         """Return whether the oldest scheduled call is done on every rank.
 
@@ -156,17 +147,38 @@ class AsyncCaller(abc.ABC):
         """
         if self._current_call_idx is None:
             return True
-        idx = self._current_call_idx
+        failures = self.agree(self._current_call_idx, blocking, no_dist)
+        if failures:
+            raise AsyncSaveFailedError(failures)
+        return failures is not None
+
+    def agree(self, call_idx: int, blocking: bool, no_dist: bool) -> Optional[Dict[int, RankFailure]]:
+        """Agree with every rank on call ``call_idx`` (every rank, unless ``no_dist``).
+
+        Returns:
+            None while some rank still runs it (only without ``blocking``: blocking waits,
+            bounded by the call's timeout); else every rank's failure of it (empty: it
+            succeeded everywhere).
+
+        Raises:
+            CoordinationError: ranks are finalizing different calls, or a peer is gone.
+        """
         while True:
-            agreement = agree_on_call(idx, self.poll(idx), no_dist)
-            if agreement.done_everywhere:
-                break
-            if not blocking:
-                return False
+            failures = agree_on_call(call_idx, self._local_status(call_idx), no_dist)
+            if failures is not None or not blocking:
+                return failures
             time.sleep(self.config.poll_interval_s)
-        if agreement.failures:
-            raise AsyncSaveFailedError(agreement.failures)
-        return True
+
+    def _local_status(self, call_idx: int) -> CallStatus:
+        """:meth:`poll`, with an exception of the poll itself made this call's failure (every
+        rank): raised here, it would skip the agreement's collective on this rank alone and
+        leave the other ranks waiting in it until ``coordination_timeout_s``."""
+        try:
+            return self.poll(call_idx)
+        except Exception as exc:
+            rank = coordination.get_rank()
+            logger.exception("rank %d: checking async call %d failed", rank, call_idx)
+            return CallStatus.failed(RankFailure.from_exception(rank, "finalize", exc))
 
     def sync_all_async_calls(self, is_alive: int) -> bool:
         """Return True when no rank reports ``is_alive`` (one gloo all-reduce)."""

@@ -38,7 +38,6 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "all_gather_objects",
-    "barrier",
     "raise_if_any_rank_failed",
     "run_on_coordinator",
     "raise_agreed_failures",
@@ -125,7 +124,7 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
     world = dist.group.WORLD
     with _group_lock:
         if _cached_group is not None and _cached_for_world is world:
-            if _is_registered(_cached_group):
+            if _cached_group in dist.distributed_c10d._world.pg_map:  # not destroyed
                 if timeout_s is not None and float(timeout_s) != _cached_timeout_s:
                     logger.warning(
                         "the checkpoint-coordination group already exists with timeout %.0fs; %.0fs "
@@ -148,10 +147,6 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
 def coordination_timeout_s() -> float:
     """The bound on each collective of the coordination group (the default before one exists)."""
     return _cached_timeout_s
-
-
-def _is_registered(group: dist.ProcessGroup) -> bool:
-    return group in dist.distributed_c10d._world.pg_map
 
 
 def _create_named_gloo_group(name: str, timeout_s: float) -> dist.ProcessGroup:
@@ -254,11 +249,6 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> L
     return gathered
 
 
-def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
-    """Wait for every rank, bounded by the coordination group's timeout."""
-    all_reduce_max([0], group)
-
-
 def raise_if_any_rank_failed(
     local_failure: Optional[RankFailure],
     group: Optional[dist.ProcessGroup] = None,
@@ -277,10 +267,6 @@ def raise_if_any_rank_failed(
     Raises:
         AsyncSaveFailedError: on every rank, when at least one rank passed a failure.
     """
-    if not is_distributed():
-        if local_failure is not None:
-            raise AsyncSaveFailedError({local_failure.rank: local_failure}, checkpoint)
-        return
     (any_failed,) = all_reduce_max([int(local_failure is not None)], group)
     if any_failed:
         raise_agreed_failures(local_failure, group, checkpoint)
@@ -297,8 +283,7 @@ def raise_agreed_failures(
     Raises:
         AsyncSaveFailedError: always, listing every failed rank's failure.
     """
-    gathered = all_gather_objects(local_failure, group) if is_distributed() else [local_failure]
-    failures = {f.rank: f for f in gathered if f is not None}
+    failures = {f.rank: f for f in all_gather_objects(local_failure, group) if f is not None}
     raise AsyncSaveFailedError(failures, checkpoint)
 
 

@@ -35,15 +35,10 @@ from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
-    "DEVICE_COPY_WAIT_S", "DeviceCopyTimeoutError", "held_after_failures", "landed_after_failure",
+    "DeviceCopyTimeoutError", "held_after_failures", "landed_after_failure",
     "release_landed", "wait_for_device_copies", "wait_for_stream",
 ]
 
-DEVICE_COPY_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
-"""How long the copies queued on one stream may take, with the work queued before them
-on the same stream. A device still busy after this makes no progress. Staging runs
-inside ``preload_fn``, where no caller's config reaches it: the default of
-``AsyncCallerConfig.staging_timeout_s``."""
 
 # Internal pacing of the poll, not bounds: how soon a landed copy is seen.
 _SPIN_S = 100e-6  # short copies: query without sleeping first (a sleep lasts >= ~60 us)
@@ -62,7 +57,9 @@ class DeviceCopyTimeoutError(AsyncTimeoutError):
 
 
 def wait_for_device_copies(
-    devices: Iterable[torch.device], timeout_s: float = DEVICE_COPY_WAIT_S, holding: Any = None
+    devices: Iterable[torch.device],
+    timeout_s: float = DEFAULT_CONFIG.staging_timeout_s,
+    holding: Any = None,
 ) -> None:
     """Return once everything this thread queued so far on each CUDA device's current
     stream has run (the thread that queued the copies).
@@ -78,7 +75,9 @@ def wait_for_device_copies(
         _wait([(str(d), torch.cuda.current_stream(d)) for d in devices], timeout_s, holding)
 
 
-def wait_for_stream(stream: Any, timeout_s: float = DEVICE_COPY_WAIT_S, holding: Any = None) -> None:
+def wait_for_stream(
+    stream: Any, timeout_s: float = DEFAULT_CONFIG.staging_timeout_s, holding: Any = None
+) -> None:
     """:func:`wait_for_device_copies` for the copies queued on ``stream`` (a side stream)."""
     _wait([(str(stream.device), stream)], timeout_s, holding)
 

@@ -12,14 +12,9 @@ from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker, startup_failure_message
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.hand_over import run_preload
 from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.core.request import (
-    STAGED_ARG_INDEX,
-    AsyncRequest,
-    release_staged_data,
-    finish_staging,
-    start_background_copy,
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
 from megatron_async.errors import (
     AsyncTimeoutError,
@@ -216,13 +211,8 @@ class PersistentAsyncCaller(AsyncCaller):
             if not self._fail_if_startup_overdue(idx):
                 self._run_while_starting(async_req)
             return
-        args = list(async_req.async_fn_args or ())
-        staged = None
         try:
-            if async_req.preload_fn is not None:
-                staged = run_preload(async_req.preload_fn)
-                if len(args) > STAGED_ARG_INDEX:
-                    args[STAGED_ARG_INDEX] = staged
+            args, staged = stage_request(async_req)
         except Exception as exc:
             logger.error("rank %d: staging of async call %d failed: %s", self.rank, idx, exc)
             self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "staging", exc))
@@ -231,7 +221,7 @@ class PersistentAsyncCaller(AsyncCaller):
             release_staged_data(staged)
             self._statuses[idx] = CallStatus.succeeded()
             return
-        request = async_req._replace(async_fn_args=tuple(args), preload_fn=None, finalize_fns=[])
+        request = async_req._replace(async_fn_args=args, preload_fn=None, finalize_fns=[])
         try:
             encoded, arena = self.process.requests.encode(request)
         except Exception as exc:
@@ -244,8 +234,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._unreceived[idx] = time.monotonic()
         self.process.send_request(idx, encoded)
         try:
-            start_background_copy(staged, self.process.pid)  # overlapped: the worker waits for it
-            finish_staging(staged)  # staging in rounds: copied while the writer drains
+            hand_over_staged(staged, self.process.pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
             self._statuses.pop(idx, None)
             self._kill_worker("worker", WorkerDiedError(

@@ -8,13 +8,13 @@ from collections import deque
 from typing import Any, Deque, List, NamedTuple, Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.caller import AsyncCaller, CallStatus, agree_on_call
+from megatron_async.core.caller import AsyncCaller
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_report import checkpoint_of, details_of, log_finalized_save
 from megatron_async.core.temporal import TemporalAsyncCaller
-from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, QueueClosedError, RankFailure
+from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, QueueClosedError
 
 __all__ = ["AsyncCallsQueue"]
 
@@ -46,17 +46,6 @@ def as_async_request(request: Any) -> AsyncRequest:
         f"schedule_async_request expects an AsyncRequest, got {type(request).__name__}; build "
         "one with megatron_async.AsyncRequest(async_fn, async_fn_args, finalize_fns, ...)"
     )
-
-
-def _local_status(caller: AsyncCaller, idx: int) -> CallStatus:
-    """``caller.poll(idx)``, with an exception of the poll itself made this call's failure
-    (every rank): raised here, it would skip the agreement's collective on this rank alone
-    and leave the other ranks waiting in it until ``coordination_timeout_s``."""
-    try:
-        return caller.poll(idx)
-    except Exception as exc:
-        logger.exception("rank %d: checking async call %d failed", coordination.get_rank(), idx)
-        return CallStatus.failed(RankFailure.from_exception(coordination.get_rank(), "finalize", exc))
 
 
 class AsyncCallsQueue:
@@ -142,7 +131,7 @@ class AsyncCallsQueue:
         start = time.monotonic()
         caller = self._get_async_caller()
         try:
-            caller.schedule_async_call(request.without_finalize_fns())
+            caller.schedule_async_call(request._replace(finalize_fns=[]))  # they stay here
         except BaseException:  # an interrupt while staging, a caller's bug: never scheduled
             request.abandon()  # frees what its steps hold (our commit step's directory claim)
             raise
@@ -178,21 +167,18 @@ class AsyncCallsQueue:
         finalized: List[int] = []
         while self.async_calls:
             idx, caller, request, schedule_s = self.async_calls[0]
-            agreement = agree_on_call(idx, _local_status(caller, idx), no_dist)
-            if not agreement.done_everywhere:
-                if not blocking:
-                    break
-                time.sleep(self.config.poll_interval_s)
-                continue
+            failures = caller.agree(idx, blocking, no_dist)
+            if failures is None:
+                break
             self.async_calls.popleft()
             caller.release(idx)
-            if agreement.failures:
+            if failures:
                 checkpoint = checkpoint_of(request)  # named in the error's headline
                 # Free the request's resources (an in-flight directory claim) now: the
                 # caller may still hold the request, and the traceback keeps this frame.
                 request.abandon()
                 del request, caller
-                raise AsyncSaveFailedError(agreement.failures, checkpoint)
+                raise AsyncSaveFailedError(failures, checkpoint)
             start = time.monotonic()
             for finalize_fn in request.finalize_fns:
                 finalize_fn()

@@ -1,24 +1,39 @@
-"""The unit of asynchronous work: :class:`AsyncRequest`."""
+"""The unit of asynchronous work, :class:`AsyncRequest`, and the hand-over of its staged data.
+
+Some staging cannot finish inside ``preload_fn``: overlapped staging copies on a trainer
+thread, and staging in rounds (a state above ``staging_memory_limit``) copies its later
+rounds while the writer drains the pool. Both need the caller to call
+:func:`hand_over_staged` once the request is with its writer. Our callers do;
+megatron-core's and nvidia-resiliency-ext's own ``AsyncCallsQueue`` do not know this hook,
+so under them the writer would wait for bytes that are never copied until its bound
+expires. Our callers therefore stage through :func:`run_preload`, which marks the calling
+thread, and staging that needs the hand-over calls :func:`require_hand_over` first: it
+refuses at once, naming the fix, under another library's caller.
+
+Runs in the trainer (every rank).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.core.hand_over import run_preload
-from megatron_async.errors import FrozenRequestError, RankFailure
+from megatron_async.errors import FrozenRequestError, RankFailure, StagingHandOverError
 
 __all__ = [
     "AsyncRequest",
     "STAGED_ARG_INDEX",
     "adapt_finalize_fn",
+    "hand_over_staged",
     "register_finalize_step_adapter",
     "release_staged_data",
+    "require_hand_over",
+    "run_preload",
     "run_staging_and_async_fn",
-    "start_background_copy",
-    "finish_staging",
+    "stage_request",
 ]
 
 logger = logging.getLogger(__name__)
@@ -138,10 +153,6 @@ class AsyncRequest(NamedTuple):
                 except Exception:  # freeing is best effort; the save's own error is raised
                     logger.warning("abandoning finalize step %r failed", fn, exc_info=True)
 
-    def without_finalize_fns(self) -> "AsyncRequest":
-        """Return a copy without finalize functions (what is sent to a background process)."""
-        return self._replace(finalize_fns=[])
-
     def execute_sync(self) -> None:
         """Run the whole request in the calling thread: stage, write, agree, finalize.
 
@@ -169,6 +180,61 @@ class AsyncRequest(NamedTuple):
             fn()
 
 
+class _CallerMark(threading.local):
+    depth = 0
+
+
+# Per thread, with no owner to pass: ``preload_fn`` takes no arguments (megatron-core's
+# request format), so the thread running it is what tells whose caller runs it.
+_mark = _CallerMark()
+
+
+def run_preload(preload_fn: Callable[[], Any]) -> Any:
+    """Run ``preload_fn`` as one of our callers, which hand staged data over (trainer)."""
+    _mark.depth += 1
+    try:
+        return preload_fn()
+    finally:
+        _mark.depth -= 1
+
+
+def require_hand_over(what: str, alternative: str) -> None:
+    """Refuse staging that needs :func:`hand_over_staged` outside our callers (trainer).
+
+    Args:
+        what: the staging that was asked for, as the message should name it.
+        alternative: how to save without it under the caller in use.
+
+    Raises:
+        StagingHandOverError: ``preload_fn`` was not run by :func:`run_preload`.
+    """
+    if _mark.depth > 0:
+        return
+    raise StagingHandOverError(
+        f"{what} continues after the request is handed to its writer, which only "
+        "megatron_async's callers arrange; this request's preload_fn was run by another "
+        "library's AsyncCallsQueue (megatron-core's or nvidia-resiliency-ext's). Schedule "
+        f"it on megatron_async.AsyncCallsQueue, or {alternative}. Nothing was staged or "
+        "written; the previous checkpoint is intact"
+    )
+
+
+def stage_request(request: AsyncRequest) -> Tuple[Tuple[Any, ...], Any]:
+    """Run the request's ``preload_fn`` (if any) through :func:`run_preload` (trainer).
+
+    Returns:
+        ``(async_fn_args with the staged data at STAGED_ARG_INDEX, the staged data)``;
+        the staged data is None without a ``preload_fn``.
+    """
+    args = list(request.async_fn_args or ())
+    if request.preload_fn is None:
+        return tuple(args), None
+    staged = run_preload(request.preload_fn)
+    if len(args) > STAGED_ARG_INDEX:
+        args[STAGED_ARG_INDEX] = staged
+    return tuple(args), staged
+
+
 def release_staged_data(staged: Any) -> None:
     """Tell staged data that the background part is done with it (trainer side).
 
@@ -181,49 +247,35 @@ def release_staged_data(staged: Any) -> None:
         release()
 
 
-def start_background_copy(staged: Any, writer_pid: Optional[int] = None) -> None:
-    """Start the copy of staged data whose staging was only prepared (trainer side).
+def hand_over_staged(staged: Any, writer_pid: int, finish: bool = True) -> None:
+    """Start what staging left for after the hand-over (trainer, once the request is with
+    its writer: after the fork, after the send). Other staged data is left alone.
 
-    Overlapped staging (:mod:`megatron_async.staging.overlapped`) leases the buffers in
-    ``preload_fn`` and copies in a background thread; callers call this once the request
-    is handed to its background writer (after the fork, after the send), so that
-    nothing copies while the process forks. Other staged data is left alone.
-
-    ``writer_pid``: the process that reads the staged data (the forked child, the
-    persistent worker, this process for a synchronous write). Staged data that watches
-    its writer (``record_writer``: staging within the budget) records it first, so that
-    its waits end when that process dies, even before it started reading.
+    Args:
+        staged: what ``preload_fn`` returned.
+        writer_pid: the process that reads the staged data (the forked child, the
+            persistent worker, this process for a synchronous write). Staged data that
+            watches its writer (``record_writer``: staging within the budget) records it,
+            so that its waits end when that process dies, even before it started reading.
+        finish: wait until staged data whose later rounds copy beside the writer is whole
+            (``finish_staging``), so that the trainer changes no saved tensor before it is
+            copied. False where the writer runs after this in the same thread.
     """
     record = getattr(staged, "record_writer", None)
-    if writer_pid is not None and callable(record):
+    if callable(record):
         record(writer_pid)
     start = getattr(staged, "start_background_copy", None)
     if callable(start):
         start()
-
-
-def finish_staging(staged: Any) -> None:
-    """Wait until staged data whose later rounds copy beside the writer is whole (trainer).
-
-    Staging in rounds (:mod:`megatron_async.staging.rounds`) copies what does not fit the
-    staging budget while the writer drains; callers call this after
-    :func:`start_background_copy`, before scheduling returns, so that the trainer changes
-    no saved tensor before it is copied. Other staged data is left alone.
-    """
-    finish = getattr(staged, "finish_staging", None)
-    if callable(finish):
-        finish()
+    wait_until_whole = getattr(staged, "finish_staging", None)
+    if finish and callable(wait_until_whole):
+        wait_until_whole()
 
 
 def run_staging_and_async_fn(request: AsyncRequest) -> None:
     """Stage (``preload_fn``) and then run ``async_fn``, in the calling process."""
-    args = list(request.async_fn_args or ())
-    staged = None
-    if request.preload_fn is not None:
-        staged = run_preload(request.preload_fn)
-        if len(args) > STAGED_ARG_INDEX:
-            args[STAGED_ARG_INDEX] = staged
-        start_background_copy(staged, os.getpid())
+    args, staged = stage_request(request)
+    hand_over_staged(staged, os.getpid(), finish=False)
     try:
         if request.async_fn is not None:
             request.async_fn(*args, **(request.async_fn_kwargs or {}))

@@ -28,11 +28,10 @@ system may be the thing that hangs.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from megatron_async.core import coordination
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
@@ -41,7 +40,6 @@ from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
 __all__ = [
     "Claim",
-    "CoordinatorStepTimeoutError",
     "FileSystemStepTimeoutError",
     "SaveDirectories",
     "coordinator_step_timeout_s",
@@ -56,11 +54,7 @@ HUNG_MOUNT_HINT = "the file system is not answering (a hung network mount?); che
 
 
 class FileSystemStepTimeoutError(AsyncTimeoutError):
-    """A bounded file-system step of a save did not return in time (any rank)."""
-
-
-class CoordinatorStepTimeoutError(FileSystemStepTimeoutError):
-    """A coordinator-only step of a save (a file-system call) did not return in time."""
+    """A bounded file-system step of a save (rank 0's, or every rank's) did not return in time."""
 
 
 def coordinator_step_timeout_s() -> float:
@@ -72,17 +66,17 @@ def coordinator_step_timeout_s() -> float:
 class Claim:
     """One save's hold on its directory; :meth:`release` ends it (idempotent)."""
 
-    def __init__(self, owner: "SaveDirectories", directory: str, token: int) -> None:
+    def __init__(self, owner: "SaveDirectories", directory: str) -> None:
         self.directory = directory
-        self._owner, self._token = owner, token
+        self._owner = owner
 
     def release(self) -> None:
         """Free the directory for the next save (any thread; no file-system call)."""
-        self._owner._release(self.directory, self._token)
+        self._owner._release(self)
 
     def release_when_dropped(self, holder: Any) -> None:
         """Release when ``holder`` is garbage collected (a request never finalized)."""
-        weakref.finalize(holder, self._owner._release, self.directory, self._token)
+        weakref.finalize(holder, self._owner._release, self)
 
 
 class SaveDirectories(OnePerProcess):
@@ -94,8 +88,7 @@ class SaveDirectories(OnePerProcess):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._claims: Dict[str, int] = {}  # directory -> token of the save writing it
-        self._tokens = itertools.count()
+        self._claims: Dict[str, Claim] = {}  # directory -> the claim of the save writing it
         self._stuck: Optional[str] = None
 
     def __reduce__(self):
@@ -132,9 +125,8 @@ class SaveDirectories(OnePerProcess):
             CheckpointInProgressError: it does; nothing was written.
         """
         with self._lock:
-            claimed = directory in self._claims
-        if claimed:
-            raise _still_being_written(directory)
+            if directory in self._claims:
+                raise _still_being_written(directory)
 
     def claim(self, directory: str) -> Claim:
         """Mark ``directory`` (normalized) as being written by a new save.
@@ -144,30 +136,26 @@ class SaveDirectories(OnePerProcess):
         """
         self.refuse_if_stuck()
         with self._lock:
-            claimed = directory in self._claims
-            if not claimed:
-                token = next(self._tokens)
-                self._claims[directory] = token
-        if claimed:
-            raise _still_being_written(directory)
-        return Claim(self, directory, token)
+            if directory in self._claims:
+                raise _still_being_written(directory)
+            claim = self._claims[directory] = Claim(self, directory)
+        return claim
 
     def directories(self) -> List[str]:
         """The directories being written, sorted."""
         with self._lock:
             return sorted(self._claims)
 
-    def _release(self, directory: str, token: int) -> None:
+    def _release(self, claim: Claim) -> None:
         with self._lock:
-            if self._claims.get(directory) == token:
-                del self._claims[directory]
+            if self._claims.get(claim.directory) is claim:
+                del self._claims[claim.directory]
 
     def run_bounded(
         self,
         what: str,
         step: Callable[[], T],
         timeout_s: Optional[float] = None,
-        error: Type[Exception] = CoordinatorStepTimeoutError,
         hint: str = f"{HUNG_MOUNT_HINT}, then restart the job",
     ) -> T:
         """Run one file-system step of a save within its bound (the rank that runs it).
@@ -179,11 +167,10 @@ class SaveDirectories(OnePerProcess):
             what: the step, for messages (``"writing .metadata of /ckpt/iter_10"``).
             step: the step; it must be safe to complete after its caller gave up.
             timeout_s: the bound; :func:`coordinator_step_timeout_s` by default.
-            error: what to raise when the step is left behind.
             hint: what the message says is likely wrong and what to do.
 
         Raises:
-            CoordinatorStepTimeoutError: ``step`` did not return in time (or ``error``).
+            FileSystemStepTimeoutError: ``step`` did not return in time.
             Exception: whatever ``step`` raised.
         """
         bound_s = coordinator_step_timeout_s() if timeout_s is None else timeout_s
@@ -193,7 +180,9 @@ class SaveDirectories(OnePerProcess):
             with self._lock:
                 self._stuck = self._stuck or what
             logger.error("%s did not return within %gs; left behind: no more saves", what, bound_s)
-            raise error(f"{what} did not return within {bound_s:g}s: {hint}") from exc
+            raise FileSystemStepTimeoutError(
+                f"{what} did not return within {bound_s:g}s: {hint}"
+            ) from exc
 
 
 def _still_being_written(directory: str) -> CheckpointInProgressError:

@@ -22,14 +22,9 @@ from megatron_async.core.process_lifetime import (
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
-from megatron_async.core.hand_over import run_preload
 from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request import (
-    STAGED_ARG_INDEX,
-    AsyncRequest,
-    release_staged_data,
-    finish_staging,
-    start_background_copy,
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
@@ -89,7 +84,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process: Optional[mp.Process] = None
         self._result_conn = None
         self._status: CallStatus = CallStatus.succeeded()
-        self._start_time = 0.0
         self._forked_at = 0.0
         self._child_started = False
         self._staged: Any = None
@@ -105,13 +99,8 @@ class TemporalAsyncCaller(AsyncCaller):
             raise RuntimeError("a TemporalAsyncCaller runs exactly one call; create a new one")
         rank = coordination.get_rank()
         self._current_call_idx = async_req.call_idx
-        self._start_time = time.monotonic()
-        args = list(async_req.async_fn_args or ())
         try:
-            if async_req.preload_fn is not None:
-                self._staged = run_preload(async_req.preload_fn)
-                if len(args) > STAGED_ARG_INDEX:
-                    args[STAGED_ARG_INDEX] = self._staged
+            args, self._staged = stage_request(async_req)
         except Exception as exc:
             logger.error("rank %d: staging of async call %d failed: %s", rank, async_req.call_idx, exc)
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "staging", exc))
@@ -145,8 +134,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process = process
         self._status = CallStatus.running()
         try:
-            start_background_copy(self._staged, process.pid)  # overlapped: the child waits for it
-            finish_staging(self._staged)  # staging in rounds: copied while the writer drains
+            hand_over_staged(self._staged, process.pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
             self.close(abort=True)
             raise
@@ -177,7 +165,7 @@ class TemporalAsyncCaller(AsyncCaller):
                 "afresh; if this repeats, use the persistent caller or Python >= 3.12"
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        elif time.monotonic() - self._start_time > self.config.timeout_s:
+        elif time.monotonic() - self._forked_at > self.config.timeout_s:
             where = stack_dump.timeout_note(rank, self.process.pid)
             kill_and_reap(self.process)
             exc = AsyncTimeoutError(

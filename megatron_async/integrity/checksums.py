@@ -17,8 +17,7 @@ Where each piece runs:
   commit costs the coordinator nothing per item. Stock loaders ignore the extra files, so
   the checkpoint stays a plain ``torch_dist`` one.
 * :func:`read_checksums` reads the records of a checkpoint (those of the items its
-  ``.metadata`` stores; or the single :data:`CHECKSUM_FILE` of checkpoints written by
-  earlier versions) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
+  ``.metadata`` stores) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
   tool and the opt-in load-time check).
 """
 
@@ -28,22 +27,17 @@ import dataclasses
 import json
 import operator
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
-
-from megatron_async.format import CHECKSUM_FILE, checksum_record_name, is_checksum_record
+from megatron_async.format import checksum_record_name, is_checksum_record
 from megatron_async.buckets.hashing import ALGORITHM, new_hasher
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [
-    "CHECKSUM_FILE",
     "ALGORITHM",
     "ItemChecksum",
     "new_hasher",
-    "write_checksum_file",
-    "write_checksum_records",
     "read_checksum_file",
-    "records_of_results",
     "write_rank_record",
     "read_checksums",
     "verify_items",
@@ -64,47 +58,13 @@ class ItemChecksum:
     fqn: str
     chunk_offsets: Optional[List[int]] = None
 
-    def to_record(self) -> Dict[str, Any]:
-        """The item as the checksum file stores it (shallow, unlike ``dataclasses.asdict``)."""
-        return {
-            "file": self.file,
-            "offset": self.offset,
-            "length": self.length,
-            "digest": self.digest,
-            "fqn": self.fqn,
-            "chunk_offsets": None if self.chunk_offsets is None else list(self.chunk_offsets),
-        }
-
     def describe(self) -> str:
         where = f"{self.fqn}" + (f" chunk {self.chunk_offsets}" if self.chunk_offsets else "")
         return f"{where} in {self.file} (bytes {self.offset}..{self.offset + self.length})"
 
 
-def write_checksum_file(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> None:
-    """Write the single checksum file of earlier versions' checkpoints, atomically.
-
-    This package now records checksums per rank (:func:`write_rank_record`); the single
-    file is still read, and written here to make such checkpoints (tests, conversions).
-    """
-    write_checksum_records(checkpoint_dir, [item.to_record() for item in items])
-
-
-def write_checksum_records(checkpoint_dir: str, records: List[Dict[str, Any]]) -> None:
-    """Write the single checksum file of earlier versions from item records, atomically
-    (see :func:`write_checksum_file`).
-
-    A record is the fields of :class:`ItemChecksum` as a dict (:meth:`ItemChecksum.to_record`).
-    ``records`` is sorted in place by file and offset.
-    """
-    records.sort(key=operator.itemgetter("file", "offset"))
-    payload = {"format": _FORMAT, "algorithm": ALGORITHM, "items": records}
-    text = json.dumps(payload)  # json.dump would encode in pure Python, item by item
-    storage_for(checkpoint_dir).write_atomically(os.path.join(checkpoint_dir, CHECKSUM_FILE), text)
-
-
-def read_checksum_file(checkpoint_dir: str, name: str = CHECKSUM_FILE) -> Optional[List[ItemChecksum]]:
-    """The checksums recorded in one file (default: the single file of checkpoints written
-    by earlier versions), or None when there is no such file."""
+def read_checksum_file(checkpoint_dir: str, name: str) -> Optional[List[ItemChecksum]]:
+    """The checksums recorded in the file ``name`` of a checkpoint, or None without it."""
     path = os.path.join(checkpoint_dir, name)
     try:
         payload = json.loads(storage_for(checkpoint_dir).read(path))
@@ -115,12 +75,17 @@ def read_checksum_file(checkpoint_dir: str, name: str = CHECKSUM_FILE) -> Option
     return [ItemChecksum(**item) for item in payload["items"]]
 
 
-def records_of_results(results: Iterable[Any]) -> List[Dict[str, Any]]:
-    """The checksum records of the write results that carry a digest (any side).
+def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) -> None:
+    """Record the checksums of the items ``rank`` wrote, durably (background writer).
 
-    Built as the record files store them, without an intermediate object per item.
+    Runs once the rank's data files are durable and before it reports its write done,
+    so the record is durable before the coordinator writes ``.metadata``. A rank whose
+    results carry no digest (checksums off) removes a record an earlier save into the
+    same directory left, which would otherwise describe other bytes.
     """
-    records = []
+    storage = storage_for(checkpoint_dir)
+    path = os.path.join(checkpoint_dir, checksum_record_name(rank))
+    records = []  # as the record file stores them, without an object per item
     for result in results:
         digest = getattr(result, "checksum", None)
         if digest is None:
@@ -136,20 +101,6 @@ def records_of_results(results: Iterable[Any]) -> List[Dict[str, Any]]:
                 "chunk_offsets": None if index.offset is None else list(index.offset),
             }
         )
-    return records
-
-
-def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) -> None:
-    """Record the checksums of the items ``rank`` wrote, durably (background writer).
-
-    Runs once the rank's data files are durable and before it reports its write done,
-    so the record is durable before the coordinator writes ``.metadata``. A rank whose
-    results carry no digest (checksums off) removes a record an earlier save into the
-    same directory left, which would otherwise describe other bytes.
-    """
-    storage = storage_for(checkpoint_dir)
-    path = os.path.join(checkpoint_dir, checksum_record_name(rank))
-    records = records_of_results(results)
     if not records:
         storage.remove(path)
         return
@@ -164,8 +115,7 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     Reads the per-rank records; a record of an item that ``.metadata`` does not store (a
     rank that wrote in an earlier, unfinished save into the same directory, or a chunk
     without elements that several ranks wrote) is left out, so the result describes
-    exactly the checkpoint's stored items. Without per-rank records, the single
-    :data:`CHECKSUM_FILE` of earlier versions is read.
+    exactly the checkpoint's stored items.
 
     Args:
         checkpoint_dir: the checkpoint directory.
@@ -177,7 +127,7 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
         if not is_dir and is_checksum_record(name)
     ]
     if not names:
-        return read_checksum_file(checkpoint_dir)
+        return None
     if metadata is None:
         metadata = storage.dcp_reader(checkpoint_dir).read_metadata()
     stored = {
@@ -203,17 +153,12 @@ def _hash_range(storage: CheckpointStorage, path: str, offset: int, length: int)
     return hasher.hexdigest()
 
 
-def verify_items(
-    checkpoint_dir: str,
-    items: Iterable[ItemChecksum],
-    on_progress: Optional[Callable[[int], None]] = None,
-) -> List[str]:
+def verify_items(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> List[str]:
     """Re-hash ``items`` from disk; return one message per damaged item (empty if intact).
 
     Args:
         checkpoint_dir: the checkpoint directory.
         items: the checksums to check (all of them, or one rank's share).
-        on_progress: called with the number of bytes checked after each item.
     """
     storage = storage_for(checkpoint_dir)
     problems: List[str] = []
@@ -227,14 +172,5 @@ def verify_items(
             problems.append(f"{item.describe()}: file {item.file} is truncated")
         elif digest != item.digest:
             problems.append(f"{item.describe()}: checksum mismatch (recorded {item.digest}, found {digest})")
-        if on_progress is not None:
-            on_progress(item.length)
     return problems
 
-
-def group_by_file(items: Iterable[ItemChecksum]) -> Dict[str, List[ItemChecksum]]:
-    """Items grouped by the file that holds them."""
-    grouped: Dict[str, List[ItemChecksum]] = {}
-    for item in items:
-        grouped.setdefault(item.file, []).append(item)
-    return grouped

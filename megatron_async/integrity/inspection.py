@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Dict, List, Optional
 
-import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -22,18 +22,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from megatron_async.checkpoint_dirs import iteration_from_path
-from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE
+from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE, missing_completion_markers
 from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
 
 __all__ = [
     "TensorEntry",
     "FileEntry",
     "CheckpointSummary",
-    "read_dcp_metadata",
     "find_completeness_problems",
     "summarize_checkpoint",
 ]
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +77,6 @@ class CheckpointSummary:
         return data
 
 
-def read_dcp_metadata(path: str) -> Metadata:
-    """Load DCP's ``.metadata`` of a checkpoint directory (or ``msc://`` prefix)."""
-    return storage_for(path).dcp_reader(path).read_metadata()
-
-
 def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
     entries = []
     for name, is_dir in storage.list_dir(path):
@@ -93,10 +86,6 @@ def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
     return entries
 
 
-def _dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
     """Every reason the checkpoint at ``path`` is not complete; empty when it is.
 
@@ -104,17 +93,15 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
     entry, and that each storage entry lies inside an existing file.
     """
     storage = storage_for(path)
-    problems: List[str] = []
     if not storage.is_dir(path):
         return [f"{path} is not a directory"]
-    if storage.size(os.path.join(path, MEGATRON_METADATA_FILE)) is None:
-        problems.append(f"{MEGATRON_METADATA_FILE} is missing (the save never finalized)")
-    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is None:
-        problems.append(f"{DCP_METADATA_FILE} is missing (the save never finalized)")
+    missing = missing_completion_markers(path, storage)
+    problems = [f"{name} is missing (the save never finalized)" for name in missing]
+    if DCP_METADATA_FILE in missing:
         return problems
     if metadata is None:
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = storage.dcp_reader(path).read_metadata()
         except Exception as exc:  # a damaged .metadata is a finding, not a crash
             return problems + [f"{DCP_METADATA_FILE} cannot be read: {exc}"]
     storage_data = metadata.storage_data or {}
@@ -154,21 +141,18 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
     metadata = None
     if storage.size(os.path.join(path, DCP_METADATA_FILE)) is not None:
         try:
-            metadata = read_dcp_metadata(path)
+            metadata = storage.dcp_reader(path).read_metadata()
         except Exception:
             metadata = None
     if metadata is not None:
         for fqn, item in sorted(metadata.state_dict_metadata.items()):
             if isinstance(item, TensorStorageMetadata):
-                numel = 1
-                for dim in item.size:
-                    numel *= dim
                 tensors.append(
                     TensorEntry(
                         name=fqn,
                         global_shape=list(item.size),
                         dtype=str(item.properties.dtype).replace("torch.", ""),
-                        num_bytes=numel * _dtype_size(item.properties.dtype),
+                        num_bytes=math.prod(item.size) * item.properties.dtype.itemsize,
                         num_chunks=len(item.chunks),
                     )
                 )

@@ -4,7 +4,7 @@ Runs on every rank, inside the finalization of a save, before ``.metadata`` is w
 Each rank compares the digests of the items it wrote (the background writer hashes what
 it writes) with its own previous save's: one dictionary lookup per item, no I/O and
 nothing gathered. The per-rank counts are summed in the finalization's one all-reduce
-(:meth:`RankComparison.counts`, :meth:`ChangeReport.from_counts`), so every rank knows
+(:meth:`ChangeReport.counts`, :meth:`ChangeReport.from_counts`), so every rank knows
 the job-wide comparison; the coordinator logs it.
 
 A save whose every item has the same digest as in the previous save of
@@ -25,7 +25,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tupl
 
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["ChangeReport", "RankComparison", "SaveDigestHistory", "StaleCheckpointError", "digests_of"]
+__all__ = ["ChangeReport", "SaveDigestHistory", "StaleCheckpointError", "digests_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +51,10 @@ def digests_of(results: Iterable[Any]) -> List[Tuple[ItemKey, str]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankComparison:
-    """How one rank's items compare with its previous save's (every rank)."""
-
-    items: int
-    changed: int
-    added: int
-    previous_checkpoint: Optional[str]
-
-    COUNTS = 4
-    """How many integers :meth:`counts` gives."""
-
-    def counts(self) -> List[int]:
-        """``[has a previous save, items, changed, added]``, to be summed over ranks."""
-        return [int(self.previous_checkpoint is not None), self.items, self.changed, self.added]
-
-
-@dataclasses.dataclass(frozen=True)
 class ChangeReport:
-    """How a save's items compare with the previous save's (coordinator).
+    """How a save's items compare with the previous save's: one rank's items
+    (:meth:`SaveDigestHistory.compare`, every rank) or the whole job's
+    (:meth:`from_counts`, the same on every rank).
 
     Attributes:
         items: items with a digest in this save.
@@ -83,11 +68,15 @@ class ChangeReport:
     added: int
     previous_checkpoint: Optional[str]
 
+    def counts(self) -> List[int]:
+        """``[has a previous save, items, changed, added]``, to be summed over ranks."""
+        return [int(self.previous_checkpoint is not None), self.items, self.changed, self.added]
+
     @classmethod
     def from_counts(
         cls, summed: Sequence[int], world_size: int, previous_checkpoint: Optional[str]
     ) -> "ChangeReport":
-        """The job-wide report from :meth:`RankComparison.counts` summed over ``world_size``
+        """The job-wide report from :meth:`counts` summed over ``world_size``
         ranks; a save that some rank made without a previous one counts as a first save."""
         with_previous, items, changed, added = summed
         return cls(items, changed, added, previous_checkpoint if with_previous == world_size else None)
@@ -121,7 +110,7 @@ class SaveDigestHistory:
         self._digests: Dict[Hashable, str] = {}
         self._pending: Optional[Tuple[str, Dict[Hashable, str]]] = None
 
-    def compare(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> RankComparison:
+    def compare(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> ChangeReport:
         """Compare this rank's digests of a save with its previous save's (every rank).
 
         The digests are kept aside until :meth:`accept`; nothing else changes.
@@ -141,7 +130,7 @@ class SaveDigestHistory:
                 elif before != digest:
                     changed += 1
             self._pending = (checkpoint, current)
-        return RankComparison(len(current), changed, added, previous_checkpoint)
+        return ChangeReport(len(current), changed, added, previous_checkpoint)
 
     def judge(self, checkpoint: str, report: ChangeReport, warn: bool = True) -> None:
         """Apply the policy to a job-wide report (every rank, the same decision everywhere).
@@ -180,15 +169,3 @@ class SaveDigestHistory:
                 self._checkpoint, self._digests = self._pending
                 self._pending = None
 
-    def record(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> ChangeReport:
-        """Compare, judge and accept a save in one process (a job of one rank).
-
-        Raises:
-            StaleCheckpointError: see :meth:`judge`; the history then still holds the
-                previous save.
-        """
-        comparison = self.compare(checkpoint, digests)
-        report = ChangeReport.from_counts(comparison.counts(), 1, comparison.previous_checkpoint)
-        self.judge(checkpoint, report)
-        self.accept()
-        return report

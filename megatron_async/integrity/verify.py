@@ -1,17 +1,18 @@
-"""Opt-in integrity check of a checkpoint before loading it (every rank).
+"""Check a checkpoint's completeness and recorded checksums: ``verify`` and the load-time check.
 
-Call :func:`verify_checkpoint_integrity` on every rank right before
-``dist_checkpointing.load``. Each rank re-hashes its share of the data files (files
-are dealt round-robin, so the work and the reads are spread over the job), and any
-damage found anywhere raises the same :class:`CheckpointIntegrityError` on every rank,
-naming the damaged file and item.
+:func:`find_damage` runs in one process (the ``verify`` command checks everything).
+:func:`verify_checkpoint_integrity`, the opt-in check, runs on every rank right before
+``dist_checkpointing.load``: each rank re-hashes its share of the data files (files are
+dealt round-robin, so the work and the reads are spread over the job), and any damage
+found anywhere raises the same :class:`CheckpointIntegrityError` on every rank, naming
+the damaged file and item.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -21,31 +22,42 @@ from megatron_async.errors import CheckpointIntegrityError
 from megatron_async.integrity.inspection import find_completeness_problems
 from megatron_async.storage.backend import storage_for
 
-__all__ = ["verify_checkpoint_integrity"]
+__all__ = ["find_damage", "verify_checkpoint_integrity"]
 
 logger = logging.getLogger(__name__)
 
 
-def _local_problems(checkpoint_dir: str, require_checksums: bool, rank: int, world_size: int) -> List[str]:
+def find_damage(
+    checkpoint_dir: str, *, require_checksums: bool = False, rank: int = 0, world_size: int = 1
+) -> Tuple[List[str], Optional[int]]:
+    """Re-hash ``rank``'s share of the data files and, on rank 0, check completeness.
+
+    Runs on one rank (the ``verify`` command: rank 0 of 1, which checks everything).
+
+    Returns:
+        One message per problem (empty when intact), and how many checksum records the
+        checkpoint holds (None when it has none).
+    """
     problems: List[str] = []
     if rank == 0:
         problems += find_completeness_problems(checkpoint_dir)
     try:
         items = checksums.read_checksums(checkpoint_dir)
     except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as exc:
-        return problems + [f"the checksum records cannot be read: {exc}"]
+        return problems + [f"the checksum records cannot be read: {exc}"], None
     if items is None:
         if require_checksums and rank == 0:
             problems.append(
                 "no checksum records: the checkpoint was saved without checksums "
                 "(TorchDistSaveConfig.checksums=False or another writer)"
             )
-        return problems
-    by_file = checksums.group_by_file(items)
-    my_files = sorted(by_file)[rank::world_size]
-    for name in my_files:
+        return problems, None
+    by_file: Dict[str, List[checksums.ItemChecksum]] = {}
+    for item in items:
+        by_file.setdefault(item.file, []).append(item)
+    for name in sorted(by_file)[rank::world_size]:
         problems += checksums.verify_items(checkpoint_dir, by_file[name])
-    return problems
+    return problems, len(items)
 
 
 def verify_checkpoint_integrity(
@@ -70,7 +82,9 @@ def verify_checkpoint_integrity(
     if not storage_for(checkpoint_dir).is_dir(checkpoint_dir):
         raise CheckpointIntegrityError(f"{checkpoint_dir} is not a directory; nothing to load")
     try:
-        problems = _local_problems(checkpoint_dir, require_checksums, rank, world_size)
+        problems, _ = find_damage(
+            checkpoint_dir, require_checksums=require_checksums, rank=rank, world_size=world_size
+        )
     except OSError as exc:
         problems = [f"reading {checkpoint_dir} failed on rank {rank}: {exc}"]
     (any_problem,) = coordination.all_reduce_max([int(bool(problems))], group)

@@ -7,9 +7,7 @@
 * :mod:`.plan_cache` and :mod:`.structure`: warm saves that skip planning;
 * :mod:`.target`: the checks of a save's target directory (overwriting included);
 * :mod:`.save_call`: megatron-core's ``save()`` wrapped, so that its steps before the
-  strategy know the call's strategy;
-* :mod:`.common_guard`: megatron-core's ``common.pt`` write (0.16-0.18) checked against
-  the process's :class:`~megatron_async.core.save_directories.SaveDirectories`;
+  strategy (its ``common.pt`` write on 0.16-0.18 included) know the call's strategy;
 * :mod:`.finalize`: the request's commit step, and a gloo-safe ``metadata.json`` step.
 
 Importing this package imports megatron-core.

@@ -61,10 +61,13 @@ class SaveFinalizer:
             :func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`.
         claim: the save's claim on its directory, released when the save is over.
         plan_s: how long planning took.
+        records: the strategy's ``commit_cache`` and ``digest_history`` keywords of
+            that finalization.
     """
 
-    def __init__(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float):
+    def __init__(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float, **records):
         self._args = (writer, metadata, dist_wrapper)
+        self._records = records
         self._claim = claim
         self._plan_s = plan_s
         self._change_report: Optional[ChangeReport] = None
@@ -72,7 +75,7 @@ class SaveFinalizer:
 
     def __call__(self) -> None:
         try:
-            self._change_report = save_state_dict_async_finalize(*self._args)
+            self._change_report = save_state_dict_async_finalize(*self._args, **self._records)
         finally:
             self.abandon()
 

@@ -22,7 +22,7 @@ missing. The other modules of :mod:`megatron_async.mcore` use only the names bel
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from megatron_async.errors import UnsupportedMegatronError
 
@@ -33,6 +33,7 @@ __all__ = [
     "to_dcp_state_dict",
     "create_save_planner",
     "register_strategies",
+    "common_writes",
 ]
 
 SUPPORTED_RANGE = "megatron-core 0.16.x (strategy registry) and 0.17 to 0.19.x"
@@ -92,17 +93,19 @@ def create_save_planner(config: Any) -> Any:
 
 def register_strategies(strategy_cls: type, backend_name: str) -> None:
     """Make ``strategy_cls`` megatron-core's default for ``backend_name`` where a registry
-    exists, and guard megatron-core's ``common.pt`` write in the form this generation has
-    (see :mod:`megatron_async.mcore.common_guard`)."""
-    from megatron_async.core.save_directories import SaveDirectories
-    from megatron_async.mcore import common_guard
+    exists (0.16.x); from 0.17 there is none."""
+    if GENERATION == "registry":
+        register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
 
-    directories = SaveDirectories.of_process()
-    if GENERATION != "registry":
-        serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-        if callable(getattr(serialization, "save_common", None)):
-            common_guard.guard_save_common_function(serialization, directories)
-        return
-    guarded_cls = common_guard.guarded_common_strategy_class(directories)
-    register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
-    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, guarded_cls("torch", 1))
+
+def common_writes() -> List[Any]:
+    """Where ``save()`` writes ``common.pt`` before the sharded strategy: objects whose
+    ``save_common`` does it (0.16.x: the ``torch`` common-save strategy class; 0.17 / 0.18:
+    the ``serialization`` module's function; 0.19+ stores the common state inside the
+    checkpoint: none)."""
+    if GENERATION == "registry":
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+        return [TorchCommonSaveStrategy]
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    return [serialization] if callable(getattr(serialization, "save_common", None)) else []

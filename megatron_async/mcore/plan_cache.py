@@ -33,7 +33,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
 from megatron_async.saver.agreement import agree_or_raise, agreed_step
 from megatron_async.saver.plan_digests import loaded_plans
-from megatron_async.saver.state_dict_saver import PlanResult, plan_save, prepare_cached_write
+from megatron_async.saver.state_dict_saver import PlanResult, make_dist_wrapper, plan_save
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.commit import unmark_before_rewrite
 
@@ -163,12 +163,13 @@ class PlanCache:
                 and structure.fingerprint is cached.fingerprint
             ):
                 # This save's data bound to the cached plan; the writer prepared from both.
-                resolved = rebind(binding, structure)
-                prepared = prepare_cached_write(
-                    create_writer(), cached.central_plan, resolved, binding.layout,
-                    binding.staging_key, coordinator_rank=COORDINATOR_RANK,
+                # Every rank's reuse is agreed before the write is scheduled.
+                writer, dist_wrapper = create_writer(), make_dist_wrapper(None, COORDINATOR_RANK)
+                writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
+                writer.prepare_resolved_write_data(
+                    cached.central_plan, rebind(binding, structure), binding.layout, binding.staging_key
                 )
-                return _LocalStep(structure, prepared, overwrites=overwrites)
+                return _LocalStep(structure, (writer, dist_wrapper), overwrites=overwrites)
             pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
             return _LocalStep(structure, None, pyt_state_dict, overwrites)
 

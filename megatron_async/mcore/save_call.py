@@ -3,10 +3,9 @@
 ``save()`` runs steps before it calls the sharded strategy, and hands them neither the
 strategy nor its options: rank 0 lists the checkpoint directory (every generation),
 megatron-core validates the sharding (rank 0 raises what it finds), and up to 0.18 rank
-0 writes ``common.pt`` (:mod:`megatron_async.mcore.common_guard`). A failure there is
-raised on one rank, while the others walk on into the strategy's first collective and
-wait for it until the coordination timeout: a user sees only a timeout, or a broken
-connection, on every rank but one.
+0 writes ``common.pt``. A failure there is raised on one rank, while the others walk on
+into the strategy's first collective and wait for it until the coordination timeout: a
+user sees only a timeout, or a broken connection, on every rank but one.
 
 :func:`guard_save_functions` wraps ``save()`` so that those steps know the call
 (:class:`SaveCall`, in a context variable for the call's duration; no stack frames are
@@ -20,11 +19,25 @@ read). With our strategy:
   wrapper;
 * a rank whose ``save()`` fails before any agreed step (the strategy's first collective,
   or that validation) joins the strategy's first collective with its error
-  (``fail_first_collective``, the strategy's:
-  :func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
+  (:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
   the same error naming that rank's cause, at once. Only where our strategy is
   ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
   collectives of its own first.
+
+It also guards megatron-core's ``common.pt`` write (0.16-0.18), which comes before the
+sharded strategy, so a strategy alone comes too late: a second save into a directory an
+async save is still writing would replace that save's ``common.pt``, and overwriting a
+complete checkpoint would put a new ``common.pt`` next to the old completion markers (a
+crash right then leaves a mixed checkpoint that looks complete). The guard first refuses,
+on every rank alike, a directory still being written (the process's
+:class:`~megatron_async.core.save_directories.SaveDirectories`; every rank schedules the
+same saves); rank 0 then removes a complete checkpoint's markers and megatron-core writes
+``common.pt``, both bounded. With our strategy a failure of that step (``overwrite=False``
+and a complete checkpoint, a full disk, a hung mount, an object that will not pickle), or
+a process whose saves stopped, leaves ``common.pt`` untouched and the strategy's agreed
+target check raises it on every rank; with another strategy rank 0 raises as
+megatron-core itself would. Where that write is
+(:func:`~megatron_async.mcore.generation.common_writes`) is generation glue.
 """
 
 from __future__ import annotations
@@ -34,17 +47,23 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.mcore import generation
+from megatron_async.mcore.plan_cache import fail_first_collective
+from megatron_async.mcore.target import unmark_or_refuse
 from megatron_async.saver.agreement import agree_or_raise
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["SaveCall", "current_save_call", "guard_save_function", "guard_save_functions"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -76,17 +95,19 @@ def current_save_call() -> Optional[SaveCall]:
     return _save_call.get()
 
 
-def guard_save_functions(fail_first_collective: Callable[[BaseException, str], None]) -> None:
-    """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths (every
-    generation; idempotent); ``fail_first_collective`` joins our strategy's first collective
-    with a rank's early error (see the module docstring)."""
+def guard_save_functions() -> None:
+    """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths, and its
+    ``common.pt`` write where it has one (every generation; idempotent; see the module
+    docstring)."""
     serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
     package = importlib.import_module("megatron.core.dist_checkpointing")
-    guard_save_function(serialization, fail_first_collective)
-    guard_save_function(package, fail_first_collective)  # its own reference to the original
+    guard_save_function(serialization)
+    guard_save_function(package)  # its own reference to the original
     preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
     if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
         _agree_on_validation(preprocessing)
+    for owner in generation.common_writes():
+        _guard_common_write(owner, SaveDirectories.of_process())
 
 
 def _agree_on_validation(module: Any) -> None:
@@ -114,9 +135,7 @@ def _agree_on_validation(module: Any) -> None:
     module.validate_sharding_integrity = agreed_validation
 
 
-def guard_save_function(
-    module: Any, fail_first_collective: Callable[[BaseException, str], None]
-) -> None:
+def guard_save_function(module: Any) -> None:
     """Wrap ``module.save`` (megatron-core's ``save``) so that its steps before the
     strategy know the call (:class:`SaveCall`). Idempotent."""
     original: Callable[..., Any] = module.save
@@ -156,7 +175,6 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
     try:
         SaveDirectories.of_process().run_bounded(
             f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
-            error=FileSystemStepTimeoutError,
         )
     except OSError as exc:
         raise CheckpointValidationError(
@@ -185,3 +203,55 @@ def _our_overwrite(strategy: Any) -> Optional[bool]:
         strategy = getattr(strategy, "base_strategy", None)
     overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
     return overwrite if isinstance(overwrite, bool) else None
+
+
+def _guarded_write(
+    write: Callable[[], Any], checkpoint_dir: Union[str, Path], directories: SaveDirectories
+) -> Any:
+    """Run megatron-core's ``common.pt`` write behind the checks (every rank).
+
+    Raises:
+        CheckpointInProgressError: an unfinalized async save of this process still
+            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
+            another strategy, the process's saves stopped (rank 0).
+    """
+    call = current_save_call()
+    ours = call is not None and call.overwrite is not None
+    directory = normalize_checkpoint_path(checkpoint_dir)
+    directories.refuse_if_claimed(directory)
+    if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
+        return write()
+    if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
+        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
+        return None
+    directories.refuse_if_stuck()
+    try:
+        directories.run_bounded(
+            f"unmarking {directory}",
+            lambda: unmark_or_refuse(directory, call.overwrite if ours else None, storage_for(directory)),
+        )
+        return directories.run_bounded(f"writing common.pt of {directory}", write)
+    except Exception as exc:
+        if not ours:
+            raise  # another strategy: as megatron-core would
+        logger.error("rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc)
+        call.failure = exc
+        return None
+
+
+def _guard_common_write(owner: Any, directories: SaveDirectories) -> None:
+    """Wrap ``owner.save_common`` (megatron-core's ``common.pt`` write: a function of a
+    module, or a method of a class) with the checks against ``directories`` (the
+    process's record). Idempotent."""
+    original: Callable[..., Any] = owner.save_common
+    if getattr(original, "__megatron_async_guarded__", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def guarded_save_common(*args, **kwargs):
+        checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
+        return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir, directories)
+
+    guarded_save_common.__megatron_async_guarded__ = True
+    owner.save_common = guarded_save_common

@@ -38,7 +38,7 @@ from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
-from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, fail_first_collective
+from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
 from megatron_async.mcore.save_call import current_save_call, guard_save_functions
 from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import StagingLedger
@@ -303,25 +303,19 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(writer, metadata, dist_wrapper, claim, plan_s)
+        finalizer = SaveFinalizer(
+            writer, metadata, dist_wrapper, claim, plan_s,
+            commit_cache=self.commit_cache, digest_history=self.digest_history,
+        )
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
         )
 
     def _create_writer(self, checkpoint_dir: str) -> FileSystemWriterAsync:
-        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes).
-
-        The writer gets this strategy's records of its previous save (``digest_history``,
-        ``commit_cache``); an override that leaves them out gets no stale-checkpoint
-        comparison, and every finalization then gathers the write results.
-        """
+        """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
         return FileSystemWriterAsync(
-            checkpoint_dir,
-            options=self.config.write_options,
-            staging_cache=self.staging_cache,
-            digest_history=self.digest_history,
-            commit_cache=self.commit_cache,
+            checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
         )
 
 
@@ -332,10 +326,10 @@ def register_strategies() -> None:
     'megatron_async', 1)`` then returns it and ``dist_checkpointing.save(...,
     sharded_strategy=('megatron_async', 1))`` uses it; the checkpoint still says
     ``torch_dist`` (the format). On every generation it wraps ``dist_checkpointing.save``
-    (:mod:`megatron_async.mcore.save_call`) and installs the ``common.pt`` guard where
-    megatron-core writes one (:mod:`megatron_async.mcore.common_guard`). Creating the
-    strategy runs no collective, so this is safe at import time. On 0.17+ there is no
-    registry: pass a :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
+    and guards the ``common.pt`` write where megatron-core has one
+    (:mod:`megatron_async.mcore.save_call`). Creating the strategy runs no collective, so
+    this is safe at import time. On 0.17+ there is no registry: pass a
+    :class:`TorchDistAsyncSaveStrategy` instance to ``save()``.
     """
-    guard_save_functions(fail_first_collective)
+    guard_save_functions()
     generation.register_strategies(TorchDistAsyncSaveStrategy, REGISTERED_BACKEND)

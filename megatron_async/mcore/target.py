@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import Claim, FileSystemStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 from megatron_async.storage.client import MSC_EXTRA_HINT
 
-__all__ = ["check_save_target", "claim_save_target"]
+__all__ = ["check_save_target", "claim_save_target", "unmark_or_refuse"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +106,40 @@ def _check_object_target(
             f"{checkpoint_dir} is an object-storage URL; create the strategy with "
             f"use_msc=True ({MSC_EXTRA_HINT})"
         )
-    if is_coordinator and has_completion_markers(checkpoint_dir, storage):
-        if not config.overwrite:
-            raise CheckpointValidationError(
-                f"{checkpoint_dir} already holds a complete torch_dist checkpoint and "
-                "overwrite=False; save under a new prefix or delete it first"
-            )
-        logger.warning(
-            "overwriting the torch_dist checkpoint in %s; its completion markers are "
-            "removed first, so it reads as incomplete until this save is finalized",
-            checkpoint_dir,
+    if is_coordinator:
+        unmark_or_refuse(checkpoint_dir, config.overwrite, storage)
+
+
+def unmark_or_refuse(directory: str, overwrite: Optional[bool], storage: CheckpointStorage) -> None:
+    """Refuse a complete checkpoint in ``directory`` under ``overwrite=False``; otherwise
+    remove its completion markers, with a warning, so that it reads as incomplete until the
+    new save is finalized (coordinator; file-system calls only, the caller bounds them).
+
+    ``overwrite`` None (another strategy's save, megatron-core's ``common.pt`` write)
+    never refuses.
+
+    Raises:
+        CheckpointValidationError: a complete checkpoint under ``overwrite=False``, or one
+            this user may not change.
+    """
+    if overwrite is False and has_completion_markers(directory, storage):
+        raise CheckpointValidationError(
+            f"{directory} already holds a complete torch_dist checkpoint and overwrite=False; "
+            "save into a new directory (a new prefix in an object store) or delete it first"
         )
-        remove_completion_markers(checkpoint_dir, storage)
+    try:
+        removed = remove_completion_markers(directory, storage)
+    except PermissionError as exc:
+        raise CheckpointValidationError(
+            f"rank 0: cannot change the checkpoint in {directory} ({exc}); it holds a complete "
+            "checkpoint this user may not overwrite: save into a directory you can write"
+        ) from exc
+    if removed:
+        logger.warning(
+            "overwriting the checkpoint in %s: its completion markers were removed first, "
+            "so it reads as incomplete until the new save is finalized",
+            directory,
+        )
 
 
 def claim_save_target(
@@ -141,7 +163,6 @@ def claim_save_target(
         complete = directories.run_bounded(
             f"checking the save target {checkpoint_dir}",
             lambda: check_save_target(checkpoint_dir, config, is_coordinator),
-            error=FileSystemStepTimeoutError,
         )
     except BaseException:
         claim.release()

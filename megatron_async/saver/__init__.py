@@ -1,12 +1,12 @@
 """Plan and finalize an asynchronous PyTorch DCP save (every rank, collectives on gloo).
 
-* :mod:`.state_dict_saver`: planning, ``plan_save`` (a :class:`PlanResult`) and
-  megatron-core's ``save_state_dict_async_plan`` (its five-element tuple), the DCP-level
-  step before the background write;
-* :mod:`.global_metadata` (coordinator): the global metadata from every rank's plan;
+* :mod:`.state_dict_saver`: planning, ``plan_save`` (a :class:`PlanResult`) and the
+  public ``save_state_dict_async_plan`` (megatron-core's and nvidia-resiliency-ext's
+  conventions), the DCP-level step before the background write;
+* :mod:`.global_metadata` (coordinator): the global metadata from every rank's plan,
+  validated with DCP's rules;
 * :mod:`.finalize`: ``save_state_dict_async_finalize``, the commit after the write;
-* :mod:`.metadata_cache`: the plans that nvidia-resiliency-ext's convention reuses
-  (:mod:`megatron_async.nvrx.state_dict_saver`);
+* :mod:`.metadata_cache`: the plans that nvidia-resiliency-ext's convention reuses;
 * :mod:`.agreement`: a step that failed on some ranks becomes one typed error on all.
 """
 

@@ -40,10 +40,10 @@ from megatron_async.core import coordination
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
-    ChangeReport, RankComparison, SaveDigestHistory, StaleCheckpointError, digests_of,
+    ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
 )
 from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
-from megatron_async.writer.commit_cache import storage_layout
+from megatron_async.writer.commit_cache import CommitCache, storage_layout
 
 if TYPE_CHECKING:
     from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -85,12 +85,21 @@ def save_state_dict_async_finalize(
     storage_writer: "FileSystemWriterAsync",
     global_metadata: Optional[Metadata],
     dist_wrapper: _DistWrapper,
+    *,
+    commit_cache: Optional[CommitCache] = None,
+    digest_history: Optional[SaveDigestHistory] = None,
 ) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
 
-    Costs what the module docstring says (a warm save gathers nothing). The writer's ``commit_cache`` and ``digest_history`` (given to it
-    when it was built, by the strategy) enable the warm path and the stale-checkpoint
-    comparison; a writer built without them takes the full path and compares nothing.
+    Costs what the module docstring says (a warm save gathers nothing).
+
+    Args:
+        storage_writer, global_metadata, dist_wrapper: what planning returned.
+        commit_cache: the record of the previous commit of the same saver (the strategy
+            keeps one), which enables the warm path; without it every finalization
+            gathers the write results.
+        digest_history: the item digests of the saver's previous save, for the
+            stale-checkpoint comparison; without it nothing is compared.
 
     Returns:
         On the coordinator, what changed since the previous save when the writer has a
@@ -106,10 +115,7 @@ def save_state_dict_async_finalize(
     group = dist_wrapper.group
     rank = coordination.get_rank()
     is_coordinator = dist_wrapper.is_coordinator
-    # Optional capabilities of our writer (given when it was built); another library's
-    # storage writer, which the reference API accepts too, has neither.
-    cache = getattr(storage_writer, "commit_cache", None)
-    history = getattr(storage_writer, "digest_history", None)
+    cache, history = commit_cache, digest_history
 
     results, failure = _local_results(storage_writer, rank)
     layout = storage_layout(results) if failure is None else None
@@ -121,7 +127,7 @@ def save_state_dict_async_finalize(
     comparison = (
         history.compare(checkpoint, digests_of(results))
         if history is not None and failure is None
-        else RankComparison(0, 0, 0, None)
+        else ChangeReport(0, 0, 0, None)
     )
     summed = coordination.all_reduce_sum(
         [int(failure is not None), int(moved), 1, *comparison.counts()], group
@@ -165,7 +171,7 @@ def save_state_dict_async_finalize(
 def _judge_staleness(
     history: Optional[SaveDigestHistory],
     summed: List[int],
-    comparison: RankComparison,
+    comparison: ChangeReport,
     checkpoint: str,
     dist_wrapper: _DistWrapper,
 ) -> Optional[ChangeReport]:

@@ -5,7 +5,7 @@ asynchronous save splits it:
 
 1. :func:`plan_save` (every rank, synchronous; this module): plan, and prepare the
    writer's buckets. It returns a :class:`PlanResult`; :func:`save_state_dict_async_plan`
-   is megatron-core's name for it, with megatron-core's five-element tuple;
+   is the public name for it, in megatron-core's and nvidia-resiliency-ext's conventions;
 2. the writer's save function (background): write the data;
 3. :func:`save_state_dict_async_finalize` (every rank, once the background part is done
    everywhere; :mod:`megatron_async.saver.finalize`): the coordinator writes
@@ -21,7 +21,8 @@ metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` 
 tiers), and a change on any rank makes every rank plan from scratch.
 
 A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy's fingerprint) skips even the local plan: see :func:`prepare_cached_write`.
+strategy's fingerprint) skips even the local plan
+(:mod:`megatron_async.mcore.plan_cache`).
 
 All collectives run on the library's gloo coordination group, never on CUDA tensors.
 """
@@ -31,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
@@ -46,18 +47,19 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache, default_metadata_cache
 from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
 from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
 from megatron_async.saver.shared_sizes import share_equal_sizes
 from megatron_async.writer.commit import unmark_before_rewrite
-from megatron_async.buckets.layout import BucketLayout, PreparedWrite
+from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
     "PlanResult",
     "plan_save",
     "save_state_dict_async_plan",
-    "prepare_cached_write",
+    "make_dist_wrapper",
     "verify_global_md_reuse",
     "build_global_metadata",
     "save_state_dict_async_finalize",
@@ -67,10 +69,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CachedStructure = Tuple[Optional[SavePlan], Optional[SavePlan], bool]
-MCorePlanResult = Tuple[
-    Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper], SavePlan, SavePlan, bool, bool
-]
-"""megatron-core's result of planning; see :func:`save_state_dict_async_plan`."""
 
 _gather_lock = threading.Lock()
 _plan_gather_count = 0
@@ -87,7 +85,8 @@ def _count_plan_gather() -> None:
         _plan_gather_count += 1
 
 
-def _make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int):
+def make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int) -> _DistWrapper:
+    """The planning group of a save: ``process_group``, else the gloo coordination group."""
     if not coordination.is_distributed():
         return _DistWrapper(None, False, coordinator_rank)
     group = process_group if process_group is not None else coordination.get_coordination_group()
@@ -169,7 +168,7 @@ def plan_save(
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
-    dist_wrapper = _make_dist_wrapper(process_group, coordinator_rank)
+    dist_wrapper = make_dist_wrapper(process_group, coordinator_rank)
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
     cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
@@ -245,66 +244,62 @@ def save_state_dict_async_plan(
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
     loaded_all_plans: Optional[List[SavePlan]] = None,
-) -> MCorePlanResult:
-    """Plan a save and prepare the writer's buckets, in megatron-core's convention.
+    enable_cache: Optional[bool] = None,
+    metadata_cache: Optional[CheckpointMetadataCache] = None,
+):
+    """Plan a save and prepare the writer's buckets (every rank, synchronous).
 
-    Runs on every rank, synchronously; see :func:`plan_save` for the arguments and how
-    plans are reused. (nvidia-resiliency-ext's convention, with a metadata cache, is
-    :func:`megatron_async.nvrx.state_dict_saver.save_state_dict_async_plan`.)
+    Two calling conventions share this entry point (see :func:`plan_save` for the
+    arguments and how plans are reused):
 
-    Returns:
-        ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
-        reused_cached_plans, reused_loaded_metadata)``; pass the first element to
-        :func:`save_state_dict_async_finalize` and the next two as the next call's
-        ``cached_ckpt_structure``.
+    * megatron-core's (``cached_ckpt_structure`` / ``loaded_all_plans``): returns
+      ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
+      reused_cached_plans, reused_loaded_metadata)``; pass the first element to
+      :func:`save_state_dict_async_finalize` and the next two as the next call's
+      ``cached_ckpt_structure``;
+    * nvidia-resiliency-ext's, chosen by passing ``enable_cache`` or ``metadata_cache``:
+      returns ``(writer, metadata, dist_wrapper)``. With ``enable_cache`` the plans of
+      ``metadata_cache`` (the process-wide one when None) are offered for reuse, verified
+      against fresh local plans on every rank, and the cache is updated; the
+      coordinator's metadata is the cached one when reused. With ``enable_cache=False``
+      the cache is neither read nor updated.
 
     Raises:
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
+    if enable_cache is None and metadata_cache is None:
+        result = plan_save(
+            state_dict, storage_writer, process_group, coordinator_rank, planner,
+            cached_ckpt_structure, loaded_all_plans,
+        )
+        return (
+            result.finalize_args,
+            result.central_plan,
+            result.local_plan,
+            result.reused_cached_plans,
+            result.reused_loaded_metadata,
+        )
+    if not enable_cache:
+        return plan_save(state_dict, storage_writer, process_group, coordinator_rank, planner).finalize_args
+    cache = metadata_cache if metadata_cache is not None else default_metadata_cache()
+    if process_group is not None and coordination.is_distributed():
+        rank = dist.get_rank(process_group)
+    else:
+        rank = coordination.get_rank()
+    cached_structure = None
+    if cache.can_offer_cached_plans(rank == coordinator_rank):
+        cached_structure = (cache.cached_central_plan, cache.cached_local_plan, True)
     result = plan_save(
         state_dict, storage_writer, process_group, coordinator_rank, planner,
-        cached_ckpt_structure, loaded_all_plans,
+        cached_ckpt_structure=cached_structure,
+        loaded_all_plans=cache.loaded_all_plans,
     )
-    return (
-        result.finalize_args,
-        result.central_plan,
-        result.local_plan,
-        result.reused_cached_plans,
-        result.reused_loaded_metadata,
+    cache.record_plan(
+        result.central_plan, result.local_plan, result.reused_cached_plans, result.reused_loaded_metadata
     )
-
-
-def prepare_cached_write(
-    storage_writer: FileSystemWriterAsync,
-    central_plan: SavePlan,
-    resolved: Sequence[Tuple[WriteItem, Any]],
-    layout: Optional[BucketLayout] = None,
-    staging_key: Optional[str] = None,
-    coordinator_rank: int = 0,
-) -> Tuple[FileSystemWriterAsync, _DistWrapper]:
-    """Prepare the writer of a save that reuses the previous save's plan (every rank, local).
-
-    Runs no collective. The caller must have established, with every rank, that no
-    rank's structure changed since the save that produced ``central_plan`` (one
-    all-reduce) before it schedules the write, and reuses that save's metadata.
-
-    Args:
-        storage_writer: the writer of this save.
-        central_plan: this rank's final plan of the previous save.
-        resolved: ``(write_item, data)`` for every item of ``central_plan``, in plan
-            order, with this save's data.
-        layout: the previous save's bucket layout (computed when None).
-        staging_key: the previous save's staging key (computed when None).
-        coordinator_rank: rank (in the coordination group) that writes the metadata.
-
-    Returns:
-        ``(writer, dist_wrapper)``, for :func:`save_state_dict_async_finalize`.
-    """
-    dist_wrapper = _make_dist_wrapper(None, coordinator_rank)
-    storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
-    storage_writer.prepare_resolved_write_data(central_plan, resolved, layout, staging_key)
-    return storage_writer, dist_wrapper
+    # The fresh metadata is remembered; reused plans or loaded metadata: the cached one.
+    return cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
 
 
 def _gather_and_build_metadata(

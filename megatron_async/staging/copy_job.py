@@ -294,8 +294,8 @@ class StagedData:
     :meth:`release`. ``copy_job``: the copies left (None: everything was copied at
     scheduling). ``scheduling_waits``: scheduling returns only once they are done
     (staging in rounds); otherwise the next optimizer step waits for them (overlapped
-    staging). Our callers call the hooks (:func:`megatron_async.core.request.start_background_copy`,
-    :func:`~megatron_async.core.request.finish_staging`,
+    staging). Our callers call the hooks
+    (:func:`megatron_async.core.request.hand_over_staged`,
     :func:`~megatron_async.core.request.release_staged_data`); nothing of this travels
     when the staged data is pickled.
     """

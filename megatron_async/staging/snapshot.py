@@ -45,8 +45,8 @@ def synchronize_if_cuda(tensors: List[torch.Tensor], holding: Any = None) -> Non
     ``holding``: the host memory the copies write into, kept alive if they may still run.
 
     Raises:
-        DeviceCopyTimeoutError: a device made no progress within
-            :data:`~megatron_async.core.device_wait.DEVICE_COPY_WAIT_S`.
+        DeviceCopyTimeoutError: a device made no progress within the default of
+            ``AsyncCallerConfig.staging_timeout_s``.
     """
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     if devices:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
-from megatron_async.core.hand_over import require_hand_over
+from megatron_async.core.request import require_hand_over
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Optional, TypeVar
 
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
-from megatron_async.core.save_directories import FileSystemStepTimeoutError, run_coordinator_step
+from megatron_async.core.save_directories import run_coordinator_step
 from megatron_async.errors import CheckpointValidationError, ObjectStoreError
 from megatron_async.storage.client import STORE_ADVICE
 
@@ -190,4 +190,4 @@ class DeadlineFileSystem(BoundedFileSystem):
     instead of holding the rank."""
 
     def _bounded_call(self, what: str, path: str, call: Callable[[], T]) -> T:
-        return run_coordinator_step(f"{what} {path}", call, error=FileSystemStepTimeoutError)
+        return run_coordinator_step(f"{what} {path}", call)

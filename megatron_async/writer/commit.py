@@ -3,8 +3,7 @@
 Runs on the coordinator only, inside the finalization of a save, after every rank
 reported a successful write. By then every data file and every rank's checksum record
 is durable (their background writers synced them before reporting); here ``common.pt``
-(megatron-core 0.16 and older writes it without an fsync) is synced, the single checksum
-file of an earlier version's checkpoint in the same directory is removed, and DCP's
+(megatron-core 0.16 and older writes it without an fsync) is synced, and DCP's
 ``.metadata`` (the first completion marker) is written atomically with its directory
 fsynced (``CheckpointStorage.write_atomically`` of :func:`~megatron_async.storage.storage_for`).
 
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import (
-    CHECKSUM_FILE, COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
+    COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
 )
 from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
@@ -115,7 +114,7 @@ def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_
 
 
 def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
-    """Make ``common.pt`` durable, drop an earlier version's checksum file, write ``.metadata``."""
+    """Make ``common.pt`` durable, then write ``.metadata``."""
     # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
@@ -125,8 +124,6 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
 
     def write() -> None:
         storage.sync(os.path.join(checkpoint_dir, COMMON_FILE))
-        # Readers prefer the per-rank records, but a save without checksums writes none.
-        storage.remove(os.path.join(checkpoint_dir, CHECKSUM_FILE))
         storage.write_atomically(os.path.join(checkpoint_dir, DCP_METADATA_FILE), data)
 
     # Only the file-system calls run on the bounded helper thread: the metadata was built

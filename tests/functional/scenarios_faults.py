@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_async import cli
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, coordination
-from megatron_async.core.save_directories import CoordinatorStepTimeoutError, SaveDirectories
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CoordinationError,
@@ -37,12 +37,8 @@ from megatron_async.errors import (
 )
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.integrity.verify import verify_checkpoint_integrity
-from megatron_async.manager import (
-    CheckpointManager,
-    CheckpointManagerConfig,
-    is_complete_checkpoint,
-    read_tracker,
-)
+from megatron_async.checkpoint_dirs import is_complete_checkpoint, read_tracker
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
 from tests.functional.harness import (
     RankContext,
@@ -179,10 +175,7 @@ class _Strategy(TorchDistAsyncSaveStrategy):
         self._writer_cls = writer_cls
 
     def _create_writer(self, checkpoint_dir):
-        return self._writer_cls(
-            checkpoint_dir, thread_count=self.config.thread_count,
-            digest_history=self.digest_history, commit_cache=self.commit_cache,
-        )
+        return self._writer_cls(checkpoint_dir, thread_count=self.config.thread_count)
 
 
 # -- the round every scenario runs -------------------------------------------------------
@@ -676,7 +669,9 @@ def rank_stopped_during_finalize(ctx: RankContext):
     _check_checkpoint(ctx, good, 1.0)
     queue.close(abort=True)
     _assert_no_process_left_behind()
-    _expect_error_everywhere(CoordinationError, coordination.barrier, "failed")  # at once
+    _expect_error_everywhere(
+        CoordinationError, lambda: coordination.all_reduce_max([0]), "failed"
+    )  # at once
     return {
         "error": type(caught).__name__, "seconds": round(elapsed, 2), "message": str(caught)[:300],
         "hung_commit": hung_commit,
@@ -691,7 +686,7 @@ def coordinator_commit_hangs(ctx: RankContext, queue: AsyncCallsQueue):
     does not name. Runs first in the stopped-rank launch, which has a short timeout."""
     summary = _fault_round(ctx, "hung-commit", queue, _Strategy(_HangingFinishWriter))
     _expect_phase(summary, 0, "finalize", "writing .metadata of")
-    assert summary["lines"][0].startswith("rank 0 [finalize] " + CoordinatorStepTimeoutError.__module__), summary
+    assert summary["lines"][0].startswith("rank 0 [finalize] " + FileSystemStepTimeoutError.__module__), summary
     assert summary["error"] == "AsyncSaveFailedError", summary
     assert summary["seconds"] < STOPPED_RANK_TIMEOUT_S, summary  # rank 0 reported in time
     # The step left behind stops the process's saves: a retry into that directory is

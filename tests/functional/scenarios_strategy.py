@@ -761,10 +761,7 @@ class _StrategyWithWriter(TorchDistAsyncSaveStrategy):
         self._writer_cls = writer_cls
 
     def _create_writer(self, checkpoint_dir):
-        return self._writer_cls(
-            checkpoint_dir, thread_count=self.config.thread_count,
-            digest_history=self.digest_history, commit_cache=self.commit_cache,
-        )
+        return self._writer_cls(checkpoint_dir, thread_count=self.config.thread_count)
 
 
 def _expect_failure_on_every_rank(ctx, persistent, writer_cls, phase):

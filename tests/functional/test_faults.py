@@ -37,4 +37,4 @@ def test_rank_stopped_during_finalize(tmp_path):
     for outcome in (survivor, stopped):  # the launch's first scenario
         hung = outcome["hung_commit"]
         assert hung["failures"][0][0] == "finalize", hung
-        assert "CoordinatorStepTimeoutError" in hung["lines"][0], hung
+        assert "FileSystemStepTimeoutError" in hung["lines"][0], hung

@@ -23,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from megatron_async.manager import is_complete_checkpoint, read_tracker
+from megatron_async.checkpoint_dirs import is_complete_checkpoint, read_tracker
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async.manager import is_complete_checkpoint, read_tracker
+from megatron_async.checkpoint_dirs import is_complete_checkpoint, read_tracker
 from tests.functional.test_pretrain_gpt import (
     LAUNCH_TIMEOUT_S,
     events,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_async import cli
-from megatron_async.manager import write_tracker
+from megatron_async.checkpoint_dirs import write_tracker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -63,7 +63,7 @@ def test_a_rank_s_checksum_record_is_written_durably_with_its_directory(tmp_path
     assert checksums.read_checksum_file(str(tmp_path), fmt.checksum_record_name(3))[0].digest == "ab"
     assert sorted(os.listdir(tmp_path)) == [fmt.checksum_record_name(3)]
     assert fmt.is_checksum_record(fmt.checksum_record_name(3))
-    assert not fmt.is_checksum_record(fmt.CHECKSUM_FILE)
+    assert not fmt.is_checksum_record("megatron_async_checksums.json")
     # The same rank saving again without checksums leaves no record of other bytes.
     checksums.write_rank_record(str(tmp_path), 3, [dataclasses.replace(result, checksum=None)])
     assert os.listdir(tmp_path) == []

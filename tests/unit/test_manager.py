@@ -11,40 +11,36 @@ import threading
 
 import pytest
 
+from megatron_async import checkpoint_dirs as dirs
 from megatron_async import manager as mgr
+from megatron_async.checkpoint_dirs import CheckpointInfo, read_tracker, select_for_deletion, write_tracker
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError
-from megatron_async.manager import (
-    CheckpointInfo,
-    CheckpointManager,
-    CheckpointManagerConfig,
-    read_tracker,
-    select_for_deletion,
-    write_tracker,
-)
+from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE
+from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def make_checkpoint(save_dir, iteration, complete=True):
     """Create an ``iter_*`` directory with a shard file and, if complete, both markers."""
-    path = os.path.join(str(save_dir), mgr.checkpoint_dir_name(iteration))
+    path = os.path.join(str(save_dir), dirs.checkpoint_dir_name(iteration))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
         f.write(b"shard")
     if complete:
-        for marker in mgr.COMPLETE_MARKERS:
+        for marker in COMPLETION_MARKERS:
             with open(os.path.join(path, marker), "w") as f:
                 f.write("{}")
     return path
 
 
 def iterations_on_disk(save_dir):
-    return [c.iteration for c in mgr.list_checkpoints(str(save_dir))]
+    return [c.iteration for c in dirs.list_checkpoints(str(save_dir))]
 
 
 def test_directory_names_follow_megatron_lm():
-    assert mgr.checkpoint_dir_name(100) == "iter_0000100"
-    assert mgr.TRACKER_FILENAME == "latest_checkpointed_iteration.txt"
+    assert dirs.checkpoint_dir_name(100) == "iter_0000100"
+    assert TRACKER_FILE == "latest_checkpointed_iteration.txt"
 
 
 def test_only_directories_with_both_markers_are_complete(tmp_path):
@@ -52,10 +48,10 @@ def test_only_directories_with_both_markers_are_complete(tmp_path):
     only_shards = make_checkpoint(tmp_path, 2, complete=False)
     only_json = make_checkpoint(tmp_path, 3, complete=False)
     open(os.path.join(only_json, "metadata.json"), "w").close()
-    assert mgr.is_complete_checkpoint(complete)
-    assert not mgr.is_complete_checkpoint(only_shards)
-    assert not mgr.is_complete_checkpoint(only_json)
-    assert [c.complete for c in mgr.list_checkpoints(str(tmp_path))] == [True, False, False]
+    assert dirs.is_complete_checkpoint(complete)
+    assert not dirs.is_complete_checkpoint(only_shards)
+    assert not dirs.is_complete_checkpoint(only_json)
+    assert [c.complete for c in dirs.list_checkpoints(str(tmp_path))] == [True, False, False]
 
 
 def test_tracker_round_trips_and_leaves_no_temporary_file(tmp_path):
@@ -63,7 +59,7 @@ def test_tracker_round_trips_and_leaves_no_temporary_file(tmp_path):
     write_tracker(str(tmp_path), 7)
     write_tracker(str(tmp_path), 12)
     assert read_tracker(str(tmp_path)) == 12
-    assert os.listdir(tmp_path) == [mgr.TRACKER_FILENAME]
+    assert os.listdir(tmp_path) == [TRACKER_FILE]
 
 
 def test_tracker_is_never_seen_partially_written(tmp_path):
@@ -104,12 +100,12 @@ def test_failed_tracker_write_keeps_the_old_tracker(tmp_path, monkeypatch):
         write_tracker(str(tmp_path), 6)
     monkeypatch.undo()
     assert read_tracker(str(tmp_path)) == 5
-    assert os.listdir(tmp_path) == [mgr.TRACKER_FILENAME]
+    assert os.listdir(tmp_path) == [TRACKER_FILE]
 
 
 @pytest.mark.parametrize("content", ["release", "", "12abc"])
 def test_unreadable_tracker_raises_a_clear_error(tmp_path, content):
-    (tmp_path / mgr.TRACKER_FILENAME).write_text(content)
+    (tmp_path / TRACKER_FILE).write_text(content)
     with pytest.raises(CheckpointValidationError, match="expected an iteration number"):
         read_tracker(str(tmp_path))
 
@@ -134,7 +130,7 @@ def test_resume_never_chooses_an_incomplete_directory(tmp_path):
     make_checkpoint(tmp_path, 6, complete=False)
     write_tracker(str(tmp_path), 4)
     assert resume(tmp_path).iteration == 2
-    (tmp_path / mgr.TRACKER_FILENAME).unlink()
+    (tmp_path / TRACKER_FILE).unlink()
     assert resume(tmp_path).iteration == 2
     with pytest.raises(CheckpointValidationError, match="not a complete checkpoint"):
         resume(tmp_path, iteration=6)
@@ -183,7 +179,7 @@ def test_prepare_save_clears_remains_and_refuses_the_tracked_checkpoint(tmp_path
     write_tracker(str(tmp_path), 2)
     with pytest.raises(AsyncSaveFailedError, match="refusing to overwrite"):
         manager.prepare_save(2)
-    assert mgr.is_complete_checkpoint(os.path.join(str(tmp_path), "iter_0000002"))
+    assert dirs.is_complete_checkpoint(os.path.join(str(tmp_path), "iter_0000002"))
 
 
 def info(iteration, complete=True):

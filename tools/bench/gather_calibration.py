@@ -55,9 +55,6 @@ class _DoneWriter:
     gathered); ``finish`` does no work, so what is timed is the finalization's collectives.
     """
 
-    commit_cache = None
-    digest_history = None
-
     def __init__(self, results: List[Any]):
         self.checkpoint_id = self.checkpoint_dir = "gather-calibration"
         self._results = results
@@ -75,7 +72,7 @@ def _timed(op: Callable[[], Any], repeats: int, group: Any) -> List[float]:
 
     times = []
     for _ in range(repeats + 1):
-        coordination.barrier(group)
+        coordination.all_reduce_max([0], group)  # a barrier
         start = time.perf_counter()
         op()
         times.append(time.perf_counter() - start)
@@ -91,7 +88,7 @@ def _rank_ops(wrapper: Any, ours_synthesized: Any, dcp_synthesized: Any) -> Dict
 
     from megatron_async.core import coordination
     from megatron_async.core.gc_pause import paused_gc
-    from megatron_async.integrity.staleness import RankComparison
+    from megatron_async.integrity.staleness import ChangeReport
     from megatron_async.saver.finalize import save_state_dict_async_finalize
 
     results = ours_synthesized[1]
@@ -110,7 +107,7 @@ def _rank_ops(wrapper: Any, ours_synthesized: Any, dcp_synthesized: Any) -> Dict
         return paused
 
     def warm_allreduces() -> None:  # failed, moved, ranks, stale counts; then the commit's
-        coordination.all_reduce_sum([0, 0, 1, *RankComparison(0, 0, 0, None).counts()], group)
+        coordination.all_reduce_sum([0, 0, 1, *ChangeReport(0, 0, 0, None).counts()], group)
         coordination.raise_if_any_rank_failed(None, group, "gather-calibration")
 
     return {

@@ -31,10 +31,9 @@ __all__ = ["measure_warm_finalize"]
 class _CoordinatorWriter:
     """The coordinator's writer as the finalization sees it once the background write is done."""
 
-    def __init__(self, directory: str, results: List[Any], cache: Any, history: Any):
+    def __init__(self, directory: str, results: List[Any]):
         self.checkpoint_id = self.checkpoint_dir = directory
         self._results = results
-        self.commit_cache, self.digest_history = cache, history
         self.save_id = uuid.uuid4().hex
 
     def retrieve_write_results(self) -> List[Any]:
@@ -70,18 +69,20 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     os.makedirs(first)
     os.makedirs(second)
     cache, history = CommitCache(), SaveDigestHistory()
-    first_writer = _CoordinatorWriter(first, results[0], cache, history)
+    first_writer = _CoordinatorWriter(first, results[0])
     committed = first_writer.finish(metadata, results)
     cache.remember(storage_layout(results[0]), metadata, committed)
     history.compare(first, digests_of(results[0]))
     history.accept()
 
     mine = [dataclasses.replace(r, checksum=f"{i + (1 << 60):016x}") for i, r in enumerate(results[0])]
-    writer = _CoordinatorWriter(second, mine, cache, history)
+    writer = _CoordinatorWriter(second, mine)
     wrapper = _DistWrapper(None, False, 0)
     gathers = finalize.get_result_gather_count()
     start = time.perf_counter()
-    finalize.save_state_dict_async_finalize(writer, metadata, wrapper)
+    finalize.save_state_dict_async_finalize(
+        writer, metadata, wrapper, commit_cache=cache, digest_history=history
+    )
     warm_s = time.perf_counter() - start
     if finalize.get_result_gather_count() != gathers:
         raise AssertionError("the warm finalization gathered write results")

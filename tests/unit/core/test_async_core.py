@@ -4,17 +4,20 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
+from megatron_async.core.request import require_hand_over, run_preload
 from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import (
     AsyncSaveFailedError,
     FrozenRequestError,
     QueueClosedError,
+    StagingHandOverError,
 )
 from tests import background_fns as fns
 from tests.persistent_worker import wait_until_worker_ready
@@ -284,7 +287,7 @@ def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer
 
     queue = make_queue(persistent)
     module = persistent_module if persistent else temporal
-    monkeypatch.setattr(module, "start_background_copy", interrupted_while_staging)
+    monkeypatch.setattr(module, "hand_over_staged", interrupted_while_staging)
     callers = []  # kept alive, as a traceback being handled keeps them: no kill at collection
     schedule = temporal.TemporalAsyncCaller.schedule_async_call
     monkeypatch.setattr(temporal.TemporalAsyncCaller, "schedule_async_call",
@@ -440,3 +443,41 @@ def _wait_for(predicate, timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+# -- the hand-over: staging that continues after it is refused under another library's caller
+
+
+def _hand_over_refused() -> bool:
+    try:
+        require_hand_over("overlapped staging", "save without overlap_staging")
+    except StagingHandOverError:
+        return True
+    return False
+
+
+def test_only_our_callers_preload_may_hand_over_and_the_mark_is_per_thread():
+    seen = {}
+
+    def preload():
+        seen["inside"] = _hand_over_refused()
+        other = threading.Thread(target=lambda: seen.setdefault("other thread", _hand_over_refused()))
+        other.start()
+        other.join()
+        return run_preload(lambda: "nested")
+
+    assert _hand_over_refused()
+    assert run_preload(preload) == "nested"
+    assert seen == {"inside": False, "other thread": True}
+    assert _hand_over_refused()
+    with pytest.raises(ZeroDivisionError):  # the mark ends when preload raises
+        run_preload(lambda: 1 / 0)
+    assert _hand_over_refused()
+
+
+def test_outside_our_callers_the_refusal_names_the_queue_and_the_alternative():
+    with pytest.raises(StagingHandOverError) as raised:
+        require_hand_over("overlapped staging", "save without overlap_staging")
+    message = str(raised.value)
+    assert "megatron_async.AsyncCallsQueue" in message
+    assert "save without overlap_staging" in message and "previous checkpoint is intact" in message

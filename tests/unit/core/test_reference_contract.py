@@ -161,3 +161,21 @@ def test_priority_options_are_checked():
 def test_the_reference_worker_loop_says_what_to_use_instead():
     with pytest.raises(ReplacedReferenceAPIError, match=r"AsyncCallsQueue\(persistent=True\)"):
         PersistentAsyncCaller.async_loop(0, None, None, None)
+
+
+def test_a_caller_used_directly_reports_its_call_and_raises_its_failure(tmp_path):
+    """``is_current_async_call_done`` of a caller without the queue, as the reference's
+    loop calls it: done once the call finished, the failure raised as on the queue."""
+    from megatron_async.core import TemporalAsyncCaller
+
+    done = TemporalAsyncCaller()
+    assert done.is_current_async_call_done()  # nothing scheduled
+    done.schedule_async_call(AsyncRequest(fns.write_text, (str(tmp_path / "ok"), None, "ok"), []))
+    assert done.is_current_async_call_done(blocking=True)
+    assert (tmp_path / "ok").read_text() == "ok"
+    done.close()
+    failed = TemporalAsyncCaller()
+    failed.schedule_async_call(AsyncRequest(fns.raise_error, (str(tmp_path / "x"), None, "disk full"), []))
+    with pytest.raises(AsyncSaveFailedError, match="disk full"):
+        failed.is_current_async_call_done(blocking=True, no_dist=True)
+    failed.close()

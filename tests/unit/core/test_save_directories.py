@@ -13,11 +13,13 @@ import pytest
 from megatron_async.core import coordination, save_directories
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import (
-    CoordinatorStepTimeoutError,
+    FileSystemStepTimeoutError,
     SaveDirectories,
     run_coordinator_step,
 )
 from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
+from megatron_async.checkpoint_dirs import read_tracker
+from megatron_async.format import COMPLETION_MARKERS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +47,7 @@ def test_a_step_returns_its_value_or_raises_its_own_error():
 
 def test_a_step_that_never_returns_fails_within_its_bound(hung_mount):
     started = time.monotonic()
-    with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of /x did not return within 0.3s") as caught:
+    with pytest.raises(FileSystemStepTimeoutError, match="writing .metadata of /x did not return within 0.3s") as caught:
         run_coordinator_step("writing .metadata of /x", hung_mount.wait, timeout_s=0.3)
     assert time.monotonic() - started < 5
     assert isinstance(caught.value, AsyncTimeoutError)
@@ -66,12 +68,12 @@ def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mou
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)))
     path = manager.prepare_save(1)
-    for marker in mgr.COMPLETE_MARKERS:
+    for marker in COMPLETION_MARKERS:
         (tmp_path / os.path.basename(path) / marker).write_text("{}")
     monkeypatch.setattr(mgr, "write_tracker", lambda *args: hung_mount.wait())
     with pytest.raises(AsyncSaveFailedError, match="marking .* as the latest checkpoint did not return"):
         manager.commit(1)
-    assert mgr.read_tracker(str(tmp_path)) is None
+    assert read_tracker(str(tmp_path)) is None
 
 
 def test_megatron_cores_metadata_json_step_is_bounded(tmp_path, monkeypatch, hung_mount):
@@ -102,7 +104,7 @@ def test_a_commit_left_behind_does_not_leave_the_collector_paused(tmp_path, monk
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
     assert gc.isenabled()
-    with pytest.raises(CoordinatorStepTimeoutError, match="writing .metadata of"):
+    with pytest.raises(FileSystemStepTimeoutError, match="writing .metadata of"):
         commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     assert gc.isenabled()  # the metadata was built on this thread; only the write was left behind
 
@@ -154,7 +156,7 @@ def test_a_step_left_behind_stops_every_later_save_of_the_process(tmp_path, monk
 
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.3)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
-    with pytest.raises(CoordinatorStepTimeoutError):
+    with pytest.raises(FileSystemStepTimeoutError):
         commit.commit_checkpoint(str(tmp_path), Metadata(state_dict_metadata={}), [[]], None)
     process = SaveDirectories.of_process()
     assert process.stuck == f"writing .metadata of {tmp_path}"
@@ -180,7 +182,7 @@ def test_a_tracker_write_left_behind_stops_the_next_commit(tmp_path, monkeypatch
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path)), directories)
     for iteration in (1, 2):
         path = manager.prepare_save(iteration)
-        for marker in mgr.COMPLETE_MARKERS:
+        for marker in COMPLETION_MARKERS:
             (tmp_path / os.path.basename(path) / marker).write_text("{}")
     calls = []
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import state_dict_utils
 
-from megatron_async.manager import is_complete_checkpoint
+from megatron_async.checkpoint_dirs import is_complete_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(REPO, "examples"))

@@ -14,6 +14,7 @@ from megatron_async.integrity import checksums
 from megatron_async.writer.bucket_io import ChecksummedWriteResult, write_bucket
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.errors import CheckpointIntegrityError
+from megatron_async.format import checksum_record_name
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,9 +68,11 @@ def test_checksums_can_be_switched_off(tmp_path):
 
 
 def test_bit_flip_and_truncation_are_reported_with_file_and_item(tmp_path):
-    items = _items(_write(tmp_path))
-    checksums.write_checksum_file(str(tmp_path), items)
-    assert checksums.read_checksum_file(str(tmp_path)) == sorted(items, key=lambda i: (i.file, i.offset))
+    results = _write(tmp_path)
+    items = _items(results)
+    checksums.write_rank_record(str(tmp_path), 0, results)
+    recorded = checksums.read_checksum_file(str(tmp_path), checksum_record_name(0))
+    assert [(i.file, i.offset, i.digest) for i in recorded] == sorted((i.file, i.offset, i.digest) for i in items)
     assert checksums.verify_items(str(tmp_path), items) == []
 
     target = max(items, key=lambda i: i.length)
@@ -90,7 +93,6 @@ def test_bit_flip_and_truncation_are_reported_with_file_and_item(tmp_path):
 
 
 def test_single_process_integrity_check_names_damage(tmp_path):
-    items = _items(_write(tmp_path))
-    checksums.write_checksum_file(str(tmp_path), items)
+    checksums.write_rank_record(str(tmp_path), 0, _write(tmp_path))
     with pytest.raises(CheckpointIntegrityError, match="metadata.json is missing"):
         verify_checkpoint_integrity(str(tmp_path))

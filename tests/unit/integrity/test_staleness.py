@@ -4,24 +4,33 @@ import logging
 
 import pytest
 
-from megatron_async.integrity.staleness import SaveDigestHistory, StaleCheckpointError
+from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory, StaleCheckpointError
 
 
 def _digests(**items):
     return [((fqn, (0,)), digest) for fqn, digest in items.items()]
 
 
+def _record(history, checkpoint, digests):
+    """Compare, judge and accept one save of a job of one rank, as the finalization does."""
+    comparison = history.compare(checkpoint, digests)
+    report = ChangeReport.from_counts(comparison.counts(), 1, comparison.previous_checkpoint)
+    history.judge(checkpoint, report)
+    history.accept()
+    return report
+
+
 def test_the_first_save_has_nothing_to_compare():
-    report = SaveDigestHistory().record("/ckpt/iter_1", _digests(a="1", b="2"))
+    report = _record(SaveDigestHistory(), "/ckpt/iter_1", _digests(a="1", b="2"))
     assert (report.items, report.previous_checkpoint, report.is_stale) == (2, None, False)
     assert "first save" in report.summary()
 
 
 def test_frozen_items_are_counted_without_a_warning(caplog):
     history = SaveDigestHistory()
-    history.record("/ckpt/iter_1", _digests(frozen="1", trained="2"))
+    _record(history, "/ckpt/iter_1", _digests(frozen="1", trained="2"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
-        report = history.record("/ckpt/iter_2", _digests(frozen="1", trained="3", new="4"))
+        report = _record(history, "/ckpt/iter_2", _digests(frozen="1", trained="3", new="4"))
     assert (report.changed, report.added, report.is_stale) == (1, 1, False)
     assert report.summary() == "2 of 3 items changed since the previous save"
     assert not caplog.records
@@ -29,24 +38,24 @@ def test_frozen_items_are_counted_without_a_warning(caplog):
 
 def test_nothing_changed_warns_naming_both_checkpoints(caplog):
     history = SaveDigestHistory()
-    history.record("/ckpt/iter_1", _digests(a="1", b="2"))
+    _record(history, "/ckpt/iter_1", _digests(a="1", b="2"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
-        report = history.record("/ckpt/iter_2", _digests(a="1", b="2"))
+        report = _record(history, "/ckpt/iter_2", _digests(a="1", b="2"))
     assert report.is_stale and report.summary() == "0 of 2 items changed since the previous save"
     assert "/ckpt/iter_2" in caplog.text and "/ckpt/iter_1" in caplog.text
 
 
 def test_an_overwrite_of_the_same_checkpoint_is_not_stale(caplog):
     history = SaveDigestHistory()
-    history.record("/ckpt/iter_1", _digests(a="1"))
+    _record(history, "/ckpt/iter_1", _digests(a="1"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
-        history.record("/ckpt/iter_1", _digests(a="1"))
+        _record(history, "/ckpt/iter_1", _digests(a="1"))
     assert not caplog.records
 
 
 def test_fail_on_stale_raises_and_keeps_the_previous_save():
     history = SaveDigestHistory(fail_on_stale=True)
-    history.record("/ckpt/iter_1", _digests(a="1"))
+    _record(history, "/ckpt/iter_1", _digests(a="1"))
     with pytest.raises(StaleCheckpointError, match="iter_1"):
-        history.record("/ckpt/iter_2", _digests(a="1"))
-    assert history.record("/ckpt/iter_3", _digests(a="2")).previous_checkpoint == "/ckpt/iter_1"
+        _record(history, "/ckpt/iter_2", _digests(a="1"))
+    assert _record(history, "/ckpt/iter_3", _digests(a="2")).previous_checkpoint == "/ckpt/iter_1"

@@ -117,7 +117,7 @@ def test_a_complete_checkpoint_rank_0_may_not_unmark_is_a_validation_error(tmp_p
     from megatron.core import dist_checkpointing
 
     from megatron_async.errors import CheckpointValidationError
-    from megatron_async.mcore import common_guard, generation
+    from megatron_async.mcore import generation, target
 
     if generation.GENERATION != "registry" and not hasattr(
         getattr(dist_checkpointing.serialization, "save_common", None), "__megatron_async_guarded__"
@@ -127,7 +127,7 @@ def test_a_complete_checkpoint_rank_0_may_not_unmark_is_a_validation_error(tmp_p
     def refused(directory, storage):
         raise PermissionError(13, "Permission denied", f"{directory}/.metadata")
 
-    monkeypatch.setattr(common_guard, "remove_completion_markers", refused)
+    monkeypatch.setattr(target, "remove_completion_markers", refused)
     with pytest.raises(CheckpointValidationError, match="rank 0: .*save into a directory you can write"):
         dist_checkpointing.save(_state(1.0), str(tmp_path), sharded_strategy=TorchDistAsyncSaveStrategy())
     assert not (tmp_path / "common.pt").exists()

@@ -138,14 +138,14 @@ def test_a_process_whose_step_was_left_behind_refuses_the_next_save_and_keeps_co
     later, and the message says to restart the job."""
     import threading
 
-    from megatron_async.core.save_directories import CoordinatorStepTimeoutError, SaveDirectories
+    from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
     from megatron_async.errors import CheckpointInProgressError
 
     path = str(tmp_path)
     dist_checkpointing.save(_state(1.0), path, sharded_strategy=TorchDistAsyncSaveStrategy())
     before = _files(tmp_path)
     recovered = threading.Event()
-    with pytest.raises(CoordinatorStepTimeoutError):
+    with pytest.raises(FileSystemStepTimeoutError):
         SaveDirectories.of_process().run_bounded("writing .metadata (test)", recovered.wait, timeout_s=0.1)
     recovered.set()  # the step returns: the process still saves no more
     for async_save in (False, True):

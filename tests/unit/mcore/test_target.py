@@ -77,7 +77,7 @@ def test_an_object_store_target_needs_use_msc_and_follows_overwrite(monkeypatch)
     monkeypatch.setattr(target, "storage_for", lambda path: store)
     with pytest.raises(CheckpointValidationError, match="create the strategy with use_msc=True"):
         check_save_target(url, SimpleNamespace(use_msc=False, overwrite=True), True)
-    with pytest.raises(CheckpointValidationError, match="overwrite=False; save under a new prefix"):
+    with pytest.raises(CheckpointValidationError, match="overwrite=False; save into a new directory"):
         check_save_target(url, SimpleNamespace(use_msc=True, overwrite=False), True)
     check_save_target(url, SimpleNamespace(use_msc=True, overwrite=True), True)
     assert store.files == set()

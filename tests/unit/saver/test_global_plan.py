@@ -30,7 +30,7 @@ from megatron_async.saver.global_metadata import (
     build_global_metadata,
     without_redundant_empty_chunks,
 )
-from megatron_async.saver.global_plan import build_metadata
+from megatron_async.saver.global_metadata import build_metadata
 
 pytestmark = pytest.mark.timeout(60)
 

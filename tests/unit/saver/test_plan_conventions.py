@@ -1,8 +1,6 @@
-"""Planning's calling conventions: one shape per module, both at the public import path."""
+"""Planning's calling conventions: one function takes both, nvrx's module keeps its order."""
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
@@ -17,16 +15,13 @@ from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 pytestmark = pytest.mark.timeout(120)
 
-
 def _state():
     return {"a": torch.arange(16, dtype=torch.float32), "b": torch.ones(8)}
 
-
-def test_the_saver_package_has_megatron_cores_five_element_shape_only(tmp_path):
-    assert "enable_cache" not in inspect.signature(saver.save_state_dict_async_plan).parameters
+def test_the_public_path_is_the_savers_one_function(tmp_path):
+    assert public_saver.save_state_dict_async_plan is saver.save_state_dict_async_plan
     planned = saver.save_state_dict_async_plan(_state(), FileSystemWriterAsync(str(tmp_path)))
     assert len(planned) == 5 and len(planned[0]) == 3
-
 
 def test_plan_save_reports_what_the_writer_prepared(tmp_path):
     writer = FileSystemWriterAsync(str(tmp_path), thread_count=2)
@@ -35,7 +30,6 @@ def test_plan_save_reports_what_the_writer_prepared(tmp_path):
     assert isinstance(result.prepared_write, PreparedWrite)
     assert result.prepared_write.write_buckets == writer.write_buckets
     assert not result.reused_cached_plans
-
 
 def test_the_public_path_takes_both_conventions(tmp_path):
     assert megatron_async.save_state_dict_async_plan is public_saver.save_state_dict_async_plan
@@ -53,7 +47,6 @@ def test_the_public_path_takes_both_conventions(tmp_path):
         _state(), FileSystemWriterAsync(str(tmp_path / "c")), enable_cache=False
     )
     assert len(off) == 3
-
 
 def test_the_nvrx_module_keeps_its_three_element_shape(tmp_path):
     planned = nvrx_saver.save_state_dict_async_plan(_state(), FileSystemWriterAsync(str(tmp_path)))

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.core.hand_over import run_preload
+from megatron_async.core.request import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.gate import StagingGate

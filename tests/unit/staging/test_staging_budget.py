@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_async.core.hand_over import run_preload
+from megatron_async.core.request import run_preload
 from megatron_async.errors import (
     CheckpointValidationError,
     StagingHandOverError,
@@ -436,7 +436,7 @@ def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
 def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     import multiprocessing
 
-    from megatron_async.core.request import start_background_copy
+    from megatron_async.core.request import hand_over_staged
 
     tensors = _tensors(count=4, numel=1024)
     gate = StagingGate(len(tensors))
@@ -446,8 +446,7 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
     writer.start()
     writer.join(10)
     start = time.monotonic()
-    start_background_copy(staged, writer.pid)  # as the callers do at the hand-over
-    staged.finish_staging()
+    hand_over_staged(staged, writer.pid)  # as the callers do
     assert time.monotonic() - start < 10.0
     assert gate.failed and "ended before it freed the staging memory" in gate.message()
     assert StagingLedger.of_process().held_bytes() == held  # the hold ended with its writer

@@ -300,7 +300,7 @@ def test_a_save_after_a_metadata_write_was_left_behind_is_refused(tmp_path, monk
     import threading
 
     from megatron_async.core import save_directories
-    from megatron_async.core.save_directories import CoordinatorStepTimeoutError
+    from megatron_async.core.save_directories import FileSystemStepTimeoutError
     from megatron_async.errors import CheckpointInProgressError
     from megatron_async.writer import commit
 
@@ -317,7 +317,7 @@ def test_a_save_after_a_metadata_write_was_left_behind_is_refused(tmp_path, monk
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.2)
     monkeypatch.setattr(commit, "storage_for", lambda path: HungStorage())
     try:
-        with pytest.raises(CoordinatorStepTimeoutError):
+        with pytest.raises(FileSystemStepTimeoutError):
             _finish(writer, writer.retrieve_write_results())
     finally:
         recovered.set()

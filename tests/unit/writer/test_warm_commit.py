@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.format import CHECKSUM_FILE, checksum_record_name
+from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.saver import finalize
@@ -135,11 +135,9 @@ def test_the_coordinator_also_wants_the_committed_structure():
     assert not cache.matches(layout, structure, is_coordinator=False)
 
 
-def _prepared_writer(path, state_dict, cache, history):
+def _prepared_writer(path, state_dict):
     """A single rank's writer whose background write is done, and the global metadata."""
-    writer = FileSystemWriterAsync(
-        str(path), thread_count=2, commit_cache=cache, digest_history=history
-    )
+    writer = FileSystemWriterAsync(str(path), thread_count=2)
     metadata = _prepare(writer, state_dict)
     _run(writer)
     return writer, metadata
@@ -153,10 +151,12 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         path = tmp_path / f"iter_{step}"
         path.mkdir()
         state = {"w": torch.full((64, 8), float(step)), "b": torch.arange(8.0) + step}
-        writer, metadata = _prepared_writer(path, state, cache, history)
+        writer, metadata = _prepared_writer(path, state)
         structure = structure or metadata  # the cached global metadata, as the plan cache keeps it
         before = finalize.get_result_gather_count()
-        report = finalize.save_state_dict_async_finalize(writer, structure, wrapper)
+        report = finalize.save_state_dict_async_finalize(
+            writer, structure, wrapper, commit_cache=cache, digest_history=history
+        )
         assert finalize.get_result_gather_count() - before == (1 if step == 0 else 0), step
 
         loaded = {k: torch.empty_like(v) for k, v in state.items()}
@@ -171,9 +171,9 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         assert len(items) == 2 and checksums.verify_items(str(path), items) == []
 
 
-def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_file(tmp_path):
+def test_read_checksums_keeps_only_the_stored_items(tmp_path):
     state = {"w": torch.randn(16, 4)}
-    writer, metadata = _prepared_writer(tmp_path, state, None, None)
+    writer, metadata = _prepared_writer(tmp_path, state)
     writer.finish(metadata, [writer.retrieve_write_results()])
     ours = checksums.read_checksums(str(tmp_path))
     assert [item.fqn for item in ours] == ["w"]
@@ -183,10 +183,4 @@ def test_read_checksums_keeps_only_the_stored_items_and_reads_the_old_single_fil
     stale = dataclasses.replace(result, storage_data=elsewhere)
     checksums.write_rank_record(str(tmp_path), 7, [stale])
     assert os.path.exists(tmp_path / checksum_record_name(7))
-    assert checksums.read_checksums(str(tmp_path)) == ours
-    # A checkpoint of an earlier version: one checksum file, no per-rank records.
-    for name in (checksum_record_name(0), checksum_record_name(7)):
-        os.remove(tmp_path / name)
-    checksums.write_checksum_file(str(tmp_path), ours)
-    assert os.path.exists(tmp_path / CHECKSUM_FILE)
     assert checksums.read_checksums(str(tmp_path)) == ours
