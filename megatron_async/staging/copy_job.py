@@ -10,8 +10,8 @@ the gate) and marks each item copied on the save's gate; the writer waits per it
 that mark.
 
 Our staged data derives from :class:`StagedData`: our callers start its job
-(``start_background_copy``) once the request is with its writer and, where scheduling
-waits for the copy (rounds without overlap), wait for it (``finish_staging``). Every
+(:meth:`StagedData.hand_over`) once the request is with its writer and, where scheduling
+waits for the copy (rounds without overlap), wait for it. Every
 wait for a job (that one, the next optimizer step's, the next save's before it reuses the
 pool) is :meth:`CopyJob.wait`: bounded by the time the job copies nothing.
 
@@ -294,7 +294,7 @@ class StagedData:
     :meth:`release`. ``copy_job``: the copies left (None: everything was copied at
     scheduling). ``scheduling_waits``: scheduling returns only once they are done
     (staging in rounds); otherwise the next optimizer step waits for them (overlapped
-    staging). Our callers call the hooks
+    staging). Our callers call its two hooks, :meth:`hand_over` and :meth:`release`
     (:func:`megatron_async.core.request.hand_over_staged`,
     :func:`~megatron_async.core.request.release_staged_data`); nothing of this travels
     when the staged data is pickled.
@@ -314,15 +314,17 @@ class StagedData:
     def release_buffers(self) -> None:
         """Give the buffers back (a subclass's own; the budget's hold is not touched)."""
 
-    def record_writer(self, pid: int) -> None:
-        """Trainer, at the hand-over: the process that reads the data (the budget watches it)."""
+    def hand_over(self, writer_pid: int, finish: bool = True) -> None:
+        """Trainer, once the request is with its writer (after the fork, after the send):
+        record the writer's process (the budget's hold and the copy's waits end if it
+        dies, even before it reads), start the copies left, and with ``finish`` wait for
+        them where scheduling waits (:meth:`finish_staging`)."""
         if self.hold is not None and self.hold.gate is not None:
-            self.hold.gate.record_writer(pid)
-
-    def start_background_copy(self) -> None:
-        """Trainer, once the request is with its writer: hand the job to the copy thread."""
+            self.hold.gate.record_writer(writer_pid)
         if self.copy_job is not None and self.copy_job.copies:
             CopyThread.of_process().submit(self.copy_job)
+        if finish:
+            self.finish_staging()
 
     def finish_staging(self) -> None:
         """Trainer: where scheduling waits, wait until every copy is made or the copy failed.

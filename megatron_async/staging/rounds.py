@@ -13,9 +13,9 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``),
+  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``hand_over``),
   which copies each further item once the writer marked its predecessors in the ring
-  *written*, and waits for it (``finish_staging``) before scheduling returns: the trainer
+  *written*, and waits for it before scheduling returns: the trainer
   waits for the drain, and the snapshot is whole when scheduling returns. With
   overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
   and the next optimizer step waits for the last instead of scheduling;

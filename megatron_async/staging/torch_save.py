@@ -16,7 +16,7 @@ Runs in the trainer, in the ``preload_fn`` of
   ledger's pool, placed by :func:`~megatron_async.staging.rounds.plan_rounds`: the writer
   writes record by record and marks each written, and the copy thread copies a storage
   once the writer wrote the storages whose bytes it overwrites. Scheduling returns once
-  every storage is copied (``finish_staging``); a tensor changed in place before its copy
+  every storage is copied (``hand_over``); a tensor changed in place before its copy
   fails the save (``StagingRaceError``), as staging in rounds does for torch_dist saves.
 
 The records are the ones ``torch.save`` writes to a file object, in the same order, so

@@ -1,6 +1,7 @@
 """Overlapped staging in one process: the copy runs after scheduling, waits are bounded,
 and a saved tensor changed before its copy fails the save instead of tearing it."""
 
+import os
 import time
 
 import pytest
@@ -80,7 +81,7 @@ def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
     assert not staging_in_progress()
     assert all(not torch.equal(b, t.cpu()) for b, t in zip(_staged_values(staged), tensors)
                if t.abs().sum() > 0)
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)
     assert not staging_in_progress()
     _read_as_the_writer(staged, gate)
@@ -99,7 +100,7 @@ def test_optimizer_step_waits_for_the_copy(device):
     gate = StagingGate(1)
     staged = _stage_overlapped(gate, [params[0].detach()])
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         assert staging_in_progress()
     optimizer.step()  # the global step pre-hook waits for the copy
     _read_as_the_writer(staged, gate)
@@ -116,7 +117,7 @@ def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device, monke
     gate = StagingGate(len(tensors))
     staged = _stage_overlapped(gate, tensors)
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         tensors[1].add_(1)  # no wait: an unguarded in-place update
     wait_for_staging(timeout_s=60)
     with pytest.raises(StagingRaceError, match=r"rank 3: saved tensor 'layer1.weight'.*"
@@ -154,7 +155,7 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
     assert not segments_outlive_a_bounded_wait(), "an earlier test left a staging segment alive"
     cache = StagingBufferCache()
     staged = _stage_overlapped(StagingGate(1), [torch.arange(6.0)], "leak-check", cache)
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=30.0)
     staged.release()
     cache.clear()
@@ -167,7 +168,7 @@ def test_an_inference_tensor_is_staged_overlapped_without_a_version_check():
         tensor = torch.arange(8.0)  # keeps no version counter
     gate = StagingGate(1)
     staged = _stage_overlapped(gate, [tensor])
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)
     _read_as_the_writer(staged, gate)
     assert torch.equal(_staged_values(staged)[0], tensor)

@@ -136,7 +136,7 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     (bucket,) = gate.writer_view(list(staged), 30.0)
     with pytest.raises(StagingRaceError, match="layer3.weight"):
         for idx, (item, tensor) in enumerate(bucket.data[1]):
@@ -322,7 +322,7 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
     assert staged.plan.rounds == 2
     assert not any(gate.is_staged(i) for i in range(4))  # scheduling copied nothing
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         assert staging_in_progress()
     thread, written, errors = _drain_in_thread(gate, staged)
     optimizer.step()  # the step pre-hook waits until the last round is copied
@@ -343,7 +343,7 @@ def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_nami
     tensors = _tensors(count=4, numel=1024)
     staged, gate = _overlapped_rounds(tensors, 8192)
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
     thread, written, errors = _drain_in_thread(gate, staged)
     wait_for_staging(timeout_s=60)
@@ -367,7 +367,7 @@ def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     # left unreaped, it is a zombie, which counts as gone.
     writer = multiprocessing.get_context("fork").Process(target=gate.record_writer)
     writer.start()
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)  # returns at the liveness check, not at the 60 s bound
     writer.join(10)
     assert gate.failed and "background writer of this save ended" in gate.message()
@@ -393,7 +393,7 @@ def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
 
     _, gate, staged = _rounds(timeout_s=30.0)
     start = time.monotonic()
-    staged.start_background_copy()  # waits for items 0 and 1 to be written
+    staged.hand_over(os.getpid(), finish=False)  # waits for items 0 and 1 to be written
     (bucket,) = gate.writer_view(list(staged), 30.0)
     bucket.data[1].abandon(OSError(28, "No space left on device"))  # bucket 0 failed
     staged.finish_staging()
@@ -418,7 +418,7 @@ def test_done_comes_first_and_a_late_copy_does_not_undo_written():
 def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
     tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
     assert staged.plan.rounds == 3
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     (bucket,) = gate.writer_view(list(staged), 30.0)
     written = []
     for idx, (_, tensor) in enumerate(bucket.data[1]):  # a slow writer: 0.25 s an item
@@ -478,7 +478,7 @@ def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
     staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, overlapped=True,
                                       timeout_s=30.0).stage)
     gate.mark_done()  # its writer is done; the staged data is still referenced here
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=30.0)
     assert StagingLedger.of_process().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192
     staged.release()

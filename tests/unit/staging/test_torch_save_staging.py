@@ -45,7 +45,7 @@ def _stage(obj, limit, timeout_s=30.0, protocol=2, byteorder=True, stats=None):
 def _write(staged):
     """Write as the caller runs a request: the later rounds copy beside the writer."""
     stream = io.BytesIO()
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     try:
         write_torch_save_records(stream, staged, 30.0)
     finally:
