@@ -179,13 +179,8 @@ class OpenedBucketFile(BucketFile):
 
     def __init__(self, path: str, hashing: bool, open_file: Callable[..., Any]):
         self._stream = open_file(path, "wb")
-        self._hasher = new_hasher() if hashing else None
-        self._pending = []
-        self._pending_bytes = 0
-        self._written = 0
-        self._writeback_start = 0
+        self._start_stream(hashing)
         self._advise = False
-        self.write_error = None
 
     def finish(self, use_fsync: bool) -> None:
         self._write_pending()

@@ -3,7 +3,7 @@
 A *bucket* is the content of one ``.distcp`` file: the resolved data of some write items
 of this rank. Buckets are laid out in the trainer on every rank (``prepare_write_data``),
 staged to host memory by :mod:`megatron_async.staging`, and written by the background
-writer (:mod:`megatron_async.writer.bucket_io`), one bucket per thread or per process.
+writer (:mod:`megatron_async.writer.bucket_io`), one bucket per thread.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class TorchDistSaveConfig(WriteOptions):
     """
 
     thread_count: int = 2
-    """Files (and writer threads or processes) per rank and save."""
+    """Files (and writer threads) per rank and save."""
 
     use_cached_data_structure: bool = True
     """Keep the host staging buffers from save to save: a save whose bucket layout is the

@@ -42,8 +42,9 @@ from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationErro
 from megatron_async.integrity.staleness import (
     ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
 )
-from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
+from megatron_async.writer.commit import commit_unchanged
 from megatron_async.writer.commit_cache import CommitCache, storage_layout
+from megatron_async.writer.metadata_bytes import MetadataTemplate
 
 if TYPE_CHECKING:
     from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -146,7 +147,7 @@ def save_state_dict_async_finalize(
         with paused_gc():  # the coordinator unpickles every rank's write results
             all_results = dist_wrapper.gather_object(results)
 
-    def commit() -> Optional[CommittedMetadata]:
+    def commit() -> Optional[MetadataTemplate]:
         if warm:
             commit_unchanged(storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta())
             return None

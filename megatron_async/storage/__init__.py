@@ -15,11 +15,11 @@ POSIX directory) and with which credentials. The optional ``msc`` extra installs
   each), listing, deletion and ranged reads;
 * :mod:`.stream` (the background writer): one bucket streamed to the store as it is
   written, as a multipart upload, hashed on the way;
-* :mod:`.client` (anywhere): the MSC import with its typed error, and URL resolution;
-* :mod:`.locations` (anywhere, imports nothing): the URL scheme and upload part sizes.
+* :mod:`.client` (anywhere): the URL scheme, upload part sizes, the MSC import with its
+  typed error, and URL resolution.
 """
 
 from megatron_async.storage.backend import CheckpointStorage, is_object_url, normalize_checkpoint_path, storage_for
-from megatron_async.storage.locations import MSC_URL_PREFIX
+from megatron_async.storage.client import MSC_URL_PREFIX
 
 __all__ = ["CheckpointStorage", "MSC_URL_PREFIX", "is_object_url", "normalize_checkpoint_path", "storage_for"]

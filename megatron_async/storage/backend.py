@@ -20,7 +20,7 @@ import os
 from typing import Any, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 from megatron_async.storage.local import LocalStorage
-from megatron_async.storage.locations import is_object_url, normalize_checkpoint_path
+from megatron_async.storage.client import is_object_url, normalize_checkpoint_path
 
 __all__ = ["CheckpointStorage", "is_object_url", "normalize_checkpoint_path", "storage_for"]
 
@@ -95,10 +95,6 @@ class CheckpointStorage(Protocol):
 
     def sync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` (creates, renames) durable, best effort."""
-
-    def open_bucket_file(self, path: str, hashing: bool) -> Any:
-        """Open one bucket's output (a :class:`~megatron_async.buckets.bucket_file.BucketFile`;
-        background writer)."""
 
 
 _LOCAL = LocalStorage()

@@ -1,6 +1,8 @@
-"""The multi-storage-client import and URL resolution (any process).
+"""The multi-storage-client URL scheme, its import and URL resolution (any process).
 
-MSC is an optional dependency: everything that needs it calls :func:`import_msc`, which
+Imports neither torch nor multi-storage-client at module level: anything may import it.
+Which backend serves a path is decided in :mod:`megatron_async.storage.backend`, the one
+place that asks :func:`is_object_url`. MSC is an optional dependency: everything that needs it calls :func:`import_msc`, which
 raises :class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the extra to
 install. Storage clients come from MSC's own per-profile cache, which MSC rebuilds after
 a fork, so a forked writer never shares the trainer's connections.
@@ -9,15 +11,36 @@ a fork, so a forked writer never shares the trainer's connections.
 from __future__ import annotations
 
 import logging
-from typing import Any, Tuple
+import os
+from typing import Any, Tuple, Union
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreUnavailableError
-from megatron_async.storage.locations import normalize_checkpoint_path
-from megatron_async.storage.locations import MSC_URL_PREFIX
 
-__all__ = ["MSC_EXTRA_HINT", "STORE_ADVICE", "import_msc", "msc_available", "resolve"]
+__all__ = [
+    "DEFAULT_PART_BYTES",
+    "MIN_PART_BYTES",
+    "MSC_EXTRA_HINT",
+    "MSC_URL_PREFIX",
+    "STORE_ADVICE",
+    "import_msc",
+    "is_object_url",
+    "msc_available",
+    "normalize_checkpoint_path",
+    "resolve",
+]
 
 logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+MSC_URL_PREFIX = "msc://"
+"""multi-storage-client's URL scheme: ``msc://PROFILE/PREFIX``."""
+
+MIN_PART_BYTES = 5 << 20
+"""S3's smallest part of a multipart upload (all parts but the last)."""
+
+DEFAULT_PART_BYTES = 16 << 20
+"""Bytes per uploaded part: the memory one file's upload holds at a time."""
 
 MSC_EXTRA_HINT = "pip install megatron-async[msc]"
 """What to run when object storage is asked for without multi-storage-client."""
@@ -27,6 +50,25 @@ STORE_ADVICE = (
     "accepted and its bucket must exist"
 )
 """What an :class:`~megatron_async.errors.ObjectStoreError` message tells the user to check."""
+
+
+def is_object_url(path: PathLike) -> bool:
+    """Whether ``path`` is an ``msc://`` URL (a ``pathlib.Path`` of one reads ``msc:/...``)."""
+    text = os.fspath(path)
+    return isinstance(text, str) and text.startswith("msc:/")
+
+
+def normalize_checkpoint_path(path: PathLike) -> str:
+    """Return the one spelling of a checkpoint path that every rank and process uses.
+
+    A local path becomes absolute; an ``msc://`` URL keeps its profile and prefix, without
+    a trailing slash (``Path("msc://p/x")`` prints ``msc:/p/x``: both name one place).
+    """
+    text = os.fspath(path)
+    if not is_object_url(text):
+        return os.path.abspath(text)
+    rest = text[len("msc:/"):].lstrip("/")
+    return MSC_URL_PREFIX + rest.rstrip("/")
 
 
 def import_msc() -> Any:

@@ -189,9 +189,3 @@ class LocalStorage:
     def sync_dir(self, path: str) -> None:
         """Fsync the entries of directory ``path`` (best effort)."""
         fsync_path(path, best_effort=True)
-
-    def open_bucket_file(self, path: str, hashing: bool, direct_io: bool = True) -> Any:
-        """Open a bucket's output file (background writer): direct I/O where it works."""
-        from megatron_async.buckets.direct_io import open_local_bucket_file
-
-        return open_local_bucket_file(path, hashing, direct_io)

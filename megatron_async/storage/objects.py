@@ -5,7 +5,7 @@ of ``msc://PROFILE/PREFIX`` URLs. It runs wherever checkpoints are read or writt
 the coordinator (checksums, ``.metadata``, ``metadata.json``, the tracker), every
 rank's checks, loaders, the command-line tools and
 :class:`~megatron_async.manager.CheckpointManager`; the background writer streams its
-buckets through :meth:`ObjectStorage.open_bucket_file` (:mod:`.stream`).
+buckets through :class:`~.stream.ObjectStoreFileOpener` instead.
 
 One object is one PUT, which the store makes visible whole or not at all: that is
 what "atomic" means here, and a completion marker is PUT only after every rank's data
@@ -32,7 +32,6 @@ from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import call_with_deadline
 from megatron_async.storage.client import resolve
 from megatron_async.storage.local import LocalStorage, pieces_of
-from megatron_async.storage.locations import DEFAULT_PART_BYTES
 
 __all__ = ["ObjectStorage"]
 
@@ -65,19 +64,12 @@ def _prefix(path: str) -> str:
 
 
 class ObjectStorage:
-    """Checkpoint objects under ``msc://`` URLs (any process; pickles to the writer).
-
-    Args:
-        part_bytes: bytes per uploaded part of a bucket's multipart upload.
-    """
+    """Checkpoint objects under ``msc://`` URLs (any process; stateless, pickles to the writer)."""
 
     needs_msc = True
 
-    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES):
-        self.part_bytes = part_bytes
-
     def __repr__(self) -> str:
-        return f"ObjectStorage(part_bytes={self.part_bytes})"
+        return "ObjectStorage()"
 
     # -- lookups and reads -------------------------------------------------------------
 
@@ -204,9 +196,3 @@ class ObjectStorage:
 
     def sync_dir(self, url: str) -> None:
         """Nothing to do: a store has no directory entries to flush."""
-
-    def open_bucket_file(self, url: str, hashing: bool) -> Any:
-        """Open a bucket's output at ``url``: a streamed upload (background writer)."""
-        from megatron_async.storage.stream import open_object_bucket_file
-
-        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes)

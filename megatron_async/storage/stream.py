@@ -29,8 +29,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import RequestPolicy, call_with_deadline
-from megatron_async.storage.client import import_msc, resolve
-from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
+from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES, import_msc, resolve
 from megatron_async.buckets.bucket_file import BucketFile
 
 __all__ = [

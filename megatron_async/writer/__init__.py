@@ -12,7 +12,7 @@
   in DCP's ``torch_save`` layout, hashed on the way, into the bucket files of
   :mod:`megatron_async.buckets` (the bucket layout lives there too: staging and storage
   share it);
-* :mod:`.runners` (background writer): threads or forked processes, bounded waits, and
+* :mod:`.runners` (background writer): one thread per bucket, bounded waits, and
   this rank's checksum records written before the writer reports done;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
   the trainer's retrieval of the results from it;

@@ -13,13 +13,13 @@ directory read as incomplete, once planning has succeeded and before a data file
 Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
 results (a save whose structure changed, or the first one) and returns the template that
 lets :func:`commit_unchanged` write the next save of the same structure from the same
-bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results.
+bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results. Where no
+template can be made, the next save of the structure commits in full again.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import pickle
@@ -36,32 +36,9 @@ from megatron_async.format import (
 from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
-__all__ = ["CommittedMetadata", "commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
+__all__ = ["commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CommittedMetadata:
-    """What a full commit wrote, kept to write the next save of the same structure.
-
-    Attributes:
-        metadata: the written metadata (with every item's storage location), kept only
-            when there is no template (the template's bytes hold it too: not twice).
-        template: its pickle with replaceable ``storage_meta`` (None: pickle afresh).
-    """
-
-    metadata: Optional[Metadata]
-    template: Optional[MetadataTemplate]
-
-    def metadata_with(self, storage_meta: Any) -> Metadata:
-        """The committed metadata with another ``storage_meta`` (O(items): the slow way)."""
-        if self.metadata is not None:
-            metadata = copy.copy(self.metadata)
-        else:
-            metadata = pickle.loads(self.template.data)
-        metadata.storage_meta = storage_meta
-        return metadata
 
 
 @paused_gc()  # hundreds of thousands of records and index keys; no cycles
@@ -70,7 +47,7 @@ def commit_checkpoint(
     metadata: Metadata,
     results: List[List[WriteResult]],
     storage_meta: Any,
-) -> CommittedMetadata:
+) -> Optional[MetadataTemplate]:
     """Write ``.metadata`` of a checkpoint whose data is durable, from every rank's results
     (coordinator).
 
@@ -82,7 +59,8 @@ def commit_checkpoint(
         storage_meta: the writer's ``storage_meta()``.
 
     Returns:
-        What was written, for :func:`commit_unchanged` of a later save.
+        The template of what was written, for :func:`commit_unchanged` of a later save;
+        None where none can be made (a ``storage_meta`` without string fields).
     """
     metadata = copy.copy(metadata)
     metadata.storage_data = _storage_data(results)
@@ -93,23 +71,24 @@ def commit_checkpoint(
         metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", metadata.version)
     data, template = metadata_pickle(metadata)
     _write_metadata(checkpoint_dir, data)
-    return CommittedMetadata(None if template is not None else metadata, template)
+    return template
 
 
-def commit_unchanged(checkpoint_dir: str, committed: CommittedMetadata, storage_meta: Any) -> None:
+def commit_unchanged(checkpoint_dir: str, template: MetadataTemplate, storage_meta: Any) -> None:
     """Write ``.metadata`` of a save whose every item is stored where the committed save
     stored it, from that save's bytes (coordinator; no per-item work).
 
     Args:
         checkpoint_dir: the checkpoint directory.
-        committed: what :func:`commit_checkpoint` wrote for the previous save of this
+        template: what :func:`commit_checkpoint` returned for the previous save of this
             structure.
         storage_meta: this save's writer's ``storage_meta()``.
     """
-    template = committed.template
-    data = template.render_pieces(storage_meta) if template is not None else None
-    if data is None:  # a value the template cannot take (not a short string)
-        data = pickle.dumps(committed.metadata_with(storage_meta), protocol=PICKLE_PROTOCOL)
+    data = template.render_pieces(storage_meta)
+    if data is None:  # a value the template cannot take (not a short string): O(items)
+        metadata = pickle.loads(template.data)
+        metadata.storage_meta = storage_meta
+        data = pickle.dumps(metadata, protocol=PICKLE_PROTOCOL)
     _write_metadata(checkpoint_dir, data)
 
 

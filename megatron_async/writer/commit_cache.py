@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.writer.commit import CommittedMetadata
+from megatron_async.writer.metadata_bytes import MetadataTemplate
 
 __all__ = ["CommitCache", "storage_layout"]
 
@@ -37,7 +37,7 @@ class CommitCache:
 
     Owned by the save strategy (one per strategy, not copied with it) and handed to each
     save's writer. Every rank keeps its own storage layout; the coordinator also keeps
-    the metadata it committed and the global metadata object (the cached structure) it
+    the template of the ``.metadata`` it committed and the global metadata object (the cached structure) it
     was built from.
     """
 
@@ -45,7 +45,7 @@ class CommitCache:
         self._lock = threading.Lock()
         self._layout: Optional[StorageLayout] = None
         self._structure: Optional[Metadata] = None
-        self._committed: Optional[CommittedMetadata] = None
+        self._committed: Optional[MetadataTemplate] = None
 
     def matches(
         self, layout: StorageLayout, structure: Optional[Metadata], is_coordinator: bool
@@ -65,7 +65,7 @@ class CommitCache:
             return True
 
     @property
-    def committed(self) -> Optional[CommittedMetadata]:
+    def committed(self) -> Optional[MetadataTemplate]:
         """The coordinator's previous commit (None elsewhere, or before one)."""
         return self._committed
 
@@ -79,7 +79,7 @@ class CommitCache:
         self,
         layout: StorageLayout,
         structure: Optional[Metadata] = None,
-        committed: Optional[CommittedMetadata] = None,
+        committed: Optional[MetadataTemplate] = None,
     ) -> None:
         """Keep a successfully committed save's layout (every rank) and, on the coordinator,
         its metadata and the structure it came from."""

@@ -10,7 +10,7 @@ writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
    tensor to host memory, a real snapshot (``preload_tensors``, see
    :mod:`megatron_async.staging.buffers`; the staging mode chosen by
    :func:`megatron_async.staging.stager.prepare_staged_write`);
-3. ``save_fn`` (background writer): write the staged buckets with threads or processes
+3. ``save_fn`` (background writer): write the staged buckets on threads
    and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
    the ``write_preloaded_data*`` static methods are the reference API's names for these
    write paths, the functions of :mod:`megatron_async.writer.write_paths`;
@@ -47,7 +47,6 @@ from megatron_async.staging.stager import prepare_staged_write
 from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
-from megatron_async.storage.locations import DEFAULT_PART_BYTES
 from megatron_async.writer import write_paths
 from megatron_async.buckets.layout import (
     BucketLayout,
@@ -59,8 +58,9 @@ from megatron_async.buckets.layout import (
     prepare_buckets,
 )
 from megatron_async.integrity.staleness import SaveDigestHistory
-from megatron_async.writer.commit import CommittedMetadata, commit_checkpoint
+from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.commit_cache import CommitCache
+from megatron_async.writer.metadata_bytes import MetadataTemplate
 from megatron_async.writer.options import (
     DEFAULT_WRITE_TIMEOUT_S, ReferenceOptionNames, WriteOptions, resolve_writer_options,
 )
@@ -103,17 +103,17 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             URL of multi-storage-client.
         *args: forwarded to ``FileSystemWriter`` (``single_file_per_rank`` must stay True).
         options: how to write (see :class:`~megatron_async.writer.options.WriteOptions`),
-            built and validated by the caller, e.g. the strategy from its config. Without
-            it the options are the keyword arguments below, as in the reference API.
+            built and validated by the caller, e.g. the strategy's config. Without it the
+            options are the reference API's keyword arguments below, the other fields
+            their defaults.
         staging_cache: where the reusable staging buffers are kept (the trainer's);
             :meth:`~megatron_async.staging.buffer_cache.StagingBufferCache.of_process`
             when None.
         digest_history, commit_cache: the strategy's record of its previous save (item
             digests; where this rank stored each item): the finalization reports what
             changed since, and gathers nothing when no rank's items moved. None: neither.
-        separation_hint, use_msc, is_multiproc_io, use_cached_data_structure,
-        write_timeout_s, checksums, object_part_bytes, overlap_staging, direct_io: the
-            reference API's keywords for the fields of
+        separation_hint, use_msc, is_multiproc_io, use_cached_data_structure: the
+            reference API's keywords for these fields of
             :class:`~megatron_async.writer.options.WriteOptions`; used only without
             ``options``.
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count`` and ``sync_files``,
@@ -133,12 +133,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         use_msc: bool = False,
         is_multiproc_io: bool = False,
         use_cached_data_structure: bool = False,
-        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-        checksums: bool = True,
         staging_cache: Optional[StagingBufferCache] = None,
-        object_part_bytes: int = DEFAULT_PART_BYTES,
-        overlap_staging: bool = False,
-        direct_io: bool = True,
         options: Optional[WriteOptions] = None,
         digest_history: Optional[SaveDigestHistory] = None,
         commit_cache: Optional[CommitCache] = None,
@@ -153,9 +148,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         options = resolve_writer_options(
             options, parent, separation_hint=separation_hint, use_msc=use_msc,
             is_multiproc_io=is_multiproc_io, use_cached_data_structure=use_cached_data_structure,
-            write_timeout_s=write_timeout_s, checksums=checksums,
-            object_part_bytes=object_part_bytes, overlap_staging=overlap_staging,
-            direct_io=direct_io,
         )
         use_msc = options.use_msc  # WriteOptions imported multi-storage-client for it
         if not use_msc and storage_for(path).needs_msc:
@@ -286,16 +278,16 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         )
         write_options = {
             "use_fsync": self.sync_files,
-            "write_timeout_s": self.write_timeout_s,
+            "write_timeout_s": self.options.write_timeout_s,
             "bucket_writer": type(self).write_preloaded_data,
-            "compute_checksums": self.checksums,
-            "direct_io": self.direct_io,
+            "compute_checksums": self.options.checksums,
+            "direct_io": self.options.direct_io,
         }
         self.staging_stats = {}
         save_fn, preload_fn = prepare_staged_write(
             write_fn, (self.transforms, self.use_msc, self._open_file()), write_options,
             preload_tensors=self.preload_tensors, resolved_plan_data=self.resolved_plan_data,
-            overlapped=self.overlap_staging, limit=self.options.staging_memory_limit,
+            overlapped=self.options.overlap_staging, limit=self.options.staging_memory_limit,
             cache=self.staging_cache, stats=self.staging_stats,
         )
         return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
@@ -306,7 +298,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             return open
         from megatron_async.storage.stream import ObjectStoreFileOpener
 
-        return ObjectStoreFileOpener(self.object_part_bytes, self.options.request_policy)
+        return ObjectStoreFileOpener(self.options.object_part_bytes, self.options.request_policy)
 
     # The reference API's staging step (trainer) and write paths (background writer), as
     # static methods so that subclasses override them and the save function still pickles.
@@ -376,13 +368,14 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             local_plan, storage_data=_StoragePrefix(f"__{coordination.get_rank()}_")
         )
 
-    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> CommittedMetadata:
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> Optional[MetadataTemplate]:
         """Write ``.metadata`` atomically (coordinator only).
 
         Runs after every rank's data and checksum record is written; see
         :func:`megatron_async.writer.commit.commit_checkpoint`.
 
         Returns:
-            What was written (DCP ignores it; the finalization keeps it for a warm save).
+            The template of what was written, or None (DCP ignores it; the finalization
+            keeps it for a warm save).
         """
         return commit_checkpoint(self.checkpoint_dir, metadata, results, self.storage_meta())

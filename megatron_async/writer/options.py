@@ -1,9 +1,10 @@
 """The options of one storage writer, as one validated object (trainer side, every rank).
 
-:class:`WriteOptions` is built once, from the strategy's
-:class:`~megatron_async.mcore.config.TorchDistSaveConfig` or from the keyword arguments
-of :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`, validated in
-``__post_init__``, and passed to the writer as it is. Every invalid option raises
+:class:`WriteOptions` is built once, validated in ``__post_init__``, and passed to the
+writer as it is: the strategy's :class:`~megatron_async.mcore.config.TorchDistSaveConfig`
+is a subclass with the strategy's own options (its writers get its ``write_options``),
+and :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` builds one from the
+reference API's keyword arguments. Every invalid option raises
 :class:`~megatron_async.errors.CheckpointValidationError`.
 """
 
@@ -17,12 +18,12 @@ from typing import Any, Optional, Union
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import RequestPolicy
-from megatron_async.storage.locations import DEFAULT_PART_BYTES, MIN_PART_BYTES
+from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
 DEFAULT_WRITE_TIMEOUT_S = DEFAULT_CONFIG.timeout_s
-"""How long the background writer waits for one save's bucket threads or processes: by
+"""How long the background writer waits for one save's bucket threads: by
 default as long as a caller lets the whole background part run
 (``AsyncCallerConfig.timeout_s``), since the writer is built before any caller is known."""
 
@@ -32,7 +33,7 @@ class WriteOptions:
     """How a :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` writes a save.
 
     The defaults are the writer's (those of PyTorch DCP's ``FileSystemWriter`` for
-    ``thread_count`` and ``sync_files``); the strategy's config has its own.
+    ``thread_count`` and ``sync_files``); the strategy's config changes two of them.
 
     Raises:
         CheckpointValidationError: an option out of range, with the rule it breaks.
@@ -40,18 +41,19 @@ class WriteOptions:
     """
 
     thread_count: int = 1
-    """Files (and writer threads or processes) per rank and save; at least 1."""
+    """Files (and writer threads) per rank and save; at least 1."""
 
     sync_files: bool = True
     """fsync every file before the save counts as written."""
 
     separation_hint: Optional[str] = None
-    """Items whose key starts with it go to separate files ``{hint}__{rank}_{idx}.distcp``;
-    a non-empty prefix without the path separator, since it starts file names."""
+    """Items whose key starts with it go to separate files ``{hint}__{rank}_{idx}.distcp``,
+    which megatron-core's ``remove_sharded_tensors`` can later drop; a non-empty prefix
+    without the path separator, since it starts file names."""
 
     is_multiproc_io: bool = False
-    """Write buckets with forked processes instead of threads (the process running the
-    save function must be allowed to have children)."""
+    """The reference API's choice of forked processes per bucket; accepted, and the
+    buckets are written on threads either way (see :mod:`megatron_async.writer.runners`)."""
 
     use_cached_data_structure: bool = False
     """Reuse the staging buffers of the previous save of the same bucket layout."""
@@ -60,36 +62,51 @@ class WriteOptions:
     """Bound on the background writer's wait for its buckets; positive."""
 
     checksums: bool = True
-    """Hash every item while writing it (xxh3) and store the digests before ``.metadata``."""
+    """Hash every item while it is written (xxh3, in the background writer) and store the
+    digests next to the data before ``.metadata``, for ``python -m megatron_async verify``
+    and :func:`megatron_async.integrity.verify_checkpoint_integrity`."""
 
     use_msc: bool = False
-    """The checkpoint is an ``msc://PROFILE/PREFIX`` URL of multi-storage-client; every
-    bucket is streamed to the store as it is written. Needs the ``msc`` extra."""
+    """Save to object storage through multi-storage-client: the checkpoint is an
+    ``msc://PROFILE/PREFIX`` URL (megatron-core's ``--enable-msc``; Megatron-LM's
+    ``use_msc``), and every bucket is streamed to the store as it is written. Needs the
+    ``msc`` extra (``pip install megatron-async[msc]``)."""
 
     object_part_bytes: int = DEFAULT_PART_BYTES
     """With ``use_msc``, bytes per uploaded part (at least S3's smallest, 5 MiB): about
     the memory each bucket's upload holds."""
 
     object_request_timeout_s: float = RequestPolicy.timeout_s
-    """With ``use_msc``, the most one request to the store (one part of an upload) may take,
-    answer included; a store that stops answering fails the save (see
+    """With ``use_msc``, the most one request to the store (one uploaded part, the
+    ``.metadata`` PUT) may take, answer included; an endpoint that stops answering, or
+    answers a byte at a time, fails the save on every rank (see
     :mod:`megatron_async.storage.bounded_calls`)."""
 
     object_request_retries: int = RequestPolicy.retries
-    """With ``use_msc``, further attempts of a request after a transient failure."""
+    """With ``use_msc``, further attempts of a request after a transient failure
+    (timeouts, dropped connections, throttling, 5xx), with exponential backoff."""
 
     overlap_staging: bool = False
-    """``preload_fn`` only leases the staging buffers; a trainer thread copies while
-    training goes on, and ``save_fn`` waits for the copy."""
+    """Overlapped staging: ``preload_fn`` only leases the staging buffers, scheduling
+    returns after planning, and the host copy runs in a background thread while the next
+    forward/backward runs; ``save_fn`` and the next optimizer step wait for it (see
+    :mod:`megatron_async.staging.overlapped` for the rules)."""
 
     direct_io: bool = True
-    """Write local files with ``O_DIRECT`` where the file system accepts it."""
+    """Write local files with ``O_DIRECT`` (through an aligned bounce buffer), bypassing
+    the page cache, where the file system accepts it: far less CPU per byte than buffered
+    writes plus the kernel's writeback, which the training pays for while a background
+    write runs. False writes through the page cache."""
 
     staging_memory_limit: Optional[Union[int, float]] = None
-    """The most staging memory this rank's saves hold at once: bytes (int), or a fraction
-    of the node's memory shared by its local ranks (float in (0, 1]); None is one copy of
-    the state. A larger state is staged and written in rounds; a save while another is
-    written waits for its memory (see :mod:`megatron_async.staging.budget`)."""
+    """The most host staging memory (shared memory) this rank's saves hold at once: bytes
+    (int), or a fraction of the node's memory shared by its local ranks (float in (0, 1]).
+    None: one copy of the state (a save scheduled while the previous one is still written
+    waits for it instead of staging a second copy). A state larger than the limit is
+    staged and written in rounds through a pool of the limit's size (the trainer waits
+    for the writer to drain; with ``overlap_staging``, the next optimizer step does); a
+    single tensor larger than the limit is refused with a ``StagingMemoryError`` naming it
+    (see :mod:`megatron_async.staging.budget`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
@@ -144,7 +161,7 @@ def resolve_writer_options(
     Args:
         options: the options the writer's creator built, or None.
         parent: the writer's arguments bound to ``FileSystemWriter.__init__``.
-        **keywords: the reference API's keywords for the other fields; used only when
+        **keywords: the reference API's keywords for other fields; used only when
             ``options`` is None.
 
     Raises:
@@ -180,9 +197,3 @@ class ReferenceOptionNames:
     use_msc = property(lambda self: self.options.use_msc)
     is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
     use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)
-    write_timeout_s = property(lambda self: self.options.write_timeout_s)
-    checksums = property(lambda self: self.options.checksums)
-    object_part_bytes = property(lambda self: self.options.object_part_bytes)
-    overlap_staging = property(lambda self: self.options.overlap_staging)
-    direct_io = property(lambda self: self.options.direct_io)
-    staging_memory_limit = property(lambda self: self.options.staging_memory_limit)

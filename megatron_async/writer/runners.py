@@ -1,4 +1,4 @@
-"""Run one save's bucket writes in the background writer: threads or forked processes.
+"""Run one save's bucket writes in the background writer, one thread per bucket.
 
 Runs in the background writer (a forked writer, or the persistent worker's write
 thread). Every bucket's outcome, success or failure, lands in one
@@ -6,27 +6,28 @@ thread). Every bucket's outcome, success or failure, lands in one
 save's results channel; a failure is recorded, never raised, so that the trainer's
 finalization can turn it into an error on every rank. Every wait is bounded by the
 writer's ``timeout_s``.
+
+Threads, not a forked process per bucket as megatron-core's ``_multiproc`` path does:
+the writes and the hashing release the GIL, and the forked children gained nothing
+that was measured, so ``is_multiproc_io`` writes on threads too.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
-import pickle
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.core.process_lifetime import set_parent_death_signal
 from megatron_async.integrity import checksums
-from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+from megatron_async.errors import AsyncTimeoutError, RankFailure
 from megatron_async.buckets.layout import WriteBucket
-from megatron_async.writer.results import ResultFile, WriteOutcome
+from megatron_async.writer.results import WriteOutcome
 
-__all__ = ["BucketWriter", "write_and_report", "write_with_threads", "write_with_processes"]
+__all__ = ["BucketWriter", "write_and_report", "write_with_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,67 +106,9 @@ def write_with_threads(
             outcome.failures[idx] = _timeout_failure(outcome.rank, buckets[idx], timeout_s)
 
 
-def write_with_processes(
-    write_one: BucketWriter,
-    timeout_s: float,
-    buckets: Sequence[WriteBucket],
-    outcome: WriteOutcome,
-) -> None:
-    """Write each bucket in its own forked process; each reports through its own file."""
-    rank = outcome.rank
-    ctx = mp.get_context("fork")
-    children = []
-    for idx, bucket in enumerate(buckets):
-        channel = ResultFile.create(f"rank{rank}_bucket{idx}")
-        proc = ctx.Process(
-            target=_bucket_process_main,
-            args=(write_one, idx, bucket, rank, channel),
-            name=f"ckpt-write-{idx}",
-        )
-        proc.start()
-        children.append((idx, bucket, proc, channel))
-    deadline = time.monotonic() + timeout_s
-    for idx, bucket, proc, channel in children:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5.0)
-            channel.discard()
-            outcome.failures[idx] = _timeout_failure(rank, bucket, timeout_s)
-            continue
-        try:
-            status, payload = channel.take()
-        except (OSError, EOFError, pickle.UnpicklingError):
-            channel.discard()
-            exc = WorkerDiedError(
-                f"rank {rank}: the process writing {bucket.file_name} exited with code "
-                f"{proc.exitcode} without reporting a result"
-            )
-            status, payload = "error", RankFailure.from_exception(rank, "worker", exc)
-        if status == "ok":
-            outcome.results[idx] = payload
-        else:
-            outcome.failures[idx] = payload
-
-
 def _timeout_failure(rank: int, bucket: WriteBucket, timeout_s: float) -> RankFailure:
     exc = AsyncTimeoutError(
         f"rank {rank}: writing {bucket.file_name} did not finish within {timeout_s:.0f}s; "
         "check the storage (a hung mount?) or raise write_timeout_s"
     )
     return RankFailure.from_exception(rank, "timeout", exc)
-
-
-def _bucket_process_main(
-    write_one: BucketWriter, idx: int, bucket: WriteBucket, rank: int, channel: ResultFile
-) -> None:
-    """Entry point of one forked bucket-writing process (background side).
-
-    Dies with its parent (the background writer): if that one is killed, nobody would
-    read this process's result, and it must not go on writing into the checkpoint.
-    """
-    set_parent_death_signal()
-    try:
-        channel.put(("ok", write_one(idx, bucket)))
-    except Exception as exc:  # reported through the channel
-        channel.put(("error", RankFailure.from_exception(rank, "write", exc)))

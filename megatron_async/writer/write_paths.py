@@ -1,13 +1,12 @@
 """The reference API's write paths: how a process writes its staged buckets.
 
-Runs in the background writer: a forked writer, the persistent worker, or one of their
-bucket writer processes. :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`
+Runs in the background writer: a forked writer or the persistent worker. :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`
 keeps the static methods that megatron-core and nvidia-resiliency-ext name, and that
 subclasses override: ``write_preloaded_data``, ``write_preloaded_data_proc``,
 ``write_preloaded_data_multithread`` and ``write_preloaded_data_multiproc`` are the
-functions of this module (the last two call :func:`write_staged_buckets`). One bucket's
-bytes are written by :func:`~.bucket_io.write_bucket`; the threads or processes are run
-by :mod:`.runners`.
+functions of this module (the last one is the same function as the one before). One
+bucket's bytes are written by :func:`~.bucket_io.write_bucket`; the threads are run by
+:mod:`.runners`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from megatron_async.errors import CheckpointIntegrityError, CheckpointValidation
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
-from megatron_async.writer.runners import write_and_report, write_with_processes, write_with_threads
+from megatron_async.writer.runners import write_and_report, write_with_threads
 
 __all__ = [
     "SpecBucketWriter",
@@ -29,7 +28,6 @@ __all__ = [
     "write_preloaded_data_proc",
     "write_preloaded_data_multithread",
     "write_preloaded_data_multiproc",
-    "write_staged_buckets",
 ]
 
 SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
@@ -56,7 +54,7 @@ def write_preloaded_data(
     use_fsync: bool,
     **kwargs: Any,
 ) -> Optional[Tuple[int, Union[List[WriteResult], Exception]]]:
-    """Write one staged bucket (a writer thread or process, or the calling thread).
+    """Write one staged bucket (a writer thread, or the calling thread).
 
     This is ``FileSystemWriterAsync.write_preloaded_data``. Subclasses may override it
     (a fault-injecting writer in tests): the write paths call
@@ -157,73 +155,6 @@ def _write_one_bucket(
     return result
 
 
-def _one_bucket_writer(
-    bucket_writer: Optional[SpecBucketWriter],
-    transform_list: Any,
-    use_msc: bool,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    compute_checksums: bool,
-    direct_io: bool,
-) -> Callable[[int, WriteBucket], List[WriteResult]]:
-    """``(index, bucket) -> results`` through ``bucket_writer`` (``write_preloaded_data``)."""
-    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
-    if not direct_io:  # only when off: overrides then get the reference API's keywords
-        options["direct_io"] = False
-    return partial(
-        _write_one_bucket,
-        bucket_writer or write_preloaded_data,
-        transform_list,
-        open_file,
-        use_fsync,
-        options,
-    )
-
-
-def write_staged_buckets(
-    rank: int,
-    write_buckets: Optional[Sequence[WriteBucket]],
-    global_results_queue: Any,
-    *,
-    use_processes: bool,
-    transform_list: Any,
-    use_msc: bool,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    write_timeout_s: float,
-    bucket_writer: Optional[SpecBucketWriter],
-    compute_checksums: bool,
-    direct_io: bool,
-    staging_control: Any = None,
-) -> None:
-    """Write the staged buckets, one thread or forked process each, and report the outcome.
-
-    Runs in the background writer, for ``FileSystemWriterAsync``'s
-    ``write_preloaded_data_multithread`` (``use_processes=False``) and
-    ``write_preloaded_data_multiproc`` (True); the other arguments are theirs. The
-    positional ones are a save function's ``args``, the keywords what the writer names and
-    staging binds (:func:`~megatron_async.staging.stager.prepare_staged_write`).
-    A failed bucket is recorded in the outcome that goes to ``global_results_queue``, not
-    raised. ``staging_control`` (the save's staging gate,
-    :class:`~megatron_async.staging.gate.StagingGate`): items may arrive after the
-    hand-over, and the gate is marked done at the end, which frees the save's staging memory.
-    """
-    write_one = _one_bucket_writer(
-        bucket_writer, transform_list, use_msc, open_file, use_fsync, compute_checksums,
-        direct_io,
-    )
-    run_buckets = write_with_processes if use_processes else write_with_threads
-    runner = partial(run_buckets, write_one, write_timeout_s)
-    if staging_control is None:
-        write_and_report(runner, rank, write_buckets, global_results_queue)
-        return
-    try:
-        write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
-        write_and_report(runner, rank, write_buckets, global_results_queue)
-    finally:
-        staging_control.mark_done()
-
-
 def write_preloaded_data_multithread(
     transform_list: Any,
     use_msc: bool,
@@ -246,7 +177,9 @@ def write_preloaded_data_multithread(
     every rank. What goes to ``global_results_queue`` (the writer's results file, or
     any object with ``put``, e.g. :func:`~.results.get_write_results_queue`) is a dict bucket
     index -> write results, or the :class:`~megatron_async.errors.StorageWriteError`
-    that says what failed.
+    that says what failed. The positional arguments are a save function's ``args``, the
+    keywords what the writer names and staging binds
+    (:func:`~megatron_async.staging.stager.prepare_staged_write`).
 
     Args:
         transform_list, use_msc, open_file: see :func:`write_preloaded_data`.
@@ -258,43 +191,29 @@ def write_preloaded_data_multithread(
         bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
         compute_checksums: hash every item while writing it.
         direct_io: write local files with ``O_DIRECT`` where accepted.
-        staging_control: the save's staging gate (see :func:`write_staged_buckets`).
+        staging_control: the save's staging gate
+            (:class:`~megatron_async.staging.gate.StagingGate`): items may arrive after
+            the hand-over, and the gate is marked done at the end, which frees the save's
+            staging memory.
     """
-    write_staged_buckets(
-        rank, write_buckets, global_results_queue, use_processes=False,
-        transform_list=transform_list, use_msc=use_msc, open_file=open_file,
-        use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
-        compute_checksums=compute_checksums, direct_io=direct_io,
-        staging_control=staging_control,
+    options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
+    if not direct_io:  # only when off: overrides then get the reference API's keywords
+        options["direct_io"] = False
+    write_one = partial(
+        _write_one_bucket, bucket_writer or write_preloaded_data, transform_list, open_file,
+        use_fsync, options,
     )
+    runner = partial(write_with_threads, write_one, write_timeout_s)
+    if staging_control is None:
+        write_and_report(runner, rank, write_buckets, global_results_queue)
+        return
+    try:
+        write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
+        write_and_report(runner, rank, write_buckets, global_results_queue)
+    finally:
+        staging_control.mark_done()
 
 
-def write_preloaded_data_multiproc(
-    transform_list: Any,
-    use_msc: bool,
-    open_file: Callable[..., Any],
-    rank: int,
-    write_buckets: Optional[Sequence[WriteBucket]],
-    global_results_queue: Any,
-    *,
-    use_fsync: bool = True,
-    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-    bucket_writer: Optional[SpecBucketWriter] = None,
-    compute_checksums: bool = True,
-    direct_io: bool = True,
-    staging_control: Any = None,
-) -> None:
-    """Write the staged buckets, one forked process each, and report the outcome.
-
-    Runs in the background writer, which must be allowed to have children (ours
-    always are). Forked children share the staged buffers; each reports through its
-    own result file, so a child that dies is detected (no result) instead of awaited.
-    Arguments as for :func:`write_preloaded_data_multithread`.
-    """
-    write_staged_buckets(
-        rank, write_buckets, global_results_queue, use_processes=True,
-        transform_list=transform_list, use_msc=use_msc, open_file=open_file,
-        use_fsync=use_fsync, write_timeout_s=write_timeout_s, bucket_writer=bucket_writer,
-        compute_checksums=compute_checksums, direct_io=direct_io,
-        staging_control=staging_control,
-    )
+write_preloaded_data_multiproc = write_preloaded_data_multithread
+"""The reference API's process path (``is_multiproc_io``): the same threads (see
+:mod:`.runners` for why no process per bucket)."""

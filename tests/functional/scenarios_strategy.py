@@ -965,9 +965,8 @@ def _timed(fn):
 SCENARIOS = {
     **by_name(sync_save_round_trip),
     # Both callers: each caller's data path end to end, and what differs by caller: a
-    # failed or killed background writer, write results returned from another process
-    # (warm saves), and I/O processes started from the writer (a forked child, or the
-    # persistent worker).
+    # failed or killed background writer, and write results returned from another
+    # process (warm saves).
     **for_both_callers(
         async_equals_sync,
         cached_data_structure_and_multiproc_io,

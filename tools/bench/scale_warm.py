@@ -70,8 +70,8 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     os.makedirs(second)
     cache, history = CommitCache(), SaveDigestHistory()
     first_writer = _CoordinatorWriter(first, results[0])
-    committed = first_writer.finish(metadata, results)
-    cache.remember(storage_layout(results[0]), metadata, committed)
+    template = first_writer.finish(metadata, results)
+    cache.remember(storage_layout(results[0]), metadata, template)
     history.compare(first, digests_of(results[0]))
     history.accept()
 
@@ -86,14 +86,14 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     warm_s = time.perf_counter() - start
     if finalize.get_result_gather_count() != gathers:
         raise AssertionError("the warm finalization gathered write results")
-    if committed.template is None:
-        raise AssertionError("no .metadata template was made; the warm commit pickled afresh")
+    if template is None:
+        raise AssertionError("no .metadata template was made; the warm save committed in full")
     # The parts of that finalization again, alone: the per-item checks on the coordinator's
     # own items, the splice (no per-item work), and the durable write of the bytes.
     start = time.perf_counter()
     cache.matches(storage_layout(mine), metadata, True)
     history.compare(second, digests_of(mine))
-    data = committed.template.render_pieces(writer.storage_meta())
+    data = template.render_pieces(writer.storage_meta())
     cpu_s = time.perf_counter() - start
     start = time.perf_counter()
     storage_for(second).write_atomically(os.path.join(second, "metadata.copy"), data)

@@ -179,6 +179,6 @@ def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direc
 def test_the_strategy_option_reaches_its_writer(tmp_path):
     from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 
-    assert TorchDistAsyncSaveStrategy()._create_writer(str(tmp_path)).direct_io is True
+    assert TorchDistAsyncSaveStrategy()._create_writer(str(tmp_path)).options.direct_io is True
     writer = TorchDistAsyncSaveStrategy(direct_io=False)._create_writer(str(tmp_path))
-    assert writer.direct_io is False
+    assert writer.options.direct_io is False

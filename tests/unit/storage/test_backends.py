@@ -92,21 +92,6 @@ def test_removal_of_files_and_directories(root):
     storage.finish_removals(root)
 
 
-def test_a_bucket_file_is_the_file_once_finished(root):
-    storage = storage_for(root)
-    storage.make_dir(root)
-    path = os.path.join(root, "__0_0.distcp")
-    out = storage.open_bucket_file(path, True)
-    try:
-        out.start_item()
-        out.append(b"abc", b"def")
-        assert out.finish_item() is not None  # hashed on the way
-        out.finish(True)
-    finally:
-        out.close()
-    assert storage.read(path) == b"abcdef"
-
-
 def test_a_backend_pickles_to_the_background_writer(root):
     storage = storage_for(root)
     assert type(pickle.loads(pickle.dumps(storage))) is type(storage)

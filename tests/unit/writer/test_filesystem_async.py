@@ -137,8 +137,7 @@ def test_bad_options_raise_validation_errors(tmp_path):
 # -- round trip and dtypes -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("multiproc", [False, True], ids=["threads", "processes"])
-def test_round_trip_of_dtypes_views_and_empty_tensors(tmp_path, multiproc):
+def test_round_trip_of_dtypes_views_and_empty_tensors(tmp_path):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     state_dict = {
         "fp32": base.clone(),
@@ -149,7 +148,7 @@ def test_round_trip_of_dtypes_views_and_empty_tensors(tmp_path, multiproc):
         "view": base.t()[1:3],  # non-contiguous
         "empty": torch.zeros(0, 5),
     }
-    _save(tmp_path, state_dict, thread_count=3, is_multiproc_io=multiproc)
+    _save(tmp_path, state_dict, thread_count=3)
     out = _load(tmp_path, state_dict)
     for key, value in state_dict.items():
         assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
@@ -309,14 +308,6 @@ class _ShortWriter(FileSystemWriterAsync):
         return index, results[:-1]
 
 
-class _DyingWriter(FileSystemWriterAsync):
-    """The bucket process exits without reporting (multiproc path)."""
-
-    @staticmethod
-    def write_preloaded_data(transform_list, open_file, idx, bucket, results_queue, count_queue, use_fsync, **kwargs):
-        os._exit(3)
-
-
 _TWO_BUCKETS = {"a": torch.ones(16), "b": torch.ones(16)}
 
 
@@ -329,9 +320,8 @@ def _wrapped_failure(writer):
     return exc
 
 
-@pytest.mark.parametrize("multiproc", [False, True], ids=["threads", "processes"])
-def test_a_failed_bucket_returns_storage_write_error_with_traceback(tmp_path, multiproc):
-    writer = _FailingWriter(str(tmp_path), thread_count=2, is_multiproc_io=multiproc)
+def test_a_failed_bucket_returns_storage_write_error_with_traceback(tmp_path):
+    writer = _FailingWriter(str(tmp_path), thread_count=2)
     _prepare(writer, _TWO_BUCKETS)
     _run(writer)
     exc = _wrapped_failure(writer)
@@ -351,15 +341,6 @@ def test_too_few_results_return_integrity_error(tmp_path):
     assert isinstance(exc, CheckpointIntegrityError)
     assert "of 1 written items" in str(exc)
     assert "This probably indicates a worker failure." in str(exc)
-
-
-def test_a_dead_bucket_process_is_reported(tmp_path):
-    writer = _DyingWriter(str(tmp_path), thread_count=2, is_multiproc_io=True)
-    _prepare(writer, _TWO_BUCKETS)
-    _run(writer)
-    exc = _wrapped_failure(writer)
-    assert isinstance(exc, StorageWriteError)
-    assert re.match("^Worker failure on rank 0: .*exited with code 3", str(exc)), str(exc)
 
 
 def test_no_result_from_the_writer_returns_worker_died(tmp_path):

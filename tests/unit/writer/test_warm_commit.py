@@ -86,14 +86,14 @@ def test_a_path_checkpoint_id_is_pickled_afresh():
 
 
 def test_a_value_that_is_not_a_short_string_is_pickled_afresh(tmp_path):
-    from megatron_async.writer.commit import CommittedMetadata, commit_unchanged
+    from megatron_async.writer.commit import commit_unchanged
 
     metadata = _metadata(5)
     template = MetadataTemplate.build(metadata)
     odd = StorageMeta(checkpoint_id=Path("/p"), save_id="s")
     assert template.render(odd) is None
     assert template.render(StorageMeta(checkpoint_id="/" + "z" * (1 << 16), save_id="s")) is None
-    commit_unchanged(str(tmp_path), CommittedMetadata(None, template), odd)
+    commit_unchanged(str(tmp_path), template, odd)
     written = FileSystemReader(str(tmp_path)).read_metadata()
     assert written.storage_meta.checkpoint_id == Path("/p") and written.storage_meta.save_id == "s"
     assert written.storage_data == metadata.storage_data
@@ -121,14 +121,12 @@ def test_the_reuse_check_wants_every_item_where_it_was():
 
 
 def test_the_coordinator_also_wants_the_committed_structure():
-    from megatron_async.writer.commit import CommittedMetadata
-
     structure = _metadata(2)
     cache = CommitCache()
     layout = storage_layout(_results(2))
     cache.remember(layout)  # a rank's view: no commit of its own
     assert not cache.matches(layout, structure, is_coordinator=True)
-    cache.remember(layout, structure, CommittedMetadata(structure, None))
+    cache.remember(layout, structure, MetadataTemplate.build(structure))
     assert cache.matches(layout, structure, is_coordinator=True)
     assert not cache.matches(layout, _metadata(2), is_coordinator=True)  # equal, not the same
     cache.forget()

@@ -54,14 +54,14 @@ def test_the_config_builds_its_writer_options_once_and_validates_through_them():
 
 def test_the_writer_builds_its_options_from_the_reference_api_keywords(tmp_path):
     writer = FileSystemWriterAsync(
-        tmp_path, thread_count=2, sync_files=False, separation_hint="opt", checksums=False
+        tmp_path, thread_count=2, sync_files=False, separation_hint="opt", is_multiproc_io=True
     )
     assert writer.options == WriteOptions(
-        thread_count=2, sync_files=False, separation_hint="opt", checksums=False
+        thread_count=2, sync_files=False, separation_hint="opt", is_multiproc_io=True
     )
     # The reference API's attribute names still read the options.
     assert (writer.thread_count, writer.sync_files, writer.separation_hint) == (2, False, "opt")
-    assert writer.checksums is False and writer.direct_io is True
+    assert writer.is_multiproc_io is True and writer.use_msc is False
 
 
 def test_the_writer_takes_an_options_object_as_it_is(tmp_path):

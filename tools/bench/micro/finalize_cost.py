@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
 import megatron_async
-from megatron_async.writer.filesystem import FileSystemWriterAsync
+from megatron_async.writer.filesystem import FileSystemWriterAsync, WriteOptions
 
 
 def _timed(fn):
@@ -61,7 +61,9 @@ def finalize_once(directory: str, ranks: int, items: int, use_checksums: bool) -
         state_dict = {f"r{rank}.p{i}": torch.randn(16) for i in range(items)}
         planner = DefaultSavePlanner(flatten_state_dict=False)
         planner.set_up_planner(state_dict, is_coordinator=rank == 0)
-        writer = FileSystemWriterAsync(directory, thread_count=2, checksums=use_checksums)
+        writer = FileSystemWriterAsync(
+            directory, options=WriteOptions(thread_count=2, checksums=use_checksums)
+        )
         writer.set_up_storage_writer(rank == 0)
         planners.append(planner)
         writers.append(writer)
