@@ -249,27 +249,22 @@ def release_staged_data(staged: Any) -> None:
 
 def hand_over_staged(staged: Any, writer_pid: int, finish: bool = True) -> None:
     """Start what staging left for after the hand-over (trainer, once the request is with
-    its writer: after the fork, after the send). Other staged data is left alone.
+    its writer: after the fork, after the send). Staged data without a ``hand_over``
+    method (ours: :class:`~megatron_async.staging.copy_job.StagedData`) is left alone.
 
     Args:
         staged: what ``preload_fn`` returned.
         writer_pid: the process that reads the staged data (the forked child, the
-            persistent worker, this process for a synchronous write). Staged data that
-            watches its writer (``record_writer``: staging within the budget) records it,
-            so that its waits end when that process dies, even before it started reading.
-        finish: wait until staged data whose later rounds copy beside the writer is whole
-            (``finish_staging``), so that the trainer changes no saved tensor before it is
-            copied. False where the writer runs after this in the same thread.
+            persistent worker, this process for a synchronous write); staged data that
+            watches its writer records it, so that its waits end when that process dies,
+            even before it started reading.
+        finish: wait until staged data whose later rounds copy beside the writer is
+            whole, so that the trainer changes no saved tensor before it is copied. False
+            where the writer runs after this in the same thread.
     """
-    record = getattr(staged, "record_writer", None)
-    if callable(record):
-        record(writer_pid)
-    start = getattr(staged, "start_background_copy", None)
-    if callable(start):
-        start()
-    wait_until_whole = getattr(staged, "finish_staging", None)
-    if finish and callable(wait_until_whole):
-        wait_until_whole()
+    hand_over = getattr(staged, "hand_over", None)
+    if callable(hand_over):
+        hand_over(writer_pid, finish)
 
 
 def run_staging_and_async_fn(request: AsyncRequest) -> None:

@@ -34,7 +34,7 @@ from megatron_async.core import shared_memory
 from megatron_async.core.coordination import local_world_size
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
-from megatron_async.staging.copy_job import CopyThread
+from megatron_async.staging.copy_job import CopyThread, StagedData
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
 
 __all__ = ["StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
@@ -99,29 +99,15 @@ class _Hold:
         self.gate = None
 
     def tie_to(self, staged: Any) -> None:
-        """Tie this hold to ``staged``: the caller's ``release`` ends it too (a killed
-        writer never marks its gate done), and so does dropping the data unreleased; the
-        caller's ``record_writer`` at the hand-over names the writer the ledger watches."""
+        """Tie this hold to ``staged``: our staged data's ``release`` ends it too (a killed
+        writer never marks its gate done), and so does dropping the data unreleased."""
         hold = self
         try:  # dropped unreleased: its buffers are gone, and the hold lets go of the gate
-            staged_ref = weakref.ref(staged, lambda _: hold.end())
+            self.staged = weakref.ref(staged, lambda _: hold.end())
         except TypeError:  # staged data without weak references: the writer's mark ends it
             return
-        self.staged = staged_ref
-        release = getattr(type(staged), "release", None)
-
-        def release_and_end_hold() -> None:  # holds no strong reference: no cycle to collect
-            hold.end()
-            target = staged_ref()
-            if release is not None and target is not None:
-                release(target)
-
-        def record_writer(pid: int) -> None:
-            if hold.gate is not None:
-                hold.gate.record_writer(pid)
-
-        staged.release = release_and_end_hold
-        staged.record_writer = record_writer
+        if isinstance(staged, StagedData):
+            staged.hold = self
 
     def done(self) -> bool:
         if self.released:
@@ -132,9 +118,8 @@ class _Hold:
         elif self.gate is not None and (self.gate.writer_done or self.gate.writer_gone()):
             # Done reading, or its process ended without saying so (killed before it read).
             self.end()
-            release = getattr(staged, "release", None)
-            if release is not None:
-                release()  # the writer read everything: reusable now
+            if isinstance(staged, StagedData):
+                staged.release_buffers()  # the writer read everything: reusable now
         return self.released
 
 

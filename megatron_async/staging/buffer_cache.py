@@ -71,11 +71,14 @@ class StagingBufferCache(OnePerProcess):
             entry.generation = next(self._generations)
             return entry
 
-    def release(self, lease: Optional[Tuple[Hashable, int]]) -> None:
+    def release(self, lease: Optional[Tuple[Hashable, int]], reusable: bool = True) -> None:
         """Make the leased buffers reusable once nothing reads them any more (stager).
 
         A lease that is no longer current (its buffers were freed and leased again by a
-        later save), or one taken in another process, releases nothing.
+        later save), or one taken in another process, releases nothing. ``reusable``
+        False forgets the buffers for good: something may still write into them (a stuck
+        copy thread), so no later save may lease them; their memory is freed once the
+        last reference to it goes.
         """
         if lease is None:
             return
@@ -85,20 +88,8 @@ class StagingBufferCache(OnePerProcess):
             if entry is None or entry.generation != generation or entry.owner_pid != os.getpid():
                 return
             entry.leased = False
-            if next(reversed(self._entries)) != key:
-                del self._entries[key]  # a newer layout replaced this one while it was written
-
-    def discard(self, lease: Optional[Tuple[Hashable, int]]) -> None:
-        """Forget the leased buffers for good: something may still write into them (a stuck
-        copy thread), so no later save may lease them (stager). Their memory is freed
-        once the last reference to it goes."""
-        if lease is None:
-            return
-        key, generation = lease
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.generation == generation and entry.owner_pid == os.getpid():
-                del self._entries[key]
+            if not reusable or next(reversed(self._entries)) != key:
+                del self._entries[key]  # stuck, or a newer layout replaced it while it was written
 
     def num_bytes(self) -> int:
         """Bytes held by the cached buffers."""

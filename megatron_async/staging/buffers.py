@@ -55,7 +55,7 @@ from megatron_async.core.device_wait import (
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
 from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.copy_job import CopyJob, LateCopy, watch
+from megatron_async.staging.copy_job import CopyJob, StagedData, watch
 from megatron_async.staging.flat_copy import FlatCopy, copy_threads
 from megatron_async.staging.gate import StagingGate
 
@@ -171,14 +171,14 @@ def _allocate_bucket_buffers(
     return _BucketBuffers(segment, tensors, for_cuda, reusable)
 
 
-class StagedBuckets(LateCopy, list):
+class StagedBuckets(StagedData, list):
     """Staged write buckets, plus the lease of the buffers they live in.
 
     ``lease`` is ``(cache_key, generation)`` of ``cache`` when the buckets use cached
     buffers, else None (fresh buffers, freed with this object). With overlapped staging
-    or in rounds, the copies made after the hand-over (:class:`~.copy_job.LateCopy`), and
+    or in rounds, the copies made after the hand-over (:class:`~.copy_job.StagedData`), and
     in rounds ``plan``, the pool's :class:`~.rounds.RoundPlan`. Pickled (to the
-    persistent worker), only the buckets travel: :meth:`release` is the stager's to call.
+    persistent worker), only the buckets travel: ``release`` is the stager's to call.
     """
 
     plan: Any = None
@@ -194,8 +194,8 @@ class StagedBuckets(LateCopy, list):
         self._cache = cache
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
 
-    def release(self) -> None:
-        """Give the buffers back for reuse: call once nothing reads them any more (stager)."""
+    def release_buffers(self) -> None:
+        """Give the buffers back for reuse, once nothing reads them any more (stager)."""
         if self._cache is not None:
             self._cache.release(self.lease)
         self.lease = None
@@ -225,7 +225,7 @@ def stage_buckets(
         cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
         copy_later: the save's gate, for overlapped staging: only lease the buffers; the
             result's ``copy_job`` copies every tensor on the copy thread after the
-            hand-over (:class:`~.copy_job.LateCopy`) and marks that gate staged.
+            hand-over (:class:`~.copy_job.StagedData`), marking each copied on that gate.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -273,12 +273,10 @@ def stage_buckets(
     except BaseException as exc:
         device_stuck = isinstance(exc, DeviceCopyTimeoutError) or bool(cuda_devices) and not (
             landed_after_failure(cuda_devices, holding=(result, entry)))  # queued before it
-        if device_stuck or entry is not None and any(
-                b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets):
-            cache.discard(result.lease)  # a stuck copy may still write into them
-            result.lease = None
-        else:
-            result.release()
+        stuck = device_stuck or entry is not None and any(
+            b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets)
+        cache.release(result.lease, reusable=not stuck)  # a stuck copy may still write into them
+        result.lease = None
         raise
     if logger.isEnabledFor(logging.DEBUG):
         copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])
@@ -287,7 +285,9 @@ def stage_buckets(
             copied, len(result), time.monotonic() - start, allocated,
         )
     if copy_later is not None:
-        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank())
+        copy_later.start_rounds()  # the writer waits for each item's copied mark
+        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank(),
+                                  indices=list(range(len(late_copies))))
     return result
 
 

@@ -1,18 +1,17 @@
 """One save's staging copy after the hand-over, the thread that runs it, and the one wait.
 
 Runs in the trainer. Every staging mode that copies after the request is handed to its
-writer builds a :class:`CopyJob` at scheduling and hands it, after the hand-over, to the
-one copy thread of this process (:class:`CopyThread`):
+writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
+staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
+scheduling and hands it, after the hand-over, to :class:`CopyThread`, which runs it on
+one of the process's helper threads. The job copies its items run after run (in rounds,
+each run once the writer wrote the items whose bytes it overwrites: a bounded wait on
+the gate) and marks each item copied on the save's gate; the writer waits per item for
+that mark.
 
-* overlapped staging in one go (:mod:`.overlapped`): every tensor in one run, then the
-  save's gate is marked staged (the writer waits for that mark before it writes a byte);
-* in rounds (the staging budget's pool: :mod:`.rounds`, :mod:`.torch_save`), each run
-  once the writer wrote the items whose bytes it overwrites (a bounded wait on the gate),
-  each item marked copied on the gate once its bytes are in the pool.
-
-Staged data that carries a job derives from :class:`LateCopy`: our callers start the job
-(``start_background_copy``) once the request is with its writer and, where scheduling
-waits for the copy (rounds without overlap), wait for it (``finish_staging``). Every
+Our staged data derives from :class:`StagedData`: our callers start its job
+(:meth:`StagedData.hand_over`) once the request is with its writer and, where scheduling
+waits for the copy (rounds without overlap), wait for it. Every
 wait for a job (that one, the next optimizer step's, the next save's before it reuses the
 pool) is :meth:`CopyJob.wait`: bounded by the time the job copies nothing.
 
@@ -27,19 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_async.core.device_wait import landed_after_failure, wait_for_stream
+from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, StagingRaceError
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
 
-__all__ = ["CopyJob", "CopyThread", "LateCopy", "OVERLAPPED_ADVICE", "watch"]
+__all__ = ["CopyJob", "CopyThread", "OVERLAPPED_ADVICE", "StagedData", "watch"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +71,20 @@ class CopyJob:
     Built by the trainer at scheduling and run (:meth:`run`) after the hand-over.
 
     Args:
-        gate: the save's gate; a failure is recorded on it for the writer to raise.
+        gate: the save's gate; each item is marked copied on it, and a failure recorded
+            for the writer to raise.
         copies: ``(name, source, buffer, watched)`` per copy: ``buffer.copy_(source)``,
             with ``watched`` (see :func:`watch`) checked around it.
         rank: this rank, for messages.
-        indices: in rounds, the gate's item index of each copy (None: in one go).
-        waits_for: in rounds, per gate item, the items whose bytes it overwrites.
+        indices: the gate's item index of each copy.
+        waits_for: in rounds, per gate item, the items whose bytes it overwrites (None:
+            every copy at once).
         timeout_s: in rounds, the bound of each wait for the writer.
         what: the staging mode, as messages name it.
         advice: what to do about a tensor changed before its copy.
     """
 
-    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int,
-                 indices: Optional[List[int]] = None,
+    def __init__(self, gate: StagingGate, copies: List[tuple], rank: int, indices: List[int],
                  waits_for: Optional[Sequence[Sequence[int]]] = None,
                  timeout_s: float = DEFAULT_STAGING_WAIT_S,
                  what: str = "overlapped staging", advice: str = OVERLAPPED_ADVICE):
@@ -121,8 +122,8 @@ class CopyJob:
 
 
     def run(self) -> None:
-        """Copy every tensor, run after run, then mark the gate staged; a failure is
-        recorded on the gate instead (the trainer's copy thread)."""
+        """Copy every tensor, run after run, marking each copied; a failure is recorded
+        on the gate instead (the trainer's copy thread)."""
         gate = self.gate
         try:
             position = 0
@@ -132,7 +133,6 @@ class CopyJob:
                     return  # the writer failed and reads nothing more: its error fails the save
                 self._copy(position, end)
                 position = self.copied = end
-            gate.mark_staged()
         except BaseException as exc:  # reported by the writer, on every rank at finalization
             self._keep_queued_copies()
             if not isinstance(exc, StagingRaceError):
@@ -165,8 +165,8 @@ class CopyJob:
     def _copy(self, start: int, end: int) -> None:
         """Copy items ``start:end``, checking each version before and after its copy (CUDA
         sources on the side stream's device: on that stream, checked once it is
-        synchronized; on another device: a blocking copy); in rounds, mark each copied
-        once its bytes are in the buffers."""
+        synchronized; on another device: a blocking copy); mark each copied once its
+        bytes are in the buffers."""
         on_stream = []
         for k in range(start, end):
             name, source, buffer, watched = self.copies[k]
@@ -178,17 +178,13 @@ class CopyJob:
             else:
                 buffer.copy_(source)
                 self._check(name, watched)  # not changed while it was copied
-                self._mark_copied(k)
+                self.gate.mark_copied(self.indices[k])
         if on_stream:
             wait_for_stream(self.stream, holding=[self.copies[k][2] for k in on_stream])
             for k in on_stream:
                 name, _, _, watched = self.copies[k]
                 self._check(name, watched)
-                self._mark_copied(k)
-
-    def _mark_copied(self, k: int) -> None:
-        if self.indices is not None:
-            self.gate.mark_copied(self.indices[k])
+                self.gate.mark_copied(self.indices[k])
 
     def _keep_queued_copies(self) -> None:
         """After a failure: the buffers live on until the queued device copies land."""
@@ -208,46 +204,38 @@ class CopyJob:
 
 
 class CopyThread(OnePerProcess):
-    """The copy thread of this process and the jobs it has not finished (trainer).
+    """The copy jobs of this process not done yet, each run on a helper thread (trainer).
 
-    A thread belongs to a process and the next optimizer step of the process waits for
-    all of its jobs, so there is one per process (:meth:`of_process`). Jobs run one at a
-    time, in the order they were submitted.
+    The next optimizer step of the process waits for all of its jobs, so there is one
+    per process (:meth:`of_process`); a forked child starts with none. Jobs run on the
+    process's :class:`~megatron_async.core.helper_threads.HelperThreads`; a job that
+    reuses an earlier one's buffers waits for it first (the stager's
+    :meth:`wait_for_copies`, the pool's :meth:`stalled`).
     """
+
+    fresh_in_forked_child = True  # the parent's jobs do not run in the child
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: "queue.Queue[CopyJob]" = queue.Queue()
         self._pending: List[CopyJob] = []
-        self._thread: Optional[threading.Thread] = None
         self._running = threading.Event()  # cleared while copies are held
         self._running.set()
         self._optimizer_hook = None
 
     def submit(self, job: CopyJob) -> None:
-        """Hand ``job`` to the thread (after the request's hand-over; once)."""
+        """Start ``job`` on a helper thread (after the request's hand-over; once)."""
         with self._lock:
             if job.submitted:
                 return
             job.submitted = True
             self._pending.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="megatron-async-staging", daemon=True
-                )
-                self._thread.start()
-        self._jobs.put(job)
+        HelperThreads.of_process().start(partial(self._run, job), "megatron-async-staging")
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._running.wait()
-            job.run()
-            with self._lock:
-                self._pending = [j for j in self._pending if j is not job]
-            # Wait for the next job holding nothing of this one: its gate is a shared-memory
-            # segment, and a live segment keeps a restarted persistent worker from forking.
-            del job
+    def _run(self, job: CopyJob) -> None:
+        self._running.wait()
+        job.run()
+        with self._lock:
+            self._pending = [j for j in self._pending if j is not job]
 
     @contextlib.contextmanager
     def held(self):
@@ -294,27 +282,49 @@ class CopyThread(OnePerProcess):
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
                 self._optimizer_hook = register_optimizer_step_pre_hook(
-                    lambda optimizer, args, kwargs: self.wait_for_copies()
+                    lambda optimizer, args, kwargs: CopyThread.of_process().wait_for_copies()
                 )
 
 
-class LateCopy:
-    """Staged data whose copy, or part of it, runs after the hand-over (trainer).
+class StagedData:
+    """Our staged data: the staging memory it holds, and the copies left after the hand-over
+    (trainer; :class:`~.buffers.StagedBuckets`, :class:`~.torch_save.TorchSaveStaged`).
 
-    ``copy_job``: the copies left (None: everything was copied at scheduling).
-    ``scheduling_waits``: scheduling returns only once they are done (staging in rounds);
-    otherwise the next optimizer step waits for them (overlapped staging). Our callers
-    call both hooks (:func:`megatron_async.core.request.hand_over_staged`); nothing of this
-    travels when the staged data is pickled.
+    ``hold``: the staging budget's hold on this save's memory (:mod:`.budget`), ended by
+    :meth:`release`. ``copy_job``: the copies left (None: everything was copied at
+    scheduling). ``scheduling_waits``: scheduling returns only once they are done
+    (staging in rounds); otherwise the next optimizer step waits for them (overlapped
+    staging). Our callers call its two hooks, :meth:`hand_over` and :meth:`release`
+    (:func:`megatron_async.core.request.hand_over_staged`,
+    :func:`~megatron_async.core.request.release_staged_data`); nothing of this travels
+    when the staged data is pickled.
     """
 
+    hold: Any = None
     copy_job: Optional[CopyJob] = None
     scheduling_waits: bool = False
 
-    def start_background_copy(self) -> None:
-        """Trainer, once the request is with its writer: hand the job to the copy thread."""
+    def release(self) -> None:
+        """Trainer: nothing reads the staged data any more (written, failed, or its writer
+        gone): end the budget's hold and give the buffers back."""
+        if self.hold is not None:
+            self.hold.end()
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Give the buffers back (a subclass's own; the budget's hold is not touched)."""
+
+    def hand_over(self, writer_pid: int, finish: bool = True) -> None:
+        """Trainer, once the request is with its writer (after the fork, after the send):
+        record the writer's process (the budget's hold and the copy's waits end if it
+        dies, even before it reads), start the copies left, and with ``finish`` wait for
+        them where scheduling waits (:meth:`finish_staging`)."""
+        if self.hold is not None and self.hold.gate is not None:
+            self.hold.gate.record_writer(writer_pid)
         if self.copy_job is not None and self.copy_job.copies:
             CopyThread.of_process().submit(self.copy_job)
+        if finish:
+            self.finish_staging()
 
     def finish_staging(self) -> None:
         """Trainer: where scheduling waits, wait until every copy is made or the copy failed.

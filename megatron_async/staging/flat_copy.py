@@ -26,7 +26,8 @@ A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at onc
 (:func:`copy_threads`; ``torch.cat`` releases the GIL; one thread alone does not reach a
 node's memory bandwidth, docs/benchmarks.md): its pieces are cut into runs of about equal
 bytes, each its own ``torch.cat`` into its own part of the region, one on the calling
-thread and the others on the copy threads of this process (:class:`FlatCopyThreads`).
+thread and the others on the helper threads of this process
+(:class:`~megatron_async.core.helper_threads.HelperThreads`).
 The call returns only when every part is copied, so the snapshot is whole when
 scheduling returns; every wait for a part is bounded by its size (:func:`wait_all`).
 
@@ -38,8 +39,6 @@ from __future__ import annotations
 
 import operator
 import os
-import queue
-import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -48,12 +47,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_async.core.coordination import local_world_size
-from megatron_async.core.one_per_process import OnePerProcess
+from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.shared_memory import ALIGNMENT
 from megatron_async.errors import AsyncTimeoutError, CheckpointValidationError
 
 __all__ = [
-    "COPY_THREADS_ENV", "FlatCopy", "FlatCopyThreads", "SPLIT_MIN_BYTES", "StagingCopyTimeoutError",
+    "COPY_THREADS_ENV", "FlatCopy", "SPLIT_MIN_BYTES", "StagingCopyTimeoutError",
     "copy_threads", "wait_all",
 ]
 
@@ -67,7 +66,7 @@ _PART_WAIT_BASE_S = 30.0  # the wait for a part: this, plus its bytes at the rat
 _MIN_COPY_BYTES_PER_S = 50e6  # a copy slower than this is stuck
 
 Running = List[Tuple[Future, torch.Tensor]]
-"""Parts handed to the copy threads: each one's future and the region it copies into."""
+"""Parts handed to helper threads: each one's future and the region it copies into."""
 
 
 class StagingCopyTimeoutError(AsyncTimeoutError):
@@ -95,56 +94,20 @@ def copy_threads() -> int:
     return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_world_size()))
 
 
-class FlatCopyThreads(OnePerProcess):
-    """Daemon threads of one process that copy the parts handed to them (trainer).
+def _start_part(pieces: List[torch.Tensor], region: torch.Tensor) -> Future:
+    """Copy one part on a helper thread of this process; its future says how it ended."""
+    future: Future = Future()
 
-    Threads are started before any part is queued, so a part is either queued for a
-    running thread or copied by the caller, never left in a queue nobody serves; being
-    daemons, a stuck copy cannot hold up the interpreter's exit. Threads belong to a
-    process, so the pool is one per process: :meth:`of_process`.
-    """
+    def copy_part() -> None:
+        try:
+            torch.cat(pieces, out=region)
+        except BaseException as exc:  # handed to the waiting training thread
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
 
-    fresh_in_forked_child = True  # threads do not fork
-
-    def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-
-    def hand_over(self, parts: List[Tuple[List[torch.Tensor], torch.Tensor]],
-                  running: Running) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
-        """Queue ``parts`` (each listed in ``running`` before it is queued), growing the pool
-        to one thread per part (every thread it has serves the queue); return the parts to
-        copy on the calling thread (none unless no thread could be started)."""
-        with self._lock:
-            while self._threads < len(parts):
-                try:
-                    threading.Thread(target=self._serve, daemon=True,
-                                     name="megatron_async_staging_copy").start()
-                except RuntimeError:  # "can't start new thread": use the ones running
-                    break
-                self._threads += 1
-            if not self._threads:
-                return list(parts)
-        for pieces, region in parts:
-            future: Future = Future()
-            running.append((future, region))
-            self._jobs.put((future, pieces, region))
-        return []
-
-    def _serve(self) -> None:
-        while True:
-            future, pieces, region = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                torch.cat(pieces, out=region)
-            except BaseException as exc:  # handed to the waiting training thread
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-            # an idle thread keeps no reference: the segment is freed with its buffers
-            del future, pieces, region
+    HelperThreads.of_process().start(copy_part, "megatron-async-staging-copy")
+    return future
 
 
 def wait_all(running: Running):
@@ -286,10 +249,9 @@ class FlatCopy:
         running: Running = []
         failure: Optional[BaseException] = None
         try:
-            inline = FlatCopyThreads.of_process().hand_over(others, running)
+            for part_pieces, part_region in others:
+                running.append((_start_part(part_pieces, part_region), part_region))
             torch.cat(pieces, out=region)
-            for part_pieces, part_region in inline:  # no copy thread could be started
-                torch.cat(part_pieces, out=part_region)
         except BaseException as exc:  # raised once every part handed over has ended
             failure = exc
         self.stuck, interrupt, error = wait_all(running)

@@ -1,22 +1,19 @@
 """The gate between a save's stager and its background writer (both sides).
 
 One small shared-memory segment per save, :class:`StagingGate`: a header (the failure
-state and message, whether the stager has staged everything, the writer's *done* mark,
-whether the save is staged in rounds, the writer's process id) and one state word per
-tensor item (pending, copied, written). The trainer creates it with the save's functions,
-before the fork or the send, so a forked writer inherits it and the persistent worker
-maps it from its segment reference.
+state and message, the writer's *done* mark, whether items are copied after the
+hand-over, the writer's process id) and one state word per tensor item (pending, copied,
+written). The trainer creates it with the save's functions, before the fork or the send,
+so a forked writer inherits it and the persistent worker maps it from its segment
+reference.
 
-Every staging mode goes through it:
-
-* staged in one go on the training thread: nothing to wait for; the writer marks the
-  gate done when it has read everything (the staging budget's ledger watches that mark);
-* overlapped (:mod:`.overlapped`): the trainer's copy thread marks the gate staged, or
-  failed with its message, and the writer waits for that before it writes a byte
-  (:func:`write_after_staging`);
-* in rounds (:mod:`.rounds`, overlapped or not): the gate is marked staged at once, the
-  stager marks each item copied, and the writer marks each written (the stager waits for
-  room with :func:`wait_for_room`, the writer for each item with :func:`wait_on_gate`).
+Every staging mode goes through it the same way. Staged in one go on the training
+thread, nothing is left to wait for; the writer marks the gate done when it has read
+everything (the staging budget's ledger watches that mark). Where items are copied after
+the hand-over (in rounds, or overlapped: :mod:`.rounds`), the stager marks each item
+copied and the writer marks each written (the stager waits for room with
+:func:`wait_for_room`; the writer reads the buckets through
+:meth:`StagingGate.writer_view`, which waits for each item).
 
 Either side records a failure, which ends the other side's waits at once (a failed
 bucket of the writer stops the trainer's copy and the writer's other buckets). Every wait
@@ -34,10 +31,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_async.buckets.layout import WriteBucket
 from megatron_async.core import shared_memory
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import (
@@ -52,7 +50,6 @@ __all__ = [
     "StagingGate",
     "wait_on_gate",
     "wait_for_room",
-    "write_after_staging",
 ]
 
 DEFAULT_STAGING_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
@@ -61,8 +58,8 @@ earlier save's staging memory or copy, and for each round (trainer and backgroun
 
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
 _OK, _FAILED = 0, 1
-# failure, message length, writer done, in rounds, writer pid, failed by writer, staged
-_HEADER_WORDS = 7
+# failure, message length, writer done, copied later (in_rounds), writer pid, failed by writer
+_HEADER_WORDS = 6
 _LIVENESS_PERIOD_S = 0.5
 _MESSAGE_BYTES = 4096
 
@@ -70,10 +67,9 @@ _MESSAGE_BYTES = 4096
 class StagingGate:
     """One save's shared state between the stager and the background writer.
 
-    A shared-memory segment: a header (failure state and message, the stager's *staged*
-    mark, the writer's *done* mark) and one word per tensor item (pending, copied,
-    written). Created by the trainer with the save's functions; pickles as its segment,
-    so the persistent worker maps it.
+    A shared-memory segment: a header (failure state and message, the writer's *done*
+    mark) and one word per tensor item (pending, copied, written). Created by the trainer
+    with the save's functions; pickles as its segment, so the persistent worker maps it.
     """
 
     def __init__(self, num_items: int = 0, segment: Optional[torch.Tensor] = None):
@@ -137,28 +133,6 @@ class StagingGate:
     def message(self) -> str:
         return bytes(self.segment[: int(self._words[1])].tolist()).decode("utf-8", "replace")
 
-    def mark_staged(self) -> None:
-        """Trainer: the writer may start reading (every tensor is in the host buffers, or
-        the save is staged in rounds and the writer waits for each item)."""
-        self._words[6] = 1
-
-    @property
-    def staged(self) -> bool:
-        return int(self._words[6]) == 1
-
-    def wait_staged(self, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
-        """Background writer: return once the trainer marked the gate staged (bounded).
-
-        Raises:
-            StagingRaceError: the copy failed (a saved tensor changed before it was copied).
-            AsyncTimeoutError: the copy did not finish within ``timeout_s``.
-        """
-        wait_on_gate(
-            lambda: self.staged, self, time.monotonic() + timeout_s,
-            f"the overlapped staging copy did not finish within {timeout_s:.0f}s; the "
-            "trainer process is stuck or gone. Save without overlap_staging to rule it out",
-        )
-
     def mark_done(self) -> None:
         """Writer: nothing of the staged data will be read any more.
 
@@ -173,7 +147,8 @@ class StagingGate:
         return int(self._words[2]) == 1
 
     def start_rounds(self) -> None:
-        """Trainer: this save is staged in rounds; the writer waits for each item."""
+        """Trainer: items are copied after the hand-over (in rounds, or overlapped); the
+        writer waits for each item."""
         self._words[3] = 1
 
     @property
@@ -187,6 +162,28 @@ class StagingGate:
         so a writer that dies before it reads is seen too; the writer records itself
         (``pid`` None: this process) as it starts reading."""
         self._words[4] = os.getpid() if pid is None else int(pid)
+
+    def writer_view(
+        self, staged: Optional[Sequence[WriteBucket]], timeout_s: float
+    ) -> Optional[Sequence[WriteBucket]]:
+        """Background writer: the staged buckets as the write path reads them.
+
+        Where items are copied after the hand-over (in rounds, or overlapped), each
+        bucket's tensor list waits for its items and frees them (:class:`_ArrivingItems`);
+        otherwise the buckets as they are. The write path marks the gate done once it
+        returns, whatever happened (:meth:`mark_done`), which frees this save's staging
+        memory for the next save.
+        """
+        if not self.in_rounds or staged is None:
+            return staged
+        self.record_writer()
+        first, buckets = 0, []
+        for bucket in staged:
+            bytes_data, tensor_data = bucket.data
+            items = _ArrivingItems(tensor_data, self, first, timeout_s)
+            buckets.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, items)))
+            first += len(tensor_data)
+        return buckets
 
     def writer_gone(self) -> bool:
         """Trainer: whether the recorded writer process ended (False before it recorded)."""
@@ -210,6 +207,38 @@ def _process_running(pid: int) -> bool:
         except OSError:
             pass
         return True
+
+
+class _ArrivingItems(list):
+    """A bucket's ``(item, tensor)`` list whose items arrive after the hand-over
+    (background writer).
+
+    :func:`~megatron_async.writer.bucket_io.write_bucket` calls :meth:`before_item`
+    before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
+    """
+
+    def __init__(self, pairs, gate: StagingGate, first: int, timeout_s: float):
+        super().__init__(pairs)
+        self.gate = gate
+        self.first = first
+        self.timeout_s = timeout_s
+
+    def before_item(self, idx: int) -> None:
+        """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
+        number = self.first + idx
+        wait_on_gate(
+            lambda: self.gate.is_staged(number), self.gate,
+            time.monotonic() + self.timeout_s,
+            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging after the "
+            "hand-over: in rounds, or overlap_staging); it is stuck or gone",
+        )
+
+    def after_item(self, idx: int) -> None:
+        self.gate.mark_written(self.first + idx)
+
+    def abandon(self, exc: BaseException) -> None:
+        """This bucket failed: stop the trainer's copy and the writer's other buckets."""
+        self.gate.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
 
 
 def wait_on_gate(
@@ -263,15 +292,3 @@ def wait_for_room(
         gate, time.monotonic() + timeout_s, what, watch_writer=True,
     )
     return not gate.writer_done
-
-
-def write_after_staging(
-    gate: StagingGate, timeout_s: float, write_fn: Callable[..., None], *args: Any
-) -> None:
-    """Background writer: wait (bounded) until the trainer marked the gate staged, then write.
-
-    A failed copy raises here (see :meth:`StagingGate.wait_staged`), before anything is
-    written: the call fails, and with it the save on every rank at finalization.
-    """
-    gate.wait_staged(timeout_s)
-    write_fn(*args)

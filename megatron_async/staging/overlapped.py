@@ -8,8 +8,8 @@ returns once every saved tensor is copied to host memory. With it:
 2. once the request is handed to the background writer, one copy thread of the trainer
    process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
    on a side stream into page-locked shared memory), while training goes on;
-3. the background writer waits for that copy (the save's :class:`~.gate.StagingGate`,
-   in shared memory) before it writes a byte.
+3. the background writer waits for each item's copy (the save's
+   :class:`~.gate.StagingGate`, in shared memory) before it writes it.
 
 Nothing may change a saved tensor before it is copied:
 
@@ -27,11 +27,11 @@ Nothing may change a saved tensor before it is copied:
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
-Above the staging budget, the copy thread copies every round after the hand-over and
-the next optimizer step waits for the last (:mod:`.rounds`).
+Within the staging budget this is one round; above it, the copy thread copies every
+round after the hand-over and the next optimizer step waits for the last (:mod:`.rounds`).
 
 Runs in the trainer; the gate's waiting side runs in the background writer
-(:func:`~.gate.write_after_staging`).
+(:meth:`~.gate.StagingGate.writer_view`).
 """
 
 from __future__ import annotations

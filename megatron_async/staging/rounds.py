@@ -13,21 +13,21 @@ a rank's state, the state is staged and written in rounds through one shared-mem
   both and the persistent worker receives them as segment references, like any staged
   buffer: no buffer is ever handed over later;
 * ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``start_background_copy``),
+  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``hand_over``),
   which copies each further item once the writer marked its predecessors in the ring
-  *written*, and waits for it (``finish_staging``) before scheduling returns: the trainer
+  *written*, and waits for it before scheduling returns: the trainer
   waits for the drain, and the snapshot is whole when scheduling returns. With
   overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
   and the next optimizer step waits for the last instead of scheduling;
-* the background writer (:func:`writer_view`) waits for an item's *copied* mark before
-  writing it, and marks it *written* once its bytes left the pool (the bucket file wrote
-  or copied them), which frees its bytes for the next round.
+* the background writer (:meth:`~.gate.StagingGate.writer_view`) waits for an item's
+  *copied* mark before writing it, and marks it *written* once its bytes left the pool
+  (the bucket file wrote or copied them), which frees its bytes for the next round.
 
 The files are byte-identical to a save staged in one go (same buckets, items, write
 path). Version counters recorded in ``preload_fn`` are checked around every later copy: a
 tensor changed before its copy fails the save on every rank (``StagingRaceError``).
 
-Runs in the trainer, except :func:`writer_view` and :class:`RoundItems` (background writer).
+Runs in the trainer.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 from typing import Deque, List, Optional, Sequence
 
 import torch
@@ -44,18 +43,16 @@ from megatron_async.core import coordination, shared_memory
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
 from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
-from megatron_async.staging.gate import StagingGate, wait_on_gate
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
-    "check_fits",
     "RoundPlan",
-    "RoundItems",
     "plan_rounds",
+    "plan_bucket_rounds",
     "stage_in_rounds",
     "copy_first_round",
-    "writer_view",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,23 +133,25 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
     return RoundPlan(used, offsets, waits_for)
 
 
-def check_fits(buckets: Sequence[WriteBucket], budget: int) -> None:
-    """Refuse, before anything is staged, a tensor larger than ``budget`` (trainer).
+def plan_bucket_rounds(buckets: Sequence[WriteBucket], budget: int) -> RoundPlan:
+    """Place every tensor item of ``buckets``, in the writer's order, in a ring of at most
+    ``budget`` bytes (trainer, before anything is held or staged).
 
     Raises:
-        StagingMemoryError: naming the tensor and the budget it needs.
+        StagingMemoryError: one tensor alone is larger than ``budget`` (naming it).
     """
-    for bucket in buckets:
-        for item, tensor in bucket.data[1]:
-            size = tensor.numel() * tensor.element_size()
-            if size > budget:
-                plan_rounds([size], [item.index.fqn], budget)
+    pairs = [pair for bucket in buckets for pair in bucket.data[1]]
+    return plan_rounds(
+        [tensor.numel() * tensor.element_size() for _, tensor in pairs],
+        [item.index.fqn for item, _ in pairs],
+        budget,
+    )
 
 
 def stage_in_rounds(
     buckets: Sequence[WriteBucket],
     pool: torch.Tensor,
-    budget: int,
+    plan: RoundPlan,
     gate: StagingGate,
     timeout_s: float,
     overlapped: bool = False,
@@ -164,25 +163,17 @@ def stage_in_rounds(
         buckets: the planned buckets (tensors anywhere).
         pool: a shared-memory segment of at least the plan's bytes (page-locked for CUDA
             sources by its owner).
-        budget: the most pool bytes to use.
+        plan: the items' places in ``pool`` (:func:`plan_bucket_rounds`).
         gate: the save's gate, one word per tensor item of ``buckets``; marked *in rounds*.
         timeout_s: bound on every wait for the writer.
         overlapped: copy nothing now: every round is the copy thread's, and scheduling
             does not wait for it (the next optimizer step does).
-
-    Raises:
-        StagingMemoryError: a single tensor is larger than ``budget``.
     """
     entries = [
         (b_idx, item, tensor.detach())
         for b_idx, bucket in enumerate(buckets)
         for item, tensor in bucket.data[1]
     ]
-    plan = plan_rounds(
-        [t.numel() * t.element_size() for _, _, t in entries],
-        [item.index.fqn for _, item, _ in entries],
-        budget,
-    )
     gate.start_rounds()
     items: List[tuple] = []
     staged_tensors: List[List[tuple]] = [[] for _ in buckets]
@@ -201,7 +192,6 @@ def stage_in_rounds(
                     else ("staging in rounds", _ADVICE))
     staged.plan, staged.scheduling_waits = plan, not overlapped
     staged.copy_job = copy_first_round(gate, plan, items, pool, overlapped, timeout_s, what, advice)
-    gate.mark_staged()  # the writer waits on the gate for each item instead
     return staged
 
 
@@ -232,56 +222,3 @@ def copy_first_round(
         indices=[entry[0] for entry in later], waits_for=plan.waits_for,
         timeout_s=timeout_s, what=what, advice=advice,
     )
-
-
-class RoundItems(list):
-    """A bucket's ``(item, tensor)`` list whose items arrive in rounds (background writer).
-
-    :func:`~megatron_async.writer.bucket_io.write_bucket` calls :meth:`before_item`
-    before it reads item ``i`` and :meth:`after_item` once the item's bytes left the pool.
-    """
-
-    def __init__(self, pairs, gate: StagingGate, first: int, timeout_s: float):
-        super().__init__(pairs)
-        self.gate = gate
-        self.first = first
-        self.timeout_s = timeout_s
-
-    def before_item(self, idx: int) -> None:
-        """Wait (each item bounded on its own) until the trainer copied item ``idx``."""
-        number = self.first + idx
-        wait_on_gate(
-            lambda: self.gate.is_staged(number), self.gate,
-            time.monotonic() + self.timeout_s,
-            f"the trainer staged nothing more for {self.timeout_s:.0f}s (staging in rounds); "
-            "it is stuck",
-        )
-
-    def after_item(self, idx: int) -> None:
-        self.gate.mark_written(self.first + idx)
-
-    def abandon(self, exc: BaseException) -> None:
-        """This bucket failed: stop the trainer's copy and the writer's other buckets."""
-        self.gate.fail(f"the background writer failed: {type(exc).__name__}: {exc}", by_writer=True)
-
-
-def writer_view(
-    gate: StagingGate, timeout_s: float, staged: Optional[Sequence[WriteBucket]]
-) -> Optional[Sequence[WriteBucket]]:
-    """Background writer: the staged buckets as the write path reads them.
-
-    Staged in rounds, each bucket's tensor list waits for its items and frees them
-    (:class:`RoundItems`); otherwise the buckets as they are. The write path marks the
-    gate done once it returns, whatever happened (``gate.mark_done()``),
-    which frees this save's staging memory for the next save.
-    """
-    if not gate.in_rounds or staged is None:
-        return staged
-    gate.record_writer()
-    first, buckets = 0, []
-    for bucket in staged:
-        bytes_data, tensor_data = bucket.data
-        buckets.append(WriteBucket(bucket.file_path, bucket.file_name,
-                                   (bytes_data, RoundItems(tensor_data, gate, first, timeout_s))))
-        first += len(tensor_data)
-    return buckets

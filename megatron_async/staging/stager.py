@@ -5,9 +5,9 @@ A storage writer enters staging once per save, through :func:`prepare_staged_wri
 its write path and that path's own arguments, and gets back the request's ``save_fn`` and
 ``preload_fn``; the gate, the stager and the choice between one go, rounds and overlapped
 staging stay here. The stager, :class:`BucketStager`, is built once per save; its
-:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same way: reserve the save's staging
-memory in the budget's ledger (:mod:`.budget`), give every tensor a host buffer, copy,
-and hand the staged buckets to the writer. Two choices differ, each made once per save:
+:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same
+way: reserve the save's staging memory in the budget's ledger (:mod:`.budget`), give
+every tensor a host buffer, copy, and hand the staged buckets to the writer. Two choices differ, each made once per save:
 
 * **where the buffers come from**: a state within the budget is one round, staged into
   its bucket layout's cached buffers (:mod:`.buffers`; a warm save is one ``torch.cat``
@@ -19,13 +19,13 @@ and hand the staged buckets to the writer. Two choices differ, each made once pe
   (:mod:`.overlapped`).
 
 The copies left after the hand-over travel with the staged buckets as a
-:class:`~.copy_job.CopyJob` (:class:`~.copy_job.LateCopy`): our callers start it once the
-request is with its writer and, where scheduling waits, wait for it; the one gate between
-stager and writer (:mod:`.gate`) carries the rest.
+:class:`~.copy_job.CopyJob` (:class:`~.copy_job.StagedData`); the one gate between
+stager and writer (:mod:`.gate`) carries each item's state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from functools import partial
@@ -40,8 +40,8 @@ from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, write_after_staging
-from megatron_async.staging.rounds import check_fits, stage_in_rounds
+from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
+from megatron_async.staging.rounds import RoundPlan, plan_bucket_rounds, stage_in_rounds
 
 __all__ = ["BucketStager", "prepare_staged_write"]
 
@@ -61,6 +61,7 @@ def _state_sizes(buckets: Sequence[WriteBucket]) -> Tuple[int, bool]:
     return total, cuda
 
 
+@dataclasses.dataclass
 class BucketStager:
     """Stages one save's write buckets within the staging budget (trainer, every rank).
 
@@ -74,53 +75,47 @@ class BucketStager:
         cache_key: the bucket layout's key in ``cache`` (None: fresh buffers).
         stage_one_go: the writer's own staging of a state within the budget without
             overlap (a subclass's ``preload_tensors``); None stages into ``cache``.
-        rounds_allowed: False when the write path cannot take items in rounds (an
-            override with the reference signature): a state above the budget is refused.
+        rounds_allowed: False when the write path cannot take items as they are copied
+            (an override with the reference signature): a state above the budget, and
+            overlapped staging, are refused.
         stats: receives ``rounds`` and ``peak_bytes`` of each save.
         timeout_s: bound on the wait for an earlier save's memory or copy, and on each
             wait for the writer in rounds.
     """
 
-    def __init__(
-        self,
-        gate: StagingGate,
-        buckets: Sequence[WriteBucket],
-        *,
-        limit: Any = None,
-        overlapped: bool = False,
-        cache: Optional[StagingBufferCache] = None,
-        cache_key: Optional[Hashable] = None,
-        stage_one_go: Optional[Callable[[], Any]] = None,
-        rounds_allowed: bool = True,
-        stats: Optional[dict] = None,
-        timeout_s: float = DEFAULT_STAGING_WAIT_S,
-    ):
-        self.gate = gate
-        self.buckets = buckets
-        self.limit = limit
-        self.overlapped = overlapped
-        self.cache = cache  # None: the default cache, looked up when staging (so this pickles)
-        self.cache_key = cache_key
-        self.stage_one_go = stage_one_go
-        self.rounds_allowed = rounds_allowed
-        self.stats = stats if stats is not None else {}
-        self.timeout_s = timeout_s
+    gate: StagingGate
+    buckets: Sequence[WriteBucket]
+    _: dataclasses.KW_ONLY
+    limit: Any = None
+    overlapped: bool = False
+    cache: Optional[StagingBufferCache] = None  # None: looked up when staging (so this pickles)
+    cache_key: Optional[Hashable] = None
+    stage_one_go: Optional[Callable[[], Any]] = None
+    rounds_allowed: bool = True
+    stats: dict = dataclasses.field(default_factory=dict)
+    timeout_s: float = DEFAULT_STAGING_WAIT_S
 
     def stage(self) -> Any:
         """Stage the buckets and return the staged data (trainer, the request's ``preload_fn``).
 
         Raises:
             StagingMemoryError: a single tensor exceeds the budget, earlier saves did not
-                free the memory in time, or the write path cannot take items in rounds;
-                nothing was staged.
+                free the memory in time, or the write path cannot take items as they are
+                copied; nothing was staged.
             StagingHandOverError: the staging continues after the hand-over (overlapped,
                 or in rounds) but another library's caller runs this ``preload_fn``.
         """
         state_bytes, cuda = _state_sizes(self.buckets)
         budget = resolve_budget(self.limit, state_bytes)
         in_rounds = state_bytes > budget
-        if in_rounds:
-            self._refuse_rounds_it_cannot_do(state_bytes, budget)
+        if self.overlapped and not self.rounds_allowed:
+            raise StagingMemoryError(
+                "overlapped staging (overlap_staging) needs a write path that takes items as "
+                "they are copied; this writer's write path is an override without "
+                "staging_control. Accept staging_control in the override, or save without "
+                "overlap_staging"
+            )
+        plan = self._plan_rounds(state_bytes, budget) if in_rounds else None
         if self.overlapped:
             require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
             copy_thread = CopyThread.of_process()
@@ -132,7 +127,9 @@ class BucketStager:
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
             if pool is not None:
-                return stage_in_rounds(self.buckets, pool, budget, self.gate, self.timeout_s, self.overlapped)
+                return stage_in_rounds(
+                    self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped
+                )
             if self.overlapped:  # the layout's buffers, copied by the copy thread
                 return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
             if self.stage_one_go is not None:
@@ -144,14 +141,15 @@ class BucketStager:
             gate=self.gate, pinned=cuda, timeout_s=self.timeout_s,
         )
         if in_rounds:
-            self.stats.update(rounds=staged.plan.rounds, peak_bytes=staged.plan.pool_bytes)
+            self.stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
         else:
             self.stats.update(rounds=1, peak_bytes=state_bytes)
         return staged
 
-    def _refuse_rounds_it_cannot_do(self, state_bytes: int, budget: int) -> None:
-        """Refuse rounds before anything is held or staged: a write path that cannot take
-        them, a tensor larger than the budget, or a caller that does not hand over."""
+    def _plan_rounds(self, state_bytes: int, budget: int) -> RoundPlan:
+        """Plan the rounds, refusing them before anything is held or staged: a write path
+        that cannot take them, a tensor larger than the budget, or a caller that does not
+        hand over."""
         if not self.rounds_allowed:
             raise StagingMemoryError(
                 f"this rank's state ({state_bytes} bytes) is larger than the "
@@ -159,12 +157,13 @@ class BucketStager:
                 "without staging_control) cannot take items in rounds. Accept staging_control "
                 "in the override, or raise staging_memory_limit to at least the state"
             )
-        check_fits(self.buckets, budget)
+        plan = plan_bucket_rounds(self.buckets, budget)
         require_hand_over(
             f"staging this rank's state ({state_bytes} bytes) in rounds through the "
             f"staging_memory_limit ({budget} bytes)",
             f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
         )
+        return plan
 
 
 def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
@@ -218,8 +217,7 @@ def prepare_staged_write(
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
 
     Returns:
-        ``save_fn``: the write path with its arguments and the save's gate bound (with
-        ``overlapped``, it first waits for the copy thread, before it writes a byte); it
+        ``save_fn``: the write path with its arguments and the save's gate bound; it
         takes the request's ``args``. ``preload_fn``: the stager's ``stage``.
     """
     identifier, buckets = unpack_resolved_plan_data(resolved_plan_data)
@@ -233,6 +231,4 @@ def prepare_staged_write(
         ),
         rounds_allowed="staging_control" in save_fn.keywords, stats=stats,
     )
-    if overlapped:
-        save_fn = partial(write_after_staging, gate, DEFAULT_STAGING_WAIT_S, save_fn)
     return save_fn, stager.stage

@@ -16,7 +16,7 @@ Runs in the trainer, in the ``preload_fn`` of
   ledger's pool, placed by :func:`~megatron_async.staging.rounds.plan_rounds`: the writer
   writes record by record and marks each written, and the copy thread copies a storage
   once the writer wrote the storages whose bytes it overwrites. Scheduling returns once
-  every storage is copied (``finish_staging``); a tensor changed in place before its copy
+  every storage is copied (``hand_over``); a tensor changed in place before its copy
   fails the save (``StagingRaceError``), as staging in rounds does for torch_dist saves.
 
 The records are the ones ``torch.save`` writes to a file object, in the same order, so
@@ -38,7 +38,7 @@ from torch.serialization import location_tag, normalize_storage_type
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.copy_job import LateCopy, watch
+from megatron_async.staging.copy_job import StagedData, watch
 from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
 
@@ -128,14 +128,14 @@ def pickle_like_torch_save(
     return buffer.getvalue(), storages
 
 
-class TorchSaveStaged(LateCopy):
+class TorchSaveStaged(StagedData):
     """The records of one ``torch.save`` file, staged (trainer builds it, the writer reads it).
 
     ``header``: ``(name, bytes)`` records written first (``data.pkl`` and the format
     records); ``records``: ``(name, byte offset in buffer or None when empty, num_bytes)``
     per storage, in order; ``buffer``: the shared-memory segment holding them; ``gate``:
     the save's gate (item ``i`` is ``records[i]``). In rounds, the later rounds' copies
-    (:class:`~.copy_job.LateCopy`), which scheduling waits for. Pickled (to the persistent
+    (:class:`~.copy_job.StagedData`), which scheduling waits for. Pickled (to the persistent
     worker), only these travel: the copy job and the budget hold stay with the trainer.
     """
 
@@ -148,15 +148,13 @@ class TorchSaveStaged(LateCopy):
         self.gate = gate
         self.alignment = alignment
         self.crc32 = crc32
-        self.rounds = 1
 
     def __reduce__(self):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def release(self) -> None:
-        """Trainer: the writer is done with the staged bytes (the budget's hold, tied to
-        this object, ends with it)."""
+    def release_buffers(self) -> None:
+        """Trainer: the writer is done with the staged bytes."""
         self.buffer = None  # a segment of this save alone is freed here
 
 
@@ -255,7 +253,6 @@ def stage_torch_save(
         ]
         staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
                                            "torch.save staging in rounds", _ADVICE)
-        staged.rounds = plan.rounds
         return staged
 
     staged = StagingLedger.of_process().stage_within(

@@ -216,7 +216,7 @@ def write_bucket(
 
         for item, data in bytes_data:
             write(item, data)
-        # Staged in rounds (megatron_async.staging.rounds): wait for each item, free it after.
+        # Items copied after the hand-over (staging.gate): wait for each, free it after.
         before_item = getattr(tensor_data, "before_item", None)
         after_item = getattr(tensor_data, "after_item", None)
         try:

@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.staging.rounds import writer_view
 from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
@@ -192,9 +191,10 @@ def write_preloaded_data_multithread(
         bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
         compute_checksums: hash every item while writing it.
         direct_io: write local files with ``O_DIRECT`` where accepted.
-        staging_control: the save's staging gate (:mod:`megatron_async.staging.rounds`):
-            items may arrive in rounds, and the block is marked done at the end, which
-            frees the save's staging memory.
+        staging_control: the save's staging gate
+            (:class:`~megatron_async.staging.gate.StagingGate`): items may arrive after
+            the hand-over, and the gate is marked done at the end, which frees the save's
+            staging memory.
     """
     options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
     if not direct_io:  # only when off: overrides then get the reference API's keywords
@@ -208,7 +208,7 @@ def write_preloaded_data_multithread(
         write_and_report(runner, rank, write_buckets, global_results_queue)
         return
     try:
-        write_buckets = writer_view(staging_control, write_timeout_s, write_buckets)
+        write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
         write_and_report(runner, rank, write_buckets, global_results_queue)
     finally:
         staging_control.mark_done()

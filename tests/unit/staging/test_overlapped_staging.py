@@ -1,6 +1,7 @@
 """Overlapped staging in one process: the copy runs after scheduling, waits are bounded,
 and a saved tensor changed before its copy fails the save instead of tearing it."""
 
+import os
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_async.core.request import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.gate import StagingGate, write_after_staging
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.overlapped import (
     copies_held,
     refuse_overlap_param_gather,
@@ -50,32 +51,40 @@ def _staged_values(staged):
     return [buffer.clone() for _, buffer in staged[0].data[1]]
 
 
-def test_gate_reports_success_and_failure_with_the_message():
-    gate = StagingGate()
-    gate.mark_staged()
-    gate.wait_staged(timeout_s=1.0)
-    failed = StagingGate()
+def _read_as_the_writer(staged, gate):
+    """Read every item as the background writer does: each waits for its copied mark."""
+    (bucket,) = gate.writer_view(staged, 1.0)
+    items = bucket.data[1]
+    for idx in range(len(items)):
+        items.before_item(idx)
+
+
+def test_the_writer_waits_for_each_item_and_raises_a_failed_copy():
+    gate = StagingGate(2)
+    gate.start_rounds()
+    staged = _buckets([torch.ones(2), torch.ones(2)])
+    gate.mark_copied(0)
+    gate.mark_copied(1)
+    _read_as_the_writer(staged, gate)
+    failed = StagingGate(2)
+    failed.start_rounds()
     failed.fail("tensor 'x' changed")
     with pytest.raises(StagingRaceError, match="tensor 'x' changed"):
-        failed.wait_staged(timeout_s=1.0)
-    calls = []
-    with pytest.raises(StagingRaceError):
-        write_after_staging(failed, 1.0, calls.append, "written")
-    assert calls == []
+        _read_as_the_writer(staged, failed)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_scheduling_copies_nothing_and_the_copy_is_a_snapshot(device):
     tensors = [torch.full((1000,), float(i), device=device) for i in range(3)]
-    gate = StagingGate()
+    gate = StagingGate(len(tensors))
     staged = _stage_overlapped(gate, tensors, "k", StagingBufferCache())
     assert not staging_in_progress()
     assert all(not torch.equal(b, t.cpu()) for b, t in zip(_staged_values(staged), tensors)
                if t.abs().sum() > 0)
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)
     assert not staging_in_progress()
-    gate.wait_staged(timeout_s=1.0)
+    _read_as_the_writer(staged, gate)
     for tensor in tensors:  # the guarded point is over: the trainer may change them
         tensor.add_(100)
     for i, value in enumerate(_staged_values(staged)):
@@ -88,13 +97,13 @@ def test_optimizer_step_waits_for_the_copy(device):
     params = [torch.nn.Parameter(torch.full((5000,), 2.0, device=device))]
     optimizer = torch.optim.SGD(params, lr=1.0)
     params[0].grad = torch.ones(5000, device=device)
-    gate = StagingGate()
+    gate = StagingGate(1)
     staged = _stage_overlapped(gate, [params[0].detach()])
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         assert staging_in_progress()
     optimizer.step()  # the global step pre-hook waits for the copy
-    gate.wait_staged(timeout_s=1.0)
+    _read_as_the_writer(staged, gate)
     assert torch.equal(_staged_values(staged)[0], torch.full((5000,), 2.0))
     assert torch.equal(params[0].detach().cpu(), torch.full((5000,), 1.0))
 
@@ -105,15 +114,15 @@ def test_a_tensor_changed_before_its_copy_fails_the_save_naming_it(device, monke
 
     monkeypatch.setattr(coordination, "get_rank", lambda: 3)
     tensors = [torch.zeros(100, device=device), torch.zeros(100, device=device)]
-    gate = StagingGate()
+    gate = StagingGate(len(tensors))
     staged = _stage_overlapped(gate, tensors)
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         tensors[1].add_(1)  # no wait: an unguarded in-place update
     wait_for_staging(timeout_s=60)
     with pytest.raises(StagingRaceError, match=r"rank 3: saved tensor 'layer1.weight'.*"
                        r"wait_for_staging\(\)"):
-        gate.wait_staged(timeout_s=1.0)
+        _read_as_the_writer(staged, gate)
 
 
 def test_overlap_param_gather_is_refused():
@@ -145,8 +154,8 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
 
     assert not segments_outlive_a_bounded_wait(), "an earlier test left a staging segment alive"
     cache = StagingBufferCache()
-    staged = _stage_overlapped(StagingGate(), [torch.arange(6.0)], "leak-check", cache)
-    staged.start_background_copy()
+    staged = _stage_overlapped(StagingGate(1), [torch.arange(6.0)], "leak-check", cache)
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=30.0)
     staged.release()
     cache.clear()
@@ -157,15 +166,15 @@ def test_a_finished_copy_leaves_no_shared_memory_behind():
 def test_an_inference_tensor_is_staged_overlapped_without_a_version_check():
     with torch.inference_mode():
         tensor = torch.arange(8.0)  # keeps no version counter
-    gate = StagingGate()
+    gate = StagingGate(1)
     staged = _stage_overlapped(gate, [tensor])
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)
-    gate.wait_staged(timeout_s=1.0)
+    _read_as_the_writer(staged, gate)
     assert torch.equal(_staged_values(staged)[0], tensor)
 
 
 def test_overlapped_staging_outside_our_callers_is_refused():
     with pytest.raises(StagingHandOverError, match="without overlap_staging"):
-        BucketStager(StagingGate(), _buckets([torch.ones(4)]), overlapped=True).stage()
+        BucketStager(StagingGate(1), _buckets([torch.ones(4)]), overlapped=True).stage()
     assert not staging_in_progress()

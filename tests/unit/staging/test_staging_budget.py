@@ -20,8 +20,9 @@ from megatron_async.errors import (
 )
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.rounds import plan_rounds, stage_in_rounds, writer_view
-from megatron_async.staging.gate import StagingGate, write_after_staging
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
@@ -130,13 +131,13 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     buckets = _buckets(tensors)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(8192, dtype=torch.uint8)
-    staged = stage_in_rounds(buckets, pool, 8192, gate, timeout_s=30.0)
+    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, 8192), gate, timeout_s=30.0)
     assert staged.plan.rounds == 2
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
-    staged.start_background_copy()
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    staged.hand_over(os.getpid(), finish=False)
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     with pytest.raises(StagingRaceError, match="layer3.weight"):
         for idx, (item, tensor) in enumerate(bucket.data[1]):
             bucket.data[1].before_item(idx)
@@ -181,7 +182,7 @@ def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
     staged = BucketStager(StagingGate(2), buckets, limit=8192, stage_one_go=_StagedList,
                           stats=stats, timeout_s=5.0).stage()
     assert stats["rounds"] == 1  # within the budget any caller may stage
-    staged.release()
+    del staged  # an override's staged data: the hold ends when the caller drops it
     assert StagingLedger.of_process().held_bytes() == held
 
 
@@ -190,12 +191,12 @@ def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path
     ledger = StagingLedger.of_process()
     held = ledger.held_bytes()
     stats = {}
-    staged = BucketStager(StagingGate(1), buckets, stage_one_go=_StagedList, stats=stats,
+    staged = BucketStager(StagingGate(1), buckets, cache=StagingBufferCache(), stats=stats,
                           timeout_s=5.0).stage()
     assert stats == {"rounds": 1, "peak_bytes": 1024}
     assert ledger.held_bytes() == held + 1024  # no writer ran: still held
     staged.release()  # as a caller does once it killed a hung writer
-    assert ledger.held_bytes() == held and staged.released
+    assert ledger.held_bytes() == held and staged.hold.released
 
 
 class _StagedList(list):
@@ -208,7 +209,8 @@ class _StagedList(list):
 def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     """The writer's one entry into staging: the write path gets the save's gate if it takes
     ``staging_control``; overrides with the reference signature run without it (and then
-    refuse rounds), and a reference ``preload_tensors`` stages without the cache."""
+    refuse rounds and overlapped staging), and a reference ``preload_tensors`` stages
+    without the cache."""
     buckets = _buckets([torch.ones(256), torch.ones(4)])  # 1040 bytes
     plan_data = ("/nonexistent", (None, buckets))
     preloaded = []
@@ -233,12 +235,13 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     save_fn, _ = prepare(ours)
     assert save_fn.args == ("transforms",) and save_fn.keywords["use_fsync"] is False
     assert isinstance(save_fn.keywords["staging_control"], StagingGate)
-    save_fn, _ = prepare(ours, overlapped=True)
-    assert save_fn.func is write_after_staging  # waits for the copy thread, then writes
     save_fn, preload_fn = prepare(reference, limit=1024)
     assert save_fn.keywords == {"use_fsync": False}
     with pytest.raises(StagingMemoryError, match="cannot take items in rounds"):
         preload_fn()
+    _, preload_fn = prepare(reference, overlapped=True)
+    with pytest.raises(StagingMemoryError, match="overlap_staging"):
+        run_preload(preload_fn)
     assert preloaded == []
     _, preload_fn = prepare(reference)
     preload_fn().release()
@@ -271,7 +274,7 @@ def _drain_in_thread(gate, staged):
     written, errors = [], []
 
     def drain():
-        (bucket,) = writer_view(gate, 60.0, list(staged))
+        (bucket,) = gate.writer_view(list(staged), 60.0)
         try:
             for idx, (_, tensor) in enumerate(bucket.data[1]):
                 bucket.data[1].before_item(idx)
@@ -319,7 +322,7 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
     assert staged.plan.rounds == 2
     assert not any(gate.is_staged(i) for i in range(4))  # scheduling copied nothing
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         assert staging_in_progress()
     thread, written, errors = _drain_in_thread(gate, staged)
     optimizer.step()  # the step pre-hook waits until the last round is copied
@@ -340,7 +343,7 @@ def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_nami
     tensors = _tensors(count=4, numel=1024)
     staged, gate = _overlapped_rounds(tensors, 8192)
     with copies_held():
-        staged.start_background_copy()
+        staged.hand_over(os.getpid(), finish=False)
         tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
     thread, written, errors = _drain_in_thread(gate, staged)
     wait_for_staging(timeout_s=60)
@@ -364,7 +367,7 @@ def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     # left unreaped, it is a zombie, which counts as gone.
     writer = multiprocessing.get_context("fork").Process(target=gate.record_writer)
     writer.start()
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=60)  # returns at the liveness check, not at the 60 s bound
     writer.join(10)
     assert gate.failed and "background writer of this save ended" in gate.message()
@@ -378,7 +381,9 @@ def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
     tensors = _tensors(count=count, numel=numel)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
-    staged = stage_in_rounds(_buckets(tensors), pool, pool_bytes, gate, timeout_s=timeout_s)
+    buckets = _buckets(tensors)
+    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, pool_bytes), gate,
+                             timeout_s=timeout_s)
     return tensors, gate, staged
 
 
@@ -388,8 +393,8 @@ def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
 
     _, gate, staged = _rounds(timeout_s=30.0)
     start = time.monotonic()
-    staged.start_background_copy()  # waits for items 0 and 1 to be written
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    staged.hand_over(os.getpid(), finish=False)  # waits for items 0 and 1 to be written
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     bucket.data[1].abandon(OSError(28, "No space left on device"))  # bucket 0 failed
     staged.finish_staging()
     with pytest.raises(StorageWriteError, match="No space left on device"):
@@ -413,8 +418,8 @@ def test_done_comes_first_and_a_late_copy_does_not_undo_written():
 def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
     tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
     assert staged.plan.rounds == 3
-    staged.start_background_copy()
-    (bucket,) = writer_view(gate, 30.0, list(staged))
+    staged.hand_over(os.getpid(), finish=False)
+    (bucket,) = gate.writer_view(list(staged), 30.0)
     written = []
     for idx, (_, tensor) in enumerate(bucket.data[1]):  # a slow writer: 0.25 s an item
         bucket.data[1].before_item(idx)
@@ -455,7 +460,7 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
     ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
     source, buffer = torch.ones(16), torch.zeros(16)
     with copy_thread.held():  # an earlier save's copy that has not run yet
-        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0))
+        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0, [0]))
         with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
             ledger.pool(4096, pinned=False, timeout_s=0.1)
     wait_for_staging(timeout_s=30.0)
@@ -473,7 +478,7 @@ def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
     staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, overlapped=True,
                                       timeout_s=30.0).stage)
     gate.mark_done()  # its writer is done; the staged data is still referenced here
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     wait_for_staging(timeout_s=30.0)
     assert StagingLedger.of_process().pool(8192, pinned=False, timeout_s=1.0).numel() == 8192
     staged.release()

@@ -45,7 +45,7 @@ def _stage(obj, limit, timeout_s=30.0, protocol=2, byteorder=True, stats=None):
 def _write(staged):
     """Write as the caller runs a request: the later rounds copy beside the writer."""
     stream = io.BytesIO()
-    staged.start_background_copy()
+    staged.hand_over(os.getpid(), finish=False)
     try:
         write_torch_save_records(stream, staged, 30.0)
     finally:
@@ -109,8 +109,9 @@ def test_non_tensor_leaves_are_frozen_when_scheduling_returns():
 @pytest.mark.timeout(60)
 def test_a_tensor_changed_before_its_round_is_copied_fails_the_write():
     tensors = {f"t{i}": torch.full((KIB,), float(i)) for i in range(4)}  # 4 KiB each
-    staged = _stage(tensors, 8 * KIB)
-    assert staged.rounds == 2
+    stats = {}
+    staged = _stage(tensors, 8 * KIB, stats=stats)
+    assert stats["rounds"] == 2
     tensors["t3"].add_(1)  # before its round: the writer has not freed the pool yet
     with pytest.raises(StagingRaceError, match="'t3' was modified in place"):
         _write(staged)
