@@ -7,9 +7,8 @@ step keeps its speed and the write takes longer only when the trainer needs the 
 
 On Linux the nice value and the I/O priority belong to a thread, and new threads and
 processes inherit them from the one that creates them. :func:`lower_writer_priority` is
-called by the background process's main thread before it starts any writer thread or
-bucket process, so every writer of a save inherits the priority; the trainer is never
-touched. Lowering priority needs no privileges. Elsewhere (no ``ioprio_set``), the I/O
+called by the background process's main thread before it starts any writer thread, so
+every writer of a save inherits the priority; the trainer is never touched. Lowering priority needs no privileges. Elsewhere (no ``ioprio_set``), the I/O
 part is skipped with a debug message.
 """
 

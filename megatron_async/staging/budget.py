@@ -93,8 +93,7 @@ class _Hold:
 
     def end(self) -> None:
         """Stop holding, and let go of the gate at once: a finished save must not
-        keep a shared-memory segment alive until the next save prunes the ledger (a live
-        segment makes a restarted persistent worker start as a fresh interpreter)."""
+        keep a shared-memory segment alive until the next save prunes the ledger."""
         self.released = True
         self.gate = None
 
