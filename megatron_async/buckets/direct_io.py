@@ -77,8 +77,8 @@ _POOL = _ChunkPool()
 
 
 def _fresh_pool_after_fork() -> None:
-    # A forked writer must not inherit the lock in a taken state (another thread of the
-    # parent may have held it at the fork) nor share the parent's free chunks.
+    # A forked bucket writer must not inherit the lock in a taken state (another thread
+    # of the parent may have held it at the fork) nor share the parent's free chunks.
     global _POOL
     _POOL = _ChunkPool()
 

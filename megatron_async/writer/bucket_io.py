@@ -1,7 +1,7 @@
 """Write one staged bucket to its file: DCP's byte layout, few system calls, hashed on the way.
 
-Runs in the background writer (a thread of the persistent worker or of a forked
-writer). Every item lands in DCP's ``torch_save`` layout, so stock readers read
+Runs in the background writer (a thread of the persistent worker, a forked writer, or a
+bucket process). Every item lands in DCP's ``torch_save`` layout, so stock readers read
 the file; plain CPU tensors are framed without ``torch.save``
 (:mod:`.tensor_archive`), and every item's bytes are hashed with xxh3 while they are
 written (:mod:`megatron_async.integrity.checksums`).
@@ -142,7 +142,7 @@ def write_bucket(
 ) -> List[WriteResult]:
     """Write one staged bucket to its file in DCP's byte layout and return its results.
 
-    Runs in the background writer (one thread per bucket). Every tensor item is the
+    Runs in the background writer (a thread or a process). Every tensor item is the
     ``torch.save`` archive of the tensor, as DCP's ``torch_save`` format stores it, so any
     DCP reader can read the file. Plain CPU tensors are framed directly, without
     ``torch.save`` and with zero CRC-32 fields, as after

@@ -66,7 +66,7 @@ def _tensor(shape, dtype) -> torch.Tensor:
 
 
 def _forget_archive_layout():
-    _tensor_archive._usable = None
+    _tensor_archive._layout, _tensor_archive._layout_checked = None, False
     _tensor_archive._frames.clear()
 
 
@@ -74,7 +74,8 @@ def _forget_archive_layout():
 def torch_save_without_crc():
     """``torch.save`` with CRC-32 off in this test process (restored afterwards).
 
-    The frames are made again under it, without CRCs as well.
+    The archive layout is learnt again under it, so that the copied serialization id is
+    the one ``torch.save`` writes without CRCs.
     """
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -179,8 +180,9 @@ def test_every_item_loads_back_alone_and_its_checksum_covers_its_bytes(tmp_path)
         assert torch.equal(loaded, tensors[result.index.fqn]), result.index.fqn
 
 
-def test_without_usable_frames_every_item_goes_through_torch_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tensor_archive, "_usable", False)
+def test_without_a_known_archive_layout_every_item_goes_through_torch_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(_tensor_archive, "_layout", None)
+    monkeypatch.setattr(_tensor_archive, "_layout_checked", True)
     monkeypatch.setattr(_tensor_archive, "_frames", {})
     tensors = {"a": torch.randn(7, 3), "b": torch.arange(10, dtype=torch.int64)}
     bucket = _bucket(tmp_path / "f.distcp", tensors)
