@@ -79,12 +79,13 @@ def verify_checkpoint_integrity(
     """
     rank = dist.get_rank(group) if coordination.is_distributed() else 0
     world_size = dist.get_world_size(group) if coordination.is_distributed() else 1
-    if not storage_for(checkpoint_dir).is_dir(checkpoint_dir):
-        raise CheckpointIntegrityError(f"{checkpoint_dir} is not a directory; nothing to load")
     try:
-        problems, _ = find_damage(
-            checkpoint_dir, require_checksums=require_checksums, rank=rank, world_size=world_size
-        )
+        if storage_for(checkpoint_dir).is_dir(checkpoint_dir):
+            problems, _ = find_damage(
+                checkpoint_dir, require_checksums=require_checksums, rank=rank, world_size=world_size
+            )
+        else:  # agreed below, so a rank that sees another file system does not leave its peers waiting
+            problems = [f"{checkpoint_dir} is not a directory here; nothing to load"]
     except OSError as exc:
         problems = [f"reading {checkpoint_dir} failed on rank {rank}: {exc}"]
     (any_problem,) = coordination.all_reduce_max([int(bool(problems))], group)

@@ -152,7 +152,7 @@ def guard_save_function(module: Any) -> None:
         token = _save_call.set(call)
         try:
             if call.overwrite is not None and checkpoint_dir is not None:
-                _create_on_coordinator(checkpoint_dir)
+                _create_on_coordinator(checkpoint_dir, agreed=not call.direct)
             return original(*args, **kwargs)
         except Exception as exc:
             if call.direct and not call.agreed and isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -165,22 +165,33 @@ def guard_save_function(module: Any) -> None:
     module.save = save_with_call_recorded
 
 
-def _create_on_coordinator(checkpoint_dir: Union[str, Path]) -> None:
+def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> None:
     """Rank 0: create a missing local checkpoint directory before megatron-core's ``save()``
     lists it there; every rank then creates or checks it in the strategy's agreed target
-    check. Bounded."""
+    check. Bounded.
+
+    A failure on rank 0 reaches the other ranks at our strategy's first collective. Under
+    a wrapper (megatron-core's fully parallel one), whose own collectives come first, the
+    outcome is agreed here instead (``agreed``: every rank, one small all-reduce), so
+    that no rank waits in the wrapper's collectives for a rank 0 that already raised.
+    """
     directory = normalize_checkpoint_path(checkpoint_dir)
-    if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
-        return
-    try:
-        SaveDirectories.of_process().run_bounded(
-            f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
-        )
-    except OSError as exc:
-        raise CheckpointValidationError(
-            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save into "
-            "a directory rank 0 can create or write"
-        ) from exc
+    error: Optional[Exception] = None
+    if coordination.get_rank() == 0 and not storage_for(directory).needs_msc:
+        try:
+            SaveDirectories.of_process().run_bounded(
+                f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
+            )
+        except OSError as exc:
+            error = CheckpointValidationError(
+                f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
+                "into a directory rank 0 can create or write"
+            )
+            error.__cause__ = exc
+    if agreed:
+        agree_or_raise(error, "creating the checkpoint directory")
+    elif error is not None:
+        raise error
 
 
 def _resolved(strategy: Any) -> Any:

@@ -499,6 +499,16 @@ def damaged_files_are_detected(ctx):
             found[damage] = str(exc).splitlines()[1][:160]
         else:
             raise AssertionError(f"{damage}: the load-time check passed a damaged checkpoint")
+    # A load directory that only rank 0 sees (a node-local path, a mount missing on one
+    # node): every rank raises the same error instead of rank 0 waiting for the others.
+    seen_here = path if ctx.rank == 0 else path + "-missing-on-this-node"
+    try:
+        verify_checkpoint_integrity(seen_here)
+    except CheckpointIntegrityError as exc:
+        assert "not a directory here" in str(exc), str(exc)
+        found["missing on one rank"] = str(exc).splitlines()[1][:160]
+    else:
+        raise AssertionError("the load-time check passed a directory one rank cannot see")
     return found
 
 

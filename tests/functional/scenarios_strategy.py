@@ -820,6 +820,17 @@ def bad_inputs(ctx):
     _expect_error_everywhere(
         CheckpointValidationError, lambda: strategy.async_save(state, a_file), "not a directory"
     )
+    # The same directory under megatron-core's fully parallel wrapper, whose collectives
+    # come before our strategy's: rank 0's failure reaches every rank, no rank waits.
+    started = time.monotonic()
+    _expect_error_everywhere(
+        CheckpointValidationError,
+        lambda: dist_checkpointing.save(
+            state, uncreatable, sharded_strategy=FullyParallelSaveStrategyWrapper(strategy)
+        ),
+        "cannot create",
+    )
+    assert time.monotonic() - started < 60
     # Every rank claims to own the whole "dup" tensor: overlapping shards.
     overlap = {"dup": ShardedTensor.from_rank_offsets("dup", torch.ones(4))}
     _expect_error_everywhere(
@@ -838,8 +849,6 @@ def bad_inputs(ctx):
     assert time.monotonic() - started < 60
     # The same under megatron-core's fully parallel wrapper (Megatron-LM's default), whose
     # own collectives come first: megatron-core's validation itself is agreed.
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
     started = time.monotonic()
     _expect_error_everywhere(
         CheckpointValidationError,
