@@ -177,17 +177,19 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
     """
     directory = normalize_checkpoint_path(checkpoint_dir)
     error: Optional[Exception] = None
-    if coordination.get_rank() == 0 and not storage_for(directory).needs_msc:
-        try:
+    try:
+        if coordination.get_rank() == 0 and not storage_for(directory).needs_msc:
             SaveDirectories.of_process().run_bounded(
                 f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
             )
-        except OSError as exc:
-            error = CheckpointValidationError(
-                f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
-                "into a directory rank 0 can create or write"
-            )
-            error.__cause__ = exc
+    except OSError as exc:
+        error = CheckpointValidationError(
+            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
+            "into a directory rank 0 can create or write"
+        )
+        error.__cause__ = exc
+    except Exception as exc:  # a process whose saves are stopped, ...: agreed as it is
+        error = exc
     if agreed:
         agree_or_raise(error, "creating the checkpoint directory")
     elif error is not None:

@@ -112,8 +112,9 @@ class BucketStager:
             raise StagingMemoryError(
                 "overlapped staging (overlap_staging) needs a write path that takes items as "
                 "they are copied; this writer's write path is an override without "
-                "staging_control. Accept staging_control in the override, or save without "
-                "overlap_staging"
+                "staging_control, or its write_preloaded_data is a subclass's. Accept "
+                "staging_control in the override and keep our write_preloaded_data, or save "
+                "without overlap_staging"
             )
         plan = self._plan_rounds(state_bytes, budget) if in_rounds else None
         if self.overlapped:
@@ -154,8 +155,9 @@ class BucketStager:
             raise StagingMemoryError(
                 f"this rank's state ({state_bytes} bytes) is larger than the "
                 f"staging_memory_limit ({budget} bytes); this writer's write path (an override "
-                "without staging_control) cannot take items in rounds. Accept staging_control "
-                "in the override, or raise staging_memory_limit to at least the state"
+                "without staging_control, or a subclass's write_preloaded_data) cannot take "
+                "items in rounds. Accept staging_control in the override and keep our "
+                "write_preloaded_data, or raise staging_memory_limit to at least the state"
             )
         plan = plan_bucket_rounds(self.buckets, budget)
         require_hand_over(
@@ -190,6 +192,7 @@ def prepare_staged_write(
     limit: Any,
     cache: Optional[StagingBufferCache],
     stats: dict,
+    own_bucket_writer: bool = True,
 ) -> Tuple[Callable[..., None], Callable[[], Any]]:
     """Put one save's staging in front of its write path: ``(save_fn, preload_fn)`` (trainer).
 
@@ -215,6 +218,10 @@ def prepare_staged_write(
         limit: the ``staging_memory_limit`` (the budget; None: one copy of the state).
         cache: the trainer's reusable staging buffers (the default cache when None).
         stats: filled by staging with ``rounds`` and ``peak_bytes``.
+        own_bucket_writer: False when each bucket is written by a subclass's
+            ``write_preloaded_data``, which may read a bucket's items without waiting for
+            each to be copied: a state above the budget, and overlapped staging, are then
+            refused (the writer would read buffers still being filled).
 
     Returns:
         ``save_fn``: the write path with its arguments and the save's gate bound; it
@@ -229,6 +236,6 @@ def prepare_staged_write(
         stage_one_go=_bind_supported(
             preload_tensors, (resolved_plan_data, True), staging_cache=cache
         ),
-        rounds_allowed="staging_control" in save_fn.keywords, stats=stats,
+        rounds_allowed="staging_control" in save_fn.keywords and own_bucket_writer, stats=stats,
     )
     return save_fn, stager.stage

@@ -57,9 +57,7 @@ from megatron_async.buckets.layout import (
     check_storage_prefix,
     prepare_buckets,
 )
-from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.writer.commit import commit_checkpoint
-from megatron_async.writer.commit_cache import CommitCache
 from megatron_async.writer.metadata_bytes import MetadataTemplate
 from megatron_async.writer.options import (
     DEFAULT_WRITE_TIMEOUT_S, ReferenceOptionNames, WriteOptions, resolve_writer_options,
@@ -109,9 +107,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         staging_cache: where the reusable staging buffers are kept (the trainer's);
             :meth:`~megatron_async.staging.buffer_cache.StagingBufferCache.of_process`
             when None.
-        digest_history, commit_cache: the strategy's record of its previous save (item
-            digests; where this rank stored each item): the finalization reports what
-            changed since, and gathers nothing when no rank's items moved. None: neither.
         separation_hint, use_msc, is_multiproc_io, use_cached_data_structure: the
             reference API's keywords for these fields of
             :class:`~megatron_async.writer.options.WriteOptions`; used only without
@@ -135,8 +130,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         use_cached_data_structure: bool = False,
         staging_cache: Optional[StagingBufferCache] = None,
         options: Optional[WriteOptions] = None,
-        digest_history: Optional[SaveDigestHistory] = None,
-        commit_cache: Optional[CommitCache] = None,
         **kwargs: Any,
     ):
         if not isinstance(path, (str, os.PathLike)):
@@ -176,8 +169,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         with ``put`` and ``get``, such as :func:`get_write_results_queue`, also works)."""
         self.write_elapsed_s: Optional[float] = None
         """How long the background write took, once ``retrieve_write_results`` succeeded."""
-        self.digest_history = digest_history
-        self.commit_cache = commit_cache
         self._write_results: Optional[List[WriteResult]] = None
         self.staging_stats: dict = {}
         """After staging: ``rounds`` and ``peak_bytes`` (staging memory) of this save."""
@@ -289,6 +280,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             preload_tensors=self.preload_tensors, resolved_plan_data=self.resolved_plan_data,
             overlapped=self.options.overlap_staging, limit=self.options.staging_memory_limit,
             cache=self.staging_cache, stats=self.staging_stats,
+            own_bucket_writer=type(self).write_preloaded_data is write_paths.write_preloaded_data,
         )
         return save_fn, preload_fn, [coordination.get_rank(), None, self.results_queue]
 

@@ -246,6 +246,17 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     _, preload_fn = prepare(reference)
     preload_fn().release()
     assert preloaded == [(plan_data, True)]
+    # Our write path, but each bucket written by a subclass's write_preloaded_data, which
+    # may read items before they are copied: rounds and overlapped staging are refused.
+    refusals = ((1024, False, "cannot take items in rounds"), (None, True, "overlap_staging"))
+    for limit, overlapped, refusal in refusals:
+        _, preload_fn = prepare_staged_write(
+            ours, ("transforms",), {}, preload_tensors=preload_reference,
+            resolved_plan_data=plan_data, overlapped=overlapped, limit=limit, cache=None,
+            stats={}, own_bucket_writer=False,
+        )
+        with pytest.raises(StagingMemoryError, match=refusal):
+            run_preload(preload_fn)
 
 
 def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
