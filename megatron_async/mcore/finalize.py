@@ -38,9 +38,8 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.request import register_finalize_step_adapter
+from megatron_async.core.request import SaveDetails, register_finalize_step_adapter
 from megatron_async.core.save_directories import Claim, run_coordinator_step
-from megatron_async.core.save_report import SaveDetails
 from megatron_async.errors import RequestScheduledTwiceError
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.integrity.staleness import ChangeReport

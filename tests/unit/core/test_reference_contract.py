@@ -20,7 +20,7 @@ from megatron_async.core import (
     PersistentAsyncCaller,
     WriterPriority,
 )
-from megatron_async.core.save_report import SaveDetails
+from megatron_async.core.request import SaveDetails
 from megatron_async.errors import AsyncSaveFailedError, RemoteFailureError, ReplacedReferenceAPIError
 from tests import background_fns as fns
 from tests.background_fns import current_io_priority
