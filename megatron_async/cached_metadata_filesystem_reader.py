@@ -67,10 +67,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         return metadata
 
     @classmethod
-    def clear_metadata_cache(cls, path: Union[str, os.PathLike, None] = None) -> None:
-        """Forget the cached metadata of ``path``, or of every directory when None."""
+    def clear_metadata_cache(cls) -> None:
+        """Forget the cached metadata of every directory (megatron-core's classmethod)."""
         with cls._cache_lock:
-            if path is None:
-                cls._metadata_cache.clear()
-            else:
-                cls._metadata_cache.pop(os.path.abspath(os.fspath(path)), None)
+            cls._metadata_cache.clear()

@@ -109,7 +109,7 @@ def test_cached_reader_serves_the_cache_until_the_checkpoint_is_rewritten(tmp_pa
     assert len(reads) == 2
     CachedMetadataFileSystemReader(path, cache_metadata=False).read_metadata()
     assert len(reads) == 3
-    CachedMetadataFileSystemReader.clear_metadata_cache(path)
+    CachedMetadataFileSystemReader.clear_metadata_cache()
     CachedMetadataFileSystemReader(path).read_metadata()
     assert len(reads) == 4
     loaded = {"w": torch.zeros(4)}
