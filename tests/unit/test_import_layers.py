@@ -18,7 +18,7 @@ LAYERS = (
     ("__main__",),
     ("cli", "manager", "state_dict_saver", "filesystem_async"),
     ("mcore", "nvrx"),
-    ("torch_ckpt", "cached_metadata_filesystem_reader", "save_failures"),
+    ("torch_ckpt", "save_failures"),
     ("saver",),
     ("writer",),
     ("staging",),

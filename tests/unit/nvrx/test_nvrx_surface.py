@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_async.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+from megatron_async.nvrx.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 from megatron_async.errors import ModuleSurfaceConflictError
 from megatron_async.nvrx import state_dict_saver as nvrx_saver
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
