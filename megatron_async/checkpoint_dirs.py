@@ -241,14 +241,13 @@ def select_for_deletion(
 
     Args:
         checkpoints: the directories, in any order.
-        keep_last_n: how many complete checkpoints to keep (at least 1).
+        keep_last_n: how many complete checkpoints to keep (at least 1:
+            :class:`~megatron_async.manager.CheckpointManagerConfig` checks it).
         protected: iterations that must survive.
 
     Returns:
         The checkpoints to delete, oldest first.
     """
-    if keep_last_n < 1:
-        raise CheckpointValidationError(f"keep_last_n must be >= 1, got {keep_last_n}")
     protected = set(protected)
     complete = sorted((c for c in checkpoints if c.complete), key=lambda c: -c.iteration)
     kept = {c.iteration for c in complete[:keep_last_n]} | protected
