@@ -131,19 +131,16 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
 def summarize_checkpoint(path: str) -> CheckpointSummary:
     """Read everything ``inspect`` shows about the checkpoint at ``path``."""
     storage = storage_for(path)
-    fmt, version = None, None
-    config_path = os.path.join(path, MEGATRON_METADATA_FILE)
-    if storage.size(config_path) is not None:
-        config = json.loads(storage.read(config_path))
-        fmt, version = config.get("sharded_backend"), config.get("sharded_backend_version")
+    try:
+        config = json.loads(storage.read(os.path.join(path, MEGATRON_METADATA_FILE)))
+    except FileNotFoundError:
+        config = {}
     tensors: List[TensorEntry] = []
     objects: List[str] = []
-    metadata = None
-    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is not None:
-        try:
-            metadata = storage.dcp_reader(path).read_metadata()
-        except Exception:
-            metadata = None
+    try:
+        metadata = storage.dcp_reader(path).read_metadata()
+    except Exception:  # missing or damaged: find_completeness_problems says which
+        metadata = None
     if metadata is not None:
         for fqn, item in sorted(metadata.state_dict_metadata.items()):
             if isinstance(item, TensorStorageMetadata):
@@ -162,8 +159,8 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
     problems = find_completeness_problems(path, metadata)
     return CheckpointSummary(
         path=normalize_checkpoint_path(path),
-        format=fmt,
-        format_version=version,
+        format=config.get("sharded_backend"),
+        format_version=config.get("sharded_backend_version"),
         iteration=iteration_from_path(path),
         complete=not problems,
         problems=problems,
