@@ -25,11 +25,16 @@ from typing import Callable, Optional, TypeVar
 from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
 from megatron_async.core.save_directories import run_coordinator_step
 from megatron_async.errors import ObjectStoreError
-from megatron_async.storage.client import STORE_ADVICE
 
 __all__ = ["BoundedFileSystem", "ObjectStoreTimeoutError", "REQUEST_TIMEOUT_S", "call_with_deadline"]
 
 T = TypeVar("T")
+
+STORE_ADVICE = (
+    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
+    "accepted and its bucket must exist"
+)
+"""What an :class:`~megatron_async.errors.ObjectStoreError` message tells the user to check."""
 
 REQUEST_TIMEOUT_S = 120.0
 """The most one request may take, answer and the client's retries included (a 16 MiB

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S, call_with_deadline
-from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES, import_msc, resolve
+from megatron_async.storage.client import import_msc, resolve
 from megatron_async.buckets.bucket_file import BucketFile
 
 __all__ = [
@@ -41,6 +41,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+MIN_PART_BYTES = 5 << 20
+"""S3's smallest part of a multipart upload (all parts but the last)."""
+
+DEFAULT_PART_BYTES = 16 << 20
+"""Bytes per uploaded part: the memory one file's upload holds at a time."""
+
 
 class S3MultipartBucketFile(BucketFile):
     """A bucket streamed to one S3 object (background writer; one thread per object).
@@ -51,7 +57,8 @@ class S3MultipartBucketFile(BucketFile):
         key: the object key.
         url: the ``msc://`` URL, for messages.
         hashing: hash every item (see :class:`BucketFile`).
-        part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`).
+        part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`; the write options
+            validate it).
         timeout_s: the deadline of every request (each part is one request).
     """
 
@@ -59,8 +66,6 @@ class S3MultipartBucketFile(BucketFile):
         self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int,
         timeout_s: float = REQUEST_TIMEOUT_S,
     ):
-        if part_bytes < MIN_PART_BYTES:
-            raise ValueError(f"part_bytes must be >= {MIN_PART_BYTES} (S3's minimum), got {part_bytes}")
         self._start_stream(hashing)
         self._advise = False  # no page cache to drop
         self._s3 = s3_client

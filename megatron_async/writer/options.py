@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S
-from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES
+from megatron_async.storage.stream import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
