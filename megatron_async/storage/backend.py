@@ -80,15 +80,12 @@ class CheckpointStorage(Protocol):
         Args:
             path: the directory.
             first: names under ``path`` that must be gone before anything else is
-                deleted, so that a removal stopped halfway leaves no complete checkpoint
-                (where the directory cannot be taken away at once).
+                deleted, so that a removal stopped halfway leaves an incomplete
+                checkpoint, which no resume picks and the next retention deletes.
 
         Raises:
             OSError: the removal failed (``ObjectStoreError`` in a store).
         """
-
-    def finish_removals(self, path: str) -> None:
-        """Finish what interrupted :meth:`remove_dir` calls left in ``path`` (best effort)."""
 
     def sync(self, path: str) -> None:
         """Make the file at ``path``, written without a flush, durable; skip a missing one."""

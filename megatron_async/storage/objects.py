@@ -149,12 +149,7 @@ class ObjectStorage:
 
     @_local_for_posix_profiles
     def remove_dir(self, client: Any, path: str, url: str, first: Iterable[str] = ()) -> None:
-        """Delete ``first`` (the completion markers), then every object under ``url/``.
-
-        A store cannot take a prefix away at once: a deletion that stops halfway
-        leaves what ``first`` named deleted, hence an incomplete checkpoint, which no
-        resume picks and the next retention deletes.
-        """
+        """Delete ``first`` (the completion markers), then every object under ``url/``."""
         for name in first:
             self.remove(os.path.join(url, name))
 
@@ -164,10 +159,6 @@ class ObjectStorage:
                 client.delete_many(keys)
 
         call_with_deadline("deleting", url, delete_all)
-
-    @_local_for_posix_profiles
-    def finish_removals(self, client: Any, path: str, url: str) -> None:
-        """Nothing to do: an interrupted removal left an incomplete checkpoint instead."""
 
     @_local_for_posix_profiles
     def sync(self, client: Any, path: str, url: str) -> None:

@@ -89,7 +89,6 @@ def test_removal_of_files_and_directories(root):
     storage.remove_dir(directory, first=COMPLETION_MARKERS)
     assert not storage.is_dir(directory)
     assert storage.list_dir(root) == []
-    storage.finish_removals(root)
 
 
 def test_a_backend_pickles_to_the_background_writer(root):
@@ -122,3 +121,22 @@ def test_the_format_and_storage_modules_import_no_circle():
         return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in graph[start])
 
     assert not [name for name in graph if reaches(name, name)]
+
+
+def test_a_local_deletion_cut_short_leaves_an_incomplete_checkpoint(tmp_path, monkeypatch):
+    """As in a store: the markers go first, so what a failed deletion leaves is incomplete."""
+    from megatron_async import checkpoint_dirs
+    from megatron_async.storage import local
+
+    path = str(tmp_path / "iter_0000003")
+    os.makedirs(path)
+    for name in ("__0_0.distcp",) + COMPLETION_MARKERS:
+        (tmp_path / "iter_0000003" / name).write_bytes(b"{}")
+
+    def cut_short(path):
+        raise OSError(f"cannot delete {path}")
+
+    monkeypatch.setattr(local.shutil, "rmtree", cut_short)
+    assert not checkpoint_dirs.delete_checkpoint_dir(path)
+    assert not checkpoint_dirs.is_complete_checkpoint(path)
+    assert os.listdir(path) == ["__0_0.distcp"]
