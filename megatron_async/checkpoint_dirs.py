@@ -131,10 +131,10 @@ def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
     """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
     storage = storage_for(save_dir)
     found = []
-    for name, is_dir in storage.list_dir(save_dir):
+    for name, num_bytes in storage.list_dir(save_dir):
         path = os.path.join(save_dir, name)
         iteration = iteration_from_path(path)
-        if is_dir and iteration is not None:
+        if num_bytes is None and iteration is not None:  # a directory
             found.append(CheckpointInfo(iteration, path, has_completion_markers(path, storage)))
     return sorted(found, key=lambda info: info.iteration)
 

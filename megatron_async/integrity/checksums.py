@@ -123,8 +123,8 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     """
     storage = storage_for(checkpoint_dir)
     names = [
-        name for name, is_dir in storage.list_dir(checkpoint_dir)
-        if not is_dir and is_checksum_record(name)
+        name for name, num_bytes in storage.list_dir(checkpoint_dir)
+        if num_bytes is not None and is_checksum_record(name)
     ]
     if not names:
         return None

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from megatron_async.checkpoint_dirs import iteration_from_path
 from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE, missing_completion_markers
-from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = [
     "TensorEntry",
@@ -77,15 +77,6 @@ class CheckpointSummary:
         return data
 
 
-def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
-    entries = []
-    for name, is_dir in storage.list_dir(path):
-        size = None if is_dir else storage.size(os.path.join(path, name))
-        if size is not None:
-            entries.append(FileEntry(name, size))
-    return entries
-
-
 def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
     """Every reason the checkpoint at ``path`` is not complete; empty when it is.
 
@@ -112,12 +103,10 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
                     problems.append(f"tensor {fqn} chunk at {list(chunk.offsets)} has no storage entry")
         elif MetadataIndex(fqn) not in storage_data:
             problems.append(f"object {fqn} has no storage entry")
-    sizes: Dict[str, Optional[int]] = {}
+    sizes = dict(storage.list_dir(path))  # None for a directory
     for index, info in storage_data.items():
         name = info.relative_path
-        if name not in sizes:
-            sizes[name] = storage.size(os.path.join(path, name))
-        size = sizes[name]
+        size = sizes.get(name)
         if size is None:
             problems.append(f"file {name} (holding {index.fqn}) is missing")
         elif info.offset + info.length > size:
@@ -155,7 +144,6 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
                 )
             elif isinstance(item, BytesStorageMetadata):
                 objects.append(fqn)
-    files = _list_files(storage, path)
     problems = find_completeness_problems(path, metadata)
     return CheckpointSummary(
         path=normalize_checkpoint_path(path),
@@ -166,5 +154,5 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
         problems=problems,
         tensors=tensors,
         objects=objects,
-        files=files,
+        files=[FileEntry(name, size) for name, size in storage.list_dir(path) if size is not None],
     )

@@ -44,15 +44,10 @@ class CheckpointStorage(Protocol):
     def is_dir(self, path: str) -> bool:
         """Whether the directory ``path`` exists (in a store: any object under ``path/``)."""
 
-    def size(self, path: str) -> Optional[int]:
-        """The bytes of the file at ``path``, or None when there is none."""
-
-    def total_bytes(self, path: str) -> int:
-        """The bytes of every file under the directory ``path`` (a checkpoint's size)."""
-
-    def list_dir(self, path: str) -> List[Tuple[str, bool]]:
-        """``(name, is_directory)`` of what lies directly under ``path``, sorted by name;
-        empty when ``path`` does not exist."""
+    def list_dir(self, path: str) -> List[Tuple[str, Optional[int]]]:
+        """``(name, num_bytes)`` of what lies directly under ``path``, sorted by name, from
+        one listing; ``num_bytes`` is None for a directory. Empty when ``path`` does not
+        exist."""
 
     def read(self, path: str) -> bytes:
         """The whole file at ``path``; ``FileNotFoundError`` when there is none."""

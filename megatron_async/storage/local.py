@@ -107,20 +107,11 @@ class LocalStorage:
     def is_dir(self, path: str) -> bool:
         return os.path.isdir(path)
 
-    def size(self, path: str) -> Optional[int]:
-        return os.path.getsize(path) if os.path.isfile(path) else None
-
-    def total_bytes(self, path: str) -> int:
-        return sum(
-            os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(path)
-            for name in names
-        )
-
-    def list_dir(self, path: str) -> List[Tuple[str, bool]]:
+    def list_dir(self, path: str) -> List[Tuple[str, Optional[int]]]:
         if not os.path.isdir(path):
             return []
-        return sorted((name, os.path.isdir(os.path.join(path, name))) for name in os.listdir(path))
+        with os.scandir(path) as entries:
+            return sorted((entry.name, None if entry.is_dir() else entry.stat().st_size) for entry in entries)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:

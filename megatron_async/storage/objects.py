@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron_async.storage.bounded_calls import call_with_deadline
 from megatron_async.storage.client import resolve
@@ -78,30 +78,19 @@ class ObjectStorage:
         return call_with_deadline("listing", url, lambda: not client.is_empty(_prefix(path)))
 
     @_local_for_posix_profiles
-    def size(self, client: Any, path: str, url: str) -> Optional[int]:
-        try:
-            return call_with_deadline("looking up", url, lambda: client.info(path).content_length)
-        except FileNotFoundError:
-            return None
-
-    @_local_for_posix_profiles
-    def total_bytes(self, client: Any, path: str, url: str) -> int:
-        """The bytes of every object under ``url/``, from one listing."""
-        return call_with_deadline(
-            "listing", url, lambda: sum(meta.content_length for meta in client.list(path=_prefix(path)))
-        )
-
-    @_local_for_posix_profiles
-    def list_dir(self, client: Any, path: str, url: str) -> List[Tuple[str, bool]]:
+    def list_dir(self, client: Any, path: str, url: str) -> List[Tuple[str, Optional[int]]]:
+        """What lies under ``url/``: objects with their sizes, and the names of deeper
+        prefixes (directories)."""
         prefix = _prefix(path)
 
-        def listing() -> List[Tuple[str, bool]]:
-            children = {}
+        def listing() -> List[Tuple[str, Optional[int]]]:
+            children: Dict[str, Optional[int]] = {}
             for meta in client.list(path=prefix, include_directories=True):
-                rest = meta.key[len(prefix):] if meta.key.startswith(prefix) else meta.key
-                name = rest.strip("/").split("/", 1)[0]
+                rest = (meta.key[len(prefix):] if meta.key.startswith(prefix) else meta.key).strip("/")
+                name = rest.split("/", 1)[0]
+                is_dir = meta.type == "directory" or "/" in rest or children.get(name, 0) is None
                 if name:
-                    children[name] = children.get(name, False) or meta.type == "directory" or "/" in rest.strip("/")
+                    children[name] = None if is_dir else meta.content_length
             return sorted(children.items())
 
         return call_with_deadline("listing", url, listing)

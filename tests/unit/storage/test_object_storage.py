@@ -113,7 +113,7 @@ def test_small_objects_listing_and_completion_markers(store):
     storage.write_atomically(url + "/metadata.json", "{}")
     assert has_completion_markers(url, storage)
     assert [name for name, _ in storage.list_dir(url)] == [".metadata", "metadata.json"]
-    assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", True)]
+    assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", None)]
     assert sorted(remove_completion_markers(url, storage)) == [".metadata", "metadata.json"]
     assert not has_completion_markers(url, storage)
 
