@@ -1,13 +1,9 @@
 """One storage interface for checkpoints, chosen once from the path.
 
 Everything that lists, reads, writes or removes checkpoint files asks
-:func:`storage_for` once for the :class:`CheckpointStorage` that serves a path, and then
-calls its methods; no other code asks whether a path is a URL. Two backends exist:
-
-* :class:`~megatron_async.storage.local.LocalStorage` for plain paths (a local or
-  network-mounted POSIX file system);
-* :class:`~megatron_async.storage.objects.ObjectStorage` for ``msc://PROFILE/PREFIX``
-  URLs (object stores, through NVIDIA's multi-storage-client).
+:func:`storage_for` once for the :class:`CheckpointStorage` that serves a path (local
+files, or objects under an ``msc://`` URL), and then calls its methods; no other code
+asks whether a path is a URL.
 
 Any process may call this module (the trainer's ranks, the coordinator, the background
 writer, loaders and the command-line tools); it imports neither torch nor
