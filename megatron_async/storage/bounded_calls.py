@@ -64,7 +64,7 @@ def call_with_deadline(what: str, url: str, call: Callable[[], T], timeout_s: fl
     """
     try:
         return run_with_deadline(call, timeout_s, f"object-request: {what}")
-    except (FileNotFoundError, ObjectStoreError):
+    except FileNotFoundError:
         raise
     except DeadlineExpired as exc:
         raise ObjectStoreTimeoutError(
