@@ -128,7 +128,7 @@ def save_state_dict_async_finalize(
     comparison = (
         history.compare(checkpoint, digests_of(results))
         if history is not None and failure is None
-        else ChangeReport(0, 0, 0, None)
+        else ChangeReport(0, 0, None)
     )
     summed = coordination.raise_if_any_rank_failed(
         failure, group, checkpoint, counts=[int(moved), 1, *comparison.counts()]
