@@ -5,15 +5,13 @@
   (:func:`megatron_async.staging.stager.prepare_staged_write`) and the write to a
   background caller;
 * :mod:`.options` (trainer): ``WriteOptions``, the writer's options, validated once;
-* :mod:`.write_paths` (background writer): how a process writes its staged buckets, the
-  reference API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync`
-  delegates to;
+* :mod:`.write_paths` (background writer): how a process writes its staged buckets, one
+  thread per bucket with bounded waits, then this rank's checksum record; the reference
+  API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync` delegates to;
 * :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
   in DCP's ``torch_save`` layout, hashed on the way, into the bucket files of
   :mod:`megatron_async.buckets` (the bucket layout lives there too: staging and storage
   share it);
-* :mod:`.runners` (background writer): one thread per bucket, bounded waits, and
-  this rank's checksum records written before the writer reports done;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
   the trainer's retrieval of the results from it;
 * :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused;

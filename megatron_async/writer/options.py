@@ -53,7 +53,7 @@ class WriteOptions:
 
     is_multiproc_io: bool = False
     """The reference API's choice of forked processes per bucket; accepted, and the
-    buckets are written on threads either way (see :mod:`megatron_async.writer.runners`)."""
+    buckets are written on threads either way (see :mod:`megatron_async.writer.write_paths`)."""
 
     use_cached_data_structure: bool = False
     """Reuse the staging buffers of the previous save of the same bucket layout."""
