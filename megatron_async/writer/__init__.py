@@ -14,10 +14,10 @@
   share it);
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
   the trainer's retrieval of the results from it;
-* :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused;
-  :mod:`.commit_cache` (every rank): whether this rank stored every item where its
-  previous save did; :mod:`.metadata_bytes` (coordinator): the previous ``.metadata``
-  pickle with the new ``storage_meta`` spliced in;
+* :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused,
+  and (every rank) whether this rank stored every item where its previous save did;
+  :mod:`.metadata_bytes` (coordinator): the previous ``.metadata`` pickle with the new
+  ``storage_meta`` spliced in;
 * :mod:`.torch_save_file` (background writer): a ``torch.save`` file of
   ``TorchAsyncCheckpoint``, written record by record from its staged storages.
 """
