@@ -117,15 +117,8 @@ class DirectBucketFile(BucketFile):
     def tell(self) -> int:
         return self._written + self._filled
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self.append(view)  # copied into the chunk: no defensive copy needed
-        except OSError as exc:
-            if self.write_error is None:
-                self.write_error = exc
-            raise
-        return view.nbytes
+    def _kept(self, view: memoryview) -> Any:
+        return view  # copied into the chunk as it is appended
 
     def finish(self, use_fsync: bool) -> None:
         """Write the last partial chunk (padded, then cut off) and, with ``use_fsync``,

@@ -45,19 +45,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
-"""``write_preloaded_data``'s signature (see :func:`write_preloaded_data`)."""
-
-
-def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
-    """Refuse ``use_msc`` without an object-store ``open_file`` (background writer)."""
-    if use_msc and (open_file is None or open_file is open):
-        raise CheckpointValidationError(
-            "use_msc=True needs an object-store open_file (for example multistorageclient's "
-            "msc.open), got the local file system's open; pass use_msc=False for local and "
-            "shared file systems, or the object store's open callable"
-        )
-
 
 def write_preloaded_data(
     transform_list: Any,
@@ -95,18 +82,21 @@ def write_preloaded_data(
         is None, else None.
     """
     try:
-        _check_opener(kwargs.get("use_msc", False), open_file)
-        output: Tuple[int, Union[List[WriteResult], Exception]] = (
-            local_thread_idx,
-            write_bucket_file(
-                transform_list,
-                write_bucket,
-                use_fsync,
-                kwargs.get("compute_checksums", True),
-                open_file=open_file,
-                direct_io=kwargs.get("direct_io", True),
-            ),
+        if kwargs.get("use_msc", False) and (open_file is None or open_file is open):
+            raise CheckpointValidationError(
+                "use_msc=True needs an object-store open_file (for example multistorageclient's "
+                "msc.open), got the local file system's open; pass use_msc=False for local and "
+                "shared file systems, or the object store's open callable"
+            )
+        results = write_bucket_file(
+            transform_list,
+            write_bucket,
+            use_fsync,
+            kwargs.get("compute_checksums", True),
+            open_file=open_file,
+            direct_io=kwargs.get("direct_io", True),
         )
+        output: Tuple[int, Union[List[WriteResult], Exception]] = (local_thread_idx, results)
     except Exception as exc:  # returned or queued, as the reference API specifies
         output = (local_thread_idx, exc)
     if results_queue is None:
@@ -133,7 +123,7 @@ def write_preloaded_data_multithread(
     *,
     use_fsync: bool = True,
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-    bucket_writer: Optional[SpecBucketWriter] = None,
+    bucket_writer: Optional[Callable[..., Any]] = None,
     compute_checksums: bool = True,
     direct_io: bool = True,
     staging_control: Any = None,
