@@ -21,16 +21,3 @@
 * :mod:`.torch_save_file` (background writer): a ``torch.save`` file of
   ``TorchAsyncCheckpoint``, written record by record from its staged storages.
 """
-
-
-__all__ = ["FileSystemWriterAsync"]
-
-
-def __getattr__(name: str):
-    # Imported on first use, not with the package: importing one module of the package
-    # (a background writer's) does not import the storage writer and all it imports.
-    if name == "FileSystemWriterAsync":
-        from megatron_async.writer.filesystem import FileSystemWriterAsync
-
-        return FileSystemWriterAsync
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
