@@ -114,7 +114,7 @@ class AsyncCallsQueue:
 
         Raises:
             QueueClosedError: the queue was closed.
-            RequestScheduledTwiceError: this request was scheduled before (a finalize
+            FrozenRequestError: this request was scheduled before (a finalize
                 function with ``claim_scheduling``, such as our strategy's commit, says so);
                 the save already scheduled is untouched.
             TypeError: ``async_request`` is not an async request.

@@ -133,7 +133,7 @@ class AsyncRequest(NamedTuple):
     def claim_once(self) -> None:
         """This request runs now (every rank; before anything that would abandon it): each
         finalize function that guards against a second run (a ``claim_scheduling`` method:
-        our strategy's commit) records it, and raises ``RequestScheduledTwiceError`` if the
+        our strategy's commit) records it, and raises ``FrozenRequestError`` if the
         request was scheduled or run before, the save already under way untouched."""
         for fn in self.finalize_fns:
             claim = getattr(fn, "claim_scheduling", None)
@@ -162,7 +162,7 @@ class AsyncRequest(NamedTuple):
         runs (so no checkpoint is marked complete).
 
         Raises:
-            RequestScheduledTwiceError: the request was scheduled or run before.
+            FrozenRequestError: the request was scheduled or run before.
         """
         self.claim_once()
         failure: Optional[RankFailure] = None

@@ -127,7 +127,7 @@ def save_state_dict_async_finalize(
     comparison = (
         history.compare(checkpoint, digests_of(results))
         if history is not None and failure is None
-        else ChangeReport(0, 0, 0, None)
+        else ChangeReport(0, 0, None)
     )
     summed = coordination.all_reduce_sum(
         [int(failure is not None), int(moved), 1, *comparison.counts()], group
