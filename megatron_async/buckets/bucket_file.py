@@ -118,14 +118,17 @@ class BucketFile:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
-            # A large piece is written out before this returns (it fills the gathering
-            # on its own), so only small pieces need a copy.
-            self.append(view if view.nbytes >= _GATHER_BYTES else view.tobytes())
+            self.append(self._kept(view))
         except OSError as exc:
             if self.write_error is None:
                 self.write_error = exc
             raise
         return view.nbytes
+
+    def _kept(self, view: memoryview) -> Any:
+        """What :meth:`append` may keep of a piece ``torch.save`` will reuse: a copy, unless
+        the piece is large enough to be written out before :meth:`write` returns."""
+        return view if view.nbytes >= _GATHER_BYTES else view.tobytes()
 
     def flush(self) -> None:
         """Do nothing: DCP flushes after every item, and a system call per item is what

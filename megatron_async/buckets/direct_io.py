@@ -27,7 +27,6 @@ import fcntl
 import logging
 import mmap
 import os
-import threading
 from typing import Any, List, Optional
 
 from megatron_async.buckets.bucket_file import BucketFile
@@ -51,39 +50,24 @@ _KEEP_CHUNKS = 4
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class _ChunkPool:
-    """Page-aligned anonymous mappings of :data:`_CHUNK_BYTES`, reused from file to file,
-    so that a save does not fault in fresh memory for its bounce chunks."""
+_free_chunks: List[mmap.mmap] = []
+"""Page-aligned anonymous mappings of :data:`_CHUNK_BYTES`, reused from file to file so
+that a save does not fault in fresh memory for its bounce chunks (``list.pop`` and
+``append`` are atomic: the writer's threads share it without a lock)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: List[mmap.mmap] = []
 
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
+def _take_chunk() -> mmap.mmap:
+    try:
+        return _free_chunks.pop()
+    except IndexError:
         return mmap.mmap(-1, _CHUNK_BYTES)
 
-    def give_back(self, chunk: mmap.mmap) -> None:
-        with self._lock:
-            if len(self._free) < _KEEP_CHUNKS:
-                self._free.append(chunk)
-                return
+
+def _give_back_chunk(chunk: mmap.mmap) -> None:
+    if len(_free_chunks) < _KEEP_CHUNKS:
+        _free_chunks.append(chunk)
+    else:
         chunk.close()
-
-
-_POOL = _ChunkPool()
-
-
-def _fresh_pool_after_fork() -> None:
-    # A forked bucket writer must not inherit the lock in a taken state (another thread
-    # of the parent may have held it at the fork) nor share the parent's free chunks.
-    global _POOL
-    _POOL = _ChunkPool()
-
-
-os.register_at_fork(after_in_child=_fresh_pool_after_fork)
 
 
 class DirectBucketFile(BucketFile):
@@ -100,7 +84,7 @@ class DirectBucketFile(BucketFile):
         self._fd = fd
         self._start_stream(hashing)
         self._direct = True
-        self._chunk: Optional[mmap.mmap] = _POOL.take()
+        self._chunk: Optional[mmap.mmap] = _take_chunk()
         self._view = memoryview(self._chunk)
         self._filled = 0
 
@@ -133,15 +117,8 @@ class DirectBucketFile(BucketFile):
     def tell(self) -> int:
         return self._written + self._filled
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self.append(view)  # copied into the chunk: no defensive copy needed
-        except OSError as exc:
-            if self.write_error is None:
-                self.write_error = exc
-            raise
-        return view.nbytes
+    def _kept(self, view: memoryview) -> Any:
+        return view  # copied into the chunk as it is appended
 
     def finish(self, use_fsync: bool) -> None:
         """Write the last partial chunk (padded, then cut off) and, with ``use_fsync``,
@@ -166,7 +143,7 @@ class DirectBucketFile(BucketFile):
         finally:
             if self._chunk is not None:
                 self._view.release()
-                _POOL.give_back(self._chunk)
+                _give_back_chunk(self._chunk)
                 self._chunk = None
 
     def _write_chunk(self, length: int) -> None:

@@ -34,7 +34,6 @@ __all__ = [
     "ConsistentDataIdentifier",
     "PreparedWrite",
     "ResolvedPlanData",
-    "check_storage_prefix",
     "layout_key",
     "prepare_buckets",
     "unpack_resolved_plan_data",
@@ -105,14 +104,6 @@ def balance_by_size(sized: Sequence[Tuple[T, int]], bins: int) -> List[List[T]]:
     return buckets
 
 
-def _split_bins(thread_count: int, with_hint: bool) -> Tuple[int, int]:
-    """Return ``(bins for other items, bins for hinted items)``."""
-    if not with_hint:
-        return thread_count, 0
-    hinted = max(1, thread_count // 2)
-    return max(1, thread_count - hinted), hinted
-
-
 BucketLayout = List[Tuple[str, List[int]]]
 """Which items go to which file: ``(file name prefix, positions of the items)`` per bucket."""
 
@@ -143,13 +134,14 @@ def assign_buckets(
         is_hinted = separation_hint is not None and item.index.fqn.startswith(separation_hint)
         (hinted if is_hinted else others).append((pos, item_num_bytes(item, data)))
 
-    other_bins, hinted_bins = _split_bins(thread_count, bool(hinted) and bool(others))
-    if not others:
-        other_bins, hinted_bins = 0, thread_count
+    other_bins = hinted_bins = thread_count  # one kind of item only: all bins for it
+    if hinted and others:
+        hinted_bins = max(1, thread_count // 2)
+        other_bins = max(1, thread_count - hinted_bins)
     layout: BucketLayout = []
     for name_prefix, sized, bins in (("", others, other_bins), (separation_hint, hinted, hinted_bins)):
-        if sized and bins:
-            layout += [(name_prefix or "", sorted(b)) for b in balance_by_size(sized, bins) if b]
+        if sized:
+            layout += [(name_prefix, sorted(b)) for b in balance_by_size(sized, bins) if b]
     return layout
 
 
@@ -236,15 +228,6 @@ def layout_key(plan: SavePlan, thread_count: int, separation_hint: Optional[str]
     return digest.hexdigest()
 
 
-def check_storage_prefix(plan: SavePlan) -> None:
-    """Refuse a plan that planning has not finished: it names no file prefix yet."""
-    if not isinstance(plan.storage_data, _StoragePrefix):
-        raise CheckpointValidationError(
-            "the plan has no storage prefix; finish planning (prepare_global_plan or "
-            "prepare_decentralized_global_plan) before prepare_write_data"
-        )
-
-
 def prepare_buckets(
     plan: SavePlan,
     resolved: Sequence[Tuple[WriteItem, Any]],
@@ -265,8 +248,15 @@ def prepare_buckets(
         reuse_buffers: compute the staging key (``use_cached_data_structure``).
         layout: a layout made for exactly these items, or None to compute it.
         staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None.
+
+    Raises:
+        CheckpointValidationError: planning has not finished (the plan names no file prefix).
     """
-    check_storage_prefix(plan)
+    if not isinstance(plan.storage_data, _StoragePrefix):
+        raise CheckpointValidationError(
+            "the plan has no storage prefix; finish planning (prepare_global_plan or "
+            "prepare_decentralized_global_plan) before prepare_write_data"
+        )
     if reuse_buffers and staging_key is None:
         staging_key = layout_key(plan, thread_count, separation_hint)
     if layout is None:  # deterministic: the same items give the same layout (and buffers)

@@ -44,7 +44,7 @@ from megatron_async.mcore.target import claim_save_target
 from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.storage.backend import normalize_checkpoint_path
-from megatron_async.writer.commit_cache import CommitCache
+from megatron_async.writer.commit import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [

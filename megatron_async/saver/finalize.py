@@ -8,7 +8,7 @@ anywhere raises the same error on every rank.
 Each rank's checksums are already in its own record file (its background writer wrote
 it), so finalization gathers no checksum. One all-reduce (SUM, on the coordination
 group) carries, from every rank: did its write fail, did any of its items move since its
-previous committed save (:class:`~megatron_async.writer.commit_cache.CommitCache`), and
+previous committed save (:class:`~megatron_async.writer.commit.CommitCache`), and
 its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). Then:
 
 * *warm* (no rank's items moved; the usual case of a save with cached plans): nothing is
@@ -42,8 +42,7 @@ from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationErro
 from megatron_async.integrity.staleness import (
     ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
 )
-from megatron_async.writer.commit import commit_unchanged
-from megatron_async.writer.commit_cache import CommitCache, storage_layout
+from megatron_async.writer.commit import CommitCache, commit_unchanged, storage_layout
 from megatron_async.writer.metadata_bytes import MetadataTemplate
 
 if TYPE_CHECKING:

@@ -1,17 +1,13 @@
-"""Write one staged bucket to its file: DCP's byte layout, few system calls, hashed on the way.
+"""Write one staged bucket to its file in DCP's byte layout, hashed on the way.
 
-Runs in the background writer (a thread of the persistent worker, a forked writer, or a
-bucket process). Every item lands in DCP's ``torch_save`` layout, so stock readers read
-the file; plain CPU tensors are framed without ``torch.save``
-(:mod:`.tensor_archive`), and every item's bytes are hashed with xxh3 while they are
-written (:mod:`megatron_async.integrity.checksums`).
+Runs in the background writer (a thread of the persistent worker or of a forked writer);
+:func:`write_bucket` says how.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -25,9 +21,7 @@ from megatron_async.buckets.layout import WriteBucket, is_empty_chunk
 from megatron_async.buckets.direct_io import open_local_bucket_file
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
-__all__ = ["ChecksummedWriteResult", "OpenBucketFile", "write_bucket"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["ChecksummedWriteResult", "write_bucket"]
 
 
 def _write_item_kwargs() -> Dict[str, Any]:
@@ -127,11 +121,6 @@ def _saves_more_than_itself(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
 
 
-OpenBucketFile = Callable[[str, bool], BucketFile]
-"""``(file_path, hashing) -> BucketFile``: opens a bucket's output (a local file by default;
-:func:`megatron_async.storage.stream.open_object_bucket_file` streams to an object store)."""
-
-
 def write_bucket(
     transforms: Any,
     bucket: WriteBucket,
@@ -175,7 +164,7 @@ def write_bucket(
     bytes_data, tensor_data = bucket.data
     raw_layout = not getattr(transforms, "extensions", None)
     results: List[WriteResult] = []
-    open_bucket_file: Optional[OpenBucketFile] = getattr(open_file, "open_bucket_file", None)
+    open_bucket_file = getattr(open_file, "open_bucket_file", None)
     if open_bucket_file is not None:
         file = open_bucket_file(bucket.file_path, compute_checksums)
     elif open_file is None or open_file is open:
@@ -189,28 +178,22 @@ def write_bucket(
             offset = file.tell()
             if raw_layout and _append_raw_item(file, item, data):
                 length = file.tell() - offset
-                storage = _StorageInfo(bucket.file_name, offset, length)
-                digest = file.finish_item()
-                empty = is_empty_chunk(item)
-                results.append(ChecksummedWriteResult(item.index, length, storage, digest, empty))
-                return
-            if isinstance(data, torch.Tensor) and _saves_more_than_itself(data):
-                data = data.clone()  # as DCP's writer does: torch.save writes whole storages
-            try:
-                result = _write_item(
-                    transforms, file, data, item, bucket.file_name, **_WRITE_ITEM_KWARGS
-                )
-            except Exception as exc:
-                if file.write_error is not None:  # the real cause, e.g. ENOSPC
-                    raise file.write_error from exc
-                raise
+                index, storage = item.index, _StorageInfo(bucket.file_name, offset, length)
+            else:
+                if isinstance(data, torch.Tensor) and _saves_more_than_itself(data):
+                    data = data.clone()  # as DCP's writer does: torch.save writes whole storages
+                try:
+                    result = _write_item(
+                        transforms, file, data, item, bucket.file_name, **_WRITE_ITEM_KWARGS
+                    )
+                except Exception as exc:
+                    if file.write_error is not None:  # the real cause, e.g. ENOSPC
+                        raise file.write_error from exc
+                    raise
+                index, length, storage = result.index, result.size_in_bytes, result.storage_data
             results.append(
                 ChecksummedWriteResult(
-                    result.index,
-                    result.size_in_bytes,
-                    result.storage_data,
-                    file.finish_item(),
-                    is_empty_chunk(item),
+                    index, length, storage, file.finish_item(), is_empty_chunk(item)
                 )
             )
 

@@ -1,11 +1,12 @@
-"""Commit a checkpoint on the coordinator rank: ``.metadata``, durable, after all the data.
+"""Commit a checkpoint: ``.metadata``, durable, after all the data.
 
-Runs on the coordinator only, inside the finalization of a save, after every rank
-reported a successful write. By then every data file and every rank's checksum record
-is durable (their background writers synced them before reporting); here ``common.pt``
-(megatron-core 0.16 and older writes it without an fsync) is synced, and DCP's
-``.metadata`` (the first completion marker) is written atomically with its directory
-fsynced (``CheckpointStorage.write_atomically`` of :func:`~megatron_async.storage.storage_for`).
+Runs in a save's finalization, the commit itself on the coordinator only, after every
+rank reported a successful write. By then every data file and every rank's checksum
+record is durable (their background writers synced them before reporting); here
+``common.pt`` (megatron-core 0.16 and older writes it without an fsync) is synced, and
+DCP's ``.metadata`` (the first completion marker) is written atomically with its
+directory fsynced (``CheckpointStorage.write_atomically`` of
+:func:`~megatron_async.storage.storage_for`).
 
 Before any of that, :func:`unmark_before_rewrite` makes a complete checkpoint already in the
 directory read as incomplete, once planning has succeeded and before a data file is rewritten.
@@ -13,8 +14,13 @@ directory read as incomplete, once planning has succeeded and before a data file
 Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
 results (a save whose structure changed, or the first one) and returns the template that
 lets :func:`commit_unchanged` write the next save of the same structure from the same
-bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results. Where no
-template can be made, the next save of the structure commits in full again.
+bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results. Which
+way a save takes, every rank decides with its :class:`CommitCache`: a warm save (cached
+plans, unchanged structure) stores every item where the previous committed save did,
+which each rank checks against its own results (O(its items), no communication) before
+one all-reduce agrees
+(:func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`); anything else,
+or a save after one for which no template could be made, commits in full.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import copy
 import logging
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Union
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
@@ -36,7 +43,9 @@ from megatron_async.format import (
 from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
-__all__ = ["commit_checkpoint", "commit_unchanged", "unmark_before_rewrite"]
+__all__ = [
+    "CommitCache", "commit_checkpoint", "commit_unchanged", "storage_layout", "unmark_before_rewrite",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -176,3 +185,67 @@ def unmark_before_rewrite(checkpoint_dir: str, strict: bool = False) -> None:
             "overwriting the checkpoint in %s: its completion markers %s were removed "
             "before its files are rewritten", checkpoint_dir, removed,
         )
+
+
+StorageLayout = List[Tuple[Any, Any]]
+"""``(MetadataIndex, storage location)`` of each of a rank's write results, in order."""
+
+
+def storage_layout(results: Sequence[WriteResult]) -> StorageLayout:
+    """Where each of a rank's items was stored (every rank)."""
+    return [(result.index, result.storage_data) for result in results]
+
+
+class CommitCache:
+    """What one rank keeps of its previous committed save, to recognize a warm save.
+
+    Owned by the save strategy (one per strategy, not copied with it) and handed to each
+    save's finalization. Every rank keeps its own storage layout; the coordinator also
+    keeps the template of the ``.metadata`` it committed and the global metadata object
+    (the cached structure) it was built from.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layout: Optional[StorageLayout] = None
+        self._structure: Optional[Metadata] = None
+        self._committed: Optional[MetadataTemplate] = None
+
+    def matches(
+        self, layout: StorageLayout, structure: Optional[Metadata], is_coordinator: bool
+    ) -> bool:
+        """Whether this rank may skip sending its results: it stored every item where its
+        previous committed save did, and on the coordinator, the global metadata is the
+        very object that save's ``.metadata`` was built from."""
+        with self._lock:
+            if self._layout is None or layout != self._layout:
+                return False
+            if is_coordinator:
+                return (
+                    self._committed is not None
+                    and structure is not None
+                    and structure is self._structure
+                )
+            return True
+
+    @property
+    def committed(self) -> Optional[MetadataTemplate]:
+        """The coordinator's previous commit (None elsewhere, or before one)."""
+        return self._committed
+
+    def forget(self) -> None:
+        """Drop everything (every rank, before a full commit): a save that fails halfway
+        must not leave a layout that matches a commit that was never written."""
+        with self._lock:
+            self._layout = self._structure = self._committed = None
+
+    def remember(
+        self,
+        layout: StorageLayout,
+        structure: Optional[Metadata] = None,
+        committed: Optional[MetadataTemplate] = None,
+    ) -> None:
+        """Keep a successfully committed save's layout (every rank) and, on the coordinator,
+        its metadata and the structure it came from."""
+        with self._lock:
+            self._layout, self._structure, self._committed = layout, structure, committed

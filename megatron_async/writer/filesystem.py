@@ -1,25 +1,11 @@
 """FileSystemWriterAsync: a PyTorch DCP file writer whose writing runs in the background.
 
-The writer's options are one :class:`~megatron_async.writer.options.WriteOptions`, built
-once by its creator (or from the reference API's keyword arguments). A save with this
-writer is split the way an :class:`~megatron_async.core.AsyncRequest` needs it:
-
-1. ``prepare_write_data`` (trainer, every rank): resolve the plan's data and split it into
-   size-balanced buckets, one file each;
-2. ``preload_fn`` (trainer before a forked writer, or the persistent worker): stage every
-   tensor to host memory, a real snapshot (``preload_tensors``, see
-   :mod:`megatron_async.staging.buffers`; the staging mode chosen by
-   :func:`megatron_async.staging.stager.prepare_staged_write`);
-3. ``save_fn`` (background writer): write the staged buckets on threads
-   and report the results through a :class:`~megatron_async.writer.results.ResultFile`;
-   the ``write_preloaded_data*`` static methods are the reference API's names for these
-   write paths, the functions of :mod:`megatron_async.writer.write_paths`;
-4. ``retrieve_write_results`` and ``finish`` (trainer, in the request's finalization):
-   collect the results (:mod:`megatron_async.writer.results`), and on the coordinator
-   write ``.metadata`` atomically (:mod:`megatron_async.writer.commit`).
-
-The files are PyTorch DCP's ``torch_save`` layout, so stock ``FileSystemReader``\\ s and
-megatron-core's loader read them.
+One writer serves one save, split the way an :class:`~megatron_async.core.AsyncRequest`
+needs it (the class docstring shows the flow): buckets are planned here, in the trainer;
+:func:`~megatron_async.staging.stager.prepare_staged_write` puts the staging in front of
+the background write (:mod:`megatron_async.writer.write_paths`), and the coordinator
+commits ``.metadata`` (:mod:`megatron_async.writer.commit`). The files are PyTorch DCP's
+``torch_save`` layout, so stock ``FileSystemReader``\\ s and megatron-core's loader read them.
 """
 
 from __future__ import annotations
@@ -40,7 +26,6 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import preload_tensors
 from megatron_async.staging.stager import prepare_staged_write
@@ -54,14 +39,11 @@ from megatron_async.buckets.layout import (
     PreparedWrite,
     ResolvedPlanData,
     WriteBucket,
-    check_storage_prefix,
     prepare_buckets,
 )
 from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.metadata_bytes import MetadataTemplate
-from megatron_async.writer.options import (
-    DEFAULT_WRITE_TIMEOUT_S, ReferenceOptionNames, WriteOptions, resolve_writer_options,
-)
+from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
 )
@@ -72,19 +54,15 @@ __all__ = [
     "WriteOptions",
     "get_write_results_queue",
     "DEFAULT_WRITE_TIMEOUT_S",
-    "METADATA_FILE_NAME",
 ]
 
 logger = logging.getLogger(__name__)
-
-METADATA_FILE_NAME = DCP_METADATA_FILE
-"""DCP's global metadata file (kept under this name for older imports)."""
 
 _PARENT_SIGNATURE = inspect.signature(FileSystemWriter.__init__)
 """What the writer's positional and extra keyword arguments are bound to."""
 
 
-class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
+class FileSystemWriterAsync(FileSystemWriter):
     """DCP ``FileSystemWriter`` whose write step is handed to an external async caller.
 
     One writer serves one save: the state between planning and finalization lives in
@@ -138,10 +116,22 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
                 f"{type(path).__name__}: pass the directory to write the checkpoint into"
             )
         parent = _PARENT_SIGNATURE.bind(self, path, *args, **kwargs)
-        options = resolve_writer_options(
-            options, parent, separation_hint=separation_hint, use_msc=use_msc,
-            is_multiproc_io=is_multiproc_io, use_cached_data_structure=use_cached_data_structure,
-        )
+        if options is not None and {"thread_count", "sync_files"} & parent.arguments.keys():
+            raise CheckpointValidationError(
+                "pass thread_count and sync_files inside options (WriteOptions), not beside it"
+            )
+        parent.apply_defaults()
+        if options is None:
+            options = WriteOptions(
+                thread_count=parent.arguments["thread_count"],
+                sync_files=parent.arguments["sync_files"],
+                separation_hint=separation_hint,
+                use_msc=use_msc,
+                is_multiproc_io=is_multiproc_io,
+                use_cached_data_structure=use_cached_data_structure,
+            )
+        # DCP's FileSystemWriter keeps these two options as well: it gets their values.
+        parent.arguments.update(thread_count=options.thread_count, sync_files=options.sync_files)
         use_msc = options.use_msc  # WriteOptions imported multi-storage-client for it
         if not use_msc and storage_for(path).needs_msc:
             raise CheckpointValidationError(
@@ -155,6 +145,11 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             )
         self.options = options
         """The options in force (read-only: a writer serves one save)."""
+        # The reference API's attribute names of four options.
+        self.separation_hint = options.separation_hint
+        self.use_msc = options.use_msc
+        self.is_multiproc_io = options.is_multiproc_io
+        self.use_cached_data_structure = options.use_cached_data_structure
         self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
         if use_msc:  # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC
             fs, self.path = msc_filesystem(self.checkpoint_dir)
@@ -196,7 +191,6 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         Returns:
             The buckets and their layout (DCP ignores it; the saver passes it on).
         """
-        check_storage_prefix(plan)
         resolved = [(item, planner.resolve_data(item)) for item in plan.items]
         return self.prepare_resolved_write_data(plan, resolved)
 

@@ -11,16 +11,15 @@ reference API's keyword arguments. Every invalid option raises
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S
 from megatron_async.storage.stream import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
-__all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
+__all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S"]
 
 DEFAULT_WRITE_TIMEOUT_S = DEFAULT_CONFIG.timeout_s
 """How long the background writer waits for one save's bucket threads: by
@@ -53,7 +52,7 @@ class WriteOptions:
 
     is_multiproc_io: bool = False
     """The reference API's choice of forked processes per bucket; accepted, and the
-    buckets are written on threads either way (see :mod:`megatron_async.writer.runners`)."""
+    buckets are written on threads either way (see :mod:`megatron_async.writer.write_paths`)."""
 
     use_cached_data_structure: bool = False
     """Reuse the staging buffers of the previous save of the same bucket layout."""
@@ -136,53 +135,3 @@ class WriteOptions:
                     f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
                     f"{self.object_part_bytes}"
                 )
-
-
-def resolve_writer_options(
-    options: Optional[WriteOptions], parent: inspect.BoundArguments, **keywords: Any
-) -> WriteOptions:
-    """Return a writer's options: ``options`` as given, or built from its keywords (trainer).
-
-    ``thread_count`` and ``sync_files`` belong to PyTorch DCP's ``FileSystemWriter`` as
-    well: they are read from, and then set in, ``parent``, the writer's arguments bound
-    to ``FileSystemWriter.__init__``, so that the parent gets the options' values.
-
-    Args:
-        options: the options the writer's creator built, or None.
-        parent: the writer's arguments bound to ``FileSystemWriter.__init__``.
-        **keywords: the reference API's keywords for other fields; used only when
-            ``options`` is None.
-
-    Raises:
-        CheckpointValidationError: an invalid option, or ``options`` together with
-            ``thread_count`` or ``sync_files``.
-    """
-    if options is None:
-        defaults = parent.signature.parameters
-        options = WriteOptions(
-            thread_count=parent.arguments.get("thread_count", defaults["thread_count"].default),
-            sync_files=parent.arguments.get("sync_files", defaults["sync_files"].default),
-            **keywords,
-        )
-    elif {"thread_count", "sync_files"} & parent.arguments.keys():
-        raise CheckpointValidationError(
-            "pass thread_count and sync_files inside options (WriteOptions), not beside it"
-        )
-    parent.arguments.update(thread_count=options.thread_count, sync_files=options.sync_files)
-    return options
-
-
-class ReferenceOptionNames:
-    """The reference API's writer attribute names, read from ``self.options`` (read-only).
-
-    Mixed into :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`, whose
-    options live in one :class:`WriteOptions`; callers written for the reference API
-    (megatron-core, nvidia-resiliency-ext) read them as writer attributes.
-    """
-
-    options: WriteOptions
-
-    separation_hint = property(lambda self: self.options.separation_hint)
-    use_msc = property(lambda self: self.options.use_msc)
-    is_multiproc_io = property(lambda self: self.options.is_multiproc_io)
-    use_cached_data_structure = property(lambda self: self.options.use_cached_data_structure)

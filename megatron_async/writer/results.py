@@ -14,6 +14,7 @@ Code written against the reference API may report through a multiprocessing queu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -121,7 +122,7 @@ class ResultFile:
     Created in the trainer; pickles as a path, so it reaches a forked child, the
     persistent worker or the calling thread alike. The writer :meth:`put` s one object
     (written to a temporary name and renamed, so the reader never sees half a file); the
-    trainer :meth:`take` s it once the background part is done.
+    trainer :meth:`get` s it once the background part is done, as from a queue.
     """
 
     path: str
@@ -138,76 +139,57 @@ class ResultFile:
             pickle.dump(obj, stream)
         os.replace(tmp_path, self.path)
 
-    def take(self) -> Any:
-        """Return the published object and remove the file (trainer side).
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """Return the published object and remove the file (trainer side); a queue's
+        ``get``, except that it never waits (``timeout`` is ignored): the trainer reads
+        once the background part is over.
 
         Raises:
             FileNotFoundError: nothing was published (the writer died or never ran).
         """
-        with open(self.path, "rb") as stream:
-            obj = pickle.load(stream)
-        self.discard()
-        return obj
-
-    def discard(self) -> None:
-        """Remove the file and any temporary leftovers; best effort."""
-        folder, name = os.path.split(self.path)
         try:
-            leftovers = [f for f in os.listdir(folder) if f.startswith(name)]
-        except OSError:
-            return
-        for leftover in leftovers:
-            try:
-                os.remove(os.path.join(folder, leftover))
-            except OSError as exc:
-                logger.debug("could not remove result file %s: %s", leftover, exc)
+            with open(self.path, "rb") as stream:
+                return pickle.load(stream)
+        finally:  # best effort: a killed writer's temporary file goes with the folder at exit
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
 
 
 WrappedException = Tuple[BaseException, traceback.StackSummary]
 """PyTorch DCP's form of a failure that is returned rather than raised."""
 
-_results_queues: Dict[str, Any] = {}
-_results_queues_lock = threading.Lock()
+_results_queue: Any = None
+"""The process's queue of :func:`get_write_results_queue`, once created (as the reference's
+module attribute ``_results_queue``)."""
+_results_queue_lock = threading.Lock()
 
 
 def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     """Return this process's queue for write results, created on first use (trainer side).
 
-    A multiprocessing manager's queue of the given start method (``"spawn"``, ``"fork"``
-    or ``"forkserver"``): its handle pickles, so background processes of any kind can
-    ``put`` into it. Our writers report through a :class:`ResultFile` instead; this queue
-    is for code written against the reference API that passes its own
+    A multiprocessing manager's queue of the start method of the first call (``"spawn"``,
+    ``"fork"`` or ``"forkserver"``): its handle pickles, so background processes of any
+    kind can ``put`` into it. Our writers report through a :class:`ResultFile` instead;
+    this queue is for code written against the reference API that passes its own
     ``global_results_queue`` to the write paths or sets a writer's ``results_queue``.
 
     Raises:
         CheckpointValidationError: an unknown start method.
     """
+    global _results_queue
     if mp_mode not in mp.get_all_start_methods():
         raise CheckpointValidationError(
             f"mp_mode must be one of {mp.get_all_start_methods()}, got {mp_mode!r}"
         )
-    with _results_queues_lock:
-        if mp_mode not in _results_queues:
-            _results_queues[mp_mode] = mp.get_context(mp_mode).Manager().Queue()
-        return _results_queues[mp_mode]
+    with _results_queue_lock:
+        if _results_queue is None:
+            _results_queue = mp.get_context(mp_mode).Manager().Queue()
+        return _results_queue
 
 
 _RESULTS_QUEUE_WAIT_S = 5.0
 """How long :func:`collect_write_results` waits on a results queue for an outcome that the
 finished background part must already have put (a manager queue delivers with a delay)."""
-
-
-def _take_payload(channel: Any) -> Tuple[Any, Optional[BaseException]]:
-    """Read a save's outcome from its channel (trainer side): ``(payload, None)`` or
-    ``(None, why nothing could be read)``."""
-    try:
-        if isinstance(channel, ResultFile):
-            return channel.take(), None
-        return channel.get(timeout=_RESULTS_QUEUE_WAIT_S), None
-    except (OSError, EOFError, pickle.UnpicklingError, queue.Empty) as exc:
-        if isinstance(channel, ResultFile):
-            channel.discard()
-        return None, exc
 
 
 def wrap_exception(exc: BaseException) -> WrappedException:
@@ -223,7 +205,7 @@ def collect_write_results(
     """Read what the background writer reported for these buckets (trainer, finalization).
 
     Args:
-        channel: the save's :class:`ResultFile`, or any object with ``get``.
+        channel: the save's :class:`ResultFile`, or a queue (anything with ``get``).
         write_buckets: the save's buckets (at least one), to check that each reported
             all of its items.
         checkpoint_dir, rank: for messages.
@@ -238,8 +220,9 @@ def collect_write_results(
         ...", "... This probably indicates a worker failure."), which log alerts and
         Megatron-LM's tests search for.
     """
-    payload, error = _take_payload(channel)
-    if error is not None:
+    try:
+        payload = channel.get(timeout=_RESULTS_QUEUE_WAIT_S)
+    except (OSError, EOFError, pickle.UnpicklingError, queue.Empty) as error:
         return wrap_exception(
             WorkerDiedError(
                 f"Worker failure on rank {rank}: the background writer of "

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import io
 import logging
 import pickle
 import struct
-import threading
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -248,32 +248,22 @@ def _probe_layout() -> Optional[_Layout]:
     return layout
 
 
-_lock = threading.Lock()
-_layout: Optional[_Layout] = None
-_layout_checked = False
-_frames: Dict[Tuple[torch.dtype, torch.Size], Tuple[bytes, bytes]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _get_layout() -> Optional[_Layout]:
-    global _layout, _layout_checked
-    if _layout_checked:
-        return _layout
-    with _lock:
-        if not _layout_checked:
-            problem = "is not the expected one"
-            try:
-                _layout = _probe_layout()
-            except Exception as exc:  # an unexpected torch.save output: use torch.save itself
-                _layout, problem = None, f"could not be read ({exc!r})"
-            if _layout is None:
-                logger.warning(
-                    "torch.save's archive layout %s (torch %s); checkpoint items are "
-                    "written with torch.save, which is slower",
-                    problem,
-                    torch.__version__,
-                )
-            _layout_checked = True
-    return _layout
+    """The layout learnt once per process (a second thread may learn it too: the same)."""
+    problem = "is not the expected one"
+    try:
+        layout = _probe_layout()
+    except Exception as exc:  # an unexpected torch.save output: use torch.save itself
+        layout, problem = None, f"could not be read ({exc!r})"
+    if layout is None:
+        logger.warning(
+            "torch.save's archive layout %s (torch %s); checkpoint items are "
+            "written with torch.save, which is slower",
+            problem,
+            torch.__version__,
+        )
+    return layout
 
 
 def tensor_frame(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
@@ -285,26 +275,21 @@ def tensor_frame(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     :data:`MAX_DATA_BYTES`, or a PyTorch whose archive layout this module does not
     reproduce.
     """
-    if not _is_plain(tensor):
+    return _frame(tensor.dtype, tensor.shape) if _is_plain(tensor) else None
+
+
+@functools.lru_cache(maxsize=_MAX_CACHED_FRAMES)
+def _frame(dtype: torch.dtype, shape: torch.Size) -> Optional[Tuple[bytes, bytes]]:
+    """The frame shared by every plain tensor of ``dtype`` and ``shape``, or None."""
+    num_bytes = shape.numel() * dtype.itemsize
+    layout = _get_layout()
+    # An empty record is laid out differently (no data descriptor); empty tensors are
+    # rare and cheap to save, so torch.save writes them.
+    if layout is None or num_bytes == 0 or num_bytes > MAX_DATA_BYTES:
         return None
-    key = (tensor.dtype, tensor.shape)
-    frame = _frames.get(key)
-    if frame is None:
-        num_bytes = tensor.nbytes
-        layout = _get_layout()
-        # An empty record is laid out differently (no data descriptor); empty tensors are
-        # rare and cheap to save, so torch.save writes them.
-        if layout is None or num_bytes == 0 or num_bytes > MAX_DATA_BYTES:
-            return None
-        # The pickle of a fresh tensor (own storage, offset 0, contiguous strides), so that
-        # every tensor of this dtype and shape can share the frame. torch.empty does not
-        # touch the memory it allocates.
-        pickled = _pickle_tensor(torch.empty(tensor.shape, dtype=tensor.dtype))
-        frame = _build_frame(layout, pickled, num_bytes)
-        if len(_frames) >= _MAX_CACHED_FRAMES:
-            _frames.clear()
-        _frames[key] = frame
-    return frame
+    # The pickle of a fresh tensor (own storage, offset 0, contiguous strides). torch.empty
+    # does not touch the memory it allocates.
+    return _build_frame(layout, _pickle_tensor(torch.empty(shape, dtype=dtype)), num_bytes)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,47 +1,49 @@
-"""The reference API's write paths: how a process writes its staged buckets.
+"""The reference API's write paths: how the background writer writes a save's staged buckets.
 
-Runs in the background writer: a forked writer or the persistent worker. :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync`
-keeps the static methods that megatron-core and nvidia-resiliency-ext name, and that
-subclasses override: ``write_preloaded_data``, ``write_preloaded_data_proc``,
-``write_preloaded_data_multithread`` and ``write_preloaded_data_multiproc`` are the
-functions of this module (the last one is the same function as the one before). One
-bucket's bytes are written by :func:`~.bucket_io.write_bucket`; the threads are run by
-:mod:`.runners`.
+Runs in the background writer: a forked writer or the persistent worker's write thread.
+:class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` keeps the static methods
+that megatron-core and nvidia-resiliency-ext name, and that subclasses override:
+``write_preloaded_data`` (one bucket; ``write_preloaded_data_proc`` is the same function),
+and ``write_preloaded_data_multithread`` (every bucket; ``write_preloaded_data_multiproc``
+is the same function). One bucket's bytes are written by :func:`~.bucket_io.write_bucket`.
+
+Every bucket gets its own thread, the last one the calling thread, and every wait is
+bounded by the writer's ``write_timeout_s``. Each bucket's outcome, success or failure,
+lands in one :class:`~.results.WriteOutcome`, whose payload goes to the save's results
+channel: a failure is recorded, never raised, so that the trainer's finalization turns
+it into an error on every rank. Threads, not a forked process per bucket as
+megatron-core's ``_multiproc`` path: the writes and the hashing release the GIL, and
+forked children gained nothing that was measured, so ``is_multiproc_io`` writes on
+threads too.
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.buckets.layout import WriteBucket
+from megatron_async.errors import (
+    AsyncTimeoutError, CheckpointIntegrityError, CheckpointValidationError, RankFailure,
+)
+from megatron_async.integrity import checksums
+from megatron_async.writer.bucket_io import write_bucket as write_bucket_file
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S
-from megatron_async.writer.runners import write_and_report, write_with_threads
+from megatron_async.writer.results import WriteOutcome
 
 __all__ = [
-    "SpecBucketWriter",
     "write_preloaded_data",
     "write_preloaded_data_proc",
     "write_preloaded_data_multithread",
     "write_preloaded_data_multiproc",
 ]
 
-SpecBucketWriter = Callable[..., Optional[Tuple[int, Union[List[WriteResult], Exception]]]]
-"""``write_preloaded_data``'s signature (see :func:`write_preloaded_data`)."""
-
-
-def _check_opener(use_msc: bool, open_file: Optional[Callable[..., Any]]) -> None:
-    """Refuse ``use_msc`` without an object-store ``open_file`` (background writer)."""
-    if use_msc and (open_file is None or open_file is open):
-        raise CheckpointValidationError(
-            "use_msc=True needs an object-store open_file (for example multistorageclient's "
-            "msc.open), got the local file system's open; pass use_msc=False for local and "
-            "shared file systems, or the object store's open callable"
-        )
+logger = logging.getLogger(__name__)
 
 
 def write_preloaded_data(
@@ -80,18 +82,21 @@ def write_preloaded_data(
         is None, else None.
     """
     try:
-        _check_opener(kwargs.get("use_msc", False), open_file)
-        output: Tuple[int, Union[List[WriteResult], Exception]] = (
-            local_thread_idx,
-            write_bucket_file(
-                transform_list,
-                write_bucket,
-                use_fsync,
-                kwargs.get("compute_checksums", True),
-                open_file=open_file,
-                direct_io=kwargs.get("direct_io", True),
-            ),
+        if kwargs.get("use_msc", False) and (open_file is None or open_file is open):
+            raise CheckpointValidationError(
+                "use_msc=True needs an object-store open_file (for example multistorageclient's "
+                "msc.open), got the local file system's open; pass use_msc=False for local and "
+                "shared file systems, or the object store's open callable"
+            )
+        results = write_bucket_file(
+            transform_list,
+            write_bucket,
+            use_fsync,
+            kwargs.get("compute_checksums", True),
+            open_file=open_file,
+            direct_io=kwargs.get("direct_io", True),
         )
+        output: Tuple[int, Union[List[WriteResult], Exception]] = (local_thread_idx, results)
     except Exception as exc:  # returned or queued, as the reference API specifies
         output = (local_thread_idx, exc)
     if results_queue is None:
@@ -103,56 +108,9 @@ def write_preloaded_data(
     return None
 
 
-def write_preloaded_data_proc(
-    transform_list: Any,
-    open_file: Callable[..., Any],
-    local_proc_idx: int,
-    write_bucket: WriteBucket,
-    results_queue: Any,
-    count_queue: Any,
-    use_fsync: bool,
-    **kwargs: Any,
-) -> None:
-    """Write one staged bucket in a worker process and queue its outcome.
-
-    This is ``FileSystemWriterAsync.write_preloaded_data_proc``: the same as
-    :func:`write_preloaded_data` with a ``results_queue``, for code that starts its own
-    writer processes with it as target.
-
-    Raises:
-        CheckpointValidationError: ``results_queue`` is None (the outcome would be lost).
-    """
-    if results_queue is None:
-        raise CheckpointValidationError(
-            "write_preloaded_data_proc reports through results_queue; pass a queue "
-            "(or call write_preloaded_data, which returns the outcome without one)"
-        )
-    write_preloaded_data(
-        transform_list, open_file, local_proc_idx, write_bucket, results_queue,
-        count_queue, use_fsync, **kwargs,
-    )
-
-
-def _write_one_bucket(
-    bucket_writer: SpecBucketWriter,
-    transform_list: Any,
-    open_file: Callable[..., Any],
-    use_fsync: bool,
-    options: Dict[str, Any],
-    idx: int,
-    bucket: WriteBucket,
-) -> List[WriteResult]:
-    """Write one bucket through ``write_preloaded_data`` and raise what it returns as failed."""
-    output = bucket_writer(transform_list, open_file, idx, bucket, None, None, use_fsync, **options)
-    if output is None:
-        raise CheckpointIntegrityError(
-            f"write_preloaded_data returned nothing for {bucket.file_name} although no "
-            "results_queue was given; an override must return (index, results or exception)"
-        )
-    result = output[1]
-    if isinstance(result, BaseException):
-        raise result
-    return result
+write_preloaded_data_proc = write_preloaded_data
+"""The reference API's target for a writer process it starts itself (``results_queue``
+given): the same function."""
 
 
 def write_preloaded_data_multithread(
@@ -165,21 +123,22 @@ def write_preloaded_data_multithread(
     *,
     use_fsync: bool = True,
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-    bucket_writer: Optional[SpecBucketWriter] = None,
+    bucket_writer: Optional[Callable[..., Any]] = None,
     compute_checksums: bool = True,
     direct_io: bool = True,
     staging_control: Any = None,
 ) -> None:
     """Write the staged buckets, one thread each, and report the outcome (background).
 
-    The last bucket is written by the calling thread. A failed bucket is recorded in
-    the outcome, not raised: the trainer's finalization turns it into an error on
-    every rank. What goes to ``global_results_queue`` (the writer's results file, or
-    any object with ``put``, e.g. :func:`~.results.get_write_results_queue`) is a dict bucket
-    index -> write results, or the :class:`~megatron_async.errors.StorageWriteError`
-    that says what failed. The positional arguments are a save function's ``args``, the
-    keywords what the writer names and staging binds
-    (:func:`~megatron_async.staging.stager.prepare_staged_write`).
+    Once every bucket is written, this rank's checksum record is written, then the
+    outcome goes to ``global_results_queue`` (the writer's results file, or any object
+    with ``put``, e.g. :func:`~.results.get_write_results_queue`): a dict bucket index ->
+    write results, or the :class:`~megatron_async.errors.StorageWriteError` that says what
+    failed. The positional arguments are a save function's ``args``, the keywords what
+    the writer names and staging binds
+    (:func:`~megatron_async.staging.stager.prepare_staged_write`). The staging buffers
+    are not released here: the caller that staged them does that once the whole call is
+    over.
 
     Args:
         transform_list, use_msc, open_file: see :func:`write_preloaded_data`.
@@ -199,21 +158,88 @@ def write_preloaded_data_multithread(
     options = {"use_msc": use_msc, "compute_checksums": compute_checksums}
     if not direct_io:  # only when off: overrides then get the reference API's keywords
         options["direct_io"] = False
-    write_one = partial(
-        _write_one_bucket, bucket_writer or write_preloaded_data, transform_list, open_file,
-        use_fsync, options,
-    )
-    runner = partial(write_with_threads, write_one, write_timeout_s)
-    if staging_control is None:
-        write_and_report(runner, rank, write_buckets, global_results_queue)
-        return
+    write_one_bucket = bucket_writer or write_preloaded_data
+
+    def write_one(idx: int, bucket: WriteBucket) -> List[WriteResult]:
+        output = write_one_bucket(
+            transform_list, open_file, idx, bucket, None, None, use_fsync, **options
+        )
+        if output is None:
+            raise CheckpointIntegrityError(
+                f"write_preloaded_data returned nothing for {bucket.file_name} although no "
+                "results_queue was given; an override must return (index, results or exception)"
+            )
+        if isinstance(output[1], BaseException):
+            raise output[1]
+        return output[1]
+
+    directory = os.path.dirname(write_buckets[0].file_path) if write_buckets else ""
+    outcome = WriteOutcome(rank, checkpoint_dir=directory)
+    start = time.monotonic()
     try:
-        write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
-        write_and_report(runner, rank, write_buckets, global_results_queue)
+        try:
+            if staging_control is not None:
+                write_buckets = staging_control.writer_view(write_buckets, write_timeout_s)
+            if write_buckets is None:
+                raise ValueError(
+                    "the save function got no staged buckets: the caller must run preload_fn "
+                    "and pass its result as args[1]"
+                )
+            write_with_threads(write_one, write_timeout_s, write_buckets, outcome)
+            if not outcome.failures:
+                # The data files are durable: record their checksums before reporting done.
+                checksums.write_rank_record(
+                    directory, rank,
+                    (r for idx in sorted(outcome.results) for r in outcome.results[idx]),
+                )
+        except Exception as exc:  # reported through the results channel
+            outcome.failures[-1] = RankFailure.from_exception(rank, "write", exc)
+        outcome.elapsed_s = time.monotonic() - start
+        logger.debug(
+            "rank %d: background write of %s took %.3fs (%d buckets, %d failed)",
+            rank, directory, outcome.elapsed_s, len(write_buckets or ()), len(outcome.failures),
+        )
+        global_results_queue.put(outcome.payload())
     finally:
-        staging_control.mark_done()
+        if staging_control is not None:
+            staging_control.mark_done()
 
 
 write_preloaded_data_multiproc = write_preloaded_data_multithread
-"""The reference API's process path (``is_multiproc_io``): the same threads (see
-:mod:`.runners` for why no process per bucket)."""
+"""The reference API's process path (``is_multiproc_io``): the same threads."""
+
+
+def write_with_threads(
+    write_one: Callable[[int, WriteBucket], List[WriteResult]],
+    timeout_s: float,
+    buckets: Sequence[WriteBucket],
+    outcome: WriteOutcome,
+) -> None:
+    """Write each bucket on its own thread, the last one on the calling thread; the
+    others must be done within ``timeout_s`` of the start (the calling thread's own bucket
+    is bounded by the caller's timeout, which ends this whole process)."""
+
+    def run(idx: int, bucket: WriteBucket) -> None:
+        try:
+            outcome.results[idx] = write_one(idx, bucket)
+        except Exception as exc:  # reported through the results channel
+            logger.error("rank %d: writing %s failed: %s", outcome.rank, bucket.file_name, exc)
+            outcome.failures[idx] = RankFailure.from_exception(outcome.rank, "write", exc)
+
+    threads = [
+        threading.Thread(target=run, args=(idx, b), name=f"ckpt-write-{idx}", daemon=True)
+        for idx, b in enumerate(buckets[:-1])
+    ]
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.start()
+    if buckets:
+        run(len(buckets) - 1, buckets[-1])
+    for idx, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            exc = AsyncTimeoutError(
+                f"rank {outcome.rank}: writing {buckets[idx].file_name} did not finish within "
+                f"{timeout_s:.0f}s; check the storage (a hung mount?) or raise write_timeout_s"
+            )
+            outcome.failures[idx] = RankFailure.from_exception(outcome.rank, "timeout", exc)

@@ -63,7 +63,7 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     from megatron_async.integrity.staleness import SaveDigestHistory, digests_of
     from megatron_async.saver import finalize
     from megatron_async.storage.backend import storage_for
-    from megatron_async.writer.commit_cache import CommitCache, storage_layout
+    from megatron_async.writer.commit import CommitCache, storage_layout
 
     first, second = os.path.join(directory, "iter_1"), os.path.join(directory, "iter_2")
     os.makedirs(first)

@@ -35,7 +35,7 @@ _HASH_BLOCK = 24 * 1024
 def small_chunks(monkeypatch):
     monkeypatch.setattr(direct_io, "_CHUNK_BYTES", _CHUNK)
     monkeypatch.setattr(direct_io, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
-    monkeypatch.setattr(direct_io, "_POOL", direct_io._ChunkPool())
+    monkeypatch.setattr(direct_io, "_free_chunks", [])
 
 
 def _direct_io_works(directory) -> bool:
@@ -149,12 +149,11 @@ def test_a_full_disk_during_a_direct_write_raises_enospc(tmp_path, monkeypatch, 
 
 
 def test_bounce_chunks_are_reused_and_the_pool_stays_bounded(small_chunks):
-    pool = direct_io._POOL
-    taken = [pool.take() for _ in range(direct_io._KEEP_CHUNKS + 2)]
+    taken = [direct_io._take_chunk() for _ in range(direct_io._KEEP_CHUNKS + 2)]
     for chunk in taken:
-        pool.give_back(chunk)
-    assert len(pool._free) == direct_io._KEEP_CHUNKS
-    assert pool.take() is taken[direct_io._KEEP_CHUNKS - 1]
+        direct_io._give_back_chunk(chunk)
+    assert len(direct_io._free_chunks) == direct_io._KEEP_CHUNKS
+    assert direct_io._take_chunk() is taken[direct_io._KEEP_CHUNKS - 1]
     assert sum(chunk.closed for chunk in taken) == 2
 
 

@@ -123,8 +123,6 @@ def test_write_preloaded_data_proc_reports_from_a_process(tmp_path):
     idx, results = results_queue.get(timeout=60)
     proc.join(60)
     assert proc.exitcode == 0 and idx == 0 and len(results) == len(_STATE)
-    with pytest.raises(CheckpointValidationError, match="results_queue"):
-        FileSystemWriterAsync.write_preloaded_data_proc(writer.transforms, open, 0, bucket, None, None, True)
 
 
 @pytest.mark.parametrize("multiproc", [False, True], ids=["multithread", "multiproc"])

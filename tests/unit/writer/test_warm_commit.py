@@ -31,7 +31,7 @@ from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.saver import finalize
-from megatron_async.writer.commit_cache import CommitCache, storage_layout
+from megatron_async.writer.commit import CommitCache, storage_layout
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.metadata_bytes import MetadataTemplate, metadata_pickle
 from tests.unit.writer.test_filesystem_async import _prepare, _run

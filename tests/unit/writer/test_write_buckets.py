@@ -66,8 +66,8 @@ def _tensor(shape, dtype) -> torch.Tensor:
 
 
 def _forget_archive_layout():
-    _tensor_archive._layout, _tensor_archive._layout_checked = None, False
-    _tensor_archive._frames.clear()
+    _tensor_archive._get_layout.cache_clear()
+    _tensor_archive._frame.cache_clear()
 
 
 @pytest.fixture
@@ -180,10 +180,10 @@ def test_every_item_loads_back_alone_and_its_checksum_covers_its_bytes(tmp_path)
         assert torch.equal(loaded, tensors[result.index.fqn]), result.index.fqn
 
 
-def test_without_a_known_archive_layout_every_item_goes_through_torch_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tensor_archive, "_layout", None)
-    monkeypatch.setattr(_tensor_archive, "_layout_checked", True)
-    monkeypatch.setattr(_tensor_archive, "_frames", {})
+def test_without_a_known_archive_layout_every_item_goes_through_torch_save(tmp_path, monkeypatch, request):
+    monkeypatch.setattr(_tensor_archive, "_probe_layout", lambda: None)
+    _forget_archive_layout()
+    request.addfinalizer(_forget_archive_layout)  # before the probe is restored: learnt anew
     tensors = {"a": torch.randn(7, 3), "b": torch.arange(10, dtype=torch.int64)}
     bucket = _bucket(tmp_path / "f.distcp", tensors)
     results = write_bucket(_StorageWriterTransforms(), bucket, True)

@@ -2,7 +2,7 @@
 
 import threading
 
-from megatron_async.writer import runners
+from megatron_async.writer import write_paths
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.writer.results import WriteOutcome
 
@@ -11,14 +11,14 @@ def test_the_write_timeout_counts_from_the_start_not_from_the_last_bucket(monkey
     # The calling thread writes the last bucket; here it "takes" 10 s of a fake clock, so
     # a 5 s bound has passed once it is done: the first bucket's thread gets no more time.
     clock, joins, release = [0.0], [], threading.Event()
-    monkeypatch.setattr(runners.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(write_paths.time, "monotonic", lambda: clock[0])
 
     class RecordingThread(threading.Thread):
         def join(self, timeout=None):
             joins.append(timeout)
             super().join(0.0)
 
-    monkeypatch.setattr(runners.threading, "Thread", RecordingThread)
+    monkeypatch.setattr(write_paths.threading, "Thread", RecordingThread)
 
     def write_one(idx, bucket):
         if idx == 0:
@@ -30,7 +30,7 @@ def test_the_write_timeout_counts_from_the_start_not_from_the_last_bucket(monkey
     buckets = [WriteBucket(f"/unused/{i}", f"{i}.distcp", ([], [])) for i in range(2)]
     outcome = WriteOutcome(rank=0)
     try:
-        runners.write_with_threads(write_one, 5.0, buckets, outcome)
+        write_paths.write_with_threads(write_one, 5.0, buckets, outcome)
     finally:
         release.set()
     assert joins == [0.0]  # the bound had passed (it was 5 s more from the last bucket's end)
