@@ -65,7 +65,6 @@ def _run_forked_call(
         result_conn.send(("done", None))
     finally:
         result_conn.close()
-        stack_dump.disarm()
 
 
 class TemporalAsyncCaller(AsyncCaller):

@@ -79,12 +79,6 @@ def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter, table: Segm
             reporter.send("done", call_idx)
 
 
-def _exit_early() -> None:
-    """Leave at once (background side): no cleanup but the stack-dump file's."""
-    stack_dump.disarm()
-    os._exit(1)
-
-
 def main(options: Dict[str, Any]) -> None:
     """Serve requests until ``STOP``: the entry point of the forked worker (worker side).
 
@@ -118,16 +112,15 @@ def main(options: Dict[str, Any]) -> None:
             if not control.poll(_PARENT_CHECK_INTERVAL_S):
                 if not parent_is_alive(parent_pid):
                     logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
-                    _exit_early()
+                    os._exit(1)
                 continue
             message = control.recv()
         except (EOFError, OSError):
             logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
-            _exit_early()
+            os._exit(1)
         if message == STOP:
             jobs.put(None)
             writer.join()
-            stack_dump.disarm()
             return
         call_idx, encoded = message
         try:
@@ -140,7 +133,7 @@ def main(options: Dict[str, Any]) -> None:
             reporter.send("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
             jobs.put(None)
             writer.join()
-            _exit_early()
+            os._exit(1)
         reporter.send("received", call_idx)
         jobs.put(
             (
