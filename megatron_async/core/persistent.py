@@ -7,7 +7,7 @@ import time
 from typing import Any, Dict, Optional
 
 from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import describe_exit, kill_and_reap, register_exit_cleanup
+from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
 from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
@@ -44,7 +44,7 @@ class PersistentAsyncCaller(AsyncCaller):
     every replacement, is logged at WARNING.
 
     Args:
-        config: bounds of every wait, and the worker's CPU and I/O priority.
+        config: bounds of every wait, and the worker's CPU priority.
         is_daemon: accepted for the reference API, where it makes the worker a
             multiprocessing daemon. Ours is never one: it always dies with the trainer
             (parent-death signal, exit hook), so both values behave the same.
@@ -63,7 +63,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
-        register_exit_cleanup(self, "_abort_at_exit")
+        abort_at_exit(self)
         try:
             self._start_worker()
         except WorkerDiedError as exc:

@@ -26,12 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
 from megatron_async.core import stack_dump
-from megatron_async.core.process_lifetime import (
-    parent_is_alive,
-    raise_open_file_limit,
-    set_parent_death_signal,
-)
-from megatron_async.core.priority import lower_writer_priority
+from megatron_async.core.process_lifetime import enter_background
 from megatron_async.core.request_receiver import SegmentTable
 from megatron_async.errors import RankFailure
 
@@ -40,8 +35,6 @@ __all__ = ["STOP", "main"]
 STOP = "STOP"
 
 logger = logging.getLogger(__name__)
-
-_PARENT_CHECK_INTERVAL_S = 1.0
 
 
 class _Reporter:
@@ -86,19 +79,13 @@ def main(options: Dict[str, Any]) -> None:
         options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
             ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
             exits when the trainer is gone, and its descriptors are opened through
-            ``/proc/<parent_pid>``), ``priority`` (see
-            :class:`~megatron_async.core.priority.WriterPriority`), the inherited
-            descriptor ``control_fd`` (requests in, results out), and ``stack_file`` (see
+            ``/proc/<parent_pid>``), ``nice_increment``, the inherited descriptor
+            ``control_fd`` (requests in, results out), and ``stack_file`` (see
             :mod:`~megatron_async.core.stack_dump`).
     """
-    # First, before any thread exists: every thread of the worker inherits it.
-    lower_writer_priority(options["priority"])
     rank, parent_pid = options["rank"], options["parent_pid"]
+    enter_background(parent_pid, options["nice_increment"])  # before any thread exists
     control = Connection(options["control_fd"])
-    set_parent_death_signal()
-    if not parent_is_alive(parent_pid):  # died before the death signal was armed
-        os._exit(1)
-    raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
     stack_dump.arm(options["stack_file"])
     reporter = _Reporter(control)
     table = SegmentTable(parent_pid)
@@ -109,12 +96,7 @@ def main(options: Dict[str, Any]) -> None:
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
-            if not control.poll(_PARENT_CHECK_INTERVAL_S):
-                if not parent_is_alive(parent_pid):
-                    logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
-                    os._exit(1)
-                continue
-            message = control.recv()
+            message = control.recv()  # a trainer that dies kills this process (enter_background)
         except (EOFError, OSError):
             logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
             os._exit(1)

@@ -141,7 +141,7 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         "rank": rank,
         "parent_pid": os.getpid(),
         "control_fd": worker_control.fileno(),
-        "priority": config.writer_priority,
+        "nice_increment": config.writer_nice_increment,
         "stack_file": stack_dump.new_file(),
     }
     try:
