@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) that
+    The worker is a fork of the trainer (:mod:`megatron_async.core.worker_process`) that
     never runs the training script's code, so the script needs no ``__main__`` guard; a
     script's own routines reach it by value
     (:mod:`megatron_async.core.request_transport`). The trainer stages each request's
@@ -294,7 +294,7 @@ class PersistentAsyncCaller(AsyncCaller):
         """The reference API's worker main loop over three multiprocessing queues.
 
         Our worker (a fork of the trainer) runs
-        :func:`megatron_async.core.worker_loop.main` and receives requests with their
+        :func:`megatron_async.core.worker_loop.run_child` and receives requests with their
         staged tensors as shared-memory references (a queue cannot carry them into a running
         process without pickling every tensor), so this loop has no counterpart here.
 
