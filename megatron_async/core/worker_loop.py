@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Sequence, Set, Tuple
 
 import torch
 
@@ -203,45 +203,37 @@ def run_child(options: Dict[str, Any], ranges: Sequence[Tuple[int, int]]) -> Non
 # -- the main loop ------------------------------------------------------------------------
 
 
-class _Reporter:
-    """Sends messages to the trainer from both worker threads."""
-
-    def __init__(self, conn):
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, kind: str, call_idx: Optional[int], payload: Any = None) -> None:
-        message = (kind, call_idx) if payload is None else (kind, call_idx, payload)
-        with self._lock:
-            self._conn.send(message)
-
-
-def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter, table: "SegmentTable") -> None:
+def _write_loop(rank: int, jobs: "queue.Queue", report: Callable, table: "SegmentTable") -> None:
     """Writer thread: run each accepted request's ``async_fn`` in order."""
     while True:
         job = jobs.get()
         if job is None:
             return
-        call_idx, fn, args, kwargs, call_segments = job
+        call_idx, request, call_segments = job
         try:
-            if fn is not None:
-                fn(*args, **kwargs)
+            if request.async_fn is not None:
+                request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
             outcome: Tuple[Any, ...] = ("done", call_idx)
         except BaseException as exc:  # reported; the worker stays up for the next save
             logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
             outcome = ("error", call_idx, RankFailure.from_exception(rank, "write", exc))
-        del job, fn, args, kwargs  # the call's staged data, before the trainer frees it
+        del job, request  # the call's staged data, before the trainer frees it
         table.drop(call_segments)
-        reporter.send(*outcome)
+        report(*outcome)
 
 
 def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
     """Take requests and hand them to the writer thread until ``STOP``."""
-    reporter = _Reporter(control)
+    lock = threading.Lock()  # both threads report
+
+    def report(*message) -> None:
+        with lock:
+            control.send(message)
+
     jobs: "queue.Queue" = queue.Queue()
-    writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter, table), daemon=True)
+    writer = threading.Thread(target=_write_loop, args=(rank, jobs, report, table), daemon=True)
     writer.start()
-    reporter.send("ready", None)
+    report("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
@@ -261,20 +253,12 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
             # may not have: finish the accepted writes and exit, so that the next save
             # starts a fresh worker with a fresh view of what was sent.
             logger.error("rank %d worker: cannot read async call %d: %s", rank, call_idx, exc)
-            reporter.send("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
+            report("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
             jobs.put(None)
             writer.join()
             os._exit(1)
-        reporter.send("received", call_idx)
-        jobs.put(
-            (
-                call_idx,
-                request.async_fn,
-                request.async_fn_args,
-                request.async_fn_kwargs or {},
-                encoded.call_segments,
-            )
-        )
+        report("received", call_idx)
+        jobs.put((call_idx, request, encoded.call_segments))
         del request, encoded
 
 
