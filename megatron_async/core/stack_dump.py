@@ -26,7 +26,7 @@ import os
 import re
 import signal
 import time
-from typing import List, Optional
+from typing import Optional
 
 __all__ = ["DUMP_SIGNAL", "new_file", "arm", "collect", "innermost_frames", "timeout_note"]
 
@@ -93,24 +93,17 @@ def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_W
     return data.decode("utf-8", errors="replace") or None
 
 
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
+# A thread's header line and its first (innermost) frame, as faulthandler writes them.
+_INNERMOST = re.compile(r'\(most recent call first\):\n +File "([^"]*)", line (\d+) in (\S+)')
 
 
 def innermost_frames(stacks: Optional[str], limit: int = 300) -> str:
     """Each thread's innermost frame, ``name (file:line)``, on one line of at most
     ``limit`` characters; '' without stacks."""
-    if not stacks:
-        return ""
-    frames: List[str] = []
-    expect_frame = False
-    for line in stacks.splitlines():
-        if not line.startswith(" "):
-            expect_frame = line.strip().endswith("(most recent call first):")
-            continue
-        match = _FRAME.match(line)
-        if expect_frame and match:
-            frames.append(f"{match['name']} ({os.path.basename(match['file'])}:{match['line']})")
-            expect_frame = False
+    frames = [
+        f"{name} ({os.path.basename(path)}:{line})"
+        for path, line, name in _INNERMOST.findall(stacks or "")
+    ]
     text = " | ".join(frames)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
