@@ -267,7 +267,8 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
 
 class SegmentTable:
     """The segments and plan items one worker has received, and the decoding of requests
-    that refer to them (background side: one per worker, fed by one :class:`RequestSender`)."""
+    that refer to them (one per worker, fed by one
+    :class:`~megatron_async.core.request_transport.RequestSender`)."""
 
     def __init__(self, trainer_pid: int):
         self._trainer_pid = trainer_pid
