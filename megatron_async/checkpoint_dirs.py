@@ -20,9 +20,9 @@ fsync; the same guarantees come from other means there:
 * the tracker is one PUT, which the store shows whole or not at all;
 * a checkpoint "directory" exists once any object lies under its prefix; creating one
   creates nothing;
-* deleting one removes its completion markers first, so a deletion that stops halfway
-  leaves an incomplete checkpoint, which no resume picks and the next retention deletes
-  (on disk a rename out of the ``iter_*`` namespace does that job).
+* deleting one removes its completion markers first (as on disk), so a deletion that
+  stops halfway leaves an incomplete checkpoint, which no resume picks and the next
+  retention deletes.
 """
 
 from __future__ import annotations
@@ -131,10 +131,10 @@ def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
     """List the ``iter_*`` directories of ``save_dir``, oldest first (none if it is missing)."""
     storage = storage_for(save_dir)
     found = []
-    for name, is_dir in storage.list_dir(save_dir):
+    for name, num_bytes in storage.list_dir(save_dir):
         path = os.path.join(save_dir, name)
         iteration = iteration_from_path(path)
-        if is_dir and iteration is not None:
+        if num_bytes is None and iteration is not None:  # a directory
             found.append(CheckpointInfo(iteration, path, has_completion_markers(path, storage)))
     return sorted(found, key=lambda info: info.iteration)
 
@@ -241,14 +241,13 @@ def select_for_deletion(
 
     Args:
         checkpoints: the directories, in any order.
-        keep_last_n: how many complete checkpoints to keep (at least 1).
+        keep_last_n: how many complete checkpoints to keep (at least 1:
+            :class:`~megatron_async.manager.CheckpointManagerConfig` checks it).
         protected: iterations that must survive.
 
     Returns:
         The checkpoints to delete, oldest first.
     """
-    if keep_last_n < 1:
-        raise CheckpointValidationError(f"keep_last_n must be >= 1, got {keep_last_n}")
     protected = set(protected)
     complete = sorted((c for c in checkpoints if c.complete), key=lambda c: -c.iteration)
     kept = {c.iteration for c in complete[:keep_last_n]} | protected
@@ -264,8 +263,7 @@ def select_for_deletion(
 def delete_checkpoint_dir(path: str) -> bool:
     """Take ``path`` out of the complete checkpoints, then delete it; False on failure.
 
-    On disk the directory is renamed out of the ``iter_*`` namespace first; under an
-    ``msc://`` prefix its completion markers are deleted first (see the module notes).
+    Its completion markers are deleted first (see the module notes).
     """
     try:
         storage_for(path).remove_dir(path, first=COMPLETION_MARKERS)

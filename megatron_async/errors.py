@@ -24,7 +24,6 @@ __all__ = [
     "CheckpointInProgressError",
     "QueueClosedError",
     "FrozenRequestError",
-    "RequestScheduledTwiceError",
     "WorkerDiedError",
     "AsyncTimeoutError",
     "CoordinationError",
@@ -62,11 +61,8 @@ class QueueClosedError(AsyncCheckpointError, RuntimeError):
 
 
 class FrozenRequestError(AsyncCheckpointError, RuntimeError):
-    """A finalize function was added to an :class:`AsyncRequest` that is already scheduled."""
-
-
-class RequestScheduledTwiceError(FrozenRequestError):
-    """An :class:`AsyncRequest` was scheduled again; each save's request runs once."""
+    """An :class:`AsyncRequest` already scheduled was scheduled again or given another
+    finalize function; each save's request runs once, as it was scheduled."""
 
 
 class WorkerDiedError(AsyncCheckpointError):

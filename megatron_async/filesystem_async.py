@@ -6,15 +6,9 @@ importing from here; the implementation lives in :mod:`megatron_async.writer`.
 """
 
 from megatron_async.writer.filesystem import (
-    DEFAULT_WRITE_TIMEOUT_S,
     ConsistentDataIdentifier,
     FileSystemWriterAsync,
     get_write_results_queue,
 )
 
-__all__ = [
-    "FileSystemWriterAsync",
-    "ConsistentDataIdentifier",
-    "get_write_results_queue",
-    "DEFAULT_WRITE_TIMEOUT_S",
-]
+__all__ = ["FileSystemWriterAsync", "ConsistentDataIdentifier", "get_write_results_queue"]

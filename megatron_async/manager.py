@@ -248,8 +248,6 @@ class CheckpointManager:
         for info in select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected):
             if delete_checkpoint_dir(info.path):
                 deleted.append(info.path)
-        # Finish deletions a crash interrupted (on disk: the renamed-away directories).
-        storage_for(save_dir).finish_removals(save_dir)
         if deleted:
             logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
         return deleted

@@ -83,7 +83,6 @@ class SaveFailureTracker:
     def __init__(self, policy: Optional[SaveFailurePolicy] = None):
         self.policy = policy or SaveFailurePolicy()
         self.consecutive_failures = 0
-        self.total_failures = 0
 
     def succeeded(self) -> None:
         """A save became durable: the run of failures is over."""
@@ -105,7 +104,6 @@ class SaveFailureTracker:
         if self.policy.mode == "raise" or not isinstance(error, _SAVE_FAILURES):
             raise error
         self.consecutive_failures += 1
-        self.total_failures += 1
         if self.consecutive_failures >= self.policy.max_consecutive_failures:
             raise self._too_many(error) from error
         logger.error(

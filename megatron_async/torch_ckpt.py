@@ -13,8 +13,7 @@ import torch
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
-from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_report import SaveDetails
+from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError, QueueClosedError
 from megatron_async.staging.budget import validate_staging_memory_limit
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S

@@ -426,6 +426,7 @@ class Checkpointer:
         if record.is_async:
             record.background_s = time.perf_counter() - record.scheduled_at
         if torch.distributed.get_rank() == 0:
-            record.num_bytes = storage_for(record.path).total_bytes(record.path)
+            listing = storage_for(record.path).list_dir(record.path)  # a torch_dist checkpoint is flat
+            record.num_bytes = sum(num_bytes or 0 for _, num_bytes in listing)
         self._pending.pop(record.iteration, None)
         self._finished.append(record)

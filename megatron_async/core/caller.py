@@ -4,7 +4,7 @@ A caller owns the background execution of requests on one rank. Its *local* view
 call (running, succeeded, failed with a :class:`~megatron_async.errors.RankFailure`)
 comes from :meth:`AsyncCaller.poll`, which never blocks and applies the liveness and
 timeout checks. The *global* view (done on every rank? failed anywhere?) is agreed by
-:func:`agree_on_call`, one small all-reduce on the coordination group.
+:meth:`AsyncCaller.agree`, one small all-reduce on the coordination group.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import AsyncRequest
 from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
 
-__all__ = ["CallState", "CallStatus", "AsyncCaller", "agree_on_call"]
+__all__ = ["CallState", "CallStatus", "AsyncCaller"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,49 +56,6 @@ class CallStatus:
     @classmethod
     def failed(cls, failure: RankFailure) -> "CallStatus":
         return cls(CallState.FAILED, failure)
-
-
-def agree_on_call(
-    call_idx: int, status: CallStatus, no_dist: bool
-) -> Optional[Dict[int, RankFailure]]:
-    """Agree across ranks whether call ``call_idx`` is finished, and whether it failed.
-
-    Runs on every rank (unless ``no_dist``). One all-reduce (MAX) of four integers
-    answers "is any rank still running?", "did any rank fail?" and "is every rank
-    looking at the same call?"; only when some rank failed is a second collective used
-    to gather the failures, so that every rank can raise the same complete error.
-
-    A rank that failed counts as finished: the agreement waits until no rank is still
-    running, so that no background writer is left behind when the error is raised.
-
-    Returns:
-        None while some rank still runs the call; else every rank's failure of it (empty:
-        it succeeded everywhere).
-
-    Raises:
-        CoordinationError: ranks are finalizing different calls, or a peer is gone.
-    """
-    if no_dist or not coordination.is_distributed():
-        if not status.is_terminal:
-            return None
-        return {} if status.failure is None else {status.failure.rank: status.failure}
-    still_running = int(not status.is_terminal)
-    failed = int(status.state is CallState.FAILED)
-    any_running, any_failed, max_idx, neg_min_idx = coordination.all_reduce_max(
-        [still_running, failed, call_idx, -call_idx]
-    )
-    if max_idx != -neg_min_idx:
-        raise CoordinationError(
-            f"rank {coordination.get_rank()}: ranks are finalizing different async calls "
-            f"(indices {-neg_min_idx}..{max_idx}). Every rank must schedule the same saves in "
-            "the same order and call maybe_finalize_async_calls together."
-        )
-    if any_running:
-        return None
-    if not any_failed:
-        return {}
-    gathered = coordination.all_gather_objects(status.failure)
-    return {f.rank: f for f in gathered if f is not None}
 
 
 class AsyncCaller(abc.ABC):
@@ -153,7 +110,14 @@ class AsyncCaller(abc.ABC):
         return failures is not None
 
     def agree(self, call_idx: int, blocking: bool, no_dist: bool) -> Optional[Dict[int, RankFailure]]:
-        """Agree with every rank on call ``call_idx`` (every rank, unless ``no_dist``).
+        """Agree with every rank whether call ``call_idx`` is finished, and whether it failed.
+
+        Runs on every rank (unless ``no_dist``). One all-reduce (MAX) of four integers
+        answers "is any rank still running?", "did any rank fail?" and "is every rank
+        looking at the same call?"; only when some rank failed is a second collective used
+        to gather the failures, so that every rank can raise the same complete error. A
+        rank that failed counts as finished: the agreement waits until no rank is still
+        running, so that no background writer is left behind when the error is raised.
 
         Returns:
             None while some rank still runs it (only without ``blocking``: blocking waits,
@@ -163,10 +127,27 @@ class AsyncCaller(abc.ABC):
         Raises:
             CoordinationError: ranks are finalizing different calls, or a peer is gone.
         """
+        local = no_dist or not coordination.is_distributed()
         while True:
-            failures = agree_on_call(call_idx, self._local_status(call_idx), no_dist)
-            if failures is not None or not blocking:
-                return failures
+            status = self._local_status(call_idx)
+            any_running, any_failed = not status.is_terminal, status.state is CallState.FAILED
+            if not local:
+                any_running, any_failed, max_idx, neg_min_idx = coordination.all_reduce_max(
+                    [int(any_running), int(any_failed), call_idx, -call_idx]
+                )
+                if max_idx != -neg_min_idx:
+                    raise CoordinationError(
+                        f"rank {coordination.get_rank()}: ranks are finalizing different async "
+                        f"calls (indices {-neg_min_idx}..{max_idx}). Every rank must schedule the "
+                        "same saves in the same order and call maybe_finalize_async_calls together."
+                    )
+            if not any_running:
+                if not any_failed:
+                    return {}
+                gathered = [status.failure] if local else coordination.all_gather_objects(status.failure)
+                return {f.rank: f for f in gathered if f is not None}
+            if not blocking:
+                return None
             time.sleep(self.config.poll_interval_s)
 
     def _local_status(self, call_idx: int) -> CallStatus:

@@ -40,7 +40,6 @@ __all__ = [
     "all_gather_objects",
     "raise_if_any_rank_failed",
     "run_on_coordinator",
-    "raise_agreed_failures",
 ]
 
 logger = logging.getLogger(__name__)
@@ -253,38 +252,31 @@ def raise_if_any_rank_failed(
     local_failure: Optional[RankFailure],
     group: Optional[dist.ProcessGroup] = None,
     checkpoint: Optional[str] = None,
-) -> None:
+    counts: Sequence[int] = (),
+) -> List[int]:
     """Turn a failure on any rank into the same :class:`AsyncSaveFailedError` on all ranks.
 
-    Runs on every rank and costs one small all-reduce when nothing failed; only when a
-    rank failed does it also gather the failures (so every rank can report all of them).
+    Runs on every rank and costs one small all-reduce (SUM of ``[failed, *counts]``) when
+    nothing failed; only when a rank failed does it also gather the failures (so every
+    rank can report all of them).
 
     Args:
         local_failure: this rank's failure, or None if it succeeded.
         group: the coordination group; defaults to :func:`get_coordination_group`.
         checkpoint: the checkpoint being written, for the error message.
+        counts: small integers to sum over all ranks in the same collective.
+
+    Returns:
+        The sums of ``counts`` over all ranks.
 
     Raises:
         AsyncSaveFailedError: on every rank, when at least one rank passed a failure.
     """
-    (any_failed,) = all_reduce_max([int(local_failure is not None)], group)
-    if any_failed:
-        raise_agreed_failures(local_failure, group, checkpoint)
-
-
-def raise_agreed_failures(
-    local_failure: Optional[RankFailure],
-    group: Optional[dist.ProcessGroup] = None,
-    checkpoint: Optional[str] = None,
-) -> None:
-    """Raise every rank's failure on every rank, once all ranks know that one failed (every
-    rank; e.g. from a flag of a larger all-reduce): one all-gather of the failures.
-
-    Raises:
-        AsyncSaveFailedError: always, listing every failed rank's failure.
-    """
-    failures = {f.rank: f for f in all_gather_objects(local_failure, group) if f is not None}
-    raise AsyncSaveFailedError(failures, checkpoint)
+    summed = all_reduce_sum([int(local_failure is not None), *counts], group)
+    if summed[0]:
+        failures = {f.rank: f for f in all_gather_objects(local_failure, group) if f is not None}
+        raise AsyncSaveFailedError(failures, checkpoint)
+    return summed[1:]
 
 
 def run_on_coordinator(

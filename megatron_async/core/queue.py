@@ -1,4 +1,5 @@
-"""The training loop's entry point: :class:`AsyncCallsQueue`."""
+"""The training loop's entry point: :class:`AsyncCallsQueue`, and its one INFO line per
+finalized save (every rank)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from megatron_async.core import coordination
 from megatron_async.core.caller import AsyncCaller
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
-from megatron_async.core.request import AsyncRequest
-from megatron_async.core.save_report import checkpoint_of, details_of, log_finalized_save
+from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.core.temporal import TemporalAsyncCaller
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, QueueClosedError
 
@@ -29,6 +29,38 @@ class _ActiveAsyncRequest(NamedTuple):
     async_caller: AsyncCaller
     async_request: AsyncRequest
     schedule_s: float = 0.0
+
+
+def log_finalized_save(
+    call_idx: int, schedule_s: float, finalize_s: float, details: Optional[SaveDetails]
+) -> None:
+    """Log the INFO line of one finalized save: the stall (planning + ``schedule_s``, the
+    staging), the background write and its rate, and ``finalize_s`` (every rank)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    rank = coordination.get_rank()
+    if details is None:
+        logger.info(
+            "rank %d: async call %d finalized: stall %.3fs (scheduling), finalize %.3fs",
+            rank, call_idx, schedule_s, finalize_s,
+        )
+        return
+    if details.write_s and details.num_bytes is not None:
+        rate = f"{details.num_bytes / details.write_s / 1e9:.2f} GB/s"
+    else:
+        rate = "rate unknown"
+    write = f"{details.write_s:.3f}s" if details.write_s is not None else "unknown"
+    written = f"{details.num_bytes} bytes" if details.num_bytes is not None else "unknown bytes"
+    staging = ""
+    if details.staging_bytes is not None:
+        staging = f", staging peak {details.staging_bytes} bytes in {details.staging_rounds} round(s)"
+    logger.info(
+        "rank %d: checkpoint %s saved (async call %d): stall %.3fs (plan %.3fs + staging "
+        "%.3fs), background write %s, %s, %s%s, finalize %.3fs%s",
+        rank, details.checkpoint, call_idx, details.plan_s + schedule_s, details.plan_s,
+        schedule_s, write, written, rate, staging, finalize_s,
+        f"; {details.changes}" if details.changes else "",
+    )
 
 
 def as_async_request(request: Any) -> AsyncRequest:
@@ -114,7 +146,7 @@ class AsyncCallsQueue:
 
         Raises:
             QueueClosedError: the queue was closed.
-            RequestScheduledTwiceError: this request was scheduled before (a finalize
+            FrozenRequestError: this request was scheduled before (a finalize
                 function with ``claim_scheduling``, such as our strategy's commit, says so);
                 the save already scheduled is untouched.
             TypeError: ``async_request`` is not an async request.
@@ -173,7 +205,8 @@ class AsyncCallsQueue:
             self.async_calls.popleft()
             caller.release(idx)
             if failures:
-                checkpoint = checkpoint_of(request)  # named in the error's headline
+                details = request.save_details()  # its checkpoint is named in the error's headline
+                checkpoint = details.checkpoint if details is not None else None
                 # Free the request's resources (an in-flight directory claim) now: the
                 # caller may still hold the request, and the traceback keeps this frame.
                 request.abandon()
@@ -183,9 +216,7 @@ class AsyncCallsQueue:
             for finalize_fn in request.finalize_fns:
                 finalize_fn()
             finalize_s = time.monotonic() - start
-            log_finalized_save(
-                coordination.get_rank(), idx, schedule_s, finalize_s, details_of(request)
-            )
+            log_finalized_save(idx, schedule_s, finalize_s, request.save_details())
             finalized.append(idx)
         return finalized
 

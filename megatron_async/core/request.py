@@ -15,6 +15,7 @@ Runs in the trainer (every rank).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from megatron_async.errors import FrozenRequestError, RankFailure, StagingHandOv
 __all__ = [
     "AsyncRequest",
     "STAGED_ARG_INDEX",
+    "SaveDetails",
     "adapt_finalize_fn",
     "hand_over_staged",
     "register_finalize_step_adapter",
@@ -78,6 +80,33 @@ def adapt_finalize_fn(fn: Callable[[], Any]) -> Callable[[], Any]:
         if replacement is not None:
             return replacement
     return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDetails:
+    """What the commit step of a save knows about it, for the queue's INFO line (trainer
+    side, one rank). A finalize function provides it through a ``save_details()`` method
+    (our strategy's commit, :class:`~megatron_async.TorchAsyncCheckpoint`'s); requests
+    without one get the line with what the queue itself measured.
+
+    Attributes:
+        checkpoint: the checkpoint directory.
+        plan_s: time the trainer spent planning (the first part of the stall).
+        write_s: time the background write took, as the writer measured it.
+        num_bytes: bytes this rank wrote.
+        changes: on the coordinator, how many items changed since the previous save.
+        staging_bytes: the most staging memory the save held (its pool when staged in
+            rounds, else its state).
+        staging_rounds: how many rounds the state was staged in (1: in one go).
+    """
+
+    checkpoint: str
+    plan_s: float
+    write_s: Optional[float]
+    num_bytes: Optional[int]
+    changes: Optional[str] = None
+    staging_bytes: Optional[int] = None
+    staging_rounds: Optional[int] = None
 
 
 class AsyncRequest(NamedTuple):
@@ -133,7 +162,7 @@ class AsyncRequest(NamedTuple):
     def claim_once(self) -> None:
         """This request runs now (every rank; before anything that would abandon it): each
         finalize function that guards against a second run (a ``claim_scheduling`` method:
-        our strategy's commit) records it, and raises ``RequestScheduledTwiceError`` if the
+        our strategy's commit) records it, and raises ``FrozenRequestError`` if the
         request was scheduled or run before, the save already under way untouched."""
         for fn in self.finalize_fns:
             claim = getattr(fn, "claim_scheduling", None)
@@ -153,6 +182,19 @@ class AsyncRequest(NamedTuple):
                 except Exception:  # freeing is best effort; the save's own error is raised
                     logger.warning("abandoning finalize step %r failed", fn, exc_info=True)
 
+    def save_details(self) -> Optional[SaveDetails]:
+        """The details a finalize function provides through a ``save_details()`` method;
+        None when none does, or when it cannot (a failed save may leave them incomplete)."""
+        for fn in self.finalize_fns:
+            provide = getattr(fn, "save_details", None)
+            if callable(provide):
+                try:
+                    return provide()
+                except Exception:  # only the log line loses them
+                    logger.debug("cannot describe the save of %r", fn, exc_info=True)
+                    return None
+        return None
+
     def execute_sync(self) -> None:
         """Run the whole request in the calling thread: stage, write, agree, finalize.
 
@@ -162,7 +204,7 @@ class AsyncRequest(NamedTuple):
         runs (so no checkpoint is marked complete).
 
         Raises:
-            RequestScheduledTwiceError: the request was scheduled or run before.
+            FrozenRequestError: the request was scheduled or run before.
         """
         self.claim_once()
         failure: Optional[RankFailure] = None

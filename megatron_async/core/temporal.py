@@ -141,14 +141,11 @@ class TemporalAsyncCaller(AsyncCaller):
         if self._status.is_terminal:
             return self._status
         rank = coordination.get_rank()
+        alive = self.process.is_alive()  # before reading: a child that reported, then exited, is read
         if self._result_conn.poll(0):
             self._status = self._receive_result(rank)
-        elif not self.process.is_alive():
-            # The child may have reported just before exiting: look once more.
-            if self._result_conn.poll(0):
-                self._status = self._receive_result(rank)
-            else:
-                self._status = CallStatus.failed(self._died_failure(rank))
+        elif not alive:
+            self._status = CallStatus.failed(self._died_failure(rank))
         elif (not self._child_started
               and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
             kill_and_reap(self.process)

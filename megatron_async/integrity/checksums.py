@@ -123,8 +123,8 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     """
     storage = storage_for(checkpoint_dir)
     names = [
-        name for name, is_dir in storage.list_dir(checkpoint_dir)
-        if not is_dir and is_checksum_record(name)
+        name for name, num_bytes in storage.list_dir(checkpoint_dir)
+        if num_bytes is not None and is_checksum_record(name)
     ]
     if not names:
         return None
@@ -142,12 +142,14 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
 
 
 def _hash_range(storage: CheckpointStorage, path: str, offset: int, length: int) -> Optional[str]:
+    """The digest of the bytes of ``path`` in ``offset..offset+length``; None when the file
+    ends before them; ``FileNotFoundError`` without the file."""
     hasher = new_hasher()
     position, end = offset, offset + length
     while position < end:
         block = storage.read_range(path, position, min(end - position, _READ_CHUNK_BYTES))
         if not block:
-            return None  # the file ends before the item does
+            return None
         hasher.update(block)
         position += len(block)
     return hasher.hexdigest()
@@ -163,11 +165,11 @@ def verify_items(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> List[str
     storage = storage_for(checkpoint_dir)
     problems: List[str] = []
     for item in items:
-        path = os.path.join(checkpoint_dir, item.file)
-        if not storage.is_file(path):
+        try:
+            digest = _hash_range(storage, os.path.join(checkpoint_dir, item.file), item.offset, item.length)
+        except FileNotFoundError:
             problems.append(f"{item.describe()}: file {item.file} is missing")
             continue
-        digest = _hash_range(storage, path, item.offset, item.length)
         if digest is None:
             problems.append(f"{item.describe()}: file {item.file} is truncated")
         elif digest != item.digest:

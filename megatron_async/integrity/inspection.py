@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from megatron_async.checkpoint_dirs import iteration_from_path
 from megatron_async.format import DCP_METADATA_FILE, MEGATRON_METADATA_FILE, missing_completion_markers
-from megatron_async.storage.backend import CheckpointStorage, normalize_checkpoint_path, storage_for
+from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = [
     "TensorEntry",
@@ -77,15 +77,6 @@ class CheckpointSummary:
         return data
 
 
-def _list_files(storage: CheckpointStorage, path: str) -> List["FileEntry"]:
-    entries = []
-    for name, is_dir in storage.list_dir(path):
-        size = None if is_dir else storage.size(os.path.join(path, name))
-        if size is not None:
-            entries.append(FileEntry(name, size))
-    return entries
-
-
 def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
     """Every reason the checkpoint at ``path`` is not complete; empty when it is.
 
@@ -112,12 +103,10 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
                     problems.append(f"tensor {fqn} chunk at {list(chunk.offsets)} has no storage entry")
         elif MetadataIndex(fqn) not in storage_data:
             problems.append(f"object {fqn} has no storage entry")
-    sizes: Dict[str, Optional[int]] = {}
+    sizes = dict(storage.list_dir(path))  # None for a directory
     for index, info in storage_data.items():
         name = info.relative_path
-        if name not in sizes:
-            sizes[name] = storage.size(os.path.join(path, name))
-        size = sizes[name]
+        size = sizes.get(name)
         if size is None:
             problems.append(f"file {name} (holding {index.fqn}) is missing")
         elif info.offset + info.length > size:
@@ -131,19 +120,16 @@ def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -
 def summarize_checkpoint(path: str) -> CheckpointSummary:
     """Read everything ``inspect`` shows about the checkpoint at ``path``."""
     storage = storage_for(path)
-    fmt, version = None, None
-    config_path = os.path.join(path, MEGATRON_METADATA_FILE)
-    if storage.size(config_path) is not None:
-        config = json.loads(storage.read(config_path))
-        fmt, version = config.get("sharded_backend"), config.get("sharded_backend_version")
+    try:
+        config = json.loads(storage.read(os.path.join(path, MEGATRON_METADATA_FILE)))
+    except FileNotFoundError:
+        config = {}
     tensors: List[TensorEntry] = []
     objects: List[str] = []
-    metadata = None
-    if storage.size(os.path.join(path, DCP_METADATA_FILE)) is not None:
-        try:
-            metadata = storage.dcp_reader(path).read_metadata()
-        except Exception:
-            metadata = None
+    try:
+        metadata = storage.dcp_reader(path).read_metadata()
+    except Exception:  # missing or damaged: find_completeness_problems says which
+        metadata = None
     if metadata is not None:
         for fqn, item in sorted(metadata.state_dict_metadata.items()):
             if isinstance(item, TensorStorageMetadata):
@@ -158,16 +144,15 @@ def summarize_checkpoint(path: str) -> CheckpointSummary:
                 )
             elif isinstance(item, BytesStorageMetadata):
                 objects.append(fqn)
-    files = _list_files(storage, path)
     problems = find_completeness_problems(path, metadata)
     return CheckpointSummary(
         path=normalize_checkpoint_path(path),
-        format=fmt,
-        format_version=version,
+        format=config.get("sharded_backend"),
+        format_version=config.get("sharded_backend_version"),
         iteration=iteration_from_path(path),
         complete=not problems,
         problems=problems,
         tensors=tensors,
         objects=objects,
-        files=files,
+        files=[FileEntry(name, size) for name, size in storage.list_dir(path) if size is not None],
     )

@@ -58,19 +58,17 @@ class ChangeReport:
 
     Attributes:
         items: items with a digest in this save.
-        changed: items whose digest differs from the previous save's.
-        added: items the previous save did not have.
+        changed: items whose digest differs from the previous save's, or that it did not have.
         previous_checkpoint: the previous save's checkpoint; None for the first save.
     """
 
     items: int
     changed: int
-    added: int
     previous_checkpoint: Optional[str]
 
     def counts(self) -> List[int]:
-        """``[has a previous save, items, changed, added]``, to be summed over ranks."""
-        return [int(self.previous_checkpoint is not None), self.items, self.changed, self.added]
+        """``[has a previous save, items, changed]``, to be summed over ranks."""
+        return [int(self.previous_checkpoint is not None), self.items, self.changed]
 
     @classmethod
     def from_counts(
@@ -78,19 +76,19 @@ class ChangeReport:
     ) -> "ChangeReport":
         """The job-wide report from :meth:`counts` summed over ``world_size``
         ranks; a save that some rank made without a previous one counts as a first save."""
-        with_previous, items, changed, added = summed
-        return cls(items, changed, added, previous_checkpoint if with_previous == world_size else None)
+        with_previous, items, changed = summed
+        return cls(items, changed, previous_checkpoint if with_previous == world_size else None)
 
     @property
     def is_stale(self) -> bool:
         """Nothing changed while the checkpoint moved on."""
-        return self.previous_checkpoint is not None and self.items > 0 and self.changed + self.added == 0
+        return self.previous_checkpoint is not None and self.items > 0 and self.changed == 0
 
     def summary(self) -> str:
         """One phrase for the per-save log line."""
         if self.previous_checkpoint is None:
             return f"{self.items} items hashed (first save of this job)"
-        return f"{self.changed + self.added} of {self.items} items changed since the previous save"
+        return f"{self.changed} of {self.items} items changed since the previous save"
 
 
 class SaveDigestHistory:
@@ -122,15 +120,9 @@ class SaveDigestHistory:
         current = dict(digests)
         with self._lock:
             previous, previous_checkpoint = self._digests, self._checkpoint
-            changed = added = 0
-            for key, digest in current.items():
-                before = previous.get(key)
-                if before is None:
-                    added += 1
-                elif before != digest:
-                    changed += 1
+            changed = sum(previous.get(key) != digest for key, digest in current.items())
             self._pending = (checkpoint, current)
-        return ChangeReport(len(current), changed, added, previous_checkpoint)
+        return ChangeReport(len(current), changed, previous_checkpoint)
 
     def judge(self, checkpoint: str, report: ChangeReport, warn: bool = True) -> None:
         """Apply the policy to a job-wide report (every rank, the same decision everywhere).

@@ -38,10 +38,9 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.request import register_finalize_step_adapter
+from megatron_async.core.request import SaveDetails, register_finalize_step_adapter
 from megatron_async.core.save_directories import Claim, run_coordinator_step
-from megatron_async.core.save_report import SaveDetails
-from megatron_async.errors import RequestScheduledTwiceError
+from megatron_async.errors import FrozenRequestError
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.integrity.staleness import ChangeReport
 from megatron_async.saver.finalize import save_state_dict_async_finalize
@@ -83,10 +82,10 @@ class SaveFinalizer:
         """Called when the request is scheduled or run synchronously: a request runs once.
 
         Raises:
-            RequestScheduledTwiceError: it was scheduled before.
+            FrozenRequestError: it was scheduled before.
         """
         if self._scheduled:
-            raise RequestScheduledTwiceError(
+            raise FrozenRequestError(
                 f"this request to save {self._claim.directory} was already scheduled or run; a "
                 "request runs once: call dist_checkpointing.save again for a new one"
             )

@@ -56,8 +56,8 @@ logger = logging.getLogger(__name__)
 _count_lock = threading.Lock()
 _counts = {"result gathers": 0}
 
-_FAILED, _MOVED, _RANKS = 0, 1, 2
-"""Positions in the finalization's all-reduce; the stale-checkpoint counts follow."""
+_MOVED, _RANKS = 0, 1
+"""Positions in the counts the finalization sums; the stale-checkpoint counts follow."""
 
 
 def get_result_gather_count() -> int:
@@ -128,13 +128,11 @@ def save_state_dict_async_finalize(
     comparison = (
         history.compare(checkpoint, digests_of(results))
         if history is not None and failure is None
-        else ChangeReport(0, 0, 0, None)
+        else ChangeReport(0, 0, None)
     )
-    summed = coordination.all_reduce_sum(
-        [int(failure is not None), int(moved), 1, *comparison.counts()], group
+    summed = coordination.raise_if_any_rank_failed(
+        failure, group, checkpoint, counts=[int(moved), 1, *comparison.counts()]
     )
-    if summed[_FAILED]:
-        coordination.raise_agreed_failures(failure, group, checkpoint)
     report = _judge_staleness(history, summed, comparison, checkpoint, dist_wrapper)
 
     start = time.monotonic()

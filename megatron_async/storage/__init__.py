@@ -15,8 +15,9 @@ POSIX directory) and with which credentials. The optional ``msc`` extra installs
   each), listing, deletion and ranged reads;
 * :mod:`.stream` (the background writer): one bucket streamed to the store as it is
   written, as a multipart upload, hashed on the way;
-* :mod:`.client` (anywhere): the URL scheme, upload part sizes, the MSC import with its
-  typed error, and URL resolution.
+* :mod:`.client` (anywhere): the URL scheme, the MSC import with its typed error, and
+  URL resolution;
+* :mod:`.bounded_calls` (anywhere): the deadline of every object-store request.
 """
 
 from megatron_async.storage.backend import CheckpointStorage, is_object_url, normalize_checkpoint_path, storage_for

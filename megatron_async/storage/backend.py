@@ -1,13 +1,9 @@
 """One storage interface for checkpoints, chosen once from the path.
 
 Everything that lists, reads, writes or removes checkpoint files asks
-:func:`storage_for` once for the :class:`CheckpointStorage` that serves a path, and then
-calls its methods; no other code asks whether a path is a URL. Two backends exist:
-
-* :class:`~megatron_async.storage.local.LocalStorage` for plain paths (a local or
-  network-mounted POSIX file system);
-* :class:`~megatron_async.storage.objects.ObjectStorage` for ``msc://PROFILE/PREFIX``
-  URLs (object stores, through NVIDIA's multi-storage-client).
+:func:`storage_for` once for the :class:`CheckpointStorage` that serves a path (local
+files, or objects under an ``msc://`` URL), and then calls its methods; no other code
+asks whether a path is a URL.
 
 Any process may call this module (the trainer's ranks, the coordinator, the background
 writer, loaders and the command-line tools); it imports neither torch nor
@@ -44,15 +40,10 @@ class CheckpointStorage(Protocol):
     def is_dir(self, path: str) -> bool:
         """Whether the directory ``path`` exists (in a store: any object under ``path/``)."""
 
-    def size(self, path: str) -> Optional[int]:
-        """The bytes of the file at ``path``, or None when there is none."""
-
-    def total_bytes(self, path: str) -> int:
-        """The bytes of every file under the directory ``path`` (a checkpoint's size)."""
-
-    def list_dir(self, path: str) -> List[Tuple[str, bool]]:
-        """``(name, is_directory)`` of what lies directly under ``path``, sorted by name;
-        empty when ``path`` does not exist."""
+    def list_dir(self, path: str) -> List[Tuple[str, Optional[int]]]:
+        """``(name, num_bytes)`` of what lies directly under ``path``, sorted by name, from
+        one listing; ``num_bytes`` is None for a directory. Empty when ``path`` does not
+        exist."""
 
     def read(self, path: str) -> bytes:
         """The whole file at ``path``; ``FileNotFoundError`` when there is none."""
@@ -80,15 +71,12 @@ class CheckpointStorage(Protocol):
         Args:
             path: the directory.
             first: names under ``path`` that must be gone before anything else is
-                deleted, so that a removal stopped halfway leaves no complete checkpoint
-                (where the directory cannot be taken away at once).
+                deleted, so that a removal stopped halfway leaves an incomplete
+                checkpoint, which no resume picks and the next retention deletes.
 
         Raises:
             OSError: the removal failed (``ObjectStoreError`` in a store).
         """
-
-    def finish_removals(self, path: str) -> None:
-        """Finish what interrupted :meth:`remove_dir` calls left in ``path`` (best effort)."""
 
     def sync(self, path: str) -> None:
         """Make the file at ``path``, written without a flush, durable; skip a missing one."""

@@ -2,54 +2,38 @@
 
 Imports neither torch nor multi-storage-client at module level: anything may import it.
 Which backend serves a path is decided in :mod:`megatron_async.storage.backend`, the one
-place that asks :func:`is_object_url`. MSC is an optional dependency: everything that needs it calls :func:`import_msc`, which
-raises :class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the extra to
-install. Storage clients come from MSC's own per-profile cache, which MSC rebuilds after
+place that asks :func:`is_object_url`. MSC is an optional dependency: everything that
+needs it calls :func:`import_msc`, which raises
+:class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the extra to install.
+Storage clients come from MSC's own per-profile cache, which MSC rebuilds after
 a fork, so a forked writer never shares the trainer's connections.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Tuple, Union
 
 from megatron_async.errors import CheckpointValidationError, ObjectStoreUnavailableError
 
 __all__ = [
-    "DEFAULT_PART_BYTES",
-    "MIN_PART_BYTES",
     "MSC_EXTRA_HINT",
     "MSC_URL_PREFIX",
-    "STORE_ADVICE",
     "import_msc",
     "is_object_url",
     "msc_available",
+    "msc_filesystem",
     "normalize_checkpoint_path",
     "resolve",
 ]
-
-logger = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 MSC_URL_PREFIX = "msc://"
 """multi-storage-client's URL scheme: ``msc://PROFILE/PREFIX``."""
 
-MIN_PART_BYTES = 5 << 20
-"""S3's smallest part of a multipart upload (all parts but the last)."""
-
-DEFAULT_PART_BYTES = 16 << 20
-"""Bytes per uploaded part: the memory one file's upload holds at a time."""
-
 MSC_EXTRA_HINT = "pip install megatron-async[msc]"
 """What to run when object storage is asked for without multi-storage-client."""
-
-STORE_ADVICE = (
-    "check the MSC profile (MSC_CONFIG): its endpoint must be reachable, its credentials "
-    "accepted and its bucket must exist"
-)
-"""What an :class:`~megatron_async.errors.ObjectStoreError` message tells the user to check."""
 
 
 def is_object_url(path: PathLike) -> bool:

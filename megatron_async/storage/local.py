@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-_TRASH_PREFIX = ".deleting-"
-"""A directory being deleted is first renamed to ``.deleting-<name>.<pid>`` beside it."""
-
 
 def fsync_path(path: PathLike, best_effort: bool = False) -> None:
     """Flush a file's content, or a directory's entries (a rename in it), to stable storage.
@@ -110,20 +107,11 @@ class LocalStorage:
     def is_dir(self, path: str) -> bool:
         return os.path.isdir(path)
 
-    def size(self, path: str) -> Optional[int]:
-        return os.path.getsize(path) if os.path.isfile(path) else None
-
-    def total_bytes(self, path: str) -> int:
-        return sum(
-            os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(path)
-            for name in names
-        )
-
-    def list_dir(self, path: str) -> List[Tuple[str, bool]]:
+    def list_dir(self, path: str) -> List[Tuple[str, Optional[int]]]:
         if not os.path.isdir(path):
             return []
-        return sorted((name, os.path.isdir(os.path.join(path, name))) for name in os.listdir(path))
+        with os.scandir(path) as entries:
+            return sorted((entry.name, None if entry.is_dir() else entry.stat().st_size) for entry in entries)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
@@ -161,25 +149,11 @@ class LocalStorage:
         fsync_path(os.path.dirname(os.path.normpath(path)), best_effort=True)
 
     def remove_dir(self, path: str, first: Iterable[str] = ()) -> None:
-        """Rename ``path`` out of its name atomically, then delete it (best effort).
-
-        The rename takes the whole directory away at once, so ``first`` needs no
-        special order here. A crash after it leaves a ``.deleting-*`` directory that
-        :meth:`finish_removals` deletes.
-
-        Raises:
-            OSError: the rename failed; nothing was changed.
-        """
-        parent, name = os.path.split(path)
-        trash = os.path.join(parent, f"{_TRASH_PREFIX}{name}.{os.getpid()}")
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def finish_removals(self, path: str) -> None:
-        """Delete what interrupted :meth:`remove_dir` calls left in ``path`` (best effort)."""
-        for name in os.listdir(path):
-            if name.startswith(_TRASH_PREFIX):
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        """Delete ``first`` and make that durable, then the whole directory ``path``."""
+        for name in first:
+            self.remove(os.path.join(path, name))
+        fsync_path(path, best_effort=True)
+        shutil.rmtree(path)
 
     def sync(self, path: str) -> None:
         """Fsync the file ``path`` that someone else wrote without one; skip a missing one."""

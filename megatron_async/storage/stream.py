@@ -3,9 +3,10 @@
 :class:`ObjectStoreFileOpener` is the ``open_file`` that the writer's write paths get
 when the checkpoint is an ``msc://`` URL: called, it opens like multi-storage-client's
 ``open`` (the reference API's ``open_file``); :func:`megatron_async.writer.bucket_io.write_bucket`
-instead asks it for the bucket file, :func:`open_object_bucket_file`. It returns a :class:`~megatron_async.buckets.bucket_file.BucketFile` whose bytes go
-to the store instead of a local file, so everything else (DCP's byte layout, the xxh3
-digest of every item while it passes) is the same code as on POSIX:
+instead asks it for the bucket file (:meth:`~ObjectStoreFileOpener.open_bucket_file`): a
+:class:`~megatron_async.buckets.bucket_file.BucketFile` whose bytes go to the store
+instead of a local file, so everything else (DCP's byte layout, the xxh3 digest of every
+item while it passes) is the same code as on POSIX:
 
 * an S3-compatible profile gets an :class:`S3MultipartBucketFile`: bytes are gathered
   into parts of ``part_bytes`` and each full part is uploaded at once (a multipart
@@ -23,24 +24,28 @@ timeouts and retries); MSC keeps one per process and rebuilds it after a fork.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Dict, List, Optional
 
 from megatron_async.errors import ObjectStoreError
-from megatron_async.storage.bounded_calls import RequestPolicy, call_with_deadline
-from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES, import_msc, resolve
+from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S, call_with_deadline
+from megatron_async.storage.client import import_msc, resolve
 from megatron_async.buckets.bucket_file import BucketFile
 
 __all__ = [
     "DEFAULT_PART_BYTES",
     "MIN_PART_BYTES",
     "S3MultipartBucketFile",
-    "open_object_bucket_file",
     "ObjectStoreFileOpener",
 ]
 
 logger = logging.getLogger(__name__)
+
+MIN_PART_BYTES = 5 << 20
+"""S3's smallest part of a multipart upload (all parts but the last)."""
+
+DEFAULT_PART_BYTES = 16 << 20
+"""Bytes per uploaded part: the memory one file's upload holds at a time."""
 
 
 class S3MultipartBucketFile(BucketFile):
@@ -52,16 +57,15 @@ class S3MultipartBucketFile(BucketFile):
         key: the object key.
         url: the ``msc://`` URL, for messages.
         hashing: hash every item (see :class:`BucketFile`).
-        part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`).
-        policy: the deadline and retries of every request (each part is one request).
+        part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`; the write options
+            validate it).
+        timeout_s: the deadline of every request (each part is one request).
     """
 
     def __init__(
         self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int,
-        policy: Optional[RequestPolicy] = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
     ):
-        if part_bytes < MIN_PART_BYTES:
-            raise ValueError(f"part_bytes must be >= {MIN_PART_BYTES} (S3's minimum), got {part_bytes}")
         self._start_stream(hashing)
         self._advise = False  # no page cache to drop
         self._s3 = s3_client
@@ -69,7 +73,7 @@ class S3MultipartBucketFile(BucketFile):
         self._key = key
         self._url = url
         self._part_bytes = part_bytes
-        self._policy = policy or RequestPolicy()
+        self._timeout_s = timeout_s
         self._part = bytearray()
         self._upload_id: Optional[str] = None
         self._parts: List[Dict[str, Any]] = []
@@ -122,11 +126,10 @@ class S3MultipartBucketFile(BucketFile):
         if self._completed or self._upload_id is None:
             return
         upload_id, self._upload_id = self._upload_id, None
-        try:  # one bounded attempt: the store may be the reason the save failed
-            call_with_deadline(
-                "aborting the multipart upload of", self._url,
+        try:  # bounded: the store may be the reason the save failed
+            self._request(
+                "aborting the multipart upload of",
                 lambda: self._s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=upload_id),
-                dataclasses.replace(self._policy, retries=0),
             )
         except Exception as exc:  # cleanup after a failure that is reported already
             logger.warning(
@@ -157,7 +160,7 @@ class S3MultipartBucketFile(BucketFile):
         self._parts.append({"ETag": response["ETag"], "PartNumber": number})
 
     def _request(self, what: str, call: Any) -> Any:
-        return call_with_deadline(what, self._url, call, self._policy)
+        return call_with_deadline(what, self._url, call, self._timeout_s)
 
 
 def _s3_target(client: Any, path: str):
@@ -177,46 +180,39 @@ def _s3_target(client: Any, path: str):
     return provider._s3_client, bucket, key
 
 
-def open_object_bucket_file(
-    url: str, hashing: bool, part_bytes: int = DEFAULT_PART_BYTES,
-    policy: Optional[RequestPolicy] = None,
-) -> BucketFile:
-    """Open the output of one bucket at ``url`` (background writer).
-
-    Raises:
-        ObjectStoreUnavailableError: multi-storage-client is not installed.
-        ObjectStoreError: the profile is neither S3-compatible nor POSIX.
-    """
-    client, path = resolve(url)
-    local = client.get_posix_path(path)
-    if local is not None:
-        return BucketFile(local, hashing)
-    target = _s3_target(client, path)
-    if target is None:
-        raise ObjectStoreError(
-            f"{url}: the profile's storage provider cannot be streamed to; async saves to "
-            "object storage support S3-compatible profiles (type s3, s8k, ...) and POSIX ones"
-        )
-    return S3MultipartBucketFile(*target, url, hashing, part_bytes, policy)
-
-
 class ObjectStoreFileOpener:
     """``open_file`` for ``msc://`` checkpoints (pickles to the background writer).
 
     Args:
         part_bytes: bytes per uploaded part of a bucket's multipart upload.
-        policy: the deadline and retries of every request of an upload.
+        timeout_s: the deadline of every request of an upload.
     """
 
-    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES, policy: Optional[RequestPolicy] = None):
+    def __init__(self, part_bytes: int = DEFAULT_PART_BYTES, timeout_s: float = REQUEST_TIMEOUT_S):
         self.part_bytes = part_bytes
-        self.policy = policy or RequestPolicy()
+        self.timeout_s = timeout_s
 
     def __call__(self, url: str, mode: str = "rb", **kwargs: Any) -> Any:
         """Open ``url`` with multi-storage-client's ``open`` (code written to the reference API)."""
         return import_msc().open(url, mode, **kwargs)
 
     def open_bucket_file(self, url: str, hashing: bool) -> BucketFile:
-        """The streamed bucket file our write path uses (multipart, digests on the way)."""
-        return open_object_bucket_file(url, hashing, part_bytes=self.part_bytes, policy=self.policy)
+        """Open the output of one bucket at ``url``: the streamed bucket file our write path
+        uses (multipart, digests on the way).
+
+        Raises:
+            ObjectStoreUnavailableError: multi-storage-client is not installed.
+            ObjectStoreError: the profile is neither S3-compatible nor POSIX.
+        """
+        client, path = resolve(url)
+        local = client.get_posix_path(path)
+        if local is not None:
+            return BucketFile(local, hashing)
+        target = _s3_target(client, path)
+        if target is None:
+            raise ObjectStoreError(
+                f"{url}: the profile's storage provider cannot be streamed to; async saves to "
+                "object storage support S3-compatible profiles (type s3, s8k, ...) and POSIX ones"
+            )
+        return S3MultipartBucketFile(*target, url, hashing, self.part_bytes, self.timeout_s)
 

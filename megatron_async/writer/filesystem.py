@@ -44,7 +44,7 @@ from megatron_async.format import DCP_METADATA_FILE
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import preload_tensors
 from megatron_async.staging.stager import prepare_staged_write
-from megatron_async.storage.bounded_calls import BoundedFileSystem, DeadlineFileSystem
+from megatron_async.storage.bounded_calls import BoundedFileSystem
 from megatron_async.storage.client import MSC_EXTRA_HINT, msc_filesystem
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 from megatron_async.writer import write_paths
@@ -158,7 +158,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
         self.checkpoint_dir = normalize_checkpoint_path(path) if use_msc else str(path)
         if use_msc:  # DCP's own planning steps (mkdir, existing-checkpoint check) go through MSC
             fs, self.path = msc_filesystem(self.checkpoint_dir)
-        self.fs = BoundedFileSystem(fs, options.request_policy) if use_msc else DeadlineFileSystem(self.fs)
+        self.fs = BoundedFileSystem(fs, options.object_request_timeout_s) if use_msc else BoundedFileSystem(self.fs)
         self.staging_cache = staging_cache
         self.can_run_decentralized_global_plan = True
 
@@ -290,7 +290,7 @@ class FileSystemWriterAsync(ReferenceOptionNames, FileSystemWriter):
             return open
         from megatron_async.storage.stream import ObjectStoreFileOpener
 
-        return ObjectStoreFileOpener(self.options.object_part_bytes, self.options.request_policy)
+        return ObjectStoreFileOpener(self.options.object_part_bytes, self.options.object_request_timeout_s)
 
     # The reference API's staging step (trainer) and write paths (background writer), as
     # static methods so that subclasses override them and the save function still pickles.

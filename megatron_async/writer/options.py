@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 
 from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.storage.bounded_calls import RequestPolicy
-from megatron_async.storage.client import DEFAULT_PART_BYTES, MIN_PART_BYTES
+from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S
+from megatron_async.storage.stream import DEFAULT_PART_BYTES, MIN_PART_BYTES
 
 __all__ = ["WriteOptions", "DEFAULT_WRITE_TIMEOUT_S", "resolve_writer_options", "ReferenceOptionNames"]
 
@@ -76,15 +76,11 @@ class WriteOptions:
     """With ``use_msc``, bytes per uploaded part (at least S3's smallest, 5 MiB): about
     the memory each bucket's upload holds."""
 
-    object_request_timeout_s: float = RequestPolicy.timeout_s
+    object_request_timeout_s: float = REQUEST_TIMEOUT_S
     """With ``use_msc``, the most one request to the store (one uploaded part, the
-    ``.metadata`` PUT) may take, answer included; an endpoint that stops answering, or
-    answers a byte at a time, fails the save on every rank (see
-    :mod:`megatron_async.storage.bounded_calls`)."""
-
-    object_request_retries: int = RequestPolicy.retries
-    """With ``use_msc``, further attempts of a request after a transient failure
-    (timeouts, dropped connections, throttling, 5xx), with exponential backoff."""
+    ``.metadata`` PUT) may take, answer and the client's retries included (the MSC
+    profile configures those); an endpoint that stops answering, or answers a byte at a
+    time, fails the save on every rank (see :mod:`megatron_async.storage.bounded_calls`)."""
 
     overlap_staging: bool = False
     """Overlapped staging: ``preload_fn`` only leases the staging buffers, scheduling
@@ -124,11 +120,10 @@ class WriteOptions:
                 f"separation_hint must be a non-empty key prefix without {os.sep!r} (it starts "
                 f"file names), got {self.separation_hint!r}"
             )
-        if not isinstance(self.write_timeout_s, (int, float)) or not self.write_timeout_s > 0:
-            raise CheckpointValidationError(
-                f"write_timeout_s must be a positive number of seconds, got {self.write_timeout_s!r}"
-            )
-        self.request_policy  # validates the object-store request bounds
+        for name in ("write_timeout_s", "object_request_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise CheckpointValidationError(f"{name} must be a positive number of seconds, got {value!r}")
         from megatron_async.staging.budget import validate_staging_memory_limit
 
         validate_staging_memory_limit(self.staging_memory_limit)
@@ -141,12 +136,6 @@ class WriteOptions:
                     f"object_part_bytes must be >= {MIN_PART_BYTES} (S3's smallest part), got "
                     f"{self.object_part_bytes}"
                 )
-
-
-    @property
-    def request_policy(self) -> RequestPolicy:
-        """The bounds of every object-store request of the write."""
-        return RequestPolicy(timeout_s=self.object_request_timeout_s, retries=self.object_request_retries)
 
 
 def resolve_writer_options(

@@ -683,7 +683,7 @@ def stale_checkpoint_detection(ctx, persistent):
     strategy.use_cached_ckpt_structure = True
     first, again, changed = (_dir(ctx, f"stale-{persistent}-{n}") for n in range(3))
     with _captured_log("megatron_async.integrity.staleness", logging.WARNING) as warnings, \
-            _captured_log("megatron_async.core.save_report", logging.INFO) as lines:
+            _captured_log("megatron_async.core.queue", logging.INFO) as lines:
         _save_async(queue, ctx, first, strategy, 5.0)
         _save_async(queue, ctx, again, strategy, 5.0)
         _save_async(queue, ctx, changed, strategy, 6.0)

@@ -16,9 +16,9 @@ PACKAGE = "megatron_async"
 
 LAYERS = (
     ("__main__",),
-    ("cli", "manager", "strategy", "state_dict_saver", "filesystem_async"),
+    ("cli", "manager", "state_dict_saver", "filesystem_async"),
     ("mcore", "nvrx"),
-    ("torch_ckpt", "cached_metadata_filesystem_reader", "save_failures"),
+    ("torch_ckpt", "save_failures"),
     ("saver",),
     ("writer",),
     ("staging",),

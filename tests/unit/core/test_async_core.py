@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
-from megatron_async.core.request import require_hand_over, run_preload
-from megatron_async.core.save_report import SaveDetails
+from megatron_async.core.request import SaveDetails, require_hand_over, run_preload
 from megatron_async.errors import (
     AsyncSaveFailedError,
     FrozenRequestError,

@@ -19,7 +19,7 @@ from megatron_async.core import (
     AsyncRequest,
     PersistentAsyncCaller,
 )
-from megatron_async.core.save_report import SaveDetails
+from megatron_async.core.request import SaveDetails
 from megatron_async.errors import AsyncSaveFailedError, RemoteFailureError, ReplacedReferenceAPIError
 from tests import background_fns as fns
 

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.errors import AsyncSaveFailedError, QueueClosedError, RequestScheduledTwiceError
+from megatron_async.errors import AsyncSaveFailedError, FrozenRequestError, QueueClosedError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
@@ -67,7 +67,7 @@ def test_a_request_scheduled_twice_is_refused_and_the_first_save_completes(tmp_p
     try:
         request = TorchDistAsyncSaveStrategy().async_save(_state(4.0), tmp_path)
         queue.schedule_async_request(request)
-        with pytest.raises(RequestScheduledTwiceError, match="already scheduled or run; a request runs once"):
+        with pytest.raises(FrozenRequestError, match="already scheduled or run; a request runs once"):
             queue.schedule_async_request(request)
         assert queue.get_num_unfinalized_calls() == 1
         assert str(tmp_path) in checkpoint_dirs_in_flight()  # the refusal did not free the first save's claim
@@ -85,7 +85,7 @@ def test_a_request_run_synchronously_cannot_be_scheduled_or_run_again(tmp_path):
         request = TorchDistAsyncSaveStrategy().async_save(_state(5.0), tmp_path)
         request.execute_sync()
         for run_again in (lambda: queue.schedule_async_request(request), request.execute_sync):
-            with pytest.raises(RequestScheduledTwiceError, match="already scheduled or run"):
+            with pytest.raises(FrozenRequestError, match="already scheduled or run"):
                 run_again()
         assert queue.get_num_unfinalized_calls() == 0
         _retry_succeeds(queue, tmp_path, 6.0)

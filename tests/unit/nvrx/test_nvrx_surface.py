@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_async.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+from megatron_async.nvrx.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 from megatron_async.errors import ModuleSurfaceConflictError
 from megatron_async.nvrx import state_dict_saver as nvrx_saver
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
@@ -109,7 +109,7 @@ def test_cached_reader_serves_the_cache_until_the_checkpoint_is_rewritten(tmp_pa
     assert len(reads) == 2
     CachedMetadataFileSystemReader(path, cache_metadata=False).read_metadata()
     assert len(reads) == 3
-    CachedMetadataFileSystemReader.clear_metadata_cache(path)
+    CachedMetadataFileSystemReader.clear_metadata_cache()
     CachedMetadataFileSystemReader(path).read_metadata()
     assert len(reads) == 4
     loaded = {"w": torch.zeros(4)}

@@ -262,11 +262,12 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
 def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
     import logging
 
-    from megatron_async.core.save_report import SaveDetails, log_finalized_save
+    from megatron_async.core.queue import log_finalized_save
+    from megatron_async.core.request import SaveDetails
 
     caplog.set_level(logging.INFO, logger="megatron_async")
     details = SaveDetails("ckpt", 0.01, 0.5, 4096, None, staging_bytes=1024, staging_rounds=4)
-    log_finalized_save(0, 3, 0.2, 0.1, details)
+    log_finalized_save(3, 0.2, 0.1, details)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "staging peak 1024 bytes in 4 round(s)" in line
 

@@ -183,7 +183,7 @@ def test_a_failed_write_gives_the_staging_memory_back(tmp_path):
 def test_async_save_in_rounds_saves_the_state_at_scheduling(tmp_path, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="megatron_async.core.save_report")
+    caplog.set_level(logging.INFO, logger="megatron_async.core.queue")
     ckpt = TorchAsyncCheckpoint(staging_memory_limit=64 * KIB)
     try:
         state = {f"t{i}": torch.full((8 * KIB,), float(i)) for i in range(8)}  # 256 KiB

@@ -42,12 +42,12 @@ def test_the_backend_is_chosen_from_the_path_without_io():
 def test_written_files_read_back_whole_and_in_ranges(root):
     storage = storage_for(root)
     path = os.path.join(root, "a.bin")
-    assert not storage.is_file(path) and storage.size(path) is None
+    assert not storage.is_file(path)
     with pytest.raises(FileNotFoundError):
         storage.read(path)
     storage.make_dir(root)
     storage.write_atomically(path, b"0123456789")
-    assert storage.is_file(path) and storage.size(path) == 10
+    assert storage.is_file(path) and storage.list_dir(root) == [("a.bin", 10)]
     assert storage.read(path) == b"0123456789"
     assert storage.read_range(path, 3, 4) == b"3456"
     assert storage.read_range(path, 8, 100) == b"89"  # fewer at the end
@@ -69,8 +69,7 @@ def test_listing_sizes_and_directories(root):
     storage.write_atomically(os.path.join(root, "a.txt"), b"a")
     assert storage.is_dir(root) and storage.is_dir(os.path.join(root, "iter_0000001"))
     assert not storage.is_file(os.path.join(root, "iter_0000001"))
-    assert storage.list_dir(root) == [("a.txt", False), ("b.txt", False), ("iter_0000001", True)]
-    assert storage.total_bytes(root) == 6
+    assert storage.list_dir(root) == [("a.txt", 1), ("b.txt", 2), ("iter_0000001", None)]
 
 
 def test_removal_of_files_and_directories(root):
@@ -89,7 +88,6 @@ def test_removal_of_files_and_directories(root):
     storage.remove_dir(directory, first=COMPLETION_MARKERS)
     assert not storage.is_dir(directory)
     assert storage.list_dir(root) == []
-    storage.finish_removals(root)
 
 
 def test_a_backend_pickles_to_the_background_writer(root):
@@ -122,3 +120,22 @@ def test_the_format_and_storage_modules_import_no_circle():
         return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in graph[start])
 
     assert not [name for name in graph if reaches(name, name)]
+
+
+def test_a_local_deletion_cut_short_leaves_an_incomplete_checkpoint(tmp_path, monkeypatch):
+    """As in a store: the markers go first, so what a failed deletion leaves is incomplete."""
+    from megatron_async import checkpoint_dirs
+    from megatron_async.storage import local
+
+    path = str(tmp_path / "iter_0000003")
+    os.makedirs(path)
+    for name in ("__0_0.distcp",) + COMPLETION_MARKERS:
+        (tmp_path / "iter_0000003" / name).write_bytes(b"{}")
+
+    def cut_short(path):
+        raise OSError(f"cannot delete {path}")
+
+    monkeypatch.setattr(local.shutil, "rmtree", cut_short)
+    assert not checkpoint_dirs.delete_checkpoint_dir(path)
+    assert not checkpoint_dirs.is_complete_checkpoint(path)
+    assert os.listdir(path) == ["__0_0.distcp"]

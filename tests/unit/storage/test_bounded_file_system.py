@@ -1,4 +1,4 @@
-"""BoundedFileSystem: DCP's planning requests to an object store (mkdir, exists) are bounded."""
+"""BoundedFileSystem: DCP's planning requests (mkdir, exists) to an object store or a local mount are bounded."""
 
 import pickle
 import threading
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from megatron_async.storage.bounded_calls import BoundedFileSystem, ObjectStoreTimeoutError, RequestPolicy
+from megatron_async.storage.bounded_calls import BoundedFileSystem, ObjectStoreTimeoutError
 
-_QUICK = RequestPolicy(timeout_s=0.1, retries=1, backoff_s=0.0, max_backoff_s=0.0)
+_QUICK_S = 0.1
 
 
 class _Store:
@@ -29,20 +29,20 @@ class _Store:
 
 def test_a_store_that_stops_answering_fails_planning_within_the_bound():
     store = _Store()
-    fs = BoundedFileSystem(store, _QUICK)
+    fs = BoundedFileSystem(store, _QUICK_S)
     for request, args in (("mkdir", ("bucket/ckpt",)), ("exists", ("bucket/ckpt/.metadata",))):
         started = time.monotonic()
         with pytest.raises(ObjectStoreTimeoutError, match="bucket/ckpt"):
             getattr(fs, request)(*args)
-        assert time.monotonic() - started < 5.0  # two attempts of 0.1 s, not 30 s
-    assert [call[0] for call in store.calls] == ["mkdir", "mkdir", "exists", "exists"]  # retried once
+        assert time.monotonic() - started < 5.0  # a deadline of 0.1 s, not 30 s
+    assert [call[0] for call in store.calls] == ["mkdir", "exists"]
     store.answer.set()
 
 
 def test_answers_and_other_attributes_come_through_unchanged():
     store = _Store()
     store.answer.set()
-    fs = BoundedFileSystem(store, _QUICK)
+    fs = BoundedFileSystem(store, _QUICK_S)
     assert fs.exists("bucket/ckpt/.metadata") is True
     fs.mkdir("bucket/ckpt", exist_ok=False)
     assert store.calls == [("exists", "bucket/ckpt/.metadata"), ("mkdir", "bucket/ckpt", False)]
@@ -50,7 +50,7 @@ def test_answers_and_other_attributes_come_through_unchanged():
 
 
 def test_it_pickles():
-    copy = pickle.loads(pickle.dumps(BoundedFileSystem(_PicklableStore(), _QUICK)))
+    copy = pickle.loads(pickle.dumps(BoundedFileSystem(_PicklableStore(), _QUICK_S)))
     assert copy.exists("x") == "x"
 
 
@@ -66,18 +66,17 @@ def test_a_local_mount_that_hangs_fails_a_writers_planning_within_the_save_step_
 
     from megatron_async.core import save_directories
     from megatron_async.core.save_directories import FileSystemStepTimeoutError
-    from megatron_async.storage.bounded_calls import DeadlineFileSystem
     from megatron_async.writer.filesystem import FileSystemWriterAsync
 
     monkeypatch.setattr(save_directories, "coordinator_step_timeout_s", lambda: 0.2)
     writer = FileSystemWriterAsync(str(tmp_path / "ckpt"))
-    assert isinstance(writer.fs, DeadlineFileSystem)
+    assert isinstance(writer.fs, BoundedFileSystem) and writer.fs._timeout_s is None  # the save-step bound
     assert writer.prepare_local_plan(SavePlan([])) is not None and (tmp_path / "ckpt").is_dir()
     store = _Store()
-    writer.fs = DeadlineFileSystem(store)
+    writer.fs = BoundedFileSystem(store)
     started = time.monotonic()
     with pytest.raises(FileSystemStepTimeoutError, match="creating the folder .*ckpt did not return within 0.2s"):
         writer.prepare_local_plan(SavePlan([]))
     assert time.monotonic() - started < 5.0 and len(store.calls) == 1  # no retry
     store.answer.set()
-    assert pickle.loads(pickle.dumps(DeadlineFileSystem(_PicklableStore()))).exists("x") == "x"
+    assert pickle.loads(pickle.dumps(BoundedFileSystem(_PicklableStore()))).exists("x") == "x"

@@ -147,10 +147,14 @@ def test_an_interrupted_deletion_leaves_an_incomplete_checkpoint(store, save_url
     path = put_checkpoint(url, 7)
     from megatron_async.storage import objects
 
-    def store_fails(self, url):
-        raise ObjectStoreError(f"deleting {url} failed: the store went away")
+    bounded = objects.call_with_deadline
 
-    monkeypatch.setattr(objects.ObjectStorage, "_delete_under", store_fails)
+    def store_fails_under(what, url, call, *args):
+        if what == "deleting" and url == path:  # the data objects, after the markers
+            raise ObjectStoreError(f"deleting {url} failed: the store went away")
+        return bounded(what, url, call, *args)
+
+    monkeypatch.setattr(objects, "call_with_deadline", store_fails_under)
     assert not checkpoint_dirs.delete_checkpoint_dir(path)
     assert not checkpoint_dirs.is_complete_checkpoint(path)
     assert keys_under(store, f"{prefix}/iter_0000007") == ["__0_0.distcp"]

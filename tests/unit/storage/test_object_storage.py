@@ -42,9 +42,9 @@ def test_an_object_url_without_use_msc_is_refused():
 
 
 def _open(url):
-    from megatron_async.storage.stream import open_object_bucket_file
+    from megatron_async.storage.stream import ObjectStoreFileOpener
 
-    return open_object_bucket_file(url, True, part_bytes=PART)
+    return ObjectStoreFileOpener(part_bytes=PART).open_bucket_file(url, True)
 
 
 @needs_store
@@ -113,7 +113,7 @@ def test_small_objects_listing_and_completion_markers(store):
     storage.write_atomically(url + "/metadata.json", "{}")
     assert has_completion_markers(url, storage)
     assert [name for name, _ in storage.list_dir(url)] == [".metadata", "metadata.json"]
-    assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", True)]
+    assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", None)]
     assert sorted(remove_completion_markers(url, storage)) == [".metadata", "metadata.json"]
     assert not has_completion_markers(url, storage)
 
@@ -125,6 +125,6 @@ def test_dcp_planning_requests_of_the_writer_are_bounded(store):
 
     options = WriteOptions(use_msc=True, object_request_timeout_s=7.0)
     writer = FileSystemWriterAsync("msc://unit/bounded", options=options)
-    assert isinstance(writer.fs, BoundedFileSystem) and writer.fs._policy.timeout_s == 7.0
+    assert isinstance(writer.fs, BoundedFileSystem) and writer.fs._timeout_s == 7.0
     writer.fs.mkdir(writer.path)  # DCP's prepare_local_plan: the folder, then an existing .metadata
     assert writer.fs.exists(writer.fs.concat_path(writer.path, ".metadata")) is False
