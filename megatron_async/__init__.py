@@ -48,7 +48,6 @@ _LAZY = {
     "TorchDistSaveConfig": "megatron_async.mcore.config",
     "register_strategies": "megatron_async.mcore.strategy",
     "TorchAsyncCheckpoint": "megatron_async.torch_ckpt",
-    "WriterPriority": "megatron_async.core.priority",
 }
 """Each public name and the module it is imported from on first use."""
 

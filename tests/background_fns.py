@@ -98,23 +98,10 @@ def write_worker_facts(path: str, staged, _unused=None) -> None:
     os.replace(path + ".tmp", path)
 
 
-def current_io_priority():
-    """The calling thread's raw I/O priority value (``ioprio_get``), or None if unknown."""
-    import ctypes
-
-    from megatron_async.core import priority
-
-    number = priority._ioprio_syscall(1)
-    if number is None:
-        return None
-    value = ctypes.CDLL(None, use_errno=True).syscall(number, priority._IOPRIO_WHO_PROCESS, 0)
-    return None if value < 0 else value
-
-
-def record_priority(path: str, staged, _unused=None) -> None:
-    """Write the writer thread's nice value and raw I/O priority to ``path``."""
+def record_nice(path: str, staged, _unused=None) -> None:
+    """Write the writer thread's nice value to ``path``."""
     with open(path, "w") as f:
-        f.write(f"{os.nice(0)} {current_io_priority()}")
+        f.write(str(os.nice(0)))
 
 
 class UnpicklableError(Exception):

@@ -7,7 +7,6 @@ nvidia-resiliency-ext's ``checkpointing.async_ckpt.core``, so switching is one i
 from megatron_async.core.caller import AsyncCaller, CallState, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
-from megatron_async.core.priority import WriterPriority
 from megatron_async.core.queue import AsyncCallsQueue
 # Re-exported, not public: megatron-core's async_utils module has it (code imports it).
 from megatron_async.core.queue import _ActiveAsyncRequest as _ActiveAsyncRequest
@@ -21,7 +20,6 @@ __all__ = [
     "PersistentAsyncCaller",
     "AsyncCallsQueue",
     "AsyncCallerConfig",
-    "WriterPriority",
     "CallState",
     "CallStatus",
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_async.core.priority import WriterPriority
 from megatron_async.errors import CheckpointValidationError
 
 __all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG"]
@@ -56,20 +55,21 @@ class AsyncCallerConfig:
     it for the job's coordination group; a coordinator-only file-system step gets half of
     it (:mod:`megatron_async.core.save_directories`)."""
 
-    writer_priority: WriterPriority = dataclasses.field(default_factory=WriterPriority)
-    """CPU and I/O priority of the background processes (forked writers, the persistent
-    worker): by default nice +10 and best-effort I/O level 7, so that the writer yields
-    to the training loop. ``WriterPriority(nice_increment=0, io_class="inherit")`` keeps
-    the trainer's priority."""
+    writer_nice_increment: int = 10
+    """Added to the trainer's nice value in the background processes (forked writers, the
+    persistent worker, every thread they start), so that the writer yields the CPU to the
+    training loop (a nice +10 thread gets about a tenth of the CPU time of a nice 0 thread
+    on the same core); 0 keeps the trainer's priority, 19 is the lowest."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.writer_priority, WriterPriority):
+        nice = self.writer_nice_increment
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
             raise CheckpointValidationError(
-                "AsyncCallerConfig.writer_priority must be a megatron_async.core.priority."
-                f"WriterPriority, got {self.writer_priority!r}"
+                "AsyncCallerConfig.writer_nice_increment must be an int from 0 to 19 (0 keeps "
+                f"the trainer's CPU priority), got {nice!r}"
             )
         for field in dataclasses.fields(self):
-            if field.name == "writer_priority":
+            if field.name == "writer_nice_increment":
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:

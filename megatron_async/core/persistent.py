@@ -7,7 +7,7 @@ import time
 from typing import Any, Dict, Optional
 
 from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import describe_exit, kill_and_reap, register_exit_cleanup
+from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
 from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
-    The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) that
+    The worker is a fork of the trainer (:mod:`megatron_async.core.worker_process`) that
     never runs the training script's code, so the script needs no ``__main__`` guard; a
     script's own routines reach it by value
     (:mod:`megatron_async.core.request_transport`). The trainer stages each request's
@@ -44,7 +44,7 @@ class PersistentAsyncCaller(AsyncCaller):
     every replacement, is logged at WARNING.
 
     Args:
-        config: bounds of every wait, and the worker's CPU and I/O priority.
+        config: bounds of every wait, and the worker's CPU priority.
         is_daemon: accepted for the reference API, where it makes the worker a
             multiprocessing daemon. Ours is never one: it always dies with the trainer
             (parent-death signal, exit hook), so both values behave the same.
@@ -63,7 +63,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._unreceived: Dict[int, float] = {}  # call -> time it was sent
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
-        register_exit_cleanup(self, "_abort_at_exit")
+        abort_at_exit(self)
         try:
             self._start_worker()
         except WorkerDiedError as exc:
@@ -294,7 +294,7 @@ class PersistentAsyncCaller(AsyncCaller):
         """The reference API's worker main loop over three multiprocessing queues.
 
         Our worker (a fork of the trainer) runs
-        :func:`megatron_async.core.worker_loop.main` and receives requests with their
+        :func:`megatron_async.core.worker_loop.run_child` and receives requests with their
         staged tensors as shared-memory references (a queue cannot carry them into a running
         process without pickling every tensor), so this loop has no counterpart here.
 

@@ -1,9 +1,10 @@
 """Process lifetime helpers shared by the callers (trainer side and background side).
 
 Background processes must never outlive, or be outlived by, their trainer in a way
-that hangs or leaks: they ask the kernel to kill them when the trainer dies, and the
-trainer kills what is left of them at interpreter exit, before multiprocessing's own
-exit hook would join (unboundedly) any non-daemon child.
+that hangs or leaks: the kernel kills them when the trainer dies (they start with
+:func:`enter_background`), and the trainer kills what is left of them at interpreter
+exit (:func:`abort_at_exit`), before multiprocessing's own exit hook would join
+(unboundedly) any non-daemon child.
 """
 
 from __future__ import annotations
@@ -11,22 +12,15 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
-import multiprocessing
 import multiprocessing.process
 import os
 import signal
-import threading
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
-__all__ = [
-    "describe_exit",
-    "raise_open_file_limit",
-    "set_parent_death_signal",
-    "parent_is_alive",
-    "kill_and_reap",
-    "register_exit_cleanup",
-]
+import psutil
+
+__all__ = ["enter_background", "describe_exit", "kill_and_reap", "abort_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,40 +33,23 @@ uninterruptible I/O (a hung mount), where waiting longer would only stall the tr
 a caller's ``close()`` passes its ``close_timeout_s`` instead."""
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to send ``sig`` to this (background) process when its parent dies.
+def enter_background(parent_pid: int, nice_increment: int) -> None:
+    """Tie this forked process to its trainer and lower its CPU priority (background side).
 
-    Runs in the background process. A no-op where prctl is unavailable; the worker
-    loops also poll :func:`parent_is_alive` as a portable fallback.
+    Call it first thing in the child, before any thread starts: Linux sends SIGKILL here
+    when the trainer dies (``PR_SET_PDEATHSIG``; a trainer gone before that exits at
+    once), and every thread started later inherits the nice value
+    (``AsyncCallerConfig.writer_nice_increment``), so the writer yields the CPU to the
+    training loop. The trainer is never touched.
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on parent polling")
-
-
-def raise_open_file_limit() -> int:
-    """Lift this process's soft limit of open files to its hard limit; return the limit.
-
-    Runs on the trainer and in the persistent worker: torch shares every CPU tensor
-    storage sent to the worker through a file descriptor that stays open on both sides.
-    """
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if nice_increment:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            logger.debug("cannot raise RLIMIT_NOFILE to %s: %s", hard, exc)
-    return soft
-
-
-def parent_is_alive(parent_pid: int) -> bool:
-    """True while the process that started us is still our parent (background side)."""
-    return os.getppid() == parent_pid
+            os.nice(nice_increment)
+        except OSError as exc:  # the write goes on at the trainer's priority
+            logger.debug("cannot lower the writer's CPU priority: %s", exc)
 
 
 def describe_exit(exitcode: Optional[int]) -> str:
@@ -83,24 +60,22 @@ def describe_exit(exitcode: Optional[int]) -> str:
 
 
 def kill_and_reap(process, join_timeout_s: float = REAP_AFTER_KILL_S) -> None:
-    """SIGKILL a multiprocessing process (and its children) and join it, bounded.
+    """SIGKILL a background process (and its children) and join it, bounded.
 
     Runs on the trainer. Children are killed too because a background writer may have
-    started I/O processes of its own.
+    started I/O processes of its own (megatron-core's writer does).
     """
     if process is None:
         return
     pid = process.pid
     if pid is not None and process.is_alive():
         try:
-            import psutil
-
             for child in psutil.Process(pid).children(recursive=True):
                 try:
                     child.kill()
                 except psutil.Error:
                     pass
-        except Exception as exc:  # best effort: psutil missing or process already gone
+        except psutil.Error as exc:  # best effort: the process is already gone
             logger.debug("could not list children of pid %s: %s", pid, exc)
         try:
             os.kill(pid, signal.SIGKILL)
@@ -114,43 +89,27 @@ def kill_and_reap(process, join_timeout_s: float = REAP_AFTER_KILL_S) -> None:
             pid, join_timeout_s,
         )
         # multiprocessing's exit hook joins every child it knows, without a bound
-        children = getattr(multiprocessing.process, "_children", None)
-        if isinstance(children, set):
-            children.discard(process)
+        multiprocessing.process._children.discard(process)
 
 
 # Per process, like the atexit hook that reads it: every live caller of the interpreter.
-_cleanups: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_cleanup_lock = threading.Lock()
-_next_cleanup_id = 0
+_live_callers: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def register_exit_cleanup(owner: object, method_name: str) -> None:
-    """Call ``owner.<method_name>()`` at interpreter exit if ``owner`` is still alive.
+def abort_at_exit(caller) -> None:
+    """Call ``caller._abort_at_exit()`` at interpreter exit if ``caller`` is still alive.
 
     Runs on the trainer. Held weakly, so a collected caller is simply skipped. Our
     atexit hook is registered after multiprocessing's, so it runs first (atexit is LIFO)
     and the processes are gone before multiprocessing tries to join them.
     """
-    global _next_cleanup_id
-    with _cleanup_lock:
-        _cleanups[_next_cleanup_id] = owner
-        _next_cleanup_id += 1
-    setattr(owner, "_exit_cleanup_method", method_name)
+    _live_callers.add(caller)
 
 
 @atexit.register
-def _run_exit_cleanups() -> None:
-    with _cleanup_lock:
-        owners = list(_cleanups.values())
-        _cleanups.clear()
-    for owner in owners:
-        method: Optional[Callable[[], None]] = getattr(
-            owner, getattr(owner, "_exit_cleanup_method", ""), None
-        )
-        if method is None:
-            continue
+def _abort_live_callers() -> None:
+    for caller in list(_live_callers):
         try:
-            method()
+            caller._abort_at_exit()
         except Exception as exc:  # best effort at exit; keep cleaning the others
             logger.warning("async checkpoint cleanup at exit failed: %s", exc)

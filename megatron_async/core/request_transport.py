@@ -33,8 +33,8 @@ request. The worker keeps a *reusable* segment (cached staging buffers) mapped u
 trainer says it is gone, and drops any other once the call that used it is written, so
 no staging memory outlives its save in the worker.
 
-Trainer side: :class:`RequestSender` (here). Worker side:
-:class:`~megatron_async.core.request_receiver.SegmentTable`.
+Trainer side: :class:`RequestSender`, one per worker. Worker side:
+:class:`~megatron_async.core.worker_loop.SegmentTable`, which reads what that sender wrote.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ __all__ = ["EncodedRequest", "RequestSender"]
 _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
-# Names that a pickled request refers to; the worker's SegmentTable
-# (megatron_async.core.request_receiver) reads each as one of
-# its methods (a tensor over a mapped segment, a plan item sent earlier, a
-# ReusedTensorPairs list pickled once), so these bodies never run there.
+# Names that a pickled request refers to; the worker's unpickler
+# (megatron_async.core.worker_loop) reads each as one of its SegmentTable's methods (a
+# tensor over a mapped segment, a plan item sent earlier, a ReusedTensorPairs list pickled
+# once), so these bodies never run there.
 _OUTSIDE_A_TABLE = "decode a request for the persistent worker with SegmentTable.apply"
 
 
@@ -120,9 +120,6 @@ class SentObjects:
         self._next = itertools.count(1)
         self._used: set = set()
         self._new: Dict[int, Tuple[int, Any]] = {}  # token -> (id(item), item)
-        self.epoch = 0
-        """Counts the times tokens were dropped: bytes encoded in an earlier epoch may
-        name tokens the worker no longer has."""
 
     def start_request(self) -> None:
         self._used, self._new = set(), {}
@@ -150,7 +147,6 @@ class SentObjects:
         if unused > KEEP_UNUSED_OBJECTS:
             stale = [key for key, (token, _) in self._tokens.items() if token not in self._used]
             forget = tuple(self._tokens.pop(key)[0] for key in stale)
-            self.epoch += 1
         self._new = {}
         return new_objects, forget
 
@@ -159,7 +155,6 @@ class SentObjects:
         for key, _ in self._new.values():
             self._tokens.pop(key, None)
         self._new = {}
-        self.epoch += 1
 
 
 class _CallArena:
@@ -249,7 +244,6 @@ class _EncodedPairs(NamedTuple):
     payload: bytes
     tokens: Tuple[int, ...]  # the plan items it names (counted as used by each request)
     segments: Tuple[shared_memory.Segment, ...]  # the segments it names (mapped first)
-    epoch: int  # the plan-item epoch it was encoded in
     watch: "weakref.ref"  # drops the entry when the pairs die
 
 
@@ -263,7 +257,8 @@ class RequestSender:
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
         self._objects = SentObjects()
-        self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding
+        self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding;
+        # emptied whenever the worker may drop plan items that cached bytes name
 
     def _encode_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> bytes:
         """The pickled ``pairs``: encoded at their first request, then the same bytes.
@@ -272,7 +267,7 @@ class RequestSender:
         and the worker still has the plan items it names; the entry goes with ``pairs``.
         """
         entry = self._pairs.get(id(pairs))
-        if entry is not None and entry.watch() is pairs and entry.epoch == self._objects.epoch:
+        if entry is not None and entry.watch() is pairs:
             self._objects.use_tokens(entry.tokens)
             for segment in entry.segments:
                 self._use(segment)
@@ -284,9 +279,8 @@ class RequestSender:
         if all(segment.reusable for segment in segments):  # an arena copy lives one call only
             cache, key = self._pairs, id(pairs)
             watch = weakref.ref(pairs, lambda _ref: cache.pop(key, None))
-            self._pairs[key] = _EncodedPairs(
-                buffer.getvalue(), tuple(set(pickler.tokens)), segments, self._objects.epoch, watch
-            )
+            tokens = tuple(set(pickler.tokens))
+            self._pairs[key] = _EncodedPairs(buffer.getvalue(), tokens, segments, watch)
         return buffer.getvalue()
 
     def _use(self, segment: shared_memory.Segment) -> None:
@@ -335,12 +329,13 @@ class RequestSender:
             )
         except BaseException:
             self._objects.abandon_request()
+            self._pairs.clear()
             raise
         finally:
             new, self._new = self._new, {}
-        forget = tuple(
-            sid for sid in self._mapped if not shared_memory.segment_is_alive(sid)
-        )
+        if forget_objects:
+            self._pairs.clear()
+        forget = tuple(sid for sid, segment in self._mapped.items() if segment() is None)
         for sid in forget:
             del self._mapped[sid]
         call_segments = []

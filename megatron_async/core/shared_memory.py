@@ -41,7 +41,6 @@ __all__ = [
     "pin_segment",
     "segment_view",
     "find_segment",
-    "segment_is_alive",
     "segment_ranges",
     "ReusedTensorPairs",
     "live_bytes",
@@ -80,7 +79,6 @@ _lock = threading.Lock()
 _ids = itertools.count(1)
 _bases: List[int] = []  # sorted start addresses of the live segments
 _by_base: Dict[int, Tuple[int, "weakref.ref[torch.Tensor]", int, bool]] = {}  # id, owner, size, reusable
-_live_ids: Dict[int, int] = {}  # segment id -> start address
 
 
 def _unregister(base: int, segment_id: int) -> None:
@@ -89,7 +87,6 @@ def _unregister(base: int, segment_id: int) -> None:
         if entry is not None and entry[0] == segment_id:
             del _by_base[base]
             del _bases[bisect.bisect_left(_bases, base)]
-        _live_ids.pop(segment_id, None)
 
 
 def _reserve(storage: torch.UntypedStorage, num_bytes: int) -> None:
@@ -131,7 +128,6 @@ def allocate_segment(num_bytes: int, reusable: bool = False) -> torch.Tensor:
         segment_id = next(_ids)
         _by_base[base] = (segment_id, weakref.ref(tensor), num_bytes, reusable)
         bisect.insort(_bases, base)
-        _live_ids[segment_id] = base
     weakref.finalize(tensor, _unregister, base, segment_id)
     return tensor
 
@@ -200,12 +196,6 @@ def find_segment(tensor: torch.Tensor) -> Optional[Segment]:
     if owner is None or owner.data_ptr() != base:
         return None
     return Segment(segment_id, owner, start - base, reusable)
-
-
-def segment_is_alive(segment_id: int) -> bool:
-    """Whether the segment ``segment_id`` is still registered in this process."""
-    with _lock:
-        return segment_id in _live_ids
 
 
 def segment_ranges() -> List[Tuple[int, int]]:

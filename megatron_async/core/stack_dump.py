@@ -5,16 +5,16 @@ was (a write blocked on a stalled file system, a lock never released), and the e
 every rank raises names each thread's innermost frame on its one line.
 
 Trainer side: :func:`new_file`, just before forking a writer (the temporal caller's child,
-the persistent worker), makes an anonymous file that the child inherits; :func:`collect`
-sends :data:`DUMP_SIGNAL` to the writer (a child not yet reaped, so the pid is its
-writer's) and reads what it wrote there, waiting a bounded moment. Background side:
-:func:`arm`, first thing in the child, has :mod:`faulthandler` write every thread's stack
-to that file on the signal and then writes a first line, so the trainer signals only a
-writer that armed itself (the signal's default action would end it); :func:`disarm`
-ignores the signal on a normal exit. A writer in an uninterruptible system call (a hung
-NFS server) cannot run the handler until the call returns: :func:`collect` then gives up
-after its wait and returns None. Where the platform has no real-time signals or
-``memfd_create``, all of this is a no-op.
+the persistent worker), makes an anonymous file that the child inherits;
+:func:`timeout_note`, just before the kill, sends :data:`DUMP_SIGNAL` to the writer (a
+child not yet reaped, so the pid is its writer's) and reads what it wrote there, waiting
+a bounded moment. Background side: :func:`arm`, first thing in the child, has
+:mod:`faulthandler` write every thread's stack to that file on the signal. A writer that
+has not armed itself yet is ended by the signal's default action, which the kill that
+follows would do anyway; one in an uninterruptible system call (a hung NFS server) cannot
+run the handler until the call returns. Either way nothing is written and the error goes
+without stacks. Where the platform has no real-time signals or ``memfd_create``, all of
+this is a no-op.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
-from typing import List, Optional
+from typing import Optional
 
-__all__ = ["DUMP_SIGNAL", "new_file", "arm", "disarm", "collect", "innermost_frames", "timeout_note"]
+__all__ = ["DUMP_SIGNAL", "new_file", "arm", "collect", "innermost_frames", "timeout_note"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,6 @@ else sends: SIGUSR1/2 keep their meaning); None where there is none."""
 
 COLLECT_WAIT_S = 2.0
 """How long :func:`collect` waits for the stacks."""
-
-_armed = False  # whether this writer installed the handler
 
 
 def new_file() -> Optional[io.FileIO]:
@@ -60,42 +57,25 @@ def new_file() -> Optional[io.FileIO]:
 
 def arm(stack_file: Optional[io.FileIO]) -> None:
     """Dump this writer's stacks to ``stack_file`` on :data:`DUMP_SIGNAL` (background side; best effort)."""
-    global _armed
     if stack_file is None:
         return
     try:
         faulthandler.register(DUMP_SIGNAL, file=stack_file.fileno(), all_threads=True, chain=False)
-        os.write(stack_file.fileno(), f"writer {os.getpid()} armed\n".encode())
     except (OSError, ValueError, RuntimeError) as exc:
         logger.debug("no stack dump on timeout for pid %d: %s", os.getpid(), exc)
-        return
-    _armed = True
-
-
-def disarm() -> None:
-    """Ignore :data:`DUMP_SIGNAL` from now on (background side, at a normal exit).
-
-    Ignored rather than restored to its default action, which would end the writer.
-    """
-    global _armed
-    if _armed and threading.current_thread() is threading.main_thread():
-        signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
-    _armed = False
 
 
 def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_WAIT_S) -> Optional[str]:
-    """Ask the armed writer ``pid`` for its stacks in ``stack_file``; return them, or None.
+    """Ask the writer ``pid`` for its stacks in ``stack_file``; return them, or None.
 
-    Trainer side, on a writer it forked with this file and has not reaped. Bounded by
-    ``wait_s``. A writer that wrote nothing yet has not armed itself and is not signalled.
+    Trainer side, on a writer it forked with this file, has not reaped and kills next.
+    Bounded by ``wait_s``; returns only what this request wrote.
     """
     if stack_file is None:
         return None
     fd = stack_file.fileno()
     try:
         before = os.fstat(fd).st_size
-        if before == 0:
-            return None
         os.kill(pid, DUMP_SIGNAL)
     except (OSError, ValueError):
         return None
@@ -113,24 +93,17 @@ def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_W
     return data.decode("utf-8", errors="replace") or None
 
 
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
+# A thread's header line and its first (innermost) frame, as faulthandler writes them.
+_INNERMOST = re.compile(r'\(most recent call first\):\n +File "([^"]*)", line (\d+) in (\S+)')
 
 
 def innermost_frames(stacks: Optional[str], limit: int = 300) -> str:
     """Each thread's innermost frame, ``name (file:line)``, on one line of at most
     ``limit`` characters; '' without stacks."""
-    if not stacks:
-        return ""
-    frames: List[str] = []
-    expect_frame = False
-    for line in stacks.splitlines():
-        if not line.startswith(" "):
-            expect_frame = line.strip().endswith("(most recent call first):")
-            continue
-        match = _FRAME.match(line)
-        if expect_frame and match:
-            frames.append(f"{match['name']} ({os.path.basename(match['file'])}:{match['line']})")
-            expect_frame = False
+    frames = [
+        f"{name} ({os.path.basename(path)}:{line})"
+        for path, line, name in _INNERMOST.findall(stacks or "")
+    ]
     text = " | ".join(frames)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -13,16 +13,14 @@ import torch.multiprocessing as mp
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import (
+    abort_at_exit,
     describe_exit,
+    enter_background,
     kill_and_reap,
-    parent_is_alive,
-    register_exit_cleanup,
-    set_parent_death_signal,
 )
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
-from megatron_async.core.priority import WriterPriority, lower_writer_priority
 from megatron_async.core.request import (
     AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
@@ -41,16 +39,13 @@ def _synchronize_cuda_if_used() -> None:
 
 
 def _run_forked_call(
-    result_conn, rank: int, parent_pid: int, priority: WriterPriority, stack_file, fn,
+    result_conn, rank: int, parent_pid: int, nice_increment: int, stack_file, fn,
     args: Sequence[Any], kwargs,
 ):
     """Body of the forked child (background side): run ``fn`` and report how it ended."""
-    set_parent_death_signal()
-    if not parent_is_alive(parent_pid):
-        os._exit(1)
+    enter_background(parent_pid, nice_increment)
     result_conn.send(("started", None))  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
     stack_dump.arm(stack_file)
-    lower_writer_priority(priority)  # before any writer thread starts: they inherit it
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
     # garbage collection here could run their destructors: freeing CUDA memory from a
@@ -65,7 +60,6 @@ def _run_forked_call(
         result_conn.send(("done", None))
     finally:
         result_conn.close()
-        stack_dump.disarm()
 
 
 class TemporalAsyncCaller(AsyncCaller):
@@ -89,7 +83,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._child_started = False
         self._staged: Any = None
         self._stack_file = None
-        register_exit_cleanup(self, "_abort_at_exit")
+        abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Stage the request's data, then fork a process that runs ``async_fn``.
@@ -119,7 +113,7 @@ class TemporalAsyncCaller(AsyncCaller):
             process = ctx.Process(
                 target=_run_forked_call,
                 args=(
-                    child_conn, rank, os.getpid(), self.config.writer_priority, self._stack_file,
+                    child_conn, rank, os.getpid(), self.config.writer_nice_increment, self._stack_file,
                     async_req.async_fn, args, async_req.async_fn_kwargs or {},
                 ),
                 name=f"megatron-async-save-{async_req.call_idx}",

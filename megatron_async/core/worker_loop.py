@@ -1,12 +1,14 @@
-"""The persistent worker's main loop (runs in the background process only).
+"""What runs in the persistent worker: the set-up after the fork, then the main loop.
 
-The worker is a fork of the trainer (:mod:`megatron_async.core.worker_fork`) that runs
-:func:`main` and never returns into the trainer's code.
+The worker is a fork of the trainer (:mod:`megatron_async.core.worker_process`, whose
+docstring says what the child inherits and why each is shed) that runs :func:`run_child`
+and never returns into the trainer's code.
 
 Protocol over the control connection, trainer -> worker:
-    ``(call_idx, encoded_request)``: map the request's new shared-memory
-    segments, unpickle it (see :mod:`megatron_async.core.request_transport`; its data
-    is already staged by the trainer), acknowledge, then write;
+    ``(call_idx, encoded_request)``: map the request's new shared-memory segments and
+    unpickle it (:class:`SegmentTable`; the encoding is
+    :mod:`megatron_async.core.request_transport`'s, its data already staged by the
+    trainer), acknowledge, then write;
     ``STOP``: finish the writes already accepted and exit.
 Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
 ``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
@@ -18,116 +20,230 @@ first is still being written.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import io
 import logging
 import os
+import pickle
 import queue
+import signal
+import sys
 import threading
+import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Sequence, Set, Tuple
 
-from megatron_async.core import stack_dump
-from megatron_async.core.process_lifetime import (
-    parent_is_alive,
-    raise_open_file_limit,
-    set_parent_death_signal,
-)
-from megatron_async.core.priority import lower_writer_priority
-from megatron_async.core.request_receiver import SegmentTable
-from megatron_async.errors import RankFailure
+import torch
 
-__all__ = ["STOP", "main"]
+from megatron_async import BACKGROUND_WORKER_ENV
+from megatron_async.core import request_transport, shared_memory, stack_dump
+from megatron_async.core.process_lifetime import enter_background
+from megatron_async.core.request_transport import EncodedRequest
+from megatron_async.errors import CoordinationError, RankFailure
+
+__all__ = ["STOP", "SegmentTable", "run_child"]
 
 STOP = "STOP"
 
 logger = logging.getLogger(__name__)
 
-_PARENT_CHECK_INTERVAL_S = 1.0
+_MADV_DONTNEED = 4
+
+# mmap(2) on Linux: private zero pages that replace whatever was mapped at the address.
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+# libc's madvise and mmap, resolved here so that the child only calls them.
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
 
 
-class _Reporter:
-    """Sends messages to the trainer from both worker threads (background side)."""
-
-    def __init__(self, conn):
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, kind: str, call_idx: Optional[int], payload: Any = None) -> None:
-        message = (kind, call_idx) if payload is None else (kind, call_idx, payload)
-        with self._lock:
-            self._conn.send(message)
+# -- the set-up after the fork ------------------------------------------------------------
 
 
-def _write_loop(rank: int, jobs: "queue.Queue", reporter: _Reporter, table: SegmentTable) -> None:
+def release_inherited_pages(ranges: Sequence[Tuple[int, int]]) -> None:
+    """Drop this (forked) process's share of the trainer's tensor pages ``ranges``.
+
+    After ``MADV_DONTNEED`` the pages read as zeros here, and the trainer owns its copies
+    alone: its next write to each reuses the page instead of copying it.
+    """
+    for start, length in ranges:
+        _madvise(start, length, _MADV_DONTNEED)
+
+
+def release_inherited_segments() -> None:
+    """Map private zero pages over this (forked) process's inherited staging segments.
+
+    The shared memory then belongs to the trainer alone and is freed when it drops a
+    segment; an inherited object that still points there reads zeros.
+    """
+    for start, length in shared_memory.segment_ranges():
+        if _mmap(start, length, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0) == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), f"cannot replace the inherited segment at {start:#x}")
+
+
+def _reset_signal_handlers() -> None:
+    """Give the child a fresh interpreter's handlers for every signal the trainer handles in Python."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if sig == signal.SIGINT:
+            fresh = signal.default_int_handler
+        elif callable(handler):
+            fresh = signal.SIG_DFL
+        else:
+            continue
+        if handler is not fresh:
+            try:
+                signal.signal(sig, fresh)
+            except (OSError, ValueError):
+                pass
+
+
+def _output_stream_fds() -> Set[int]:
+    """Descriptors that this process's ``sys`` streams and logging handlers write to."""
+    streams = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    loggers = [logging.getLogger()] + [
+        candidate for candidate in logging.Logger.manager.loggerDict.values()
+        if isinstance(candidate, logging.Logger)
+    ]
+    for each in loggers:
+        streams += [getattr(handler, "stream", None) for handler in each.handlers]
+    fds = set()
+    for stream in streams:
+        try:
+            fds.add(stream.fileno())
+        except Exception:  # None, closed, or a stream without a descriptor
+            continue
+    return fds
+
+
+def retire_inherited_descriptors(keep: Set[int]) -> None:
+    """Point every open descriptor of this (forked) process not in ``keep`` at ``/dev/null``.
+
+    Runs in the worker. The trainer's files, sockets and pipes lose this process's
+    reference, while their numbers stay taken: a stale inherited object that still
+    writes to one writes to ``/dev/null``, never into a file opened later.
+    """
+    open_fds = [int(name) for name in os.listdir("/proc/self/fd")]  # the worker needs /proc anyway
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in open_fds:
+            if fd in keep or fd == null:
+                continue
+            try:
+                os.fstat(fd)  # dup2 onto a closed number would open it
+            except OSError:
+                continue  # not open (the listing's own descriptor, or never was)
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+    try:
+        signal.set_wakeup_fd(-1)  # the trainer's wakeup descriptor is /dev/null now
+    except (ValueError, OSError):
+        pass
+
+
+def run_child(options: Dict[str, Any], ranges: Sequence[Tuple[int, int]]) -> None:
+    """Shed what the fork inherited, then serve until ``STOP``; never returns into the
+    trainer's code (worker side). A failure is reported on the trainer's stderr and by the
+    exit code.
+
+    Args:
+        options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
+            ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
+            dies with the trainer, and opens its descriptors through ``/proc/<parent_pid>``),
+            ``nice_increment``, the inherited descriptor ``control_fd`` (requests in,
+            results out), and ``stack_file`` (see :mod:`~megatron_async.core.stack_dump`).
+        ranges: the trainer's tensor pages to release
+            (:func:`~megatron_async.core.worker_process.trainer_tensor_pages`).
+    """
+    code = 1
+    try:
+        enter_background(options["parent_pid"], options["nice_increment"])  # before any thread
+        _reset_signal_handlers()  # next: no trainer handler may run here
+        gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
+        gc.enable()  # the trainer disabled it around the fork
+        keep = {0, 1, 2, options["control_fd"]} | _output_stream_fds()
+        if options["stack_file"] is not None:
+            keep.add(options["stack_file"].fileno())
+        retire_inherited_descriptors(keep)
+        release_inherited_pages(ranges)
+        release_inherited_segments()
+        os.environ[BACKGROUND_WORKER_ENV] = "1"  # for what it starts: skips strategy registration
+        torch.set_num_threads(1)
+        stack_dump.arm(options["stack_file"])
+        _serve(options["rank"], Connection(options["control_fd"]), SegmentTable(options["parent_pid"]))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)
+
+
+# -- the main loop ------------------------------------------------------------------------
+
+
+def _write_loop(rank: int, jobs: "queue.Queue", report: Callable, table: "SegmentTable") -> None:
     """Writer thread: run each accepted request's ``async_fn`` in order."""
     while True:
         job = jobs.get()
         if job is None:
             return
-        call_idx, fn, args, kwargs, call_segments = job
+        call_idx, request, call_segments = job
         try:
-            if fn is not None:
-                fn(*args, **kwargs)
+            if request.async_fn is not None:
+                request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
+            outcome: Tuple[Any, ...] = ("done", call_idx)
         except BaseException as exc:  # reported; the worker stays up for the next save
             logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
-            failure = RankFailure.from_exception(rank, "write", exc)
-            del job, fn, args, kwargs
-            table.drop(call_segments)
-            reporter.send("error", call_idx, failure)
-        else:
-            del job, fn, args, kwargs
-            table.drop(call_segments)
-            reporter.send("done", call_idx)
+            outcome = ("error", call_idx, RankFailure.from_exception(rank, "write", exc))
+        del job, request  # the call's staged data, before the trainer frees it
+        table.drop(call_segments)
+        report(*outcome)
 
 
-def _exit_early() -> None:
-    """Leave at once (background side): no cleanup but the stack-dump file's."""
-    stack_dump.disarm()
-    os._exit(1)
+def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
+    """Take requests and hand them to the writer thread until ``STOP``."""
+    lock = threading.Lock()  # both threads report
 
+    def report(*message) -> None:
+        with lock:
+            control.send(message)
 
-def main(options: Dict[str, Any]) -> None:
-    """Serve requests until ``STOP``: the entry point of the forked worker (worker side).
-
-    Args:
-        options: what :func:`~megatron_async.core.worker_process.start_worker` passes:
-            ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
-            exits when the trainer is gone, and its descriptors are opened through
-            ``/proc/<parent_pid>``), ``priority`` (see
-            :class:`~megatron_async.core.priority.WriterPriority`), the inherited
-            descriptor ``control_fd`` (requests in, results out), and ``stack_file`` (see
-            :mod:`~megatron_async.core.stack_dump`).
-    """
-    # First, before any thread exists: every thread of the worker inherits it.
-    lower_writer_priority(options["priority"])
-    rank, parent_pid = options["rank"], options["parent_pid"]
-    control = Connection(options["control_fd"])
-    set_parent_death_signal()
-    if not parent_is_alive(parent_pid):  # died before the death signal was armed
-        os._exit(1)
-    raise_open_file_limit()  # every mapped shared-memory segment keeps one descriptor
-    stack_dump.arm(options["stack_file"])
-    reporter = _Reporter(control)
-    table = SegmentTable(parent_pid)
     jobs: "queue.Queue" = queue.Queue()
-    writer = threading.Thread(target=_write_loop, args=(rank, jobs, reporter, table), daemon=True)
+    writer = threading.Thread(target=_write_loop, args=(rank, jobs, report, table), daemon=True)
     writer.start()
-    reporter.send("ready", None)
+    report("ready", None)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
-            if not control.poll(_PARENT_CHECK_INTERVAL_S):
-                if not parent_is_alive(parent_pid):
-                    logger.warning("rank %d worker: trainer %d is gone; exiting", rank, parent_pid)
-                    _exit_early()
-                continue
-            message = control.recv()
+            message = control.recv()  # a trainer that dies kills this process (enter_background)
         except (EOFError, OSError):
             logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
-            _exit_early()
+            os._exit(1)
         if message == STOP:
             jobs.put(None)
             writer.join()
-            stack_dump.disarm()
             return
         call_idx, encoded = message
         try:
@@ -137,18 +253,101 @@ def main(options: Dict[str, Any]) -> None:
             # may not have: finish the accepted writes and exit, so that the next save
             # starts a fresh worker with a fresh view of what was sent.
             logger.error("rank %d worker: cannot read async call %d: %s", rank, call_idx, exc)
-            reporter.send("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
+            report("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
             jobs.put(None)
             writer.join()
-            _exit_early()
-        reporter.send("received", call_idx)
-        jobs.put(
-            (
-                call_idx,
-                request.async_fn,
-                request.async_fn_args,
-                request.async_fn_kwargs or {},
-                encoded.call_segments,
-            )
-        )
+            os._exit(1)
+        report("received", call_idx)
+        jobs.put((call_idx, request, encoded.call_segments))
         del request, encoded
+
+
+# -- reading requests ---------------------------------------------------------------------
+
+
+class SegmentTable:
+    """The segments and plan items one worker has received, and the decoding of requests
+    that refer to them (one per worker, fed by one
+    :class:`~megatron_async.core.request_transport.RequestSender`)."""
+
+    def __init__(self, trainer_pid: int):
+        self._trainer_pid = trainer_pid
+        self._segments: Dict[int, torch.Tensor] = {}
+        self._objects: Dict[int, Any] = {}
+
+    def apply(self, encoded: EncodedRequest) -> Any:
+        """Unmap forgotten segments, map new ones, and return the unpickled request.
+
+        Raises:
+            CoordinationError: a new segment cannot be opened through ``/proc``.
+        """
+        for sid in encoded.forget:
+            self._segments.pop(sid, None)
+        for sid, number, num_bytes in encoded.new_segments:
+            path = f"/proc/{self._trainer_pid}/fd/{number}"
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise CoordinationError(
+                    f"persistent worker: cannot open the trainer's staging segment {sid} as "
+                    f"{path} ({exc}); the worker maps the trainer's shared memory through /proc, "
+                    "which a system that hides a process's descriptors from its own children "
+                    "refuses: use the temporal caller (AsyncCallsQueue(persistent=False))"
+                ) from exc
+            try:
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, num_bytes)
+            finally:
+                os.close(fd)
+            self._segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        for token in encoded.forget_objects:
+            self._objects.pop(token, None)
+        self._objects.update(pickle.loads(encoded.new_objects))
+        return self.load(encoded.payload)
+
+    def load(self, payload: bytes) -> Any:
+        """Unpickle ``payload``, resolving its references to segments and plan items here."""
+        return _Unpickler(io.BytesIO(payload), self).load()
+
+    def rebuild_tensor(self, segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
+        """A tensor over the mapped segment ``segment_id``'s bytes."""
+        segment = self._received(self._segments, segment_id, "shared-memory segment")
+        return shared_memory.segment_view(segment, byte_offset, shape, dtype)
+
+    def cached_object(self, token: int) -> Any:
+        """A plan item sent with this or an earlier request."""
+        return self._received(self._objects, token, "plan item")
+
+    @staticmethod
+    def _received(table: Dict[int, Any], key: int, what: str) -> Any:
+        entry = table.get(key)
+        if entry is None:
+            raise CoordinationError(
+                f"persistent worker: {what} {key} was never received here; the trainer and "
+                "this worker disagree on what was sent (the worker exits and a new one starts "
+                "with the next save)"
+            )
+        return entry
+
+    def drop(self, segment_ids: Tuple[int, ...]) -> None:
+        """Unmap a finished call's arena segments (the worker's writer thread)."""
+        for sid in segment_ids:
+            self._segments.pop(sid, None)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what the trainer's pickler wrote: its references to the placeholders of
+    :mod:`~megatron_async.core.request_transport` become the methods of one
+    :class:`SegmentTable`."""
+
+    def __init__(self, file, table: SegmentTable):
+        super().__init__(file)
+        self._resolved = {
+            "_rebuild_tensor": table.rebuild_tensor,
+            "_cached_object": table.cached_object,
+            "_load_pairs": table.load,
+        }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == request_transport.__name__ and name in self._resolved:
+            return self._resolved[name]
+        return super().find_class(module, name)

@@ -47,8 +47,8 @@ CHECKSUM_VARIANTS = ("ours_persistent_checksums", "ours_persistent_no_checksums"
 persistent caller with checksums opposite to their default."""
 
 PRIORITY_VARIANTS = ("ours_temporal_trainer_priority", "ours_persistent_trainer_priority")
-"""Opt-in (``--variants``): our callers with the background writer at the trainer's CPU and
-I/O priority instead of the default lower one (``AsyncCallerConfig.writer_priority``), to
+"""Opt-in (``--variants``): our callers with the background writer at the trainer's CPU
+priority instead of the default lower one (``AsyncCallerConfig.writer_nice_increment``), to
 measure what yielding to training buys in the GPT workload's "train step" column."""
 
 WORKLOADS = ("synthetic", "gpt")

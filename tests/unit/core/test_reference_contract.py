@@ -2,7 +2,7 @@
 
 DCP-style failure handlers, requests built by other libraries, the reference's
 constructor switches, the one INFO line per finalized save, and the background writer's
-lower CPU and I/O priority (single process, both callers).
+lower CPU priority (single process, both callers).
 """
 
 import logging
@@ -18,12 +18,10 @@ from megatron_async.core import (
     AsyncCallsQueue,
     AsyncRequest,
     PersistentAsyncCaller,
-    WriterPriority,
 )
 from megatron_async.core.request import SaveDetails
 from megatron_async.errors import AsyncSaveFailedError, RemoteFailureError, ReplacedReferenceAPIError
 from tests import background_fns as fns
-from tests.background_fns import current_io_priority
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,33 +127,25 @@ def test_one_info_line_per_finalized_save(make_queue, tmp_path, persistent, capl
     assert not [r for r in caplog.records if r.levelno > logging.INFO]
 
 
-def _recorded_priority(queue, path):
-    queue.schedule_async_request(AsyncRequest(fns.record_priority, (str(path), None), []))
+def _recorded_nice(queue, path):
+    queue.schedule_async_request(AsyncRequest(fns.record_nice, (str(path), None), []))
     queue.maybe_finalize_async_calls(blocking=True)
-    nice, ioprio = path.read_text().split()
-    return int(nice), None if ioprio == "None" else int(ioprio)
+    return int(path.read_text())
 
 
 @pytest.mark.parametrize("persistent", CALLER_KINDS)
 def test_the_writer_runs_at_a_lower_priority_than_the_trainer(make_queue, tmp_path, persistent):
-    trainer_nice, trainer_ioprio = os.nice(0), current_io_priority()
-    nice, ioprio = _recorded_priority(make_queue(persistent), tmp_path / "default")
-    assert nice == min(19, trainer_nice + 10)
-    if ioprio is not None:
-        assert ioprio == (2 << 13) | 7  # best-effort, lowest level
-    assert os.nice(0) == trainer_nice and current_io_priority() == trainer_ioprio
-    unchanged = AsyncCallerConfig(writer_priority=WriterPriority(nice_increment=0, io_class="inherit"))
-    nice, ioprio = _recorded_priority(make_queue(persistent, config=unchanged), tmp_path / "inherit")
-    assert nice == trainer_nice and ioprio == trainer_ioprio
+    trainer_nice = os.nice(0)
+    assert _recorded_nice(make_queue(persistent), tmp_path / "default") == min(19, trainer_nice + 10)
+    assert os.nice(0) == trainer_nice
+    unchanged = AsyncCallerConfig(writer_nice_increment=0)
+    assert _recorded_nice(make_queue(persistent, config=unchanged), tmp_path / "inherit") == trainer_nice
 
 
 def test_priority_options_are_checked():
-    with pytest.raises(ValueError, match="nice_increment"):
-        WriterPriority(nice_increment=-5)
-    with pytest.raises(ValueError, match="io_class"):
-        WriterPriority(io_class="realtime")
-    with pytest.raises(ValueError, match="writer_priority"):
-        AsyncCallerConfig(writer_priority=10)
+    for wrong in (-5, 20, 1.5, True):
+        with pytest.raises(ValueError, match="writer_nice_increment"):
+            AsyncCallerConfig(writer_nice_increment=wrong)
 
 
 def test_the_reference_worker_loop_says_what_to_use_instead():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest
-from megatron_async.core import worker_fork
+from megatron_async.core import worker_loop, worker_process
 from megatron_async.core.shared_memory import allocate_segment, segment_view
 from megatron_async.errors import AsyncSaveFailedError
 from tests import background_fns as fns
@@ -136,13 +136,13 @@ def test_worker_restarted_while_staging_buffers_are_alive_holds_none_of_them(tmp
         queue.close(abort=True)
 
 
-def _fail_to_release(ranges, madvise):
+def _fail_to_release(ranges):
     raise RuntimeError("simulated failure in the forked worker's set-up")
 
 
 @pytest.mark.timeout(120)
 def test_fork_that_fails_while_starting_fails_the_next_save_saying_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_fork, "release_inherited_pages", _fail_to_release)
+    monkeypatch.setattr(worker_loop, "release_inherited_pages", _fail_to_release)
     queue = AsyncCallsQueue(persistent=True)
     try:
         caller = queue.persistent_caller
@@ -229,7 +229,7 @@ def _fork_fails():
 @pytest.mark.timeout(120)
 def test_a_fork_that_fails_fails_the_save_and_the_next_save_forks_again(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(worker_fork.os, "fork", _fork_fails)
+        patch.setattr(worker_process.os, "fork", _fork_fails)
         queue = AsyncCallsQueue(persistent=True)  # logged: the first save tries again
         assert queue.persistent_caller.process is None
         _save_tensor(queue, tmp_path / "0.pt", torch.ones(4))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, worker_fork
+from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, worker_loop
 from megatron_async.errors import AsyncSaveFailedError
 from tests import background_fns as fns
 
@@ -43,10 +43,9 @@ def _start_when(flag) -> object:
     """A stand-in for the forked child's first set-up step that waits for ``flag`` (a path
     that never appears: a start-up that hangs)."""
 
-    def wait(ranges, madvise):
+    def wait(ranges):
         while not os.path.exists(flag):
             time.sleep(0.02)
-        return 0
 
     return wait
 
@@ -56,7 +55,7 @@ def test_save_scheduled_while_the_worker_starts_waits_for_it_without_blocking_th
     tmp_path, monkeypatch
 ):
     flag = tmp_path / "start"
-    monkeypatch.setattr(worker_fork, "release_inherited_pages", _start_when(flag))
+    monkeypatch.setattr(worker_loop, "release_inherited_pages", _start_when(flag))
     queue = AsyncCallsQueue(persistent=True)
     caller = queue.persistent_caller
     try:
@@ -82,7 +81,7 @@ def test_save_scheduled_while_the_worker_starts_waits_for_it_without_blocking_th
 
 @pytest.mark.timeout(120)
 def test_worker_that_never_becomes_ready_fails_the_save_after_fork_start_timeout_s(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_fork, "release_inherited_pages", _start_when(tmp_path / "never"))
+    monkeypatch.setattr(worker_loop, "release_inherited_pages", _start_when(tmp_path / "never"))
     queue = AsyncCallsQueue(persistent=True, config=AsyncCallerConfig(fork_start_timeout_s=1.0))
     stuck_pid = queue.persistent_caller.process.pid
     try:

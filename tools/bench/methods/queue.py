@@ -158,7 +158,7 @@ class OurQueueSave(QueueSave):
     sets ``use_cached_ckpt_structure`` on the strategy (warm saves reuse plans and
     metadata, and skip megatron-core's sharding validation); the staging buffers are
     reused by default; ``thread_count`` is the run's files per rank. With
-    ``trainer_priority`` the writer runs at the trainer's CPU and I/O priority instead of
+    ``trainer_priority`` the writer runs at the trainer's CPU priority instead of
     the default lower one. With ``profile_path`` (a ``{index}`` template), rank 0 writes a
     pyinstrument report of each save's stall there.
     """
@@ -202,13 +202,12 @@ class OurQueueSave(QueueSave):
         return strategy
 
     def _make_queue(self):
-        from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue, WriterPriority
+        from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue
 
         # A short poll interval so that the measured wait is not mostly polling pauses.
         config = AsyncCallerConfig(poll_interval_s=0.005)
         if self._trainer_priority:
-            trainer_priority = WriterPriority(nice_increment=0, io_class="inherit")
-            config = dataclasses.replace(config, writer_priority=trainer_priority)
+            config = dataclasses.replace(config, writer_nice_increment=0)
         return AsyncCallsQueue(persistent=self._persistent, config=config)
 
     def _start_profile(self, index: int) -> None:

@@ -29,7 +29,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron_async.core import worker_fork
+from megatron_async.core import worker_process
 from megatron_async.core.persistent import PersistentAsyncCaller
 
 METHODS = ("fork", "fork, pages kept")
@@ -52,9 +52,9 @@ def _private_dirty_mib(pid: int) -> float:
 
 def measure(method: str, state: torch.Tensor) -> Dict[str, float]:
     """Start one worker with ``method``, time it and the trainer's next two updates, stop it."""
-    original = worker_fork.trainer_tensor_pages
+    original = worker_process.trainer_tensor_pages
     if method == "fork, pages kept":
-        worker_fork.trainer_tensor_pages = lambda: ([], [])
+        worker_process.trainer_tensor_pages = lambda: ([], [])
     try:
         started = time.monotonic()
         caller = PersistentAsyncCaller()
@@ -65,7 +65,7 @@ def measure(method: str, state: torch.Tensor) -> Dict[str, float]:
             time.sleep(0.001)
         ready = time.monotonic()
     finally:
-        worker_fork.trainer_tensor_pages = original
+        worker_process.trainer_tensor_pages = original
     pid = caller.process.pid
     worker_cpu = _cpu_seconds(pid)
     first = time.monotonic()
