@@ -61,7 +61,7 @@ from megatron_async.mcore.target import unmark_or_refuse
 from megatron_async.saver.agreement import agree_or_raise
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = ["SaveCall", "current_save_call", "guard_save_function", "guard_save_functions"]
+__all__ = ["SaveCall", "current_save_call", "guard_save_functions"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,26 +99,29 @@ def guard_save_functions() -> None:
     """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths, and its
     ``common.pt`` write where it has one (every generation; idempotent; see the module
     docstring)."""
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-    package = importlib.import_module("megatron.core.dist_checkpointing")
-    guard_save_function(serialization)
-    guard_save_function(package)  # its own reference to the original
+    for path in ("megatron.core.dist_checkpointing.serialization", "megatron.core.dist_checkpointing"):
+        _wrap_once(importlib.import_module(path), "save", _record_save_call)  # each its own reference
     preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
     if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
-        _agree_on_validation(preprocessing)
+        _wrap_once(preprocessing, "validate_sharding_integrity", _agree_on_validation)
     for owner in generation.common_writes():
-        _guard_common_write(owner, SaveDirectories.of_process())
+        _wrap_once(owner, "save_common", _guard_common_write)
 
 
-def _agree_on_validation(module: Any) -> None:
-    """Make ``module.validate_sharding_integrity`` (megatron-core's sharding validation in
-    ``save()``, whose verdict rank 0 alone raises) agreed on every rank within our
-    strategy's saves."""
-    original: Callable[..., Any] = module.validate_sharding_integrity
+def _wrap_once(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.<name>`` with ``wrap(original)``, unless it is wrapped already."""
+    original = getattr(owner, name)
     if getattr(original, "__megatron_async_guarded__", False):
         return
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped.__megatron_async_guarded__ = True
+    setattr(owner, name, wrapped)
 
-    @functools.wraps(original)
+
+def _agree_on_validation(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Make megatron-core's sharding validation in ``save()`` (``validate_sharding_integrity``,
+    whose verdict rank 0 alone raises) agreed on every rank within our strategy's saves."""
+
     def agreed_validation(*args, **kwargs):
         call = current_save_call()
         if call is None or call.overwrite is None:  # another strategy: as megatron-core
@@ -131,19 +134,14 @@ def _agree_on_validation(module: Any) -> None:
         call.agreed = True
         agree_or_raise(error, "megatron-core's sharding validation")
 
-    agreed_validation.__megatron_async_guarded__ = True
-    module.validate_sharding_integrity = agreed_validation
+    return agreed_validation
 
 
-def guard_save_function(module: Any) -> None:
-    """Wrap ``module.save`` (megatron-core's ``save``) so that its steps before the
-    strategy know the call (:class:`SaveCall`). Idempotent."""
-    original: Callable[..., Any] = module.save
-    if getattr(original, "__megatron_async_guarded__", False):
-        return
+def _record_save_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron-core's ``save`` so that its steps before the strategy know the call
+    (:class:`SaveCall`)."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def save_with_call_recorded(*args, **kwargs):
         arguments = signature.bind_partial(*args, **kwargs).arguments
         strategy = _resolved(arguments.get("sharded_strategy"))
@@ -161,8 +159,7 @@ def guard_save_function(module: Any) -> None:
         finally:
             _save_call.reset(token)
 
-    save_with_call_recorded.__megatron_async_guarded__ = True
-    module.save = save_with_call_recorded
+    return save_with_call_recorded
 
 
 def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> None:
@@ -252,19 +249,14 @@ def _guarded_write(
         return None
 
 
-def _guard_common_write(owner: Any, directories: SaveDirectories) -> None:
-    """Wrap ``owner.save_common`` (megatron-core's ``common.pt`` write: a function of a
-    module, or a method of a class) with the checks against ``directories`` (the
-    process's record). Idempotent."""
-    original: Callable[..., Any] = owner.save_common
-    if getattr(original, "__megatron_async_guarded__", False):
-        return
+def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron-core's ``common.pt`` write (``save_common``: a function of a module,
+    or a method of a class) with the checks against the process's record."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def guarded_save_common(*args, **kwargs):
         checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
+        directories = SaveDirectories.of_process()
         return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir, directories)
 
-    guarded_save_common.__megatron_async_guarded__ = True
-    owner.save_common = guarded_save_common
+    return guarded_save_common
