@@ -8,19 +8,11 @@ objects made per item (a copy of every item, dictionaries of every index, hashes
 dataclasses). :func:`build_metadata` builds it from the plans as gathered, without a new
 object per chunk (the chunks are the items' own, as DCP lists them; equal chunk sizes and
 tensor properties are made one shared object, which the pickle then writes once), and
-checks it with the same rules as DCP's validation:
-
-* no chunk outside the tensor's bounds;
-* no two chunks overlap, with DCP's box test (an empty chunk strictly inside another
-  chunk's range counts as overlapping, as it does for DCP);
-* with several ranks, the chunks' volumes add up to the tensor's volume.
+:func:`validate_chunks` checks it with DCP's rules.
 
 Items that two ranks plan are refused before any of that, except tensor chunks without
-elements, which uneven splits (distributed optimizer buckets, MoE experts) put on several
-ranks at one offset: of those only one is listed, never in place of a chunk with data
-(:func:`index_items`). Central planning goes through the same filter before DCP
-deduplicates. No collective runs here: the saver gathers the plans and agrees on the
-outcome.
+elements (:func:`index_items`). No collective runs here: the saver gathers the plans and
+agrees on the outcome.
 """
 
 from __future__ import annotations
@@ -250,7 +242,6 @@ def index_items(all_local_plans: Sequence[SavePlan], refuse_duplicates: bool = T
     return skipped
 
 
-
 @paused_gc()  # an index key per item; no cycles
 def build_global_metadata(
     planner: SavePlanner,
@@ -259,13 +250,11 @@ def build_global_metadata(
 ) -> Metadata:
     """Build the global metadata of a decentralized save from every rank's local plan.
 
-    Runs on the coordinator; refuses items planned by two ranks. The metadata lists each ``(fqn, offset)`` once, as megatron-core's does.
-
-    DCP's own planners (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``,
-    which add nothing to its global planning) are not run: their global plan is not used
-    by a decentralized save, and :func:`build_metadata`
-    makes the same metadata in one pass. A planner that plans globally in its own way
-    (an override, flattened state dicts, DCP's plan caching) is run as before.
+    Runs on the coordinator; refuses items planned by two ranks. The metadata lists each
+    ``(fqn, offset)`` once, as megatron-core's does. DCP's own planners
+    (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``) are not run
+    (:func:`build_metadata` makes the same metadata); a planner that plans globally in
+    its own way (an override, flattened state dicts, DCP's plan caching) is.
 
     Args:
         planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's

@@ -1,30 +1,15 @@
 """Plan an asynchronous PyTorch DCP save, with every collective on gloo.
 
 ``torch.distributed.checkpoint.save`` plans, writes and commits in one call. An
-asynchronous save splits it:
-
-1. :func:`plan_save` (every rank, synchronous; this module): plan, and prepare the
-   writer's buckets. It returns a :class:`PlanResult`; :func:`save_state_dict_async_plan`
-   is the public name for it, in megatron-core's and nvidia-resiliency-ext's conventions;
-2. the writer's save function (background): write the data;
-3. :func:`save_state_dict_async_finalize` (every rank, once the background part is done
-   everywhere; :mod:`megatron_async.saver.finalize`): the coordinator writes
-   ``.metadata`` only if no rank failed; a failure anywhere raises on every rank.
+asynchronous save splits it: :func:`plan_save` (every rank, synchronous; this module)
+plans and prepares the writer's buckets; the writer's save function writes the data in
+the background; :func:`save_state_dict_async_finalize`
+(:mod:`megatron_async.saver.finalize`) commits it once every rank wrote.
 
 Each planning step that may fail on some ranks only runs as an
 :func:`~megatron_async.saver.agreement.agreed_step`, so that every rank raises the same
-error instead of waiting in the next collective. The global metadata is built by
-:mod:`megatron_async.saver.global_metadata`.
-
-Planning gathers every rank's local plan on the coordinator, which builds the global
-metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` lists the
-tiers), and a change on any rank makes every rank plan from scratch.
-
-A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy's fingerprint) skips even the local plan
-(:mod:`megatron_async.mcore.plan_cache`).
-
-All collectives run on the library's gloo coordination group, never on CUDA tensors.
+error instead of waiting in the next collective. All collectives run on the library's
+gloo coordination group, never on CUDA tensors.
 """
 
 from __future__ import annotations
