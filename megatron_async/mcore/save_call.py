@@ -58,7 +58,7 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
 from megatron_async.mcore.target import unmark_or_refuse
-from megatron_async.saver.agreement import agree_or_raise
+from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["SaveCall", "current_save_call", "guard_save_functions"]
@@ -126,13 +126,8 @@ def _agree_on_validation(original: Callable[..., Any]) -> Callable[..., Any]:
         call = current_save_call()
         if call is None or call.overwrite is None:  # another strategy: as megatron-core
             return original(*args, **kwargs)
-        error: Optional[Exception] = None
-        try:
-            original(*args, **kwargs)
-        except Exception as exc:  # agreed on below, so that no rank is left waiting
-            error = exc
         call.agreed = True
-        agree_or_raise(error, "megatron-core's sharding validation")
+        agreed_step("megatron-core's sharding validation", lambda: original(*args, **kwargs))
 
     return agreed_validation
 
@@ -173,24 +168,24 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
     that no rank waits in the wrapper's collectives for a rank 0 that already raised.
     """
     directory = normalize_checkpoint_path(checkpoint_dir)
-    error: Optional[Exception] = None
-    try:
-        if coordination.get_rank() == 0 and not storage_for(directory).needs_msc:
+
+    def create() -> None:
+        if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
+            return
+        try:  # a process whose saves are stopped, ...: raised as it is
             SaveDirectories.of_process().run_bounded(
                 f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
             )
-    except OSError as exc:
-        error = CheckpointValidationError(
-            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
-            "into a directory rank 0 can create or write"
-        )
-        error.__cause__ = exc
-    except Exception as exc:  # a process whose saves are stopped, ...: agreed as it is
-        error = exc
+        except OSError as exc:
+            raise CheckpointValidationError(
+                f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
+                "into a directory rank 0 can create or write"
+            ) from exc
+
     if agreed:
-        agree_or_raise(error, "creating the checkpoint directory")
-    elif error is not None:
-        raise error
+        agreed_step("creating the checkpoint directory", create)
+    else:
+        create()
 
 
 def _resolved(strategy: Any) -> Any:
