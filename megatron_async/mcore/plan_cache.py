@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async.core import coordination
 from megatron_async.core.gc_pause import paused_gc
@@ -33,13 +32,14 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
 from megatron_async.saver.agreement import agree_or_raise, agreed_step
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
-from megatron_async.saver.state_dict_saver import PlanResult, make_dist_wrapper, plan_save, plan_with_cache
+from megatron_async.saver.state_dict_saver import make_dist_wrapper, plan_save, plan_with_cache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.commit import unmark_before_rewrite
 
 __all__ = ["PlanCache", "PreparedSave", "COORDINATOR_RANK"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 COORDINATOR_RANK = 0
 """The rank that builds and writes the global metadata."""
@@ -159,7 +159,13 @@ class PlanCache:
 
         def local_step() -> _LocalStep:
             overwrites = check_target()
-            structure = self._describe(sharded_state_dict, cached) if config.cached_metadata else None
+            structure = None
+            if config.cached_metadata:
+                previous = cached.fingerprint if cached is not None else None
+                structure = _optional(
+                    lambda: describe_structure(sharded_state_dict, previous),
+                    "cannot fingerprint the sharded state dict; planning in full",
+                )
             binding = cached.binding if cached is not None else None
             if (
                 binding is not None
@@ -220,23 +226,6 @@ class PlanCache:
             return None
         return cached
 
-    @staticmethod
-    def _describe(
-        sharded_state_dict: ShardedStateDict, cached: Optional[_CachedStructure]
-    ) -> Optional[Structure]:
-        """Fingerprint the state dict against the cached one (every rank, local)."""
-        try:
-            return describe_structure(
-                sharded_state_dict, cached.fingerprint if cached is not None else None
-            )
-        except Exception:  # an optimization only: what it cannot describe is planned in full
-            logger.debug(
-                "rank %d: cannot fingerprint the sharded state dict; planning in full",
-                coordination.get_rank(),
-                exc_info=True,
-            )
-            return None
-
     def _plan(
         self,
         pyt_state_dict: Dict[str, Any],
@@ -264,29 +253,29 @@ class PlanCache:
             vouched=False, unmark=False,
         )
         self.last_save_reused_plans = result.reused_cached_plans
+        binding = None
+        if structure is not None and result.prepared_write is not None:  # for the next saves
+            binding = _optional(
+                lambda: bind_plan(
+                    structure, result.central_plan, result.prepared_write, config.keep_only_main_replica
+                ),
+                "cannot bind the plan to the state dict's structure; later saves plan in full",
+                logging.WARNING,
+            )
         self._cached = _CachedStructure(
             config=config,
             world=(coordination.get_rank(), coordination.get_world_size()),
             fingerprint=structure.fingerprint if structure is not None else None,
-            binding=self._bind(structure, result, config),
+            binding=binding,
         )
         return result.finalize_args
 
-    @staticmethod
-    def _bind(
-        structure: Optional[Structure], result: PlanResult, config: TorchDistSaveConfig
-    ) -> Optional[PlanBinding]:
-        """Bind the plan to the structure, for the next saves (every rank, local)."""
-        prepared = result.prepared_write
-        if structure is None or prepared is None:
-            return None
-        try:
-            return bind_plan(structure, result.central_plan, prepared, config.keep_only_main_replica)
-        except Exception:  # an optimization only: this save goes on, the next ones plan in full
-            logger.warning(
-                "rank %d: cannot bind the plan to the state dict's structure; later saves "
-                "plan in full",
-                coordination.get_rank(),
-                exc_info=True,
-            )
-            return None
+
+def _optional(step: Callable[[], T], failure: str, level: int = logging.DEBUG) -> Optional[T]:
+    """Run a step of the planless path (every rank, local), or log ``failure`` and return
+    None if it raised: an optimization only, whose absence makes saves plan in full."""
+    try:
+        return step()
+    except Exception:
+        logger.log(level, "rank %d: %s", coordination.get_rank(), failure, exc_info=True)
+        return None
