@@ -1,4 +1,4 @@
-"""Build the global metadata of a save from every rank's local plan (coordinator only).
+"""Build the global metadata of a save from every rank's local plan (coordinator).
 
 With decentralized planning every rank writes its own local plan as it is, so the global
 plan of DCP's ``DefaultSavePlanner`` (deduplicate, rewrite every item's index hint,
@@ -13,6 +13,17 @@ tensor properties are made one shared object, which the pickle then writes once)
 Items that two ranks plan are refused before any of that, except tensor chunks without
 elements (:func:`index_items`). No collective runs here: the saver gathers the plans and
 agrees on the outcome.
+
+Equal values made one object also shrink what the ranks send. A local plan holds three
+or four ``torch.Size`` values per item, each a new object, and a ``torch.Size`` is one of
+the slowest things to pickle (its reduce goes through Python: about 2 us), while pickle
+writes an object it has already written as one memo reference. Layers repeat their
+shapes and offsets, so after :func:`share_equal_sizes` (every rank, on its own plan) a
+plan pickles a few dozen sizes instead of thousands, and what is built from its objects
+inherits the sharing: the plan gather, the global metadata's chunks, the write results
+(their index is the item's), the results gather and the first save's ``.metadata``
+(docs/benchmarks.md, "Shared sizes"). Values do not change, only which object holds them,
+so plans compare, digest and load exactly as before.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import math
 import sys
 from bisect import bisect_right, insort
 from operator import add, le
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -40,6 +51,7 @@ from megatron_async.saver.plan_digests import attach_plan_digests, properties_ke
 
 __all__ = [
     "build_global_metadata",
+    "share_equal_sizes",
     "without_redundant_empty_chunks",
     "build_metadata",
     "index_items",
@@ -91,11 +103,8 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
             if entry is None:
                 properties = shared_properties.setdefault(properties_key(data.properties), data.properties)
                 entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
-            chunk = data.chunk
-            sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
-            if sizes is not chunk.sizes:  # an equal value: the chunk is unchanged (frozen)
-                object.__setattr__(chunk, "sizes", sizes)
-            entry.chunks.append(chunk)
+            _share(data.chunk, "sizes", shared_sizes)
+            entry.chunks.append(data.chunk)
     metadata = Metadata(state)
     validate_chunks(metadata, several_ranks=len(all_local_plans) > 1)
     return metadata
@@ -325,3 +334,30 @@ def without_redundant_empty_chunks(
         dataclasses.replace(plan, items=[item for item in plan.items if id(item) not in left_out])
         for plan in all_local_plans
     ]
+
+
+def share_equal_sizes(plan: SavePlan) -> SavePlan:
+    """Make equal ``torch.Size`` values of ``plan``'s items one object; return ``plan``.
+
+    Every rank, on its own local plan, before it is gathered; changes it in place.
+    """
+    shared: Dict[torch.Size, torch.Size] = {}
+    for item in plan.items:
+        _share(item.index, "offset", shared)
+        data = item.tensor_data
+        if data is None:
+            continue
+        _share(data, "size", shared)
+        if data.chunk is not None:  # a plan without one is refused by global planning
+            _share(data.chunk, "offsets", shared)
+            _share(data.chunk, "sizes", shared)
+    return plan
+
+
+def _share(owner: Any, field: str, shared: Dict[torch.Size, torch.Size]) -> None:
+    """Set ``owner.<field>`` to the first equal ``torch.Size`` in ``shared`` (DCP's plan
+    dataclasses are frozen: set as their own ``__init__`` does). Only ``torch.Size``
+    values are shared: a tuple equal to one stays a tuple."""
+    value = getattr(owner, field, None)
+    if type(value) is torch.Size:
+        object.__setattr__(owner, field, shared.setdefault(value, value))
