@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.saver.plan_digests import attach_plan_digests, properties_key
+from megatron_async.saver.metadata_cache import attach_plan_digests, properties_key
 
 __all__ = [
     "build_global_metadata",
@@ -269,12 +269,12 @@ def build_global_metadata(
         planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's
             global planning sets them.
         all_local_plans: every rank's local plan, in rank order.
-        plan_digests: every rank's :func:`~megatron_async.saver.plan_digests.plan_digest`
+        plan_digests: every rank's :func:`~megatron_async.saver.metadata_cache.plan_digest`
             of its plan, as the ranks computed them; computed here when None.
 
     Returns:
         The metadata, with every rank's plan digest attached
-        (:mod:`~megatron_async.saver.plan_digests`), so that a resumed job can skip the
+        (:mod:`~megatron_async.saver.metadata_cache`), so that a resumed job can skip the
         plan gather.
 
     Raises:

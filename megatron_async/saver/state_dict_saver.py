@@ -32,11 +32,12 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
-from megatron_async.saver.metadata_cache import CheckpointMetadataCache
 from megatron_async.saver.global_metadata import (
     build_global_metadata, share_equal_sizes, without_redundant_empty_chunks,
 )
-from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
+from megatron_async.saver.metadata_cache import (
+    CheckpointMetadataCache, plan_digest, same_plan, verify_global_md_reuse,
+)
 from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync

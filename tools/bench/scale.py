@@ -236,7 +236,7 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
             return
         digests, rank_side_s = None, 0.0
         if method == "ours":  # every rank digests its own plan and sends it with the plan
-            from megatron_async.saver.plan_digests import plan_digest
+            from megatron_async.saver.metadata_cache import plan_digest
 
             start = time.perf_counter()
             digests = [plan_digest(plan) for plan in plans]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_async.saver import state_dict_saver
-from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, plan_digest
+from megatron_async.saver.metadata_cache import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
 from megatron_async.buckets.layout import PreparedWrite, WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
