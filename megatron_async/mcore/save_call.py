@@ -9,20 +9,14 @@ user sees only a timeout, or a broken connection, on every rank but one.
 
 :func:`guard_save_functions` wraps ``save()`` so that those steps know the call
 (:class:`SaveCall`, in a context variable for the call's duration; no stack frames are
-read). With our strategy:
-
-* rank 0 creates a missing local directory before megatron-core lists it (a new
-  directory per iteration, as Megatron-LM saves);
-* megatron-core's sharding validation, whose verdict rank 0 alone raises, is agreed on
-  every rank (one all-reduce, only for a save that validates: Megatron-LM's first save
-  with ``--ckpt-assume-constant-structure``), also under megatron-core's fully parallel
-  wrapper;
-* a rank whose ``save()`` fails before any agreed step (the strategy's first collective,
-  or that validation) joins the strategy's first collective with its error
-  (:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
-  the same error naming that rank's cause, at once. Only where our strategy is
-  ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
-  collectives of its own first.
+read). With our strategy, rank 0 creates a missing local directory before megatron-core
+lists it (:func:`_create_on_coordinator`), megatron-core's sharding validation is agreed
+on every rank (:func:`_agree_on_validation`), and a rank whose ``save()`` fails before
+any agreed step joins the strategy's first collective with its error
+(:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
+the same error naming that rank's cause, at once. That last one only where our strategy
+is ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
+collectives of its own first.
 
 It also guards megatron-core's ``common.pt`` write (0.16-0.18), which comes before the
 sharded strategy, so a strategy alone comes too late: a second save into a directory an
@@ -120,7 +114,9 @@ def _wrap_once(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Calla
 
 def _agree_on_validation(original: Callable[..., Any]) -> Callable[..., Any]:
     """Make megatron-core's sharding validation in ``save()`` (``validate_sharding_integrity``,
-    whose verdict rank 0 alone raises) agreed on every rank within our strategy's saves."""
+    whose verdict rank 0 alone raises) agreed on every rank within our strategy's saves
+    (one all-reduce, only for a save that validates: Megatron-LM's first save with
+    ``--ckpt-assume-constant-structure``), also under the fully parallel wrapper."""
 
     def agreed_validation(*args, **kwargs):
         call = current_save_call()
