@@ -127,8 +127,9 @@ class PlanCache:
 
     @cached_global_metadata.setter
     def cached_global_metadata(self, metadata: Optional[Metadata]) -> None:
-        self.plans.set_cached_global_metadata(metadata)
-        self._cached = None
+        if metadata is not self.plans.cached_global_metadata:  # the same one keeps the plans
+            self.plans.set_cached_global_metadata(metadata)
+            self._cached = None
 
     @paused_gc()  # thousands of short-lived tuples and lists per save; no cycles
     def plan_save(
