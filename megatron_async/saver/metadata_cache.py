@@ -156,8 +156,8 @@ def verify_global_md_reuse(
 
     Args:
         loaded_all_plans: what the loaded metadata says of every rank's plan
-            (:func:`loaded_plans`: digests, or the
-            ``all_local_plans`` of older checkpoints), or None.
+            (:func:`loaded_plans`: digests, or the ``all_local_plans`` of older
+            checkpoints), or None.
         local_plan: this rank's fresh local plan.
         rank: this rank's index in the planning group.
         dist_wrapper: the planning wrapper.
