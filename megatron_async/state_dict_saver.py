@@ -2,8 +2,8 @@
 
 ``megatron.core.dist_checkpointing.strategies.state_dict_saver`` users switch by
 importing from here; the implementation lives in :mod:`megatron_async.saver`.
-:func:`save_state_dict_async_plan` also takes nvidia-resiliency-ext's calling convention
-(``enable_cache`` / ``metadata_cache``).
+nvidia-resiliency-ext's convention (``enable_cache`` / ``metadata_cache``) is
+:mod:`megatron_async.nvrx.state_dict_saver`'s.
 """
 
 from megatron_async.saver.state_dict_saver import (

@@ -10,13 +10,10 @@
   strategy (its ``common.pt`` write on 0.16-0.18 included) know the call's strategy;
 * :mod:`.finalize`: the request's commit step, and a gloo-safe ``metadata.json`` step.
 
-Importing this package imports megatron-core.
+Importing this package imports megatron-core. The public import path of the strategy is
+:mod:`megatron_async.strategy`.
 """
 
 # First: an unsupported megatron-core fails here with one clear error, before any other
 # module of this package imports a megatron-core interface that may be missing.
-from megatron_async.mcore import generation  # noqa: F401  isort: skip
-from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, register_strategies
-
-__all__ = ["TorchDistAsyncSaveStrategy", "TorchDistSaveConfig", "register_strategies"]
+from megatron_async.mcore import generation  # noqa: F401

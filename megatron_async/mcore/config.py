@@ -9,6 +9,7 @@ the config is made.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megatron_async.writer.options import WriteOptions
 
@@ -59,13 +60,8 @@ class TorchDistSaveConfig(WriteOptions):
     checkpoints; True fails that save instead (no ``.metadata``). Saves where only some
     items changed (frozen parameters) are normal and only counted in the per-save INFO line."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # The writer's share, built once per config: every save's writer gets this object.
-        shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(WriteOptions)}
-        object.__setattr__(self, "_write_options", WriteOptions(**shared))
-
-    @property
+    @functools.cached_property
     def write_options(self) -> WriteOptions:
-        """The options of this config's storage writers (every rank)."""
-        return self._write_options
+        """The options of this config's storage writers (every rank; one object per config,
+        which every save's writer gets)."""
+        return WriteOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WriteOptions)})

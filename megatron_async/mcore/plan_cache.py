@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron_async.core import coordination
 from megatron_async.core.gc_pause import paused_gc
@@ -32,14 +31,15 @@ from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
 from megatron_async.saver.agreement import agree_or_raise, agreed_step
-from megatron_async.saver.plan_digests import loaded_plans
-from megatron_async.saver.state_dict_saver import PlanResult, make_dist_wrapper, plan_save
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache
+from megatron_async.saver.state_dict_saver import make_dist_wrapper, plan_save, plan_with_cache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.commit import unmark_before_rewrite
 
 __all__ = ["PlanCache", "PreparedSave", "COORDINATOR_RANK"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 COORDINATOR_RANK = 0
 """The rank that builds and writes the global metadata."""
@@ -49,17 +49,13 @@ PreparedSave = Tuple[FileSystemWriterAsync, Optional[Metadata], Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class _CachedPlan:
-    """What the next save may reuse from the latest one (every rank, its own).
+class _CachedStructure:
+    """What lets the next save skip planning (every rank, its own); the plans and the
+    metadata themselves are in :attr:`PlanCache.plans`.
 
     Attributes:
         config: the options it was planned with; a save with other options plans afresh.
         world: ``(rank, world size)`` it was planned in.
-        metadata: the global metadata on the coordinator (elsewhere whatever
-            ``cached_global_metadata`` was); reused only while it is still that object.
-        central_plan: this rank's final plan.
-        local_plan: this rank's local plan, compared with a fresh one when the
-            fingerprint changed.
         fingerprint: the structure of the state dict it was planned for, or None.
         binding: where the plan's items take their data from, or None (no reuse without
             planning).
@@ -67,9 +63,6 @@ class _CachedPlan:
 
     config: TorchDistSaveConfig
     world: Tuple[int, int]
-    metadata: Optional[Metadata]
-    central_plan: SavePlan
-    local_plan: SavePlan
     fingerprint: Optional[List[tuple]]
     binding: Optional[PlanBinding]
 
@@ -113,18 +106,30 @@ class PlanCache:
     """The plans of one strategy's latest save, and the policy that reuses them (every rank).
 
     Attributes:
-        cached_global_metadata: with ``cached_metadata``, the metadata the coordinator
-            reuses while the structure is unchanged; a loaded checkpoint's metadata may
-            be put here to let the first save of a resumed job skip the plan gather.
+        plans: the latest save's plans and, on the coordinator, its global metadata.
         last_save_reused_plans: whether the latest save reused cached plans.
         structure_reuse_count: how many saves skipped planning altogether.
     """
 
     def __init__(self) -> None:
-        self.cached_global_metadata: Optional[Metadata] = None
+        self.plans = CheckpointMetadataCache()
         self.last_save_reused_plans = False
         self.structure_reuse_count = 0
-        self._cached: Optional[_CachedPlan] = None
+        self._cached: Optional[_CachedStructure] = None
+
+    @property
+    def cached_global_metadata(self) -> Optional[Metadata]:
+        """With ``cached_metadata``, the metadata the coordinator reuses while the structure
+        is unchanged. A loaded checkpoint's metadata may be set here (every rank) to let
+        the first save of a resumed job skip the plan gather: it is verified against
+        fresh plans, never reused blindly."""
+        return self.plans.cached_global_metadata
+
+    @cached_global_metadata.setter
+    def cached_global_metadata(self, metadata: Optional[Metadata]) -> None:
+        if metadata is not self.plans.cached_global_metadata:  # the same one keeps the plans
+            self.plans.set_cached_global_metadata(metadata)
+            self._cached = None
 
     @paused_gc()  # thousands of short-lived tuples and lists per save; no cycles
     def plan_save(
@@ -155,7 +160,13 @@ class PlanCache:
 
         def local_step() -> _LocalStep:
             overwrites = check_target()
-            structure = self._describe(sharded_state_dict, cached) if config.cached_metadata else None
+            structure = None
+            if config.cached_metadata:
+                previous = cached.fingerprint if cached is not None else None
+                structure = _optional(
+                    lambda: describe_structure(sharded_state_dict, previous),
+                    "cannot fingerprint the sharded state dict; planning in full",
+                )
             binding = cached.binding if cached is not None else None
             if (
                 binding is not None
@@ -167,7 +178,8 @@ class PlanCache:
                 writer, dist_wrapper = create_writer(), make_dist_wrapper(None, COORDINATOR_RANK)
                 writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)
                 writer.prepare_resolved_write_data(
-                    cached.central_plan, rebind(binding, structure), binding.layout, binding.staging_key
+                    self.plans.cached_central_plan, rebind(binding, structure), binding.layout,
+                    binding.staging_key,
                 )
                 return _LocalStep(structure, (writer, dist_wrapper), overwrites=overwrites)
             pyt_state_dict = generation.to_dcp_state_dict(sharded_state_dict, config)
@@ -183,7 +195,7 @@ class PlanCache:
             self.structure_reuse_count += 1
             self.last_save_reused_plans = True
             logger.debug("rank %d: structure unchanged on every rank; no planning", dist_wrapper.rank)
-            prepared = writer, cached.metadata, dist_wrapper
+            prepared = writer, self.plans.cached_global_metadata, dist_wrapper
         else:
             pyt_state_dict = step.pyt_state_dict
             if any_prepared:  # planning in full after all: translate where it was skipped
@@ -201,97 +213,70 @@ class PlanCache:
             )
         return prepared
 
-    def _usable(self, config: TorchDistSaveConfig) -> Optional[_CachedPlan]:
-        """Return the latest save's plans if this save may reuse them (every rank, local).
+    def _usable(self, config: TorchDistSaveConfig) -> Optional[_CachedStructure]:
+        """Return the latest save's structure if this save may reuse its plans (every
+        rank, local).
 
-        The coordinator's cached metadata is never None: a planning that caches either
-        built it or reused a metadata that was there.
+        The coordinator's cached metadata is never None then: a planning that caches
+        either built it or reused a metadata that was there.
         """
         cached = self._cached
         if cached is None or not config.cached_metadata or cached.config != config:
             return None
         if cached.world != (coordination.get_rank(), coordination.get_world_size()):
             return None
-        # Replaced by the user (a loaded checkpoint's metadata, for instance): that
-        # metadata is verified against fresh plans instead.
-        if cached.metadata is not self.cached_global_metadata:
-            return None
         return cached
-
-    @staticmethod
-    def _describe(
-        sharded_state_dict: ShardedStateDict, cached: Optional[_CachedPlan]
-    ) -> Optional[Structure]:
-        """Fingerprint the state dict against the cached one (every rank, local)."""
-        try:
-            return describe_structure(
-                sharded_state_dict, cached.fingerprint if cached is not None else None
-            )
-        except Exception:  # an optimization only: what it cannot describe is planned in full
-            logger.debug(
-                "rank %d: cannot fingerprint the sharded state dict; planning in full",
-                coordination.get_rank(),
-                exc_info=True,
-            )
-            return None
 
     def _plan(
         self,
         pyt_state_dict: Dict[str, Any],
         config: TorchDistSaveConfig,
         structure: Optional[Structure],
-        cached: Optional[_CachedPlan],
+        cached: Optional[_CachedStructure],
         writer: FileSystemWriterAsync,
     ) -> PreparedSave:
         """Plan the save in full (every rank), reusing verified plans where it can."""
         self._cached = None  # until this planning succeeds: never keep an older one
-        loaded_all_plans = loaded_plans(self.cached_global_metadata) if config.cached_metadata else None
-        result = plan_save(
-            pyt_state_dict,
-            writer,
-            planner=generation.create_save_planner(config),
-            coordinator_rank=COORDINATOR_RANK,
-            # Not vouched for (False): the structure may have changed, so the cached
-            # plans are reused only if a fresh local plan matches them on every rank.
-            cached_ckpt_structure=(
-                (cached.central_plan, cached.local_plan, False) if cached is not None else None
-            ),
-            loaded_all_plans=loaded_all_plans,
-            unmark=False,  # plan_save's caller unmarks, agreed, when a checkpoint is there
+        planner = generation.create_save_planner(config)
+        # plan_save's caller unmarks, agreed, when a checkpoint is there.
+        if not config.cached_metadata:
+            result = plan_save(
+                pyt_state_dict, writer, planner=planner, coordinator_rank=COORDINATOR_RANK, unmark=False
+            )
+            self.last_save_reused_plans = False
+            return result.finalize_args
+        if cached is None:  # planned with other options, or failed: not offered
+            self.plans.cached_central_plan = self.plans.cached_local_plan = None
+        # Not vouched for: the structure may have changed, so the cached plans are reused
+        # only if a fresh local plan matches them on every rank.
+        result = plan_with_cache(
+            self.plans, pyt_state_dict, writer, coordinator_rank=COORDINATOR_RANK, planner=planner,
+            vouched=False, unmark=False,
         )
         self.last_save_reused_plans = result.reused_cached_plans
-        metadata = result.metadata
-        if config.cached_metadata:
-            if result.reused_cached_plans or result.reused_loaded_metadata:
-                metadata = self.cached_global_metadata
-            else:
-                self.cached_global_metadata = metadata
-            self._cached = _CachedPlan(
-                config=config,
-                world=(coordination.get_rank(), coordination.get_world_size()),
-                metadata=metadata,
-                central_plan=result.central_plan,
-                local_plan=result.local_plan,
-                fingerprint=structure.fingerprint if structure is not None else None,
-                binding=self._bind(structure, result, config),
+        binding = None
+        if structure is not None and result.prepared_write is not None:  # for the next saves
+            binding = _optional(
+                lambda: bind_plan(
+                    structure, result.central_plan, result.prepared_write, config.keep_only_main_replica
+                ),
+                "cannot bind the plan to the state dict's structure; later saves plan in full",
+                logging.WARNING,
             )
-        return result.writer, metadata, result.dist_wrapper
+        self._cached = _CachedStructure(
+            config=config,
+            world=(coordination.get_rank(), coordination.get_world_size()),
+            fingerprint=structure.fingerprint if structure is not None else None,
+            binding=binding,
+        )
+        return result.finalize_args
 
-    @staticmethod
-    def _bind(
-        structure: Optional[Structure], result: PlanResult, config: TorchDistSaveConfig
-    ) -> Optional[PlanBinding]:
-        """Bind the plan to the structure, for the next saves (every rank, local)."""
-        prepared = result.prepared_write
-        if structure is None or prepared is None:
-            return None
-        try:
-            return bind_plan(structure, result.central_plan, prepared, config.keep_only_main_replica)
-        except Exception:  # an optimization only: this save goes on, the next ones plan in full
-            logger.warning(
-                "rank %d: cannot bind the plan to the state dict's structure; later saves "
-                "plan in full",
-                coordination.get_rank(),
-                exc_info=True,
-            )
-            return None
+
+def _optional(step: Callable[[], T], failure: str, level: int = logging.DEBUG) -> Optional[T]:
+    """Run a step of the planless path (every rank, local), or log ``failure`` and return
+    None if it raised: an optimization only, whose absence makes saves plan in full."""
+    try:
+        return step()
+    except Exception:
+        logger.log(level, "rank %d: %s", coordination.get_rank(), failure, exc_info=True)
+        return None

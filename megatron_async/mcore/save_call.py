@@ -9,20 +9,14 @@ user sees only a timeout, or a broken connection, on every rank but one.
 
 :func:`guard_save_functions` wraps ``save()`` so that those steps know the call
 (:class:`SaveCall`, in a context variable for the call's duration; no stack frames are
-read). With our strategy:
-
-* rank 0 creates a missing local directory before megatron-core lists it (a new
-  directory per iteration, as Megatron-LM saves);
-* megatron-core's sharding validation, whose verdict rank 0 alone raises, is agreed on
-  every rank (one all-reduce, only for a save that validates: Megatron-LM's first save
-  with ``--ckpt-assume-constant-structure``), also under megatron-core's fully parallel
-  wrapper;
-* a rank whose ``save()`` fails before any agreed step (the strategy's first collective,
-  or that validation) joins the strategy's first collective with its error
-  (:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
-  the same error naming that rank's cause, at once. Only where our strategy is
-  ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
-  collectives of its own first.
+read). With our strategy, rank 0 creates a missing local directory before megatron-core
+lists it (:func:`_create_on_coordinator`), megatron-core's sharding validation is agreed
+on every rank (:func:`_agree_on_validation`), and a rank whose ``save()`` fails before
+any agreed step joins the strategy's first collective with its error
+(:func:`~megatron_async.mcore.plan_cache.fail_first_collective`), so every rank raises
+the same error naming that rank's cause, at once. That last one only where our strategy
+is ``save()``'s own argument: a wrapper such as megatron-core's fully parallel one runs
+collectives of its own first.
 
 It also guards megatron-core's ``common.pt`` write (0.16-0.18), which comes before the
 sharded strategy, so a strategy alone comes too late: a second save into a directory an
@@ -58,10 +52,10 @@ from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
 from megatron_async.mcore.target import unmark_or_refuse
-from megatron_async.saver.agreement import agree_or_raise
+from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = ["SaveCall", "current_save_call", "guard_save_function", "guard_save_functions"]
+__all__ = ["SaveCall", "current_save_call", "guard_save_functions"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,51 +93,46 @@ def guard_save_functions() -> None:
     """Wrap megatron-core's ``dist_checkpointing.save`` under both its import paths, and its
     ``common.pt`` write where it has one (every generation; idempotent; see the module
     docstring)."""
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
-    package = importlib.import_module("megatron.core.dist_checkpointing")
-    guard_save_function(serialization)
-    guard_save_function(package)  # its own reference to the original
+    for path in ("megatron.core.dist_checkpointing.serialization", "megatron.core.dist_checkpointing"):
+        _wrap_once(importlib.import_module(path), "save", _record_save_call)  # each its own reference
     preprocessing = importlib.import_module("megatron.core.dist_checkpointing.state_dict_utils")
     if callable(getattr(preprocessing, "validate_sharding_integrity", None)):
-        _agree_on_validation(preprocessing)
+        _wrap_once(preprocessing, "validate_sharding_integrity", _agree_on_validation)
     for owner in generation.common_writes():
-        _guard_common_write(owner, SaveDirectories.of_process())
+        _wrap_once(owner, "save_common", _guard_common_write)
 
 
-def _agree_on_validation(module: Any) -> None:
-    """Make ``module.validate_sharding_integrity`` (megatron-core's sharding validation in
-    ``save()``, whose verdict rank 0 alone raises) agreed on every rank within our
-    strategy's saves."""
-    original: Callable[..., Any] = module.validate_sharding_integrity
+def _wrap_once(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.<name>`` with ``wrap(original)``, unless it is wrapped already."""
+    original = getattr(owner, name)
     if getattr(original, "__megatron_async_guarded__", False):
         return
+    wrapped = functools.wraps(original)(wrap(original))
+    wrapped.__megatron_async_guarded__ = True
+    setattr(owner, name, wrapped)
 
-    @functools.wraps(original)
+
+def _agree_on_validation(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Make megatron-core's sharding validation in ``save()`` (``validate_sharding_integrity``,
+    whose verdict rank 0 alone raises) agreed on every rank within our strategy's saves
+    (one all-reduce, only for a save that validates: Megatron-LM's first save with
+    ``--ckpt-assume-constant-structure``), also under the fully parallel wrapper."""
+
     def agreed_validation(*args, **kwargs):
         call = current_save_call()
         if call is None or call.overwrite is None:  # another strategy: as megatron-core
             return original(*args, **kwargs)
-        error: Optional[Exception] = None
-        try:
-            original(*args, **kwargs)
-        except Exception as exc:  # agreed on below, so that no rank is left waiting
-            error = exc
         call.agreed = True
-        agree_or_raise(error, "megatron-core's sharding validation")
+        agreed_step("megatron-core's sharding validation", lambda: original(*args, **kwargs))
 
-    agreed_validation.__megatron_async_guarded__ = True
-    module.validate_sharding_integrity = agreed_validation
+    return agreed_validation
 
 
-def guard_save_function(module: Any) -> None:
-    """Wrap ``module.save`` (megatron-core's ``save``) so that its steps before the
-    strategy know the call (:class:`SaveCall`). Idempotent."""
-    original: Callable[..., Any] = module.save
-    if getattr(original, "__megatron_async_guarded__", False):
-        return
+def _record_save_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron-core's ``save`` so that its steps before the strategy know the call
+    (:class:`SaveCall`)."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def save_with_call_recorded(*args, **kwargs):
         arguments = signature.bind_partial(*args, **kwargs).arguments
         strategy = _resolved(arguments.get("sharded_strategy"))
@@ -161,8 +150,7 @@ def guard_save_function(module: Any) -> None:
         finally:
             _save_call.reset(token)
 
-    save_with_call_recorded.__megatron_async_guarded__ = True
-    module.save = save_with_call_recorded
+    return save_with_call_recorded
 
 
 def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> None:
@@ -176,24 +164,24 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
     that no rank waits in the wrapper's collectives for a rank 0 that already raised.
     """
     directory = normalize_checkpoint_path(checkpoint_dir)
-    error: Optional[Exception] = None
-    try:
-        if coordination.get_rank() == 0 and not storage_for(directory).needs_msc:
+
+    def create() -> None:
+        if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
+            return
+        try:  # a process whose saves are stopped, ...: raised as it is
             SaveDirectories.of_process().run_bounded(
                 f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
             )
-    except OSError as exc:
-        error = CheckpointValidationError(
-            f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
-            "into a directory rank 0 can create or write"
-        )
-        error.__cause__ = exc
-    except Exception as exc:  # a process whose saves are stopped, ...: agreed as it is
-        error = exc
+        except OSError as exc:
+            raise CheckpointValidationError(
+                f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
+                "into a directory rank 0 can create or write"
+            ) from exc
+
     if agreed:
-        agree_or_raise(error, "creating the checkpoint directory")
-    elif error is not None:
-        raise error
+        agreed_step("creating the checkpoint directory", create)
+    else:
+        create()
 
 
 def _resolved(strategy: Any) -> Any:
@@ -252,19 +240,14 @@ def _guarded_write(
         return None
 
 
-def _guard_common_write(owner: Any, directories: SaveDirectories) -> None:
-    """Wrap ``owner.save_common`` (megatron-core's ``common.pt`` write: a function of a
-    module, or a method of a class) with the checks against ``directories`` (the
-    process's record). Idempotent."""
-    original: Callable[..., Any] = owner.save_common
-    if getattr(original, "__megatron_async_guarded__", False):
-        return
+def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap megatron-core's ``common.pt`` write (``save_common``: a function of a module,
+    or a method of a class) with the checks against the process's record."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def guarded_save_common(*args, **kwargs):
         checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
+        directories = SaveDirectories.of_process()
         return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir, directories)
 
-    guarded_save_common.__megatron_async_guarded__ = True
-    owner.save_common = guarded_save_common
+    return guarded_save_common

@@ -12,10 +12,6 @@ The checkpoint is megatron-core's ``torch_dist`` format, version 1 (megatron-cor
 ``metadata.json`` from the strategy's backend), so stock megatron-core and PyTorch DCP load
 it without this package. ``register_strategies()`` makes the strategy megatron-core's
 default for the backend name ``'megatron_async'``.
-
-A directory that holds a complete checkpoint is overwritten by default, like
-megatron-core, but safely (its completion markers go first); how, and
-``overwrite=False``, are :mod:`megatron_async.mcore.target`'s.
 """
 
 from __future__ import annotations
@@ -98,25 +94,15 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     Attributes:
         config: the options in force.
-        cached_global_metadata: with ``cached_metadata``, the metadata the coordinator
-            reuses while the structure is unchanged. Set it on every rank to a loaded
-            checkpoint's metadata (``TorchDistLoadShardedStrategy.cached_global_metadata``)
-            to let the first save of a resumed job skip the plan gather too.
-        last_save_reused_plans: whether the latest ``async_save`` reused cached plans.
-
-    With ``cached_metadata``, saves reuse the previous save's plans while the structure
-    holds on every rank (see :mod:`megatron_async.mcore.plan_cache`).
 
     Copies: ``copy.copy``, ``copy.deepcopy`` and pickling give an independent strategy
-    with the same options (``config``) and empty caches: no cached plans or
-    ``cached_global_metadata`` and no staging buffers. megatron-core's tests deep-copy
-    the registered default strategy and then set ``use_cached_ckpt_structure`` on the
-    copy; the options live in the immutable ``config``, which a setter replaces, so that
-    never changes the original. A shallow copy does not share the caches either: they
-    hold the state of one strategy's saves (a staging buffer may still be leased to a
-    save in flight), and a copy that shared them would reuse or evict the original's
-    plans and buffers. Each strategy that saves therefore keeps its own staging
-    buffers; call :meth:`release_staging_buffers` on one you stop using.
+    with the same options (``config``) and empty caches: no cached plans or metadata and
+    no staging buffers. The options live in the immutable ``config``, which a setter
+    replaces, so setting an option on a copy (megatron-core's tests deep-copy the
+    registered default strategy) never changes the original. Caches are never shared,
+    as they hold the state of one strategy's saves (a staging buffer may still be leased
+    to a save in flight); call :meth:`release_staging_buffers` on a strategy you stop
+    using.
     """
 
     _CACHES = ("plan_cache", "staging_cache", "digest_history", "commit_cache")
@@ -170,7 +156,10 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
 
     @property
     def cached_global_metadata(self) -> Optional[Metadata]:
-        """See :attr:`PlanCache.cached_global_metadata` (settable, on every rank)."""
+        """With ``cached_metadata``, the metadata the coordinator reuses while the structure
+        is unchanged. Set it on every rank to a loaded checkpoint's metadata
+        (``TorchDistLoadShardedStrategy.cached_global_metadata``) to let the first save of
+        a resumed job skip the plan gather too."""
         return self.plan_cache.cached_global_metadata
 
     @cached_global_metadata.setter
@@ -191,22 +180,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    @property
-    def use_cached_ckpt_structure(self) -> bool:
-        """megatron-core's switch for a constant checkpoint structure (``config.cached_metadata``).
-
-        Megatron-LM sets it on its save strategy for ``--ckpt-assume-constant-structure``.
-        In megatron-core 0.19 it turns on plan and metadata caching and staging-buffer
-        reuse; here staging buffers are reused by default whatever this switch says
-        (``config.use_cached_data_structure``, checked against the layout on every save),
-        so True turns on the plan and metadata cache, and False turns off only that.
-        """
-        return self.config.cached_metadata
-
-    @use_cached_ckpt_structure.setter
-    def use_cached_ckpt_structure(self, value: bool) -> None:
-        self.config = dataclasses.replace(self.config, cached_metadata=bool(value))
-
     def release_staging_buffers(self) -> None:
         """Free the staging buffers kept for the next save (every rank, between saves).
 
@@ -223,6 +196,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     thread_count = _config_property("thread_count")
     keep_only_main_replica = _config_property("keep_only_main_replica")
     separation_hint = _config_property("separation_hint")
+    # Megatron-LM's --ckpt-assume-constant-structure. megatron-core 0.19 also reuses its
+    # staging buffers under it; ours are reused whatever it says (use_cached_data_structure).
+    use_cached_ckpt_structure = _config_property("cached_metadata")
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
         """Save synchronously through the same pipeline (every rank): plan, stage, write,

@@ -8,19 +8,11 @@ only the values change, so all of that gives the same answer again, at a cost of
 second on the training thread at tens of thousands of tensors per rank.
 
 This module lets the strategy skip it. Everything here runs on the training thread of
-every rank and is local (no collective):
-
-* :func:`describe_structure` walks the sharded state dict once and returns its
-  :class:`Structure`: the *fingerprint* (every shard's key, offsets, shapes, dtype,
-  replica id, prepended axes, grid; every ShardedObject's key, offset, shape and replica
-  id) and the shards' data, in the order megatron-core visits them;
-* after a full planning, :func:`bind_plan` records, for every item of the final plan,
-  which shard (or which ShardedObjects) its data comes from. It also checks that the
-  rebinding rule reproduces exactly what the planner resolved; where it does not (a
-  layout this module does not know), there is no binding and every save plans in full;
-* :func:`rebind` resolves the bound items to the data of a new state dict with the same
-  fingerprint: tensors by reference (reshaped where megatron-core prepends axes) and
-  ShardedObjects serialized anew, since their content changes from save to save.
+every rank and is local (no collective): :func:`describe_structure` fingerprints the
+sharded state dict in one walk, :func:`bind_plan` records after a full planning where
+each item of the plan takes its data from (or finds no unambiguous binding: every save
+then plans in full), and :func:`rebind` resolves the bound items to the data of a new
+state dict with the same fingerprint.
 
 Not in the fingerprint: a tensor's device and whether it is pinned. Staging copies from
 any device, and the reused metadata keeps the first save's ``pin_memory`` flag, which no

@@ -6,23 +6,12 @@ refusal on any rank becomes the same error on every rank (see
 :meth:`~megatron_async.mcore.plan_cache.PlanCache.plan_save`). Nothing here runs a
 collective or talks to another rank.
 
-What it checks, in this order:
-
-* the process's saves may go on, and no unfinalized save of this process writes the
-  directory (:class:`~megatron_async.core.save_directories.SaveDirectories`, which the
-  save then claims);
-* a local directory is a directory (created if missing) and writable by this rank; an
-  object-storage URL needs ``use_msc`` (a store has no directories or permissions to
-  probe: an unreachable endpoint or a missing bucket fails the first request, which the
-  background writer reports on every rank);
-* on the coordinator only, a complete checkpoint already there is refused with
-  ``overwrite=False``. Otherwise it is overwritten: the check reports it, and its
-  completion markers are removed once every rank agreed the save's planning, before any
-  data file changes, in one more agreed step
-  (:func:`~megatron_async.writer.commit.unmark_before_rewrite`), so input that planning
-  refuses leaves it complete, and a save that fails later leaves a directory every loader
-  sees as incomplete, never a mix. In an object store (no rename, and a listing per save
-  would cost requests) the markers are removed here.
+A complete checkpoint in the target is refused with ``overwrite=False``; otherwise its
+completion markers are removed once every rank agreed the save's planning, before any
+data file changes (:func:`~megatron_async.writer.commit.unmark_before_rewrite`), so input
+that planning refuses leaves it complete, and a save that fails later leaves a directory
+every loader sees as incomplete, never a mix. In an object store (no rename, and a
+listing per save would cost requests) the markers are removed here.
 
 The file-system checks run within half the coordination timeout on a helper thread: on a
 hung mount even ``os.path.exists`` never returns, and the rank would never reach the
@@ -69,8 +58,14 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
     """
     rank = coordination.get_rank()
     storage = storage_for(checkpoint_dir)
-    if storage.needs_msc:
-        _check_object_target(checkpoint_dir, config, is_coordinator, storage)
+    if storage.needs_msc:  # no directories or permissions to probe in a store
+        if not config.use_msc:
+            raise CheckpointValidationError(
+                f"{checkpoint_dir} is an object-storage URL; create the strategy with "
+                f"use_msc=True ({MSC_EXTRA_HINT})"
+            )
+        if is_coordinator:
+            unmark_or_refuse(checkpoint_dir, config.overwrite, storage)
         return False
     if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
         raise CheckpointValidationError(
@@ -95,19 +90,6 @@ def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coord
             "exists) and overwrite=False; save into a new directory or delete it first"
         )
     return complete
-
-
-def _check_object_target(
-    checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool, storage: CheckpointStorage
-) -> None:
-    """The checks of :func:`check_save_target` that mean something in an object store."""
-    if not config.use_msc:
-        raise CheckpointValidationError(
-            f"{checkpoint_dir} is an object-storage URL; create the strategy with "
-            f"use_msc=True ({MSC_EXTRA_HINT})"
-        )
-    if is_coordinator:
-        unmark_or_refuse(checkpoint_dir, config.overwrite, storage)
 
 
 def unmark_or_refuse(directory: str, overwrite: Optional[bool], storage: CheckpointStorage) -> None:

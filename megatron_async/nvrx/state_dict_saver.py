@@ -1,10 +1,8 @@
 """``nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver``.
 
-Planning here always takes nvidia-resiliency-ext's convention of
-:func:`megatron_async.saver.state_dict_saver.save_state_dict_async_plan`: the result is
-``(writer, metadata, dist_wrapper)``, and the cached plans live in a
-:class:`CheckpointMetadataCache` rather than being passed in and returned. Runs on every
-rank, on the training thread.
+Planning here takes nvidia-resiliency-ext's convention: the result is ``(writer,
+metadata, dist_wrapper)``, and the cached plans live in a :class:`CheckpointMetadataCache`
+rather than being passed in and returned. Runs on every rank, on the training thread.
 """
 
 from __future__ import annotations
@@ -16,9 +14,10 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.saver.metadata_cache import CheckpointMetadataCache, default_metadata_cache
-from megatron_async.saver import state_dict_saver as _saver
-from megatron_async.saver.state_dict_saver import save_state_dict_async_finalize, verify_global_md_reuse
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache
+from megatron_async.saver.state_dict_saver import (
+    plan_save, plan_with_cache, save_state_dict_async_finalize, verify_global_md_reuse,
+)
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
@@ -30,9 +29,14 @@ __all__ = [
 ]
 
 
+_PROCESS_CACHE = CheckpointMetadataCache()
+"""The cache of ``enable_cache=True`` without a ``metadata_cache`` (nvidia-resiliency-ext's
+process-wide one)."""
+
+
 def init_checkpoint_metadata_cache(cached_global_metadata: Optional[Metadata] = None) -> None:
     """Seed the process-wide cache (used when ``enable_cache=True`` comes without one)."""
-    default_metadata_cache().set_cached_global_metadata(cached_global_metadata)
+    _PROCESS_CACHE.set_cached_global_metadata(cached_global_metadata)
 
 
 def save_state_dict_async_plan(
@@ -46,11 +50,14 @@ def save_state_dict_async_plan(
 ) -> Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper]:
     """Plan a save and prepare the writer (every rank); pass the result to finalize.
 
-    nvidia-resiliency-ext's argument order for
-    :func:`megatron_async.saver.state_dict_saver.save_state_dict_async_plan`'s
-    cached convention.
+    With ``enable_cache`` (a promise that the structure does not change) the plans of
+    ``metadata_cache`` (the process-wide one when None) are reused
+    (:func:`~megatron_async.saver.state_dict_saver.plan_with_cache`); without it the
+    cache is neither read nor updated.
     """
-    return _saver.save_state_dict_async_plan(
-        state_dict, storage_writer, process_group, coordinator_rank, planner,
-        enable_cache=bool(enable_cache), metadata_cache=metadata_cache,
-    )
+    if not enable_cache:
+        return plan_save(state_dict, storage_writer, process_group, coordinator_rank, planner).finalize_args
+    cache = metadata_cache if metadata_cache is not None else _PROCESS_CACHE
+    return plan_with_cache(
+        cache, state_dict, storage_writer, process_group, coordinator_rank, planner, vouched=True
+    ).finalize_args

@@ -1,19 +1,12 @@
 """Plan and finalize an asynchronous PyTorch DCP save (every rank, collectives on gloo).
 
 * :mod:`.state_dict_saver`: planning, ``plan_save`` (a :class:`PlanResult`) and the
-  public ``save_state_dict_async_plan`` (megatron-core's and nvidia-resiliency-ext's
-  conventions), the DCP-level step before the background write;
+  public ``save_state_dict_async_plan`` (megatron-core's convention), the DCP-level step
+  before the background write;
 * :mod:`.global_metadata` (coordinator): the global metadata from every rank's plan,
   validated with DCP's rules;
 * :mod:`.finalize`: ``save_state_dict_async_finalize``, the commit after the write;
-* :mod:`.metadata_cache`: the plans that nvidia-resiliency-ext's convention reuses;
+* :mod:`.metadata_cache`: the plans and metadata a later save (or a resumed job, through
+  the plan digests in ``.metadata``) reuses;
 * :mod:`.agreement`: a step that failed on some ranks becomes one typed error on all.
 """
-
-from megatron_async.saver.state_dict_saver import (
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-    verify_global_md_reuse,
-)
-
-__all__ = ["save_state_dict_async_plan", "save_state_dict_async_finalize", "verify_global_md_reuse"]

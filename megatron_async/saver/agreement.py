@@ -87,13 +87,12 @@ def agreed_step(
     group: Optional[dist.ProcessGroup] = None,
     flags: Optional[Callable[[Optional[T]], Sequence[int]]] = None,
 ) -> Tuple[T, List[int]]:
-    """Run ``local_step`` on this rank, then agree with every rank on whether any failed.
+    """Run ``local_step`` on this rank, then agree with every rank on whether any failed
+    (:func:`agree_or_raise`, with the step's ``Exception`` as this rank's error; a
+    ``BaseException`` such as an interrupt propagates at once).
 
-    Runs on every rank, which must all call it at the same point: the step itself runs
-    no collective, then one all-reduce (see :func:`agree_or_raise`) tells every rank
-    whether any step raised, so no rank walks into the next collective while another
-    has given up. An ``Exception`` of the step is kept and becomes the cause of the
-    agreed error; a ``BaseException`` (interrupt, exit) propagates at once.
+    Runs on every rank, which must all call it at the same point; the step itself runs
+    no collective.
 
     Args:
         what: the step, for the message ("local save planning").
@@ -105,10 +104,6 @@ def agreed_step(
 
     Returns:
         ``(result of local_step, element-wise maxima of the flags over all ranks)``.
-
-    Raises:
-        CheckpointInProgressError: every failing rank reported a save still in flight.
-        CheckpointValidationError: any other failure on any rank, the same on all.
     """
     result: Optional[T] = None
     error: Optional[BaseException] = None

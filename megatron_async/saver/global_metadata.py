@@ -1,4 +1,4 @@
-"""Build the global metadata of a save from every rank's local plan (coordinator only).
+"""Build the global metadata of a save from every rank's local plan (coordinator).
 
 With decentralized planning every rank writes its own local plan as it is, so the global
 plan of DCP's ``DefaultSavePlanner`` (deduplicate, rewrite every item's index hint,
@@ -8,19 +8,22 @@ objects made per item (a copy of every item, dictionaries of every index, hashes
 dataclasses). :func:`build_metadata` builds it from the plans as gathered, without a new
 object per chunk (the chunks are the items' own, as DCP lists them; equal chunk sizes and
 tensor properties are made one shared object, which the pickle then writes once), and
-checks it with the same rules as DCP's validation:
-
-* no chunk outside the tensor's bounds;
-* no two chunks overlap, with DCP's box test (an empty chunk strictly inside another
-  chunk's range counts as overlapping, as it does for DCP);
-* with several ranks, the chunks' volumes add up to the tensor's volume.
+:func:`validate_chunks` checks it with DCP's rules.
 
 Items that two ranks plan are refused before any of that, except tensor chunks without
-elements, which uneven splits (distributed optimizer buckets, MoE experts) put on several
-ranks at one offset: of those only one is listed, never in place of a chunk with data
-(:func:`index_items`). Central planning goes through the same filter before DCP
-deduplicates. No collective runs here: the saver gathers the plans and agrees on the
-outcome.
+elements (:func:`index_items`). No collective runs here: the saver gathers the plans and
+agrees on the outcome.
+
+Equal values made one object also shrink what the ranks send. A local plan holds three
+or four ``torch.Size`` values per item, each a new object, and a ``torch.Size`` is one of
+the slowest things to pickle (its reduce goes through Python: about 2 us), while pickle
+writes an object it has already written as one memo reference. Layers repeat their
+shapes and offsets, so after :func:`share_equal_sizes` (every rank, on its own plan) a
+plan pickles a few dozen sizes instead of thousands, and what is built from its objects
+inherits the sharing: the plan gather, the global metadata's chunks, the write results
+(their index is the item's), the results gather and the first save's ``.metadata``
+(docs/benchmarks.md, "Shared sizes"). Values do not change, only which object holds them,
+so plans compare, digest and load exactly as before.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 import sys
 from bisect import bisect_right, insort
 from operator import add, le
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -44,10 +47,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.saver.plan_digests import attach_plan_digests, properties_key
+from megatron_async.saver.metadata_cache import attach_plan_digests, properties_key
 
 __all__ = [
     "build_global_metadata",
+    "share_equal_sizes",
     "without_redundant_empty_chunks",
     "build_metadata",
     "index_items",
@@ -99,11 +103,8 @@ def build_metadata(all_local_plans: Sequence[SavePlan]) -> Metadata:
             if entry is None:
                 properties = shared_properties.setdefault(properties_key(data.properties), data.properties)
                 entry = state[fqn] = TensorStorageMetadata(properties, data.size, [])
-            chunk = data.chunk
-            sizes = shared_sizes.setdefault(chunk.sizes, chunk.sizes)
-            if sizes is not chunk.sizes:  # an equal value: the chunk is unchanged (frozen)
-                object.__setattr__(chunk, "sizes", sizes)
-            entry.chunks.append(chunk)
+            _share(data.chunk, "sizes", shared_sizes)
+            entry.chunks.append(data.chunk)
     metadata = Metadata(state)
     validate_chunks(metadata, several_ranks=len(all_local_plans) > 1)
     return metadata
@@ -250,7 +251,6 @@ def index_items(all_local_plans: Sequence[SavePlan], refuse_duplicates: bool = T
     return skipped
 
 
-
 @paused_gc()  # an index key per item; no cycles
 def build_global_metadata(
     planner: SavePlanner,
@@ -259,24 +259,22 @@ def build_global_metadata(
 ) -> Metadata:
     """Build the global metadata of a decentralized save from every rank's local plan.
 
-    Runs on the coordinator; refuses items planned by two ranks. The metadata lists each ``(fqn, offset)`` once, as megatron-core's does.
-
-    DCP's own planners (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``,
-    which add nothing to its global planning) are not run: their global plan is not used
-    by a decentralized save, and :func:`build_metadata`
-    makes the same metadata in one pass. A planner that plans globally in its own way
-    (an override, flattened state dicts, DCP's plan caching) is run as before.
+    Runs on the coordinator; refuses items planned by two ranks. The metadata lists each
+    ``(fqn, offset)`` once, as megatron-core's does. DCP's own planners
+    (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``) are not run
+    (:func:`build_metadata` makes the same metadata); a planner that plans globally in
+    its own way (an override, flattened state dicts, DCP's plan caching) is.
 
     Args:
         planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's
             global planning sets them.
         all_local_plans: every rank's local plan, in rank order.
-        plan_digests: every rank's :func:`~megatron_async.saver.plan_digests.plan_digest`
+        plan_digests: every rank's :func:`~megatron_async.saver.metadata_cache.plan_digest`
             of its plan, as the ranks computed them; computed here when None.
 
     Returns:
         The metadata, with every rank's plan digest attached
-        (:mod:`~megatron_async.saver.plan_digests`), so that a resumed job can skip the
+        (:mod:`~megatron_async.saver.metadata_cache`), so that a resumed job can skip the
         plan gather.
 
     Raises:
@@ -336,3 +334,30 @@ def without_redundant_empty_chunks(
         dataclasses.replace(plan, items=[item for item in plan.items if id(item) not in left_out])
         for plan in all_local_plans
     ]
+
+
+def share_equal_sizes(plan: SavePlan) -> SavePlan:
+    """Make equal ``torch.Size`` values of ``plan``'s items one object; return ``plan``.
+
+    Every rank, on its own local plan, before it is gathered; changes it in place.
+    """
+    shared: Dict[torch.Size, torch.Size] = {}
+    for item in plan.items:
+        _share(item.index, "offset", shared)
+        data = item.tensor_data
+        if data is None:
+            continue
+        _share(data, "size", shared)
+        if data.chunk is not None:  # a plan without one is refused by global planning
+            _share(data.chunk, "offsets", shared)
+            _share(data.chunk, "sizes", shared)
+    return plan
+
+
+def _share(owner: Any, field: str, shared: Dict[torch.Size, torch.Size]) -> None:
+    """Set ``owner.<field>`` to the first equal ``torch.Size`` in ``shared`` (DCP's plan
+    dataclasses are frozen: set as their own ``__init__`` does). Only ``torch.Size``
+    values are shared: a tuple equal to one stays a tuple."""
+    value = getattr(owner, field, None)
+    if type(value) is torch.Size:
+        object.__setattr__(owner, field, shared.setdefault(value, value))

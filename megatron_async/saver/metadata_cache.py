@@ -1,30 +1,183 @@
-"""What one save remembers for the next: plans and global metadata (every rank, its own).
+"""What a later save reuses: the latest save's plans and metadata, and the plan digests
+a checkpoint stores for a resumed job (every rank, its own).
 
-:class:`CheckpointMetadataCache` is the object that megatron-core 0.17+ hands to
-``save_state_dict_async_plan(..., enable_cache=True, metadata_cache=cache)`` (the
-nvidia-resiliency-ext module set). It keeps the latest save's global plan and local plan
-and, on the coordinator, the global metadata, so that a save whose structure is unchanged
-skips the plan gather and the metadata build.
-
-Reuse is decided by :func:`~megatron_async.saver.state_dict_saver.plan_save` (called by
-:func:`megatron_async.nvrx.state_dict_saver.save_state_dict_async_plan`) against fresh
-local plans on every rank, never from these flags alone: a cache that says
+:class:`CheckpointMetadataCache` is the one cache of plans and global metadata: the
+megatron-core strategy keeps one (:mod:`megatron_async.mcore.plan_cache`), and
+megatron-core 0.17+ hands one to nvidia-resiliency-ext's ``save_state_dict_async_plan(...,
+enable_cache=True, metadata_cache=cache)``. Both plan through
+:func:`~megatron_async.saver.state_dict_saver.plan_with_cache`, which offers the cached
+plans and a loaded checkpoint's plan digests for reuse and records the outcome here.
+Reuse is decided by :func:`~megatron_async.saver.state_dict_saver.plan_save` against
+fresh local plans on every rank, never from the cache's flags alone: a cache that says
 "validated" cannot make a changed structure write stale metadata.
+
+A resumed job skips its first save's plan gather when every rank's fresh local plan is
+the one the loaded checkpoint was saved with. megatron-core stores every rank's whole
+local plan in the metadata for that (``all_local_plans``: at a million items that is
+more than half again the size of DCP's ``.metadata``). Here each rank's plan is stored
+as a 16-byte digest of what the comparison looks at (everything but the storage data and
+the index hints), as plain ``bytes``, so the file unpickles with stock torch and
+megatron-core, which ignore it (and plan in full). Checkpoints that carry
+``all_local_plans`` (older versions of this package, megatron-core) are still compared
+item by item.
+
+The digest is of the items' ``repr`` (fqn, offsets, sizes, tensor properties, global
+size, type): deterministic across processes. A change of its rules changes
+``_DIGEST_KEY``, so a checkpoint digested otherwise is simply not reused.
+:func:`verify_global_md_reuse` is the comparison, agreed on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
-from typing import List, Optional, Tuple
+import operator
+from typing import Any, List, Optional, Sequence, Tuple
 
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.saver.plan_digests import loaded_plans
+from megatron_async.core import coordination
 
-__all__ = ["CheckpointMetadataCache", "default_metadata_cache"]
+__all__ = [
+    "CheckpointMetadataCache",
+    "PLAN_DIGESTS_ATTR",
+    "attach_plan_digests",
+    "loaded_plans",
+    "plan_digest",
+    "properties_key",
+    "same_plan",
+    "verify_global_md_reuse",
+]
 
 logger = logging.getLogger(__name__)
+
+PLAN_DIGESTS_ATTR = "megatron_async_plan_digests"
+"""Attribute of the metadata: ``[bytes]``, one digest per rank, in rank order."""
+
+_DIGEST_KEY = b"megatron_async.plan.v1"
+_SHARD = WriteItemType.SHARD.name  # the usual type, named without an enum lookup per item
+# TensorProperties' values in field order (an unpickled one holds its attributes in another
+# order), hashable: the key of equal properties.
+properties_key = operator.attrgetter(*(field.name for field in dataclasses.fields(TensorProperties)))
+_PLAN_FIELDS_LEFT_OUT = ("items", "storage_data")
+
+
+def plan_digest(plan: SavePlan) -> bytes:
+    """16 bytes that differ between plans that differ apart from storage data and hints.
+
+    Runs on every rank for its own plan, and on the coordinator for every rank's.
+    """
+    items = [_item_key(item) for item in plan.items]
+    others = [
+        (field.name, getattr(plan, field.name))
+        for field in dataclasses.fields(plan)
+        if field.name not in _PLAN_FIELDS_LEFT_OUT
+    ]
+    digest = hashlib.blake2b(key=_DIGEST_KEY, digest_size=16)
+    digest.update(repr(items).encode())
+    digest.update(repr(others).encode())
+    return digest.digest()
+
+
+def _item_key(item) -> tuple:
+    data = item.tensor_data
+    index = item.index
+    if data is None:
+        return (index.fqn, index.offset, item.type.name, getattr(item, "bytes_io_data", None))
+    chunk = data.chunk
+    return (
+        index.fqn,
+        index.offset,
+        _SHARD if item.type is WriteItemType.SHARD else item.type.name,
+        chunk.offsets,
+        chunk.sizes,
+        properties_key(data.properties),
+        data.size,
+    )
+
+
+def attach_plan_digests(
+    metadata: Metadata,
+    all_local_plans: Sequence[SavePlan],
+    digests: Optional[Sequence[bytes]] = None,
+) -> None:
+    """Store every rank's plan digest on the metadata (coordinator, first save).
+
+    ``digests`` are the ranks' own, gathered with their plans; computed here when None.
+    """
+    if digests is None:
+        digests = [plan_digest(plan) for plan in all_local_plans]
+    setattr(metadata, PLAN_DIGESTS_ATTR, list(digests))
+
+
+def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:
+    """What a loaded checkpoint's metadata says of every rank's plan, or None.
+
+    Runs on every rank. Digests (``bytes``) when the checkpoint has them, else the whole
+    plans of ``all_local_plans`` (megatron-core, older versions of this package).
+    """
+    digests = getattr(metadata, PLAN_DIGESTS_ATTR, None)
+    if isinstance(digests, list) and all(isinstance(d, bytes) for d in digests):
+        return digests
+    return getattr(metadata, "all_local_plans", None)
+
+
+def same_plan(plan: SavePlan, loaded: Any) -> bool:
+    """Whether ``plan`` is the plan that ``loaded`` (a digest or a plan) describes.
+
+    Plans are compared on every field but the storage data; the index hints are left
+    out of digests (``MetadataIndex`` equality ignores them too).
+    """
+    if loaded is None:
+        return False
+    if isinstance(loaded, bytes):
+        return plan_digest(plan) == loaded
+    return all(
+        getattr(plan, field.name) == getattr(loaded, field.name)
+        for field in dataclasses.fields(plan)
+        if field.name != "storage_data"
+    )
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: Optional[Sequence[SavePlan]],
+    local_plan: SavePlan,
+    rank: int,
+    dist_wrapper: _DistWrapper,
+) -> bool:
+    """Tell whether a loaded checkpoint's metadata fits this save on every rank.
+
+    Runs on every rank and always costs one all-reduce (so that ranks with and without
+    loaded plans stay in step). A rank agrees when the loaded plans are from a job of
+    the same size and its own entry equals ``local_plan`` apart from the storage data.
+
+    Args:
+        loaded_all_plans: what the loaded metadata says of every rank's plan
+            (:func:`loaded_plans`: digests, or the ``all_local_plans`` of older
+            checkpoints), or None.
+        local_plan: this rank's fresh local plan.
+        rank: this rank's index in the planning group.
+        dist_wrapper: the planning wrapper.
+
+    Returns:
+        True on every rank if every rank agrees, else False on every rank.
+    """
+    try:
+        local_ok = (
+            bool(loaded_all_plans)
+            and len(loaded_all_plans) == dist_wrapper.get_world_size()
+            and same_plan(local_plan, loaded_all_plans[rank])
+        )
+    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
+        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
+        local_ok = False
+    if not local_ok and loaded_all_plans:
+        logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
+    (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)
+    return not any_mismatch
 
 
 class CheckpointMetadataCache:
@@ -39,9 +192,6 @@ class CheckpointMetadataCache:
         validated_cache_reuse: whether the latest save reused the cached plans.
         validated_loaded_metadata_reuse: whether the latest save reused the loaded
             checkpoint's metadata.
-        loaded_all_plans: what that loaded metadata says of every rank's local plan
-            (digests or plans, see :func:`~megatron_async.saver.plan_digests.loaded_plans`),
-            or None.
     """
 
     def __init__(self) -> None:
@@ -50,23 +200,27 @@ class CheckpointMetadataCache:
         self.cached_global_metadata: Optional[Metadata] = None
         self.validated_cache_reuse = False
         self.validated_loaded_metadata_reuse = False
-        self.loaded_all_plans: Optional[List[SavePlan]] = None
+
+    @property
+    def loaded_all_plans(self) -> Optional[List[Any]]:
+        """What the cached metadata says of every rank's local plan (digests or plans, see
+        :func:`loaded_plans`), or None."""
+        return loaded_plans(self.cached_global_metadata)
 
     def set_cached_global_metadata(self, cached_global_metadata: Optional[Metadata]) -> None:
         """Seed the cache with a loaded checkpoint's metadata (every rank).
 
         Its plan digests (written by our saver) or ``all_local_plans`` (megatron-core's,
         older versions of ours) let the first save of a resumed job skip the plan
-        gather when every rank's plan matches.
+        gather when every rank's plan matches. Cached plans are dropped: they were made
+        with another metadata, which this one may not describe.
         """
         self.cached_global_metadata = cached_global_metadata
-        self.loaded_all_plans = loaded_plans(cached_global_metadata)
-        if cached_global_metadata is not None and self.loaded_all_plans is None:
-            logger.debug("loaded metadata has no plans of the ranks; the first save plans in full")
+        self.cached_central_plan = self.cached_local_plan = None
 
     def get_cache_metadata(
         self,
-    ) -> Tuple[Optional[SavePlan], Optional[SavePlan], bool, Optional[List[SavePlan]]]:
+    ) -> Tuple[Optional[SavePlan], Optional[SavePlan], bool, Optional[List[Any]]]:
         """Return ``(central plan, local plan, validated_cache_reuse, loaded_all_plans)``."""
         return (
             self.cached_central_plan,
@@ -85,19 +239,6 @@ class CheckpointMetadataCache:
             return False
         return self.cached_global_metadata is not None or not is_coordinator
 
-    def set_cache_metadata(
-        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
-    ) -> None:
-        """Remember a save's plans (every rank, after planning).
-
-        ``validated_cache_reuse`` becomes whether the new global plan equals the
-        cached one.
-        """
-        self.validated_loaded_metadata_reuse = bool(global_md_verify_reuse)
-        self.validated_cache_reuse = central_plan == self.cached_central_plan
-        self.cached_central_plan = central_plan
-        self.cached_local_plan = local_plan
-
     def record_plan(
         self,
         central_plan: SavePlan,
@@ -105,35 +246,27 @@ class CheckpointMetadataCache:
         reused_cached_plans: bool,
         reused_loaded_metadata: bool,
     ) -> None:
-        """Remember a save's plans and how they were made (every rank, after
-        :func:`save_state_dict_async_plan` planned); its metadata goes through
-        :meth:`prepare_save_state_dict_ret`."""
+        """Remember a save's plans and how they were made (every rank, after planning);
+        its metadata goes through :meth:`prepare_save_state_dict_ret`."""
         self.validated_loaded_metadata_reuse = bool(reused_loaded_metadata)
         self.validated_cache_reuse = bool(reused_cached_plans)
         self.cached_central_plan = central_plan
         self.cached_local_plan = local_plan
 
     def prepare_save_state_dict_ret(self, rank: int, coordinator: int, save_state_dict_ret):
-        """Fill the cached metadata into a planning result that has none (every rank).
+        """Fill the cached metadata into a planning result that reused it (every rank,
+        after :meth:`record_plan`).
 
-        ``save_state_dict_ret`` is ``(writer, metadata or None, dist_wrapper)``; on the
-        coordinator a missing metadata is replaced by the cached one, and fresh metadata
-        is remembered for the next save.
+        ``save_state_dict_ret`` is ``(writer, metadata or None, dist_wrapper)``. When the
+        plans or the loaded metadata were reused, the coordinator's metadata is the
+        cached one (None elsewhere). Otherwise the result's metadata is remembered on
+        every rank, None off the coordinator, so that no rank later checks its plan
+        against the digests of another save than the coordinator's.
         """
         writer, metadata, dist_wrapper = save_state_dict_ret
-        if metadata is not None:
+        if self.validated_cache_reuse or self.validated_loaded_metadata_reuse:
+            metadata = self.cached_global_metadata if rank == coordinator else None
+        else:
             self.cached_global_metadata = metadata
-        elif rank == coordinator:
-            metadata = self.cached_global_metadata
         return writer, metadata, dist_wrapper
 
-
-_DEFAULT_CACHE: Optional[CheckpointMetadataCache] = None
-
-
-def default_metadata_cache() -> CheckpointMetadataCache:
-    """The process-wide cache used when ``enable_cache=True`` comes without a cache object."""
-    global _DEFAULT_CACHE
-    if _DEFAULT_CACHE is None:
-        _DEFAULT_CACHE = CheckpointMetadataCache()
-    return _DEFAULT_CACHE

@@ -1,30 +1,15 @@
 """Plan an asynchronous PyTorch DCP save, with every collective on gloo.
 
 ``torch.distributed.checkpoint.save`` plans, writes and commits in one call. An
-asynchronous save splits it:
-
-1. :func:`plan_save` (every rank, synchronous; this module): plan, and prepare the
-   writer's buckets. It returns a :class:`PlanResult`; :func:`save_state_dict_async_plan`
-   is the public name for it, in megatron-core's and nvidia-resiliency-ext's conventions;
-2. the writer's save function (background): write the data;
-3. :func:`save_state_dict_async_finalize` (every rank, once the background part is done
-   everywhere; :mod:`megatron_async.saver.finalize`): the coordinator writes
-   ``.metadata`` only if no rank failed; a failure anywhere raises on every rank.
+asynchronous save splits it: :func:`plan_save` (every rank, synchronous; this module)
+plans and prepares the writer's buckets; the writer's save function writes the data in
+the background; :func:`save_state_dict_async_finalize`
+(:mod:`megatron_async.saver.finalize`) commits it once every rank wrote.
 
 Each planning step that may fail on some ranks only runs as an
 :func:`~megatron_async.saver.agreement.agreed_step`, so that every rank raises the same
-error instead of waiting in the next collective. The global metadata is built by
-:mod:`megatron_async.saver.global_metadata`.
-
-Planning gathers every rank's local plan on the coordinator, which builds the global
-metadata; while no rank's plan changed the gather is skipped (:func:`plan_save` lists the
-tiers), and a change on any rank makes every rank plan from scratch.
-
-A caller that can tell cheaply that its structure is unchanged (the megatron-core
-strategy's fingerprint) skips even the local plan
-(:mod:`megatron_async.mcore.plan_cache`).
-
-All collectives run on the library's gloo coordination group, never on CUDA tensors.
+error instead of waiting in the next collective. All collectives run on the library's
+gloo coordination group, never on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -47,10 +32,12 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
-from megatron_async.saver.metadata_cache import CheckpointMetadataCache, default_metadata_cache
-from megatron_async.saver.global_metadata import build_global_metadata, without_redundant_empty_chunks
-from megatron_async.saver.plan_digests import plan_digest, same_plan, verify_global_md_reuse
-from megatron_async.saver.shared_sizes import share_equal_sizes
+from megatron_async.saver.global_metadata import (
+    build_global_metadata, share_equal_sizes, without_redundant_empty_chunks,
+)
+from megatron_async.saver.metadata_cache import (
+    CheckpointMetadataCache, plan_digest, same_plan, verify_global_md_reuse,
+)
 from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -59,6 +46,7 @@ __all__ = [
     "PlanResult",
     "plan_save",
     "save_state_dict_async_plan",
+    "plan_with_cache",
     "make_dist_wrapper",
     "verify_global_md_reuse",
     "build_global_metadata",
@@ -100,7 +88,8 @@ class PlanResult:
     Attributes:
         writer: the storage writer, with its buckets prepared.
         metadata: the global metadata on the coordinator when it was built (None
-            elsewhere, and when cached plans or a loaded checkpoint's metadata were reused).
+            elsewhere, and when cached plans or a loaded checkpoint's metadata were
+            reused: :func:`plan_with_cache` fills in the cached one).
         dist_wrapper: the planning group, for :func:`save_state_dict_async_finalize`.
         central_plan: this rank's final plan.
         local_plan: this rank's local plan.
@@ -244,62 +233,76 @@ def save_state_dict_async_plan(
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
     loaded_all_plans: Optional[List[SavePlan]] = None,
-    enable_cache: Optional[bool] = None,
-    metadata_cache: Optional[CheckpointMetadataCache] = None,
 ):
-    """Plan a save and prepare the writer's buckets (every rank, synchronous).
+    """Plan a save and prepare the writer's buckets (every rank, synchronous), in
+    megatron-core's convention (see :func:`plan_save` for the arguments and how plans
+    are reused; nvidia-resiliency-ext's is :mod:`megatron_async.nvrx.state_dict_saver`'s).
 
-    Two calling conventions share this entry point (see :func:`plan_save` for the
-    arguments and how plans are reused):
-
-    * megatron-core's (``cached_ckpt_structure`` / ``loaded_all_plans``): returns
-      ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
-      reused_cached_plans, reused_loaded_metadata)``; pass the first element to
-      :func:`save_state_dict_async_finalize` and the next two as the next call's
-      ``cached_ckpt_structure``;
-    * nvidia-resiliency-ext's, chosen by passing ``enable_cache`` or ``metadata_cache``:
-      returns ``(writer, metadata, dist_wrapper)``. With ``enable_cache`` the plans of
-      ``metadata_cache`` (the process-wide one when None) are offered for reuse, verified
-      against fresh local plans on every rank, and the cache is updated; the
-      coordinator's metadata is the cached one when reused. With ``enable_cache=False``
-      the cache is neither read nor updated.
+    Returns:
+        ``((writer, metadata or None, dist_wrapper), central_plan, local_plan,
+        reused_cached_plans, reused_loaded_metadata)``: pass the first element to
+        :func:`save_state_dict_async_finalize` and the next two as the next call's
+        ``cached_ckpt_structure``.
 
     Raises:
         CheckpointValidationError: on every rank, when planning failed on any rank
             (for example overlapping or missing shards).
     """
-    if enable_cache is None and metadata_cache is None:
-        result = plan_save(
-            state_dict, storage_writer, process_group, coordinator_rank, planner,
-            cached_ckpt_structure, loaded_all_plans,
-        )
-        return (
-            result.finalize_args,
-            result.central_plan,
-            result.local_plan,
-            result.reused_cached_plans,
-            result.reused_loaded_metadata,
-        )
-    if not enable_cache:
-        return plan_save(state_dict, storage_writer, process_group, coordinator_rank, planner).finalize_args
-    cache = metadata_cache if metadata_cache is not None else default_metadata_cache()
+    result = plan_save(
+        state_dict, storage_writer, process_group, coordinator_rank, planner,
+        cached_ckpt_structure, loaded_all_plans,
+    )
+    return (
+        result.finalize_args,
+        result.central_plan,
+        result.local_plan,
+        result.reused_cached_plans,
+        result.reused_loaded_metadata,
+    )
+
+
+def plan_with_cache(
+    cache: CheckpointMetadataCache,
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: FileSystemWriterAsync,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    planner: Optional[SavePlanner] = None,
+    *,
+    vouched: bool,
+    unmark: bool = True,
+) -> PlanResult:
+    """Plan a save offering ``cache``'s plans and metadata for reuse, and record this
+    save's in it (every rank, synchronous; see :func:`plan_save`).
+
+    Args:
+        cache: the saver's cache; updated on every rank.
+        vouched: the caller vouches that this rank's structure is unchanged since the
+            cached plans (``validated_cache_reuse`` of ``cached_ckpt_structure``).
+        unmark: as :func:`plan_save`'s.
+
+    Returns:
+        The result, whose ``metadata`` is the coordinator's for this save: built, or the
+        cached one when it was reused (None on the other ranks).
+    """
     if process_group is not None and coordination.is_distributed():
         rank = dist.get_rank(process_group)
     else:
         rank = coordination.get_rank()
-    cached_structure = None
+    offered = None
     if cache.can_offer_cached_plans(rank == coordinator_rank):
-        cached_structure = (cache.cached_central_plan, cache.cached_local_plan, True)
+        offered = (cache.cached_central_plan, cache.cached_local_plan, vouched)
     result = plan_save(
         state_dict, storage_writer, process_group, coordinator_rank, planner,
-        cached_ckpt_structure=cached_structure,
+        cached_ckpt_structure=offered,
         loaded_all_plans=cache.loaded_all_plans,
+        unmark=unmark,
     )
     cache.record_plan(
         result.central_plan, result.local_plan, result.reused_cached_plans, result.reused_loaded_metadata
     )
-    # The fresh metadata is remembered; reused plans or loaded metadata: the cached one.
-    return cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
+    _, metadata, _ = cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
+    return dataclasses.replace(result, metadata=metadata)
 
 
 def _gather_and_build_metadata(

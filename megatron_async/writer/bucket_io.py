@@ -63,7 +63,7 @@ class ChecksummedWriteResult(WriteResult):
                 (index, self.size_in_bytes, storage, self.checksum, self.empty_chunk),
             )
         # The offset itself, not a tuple of it: a rank's plan shares one object per distinct
-        # offset (saver/shared_sizes.py), which pickle then writes once per rank.
+        # offset (saver/global_metadata.py, share_equal_sizes), which pickle then writes once per rank.
         return (
             _rebuild_checksummed_result,
             (

@@ -77,7 +77,7 @@ def gathered_objects(method: str, plan: Any, results: Sequence[Any]) -> Dict[str
         results: the rank's write results (:func:`tools.bench.scale.synthesize_rank`).
     """
     if method == "ours":
-        from megatron_async.saver.plan_digests import plan_digest
+        from megatron_async.saver.metadata_cache import plan_digest
 
         return {"plan_gather": (plan, plan_digest(plan)), "result_gather": list(results)}
     if method == "dcp":

@@ -153,10 +153,10 @@ def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int,
     """The local plan and the write results of one rank, as it ships them to the coordinator.
 
     ``shared_sizes``: one ``torch.Size`` object per distinct value, as our ranks make their
-    plans (:mod:`megatron_async.saver.shared_sizes`); False for DCP's and megatron-core's
+    plans (:func:`megatron_async.saver.global_metadata.share_equal_sizes`); False for DCP's and megatron-core's
     own ranks, whose planners make a new one per value.
     """
-    from megatron_async.saver.shared_sizes import share_equal_sizes
+    from megatron_async.saver.global_metadata import share_equal_sizes
     from megatron_async.writer.bucket_io import ChecksummedWriteResult
 
     plan = SavePlan(_rank_items(layout, rank, ranks, items_per_rank))
@@ -236,7 +236,7 @@ def _measure_in_child(method: str, layout: str, ranks: int, items_per_rank: int,
             return
         digests, rank_side_s = None, 0.0
         if method == "ours":  # every rank digests its own plan and sends it with the plan
-            from megatron_async.saver.plan_digests import plan_digest
+            from megatron_async.saver.metadata_cache import plan_digest
 
             start = time.perf_counter()
             digests = [plan_digest(plan) for plan in plans]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_async.saver import state_dict_saver
-from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, plan_digest
+from megatron_async.saver.metadata_cache import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
 from megatron_async.buckets.layout import PreparedWrite, WriteBucket
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, TorchDistSaveConfig
@@ -320,7 +320,7 @@ def test_a_resumed_job_skips_the_first_gather_with_the_stored_digests(tmp_path):
     metadata = _stored_metadata(first, 0)
     # One digest per rank, no plans: .metadata is no larger than DCP's for these plans.
     assert not hasattr(metadata, "all_local_plans")
-    assert getattr(metadata, PLAN_DIGESTS_ATTR) == [plan_digest(first.strategy.plan_cache._cached.local_plan)]
+    assert getattr(metadata, PLAN_DIGESTS_ATTR) == [plan_digest(first.strategy.plan_cache.plans.cached_local_plan)]
     resumed = _Saver(tmp_path / "resumed")
     resumed.strategy.cached_global_metadata = metadata
     assert resumed.save(2.0) == (0, 0)  # planned locally, nothing gathered
@@ -333,7 +333,7 @@ def test_a_checkpoint_with_whole_plans_still_lets_a_resumed_job_skip_the_gather(
     first.save(1.0)
     metadata = _stored_metadata(first, 0)
     delattr(metadata, PLAN_DIGESTS_ATTR)
-    metadata.all_local_plans = [first.strategy.plan_cache._cached.local_plan]
+    metadata.all_local_plans = [first.strategy.plan_cache.plans.cached_local_plan]
     resumed = _Saver(tmp_path / "resumed")
     resumed.strategy.cached_global_metadata = metadata
     assert resumed.save(2.0) == (0, 0)

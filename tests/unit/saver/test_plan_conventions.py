@@ -1,4 +1,4 @@
-"""Planning's calling conventions: one function takes both, nvrx's module keeps its order."""
+"""Planning's calling conventions: megatron-core's and nvidia-resiliency-ext's, each in its module."""
 
 from __future__ import annotations
 
@@ -31,19 +31,19 @@ def test_plan_save_reports_what_the_writer_prepared(tmp_path):
     assert result.prepared_write.write_buckets == writer.write_buckets
     assert not result.reused_cached_plans
 
-def test_the_public_path_takes_both_conventions(tmp_path):
+def test_each_convention_has_its_module(tmp_path):
     assert megatron_async.save_state_dict_async_plan is public_saver.save_state_dict_async_plan
     five = public_saver.save_state_dict_async_plan(_state(), FileSystemWriterAsync(str(tmp_path / "a")))
     assert len(five) == 5
     cache = CheckpointMetadataCache()
     for step in range(2):
         writer = FileSystemWriterAsync(str(tmp_path / f"b{step}"))
-        three = public_saver.save_state_dict_async_plan(
+        three = nvrx_saver.save_state_dict_async_plan(
             _state(), writer, enable_cache=True, metadata_cache=cache
         )
         assert len(three) == 3 and three[0] is writer and three[1] is not None
-    assert cache.cached_central_plan is not None
-    off = public_saver.save_state_dict_async_plan(
+    assert cache.cached_central_plan is not None and cache.validated_cache_reuse
+    off = nvrx_saver.save_state_dict_async_plan(
         _state(), FileSystemWriterAsync(str(tmp_path / "c")), enable_cache=False
     )
     assert len(off) == 3

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.saver.global_metadata import build_global_metadata
-from megatron_async.saver.plan_digests import PLAN_DIGESTS_ATTR, loaded_plans, plan_digest, same_plan
+from megatron_async.saver.metadata_cache import PLAN_DIGESTS_ATTR, loaded_plans, plan_digest, same_plan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from megatron_async.saver.plan_digests import plan_digest, same_plan
-from megatron_async.saver.shared_sizes import share_equal_sizes
+from megatron_async.saver.metadata_cache import plan_digest, same_plan
+from megatron_async.saver.global_metadata import share_equal_sizes
 
 
 def _item(fqn, offsets, sizes, whole):
