@@ -1,16 +1,10 @@
 """The unit of asynchronous work, :class:`AsyncRequest`, and the hand-over of its staged data.
 
-Some staging cannot finish inside ``preload_fn``: overlapped staging copies on a trainer
-thread, and staging in rounds (a state above ``staging_memory_limit``) copies its later
-rounds while the writer drains the pool. Both need the caller to call
-:func:`hand_over_staged` once the request is with its writer. Our callers do;
-megatron-core's and nvidia-resiliency-ext's own ``AsyncCallsQueue`` do not know this hook,
-so under them the writer would wait for bytes that are never copied until its bound
-expires. Our callers therefore stage through :func:`run_preload`, which marks the calling
-thread, and staging that needs the hand-over calls :func:`require_hand_over` first: it
-refuses at once, naming the fix, under another library's caller.
-
-Runs in the trainer (every rank).
+Runs in the trainer (every rank). Staging that goes on after the hand-over (overlapped,
+or in rounds above ``staging_memory_limit``) needs the caller to call
+:func:`hand_over_staged`, which only our callers do; they stage through
+:func:`run_preload`, so that :func:`require_hand_over` refuses such staging at once under
+another library's queue (docs/design.md, "Callers").
 """
 
 from __future__ import annotations
