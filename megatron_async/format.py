@@ -74,8 +74,7 @@ def is_checksum_record(name: str) -> bool:
     return name.startswith(CHECKSUM_RECORD_PREFIX) and name.endswith(".json") and middle.isdigit()
 
 COMPLETION_MARKERS = (MEGATRON_METADATA_FILE, DCP_METADATA_FILE)
-"""Files whose presence makes a checkpoint directory complete; both are written only after
-every rank's data is durable."""
+"""The files whose presence makes a checkpoint complete (see the module docstring)."""
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 """Megatron-LM's tracker in a save directory: the iteration of the latest complete save."""

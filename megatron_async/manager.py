@@ -86,7 +86,6 @@ class CheckpointManager:
     :class:`CheckpointValidationError` ("... is not writable ...") on every rank.
 
     Args:
-        config: the options.
         directories: the record whose steps left behind stop the process's saves, in which
             the probe, tracker and retention steps run (default: the process's, which the
             strategy uses too).
