@@ -109,7 +109,6 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     exactly the checkpoint's stored items.
 
     Args:
-        checkpoint_dir: the checkpoint directory.
         metadata: its DCP ``Metadata`` if already read; read from ``.metadata`` otherwise.
     """
     storage = storage_for(checkpoint_dir)
@@ -150,7 +149,6 @@ def verify_items(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> List[str
     """Re-hash ``items`` from disk; return one message per damaged item (empty if intact).
 
     Args:
-        checkpoint_dir: the checkpoint directory.
         items: the checksums to check (all of them, or one rank's share).
     """
     storage = storage_for(checkpoint_dir)
