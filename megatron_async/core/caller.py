@@ -59,9 +59,8 @@ class CallStatus:
 class AsyncCaller(abc.ABC):
     """Runs scheduled requests in the background on one rank (trainer side).
 
-    Subclasses implement :meth:`schedule_async_call`, :meth:`poll`, :meth:`release` and
-    :meth:`close`. ``schedule_async_call`` never raises for a failure of the request
-    itself (staging, writing, a dead worker): the failure is recorded and reported by
+    :meth:`schedule_async_call` never raises for a failure of the request itself
+    (staging, writing, a dead worker): the failure is recorded and reported by
     :meth:`poll`, so that it surfaces on every rank at finalization instead of on one.
     """
 

@@ -44,8 +44,7 @@ requests built by either library run on our callers and ours on theirs.
 
 
 FinalizeStepAdapter = Callable[[Callable[[], Any]], Optional[Callable[[], Any]]]
-# Per process: a table of code, not of a save's state; a layer above the queue fills it at
-# import, and every queue applies it, including to requests that megatron-core built.
+# Per process: a table of code, not of a save's state (see register_finalize_step_adapter).
 _finalize_step_adapters: List[FinalizeStepAdapter] = []
 
 
