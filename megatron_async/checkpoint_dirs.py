@@ -111,7 +111,6 @@ class CheckpointInfo:
 
     Attributes:
         iteration: the iteration in the directory name.
-        path: the directory.
         complete: whether it holds every completion marker.
     """
 
@@ -168,8 +167,6 @@ class ResumePoint:
     """The checkpoint a run resumes from.
 
     Attributes:
-        iteration: the checkpoint's iteration.
-        path: its directory.
         reason: why it was chosen: ``"requested"`` (an explicit iteration),
             ``"tracker"``, or ``"newest complete"`` (the tracker was missing or pointed
             at an incomplete directory).

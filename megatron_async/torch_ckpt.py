@@ -79,10 +79,9 @@ class TorchAsyncCheckpoint:
     object (tensors load on the CPU).
 
     Staging stays within ``staging_memory_limit``, shared with the torch_dist saves of
-    the same process (:mod:`megatron_async.staging.budget`): a save whose tensors exceed
-    it is staged and written in rounds (``async_save`` then returns once the writer has
-    taken all but the last round), and a save scheduled while earlier saves hold the
-    budget waits for their writers (bounded, logged) instead of staging another copy.
+    the same process (:mod:`megatron_async.staging.torch_save`): a larger save is staged
+    and written in rounds, and one scheduled while earlier saves hold the budget waits
+    for their writers (bounded, logged) instead of staging another copy.
 
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
