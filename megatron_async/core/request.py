@@ -83,7 +83,6 @@ class SaveDetails:
     without one get the line with what the queue itself measured.
 
     Attributes:
-        checkpoint: the checkpoint directory.
         plan_s: time the trainer spent planning (the first part of the stall).
         write_s: time the background write took, as the writer measured it.
         num_bytes: bytes this rank wrote.
