@@ -116,7 +116,6 @@ class AsyncRequest(NamedTuple):
         async_fn_args: positional arguments of ``async_fn``. With a ``preload_fn``,
             element 1 is a placeholder that the staged data replaces.
         finalize_fns: run on every rank, in order, once ``async_fn`` is done on all ranks.
-        async_fn_kwargs: keyword arguments of ``async_fn``.
         preload_fn: stages the data to host memory (a snapshot) before ``async_fn`` may
             run; every caller runs it on the trainer when the request is scheduled, so it
             is never sent to a background process.
