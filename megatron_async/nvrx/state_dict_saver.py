@@ -44,8 +44,12 @@ def save_state_dict_async_plan(
     enable_cache: bool = False,
     metadata_cache: Optional[CheckpointMetadataCache] = None,
 ) -> Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper]:
-    """Plan a save and prepare the writer (every rank) from nvidia-resiliency-ext's
-    positional arguments (``enable_cache`` sixth); pass the result to finalize."""
+    """Plan a save and prepare the writer (every rank); pass the result to finalize.
+
+    nvidia-resiliency-ext's argument order for
+    :func:`megatron_async.saver.state_dict_saver.save_state_dict_async_plan`'s
+    cached convention.
+    """
     return _saver.save_state_dict_async_plan(
         state_dict, storage_writer, process_group, coordinator_rank, planner,
         enable_cache=bool(enable_cache), metadata_cache=metadata_cache,
