@@ -14,15 +14,8 @@ commit, retention) on top of them.
 
 ``<save>`` may be a local directory or an ``msc://PROFILE/PREFIX`` URL (object storage);
 each function asks :func:`~megatron_async.storage.storage_for` once for the storage
-that serves its path (:mod:`megatron_async.storage`). An object store has no directories, no rename and no
-fsync; the same guarantees come from other means there:
-
-* the tracker is one PUT, which the store shows whole or not at all;
-* a checkpoint "directory" exists once any object lies under its prefix; creating one
-  creates nothing;
-* deleting one removes its completion markers first (as on disk), so a deletion that
-  stops halfway leaves an incomplete checkpoint, which no resume picks and the next
-  retention deletes.
+that serves its path; :mod:`megatron_async.storage.objects` says how an object store
+keeps the same guarantees without directories, rename or fsync.
 """
 
 from __future__ import annotations
@@ -118,7 +111,6 @@ class CheckpointInfo:
 
     Attributes:
         iteration: the iteration in the directory name.
-        path: the directory.
         complete: whether it holds every completion marker.
     """
 
@@ -175,8 +167,6 @@ class ResumePoint:
     """The checkpoint a run resumes from.
 
     Attributes:
-        iteration: the checkpoint's iteration.
-        path: its directory.
         reason: why it was chosen: ``"requested"`` (an explicit iteration),
             ``"tracker"``, or ``"newest complete"`` (the tracker was missing or pointed
             at an incomplete directory).
@@ -263,7 +253,7 @@ def select_for_deletion(
 def delete_checkpoint_dir(path: str) -> bool:
     """Take ``path`` out of the complete checkpoints, then delete it; False on failure.
 
-    Its completion markers are deleted first (see the module notes).
+    Its completion markers go first (``CheckpointStorage.remove_dir``).
     """
     try:
         storage_for(path).remove_dir(path, first=COMPLETION_MARKERS)

@@ -9,9 +9,6 @@ torch nor megatron-core, ``inspect`` and ``verify`` torch (to read DCP's metadat
 * ``verify CKPT``: completeness and recorded checksums; exit code 0 only when intact.
 * ``list SAVE_DIR``: the ``iter_*`` checkpoints of a Megatron save directory, which are
   complete and which one the tracker points to.
-
-Piped into a reader that stops early (``| head``), every command ends quietly with exit
-status 141, as a Unix tool ended by SIGPIPE does.
 """
 
 from __future__ import annotations

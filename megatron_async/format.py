@@ -18,8 +18,8 @@ A ``torch_dist`` checkpoint directory holds:
   coordinator once every rank's data is durable;
 * :data:`MEGATRON_METADATA_FILE` (``metadata.json``), megatron-core's backend record,
   written after ``.metadata``;
-* on megatron-core 0.16 and older, :data:`COMMON_FILE` (``common.pt``), the non-sharded
-  state (0.17+ stores it inside the DCP files as the ``common_state`` object).
+* up to megatron-core 0.18, :data:`COMMON_FILE` (``common.pt``), the non-sharded state
+  (0.19+ stores it inside the DCP files as the ``common_state`` object).
 
 A checkpoint is *complete* when both completion markers exist. Both are written last,
 atomically, so a reader never sees a partial checkpoint marked complete; an overwrite
@@ -56,7 +56,7 @@ MEGATRON_METADATA_FILE = "metadata.json"
 """megatron-core's backend record (``sharded_backend``, version); the second marker."""
 
 COMMON_FILE = "common.pt"
-"""megatron-core's non-sharded state, in checkpoints of megatron-core 0.16 and older."""
+"""megatron-core's non-sharded state, in checkpoints of megatron-core up to 0.18."""
 
 CHECKSUM_RECORD_PREFIX = "megatron_async_checksums_rank"
 """Start of the name of a rank's checksum record (see :func:`checksum_record_name`)."""
@@ -64,11 +64,7 @@ CHECKSUM_RECORD_PREFIX = "megatron_async_checksums_rank"
 
 def checksum_record_name(rank: int) -> str:
     """The file in which ``rank``'s background writer records the xxh3 digest of every item
-    it wrote; durable before the rank reports its write done, hence before ``.metadata``.
-
-    A record left by an earlier save into the same directory is ignored by readers: only
-    records of items that ``.metadata`` stores count.
-    """
+    it wrote (:mod:`megatron_async.integrity.checksums`)."""
     return f"{CHECKSUM_RECORD_PREFIX}{int(rank)}.json"
 
 
@@ -78,8 +74,7 @@ def is_checksum_record(name: str) -> bool:
     return name.startswith(CHECKSUM_RECORD_PREFIX) and name.endswith(".json") and middle.isdigit()
 
 COMPLETION_MARKERS = (MEGATRON_METADATA_FILE, DCP_METADATA_FILE)
-"""Files whose presence makes a checkpoint directory complete; both are written only after
-every rank's data is durable."""
+"""The files whose presence makes a checkpoint complete (see the module docstring)."""
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 """Megatron-LM's tracker in a save directory: the iteration of the latest complete save."""

@@ -4,15 +4,9 @@ The directory layout (``iter_*`` checkpoints, the tracker) and its file operatio
 in :mod:`megatron_async.checkpoint_dirs`; this module decides, for a multi-rank job,
 what to resume from, when the tracker moves and what retention may delete.
 
-The tracker is written only once the checkpoint is complete (both markers of
-:mod:`megatron_async.format`), by the coordinator rank (rank 0), atomically: a crash at
-any moment leaves it pointing at the previous complete checkpoint or at the new one.
-
-With an async save the tracker update runs as a finalize function of the save's
-:class:`~megatron_async.core.request.AsyncRequest` (see :meth:`CheckpointManager.attach_commit`),
-so it runs only after every rank's background write succeeded and megatron-core wrote
-``metadata.json``. A synchronous save calls :meth:`CheckpointManager.commit` right after
-``dist_checkpointing.save`` returns.
+With an async save the tracker moves in a finalize function of the save's request
+(:meth:`CheckpointManager.attach_commit`); a synchronous save calls
+:meth:`CheckpointManager.commit` right after ``dist_checkpointing.save`` returns.
 
 Every method of :class:`CheckpointManager` runs on every rank unless its docstring says
 otherwise; decisions that must agree across ranks (which checkpoint to resume from) are
@@ -92,7 +86,6 @@ class CheckpointManager:
     :class:`CheckpointValidationError` ("... is not writable ...") on every rank.
 
     Args:
-        config: the options.
         directories: the record whose steps left behind stop the process's saves, in which
             the probe, tracker and retention steps run (default: the process's, which the
             strategy uses too).

@@ -5,15 +5,7 @@ Runs on every rank, in the training loop. A failed save (an
 :class:`~megatron_async.errors.CheckpointValidationError` /
 :class:`~megatron_async.errors.CheckpointInProgressError` from planning) is raised
 identically on every rank, so every rank takes the same decision here without a
-collective. Under the ``"continue"`` policy the job logs the failure with every rank's
-cause and goes on; the next interval saves as usual; only ``max_consecutive_failures``
-failed saves in a row stop it. A failed save never moves the tracker, and its directory
-carries no completion marker, so a resume never picks it (the next save of the same
-iteration clears it).
-
-What is never absorbed: a :class:`~megatron_async.errors.CoordinationError` (a peer rank
-stopped answering, so the ranks can no longer agree) and any error that is not a save
-failure (a bug in the training script stays a crash).
+collective.
 """
 
 from __future__ import annotations

@@ -71,17 +71,17 @@ class _SaveReport:
 class TorchAsyncCheckpoint:
     """Save state dicts with ``torch.save`` in the background, one file per call.
 
-    Every rank that uses it owns one instance. ``async_save`` pickles the object and
-    copies its tensors' storages to host memory (so the caller may modify them as soon as
-    it returns) and writes the file in a background process; ``finalize_async_save``
-    reaps finished saves (and raises a failed one). The file holds what ``torch.save``
-    writes for the host copy of the object (tensors load on the CPU).
+    In a distributed job every rank constructs one (its queue joins the coordination
+    group). ``async_save`` pickles the object and copies its tensors' storages to host
+    memory (so the caller may modify them as soon as it returns) and writes the file in
+    a background process; ``finalize_async_save`` reaps finished saves (and raises a
+    failed one). The file holds what ``torch.save`` writes for the host copy of the
+    object (tensors load on the CPU).
 
     Staging stays within ``staging_memory_limit``, shared with the torch_dist saves of
-    the same process (:mod:`megatron_async.staging.budget`): a save whose tensors exceed
-    it is staged and written in rounds (``async_save`` then returns once the writer has
-    taken all but the last round), and a save scheduled while earlier saves hold the
-    budget waits for their writers (bounded, logged) instead of staging another copy.
+    the same process (:mod:`megatron_async.staging.torch_save`): a larger save is staged
+    and written in rounds, and one scheduled while earlier saves hold the budget waits
+    for their writers (bounded, logged) instead of staging another copy.
 
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
@@ -89,9 +89,6 @@ class TorchAsyncCheckpoint:
         staging_memory_limit: the most host memory the staged tensors of this process's
             saves may hold at once: bytes (int), a fraction in (0, 1] of the node's memory
             shared by its local ranks (float), or None for one copy of the saved tensors.
-
-    In a distributed job, construct it on every rank (each rank's saves take part in
-    the same coordination collectives).
     """
 
     def __init__(

@@ -1,10 +1,8 @@
 """The caller interface: run a request in the background and agree on its completion.
 
-A caller owns the background execution of requests on one rank. Its *local* view of a
-call (running, succeeded, failed with a :class:`~megatron_async.errors.RankFailure`)
-comes from :meth:`AsyncCaller.poll`, which never blocks and applies the liveness and
-timeout checks. The *global* view (done on every rank? failed anywhere?) is agreed by
-:meth:`AsyncCaller.agree`, one small all-reduce on the coordination group.
+A caller owns the background execution of requests on one rank (trainer side):
+:meth:`AsyncCaller.poll` gives that rank's view of a call, :meth:`AsyncCaller.agree`
+every rank's.
 """
 
 from __future__ import annotations
@@ -61,9 +59,8 @@ class CallStatus:
 class AsyncCaller(abc.ABC):
     """Runs scheduled requests in the background on one rank (trainer side).
 
-    Subclasses implement :meth:`schedule_async_call`, :meth:`poll`, :meth:`release` and
-    :meth:`close`. ``schedule_async_call`` never raises for a failure of the request
-    itself (staging, writing, a dead worker): the failure is recorded and reported by
+    :meth:`schedule_async_call` never raises for a failure of the request itself
+    (staging, writing, a dead worker): the failure is recorded and reported by
     :meth:`poll`, so that it surfaces on every rank at finalization instead of on one.
     """
 

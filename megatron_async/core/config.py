@@ -37,11 +37,9 @@ class AsyncCallerConfig:
 
     fork_start_timeout_s: float = 30.0
     """Longest a forked writer (the temporal caller's, or the persistent worker) may take
-    to run its first line once forked. A fork gets there within milliseconds; one that
-    has not by then is hung in the child before any of our code runs (CPython gh-112275:
-    another thread started or ended at the moment of the fork; also a library's at-fork
-    handler that blocks). It is killed and the save fails on every rank at once (the next
-    save forks afresh) instead of after ``timeout_s``."""
+    to run its first line once forked; one that has not is hung in the child before any
+    of our code runs (CPython gh-112275, or a library's at-fork handler that blocks). It
+    is killed and the save fails on every rank at once instead of after ``timeout_s``."""
 
     poll_interval_s: float = 0.05
     """Pause between liveness/completion checks while waiting (blocking finalize, close)."""

@@ -103,10 +103,9 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
       creation, which then waits, bounded by ``timeout_s``, until every rank creates it).
 
     The group belongs to the current default group: when the job destroys and
-    re-initializes the default group, the next call creates a new one. When the
-    torch version lacks the hook for a named group, the group is created with
-    ``new_group`` and a warning: then create it at the same point on every rank, e.g.
-    by constructing the :class:`AsyncCallsQueue` right after ``init_process_group``.
+    re-initializes the default group, the next call creates a new one. A torch without
+    the hook for named groups gets a ``new_group``, with a warning saying to create the
+    :class:`AsyncCallsQueue` right after ``init_process_group`` on every rank.
 
     Args:
         timeout_s: bound on each collective of the group, applied when it is created

@@ -2,19 +2,12 @@
 
 Runs on the thread that queued the copies: the training thread (staging, snapshots, the
 temporal caller before it forks) or a staging copy thread (staging in rounds, overlapped
-staging). ``torch.cuda.synchronize(device)`` is the usual wait, and it has two faults on a
-training node:
-
-* it waits for *every* stream of the device, so a save also waits for collectives still
-  in flight on the communication streams (an overlapped gradient reduction, a parameter
-  all-gather), which the copies do not depend on;
-* it has no bound: if a peer of such a collective died, the device never finishes it and
-  the trainer blocks in a C call that nothing interrupts.
-
-:func:`wait_for_device_copies` records an event on each device's *current* stream, where
-the copies were queued (:func:`wait_for_stream`: on a given stream), and polls it against
-a deadline. The copies still run after whatever that stream holds before them (the
-training step's kernels), as they must.
+staging). ``torch.cuda.synchronize(device)`` would also wait for the collectives in
+flight on the device's other streams, with no bound (one whose peer died never ends).
+:func:`wait_for_device_copies` instead records an event on each device's *current*
+stream, where the copies were queued (:func:`wait_for_stream`: on a given stream), and
+polls it against a deadline. The copies still run after whatever that stream holds
+before them (the training step's kernels), as they must.
 
 Host memory that a copy may still write into must not be freed. What the caller passes as
 ``holding`` is kept alive until the copies land (:func:`release_landed`, run at every

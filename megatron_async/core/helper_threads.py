@@ -11,11 +11,8 @@ sender stopped). With threads that neither start nor end once made, that window 
 A thread left behind in a call that never returned is simply not reused; the next call
 gets a new thread, so the pool grows only by the calls that hung (after which
 :class:`~megatron_async.core.save_directories.SaveDirectories` stops the process's saves
-anyway) and by the most calls ever run at once.
-
-The threads are a fact of the process, like the fork they protect:
-``HelperThreads.of_process()`` is the one instance, and a forked child gets a new one (the
-parent's threads do not exist there).
+anyway) and by the most calls ever run at once. ``HelperThreads.of_process()`` is the
+process's one pool.
 """
 
 from __future__ import annotations

@@ -103,9 +103,8 @@ class AsyncCallsQueue:
             API; our worker behaves the same either way).
 
     Constructing the queue in a distributed job creates the gloo coordination group if
-    it does not exist yet. That creation waits for no peer and does not change the names
-    of groups created later, so ranks may construct their queues at different points
-    (before or after megatron-core creates its model-parallel groups).
+    it does not exist yet, which ranks may do at different points
+    (:func:`~megatron_async.core.coordination.get_coordination_group`).
     """
 
     def __init__(

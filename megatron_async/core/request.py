@@ -1,16 +1,10 @@
 """The unit of asynchronous work, :class:`AsyncRequest`, and the hand-over of its staged data.
 
-Some staging cannot finish inside ``preload_fn``: overlapped staging copies on a trainer
-thread, and staging in rounds (a state above ``staging_memory_limit``) copies its later
-rounds while the writer drains the pool. Both need the caller to call
-:func:`hand_over_staged` once the request is with its writer. Our callers do;
-megatron-core's and nvidia-resiliency-ext's own ``AsyncCallsQueue`` do not know this hook,
-so under them the writer would wait for bytes that are never copied until its bound
-expires. Our callers therefore stage through :func:`run_preload`, which marks the calling
-thread, and staging that needs the hand-over calls :func:`require_hand_over` first: it
-refuses at once, naming the fix, under another library's caller.
-
-Runs in the trainer (every rank).
+Runs in the trainer (every rank). Staging that goes on after the hand-over (overlapped,
+or in rounds above ``staging_memory_limit``) needs the caller to call
+:func:`hand_over_staged`, which only our callers do; they stage through
+:func:`run_preload`, so that :func:`require_hand_over` refuses such staging at once under
+another library's queue (docs/design.md, "Callers").
 """
 
 from __future__ import annotations
@@ -50,8 +44,7 @@ requests built by either library run on our callers and ours on theirs.
 
 
 FinalizeStepAdapter = Callable[[Callable[[], Any]], Optional[Callable[[], Any]]]
-# Per process: a table of code, not of a save's state; a layer above the queue fills it at
-# import, and every queue applies it, including to requests that megatron-core built.
+# Per process: a table of code, not of a save's state (see register_finalize_step_adapter).
 _finalize_step_adapters: List[FinalizeStepAdapter] = []
 
 
@@ -90,7 +83,6 @@ class SaveDetails:
     without one get the line with what the queue itself measured.
 
     Attributes:
-        checkpoint: the checkpoint directory.
         plan_s: time the trainer spent planning (the first part of the stall).
         write_s: time the background write took, as the writer measured it.
         num_bytes: bytes this rank wrote.
@@ -124,7 +116,6 @@ class AsyncRequest(NamedTuple):
         async_fn_args: positional arguments of ``async_fn``. With a ``preload_fn``,
             element 1 is a placeholder that the staged data replaces.
         finalize_fns: run on every rank, in order, once ``async_fn`` is done on all ranks.
-        async_fn_kwargs: keyword arguments of ``async_fn``.
         preload_fn: stages the data to host memory (a snapshot) before ``async_fn`` may
             run; every caller runs it on the trainer when the request is scheduled, so it
             is never sent to a background process.

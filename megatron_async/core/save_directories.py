@@ -5,18 +5,13 @@ Two rules replace per-path bookkeeping:
 
 * **A directory being written is never written again.** A save claims its directory when
   it starts and releases it when its commit step ends (or when its request is dropped
-  unfinalized). A second save into a claimed directory is refused. Every rank keeps its
-  own record and the records agree, because every rank schedules the same saves; the
-  strategy's target check is agreed in the save's first collective, so the refusal is the
-  same on every rank.
-* **A step left behind stops the process's saves.** File-system steps that run between
-  two collectives (rank 0's ``.metadata``, ``metadata.json``, manifest, tracker and
-  retention; every rank's target check at a save's start) run on a helper thread for a
-  bounded time (:meth:`SaveDirectories.run_bounded`). On a hung mount such a step never
-  returns, and it may still complete much later, over whatever a newer save wrote. So
-  once one is left behind, this record is *stuck* for good: every later save of the
-  process fails at once (agreed on every rank through the same target check), and the
-  message says to restart the job. One state, no race with a step that returns late.
+  unfinalized); a second save into a claimed directory is refused, alike on every rank
+  (every rank schedules the same saves, and the strategy's target check is agreed).
+* **A step left behind stops the process's saves.** A file-system step between two
+  collectives runs on a helper thread, bounded (:meth:`SaveDirectories.run_bounded`).
+  One that never returns (a hung mount) may still complete much later, over newer files,
+  so from then on this record is *stuck*: every later save of the process fails at once,
+  saying to restart the job. One state, no race with a step that returns late.
 
 The record is reachable as :meth:`SaveDirectories.of_process` because megatron-core's
 ``common.pt`` step (0.16-0.18), which runs before any sharded strategy, is a process-wide

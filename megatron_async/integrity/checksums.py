@@ -1,21 +1,12 @@
 """End-to-end checksums of checkpoint items: computed while writing, checked on demand.
 
-Why xxHash (XXH3, 64-bit): it hashes at memory speed (tens of GB/s per core), so it
-adds little to a write that is bound by the disk or the memory copy, and the
-``xxhash`` package is a small, maintained binding of the reference C library. It is a
-corruption check (truncation, bit flips, torn writes), not a defence against tampering.
+XXH3-64 (chosen for its speed: docs/design.md, "End-to-end checksums") is a corruption
+check (truncation, bit flips, torn writes), not a defence against tampering. Each rank
+records its own items, so a commit gathers nothing per item.
 
-Where each piece runs:
-
-* The background writer (``megatron_async.writer.bucket_io``) hashes every item's bytes
-  with :func:`new_hasher` on their way to the file, so no second read pass and no
-  work on the training thread is needed.
-* Each rank's background writer records its items' checksums in its own file
-  (:func:`write_rank_record`, named by :func:`~megatron_async.format.checksum_record_name`)
-  once its data files are durable and before it reports the write done, so every record
-  is durable before the coordinator writes ``.metadata``. Nothing is gathered: a save's
-  commit costs the coordinator nothing per item. Stock loaders ignore the extra files, so
-  the checkpoint stays a plain ``torch_dist`` one.
+* The background writer hashes every item's bytes with :func:`new_hasher` on their way
+  to the file (``megatron_async.writer.bucket_io``), then records its rank's checksums
+  in its own file (:func:`write_rank_record`).
 * :func:`read_checksums` reads the records of a checkpoint (those of the items its
   ``.metadata`` stores) and :func:`verify_items` re-reads and re-hashes items (the ``verify``
   tool and the opt-in load-time check).
@@ -118,7 +109,6 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     exactly the checkpoint's stored items.
 
     Args:
-        checkpoint_dir: the checkpoint directory.
         metadata: its DCP ``Metadata`` if already read; read from ``.metadata`` otherwise.
     """
     storage = storage_for(checkpoint_dir)
@@ -159,7 +149,6 @@ def verify_items(checkpoint_dir: str, items: Iterable[ItemChecksum]) -> List[str
     """Re-hash ``items`` from disk; return one message per damaged item (empty if intact).
 
     Args:
-        checkpoint_dir: the checkpoint directory.
         items: the checksums to check (all of them, or one rank's share).
     """
     storage = storage_for(checkpoint_dir)

@@ -78,11 +78,8 @@ class CheckpointSummary:
 
 
 def find_completeness_problems(path: str, metadata: Optional[Metadata] = None) -> List[str]:
-    """Every reason the checkpoint at ``path`` is not complete; empty when it is.
-
-    Checks the marker files, that each tensor chunk of the metadata has a storage
-    entry, and that each storage entry lies inside an existing file.
-    """
+    """Every reason the checkpoint at ``path`` is not complete (see the module docstring);
+    empty when it is."""
     storage = storage_for(path)
     if not storage.is_dir(path):
         return [f"{path} is not a directory"]

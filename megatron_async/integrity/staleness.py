@@ -5,15 +5,8 @@ Each rank compares the digests of the items it wrote (the background writer hash
 it writes) with its own previous save's: one dictionary lookup per item, no I/O and
 nothing gathered. The per-rank counts are summed in the finalization's one all-reduce
 (:meth:`ChangeReport.counts`, :meth:`ChangeReport.from_counts`), so every rank knows
-the job-wide comparison; the coordinator logs it.
-
-A save whose every item has the same digest as in the previous save of
-the same job, into another checkpoint, means the job wrote the same weights again: the
-symptom of a cache that serves stale tensors (an async path that kept the first save's
-buffers), which nobody notices until a resume goes wrong. That case is logged as a
-WARNING naming both checkpoints, or fails the save with ``fail_on_stale``. A save in
-which only some items changed (frozen parameters while fine-tuning) is normal and only
-counted.
+the job-wide comparison; the coordinator logs it. What counts as stale, and why it
+matters, is in docs/failures.md ("Stale checkpoints").
 """
 
 from __future__ import annotations

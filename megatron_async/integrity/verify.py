@@ -3,9 +3,7 @@
 :func:`find_damage` runs in one process (the ``verify`` command checks everything).
 :func:`verify_checkpoint_integrity`, the opt-in check, runs on every rank right before
 ``dist_checkpointing.load``: each rank re-hashes its share of the data files (files are
-dealt round-robin, so the work and the reads are spread over the job), and any damage
-found anywhere raises the same :class:`CheckpointIntegrityError` on every rank, naming
-the damaged file and item.
+dealt round-robin, so the work and the reads are spread over the job).
 """
 
 from __future__ import annotations

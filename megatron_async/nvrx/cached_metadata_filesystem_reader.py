@@ -41,7 +41,6 @@ class CachedMetadataFileSystemReader(FileSystemReader):
     """Read DCP checkpoints from a directory, caching ``.metadata`` per directory.
 
     Args:
-        path: the checkpoint directory.
         cache_metadata: keep the parsed metadata in a process-wide cache shared by all
             readers of the same directory; False reads it every time.
     """

@@ -7,8 +7,7 @@ POSIX directory) and with which credentials. The optional ``msc`` extra installs
 (``pip install megatron-async[msc]``).
 
 * :mod:`.backend` (anywhere): the :class:`CheckpointStorage` interface and
-  :func:`storage_for`, which chooses the backend of a path; nothing else asks whether
-  a path is a URL;
+  :func:`storage_for`, which chooses the backend of a path;
 * :mod:`.local` (anywhere): :class:`~.local.LocalStorage`, files with atomic renames and
   fsyncs;
 * :mod:`.objects` (anywhere): :class:`~.objects.ObjectStorage`, whole objects (one PUT

@@ -69,7 +69,6 @@ class CheckpointStorage(Protocol):
         """Delete the directory ``path`` and everything in it.
 
         Args:
-            path: the directory.
             first: names under ``path`` that must be gone before anything else is
                 deleted, so that a removal stopped halfway leaves an incomplete
                 checkpoint, which no resume picks and the next retention deletes.

@@ -51,11 +51,6 @@ def call_with_deadline(what: str, url: str, call: Callable[[], T], timeout_s: fl
     Args:
         what: the request, for messages (e.g. ``"uploading part 3 of"``).
         url: the object's URL, for messages.
-        call: the request itself.
-        timeout_s: the deadline.
-
-    Returns:
-        What ``call`` returned.
 
     Raises:
         FileNotFoundError: the object does not exist (the caller's answer, not a failure).

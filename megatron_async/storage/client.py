@@ -1,12 +1,10 @@
 """The multi-storage-client URL scheme, its import and URL resolution (any process).
 
 Imports neither torch nor multi-storage-client at module level: anything may import it.
-Which backend serves a path is decided in :mod:`megatron_async.storage.backend`, the one
-place that asks :func:`is_object_url`. MSC is an optional dependency: everything that
-needs it calls :func:`import_msc`, which raises
-:class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the extra to install.
-Storage clients come from MSC's own per-profile cache, which MSC rebuilds after
-a fork, so a forked writer never shares the trainer's connections.
+MSC is an optional dependency: everything that needs it calls :func:`import_msc`,
+which raises :class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the
+extra to install. Storage clients come from MSC's own per-profile cache, which MSC
+rebuilds after a fork, so a forked writer never shares the trainer's connections.
 """
 
 from __future__ import annotations

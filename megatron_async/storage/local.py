@@ -4,11 +4,6 @@
 of plain paths; any process uses it (the coordinator rank for the small files and the
 tracker, every rank for its checks, the background writer for bucket files, loaders and
 the command-line tools). It imports neither torch nor multi-storage-client.
-
-Durability on a file system needs two steps: an ``fsync`` of a file's content and one
-of its directory's entries (a create or a rename in it). :func:`atomic_output` does
-both, so every small file of a checkpoint is either the old one or the new one, whole,
-after a crash.
 """
 
 from __future__ import annotations
@@ -156,10 +151,8 @@ class LocalStorage:
         shutil.rmtree(path)
 
     def sync(self, path: str) -> None:
-        """Fsync the file ``path`` that someone else wrote without one; skip a missing one."""
         if os.path.exists(path):
             fsync_path(path)
 
     def sync_dir(self, path: str) -> None:
-        """Fsync the entries of directory ``path`` (best effort)."""
         fsync_path(path, best_effort=True)

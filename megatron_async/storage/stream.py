@@ -19,7 +19,7 @@ item while it passes) is the same code as on POSIX:
 * a POSIX profile gets a plain local :class:`BucketFile` on the profile's directory.
 
 The boto3 client is the one MSC built for the profile (its endpoint, credentials,
-timeouts and retries); MSC keeps one per process and rebuilds it after a fork.
+timeouts and retries).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ class S3MultipartBucketFile(BucketFile):
 
     Args:
         s3_client: a boto3 S3 client.
-        bucket: the S3 bucket.
-        key: the object key.
         url: the ``msc://`` URL, for messages.
         hashing: hash every item (see :class:`BucketFile`).
         part_bytes: bytes per part (at least :data:`MIN_PART_BYTES`; the write options
