@@ -160,7 +160,7 @@ def materialize_buckets(
     Within a bucket, bytes items come first, then tensors in plan order.
     """
     buckets = []
-    byte_io = WriteItemType.BYTE_IO  # looked up once: thousands of items per bucket
+    byte_io = WriteItemType.BYTE_IO  # looked up once
     for idx, (name_prefix, positions) in enumerate(layout):
         file_name = f"{name_prefix}{storage_prefix}{idx}{DEFAULT_SUFFIX}"
         # map and compress: no Python bytecode per item (thousands per bucket, every save)
@@ -182,7 +182,7 @@ class ConsistentDataIdentifier:
     """Names the reusable staging buffers of one bucket layout (trainer side).
 
     Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
-    in the stager's :class:`~megatron_async.staging.buffers.StagingBufferCache`.
+    in the stager's :class:`~megatron_async.staging.buffer_cache.StagingBufferCache`.
 
     Attributes:
         key: a digest of everything that decides the buffers' shapes.
