@@ -115,11 +115,10 @@ def assign_buckets(
 ) -> BucketLayout:
     """Decide which items share a file: at most ``thread_count`` size-balanced buckets.
 
-    Runs in the trainer on every rank. Items whose key starts with ``separation_hint``
-    never share a file with other items and their file names start with the hint
-    (megatron-core's convention, which its ``remove_sharded_tensors`` relies on). With a
-    hint, a rank that has both kinds of items writes at least two files even when
-    ``thread_count`` is 1.
+    Items whose key starts with ``separation_hint`` never share a file with other items
+    and their file names start with the hint (megatron-core's convention, which its
+    ``remove_sharded_tensors`` relies on). With a hint, a rank that has both kinds of
+    items writes at least two files even when ``thread_count`` is 1.
 
     Args:
         resolved: ``(write_item, data)`` pairs, data being a tensor or ``io.BytesIO``.
