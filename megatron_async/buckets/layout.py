@@ -245,8 +245,10 @@ def prepare_buckets(
         checkpoint_dir: where the files go.
         thread_count, separation_hint: the writer's options that decide the layout.
         reuse_buffers: compute the staging key (``use_cached_data_structure``).
-        layout: a layout made for exactly these items, or None to compute it.
-        staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None.
+        layout: a layout made for exactly these items (the ``layout`` of an earlier
+            save's :class:`PreparedWrite`), or None to compute it.
+        staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None to
+            compute it.
 
     Raises:
         CheckpointValidationError: planning has not finished (the plan names no file prefix).
