@@ -94,7 +94,7 @@ def commit_unchanged(checkpoint_dir: str, template: MetadataTemplate, storage_me
 
 def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     """Make ``common.pt`` durable, then write ``.metadata``."""
-    # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
+    # megatron-core (up to 0.18) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)

@@ -201,19 +201,8 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         A save whose structure did not change since the previous one resolves its items
         without a planner and passes the previous save's layout, which skips both the
-        size balancing and the layout digest.
-
-        Args:
-            plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
-            resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
-            layout: a bucket layout made for exactly these items (the ``layout`` of an
-                earlier save's :class:`~megatron_async.buckets.layout.PreparedWrite`), or
-                None to compute it.
-            staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
-                ``layout`` had, or None to compute it.
-
-        Returns:
-            The buckets, their layout and staging key.
+        size balancing and the layout digest. Each argument is described at
+        :func:`~megatron_async.buckets.layout.prepare_buckets`.
         """
         prepared = prepare_buckets(
             plan, resolved, self.checkpoint_dir, self.thread_count, self.separation_hint,

@@ -62,8 +62,7 @@ def write_preloaded_data(
         open_file: opens the file (see :func:`~.bucket_io.write_bucket`).
         local_thread_idx: index of the bucket among this save's buckets.
         write_bucket: the staged bucket.
-        results_queue: where ``(local_thread_idx, results or exception)`` goes; None
-            returns it instead.
+        results_queue: where the output goes, or None to return it.
         count_queue: a joinable queue whose ``get`` / ``task_done`` marks this worker
             done, or None.
         use_fsync: make the file durable before returning.
