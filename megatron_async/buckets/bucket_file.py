@@ -34,13 +34,13 @@ _WRITEBACK_BYTES = 16 << 20
 class BucketFile:
     """One bucket's file, written with few large system calls, every item hashed on its way.
 
-    Runs in the background writer. Items are appended one after the other, between
-    :meth:`start_item` and :meth:`finish_item` (which returns the item's digest).
+    Items are appended one after the other, between :meth:`start_item` and
+    :meth:`finish_item` (which returns the item's digest).
 
-    * :meth:`append` keeps a reference to the caller's memory instead of copying it: the
+    * :meth:`append` keeps a reference to the caller's memory instead of copying it (the
       tensors of a staged bucket and the cached archive frames stay valid until the file
-      is finished. Pending pieces are written together with one ``writev`` once
-      :data:`_GATHER_BYTES` are pending, so no byte is copied in user space.
+      is finished), and pending pieces go out in one ``writev``: no byte is copied in
+      user space.
     * :meth:`write`, :meth:`tell` and :meth:`flush` make the object a stream for DCP's
       item writer (``torch.save``); :meth:`write` copies, since ``torch.save`` reuses
       its buffers.
@@ -174,10 +174,10 @@ class BucketFile:
 class OpenedBucketFile(BucketFile):
     """A bucket's file opened by a caller-given ``open_file`` (object stores, custom I/O).
 
-    Runs in the background writer. The same gathering and hashing as :class:`BucketFile`,
-    but every system call goes through the stream ``open_file(path, "wb")`` returned:
-    pieces are written with its ``write``, ``fsync`` applies only when the stream has a
-    real file descriptor, and no page-cache hints are given.
+    The same gathering and hashing as :class:`BucketFile`, but every system call goes
+    through the stream ``open_file(path, "wb")`` returned: pieces are written with its
+    ``write``, ``fsync`` applies only when the stream has a real file descriptor, and no
+    page-cache hints are given.
     """
 
     def __init__(self, path: str, hashing: bool, open_file: Callable[..., Any]):

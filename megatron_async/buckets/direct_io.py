@@ -1,12 +1,8 @@
 """Bucket files written with ``O_DIRECT``: bytes go to the disk without the page cache.
 
-Runs in the background writer (and in the trainer for synchronous saves). A buffered
-write copies every byte into the page cache and leaves the kernel to write it back;
-on virtual disks that writeback costs several times the CPU of the write itself,
-taken from whichever core the training runs on (measured in docs/benchmarks.md, "Where
-the background write's CPU goes"). Direct I/O hands the device large aligned requests
-straight from user memory instead, as DeepSpeed's FastPersist and NVIDIA's checkpoint
-writers do.
+Runs in the background writer (and in the trainer for synchronous saves). The page
+cache's writeback would cost several times the CPU of the direct write, CPU taken from
+the training (see "Direct I/O, not the page cache" in docs/design.md).
 
 Direct I/O wants the memory, the file offset and the length aligned to the device's
 block size, while DCP's byte layout puts items at arbitrary offsets. So pieces are
@@ -16,8 +12,7 @@ chunk is written padded to the alignment and the file is then cut to its true si
 
 A file system that refuses direct I/O at open (``EINVAL``) gets the buffered
 :class:`~megatron_async.buckets.bucket_file.BucketFile`; one that refuses it at the first
-write (some network and FUSE file systems) has the flag cleared on the open file and the
-same chunks written buffered from then on.
+write has the flag cleared on the open file, and the same chunks are written buffered.
 """
 
 from __future__ import annotations
@@ -73,11 +68,10 @@ def _give_back_chunk(chunk: mmap.mmap) -> None:
 class DirectBucketFile(BucketFile):
     """One bucket's file written with ``O_DIRECT`` through an aligned bounce chunk.
 
-    Runs in the background writer. The same item interface as :class:`BucketFile`
-    (``start_item``/``append``/``finish_item``, a stream for ``torch.save``); pieces are
-    copied into the chunk as they are appended (so, unlike :class:`BucketFile`, they need
-    not stay unchanged), and hashed from the chunk, block by block, while each block is
-    still in cache.
+    The same item interface as :class:`BucketFile` (a stream for ``torch.save`` too);
+    pieces are copied into the chunk as they are appended (so, unlike
+    :class:`BucketFile`, they need not stay unchanged), and hashed from the chunk, block
+    by block, while each block is still in cache.
     """
 
     def __init__(self, fd: int, hashing: bool):
@@ -104,9 +98,7 @@ class DirectBucketFile(BucketFile):
                 start = self._filled
                 self._view[start:start + take] = view[done:done + take]
                 if hasher is not None:
-                    # The block just copied is still in cache: hashing it there spares a
-                    # second read of the source from memory (the same digest: same
-                    # bytes, in the same order).
+                    # Hashed while the block is in cache: no second read of the source.
                     hasher.update(self._view[start:start + take])
                 self._filled += take
                 done += take
@@ -173,10 +165,7 @@ class DirectBucketFile(BucketFile):
 
 
 def open_local_bucket_file(path: str, hashing: bool, direct_io: bool) -> BucketFile:
-    """Open a bucket's local file: direct I/O when asked for and accepted, else buffered.
-
-    Runs in the background writer.
-    """
+    """Open a bucket's local file: direct I/O when asked for and accepted, else buffered."""
     if direct_io and _O_DIRECT:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT
         try:

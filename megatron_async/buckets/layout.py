@@ -115,11 +115,10 @@ def assign_buckets(
 ) -> BucketLayout:
     """Decide which items share a file: at most ``thread_count`` size-balanced buckets.
 
-    Runs in the trainer on every rank. Items whose key starts with ``separation_hint``
-    never share a file with other items and their file names start with the hint
-    (megatron-core's convention, which its ``remove_sharded_tensors`` relies on). With a
-    hint, a rank that has both kinds of items writes at least two files even when
-    ``thread_count`` is 1.
+    Items whose key starts with ``separation_hint`` never share a file with other items
+    and their file names start with the hint (megatron-core's convention, which its
+    ``remove_sharded_tensors`` relies on). With a hint, a rank that has both kinds of
+    items writes at least two files even when ``thread_count`` is 1.
 
     Args:
         resolved: ``(write_item, data)`` pairs, data being a tensor or ``io.BytesIO``.
@@ -160,7 +159,7 @@ def materialize_buckets(
     Within a bucket, bytes items come first, then tensors in plan order.
     """
     buckets = []
-    byte_io = WriteItemType.BYTE_IO  # looked up once: thousands of items per bucket
+    byte_io = WriteItemType.BYTE_IO  # looked up once
     for idx, (name_prefix, positions) in enumerate(layout):
         file_name = f"{name_prefix}{storage_prefix}{idx}{DEFAULT_SUFFIX}"
         # map and compress: no Python bytecode per item (thousands per bucket, every save)
@@ -182,7 +181,7 @@ class ConsistentDataIdentifier:
     """Names the reusable staging buffers of one bucket layout (trainer side).
 
     Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
-    in the stager's :class:`~megatron_async.staging.buffers.StagingBufferCache`.
+    in the stager's :class:`~megatron_async.staging.buffer_cache.StagingBufferCache`.
 
     Attributes:
         key: a digest of everything that decides the buffers' shapes.
@@ -246,8 +245,10 @@ def prepare_buckets(
         checkpoint_dir: where the files go.
         thread_count, separation_hint: the writer's options that decide the layout.
         reuse_buffers: compute the staging key (``use_cached_data_structure``).
-        layout: a layout made for exactly these items, or None to compute it.
-        staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None.
+        layout: a layout made for exactly these items (the ``layout`` of an earlier
+            save's :class:`PreparedWrite`), or None to compute it.
+        staging_key: with ``reuse_buffers``, the key that ``layout`` had, or None to
+            compute it.
 
     Raises:
         CheckpointValidationError: planning has not finished (the plan names no file prefix).

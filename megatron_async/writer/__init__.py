@@ -10,8 +10,7 @@
   API's ``write_preloaded_data*`` paths that :class:`FileSystemWriterAsync` delegates to;
 * :mod:`.bucket_io` and :mod:`.tensor_archive` (background writer): one bucket's bytes
   in DCP's ``torch_save`` layout, hashed on the way, into the bucket files of
-  :mod:`megatron_async.buckets` (the bucket layout lives there too: staging and storage
-  share it);
+  :mod:`megatron_async.buckets`;
 * :mod:`.results` (both sides): the result channel from the writer to the trainer, and
   the trainer's retrieval of the results from it;
 * :mod:`.commit` (coordinator): ``.metadata``, built from the write results or reused,

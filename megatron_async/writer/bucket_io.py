@@ -41,15 +41,13 @@ class ChecksummedWriteResult(WriteResult):
     """A DCP ``WriteResult`` that also carries the xxh3 digest of the item's stored bytes.
 
     ``checksum`` is None when the writer computes no checksums. ``empty_chunk`` tells a
-    tensor chunk without elements: with uneven splits several ranks write one at the same
-    offset, sometimes at the offset of another rank's chunk with data, and the commit
-    must point the metadata at the chunk with data (see
-    :func:`megatron_async.writer.commit.commit_checkpoint`).
+    tensor chunk without elements, which several ranks may write at one offset (the
+    commit keeps the chunk with data: :mod:`megatron_async.writer.commit`).
 
     Pickles as one flat tuple of plain values: results cross from the background writer
     to the trainer and are gathered on the coordinator, where unpickling tens of
     thousands of nested dataclasses (each with a state dict, a ``MetadataIndex`` and a
-    ``_StorageInfo``) used to dominate the finalization on the training thread.
+    ``_StorageInfo``) would dominate the finalization on the training thread.
     """
 
     checksum: Optional[str] = None
@@ -102,10 +100,9 @@ def _rebuild_checksummed_result(
 def _append_raw_item(file: BucketFile, item: WriteItem, data: Any) -> bool:
     """Append one item in DCP's torch_save layout without ``torch.save``, if it can be.
 
-    A bytes item is its buffer; a tensor item is the ``torch.save`` archive of the
-    tensor: frame head, the tensor's own memory, frame tail (see
-    :mod:`megatron_async.writer.tensor_archive`). Returns False, having written nothing, for a
-    tensor that needs ``torch.save``.
+    A bytes item is its buffer; a tensor item is frame head, the tensor's own memory,
+    frame tail (:mod:`megatron_async.writer.tensor_archive`). Returns False, having
+    written nothing, for a tensor that needs ``torch.save``.
     """
     if item.type == WriteItemType.BYTE_IO:
         file.append(data.getbuffer())
@@ -131,23 +128,19 @@ def write_bucket(
 ) -> List[WriteResult]:
     """Write one staged bucket to its file in DCP's byte layout and return its results.
 
-    Runs in the background writer (a thread or a process). Every tensor item is the
-    ``torch.save`` archive of the tensor, as DCP's ``torch_save`` format stores it, so any
-    DCP reader can read the file. Plain CPU tensors are framed directly, without
-    ``torch.save`` and with zero CRC-32 fields, as after
-    ``torch.serialization.set_crc32_options(False)``
-    (:mod:`megatron_async.writer.tensor_archive`); other tensors, and every item when the
-    writer has stream transforms (DCP extensions), go through DCP's own item writer.
-    With ``compute_checksums`` every byte is hashed on its way to the file (no second
-    read). Every result is a :class:`ChecksummedWriteResult` (its ``checksum`` None
-    without ``compute_checksums``).
+    Every tensor item is the ``torch.save`` archive of the tensor, as DCP's ``torch_save``
+    format stores it, so any DCP reader can read the file. Plain CPU tensors are framed
+    directly (:mod:`megatron_async.writer.tensor_archive`); other tensors, and every item
+    when the writer has stream transforms (DCP extensions), go through DCP's own item
+    writer. Every result is a :class:`ChecksummedWriteResult`.
 
     Args:
         transforms: the writer's ``_StorageWriterTransforms`` (stream extensions).
         bucket: a staged bucket: every tensor must be on the CPU, and no tensor may
             change until this function returns.
         use_fsync: flush the file to stable storage before returning.
-        compute_checksums: record an xxh3 digest of every item.
+        compute_checksums: record an xxh3 digest of every item, hashed on its way to
+            the file (no second read).
         open_file: opens the file (``open_file(path, "wb")``) when it is not the built-in
             ``open``: how object stores plug in. None or ``open``: direct system calls.
             An opener with an ``open_bucket_file(path, hashing)`` method (our object-store

@@ -1,26 +1,17 @@
 """Commit a checkpoint: ``.metadata``, durable, after all the data.
 
 Runs in a save's finalization, the commit itself on the coordinator only, after every
-rank reported a successful write. By then every data file and every rank's checksum
-record is durable (their background writers synced them before reporting); here
-``common.pt`` (megatron-core 0.16 and older writes it without an fsync) is synced, and
-DCP's ``.metadata`` (the first completion marker) is written atomically with its
-directory fsynced (``CheckpointStorage.write_atomically`` of
-:func:`~megatron_async.storage.storage_for`).
-
-Before any of that, :func:`unmark_before_rewrite` makes a complete checkpoint already in the
-directory read as incomplete, once planning has succeeded and before a data file is rewritten.
+rank reported a successful write (its data files and checksum record are durable by
+then): ``common.pt`` is synced, and DCP's ``.metadata`` (the first completion marker) is
+written atomically with its directory fsynced.
 
 Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
-results (a save whose structure changed, or the first one) and returns the template that
-lets :func:`commit_unchanged` write the next save of the same structure from the same
-bytes (:mod:`megatron_async.writer.metadata_bytes`), without any rank's results. Which
-way a save takes, every rank decides with its :class:`CommitCache`: a warm save (cached
-plans, unchanged structure) stores every item where the previous committed save did,
-which each rank checks against its own results (O(its items), no communication) before
-one all-reduce agrees
-(:func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`); anything else,
-or a save after one for which no template could be made, commits in full.
+results and returns the template with which :func:`commit_unchanged` writes a warm save
+from the same bytes (:mod:`megatron_async.writer.metadata_bytes`). Each rank's
+:class:`CommitCache` tells whether its save is warm, before one all-reduce agrees (see
+"Warm saves cost the coordinator O(1)" in docs/design.md). Earlier in the save,
+:func:`unmark_before_rewrite` makes a complete checkpoint in the directory read as
+incomplete before a data file is rewritten.
 """
 
 from __future__ import annotations
@@ -103,7 +94,7 @@ def commit_unchanged(checkpoint_dir: str, template: MetadataTemplate, storage_me
 
 def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
     """Make ``common.pt`` durable, then write ``.metadata``."""
-    # megatron-core (0.16 and older) writes common.pt without an fsync; the checkpoint
+    # megatron-core (up to 0.18) writes common.pt without an fsync; the checkpoint
     # must not be marked complete before it is durable too.
     # (An object in a store is durable once its PUT was acknowledged.)
     storage = storage_for(checkpoint_dir)
@@ -123,13 +114,10 @@ def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
     """The storage location ``.metadata`` records per item, from one write result each
     (coordinator).
 
-    Each item is written by one rank, except tensor chunks without elements: with uneven
-    splits (distributed optimizer buckets, MoE) several ranks hold one at the same offset,
-    sometimes at the offset of another rank's chunk with data, and decentralized plans
-    are not deduplicated, so each of them writes its own. ``.metadata`` can record one
-    storage entry per ``(fqn, offset)`` (``MetadataIndex`` equality ignores the index
-    hint): the chunk with data wins, else the lowest rank's empty chunk. Nothing is lost,
-    since an empty chunk is never read.
+    Several ranks may write an empty chunk at one offset (see "Zero-length shards" in
+    docs/design.md), and ``.metadata`` records one entry per ``(fqn, offset)``
+    (``MetadataIndex`` equality ignores the index hint): the chunk with data wins, else
+    the lowest rank's empty chunk, which is never read.
     """
     storage_data = {
         result.index: result.storage_data for rank_results in results for result in rank_results
@@ -155,14 +143,11 @@ def unmark_before_rewrite(checkpoint_dir: str, strict: bool = False) -> None:
     changes; best effort: logs, never raises, unless ``strict``).
 
     DCP's own writer rewrites the data files in place beside the old ``.metadata``: a save
-    that fails midway leaves a torn checkpoint that still reads as complete. Both our
-    strategy and the reference API (``FileSystemWriterAsync`` with
-    ``save_state_dict_async_plan``, megatron-core's stock strategy on 0.19+) unmark here,
-    after planning, so that input planning refuses leaves the old checkpoint complete (on
-    megatron-core 0.16-0.18 ``save()`` writes ``common.pt`` first, and the ``common.pt``
-    guard unmarks before it). The strategy runs it ``strict`` inside an agreement, only when
-    its target check saw a complete checkpoint; the reference API on every save, best
-    effort. Local directories only: in an object store it would cost requests on every save.
+    that fails midway would leave a torn checkpoint that reads as complete (see
+    "Overwriting a complete checkpoint" in docs/design.md). The strategy runs this
+    ``strict`` inside an agreement, only when its target check saw a complete checkpoint;
+    the reference API (``save_state_dict_async_plan``) on every save, best effort. Local
+    directories only: in an object store it would cost requests on every save.
     """
     storage = storage_for(checkpoint_dir)
     if storage.needs_msc:

@@ -1,7 +1,6 @@
 """FileSystemWriterAsync: a PyTorch DCP file writer whose writing runs in the background.
 
-One writer serves one save, split the way an :class:`~megatron_async.core.AsyncRequest`
-needs it (the class docstring shows the flow): buckets are planned here, in the trainer;
+Buckets are planned here, in the trainer on every rank;
 :func:`~megatron_async.staging.stager.prepare_staged_write` puts the staging in front of
 the background write (:mod:`megatron_async.writer.write_paths`), and the coordinator
 commits ``.metadata`` (:mod:`megatron_async.writer.commit`). The files are PyTorch DCP's
@@ -79,16 +78,13 @@ class FileSystemWriterAsync(FileSystemWriter):
             URL of multi-storage-client.
         *args: forwarded to ``FileSystemWriter`` (``single_file_per_rank`` must stay True).
         options: how to write (see :class:`~megatron_async.writer.options.WriteOptions`),
-            built and validated by the caller, e.g. the strategy's config. Without it the
-            options are the reference API's keyword arguments below, the other fields
-            their defaults.
+            built and validated by the caller, e.g. the strategy's config.
         staging_cache: where the reusable staging buffers are kept (the trainer's);
             :meth:`~megatron_async.staging.buffer_cache.StagingBufferCache.of_process`
             when None.
         separation_hint, use_msc, is_multiproc_io, use_cached_data_structure: the
-            reference API's keywords for these fields of
-            :class:`~megatron_async.writer.options.WriteOptions`; used only without
-            ``options``.
+            reference API's keywords for these fields of ``WriteOptions``; used only
+            without ``options`` (the other fields then keep their defaults).
         **kwargs: forwarded to ``FileSystemWriter`` (``thread_count`` and ``sync_files``,
             which are fields of ``WriteOptions`` too, ...).
 
@@ -205,19 +201,8 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         A save whose structure did not change since the previous one resolves its items
         without a planner and passes the previous save's layout, which skips both the
-        size balancing and the layout digest.
-
-        Args:
-            plan: this rank's final plan; ``plan.storage_data`` holds the storage prefix.
-            resolved: ``(write_item, data)`` for every item of ``plan``, in plan order.
-            layout: a bucket layout made for exactly these items (the ``layout`` of an
-                earlier save's :class:`~megatron_async.buckets.layout.PreparedWrite`), or
-                None to compute it.
-            staging_key: with ``use_cached_data_structure``, the ``staging_key`` that
-                ``layout`` had, or None to compute it.
-
-        Returns:
-            The buckets, their layout and staging key.
+        size balancing and the layout digest. Each argument is described at
+        :func:`~megatron_async.buckets.layout.prepare_buckets`.
         """
         prepared = prepare_buckets(
             plan, resolved, self.checkpoint_dir, self.thread_count, self.separation_hint,
@@ -243,16 +228,11 @@ class FileSystemWriterAsync(FileSystemWriter):
     ) -> Tuple[Optional[Callable[..., None]], Optional[Callable[[], Any]], Optional[List[Any]]]:
         """Return ``(save_fn, preload_fn, args)``, or ``(None, None, None)`` with nothing to write.
 
-        Runs in the trainer. The writer names its write path,
-        ``write_preloaded_data_multithread`` (or ``_multiproc``), with its arguments
-        ``(transform_list, use_msc, open_file)`` and options; staging
-        (:func:`~megatron_async.staging.stager.prepare_staged_write`) puts the save's
-        staging in front of it (the staging memory budget, overlapped staging) and returns
-        ``save_fn`` and ``preload_fn`` (which stages with ``preload_tensors`` where the
-        state fits in one go). Both pickle to the persistent worker, and a subclass's
-        overrides are the ones used. ``args`` is ``[rank, None, results_queue]``: the
-        caller replaces ``args[1]`` by the result of ``preload_fn`` (the staged buckets)
-        before calling ``save_fn(*args)``.
+        Runs in the trainer. :func:`~megatron_async.staging.stager.prepare_staged_write`
+        puts the save's staging (the memory budget, overlapped staging) in front of the
+        write path; ``save_fn`` and ``preload_fn`` pickle to the persistent worker, and a
+        subclass's overrides are the ones used. The caller replaces ``args[1]`` by the
+        result of ``preload_fn`` (the staged buckets) before calling ``save_fn(*args)``.
         """
         if not self.write_buckets:
             return None, None, None

@@ -4,8 +4,7 @@
 writer as it is: the strategy's :class:`~megatron_async.mcore.config.TorchDistSaveConfig`
 is a subclass with the strategy's own options (its writers get its ``write_options``),
 and :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` builds one from the
-reference API's keyword arguments. Every invalid option raises
-:class:`~megatron_async.errors.CheckpointValidationError`.
+reference API's keyword arguments.
 """
 
 from __future__ import annotations
@@ -77,9 +76,8 @@ class WriteOptions:
 
     object_request_timeout_s: float = REQUEST_TIMEOUT_S
     """With ``use_msc``, the most one request to the store (one uploaded part, the
-    ``.metadata`` PUT) may take, answer and the client's retries included (the MSC
-    profile configures those); an endpoint that stops answering, or answers a byte at a
-    time, fails the save on every rank (see :mod:`megatron_async.storage.bounded_calls`)."""
+    ``.metadata`` PUT) may take, answer and the client's retries included; beyond it the
+    save fails on every rank (see :mod:`megatron_async.storage.bounded_calls`)."""
 
     overlap_staging: bool = False
     """Overlapped staging: ``preload_fn`` only leases the staging buffers, scheduling
@@ -88,10 +86,10 @@ class WriteOptions:
     :mod:`megatron_async.staging.overlapped` for the rules)."""
 
     direct_io: bool = True
-    """Write local files with ``O_DIRECT`` (through an aligned bounce buffer), bypassing
-    the page cache, where the file system accepts it: far less CPU per byte than buffered
-    writes plus the kernel's writeback, which the training pays for while a background
-    write runs. False writes through the page cache."""
+    """Write local files with ``O_DIRECT``, bypassing the page cache, where the file
+    system accepts it: far less CPU per byte, which the training pays for while a
+    background write runs (:mod:`megatron_async.buckets.direct_io`). False writes through
+    the page cache."""
 
     staging_memory_limit: Optional[Union[int, float]] = None
     """The most host staging memory (shared memory) this rank's saves hold at once: bytes

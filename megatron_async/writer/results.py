@@ -1,14 +1,12 @@
 """The channel through which a background writer reports one save's results.
 
-The background writer hands its results back through a :class:`ResultFile` rather than a
-multiprocessing queue: a queue cannot be pickled into an already running persistent
-worker, and a pipe blocks the writer as soon as its results outgrow the pipe
-buffer while the trainer is not reading yet. A small file works the same for a forked
-child, the persistent worker and a synchronous call. The trainer creates the channel;
-the writer (a thread, a forked process or the persistent worker) fills it, and the
-trainer reads it back with :func:`collect_write_results` in the save's finalization.
-Code written against the reference API may report through a multiprocessing queue of
-:func:`get_write_results_queue` instead; :func:`collect_write_results` reads either.
+The trainer creates a :class:`ResultFile`, the background writer fills it, and the
+trainer reads it back with :func:`collect_write_results` in the save's finalization. A
+file rather than a multiprocessing queue: a queue cannot be pickled into an already
+running persistent worker, and a pipe blocks the writer as soon as its results outgrow
+the pipe buffer while the trainer is not reading yet. :func:`collect_write_results` also
+reads the queue of :func:`get_write_results_queue`, for code written against the
+reference API.
 """
 
 from __future__ import annotations
@@ -119,10 +117,10 @@ def _get_results_dir() -> str:
 class ResultFile:
     """A one-shot channel from a background writer to the trainer, through a small file.
 
-    Created in the trainer; pickles as a path, so it reaches a forked child, the
-    persistent worker or the calling thread alike. The writer :meth:`put` s one object
-    (written to a temporary name and renamed, so the reader never sees half a file); the
-    trainer :meth:`get` s it once the background part is done, as from a queue.
+    Pickles as a path, so it reaches a forked child, the persistent worker or the
+    calling thread alike. The writer :meth:`put` s one object (written to a temporary
+    name and renamed, so the reader never sees half a file); the trainer :meth:`get` s it
+    once the background part is done, as from a queue.
     """
 
     path: str
@@ -169,9 +167,8 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
 
     A multiprocessing manager's queue of the start method of the first call (``"spawn"``,
     ``"fork"`` or ``"forkserver"``): its handle pickles, so background processes of any
-    kind can ``put`` into it. Our writers report through a :class:`ResultFile` instead;
-    this queue is for code written against the reference API that passes its own
-    ``global_results_queue`` to the write paths or sets a writer's ``results_queue``.
+    kind can ``put`` into it. For code written against the reference API that passes its
+    own ``global_results_queue`` to the write paths or sets a writer's ``results_queue``.
 
     Raises:
         CheckpointValidationError: an unknown start method.
@@ -216,9 +213,8 @@ def collect_write_results(
         :class:`~megatron_async.errors.StorageWriteError` when a bucket failed,
         :class:`~megatron_async.errors.WorkerDiedError` when the writer reported nothing,
         :class:`~megatron_async.errors.CheckpointIntegrityError` when a bucket reported
-        too few results. The messages keep megatron-core's wording ("Worker failure:
-        ...", "... This probably indicates a worker failure."), which log alerts and
-        Megatron-LM's tests search for.
+        too few results. The messages keep megatron-core's wording, as
+        :meth:`WriteOutcome.payload` does.
     """
     try:
         payload = channel.get(timeout=_RESULTS_QUEUE_WAIT_S)

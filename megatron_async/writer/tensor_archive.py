@@ -10,18 +10,16 @@ a pickling and a CRC-32 pass over the data for every item, which is what limited
 writer with many tensors.
 
 The CRC-32 fields are written as zero, exactly what ``torch.save`` writes after
-``torch.serialization.set_crc32_options(False)``: ``torch.load`` (and so DCP's and
-megatron-core's loaders) does not check them, while Python's ``zipfile`` would. Every
-item's stored bytes are covered by the xxh3 checksums of :mod:`megatron_async.integrity.checksums`
-instead. This is a per-call choice: no process-wide torch setting is touched, so it is
-safe in a trainer process too.
+``torch.serialization.set_crc32_options(False)``, without touching that process-wide
+setting. ``torch.load`` does not check them; our xxh3 checksums cover every item instead
+(see "Known limits" in docs/failures.md).
 
 The small records (format version, storage alignment, byte order, archive version,
 serialization id) are copied from a ``torch.save`` of a probe tensor the first time a
 frame is needed in a process, and the frame built for that probe must reproduce the
 probe's real ``torch.save`` output byte for byte (CRC fields set to zero). If it does not,
-e.g. a later PyTorch lays the archive out differently, the fast path stays off in this
-process and every item goes through ``torch.save`` as before.
+e.g. a later PyTorch lays the archive out differently, every item of this process goes
+through ``torch.save``.
 
 Runs in the background writer (any thread; the frame cache is shared).
 """

@@ -1,13 +1,10 @@
 """Writing a staged ``torch.save`` file record by record: :func:`write_torch_save_file`.
 
 Runs in the background writer (a forked process or the persistent worker) of
-:class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`. The trainer pickled the object
-and staged its storages (:mod:`megatron_async.staging.torch_save`); this writes the
-records ``torch.save`` writes, in its order, through torch's own zip writer
-(``torch._C.PyTorchFileWriter``, the one ``torch.save`` uses): ``data.pkl``, the format
-records, then one ``data/<key>`` record per storage, straight from the staged bytes.
-Staged in rounds, each storage record waits for the trainer's *copied* mark and is
-marked *written* once it left the staging memory, which frees its bytes for the next round.
+:class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`: the records ``torch.save``
+writes, in its order, through its own zip writer, straight from the storages the trainer
+staged (:mod:`megatron_async.staging.torch_save`; in rounds, see "Staging memory budget"
+in docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """The reference API's write paths: how the background writer writes a save's staged buckets.
 
 Runs in the background writer: a forked writer or the persistent worker's write thread.
-:class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` keeps the static methods
-that megatron-core and nvidia-resiliency-ext name, and that subclasses override:
-``write_preloaded_data`` (one bucket; ``write_preloaded_data_proc`` is the same function),
-and ``write_preloaded_data_multithread`` (every bucket; ``write_preloaded_data_multiproc``
-is the same function). One bucket's bytes are written by :func:`~.bucket_io.write_bucket`.
+:class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` keeps these functions as
+the static methods that megatron-core and nvidia-resiliency-ext name, and that subclasses
+override. One bucket's bytes are written by :func:`~.bucket_io.write_bucket`.
 
-Every bucket gets its own thread, the last one the calling thread, and every wait is
-bounded by the writer's ``write_timeout_s``. Each bucket's outcome, success or failure,
-lands in one :class:`~.results.WriteOutcome`, whose payload goes to the save's results
-channel: a failure is recorded, never raised, so that the trainer's finalization turns
-it into an error on every rank. Threads, not a forked process per bucket as
-megatron-core's ``_multiproc`` path: the writes and the hashing release the GIL, and
-forked children gained nothing that was measured, so ``is_multiproc_io`` writes on
-threads too.
+Each bucket's outcome, success or failure, lands in one :class:`~.results.WriteOutcome`,
+whose payload goes to the save's results channel: a failure is recorded, never raised,
+so that the trainer's finalization turns it into an error on every rank. Buckets are
+written on threads, not in a forked process each as megatron-core's ``_multiproc`` path
+does: the writes and the hashing release the GIL, and forked children gained nothing
+that was measured, so ``is_multiproc_io`` writes on threads too.
 """
 
 from __future__ import annotations
@@ -58,19 +54,15 @@ def write_preloaded_data(
 ) -> Optional[Tuple[int, Union[List[WriteResult], Exception]]]:
     """Write one staged bucket (a writer thread, or the calling thread).
 
-    This is ``FileSystemWriterAsync.write_preloaded_data``. Subclasses may override it
-    (a fault-injecting writer in tests): the write paths call
-    ``type(writer).write_preloaded_data``. It must stay a static method so that the save
-    function still pickles.
+    This is ``FileSystemWriterAsync.write_preloaded_data``; the write paths call
+    ``type(writer).write_preloaded_data``, so a subclass's override is the one used.
 
     Args:
         transform_list: the writer's stream transforms (DCP extensions).
-        open_file: opens the file; the built-in ``open`` writes with direct system
-            calls, any other callable (an object store's ``open``) is used as is.
+        open_file: opens the file (see :func:`~.bucket_io.write_bucket`).
         local_thread_idx: index of the bucket among this save's buckets.
         write_bucket: the staged bucket.
-        results_queue: where ``(local_thread_idx, results or exception)`` goes; None
-            returns it instead.
+        results_queue: where the output goes, or None to return it.
         count_queue: a joinable queue whose ``get`` / ``task_done`` marks this worker
             done, or None.
         use_fsync: make the file durable before returning.
@@ -131,20 +123,16 @@ def write_preloaded_data_multithread(
     """Write the staged buckets, one thread each, and report the outcome (background).
 
     Once every bucket is written, this rank's checksum record is written, then the
-    outcome goes to ``global_results_queue`` (the writer's results file, or any object
-    with ``put``, e.g. :func:`~.results.get_write_results_queue`): a dict bucket index ->
-    write results, or the :class:`~megatron_async.errors.StorageWriteError` that says what
-    failed. The positional arguments are a save function's ``args``, the keywords what
-    the writer names and staging binds
-    (:func:`~megatron_async.staging.stager.prepare_staged_write`). The staging buffers
-    are not released here: the caller that staged them does that once the whole call is
-    over.
+    outcome is reported. The staging buffers are not released here: the caller that
+    staged them does that once the whole call is over.
 
     Args:
         transform_list, use_msc, open_file: see :func:`write_preloaded_data`.
         rank: the training rank (for messages).
         write_buckets: the staged buckets (``preload_fn``'s result).
-        global_results_queue: where the outcome goes.
+        global_results_queue: the writer's results file, or anything with ``put``; it
+            gets a dict bucket index -> write results, or the
+            :class:`~megatron_async.errors.StorageWriteError` that says what failed.
         use_fsync: make every file durable.
         write_timeout_s: bound on the wait for the writer threads.
         bucket_writer: writes one bucket; ``write_preloaded_data`` when None.
