@@ -1,10 +1,8 @@
 """Process lifetime helpers shared by the callers (trainer side and background side).
 
-Background processes must never outlive, or be outlived by, their trainer in a way
-that hangs or leaks: the kernel kills them when the trainer dies (they start with
-:func:`enter_background`), and the trainer kills what is left of them at interpreter
-exit (:func:`abort_at_exit`), before multiprocessing's own exit hook would join
-(unboundedly) any non-daemon child.
+No background process outlives its trainer or hangs its exit: the kernel kills it when
+the trainer dies (:func:`enter_background`), and the trainer kills what is left at
+interpreter exit (:func:`abort_at_exit`).
 """
 
 from __future__ import annotations
@@ -101,7 +99,7 @@ def abort_at_exit(caller) -> None:
 
     Runs on the trainer. Held weakly, so a collected caller is simply skipped. Our
     atexit hook is registered after multiprocessing's, so it runs first (atexit is LIFO)
-    and the processes are gone before multiprocessing tries to join them.
+    and the processes are gone before multiprocessing's hook joins them, unboundedly.
     """
     _live_callers.add(caller)
 
