@@ -63,8 +63,6 @@ def kill_and_reap(process, join_timeout_s: float = REAP_AFTER_KILL_S) -> None:
     Runs on the trainer. Children are killed too because a background writer may have
     started I/O processes of its own (megatron-core's writer does).
     """
-    if process is None:
-        return
     pid = process.pid
     if pid is not None and process.is_alive():
         try:
