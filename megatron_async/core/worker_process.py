@@ -8,16 +8,14 @@ inherits, and how each is kept from costing the trainer or the checkpoint (the c
 side is :func:`megatron_async.core.worker_loop.run_child`):
 
 * **Memory, copy-on-write.** The child discards its share of the pages of the trainer's
-  private CPU tensor storages (:func:`trainer_tensor_pages`), so the trainer's in-place
-  updates neither copy pages nor leave the old ones pinned in the worker. (Storages held
-  only by C++ code are not found; their pages stay copy-on-write.) The child also freezes
-  the inherited objects out of its cyclic garbage collection, which would otherwise touch,
-  and so copy, the whole inherited heap. The worker never reads the trainer's tensors:
-  a request and its staged data reach it through its socket and shared memory.
-* **Staging segments.** The child replaces its mapping of every registered segment with
-  private zero pages at once, so their memory does not outlive the trainer's use of them;
-  the address ranges stay taken, so nothing the child maps later lands where a stale
-  inherited object points. A segment the worker needs it opens anew.
+  private CPU tensor storages (:func:`trainer_tensor_pages`; storages held only by C++
+  code are not found, and their pages stay copy-on-write). It also freezes the inherited
+  objects out of its cyclic garbage collection, which would otherwise touch, and so copy,
+  the whole inherited heap. The worker never reads the trainer's tensors: a request and
+  its staged data reach it through its socket and shared memory.
+* **Staging segments.** The child maps private zero pages over every registered segment at
+  once; the address ranges stay taken, so nothing the child maps later lands where a
+  stale inherited object points. A segment the worker needs it opens anew.
 * **Signal handlers** the trainer installed are reset to a fresh interpreter's, so a
   trainer's handler (e.g. one that saves a checkpoint on SIGTERM) never runs in the worker.
 * **Threads.** Only the forking thread exists in the child; torch's intra-op pool is set to
