@@ -37,8 +37,7 @@ def enter_background(parent_pid: int, nice_increment: int) -> None:
     Call it first thing in the child, before any thread starts: Linux sends SIGKILL here
     when the trainer dies (``PR_SET_PDEATHSIG``; a trainer gone before that exits at
     once), and every thread started later inherits the nice value
-    (``AsyncCallerConfig.writer_nice_increment``), so the writer yields the CPU to the
-    training loop. The trainer is never touched.
+    (``AsyncCallerConfig.writer_nice_increment``); the trainer is never touched.
     """
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
