@@ -31,15 +31,12 @@ class PersistentAsyncCaller(AsyncCaller):
     """Sends requests to one worker process that lives across saves (trainer side).
 
     The worker is a fork of the trainer (:mod:`megatron_async.core.worker_process`) that
-    never runs the training script's code, so the script needs no ``__main__`` guard; a
-    script's own routines reach it by value
-    (:mod:`megatron_async.core.request_transport`). The trainer stages each request's
-    data itself (``preload_fn``) and sends the request with its tensors as shared-memory
-    references; :meth:`schedule_async_call` returns without waiting for the worker, and
-    the staged data is released when the worker reports the call done (or is gone). A
-    request sent before the worker is ready (milliseconds after the fork) waits in its
-    socket. A worker not ready within ``fork_start_timeout_s`` (hung in the child before
-    our code runs) is killed; one that dies or overruns a timeout fails its pending calls
+    never runs the training script's code, so the script needs no ``__main__`` guard. The
+    trainer stages each request's data itself (``preload_fn``) and sends the request
+    (:mod:`megatron_async.core.request_transport`); :meth:`schedule_async_call` returns
+    without waiting for the worker, and the staged data is released when the worker
+    reports the call done (or is gone). A worker that dies, or is killed for overrunning a
+    timeout or for not being ready within ``fork_start_timeout_s``, fails its pending calls
     on every rank, and the next save starts a fresh one; a death found between saves, and
     every replacement, is logged at WARNING.
 
@@ -293,14 +290,12 @@ class PersistentAsyncCaller(AsyncCaller):
     def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
         """The reference API's worker main loop over three multiprocessing queues.
 
-        Our worker (a fork of the trainer) runs
-        :func:`megatron_async.core.worker_loop.run_child` and receives requests with their
-        staged tensors as shared-memory references (a queue cannot carry them into a running
-        process without pickling every tensor), so this loop has no counterpart here.
+        It has no counterpart here: our worker receives staged tensors as shared-memory
+        references, which a queue cannot carry into a running process without pickling
+        every tensor.
 
         Raises:
-            ReplacedReferenceAPIError: always; create a :class:`PersistentAsyncCaller` (or
-                ``AsyncCallsQueue(persistent=True)``), which starts and drives the worker.
+            ReplacedReferenceAPIError: always (the message names what to create instead).
         """
         raise ReplacedReferenceAPIError(
             f"rank {rank}: PersistentAsyncCaller.async_loop is not how this package's worker "

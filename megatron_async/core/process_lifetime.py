@@ -1,10 +1,8 @@
 """Process lifetime helpers shared by the callers (trainer side and background side).
 
-Background processes must never outlive, or be outlived by, their trainer in a way
-that hangs or leaks: the kernel kills them when the trainer dies (they start with
-:func:`enter_background`), and the trainer kills what is left of them at interpreter
-exit (:func:`abort_at_exit`), before multiprocessing's own exit hook would join
-(unboundedly) any non-daemon child.
+No background process outlives its trainer or hangs its exit: the kernel kills it when
+the trainer dies (:func:`enter_background`), and the trainer kills what is left at
+interpreter exit (:func:`abort_at_exit`).
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ def enter_background(parent_pid: int, nice_increment: int) -> None:
     Call it first thing in the child, before any thread starts: Linux sends SIGKILL here
     when the trainer dies (``PR_SET_PDEATHSIG``; a trainer gone before that exits at
     once), and every thread started later inherits the nice value
-    (``AsyncCallerConfig.writer_nice_increment``), so the writer yields the CPU to the
-    training loop. The trainer is never touched.
+    (``AsyncCallerConfig.writer_nice_increment``); the trainer is never touched.
     """
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
@@ -65,8 +62,6 @@ def kill_and_reap(process, join_timeout_s: float = REAP_AFTER_KILL_S) -> None:
     Runs on the trainer. Children are killed too because a background writer may have
     started I/O processes of its own (megatron-core's writer does).
     """
-    if process is None:
-        return
     pid = process.pid
     if pid is not None and process.is_alive():
         try:
@@ -101,7 +96,7 @@ def abort_at_exit(caller) -> None:
 
     Runs on the trainer. Held weakly, so a collected caller is simply skipped. Our
     atexit hook is registered after multiprocessing's, so it runs first (atexit is LIFO)
-    and the processes are gone before multiprocessing tries to join them.
+    and the processes are gone before multiprocessing's hook joins them, unboundedly.
     """
     _live_callers.add(caller)
 

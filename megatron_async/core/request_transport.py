@@ -1,5 +1,8 @@
 """How a staged request travels to the persistent worker: tensors as shared-memory references.
 
+Trainer side: :class:`RequestSender`, one per worker. Worker side:
+:class:`~megatron_async.core.worker_loop.SegmentTable`, which reads what that sender wrote.
+
 Pickling a CPU tensor the way ``torch.multiprocessing`` does costs one file descriptor
 and one socket round trip per tensor, every save, and moves the tensor's memory into
 shared memory in place. Instead, every CPU tensor of a request is sent as a reference
@@ -12,29 +15,18 @@ shared memory in place. Instead, every CPU tensor of a request is sent as a refe
   trainer's own tensors) is *copied* into a segment of this call (:class:`_CallArena`),
   so the worker always writes a snapshot.
 
-Functions and classes the worker cannot import go by value, as cloudpickle pickles
-them: those of ``__main__`` (the training script, which the worker never runs; also
-``__mp_main__``, a script's name in a rank started by multiprocessing's spawn), lambdas
-and local functions, and those of any module registered with
-``cloudpickle.register_pickle_by_value`` (a module of the script that the worker could not
-import). Each carries the values its globals have when the request is scheduled.
+Each segment crosses the process boundary once: the first request that uses it names the
+trainer's descriptor, which the worker (the trainer's child) opens as
+``/proc/<trainer pid>/fd/<number>``; the number stays the segment's while the call holds
+its staged data, and nothing is in flight for a worker that never reads the request.
 
-Plan items (``WriteItem``, immutable and the same objects from save to save while the
-plan is cached) are sent once and then named by a token (:class:`SentObjects`), and a
+Plan items are sent once and then by token (:class:`SentObjects`), and a
 :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list is pickled once per
-worker; later requests embed the same bytes, so a warm save with thousands of tensors
-costs no per-tensor pickling on the trainer.
+worker, so a warm save with thousands of tensors costs no per-tensor pickling.
 
-Each segment crosses the process boundary once, the first time a request uses it: the
-request names the trainer's descriptor of it, and the worker (the trainer's child) opens
-it as ``/proc/<trainer pid>/fd/<number>``. The number stays the segment's while the call
-holds its staged data, and nothing is in flight for a worker that never reads the
-request. The worker keeps a *reusable* segment (cached staging buffers) mapped until the
-trainer says it is gone, and drops any other once the call that used it is written, so
-no staging memory outlives its save in the worker.
-
-Trainer side: :class:`RequestSender`, one per worker. Worker side:
-:class:`~megatron_async.core.worker_loop.SegmentTable`, which reads what that sender wrote.
+Functions and classes the worker cannot import (the training script's, which the worker
+never runs, lambdas, local functions) go by value, as cloudpickle pickles them, with the
+values their globals have when the request is scheduled.
 """
 
 from __future__ import annotations
@@ -59,9 +51,8 @@ _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
 # Names that a pickled request refers to; the worker's unpickler
-# (megatron_async.core.worker_loop) reads each as one of its SegmentTable's methods (a
-# tensor over a mapped segment, a plan item sent earlier, a ReusedTensorPairs list pickled
-# once), so these bodies never run there.
+# (megatron_async.core.worker_loop) reads each as one of its SegmentTable's methods, so
+# these bodies never run there.
 _OUTSIDE_A_TABLE = "decode a request for the persistent worker with SegmentTable.apply"
 
 

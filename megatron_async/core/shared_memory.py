@@ -1,21 +1,16 @@
 """Shared-memory segments: host staging memory that a background process maps as well.
 
 Runs in the trainer. Staging buffers live in *segments*: one-dimensional ``uint8``
-tensors in POSIX shared memory, each with a process-unique id. Two things follow:
-
-* a forked writer (temporal caller) reads the segment through a shared mapping, so the
-  fork write-protects nothing and the next staging into a reused buffer copies at
-  memory speed instead of taking a copy-on-write fault per page;
-* the persistent worker maps a segment once and from then on receives tensors in it by
-  reference (:mod:`megatron_async.core.request_transport`).
+tensors in POSIX shared memory, each with a process-unique id. A forked writer (temporal
+caller) reads a segment through a shared mapping, so the fork write-protects nothing and
+the next staging into a reused buffer takes no copy-on-write fault per page; the
+persistent worker maps a segment once and then receives tensors in it by reference
+(:mod:`megatron_async.core.request_transport`).
 
 A segment stays registered while the tensor returned by :func:`allocate_segment` is
-alive; ids are never reused, so a stale id can never name other memory.
-
-Shared memory is backed by ``/dev/shm``, often small in containers. Writing beyond a
-full tmpfs kills the process with SIGBUS, so every segment is descriptor-backed and
-reserved with ``posix_fallocate``: a lack of room becomes :class:`StagingMemoryError` at
-allocation.
+alive; ids are never reused, so a stale id can never name other memory. Every segment is
+reserved with ``posix_fallocate`` (:func:`_reserve`), so a full ``/dev/shm`` is a
+:class:`StagingMemoryError` at allocation, never a SIGBUS later.
 """
 
 from __future__ import annotations
@@ -219,10 +214,9 @@ class ReusedTensorPairs(list):
 
     The stager builds one per bucket of a reused staging-buffer set and hands the very
     same object to every save of that structure (the items are the cached plan's, the
-    tensors views of reusable segments whose contents each save overwrites). The
-    request sender (:mod:`megatron_async.core.request_transport`) therefore encodes it
-    once per worker and reuses the bytes while the object lives. Never mutate one after
-    it was handed out: make a new one instead.
+    tensors views of reusable segments whose contents each save overwrites), so the
+    request sender encodes it once per worker. Never mutate one after it was handed out:
+    make a new one instead.
     """
 
     __slots__ = ("__weakref__",)

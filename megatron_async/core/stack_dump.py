@@ -1,20 +1,18 @@
 """Where a timed-out background writer was stuck: its Python stacks, asked for before the kill.
 
-The failing rank logs where each thread of a writer killed for running past ``timeout_s``
-was (a write blocked on a stalled file system, a lock never released), and the error
-every rank raises names each thread's innermost frame on its one line.
+The failing rank logs each thread's stack, and the error every rank raises names each
+thread's innermost frame on its one line.
 
 Trainer side: :func:`new_file`, just before forking a writer (the temporal caller's child,
 the persistent worker), makes an anonymous file that the child inherits;
-:func:`timeout_note`, just before the kill, sends :data:`DUMP_SIGNAL` to the writer (a
-child not yet reaped, so the pid is its writer's) and reads what it wrote there, waiting
-a bounded moment. Background side: :func:`arm`, first thing in the child, has
-:mod:`faulthandler` write every thread's stack to that file on the signal. A writer that
-has not armed itself yet is ended by the signal's default action, which the kill that
-follows would do anyway; one in an uninterruptible system call (a hung NFS server) cannot
-run the handler until the call returns. Either way nothing is written and the error goes
-without stacks. Where the platform has no real-time signals or ``memfd_create``, all of
-this is a no-op.
+:func:`timeout_note`, just before the kill, asks the writer for its stacks there
+(:func:`collect`). Background side: :func:`arm`, first thing in the child, has
+:mod:`faulthandler` write every thread's stack to that file on :data:`DUMP_SIGNAL`. A
+writer that has not armed itself yet is ended by the signal's default action, which the
+kill that follows would do anyway; one in an uninterruptible system call (a hung NFS
+server) cannot run the handler until the call returns. Either way the error goes without
+stacks. Where the platform has no real-time signals or ``memfd_create``, all of this is a
+no-op.
 """
 
 from __future__ import annotations
@@ -65,11 +63,12 @@ def arm(stack_file: Optional[io.FileIO]) -> None:
         logger.debug("no stack dump on timeout for pid %d: %s", os.getpid(), exc)
 
 
-def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_WAIT_S) -> Optional[str]:
+def collect(pid: int, stack_file: Optional[io.FileIO]) -> Optional[str]:
     """Ask the writer ``pid`` for its stacks in ``stack_file``; return them, or None.
 
-    Trainer side, on a writer it forked with this file, has not reaped and kills next.
-    Bounded by ``wait_s``; returns only what this request wrote.
+    Trainer side, on a writer it forked with this file, has not reaped (so the pid is still
+    the writer's) and kills next. Bounded by :data:`COLLECT_WAIT_S`; returns only what this
+    request wrote.
     """
     if stack_file is None:
         return None
@@ -79,7 +78,7 @@ def collect(pid: int, stack_file: Optional[io.FileIO], wait_s: float = COLLECT_W
         os.kill(pid, DUMP_SIGNAL)
     except (OSError, ValueError):
         return None
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + COLLECT_WAIT_S
     size, data = before, b""
     while time.monotonic() < deadline:
         time.sleep(0.05)

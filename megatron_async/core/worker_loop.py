@@ -1,8 +1,7 @@
 """What runs in the persistent worker: the set-up after the fork, then the main loop.
 
-The worker is a fork of the trainer (:mod:`megatron_async.core.worker_process`, whose
-docstring says what the child inherits and why each is shed) that runs :func:`run_child`
-and never returns into the trainer's code.
+The worker is a fork of the trainer that runs :func:`run_child` and never returns into
+the trainer's code; :mod:`megatron_async.core.worker_process` says what it sheds and why.
 
 Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request)``: map the request's new shared-memory segments and
@@ -71,8 +70,7 @@ _mmap.restype = ctypes.c_void_p
 def release_inherited_pages(ranges: Sequence[Tuple[int, int]]) -> None:
     """Drop this (forked) process's share of the trainer's tensor pages ``ranges``.
 
-    After ``MADV_DONTNEED`` the pages read as zeros here, and the trainer owns its copies
-    alone: its next write to each reuses the page instead of copying it.
+    After ``MADV_DONTNEED`` the pages read as zeros here; the trainer's copies are its own.
     """
     for start, length in ranges:
         _madvise(start, length, _MADV_DONTNEED)
@@ -81,8 +79,7 @@ def release_inherited_pages(ranges: Sequence[Tuple[int, int]]) -> None:
 def release_inherited_segments() -> None:
     """Map private zero pages over this (forked) process's inherited staging segments.
 
-    The shared memory then belongs to the trainer alone and is freed when it drops a
-    segment; an inherited object that still points there reads zeros.
+    An inherited object that still points there reads zeros.
     """
     for start, length in shared_memory.segment_ranges():
         if _mmap(start, length, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0) == _MAP_FAILED:
@@ -130,9 +127,8 @@ def _output_stream_fds() -> Set[int]:
 def retire_inherited_descriptors(keep: Set[int]) -> None:
     """Point every open descriptor of this (forked) process not in ``keep`` at ``/dev/null``.
 
-    Runs in the worker. The trainer's files, sockets and pipes lose this process's
-    reference, while their numbers stay taken: a stale inherited object that still
-    writes to one writes to ``/dev/null``, never into a file opened later.
+    Not closed: the numbers stay taken, so a stale inherited object that still writes to
+    one writes to ``/dev/null``, never into a checkpoint file opened later.
     """
     open_fds = [int(name) for name in os.listdir("/proc/self/fd")]  # the worker needs /proc anyway
     null = os.open(os.devnull, os.O_RDWR)

@@ -2,42 +2,27 @@
 
 :class:`~megatron_async.core.persistent.PersistentAsyncCaller` starts a worker
 (:func:`start_worker`) when it is created and again for the save after its worker died
-or was killed; the child runs :mod:`megatron_async.core.worker_loop`.
+or was killed; the child runs :mod:`megatron_async.core.worker_loop`. Why a fork, and what
+it costs the trainer: docs/design.md, "The first save is not a cold start". What the child
+inherits, and how each is kept from costing the trainer or the checkpoint (the child's
+side is :func:`megatron_async.core.worker_loop.run_child`):
 
-A fork has every module already imported and is ready within milliseconds (a fresh
-interpreter would spend seconds of CPU importing torch, which a busy trainer pays for); the
-trainer's own cost is the scan below (about 0.1 s in the GPT example) and copying its
-page tables. What the child inherits, and how each is kept from costing the trainer or
-the checkpoint (the child's side is :func:`megatron_async.core.worker_loop.run_child`):
-
-* **Memory, copy-on-write.** Before forking, the trainer lists the page-aligned insides
-  of its private CPU tensor storages that Python can see (:func:`trainer_tensor_pages`, a
-  scan of the live objects, once per worker start); the child discards its share of
-  those pages at once (``MADV_DONTNEED``). The trainer's in-place updates of parameters
-  and optimizer state then neither copy pages nor leave the old ones pinned in the
-  worker, which would double the memory of CPU-resident state. (Storages held only by
-  C++ code are not found; their pages stay copy-on-write.) The child also freezes the
-  inherited objects out of its cyclic garbage collection, which would otherwise touch,
-  and so copy, the whole inherited heap. The worker never reads the trainer's tensors:
-  a request and its staged data reach it through its socket and shared memory.
-* **Staging segments.** The child would keep the trainer's shared-memory segments mapped
-  for its whole life, so their memory would outlive the trainer's use of them. The child
-  replaces its mapping of every registered segment with private zero pages at once;
-  the address ranges stay taken, so nothing the child maps later lands where a stale
-  inherited object points. A segment the worker needs it opens anew, as it does one
-  made after the fork.
-* **CUDA.** A forked child cannot use CUDA; the worker never needs it, since the trainer
-  stages every tensor to host shared memory before sending a request.
-* **Signal handlers** the trainer installed are reset to a fresh interpreter's first
-  thing, so a trainer's handler (e.g. one that saves a checkpoint on SIGTERM) never runs
-  in the worker.
+* **Memory, copy-on-write.** The child discards its share of the pages of the trainer's
+  private CPU tensor storages (:func:`trainer_tensor_pages`; storages held only by C++
+  code are not found, and their pages stay copy-on-write). It also freezes the inherited
+  objects out of its cyclic garbage collection, which would otherwise touch, and so copy,
+  the whole inherited heap. The worker never reads the trainer's tensors: a request and
+  its staged data reach it through its socket and shared memory.
+* **Staging segments.** The child maps private zero pages over every registered segment at
+  once; the address ranges stay taken, so nothing the child maps later lands where a
+  stale inherited object points. A segment the worker needs it opens anew.
+* **Signal handlers** the trainer installed are reset to a fresh interpreter's, so a
+  trainer's handler (e.g. one that saves a checkpoint on SIGTERM) never runs in the worker.
 * **Threads.** Only the forking thread exists in the child; torch's intra-op pool is set to
   one thread so the child never enters a parallel region whose threads it lost.
 * **Descriptors.** The child keeps what a fresh interpreter would have: standard input
   and output, the streams of ``sys.stdout``/``sys.stderr`` and of the logging handlers,
-  and its own end of its socket. Every other descriptor the trainer had open is
-  pointed at ``/dev/null`` in the child (not closed: an inherited object that still
-  writes to its old number must not land in a checkpoint file that reused it). So a
+  and its own end of its socket; every other one is pointed at ``/dev/null``. So a
   listening socket (a rendezvous store's port) is free to bind again once the trainer
   closes it, a pipe's reader sees EOF when the trainer closes its end, and the trainer's
   end of the worker's own socket is the only one: a dead worker reads as EOF in the
@@ -92,23 +77,21 @@ def trainer_tensor_pages() -> Tuple[List[Tuple[int, int]], List[torch.UntypedSto
 
     Runs on the trainer, just before the fork. Returns the ranges, ``(start address,
     length)``, and the storages they belong to: keep the storages referenced until the
-    child exists, so that no range is freed and reused by other data in between. Only
-    whole pages are listed (the partial pages at either end may hold other allocations,
-    or the allocator's bookkeeping, which the child may still touch). Shared-memory
-    storages are skipped (a fork shares them without copy-on-write). Whatever mapping a
-    range lies in, ``MADV_DONTNEED`` in the child drops only the child's view of it,
-    never the trainer's data.
+    child exists, so that no range is freed and reused by other data in between. The
+    partial pages at either end are left out: they may hold other allocations, which the
+    child may still touch. Shared-memory storages are skipped (a fork shares them without
+    copy-on-write). Whatever mapping a range lies in, ``MADV_DONTNEED`` in the child
+    drops only the child's view of it, never the trainer's data.
     """
     page = mmap.PAGESIZE
     seen = set()
     ranges: List[Tuple[int, int]] = []
     storages: List[torch.UntypedStorage] = []
     objects = gc.get_objects()
-    # Filter by type first (hundreds of thousands of objects: this is the scan's cost),
-    # with map/compress so that the loop over every object runs in C, not in bytecode
-    # (a list comprehension took 60 of the scan's 130 ms in the GPT example).
-    # type(), not isinstance(): the latter reads ``__class__``, which some deprecated
-    # module attributes turn into a warning.
+    # Filter by type in C (map/compress): a list comprehension over the hundreds of
+    # thousands of objects took 60 of the scan's 130 ms in the GPT example. type(), not
+    # isinstance(): the latter reads ``__class__``, which some deprecated module
+    # attributes turn into a warning.
     kinds = list(map(type, objects))
     tensor_types = {t for t in set(kinds) if issubclass(t, torch.Tensor)}
     tensors = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))
@@ -138,9 +121,7 @@ def trainer_tensor_pages() -> Tuple[List[Tuple[int, int]], List[torch.UntypedSto
 def fork_worker(options: Dict[str, Any]) -> int:
     """Fork the persistent worker (trainer side); return its pid at once.
 
-    The child sheds what it inherited (see the module docstring) and serves with
-    ``options`` (:func:`megatron_async.core.worker_loop.run_child`), saying ``("ready",
-    None)`` within milliseconds.
+    The child runs :func:`megatron_async.core.worker_loop.run_child` with ``options``.
 
     Raises:
         OSError: the fork failed (no memory for the page tables, a process limit).
