@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import traceback
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 
 __all__ = [
@@ -41,6 +41,8 @@ __all__ = [
     "UnpicklableRequestError",
     "RankFailure",
     "AsyncSaveFailedError",
+    "describe_for_agreement",
+    "agreed_error",
 ]
 
 
@@ -216,6 +218,32 @@ def _pickle_if_possible(exc: BaseException) -> Optional[bytes]:
 _WORKER_PHASES = frozenset({"write", "worker", "timeout"})
 """Phases of a :class:`RankFailure` in the background part of a save: a write that
 raised, a worker that died, a bounded wait that expired."""
+
+
+def describe_for_agreement(error: BaseException, rank: int) -> Tuple[int, bool, str]:
+    """``rank``'s ``error`` as a line of :func:`agreed_error`, and whether it is a save
+    still in flight: ours as they read (they say what to do), anyone else's with its type,
+    which is often the only information (megatron-core's ``TypeError(<class
+    'torch.Tensor'>)`` for a plain tensor in a sharded state dict)."""
+    message = str(error)
+    if not isinstance(error, AsyncCheckpointError):
+        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    message = message.removeprefix(f"rank {rank}: ")  # the agreed message names the rank
+    return rank, isinstance(error, CheckpointInProgressError), message
+
+
+def agreed_error(
+    what: str, described: List[Tuple[int, bool, str]], cause: Optional[BaseException] = None
+) -> AsyncCheckpointError:
+    """The error every rank raises when the step ``what`` failed on the ranks ``described``
+    (:func:`describe_for_agreement`): a :class:`CheckpointInProgressError` when each of them
+    reported a save still in flight, else a :class:`CheckpointValidationError`."""
+    lines = [f"{what} failed on {len(described)} rank(s):"]
+    lines += [f"  rank {rank}: {message}" for rank, _, message in sorted(described)]
+    busy = all(in_progress for _, in_progress, _ in described)
+    error = (CheckpointInProgressError if busy else CheckpointValidationError)("\n".join(lines))
+    error.__cause__ = cause
+    return error
 
 
 def _define_async_save_failed_error() -> type:

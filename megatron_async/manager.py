@@ -33,12 +33,12 @@ from megatron_async.checkpoint_dirs import (
     write_tracker,
 )
 from megatron_async.core import coordination
+from megatron_async.core.coordination import agreed_step
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
 from megatron_async.format import COMPLETION_MARKERS, missing_completion_markers
 from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
-from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import storage_for
 
 __all__ = ["CheckpointManager", "CheckpointManagerConfig", "ResumePoint"]

@@ -20,13 +20,16 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatron_async.core.config import DEFAULT_CONFIG
-from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
+from megatron_async.core.gc_pause import paused_gc
+from megatron_async.errors import (
+    AsyncSaveFailedError, CoordinationError, RankFailure, agreed_error, describe_for_agreement,
+)
 
 __all__ = [
     "is_distributed",
@@ -36,15 +39,20 @@ __all__ = [
     "get_coordination_group",
     "coordination_timeout_s",
     "all_reduce_max",
-    "all_reduce_sum",
     "all_gather_objects",
-    "raise_if_any_rank_failed",
+    "gather_count",
+    "count_gather",
+    "gather_on_coordinator",
+    "agree",
+    "save_failed",
     "run_on_coordinator",
+    "agreed_step",
 ]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+F = TypeVar("F")
 
 COORDINATION_GROUP_NAME = "megatron_async_checkpoint_coordination"
 """The name of the coordination group in torch's registry of process groups."""
@@ -57,6 +65,7 @@ _cached_group: Optional[dist.ProcessGroup] = None
 _cached_for_world: Optional[object] = None
 _cached_timeout_s: float = DEFAULT_CONFIG.coordination_timeout_s
 _recreated_in_world = 0
+_gathers = {"plan": 0, "results": 0}
 
 
 def is_distributed() -> bool:
@@ -209,15 +218,6 @@ def all_reduce_max(values: Sequence[int], group: Optional[dist.ProcessGroup] = N
     return _all_reduce(values, dist.ReduceOp.MAX if is_distributed() else None, group)
 
 
-def all_reduce_sum(values: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> List[int]:
-    """Element-wise SUM of small integer vectors across ranks (one gloo all-reduce).
-
-    A flag summed is nonzero when any rank set it, so one sum also answers "did any
-    rank ...?" next to counts. Same arguments, result and errors as :func:`all_reduce_max`.
-    """
-    return _all_reduce(values, dist.ReduceOp.SUM if is_distributed() else None, group)
-
-
 def _all_reduce(values: Sequence[int], op: Any, group: Optional[dist.ProcessGroup]) -> List[int]:
     if not is_distributed():
         return list(values)
@@ -247,35 +247,61 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> L
     return gathered
 
 
-def raise_if_any_rank_failed(
-    local_failure: Optional[RankFailure],
-    group: Optional[dist.ProcessGroup] = None,
-    checkpoint: Optional[str] = None,
-    counts: Sequence[int] = (),
-) -> List[int]:
-    """Turn a failure on any rank into the same :class:`AsyncSaveFailedError` on all ranks.
+def gather_count(kind: str) -> int:
+    """How many gathers of ``kind`` (``"plan"``, ``"results"``) this process took part in
+    (a warm save adds 0): a test hook."""
+    return _gathers[kind]
 
-    Runs on every rank and costs one small all-reduce (SUM of ``[failed, *counts]``) when
-    nothing failed; only when a rank failed does it also gather the failures (so every
-    rank can report all of them).
+
+def count_gather(kind: str) -> None:
+    """Count one gather of ``kind`` this process takes part in."""
+    with _group_lock:
+        _gathers[kind] += 1
+
+
+def gather_on_coordinator(obj: Any, dist_wrapper: Any, kind: str) -> Optional[List[Any]]:
+    """Gather ``obj`` on DCP's ``dist_wrapper``'s coordinator (every rank; counted as
+    ``kind``). The coordinator unpickles every rank's object: with the cyclic collector
+    running that took 4-5 x longer (tools/bench/gather_calibration.py), so it is paused."""
+    count_gather(kind)
+    with paused_gc():
+        return dist_wrapper.gather_object(obj)
+
+
+def agree(
+    local_failure: Optional[F],
+    error: Callable[[List[F]], BaseException],
+    counts: Sequence[int] = (),
+    group: Optional[dist.ProcessGroup] = None,
+) -> List[int]:
+    """Raise the same error on every rank when any rank failed; else sum ``counts``.
+
+    The one agreement of the library (every rank, each at the same point): one small
+    all-reduce (SUM of ``[failed, *counts]``: a flag summed is nonzero when any rank set
+    it); only when a rank failed are the failures gathered, so that every rank raises one
+    error listing all of them.
 
     Args:
-        local_failure: this rank's failure, or None if it succeeded.
-        group: the coordination group; defaults to :func:`get_coordination_group`.
-        checkpoint: the checkpoint being written, for the error message.
+        local_failure: this rank's failure (a picklable record), or None.
+        error: the error every rank raises, from the failing ranks' records in rank
+            order (:func:`save_failed`; :func:`agreed_step`'s validation error).
         counts: small integers to sum over all ranks in the same collective.
+        group: the coordination group; defaults to :func:`get_coordination_group`.
 
     Returns:
         The sums of ``counts`` over all ranks.
-
-    Raises:
-        AsyncSaveFailedError: on every rank, when at least one rank passed a failure.
     """
-    summed = all_reduce_sum([int(local_failure is not None), *counts], group)
+    flagged = [int(local_failure is not None), *counts]
+    summed = _all_reduce(flagged, dist.ReduceOp.SUM if is_distributed() else None, group)
     if summed[0]:
-        failures = {f.rank: f for f in all_gather_objects(local_failure, group) if f is not None}
-        raise AsyncSaveFailedError(failures, checkpoint)
+        raise error([f for f in all_gather_objects(local_failure, group) if f is not None])
     return summed[1:]
+
+
+def save_failed(checkpoint: Optional[str] = None) -> Callable[[List[RankFailure]], BaseException]:
+    """:func:`agree`'s error for a failed save: :class:`AsyncSaveFailedError` over the
+    failing ranks' :class:`RankFailure` records, naming ``checkpoint``."""
+    return lambda failures: AsyncSaveFailedError({f.rank: f for f in failures}, checkpoint)
 
 
 def run_on_coordinator(
@@ -285,24 +311,14 @@ def run_on_coordinator(
     group: Optional[dist.ProcessGroup] = None,
     is_coordinator: Optional[bool] = None,
 ) -> Optional[T]:
-    """Run ``step`` on the coordinator, then agree on its outcome (every rank).
-
-    The one shape of "rank 0 does it, every rank learns how it went": the other ranks
-    wait in one small all-reduce, and a failure of the step becomes the same
-    :class:`AsyncSaveFailedError` on every rank, never an error on rank 0 alone.
-
-    Args:
-        phase: the phase a failure is reported under (``"commit"``, ``"finalize"``).
-        step: the coordinator's work; bound it itself if it touches the file system.
-        checkpoint: the checkpoint, for the error message.
-        group: the coordination group; defaults to :func:`get_coordination_group`.
-        is_coordinator: whether this rank runs ``step``; default: rank 0.
+    """Run ``step`` on the coordinator, then agree on its outcome (every rank): the other
+    ranks wait in one small all-reduce, and a failure of the step becomes the same
+    :class:`AsyncSaveFailedError` on every rank (phase ``phase``), never an error on
+    rank 0 alone. ``step`` bounds itself if it touches the file system.
 
     Returns:
-        What ``step`` returned on the coordinator; None on the other ranks.
-
-    Raises:
-        AsyncSaveFailedError: on every rank, when the step raised.
+        What ``step`` returned on the coordinator (``is_coordinator``; default: rank 0);
+        None on the other ranks.
     """
     rank = get_rank()
     failure: Optional[RankFailure] = None
@@ -313,5 +329,44 @@ def run_on_coordinator(
         except Exception as exc:  # raised on every rank below
             logger.error("rank %d: %s of %s failed: %s", rank, phase, checkpoint, exc)
             failure = RankFailure.from_exception(rank, phase, exc)
-    raise_if_any_rank_failed(failure, group, checkpoint)
+    agree(failure, save_failed(checkpoint), group=group)
     return result
+
+
+def agreed_step(
+    what: str,
+    local_step: Callable[[], T],
+    group: Optional[dist.ProcessGroup] = None,
+    flags: Optional[Callable[[Optional[T]], Sequence[int]]] = None,
+) -> Tuple[T, List[int]]:
+    """Run ``local_step`` on this rank, then agree with every rank on whether any failed.
+
+    DCP's ``_DistWrapper.reduce_scatter`` for a local step (every rank, at the same point;
+    the step runs no collective): a check that fails on some ranks only (the target, the
+    state dict, the plan) raises the same error on every rank instead of leaving the
+    others waiting in the next collective. A ``BaseException`` propagates at once.
+
+    Args:
+        what: the step, for the message ("local save planning").
+        local_step: this rank's part; its result is returned.
+        group: the coordination group; defaults to :func:`get_coordination_group`.
+        flags: maps the step's result (None when it raised) to small integers summed in
+            the same collective; the same number on every rank, and it must not raise.
+
+    Returns:
+        ``(result of local_step, sums of the flags over all ranks)``.
+
+    Raises:
+        CheckpointInProgressError: every failing rank reported a save still in flight.
+        CheckpointValidationError: any other failure on any rank.
+    """
+    result: Optional[T] = None
+    error: Optional[Exception] = None
+    try:
+        result = local_step()
+    except Exception as exc:  # agreed on below, so that no rank is left waiting
+        error = exc
+    counts = flags(result) if flags is not None else ()
+    described = describe_for_agreement(error, get_rank()) if error is not None else None
+    summed = agree(described, lambda every: agreed_error(what, every, error), counts, group)
+    return result, summed

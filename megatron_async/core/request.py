@@ -205,7 +205,7 @@ class AsyncRequest(NamedTuple):
             logger.error("rank %d: synchronous save failed: %s", coordination.get_rank(), exc)
             failure = RankFailure.from_exception(coordination.get_rank(), "write", exc)
         try:
-            coordination.raise_if_any_rank_failed(failure)
+            coordination.agree(failure, coordination.save_failed())
         except BaseException:
             self.abandon()
             raise

@@ -86,14 +86,14 @@ def verify_checkpoint_integrity(
             problems = [f"{checkpoint_dir} is not a directory here; nothing to load"]
     except OSError as exc:
         problems = [f"reading {checkpoint_dir} failed on rank {rank}: {exc}"]
-    (any_problem,) = coordination.all_reduce_max([int(bool(problems))], group)
-    if not any_problem:
-        logger.debug("rank %d: %s passed the integrity check", rank, checkpoint_dir)
-        return
-    everyone = coordination.all_gather_objects(problems, group)
-    lines = [f"rank {r}: {p}" for r, rank_problems in enumerate(everyone) for p in rank_problems]
-    raise CheckpointIntegrityError(
-        f"checkpoint {checkpoint_dir} is damaged ({len(lines)} problem(s)):\n  "
-        + "\n  ".join(lines)
-        + "\nLoad an older complete checkpoint (python -m megatron_async list SAVE_DIR)."
-    )
+
+    def damaged(everyone: List[Tuple[int, List[str]]]) -> CheckpointIntegrityError:
+        lines = [f"rank {r}: {p}" for r, rank_problems in everyone for p in rank_problems]
+        return CheckpointIntegrityError(
+            f"checkpoint {checkpoint_dir} is damaged ({len(lines)} problem(s)):\n  "
+            + "\n  ".join(lines)
+            + "\nLoad an older complete checkpoint (python -m megatron_async list SAVE_DIR)."
+        )
+
+    coordination.agree((rank, problems) if problems else None, damaged, group=group)
+    logger.debug("rank %d: %s passed the integrity check", rank, checkpoint_dir)

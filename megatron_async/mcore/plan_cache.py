@@ -26,11 +26,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
+from megatron_async.core.coordination import agreed_step
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
-from megatron_async.saver.agreement import agree_or_raise, agreed_step
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
 from megatron_async.saver.state_dict_saver import make_dist_wrapper, plan_save, plan_with_cache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
@@ -91,7 +91,7 @@ class _LocalStep(NamedTuple):
         return [int(not prepared), int(prepared), int(step is not None and step.overwrites)]
 
 
-def fail_first_collective(error: BaseException, checkpoint_dir: str) -> None:
+def fail_first_collective(error: Exception, checkpoint_dir: str) -> None:
     """Join the first collective of a save of ``checkpoint_dir`` with ``error`` (a rank that
     failed before it reached :meth:`PlanCache.plan_save`; every rank that did so): the
     ranks waiting in it and this one raise the same agreed error, naming this rank's cause.
@@ -99,7 +99,11 @@ def fail_first_collective(error: BaseException, checkpoint_dir: str) -> None:
     Raises:
         CheckpointValidationError, CheckpointInProgressError: always.
     """
-    agree_or_raise(error, f"async save to {checkpoint_dir}", _LocalStep.flags(None))
+
+    def failed() -> None:
+        raise error
+
+    agreed_step(f"async save to {checkpoint_dir}", failed, flags=_LocalStep.flags)
 
 
 class PlanCache:

@@ -47,12 +47,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
+from megatron_async.core.coordination import agreed_step
 from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
 from megatron_async.mcore.target import unmark_or_refuse
-from megatron_async.saver.agreement import agreed_step
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = ["SaveCall", "current_save_call", "guard_save_functions"]

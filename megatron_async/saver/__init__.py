@@ -7,6 +7,5 @@
   validated with DCP's rules;
 * :mod:`.finalize`: ``save_state_dict_async_finalize``, the commit after the write;
 * :mod:`.metadata_cache`: the plans and metadata a later save (or a resumed job, through
-  the plan digests in ``.metadata``) reuses;
-* :mod:`.agreement`: a step that failed on some ranks becomes one typed error on all.
+  the plan digests in ``.metadata``) reuses.
 """

@@ -29,7 +29,6 @@ error, instead of holding rank 0 in an ``fsync`` for good.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
@@ -37,7 +36,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
-from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
     ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
@@ -48,20 +46,12 @@ from megatron_async.writer.metadata_bytes import MetadataTemplate
 if TYPE_CHECKING:
     from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-__all__ = ["save_state_dict_async_finalize", "get_result_gather_count"]
+__all__ = ["save_state_dict_async_finalize"]
 
 logger = logging.getLogger(__name__)
 
-_count_lock = threading.Lock()
-_counts = {"result gathers": 0}
-
 _MOVED, _RANKS = 0, 1
 """Positions in the counts the finalization sums; the stale-checkpoint counts follow."""
-
-
-def get_result_gather_count() -> int:
-    """How many times this process took part in gathering write results (a warm save adds 0)."""
-    return _counts["result gathers"]
 
 
 def _local_results(
@@ -129,8 +119,8 @@ def save_state_dict_async_finalize(
         if history is not None and failure is None
         else ChangeReport(0, 0, None)
     )
-    summed = coordination.raise_if_any_rank_failed(
-        failure, group, checkpoint, counts=[int(moved), 1, *comparison.counts()]
+    summed = coordination.agree(
+        failure, coordination.save_failed(checkpoint), [int(moved), 1, *comparison.counts()], group
     )
     report = _judge_staleness(history, summed, comparison, checkpoint, dist_wrapper)
 
@@ -139,10 +129,7 @@ def save_state_dict_async_finalize(
     if not warm:
         if cache is not None:
             cache.forget()
-        with _count_lock:
-            _counts["result gathers"] += 1
-        with paused_gc():  # the coordinator unpickles every rank's write results
-            all_results = dist_wrapper.gather_object(results)
+        all_results = coordination.gather_on_coordinator(results, dist_wrapper, "results")
 
     def commit() -> Optional[MetadataTemplate]:
         if warm:

@@ -7,7 +7,7 @@ the background; :func:`save_state_dict_async_finalize`
 (:mod:`megatron_async.saver.finalize`) commits it once every rank wrote.
 
 Each planning step that may fail on some ranks only runs as an
-:func:`~megatron_async.saver.agreement.agreed_step`, so that every rank raises the same
+:func:`~megatron_async.core.coordination.agreed_step`, so that every rank raises the same
 error instead of waiting in the next collective. All collectives run on the library's
 gloo coordination group, never on CUDA tensors.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -27,10 +26,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
+from megatron_async.core.coordination import agreed_step
 from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.saver.agreement import agreed_step
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import (
     build_global_metadata, share_equal_sizes, without_redundant_empty_chunks,
@@ -51,27 +50,11 @@ __all__ = [
     "verify_global_md_reuse",
     "build_global_metadata",
     "save_state_dict_async_finalize",
-    "get_plan_gather_count",
 ]
 
 logger = logging.getLogger(__name__)
 
 CachedStructure = Tuple[Optional[SavePlan], Optional[SavePlan], bool]
-
-_gather_lock = threading.Lock()
-_plan_gather_count = 0
-
-
-def get_plan_gather_count() -> int:
-    """How many times this process took part in gathering local plans (a cached save adds 0)."""
-    return _plan_gather_count
-
-
-def _count_plan_gather() -> None:
-    global _plan_gather_count
-    with _gather_lock:
-        _plan_gather_count += 1
-
 
 def make_dist_wrapper(process_group: Optional[dist.ProcessGroup], coordinator_rank: int) -> _DistWrapper:
     """The planning group of a save: ``process_group``, else the gloo coordination group."""
@@ -309,13 +292,9 @@ def _gather_and_build_metadata(
     planner: SavePlanner, local_plan: SavePlan, dist_wrapper: _DistWrapper
 ) -> Optional[Metadata]:
     """Gather local plans (and their digests) on the coordinator and build the global metadata there."""
-    _count_plan_gather()
-    # Each rank digests its own plan (in parallel) for the metadata's resume record. The
-    # coordinator unpickles every rank's items: with the collector running that took
-    # 4-5 x longer (tools/bench/gather_calibration.py), so it is paused, as for planning.
-    digest = plan_digest(local_plan)
-    with paused_gc():
-        gathered = dist_wrapper.gather_object((local_plan, digest))
+    # Each rank digests its own plan (in parallel) for the metadata's resume record.
+    shipped = (local_plan, plan_digest(local_plan))
+    gathered = coordination.gather_on_coordinator(shipped, dist_wrapper, "plan")
     metadata, _ = agreed_step(
         "global save planning",
         lambda: (
@@ -345,7 +324,7 @@ def _plan_centrally(
         built.append(metadata)
         return storage_writer.prepare_global_plan(global_plans)
 
-    _count_plan_gather()
+    coordination.count_gather("plan")
     try:
         with paused_gc():  # the coordinator unpickles and plans every rank's items
             central_plan = dist_wrapper.reduce_scatter("plan", lambda: local_plan, global_step)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from megatron_async.format import checksum_record_name
 from megatron_async.mcore import generation
-from megatron_async.saver import state_dict_saver as saver_internals
+from megatron_async.core import coordination
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.functional.scenarios_strategy import _check_checkpoint, _dir, _model_state
 
@@ -64,7 +64,7 @@ def nvrx_modules_switch_by_import(ctx, persistent):
     for step in range(3):
         path = _dir(ctx, f"nvrx-direct-{persistent}-{step}")
         state = _rank_state(ctx, float(step + 1))
-        before = saver_internals.get_plan_gather_count()
+        before = coordination.gather_count("plan")
         writer = FileSystemWriterAsync(path, thread_count=2)
         planned = save_state_dict_async_plan(
             state, writer, None, 0, DefaultSavePlanner(), enable_cache=True, metadata_cache=cache
@@ -81,7 +81,7 @@ def nvrx_modules_switch_by_import(ctx, persistent):
         for tensor in state.values():  # the next training step: must not reach the file
             tensor.add_(100)
         _queue(persistent).maybe_finalize_async_calls(blocking=True)
-        gathered.append(saver_internals.get_plan_gather_count() - before)
+        gathered.append(coordination.gather_count("plan") - before)
         assert cache.validated_cache_reuse == (step > 0), (step, cache.validated_cache_reuse)
         expected = _rank_state(ctx, float(step + 1))
         loaded = {key: torch.zeros_like(value) for key, value in expected.items()}
@@ -130,7 +130,7 @@ def stock_megatron_through_served_modules(ctx, persistent):
     gathered = []
     for step in range(3):
         path = _dir(ctx, f"nvrx-stock-{persistent}-{step}")
-        before = saver_internals.get_plan_gather_count()
+        before = coordination.gather_count("plan")
         request = dist_checkpointing.save(
             _model_state(ctx, 6.0 + step), path, sharded_strategy=strategy, async_sharded_save=True
         )
@@ -142,7 +142,7 @@ def stock_megatron_through_served_modules(ctx, persistent):
         # megatron-core's metadata.json step waits in a default-group barrier (NCCL in a
         # GPU job, unbounded by our coordination timeout); our queue runs the gloo-safe one
         assert barriers == [], barriers
-        gathered.append(saver_internals.get_plan_gather_count() - before)
+        gathered.append(coordination.gather_count("plan") - before)
         assert os.path.exists(os.path.join(path, checksum_record_name(ctx.rank))), sorted(os.listdir(path))
         _check_checkpoint(ctx, path, 6.0 + step)
     assert gathered == [1, 0, 0], gathered

@@ -33,8 +33,7 @@ from megatron_async import cli
 from megatron_async.integrity import checksums
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.mcore import generation
-from megatron_async.saver import state_dict_saver
-from megatron_async.core import AsyncCallsQueue
+from megatron_async.core import AsyncCallsQueue, coordination
 from megatron_async.format import COMMON_FILE, checksum_record_name
 from megatron_async.errors import (
     AsyncSaveFailedError,
@@ -229,9 +228,9 @@ def _gathers_per_save(ctx, persistent, strategy, name, steps):
     gathered = []
     for step, (scale, extra_key) in enumerate(steps):
         path = _dir(ctx, f"{name}-{step}")
-        before = state_dict_saver.get_plan_gather_count()
+        before = coordination.gather_count("plan")
         _save_async(_queue(persistent), ctx, path, strategy, scale, extra_key)
-        gathered.append(state_dict_saver.get_plan_gather_count() - before)
+        gathered.append(coordination.gather_count("plan") - before)
         _check_checkpoint(ctx, path, scale, extra_key)
     return gathered
 
@@ -304,7 +303,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
     for step, (changes, expected) in enumerate(steps):
         scale = float(step + 1)
         path = _dir(ctx, f"one-rank-change-{step}")
-        reused, gathered = strategy.structure_reuse_count, state_dict_saver.get_plan_gather_count()
+        reused, gathered = strategy.structure_reuse_count, coordination.gather_count("plan")
         request = dist_checkpointing.save(
             _state_changed_on_rank_1(ctx, scale, changes),
             path,
@@ -316,7 +315,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
         queue.maybe_finalize_async_calls(blocking=True)
         counts = (
             strategy.structure_reuse_count - reused,
-            state_dict_saver.get_plan_gather_count() - gathered,
+            coordination.gather_count("plan") - gathered,
         )
         assert counts == expected, (step, changes, counts, expected)
 
@@ -356,8 +355,6 @@ def warm_saves_gather_no_write_results(ctx, persistent):
     rank 1 that grew (same plan, its items stored at other offsets), takes the full path
     on every rank. Every checkpoint loads equal through megatron-core and DCP, its
     ``.metadata`` names it, and ``verify`` checks every stored item of it."""
-    from megatron_async.saver import finalize
-
     queue = _queue(persistent)
     strategy = TorchDistAsyncSaveStrategy(cached_metadata=True)
     # (changes on rank 1, whether the finalization gathers the write results): a new plan,
@@ -374,11 +371,11 @@ def warm_saves_gather_no_write_results(ctx, persistent):
             async_sharded_save=True, validate_access_integrity=step == 0,
         )
         queue.schedule_async_request(request)
-        before = finalize.get_result_gather_count()
+        before = coordination.gather_count("results")
         with _counted_object_collectives() as counts:
             queue.maybe_finalize_async_calls(blocking=True)
         gathered = (
-            finalize.get_result_gather_count() - before,
+            coordination.gather_count("results") - before,
             counts["gather_object"],
             counts["all_gather_object"],
         )

@@ -107,8 +107,9 @@ def _rank_ops(wrapper: Any, ours_synthesized: Any, dcp_synthesized: Any) -> Dict
         return paused
 
     def warm_allreduces() -> None:  # failed, moved, ranks, stale counts; then the commit's
-        coordination.all_reduce_sum([0, 0, 1, *ChangeReport(0, 0, None).counts()], group)
-        coordination.raise_if_any_rank_failed(None, group, "gather-calibration")
+        failed = coordination.save_failed("gather-calibration")
+        coordination.agree(None, failed, [0, 1, *ChangeReport(0, 0, None).counts()], group)
+        coordination.agree(None, failed, group=group)
 
     return {
         "ours_plan_gather": (gather(ours["plan_gather"], True), ours["plan_gather"]),

@@ -60,6 +60,7 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     """
     from torch.distributed.checkpoint.utils import _DistWrapper
 
+    from megatron_async.core import coordination
     from megatron_async.integrity.staleness import SaveDigestHistory, digests_of
     from megatron_async.saver import finalize
     from megatron_async.storage.backend import storage_for
@@ -78,13 +79,13 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     mine = [dataclasses.replace(r, checksum=f"{i + (1 << 60):016x}") for i, r in enumerate(results[0])]
     writer = _CoordinatorWriter(second, mine)
     wrapper = _DistWrapper(None, False, 0)
-    gathers = finalize.get_result_gather_count()
+    gathers = coordination.gather_count("results")
     start = time.perf_counter()
     finalize.save_state_dict_async_finalize(
         writer, metadata, wrapper, commit_cache=cache, digest_history=history
     )
     warm_s = time.perf_counter() - start
-    if finalize.get_result_gather_count() != gathers:
+    if coordination.gather_count("results") != gathers:
         raise AssertionError("the warm finalization gathered write results")
     if template is None:
         raise AssertionError("no .metadata template was made; the warm save committed in full")

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from megatron_async.saver import state_dict_saver
+from megatron_async.core import coordination
 from megatron_async.saver.metadata_cache import PLAN_DIGESTS_ATTR, plan_digest
 from megatron_async.mcore.structure import bind_plan, describe_structure, rebind
 from megatron_async.buckets.layout import PreparedWrite, WriteBucket
@@ -125,7 +125,7 @@ class _Saver:
         path = str(self.tmp_path / f"save{self.saves}")
         self.saves += 1
         os.makedirs(path)
-        reused, gathered = self.strategy.structure_reuse_count, state_dict_saver.get_plan_gather_count()
+        reused, gathered = self.strategy.structure_reuse_count, coordination.gather_count("plan")
         request = dist_checkpointing.save(
             _state(step, **change),
             path,
@@ -136,7 +136,7 @@ class _Saver:
         request.execute_sync()
         counts = (
             self.strategy.structure_reuse_count - reused,
-            state_dict_saver.get_plan_gather_count() - gathered,
+            coordination.gather_count("plan") - gathered,
         )
         _check_checkpoint(path, step, **change)
         return counts

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from megatron_async.core import coordination
 from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
 from megatron_async.integrity.staleness import SaveDigestHistory
@@ -151,11 +152,11 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         state = {"w": torch.full((64, 8), float(step)), "b": torch.arange(8.0) + step}
         writer, metadata = _prepared_writer(path, state)
         structure = structure or metadata  # the cached global metadata, as the plan cache keeps it
-        before = finalize.get_result_gather_count()
+        before = coordination.gather_count("results")
         report = finalize.save_state_dict_async_finalize(
             writer, structure, wrapper, commit_cache=cache, digest_history=history
         )
-        assert finalize.get_result_gather_count() - before == (1 if step == 0 else 0), step
+        assert coordination.gather_count("results") - before == (1 if step == 0 else 0), step
 
         loaded = {k: torch.empty_like(v) for k, v in state.items()}
         dcp.load(loaded, storage_reader=FileSystemReader(str(path)), no_dist=True)

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
-from megatron_async.saver.agreement import agreed_step
+from megatron_async.core.coordination import agreed_step
 
 pytestmark = pytest.mark.timeout(120)
 
