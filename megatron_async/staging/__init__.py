@@ -24,12 +24,6 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
   every round copied by that thread, the next optimizer step waiting for the last;
 * :mod:`.torch_save`: the object of a :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`
   save pickled at once, its storages staged within the budget (in one go or in rounds);
-* :mod:`.snapshot`: any nested structure of tensors copied to host memory (a
-  ``preload_fn`` for requests built by hand).
 
 All allocate through :mod:`megatron_async.core.shared_memory`.
 """
-
-from megatron_async.staging.snapshot import copy_tensor_to_host, snapshot_to_host, synchronize_if_cuda
-
-__all__ = ["copy_tensor_to_host", "snapshot_to_host", "synchronize_if_cuda"]

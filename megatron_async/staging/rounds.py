@@ -40,11 +40,11 @@ from typing import Deque, List, Optional, Sequence
 import torch
 
 from megatron_async.core import coordination, shared_memory
+from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
 from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
@@ -208,7 +208,9 @@ def copy_first_round(
     now = [] if overlapped else [entry for entry in items if not plan.waits_for[entry[0]]]
     for _, _, source, buffer, _ in now:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([entry[2] for entry in now], holding=pool)
+    devices = {entry[2].device for entry in now if entry[2].device.type == "cuda"}
+    if devices:
+        wait_for_device_copies(devices, holding=pool)
     for idx, offset in enumerate(plan.offsets):
         if offset is None or not (overlapped or plan.waits_for[idx]):
             gate.mark_copied(idx)
