@@ -4,7 +4,7 @@ Runs in the trainer, on every rank (a request's ``preload_fn``), except where no
 
 * :mod:`.buffers`: a save's write buckets copied into shared-memory segments, reused
   from save to save through a :class:`~.buffer_cache.StagingBufferCache`
-  (:mod:`.buffer_cache`: the reusable buffers and their leases);
+  (:mod:`.buffer_cache`: the reusable buffers, lent to one save at a time);
 * :mod:`.flat_copy`: a cached bucket of CPU tensors copied with one ``torch.cat``, a large
   one in parts on the helper threads of the process, each part's wait bounded;
 * :mod:`.stager`: one save's stager (:class:`~.stager.BucketStager`), every mode as one

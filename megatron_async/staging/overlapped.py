@@ -3,7 +3,7 @@
 Opt-in (``TorchDistSaveConfig(overlap_staging=True)``). Without it, scheduling a save
 returns once every saved tensor is copied to host memory. With it:
 
-1. scheduling (the request's ``preload_fn``, trainer) only leases the host buffers and
+1. scheduling (the request's ``preload_fn``, trainer) only borrows the host buffers and
    records each saved tensor's version counter; it copies nothing;
 2. once the request is handed to the background writer, one copy thread of the trainer
    process copies the tensors into the buffers (for CUDA tensors: non-blocking copies

@@ -264,8 +264,7 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
         with pytest.raises(RuntimeError, match="injected: a failure after"):
             stage_buckets(buckets, True, "layout")
         assert calls == [{torch.device("cuda", torch.cuda.current_device())}] * 2  # then the wait
-        entry = StagingBufferCache.of_process().lease("layout", 1)
-        assert (entry is not None and entry.buckets[0] is not None) == copies_land  # the old ones
+        assert (StagingBufferCache.of_process().num_bytes() > 0) == copies_land  # the old ones
     finally:
         torch.cuda.synchronize()
         device_wait.release_landed()
