@@ -1,19 +1,12 @@
 """One save's staging copy after the hand-over, the thread that runs it, and the one wait.
 
-Runs in the trainer. Every staging mode that copies after the request is handed to its
-writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
-staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
-scheduling and hands it, after the hand-over, to :class:`CopyThread`, which runs it on
-one of the process's helper threads. The job copies its items run after run (in rounds,
-each run once the writer wrote the items whose bytes it overwrites: a bounded wait on
-the gate) and marks each item copied on the save's gate; the writer waits per item for
-that mark.
-
-Our staged data derives from :class:`StagedData`: our callers start its job
-(:meth:`StagedData.hand_over`) once the request is with its writer and, where scheduling
-waits for the copy (rounds without overlap), wait for it. Every
-wait for a job (that one, the next optimizer step's, the next save's before it reuses the
-pool) is :meth:`CopyJob.wait`: bounded by the time the job copies nothing.
+Runs in the trainer. Overlapped staging (:mod:`.overlapped`) and the later rounds of a
+state above the budget (:mod:`.rounds`, :mod:`.torch_save`) build a :class:`CopyJob` at
+scheduling; our callers start it once the request is with its writer
+(:meth:`StagedData.hand_over`), on a helper thread (:class:`CopyThread`), where it marks
+each item copied on the save's gate. Every wait for a job (scheduling's in rounds, the
+next optimizer step's, the next save's before it reuses the pool) is
+:meth:`CopyJob.wait`, bounded by the time the job copies nothing.
 
 Every watched tensor's version counter, recorded at scheduling, is checked before and
 after its copy: a tensor changed in between fails the save on every rank
