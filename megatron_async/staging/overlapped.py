@@ -1,15 +1,12 @@
 """Overlapped staging: a save's host copy runs while the next forward/backward runs.
 
 Opt-in (``TorchDistSaveConfig(overlap_staging=True)``). Without it, scheduling a save
-returns once every saved tensor is copied to host memory. With it:
-
-1. scheduling (the request's ``preload_fn``, trainer) only borrows the host buffers and
-   records each saved tensor's version counter; it copies nothing;
-2. once the request is handed to the background writer, one copy thread of the trainer
-   process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
-   on a side stream into page-locked shared memory), while training goes on;
-3. the background writer waits for each item's copy (the save's
-   :class:`~.gate.StagingGate`, in shared memory) before it writes it.
+returns once every saved tensor is copied to host memory. With it, scheduling only
+borrows the host buffers and records each saved tensor's version counter; once the
+request is with its writer, the copy thread of the trainer copies the tensors
+(:mod:`.copy_job`) while training goes on, and the writer waits for each item's copy
+(the save's :class:`~.gate.StagingGate`). Above the staging budget the same happens in
+rounds (:mod:`.rounds`).
 
 Nothing may change a saved tensor before it is copied:
 
@@ -26,9 +23,6 @@ Nothing may change a saved tensor before it is copied:
   on every rank, with :class:`~megatron_async.errors.StagingRaceError` naming the tensor
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
-
-Within the staging budget this is one round; above it, the copy thread copies every
-round after the hand-over and the next optimizer step waits for the last (:mod:`.rounds`).
 
 Runs in the trainer; the gate's waiting side runs in the background writer
 (:meth:`~.gate.StagingGate.writer_view`).
