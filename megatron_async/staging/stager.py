@@ -181,11 +181,8 @@ def prepare_staged_write(
 ) -> Tuple[Callable[..., None], Callable[[], Any]]:
     """Put one save's staging in front of its write path: ``(save_fn, preload_fn)`` (trainer).
 
-    Runs in the trainer, on every rank, once per save with something to write: the
-    storage writer's one entry into staging. Here the save's gate and stager are built,
-    the gate is bound to the write path (``staging_control``), and the staging mode is
-    chosen: within the budget in one go or above it in rounds (:class:`BucketStager`),
-    copied before scheduling returns or, with ``overlapped``, on the copy thread after.
+    Runs in the trainer, on every rank, once per save with something to write: builds the
+    save's gate and stager, and binds the gate to the write path (``staging_control``).
 
     Args:
         write_path: the writer's background write path (``write_preloaded_data_multithread``
@@ -199,10 +196,7 @@ def prepare_staged_write(
         resolved_plan_data: the writer's ``resolved_plan_data``: the save's planned
             buckets and the key of their layout's cached buffers, what
             ``preload_tensors`` stages.
-        overlapped: copy on the copy thread after the hand-over (``overlap_staging``).
-        limit: the ``staging_memory_limit`` (the budget; None: one copy of the state).
-        cache: the trainer's reusable staging buffers (the default cache when None).
-        stats: filled by staging with ``rounds`` and ``peak_bytes``.
+        overlapped, limit, cache, stats: as :class:`BucketStager`'s.
         own_bucket_writer: False when each bucket is written by a subclass's
             ``write_preloaded_data``, which may read a bucket's items without waiting for
             each to be copied: a state above the budget, and overlapped staging, are then
