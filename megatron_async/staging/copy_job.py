@@ -17,7 +17,6 @@ per run; after a failure their buffers live on until the queued copies have land
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -211,8 +210,6 @@ class CopyThread(OnePerProcess):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: List[CopyJob] = []
-        self._running = threading.Event()  # cleared while copies are held
-        self._running.set()
         self._optimizer_hook = None
 
     def submit(self, job: CopyJob) -> None:
@@ -225,20 +222,9 @@ class CopyThread(OnePerProcess):
         HelperThreads.of_process().start(partial(self._run, job), "megatron-async-staging")
 
     def _run(self, job: CopyJob) -> None:
-        self._running.wait()
         job.run()
         with self._lock:
             self._pending = [j for j in self._pending if j is not job]
-
-    @contextlib.contextmanager
-    def held(self):
-        """Jobs submitted inside this block start only when it exits (a debugging and
-        testing aid that makes "the tensor changed before it was copied" deterministic)."""
-        self._running.clear()
-        try:
-            yield
-        finally:
-            self._running.set()
 
     def pending(self) -> List[CopyJob]:
         """The jobs not done yet."""

@@ -40,7 +40,6 @@ __all__ = [
     "wait_for_staging",
     "staging_in_progress",
     "refuse_overlap_param_gather",
-    "copies_held",
 ]
 
 def staging_in_progress() -> bool:
@@ -61,12 +60,6 @@ def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
             did not finish within it).
     """
     CopyThread.of_process().wait_for_copies(timeout_s)
-
-
-def copies_held():
-    """Copies submitted inside this ``with`` block start only when it exits (trainer; a
-    debugging and testing aid, see :meth:`~.copy_job.CopyThread.held`)."""
-    return CopyThread.of_process().held()
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:
