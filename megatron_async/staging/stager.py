@@ -106,8 +106,8 @@ class BucketStager:
             what, instead = (
                 ("overlapped staging (overlap_staging)", "save without overlap_staging")
                 if self.overlapped else
-                (f"a state ({state_bytes} bytes) above the staging_memory_limit ({budget} bytes)",
-                 "raise staging_memory_limit to at least the state")
+                (f"this rank's state ({state_bytes} bytes), above the staging_memory_limit "
+                 f"({budget} bytes),", "raise staging_memory_limit to at least the state")
             )
             raise StagingMemoryError(
                 f"{what} needs a write path that takes items as they are copied; this writer's "
