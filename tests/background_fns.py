@@ -31,6 +31,21 @@ def stage_clone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
+def stage_in_shared_memory(value):
+    """A ``preload_fn``: copy a tensor, or each tensor of a dict, into shared memory of its
+    own (page-locked for a CUDA tensor), as a forked or persistent worker reads it."""
+    from megatron_async.core import shared_memory
+
+    if isinstance(value, dict):
+        return {key: stage_in_shared_memory(item) for key, item in value.items()}
+    segment = shared_memory.allocate_segment(value.nbytes)
+    if value.is_cuda:
+        shared_memory.pin_segment(segment)
+    host = shared_memory.segment_view(segment, 0, tuple(value.shape), value.dtype)
+    host.copy_(value)
+    return host
+
+
 def stage_fails(message: str):
     raise ValueError(message)
 

@@ -1,20 +1,17 @@
-"""The trainer's reusable staging buffers: one bucket layout's buffers, lent to one save at a time.
+"""The trainer's reusable staging buffers: the latest bucket layout's, lent to one save at a time.
 
 Runs in the trainer (every rank has its own caches). :func:`~.buffers.stage_buckets`
-leases a layout's buffers for one save; the caller that ran the staging releases the
-lease once the background part no longer reads them. Every lease has its own generation
-number, so only the save holding the current lease can make the buffers reusable.
+borrows a layout's buffers for the staged data of one save, which holds them until it is
+released (its writer read everything, or the caller gave it back) or gone: the staged
+data itself is the loan, so a release of an older save never frees a later save's buffers.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import itertools
 import logging
-import os
 import threading
-from typing import Any, Hashable, List, Optional, Tuple
+import weakref
+from typing import Any, Hashable, List, Optional
 
 from megatron_async.core.device_wait import release_landed
 from megatron_async.core.one_per_process import OnePerProcess
@@ -24,87 +21,61 @@ __all__ = ["StagingBufferCache"]
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _BufferSet:
-    """The cached buffers of one bucket layout and the state of their lease."""
-
-    buckets: List[Any]
-    """One bucket's buffers per bucket of the layout (None until first staged)."""
-    leased: bool = False
-    owner_pid: int = 0
-    generation: int = 0
-
-    def num_bytes(self) -> int:
-        return sum(b.num_bytes() for b in self.buckets if b is not None)
-
-
 class StagingBufferCache(OnePerProcess):
-    """Reusable staging buffers, one bucket layout at a time, each lent to one save at a time.
+    """Reusable staging buffers of one bucket layout, lent to one save at a time.
 
     Lives in the trainer process that stages (every rank has its own). An owner (a
     strategy, a writer) passes it explicitly to
     :func:`~megatron_async.staging.buffers.stage_buckets`; writers built
-    without one share the process's (:meth:`of_process`). A new layout replaces the others
-    (a changed structure does not leave a checkpoint's worth of shared memory behind);
-    buffers still leased are dropped when their lease ends.
+    without one share the process's (:meth:`of_process`). A new layout replaces the cached
+    one (a changed structure does not leave a checkpoint's worth of shared memory behind);
+    a save still reading the old buffers keeps them until it is released.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: "collections.OrderedDict[Hashable, _BufferSet]" = collections.OrderedDict()
-        self._generations = itertools.count(1)  # a lease on a dropped and re-created entry never matches
+        self._key: Optional[Hashable] = None
+        self._buckets: List[Any] = []
+        self._borrower: Optional[weakref.ref] = None
 
-    def lease(self, key: Hashable, num_buckets: int) -> Optional[_BufferSet]:
-        """Return ``key``'s buffer set, leased to the caller, or None if it is leased already."""
+    def lend(self, key: Hashable, num_buckets: int, borrower: Any) -> Optional[List[Any]]:
+        """Lend ``key``'s buffers to ``borrower`` (staged data with ``buffers_released``):
+        one entry per bucket, None until first staged. None while another save has them."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = _BufferSet([None] * num_buckets)
-                for other in [k for k, e in self._entries.items() if not e.leased]:
-                    del self._entries[other]
-                self._entries[key] = entry
-            elif entry.leased:
+            if key != self._key:
+                self._key, self._buckets = key, []
+            elif self._lent():
                 logger.debug("staging buffers of this layout are still being written; using new ones")
                 return None
-            self._entries.move_to_end(key)  # the latest layout
-            entry.leased, entry.owner_pid = True, os.getpid()
-            entry.generation = next(self._generations)
-            return entry
+            self._buckets.extend([None] * (num_buckets - len(self._buckets)))
+            self._borrower = weakref.ref(borrower)
+            return self._buckets
 
-    def release(self, lease: Optional[Tuple[Hashable, int]], reusable: bool = True) -> None:
-        """Make the leased buffers reusable once nothing reads them any more (stager).
+    def _lent(self) -> bool:
+        borrower = self._borrower() if self._borrower is not None else None
+        return borrower is not None and not borrower.buffers_released
 
-        A lease that is no longer current (its buffers were freed and leased again by a
-        later save), or one taken in another process, releases nothing. ``reusable``
-        False forgets the buffers for good: something may still write into them (a stuck
-        copy thread), so no later save may lease them; their memory is freed once the
-        last reference to it goes.
-        """
-        if lease is None:
-            return
-        key, generation = lease
+    def forget(self, borrower: Any) -> None:
+        """Drop the buffers lent to ``borrower`` for good: something may still write into
+        them (a stuck copy thread or device copy); they are freed with their last reference."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.generation != generation or entry.owner_pid != os.getpid():
-                return
-            entry.leased = False
-            if not reusable or next(reversed(self._entries)) != key:
-                del self._entries[key]  # stuck, or a newer layout replaced it while it was written
+            if self._borrower is not None and self._borrower() is borrower:
+                self._key, self._buckets, self._borrower = None, [], None
 
     def num_bytes(self) -> int:
         """Bytes held by the cached buffers."""
         with self._lock:
-            return sum(entry.num_bytes() for entry in self._entries.values())
+            return sum(b.num_bytes() for b in self._buckets if b is not None)
 
     def clear(self, include_in_use: bool = False) -> None:
-        """Drop the cached buffers that are not in use (or all of them), and the host memory
-        kept for device copies that have landed since a failed wait.
+        """Drop the cached buffers unless a save has them (or whatever, with
+        ``include_in_use``), and the host memory kept for device copies that have landed
+        since a failed wait.
 
-        ``include_in_use`` also forgets leased buffers (whose data stays valid for whoever
+        ``include_in_use`` also forgets lent buffers (whose data stays valid for whoever
         holds it); use it only when no save is in flight, e.g. in tests.
         """
         with self._lock:
-            for key in [k for k, e in self._entries.items() if include_in_use or not e.leased]:
-                del self._entries[key]
+            if include_in_use or not self._lent():
+                self._key, self._buckets, self._borrower = None, [], None
         release_landed()
-

@@ -16,14 +16,12 @@ may update its tensors in place as soon as scheduling returns:
 
 No CUDA API is called unless a tensor is on a CUDA device.
 
-The staged buckets (:class:`StagedBuckets`) *lease* their buffers: the caller that ran
-the staging calls :meth:`StagedBuckets.release` once the background part no longer reads
+The staged buckets (:class:`StagedBuckets`) hold their buffers until the caller releases
 them (the write finished, failed, or its process is gone). With a *cache key*
-(``use_cached_data_structure``), the buffers of a bucket layout are kept in this process
-after release (:mod:`.buffer_cache`) and reused by the next save of the same layout, so
-staging memory stays about the checkpoint size and warm staging is one memory copy. A
-staging that finds its layout's buffers still leased (a save still being written) uses
-fresh buffers instead.
+(``use_cached_data_structure``), a layout's buffers are kept after release
+(:mod:`.buffer_cache`) and reused by its next save, so staging memory stays about the
+checkpoint size and warm staging is one memory copy; a save that finds them still lent
+(a save still being written) uses fresh buffers.
 
 A warm save runs no Python bytecode per tensor: a cached bucket of contiguous CPU
 tensors is copied with one ``torch.cat`` into its segment (:mod:`.flat_copy`), checked
@@ -172,33 +170,24 @@ def _allocate_bucket_buffers(
 
 
 class StagedBuckets(StagedData, list):
-    """Staged write buckets, plus the lease of the buffers they live in.
+    """Staged write buckets; the borrower of the cached buffers they live in, if any.
 
-    ``lease`` is ``(cache_key, generation)`` of ``cache`` when the buckets use cached
-    buffers, else None (fresh buffers, freed with this object). With overlapped staging
+    ``buffers_released``: the cache may lend those buffers again. With overlapped staging
     or in rounds, the copies made after the hand-over (:class:`~.copy_job.StagedData`), and
     in rounds ``plan``, the pool's :class:`~.rounds.RoundPlan`. Pickled (to the
     persistent worker), only the buckets travel: ``release`` is the stager's to call.
     """
 
     plan: Any = None
+    buffers_released = False
 
-    def __init__(
-        self,
-        buckets=(),
-        lease: Optional[Tuple[Hashable, int]] = None,
-        cache: Optional[StagingBufferCache] = None,
-    ):
+    def __init__(self, buckets=()):
         super().__init__(buckets)
-        self.lease = lease
-        self._cache = cache
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
 
     def release_buffers(self) -> None:
-        """Give the buffers back for reuse, once nothing reads them any more (stager)."""
-        if self._cache is not None:
-            self._cache.release(self.lease)
-        self.lease = None
+        """Let the cache lend the buffers again, once nothing reads them any more (stager)."""
+        self.buffers_released = True
 
     def __reduce__(self):
         return (StagedBuckets, (list(self),))
@@ -223,7 +212,7 @@ def stage_buckets(
         cache_key: the bucket layout's key; when given, reuse the cached buffers of
             that layout instead of allocating new ones.
         cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
-        copy_later: the save's gate, for overlapped staging: only lease the buffers; the
+        copy_later: the save's gate, for overlapped staging: only borrow the buffers; the
             result's ``copy_job`` copies every tensor on the copy thread after the
             hand-over (:class:`~.copy_job.StagedData`), marking each copied on that gate.
 
@@ -236,10 +225,8 @@ def stage_buckets(
     """
     start = time.monotonic()
     cache = cache if cache is not None else StagingBufferCache.of_process()
-    entry = cache.lease(cache_key, len(buckets)) if cache_key is not None else None
-    result = StagedBuckets(
-        lease=(cache_key, entry.generation) if entry is not None else None, cache=cache
-    )
+    result = StagedBuckets()
+    cached = cache.lend(cache_key, len(buckets), result) if cache_key is not None else None
     cuda_devices: Set[torch.device] = set()
     late_copies: List[tuple] = []  # (name, source, buffer, watched) for the copy job (copy_later)
     allocated = 0
@@ -248,15 +235,14 @@ def stage_buckets(
             bytes_data, tensor_data = bucket.data
             items = list(map(_first, tensor_data))
             sources = list(map(_second, tensor_data))
-            buffers = entry.buckets[b_idx] if entry is not None and b_idx < len(entry.buckets) else None
+            buffers = cached[b_idx] if cached is not None else None
             copied = copy_later is None and buffers is not None and buffers.copy_flat(sources)
             if not copied and (buffers is None or not buffers.fits(sources)):
-                cached = entry is not None and b_idx < len(entry.buckets)
-                buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached)
+                buffers = _allocate_bucket_buffers(sources, non_blocking, reusable=cached is not None)
                 buffers.fits(sources)  # records the sources' signature
                 allocated += 1
-                if cached:
-                    entry.buckets[b_idx] = buffers
+                if cached is not None:
+                    cached[b_idx] = buffers
                 else:
                     result._fresh.append(buffers)
             if copy_later is not None:
@@ -268,15 +254,15 @@ def stage_buckets(
                 copy_batched(buffers.tensors, sources, non_blocking and bool(buffers.cuda_devices))
             copies = buffers.pairs_for(items)
             result.append(WriteBucket(bucket.file_path, bucket.file_name, (bytes_data, copies)))
-        wait_for_device_copies(cuda_devices, holding=(result, entry))
+        wait_for_device_copies(cuda_devices, holding=(result, cached))
         cuda_devices.clear()
     except BaseException as exc:
         device_stuck = isinstance(exc, DeviceCopyTimeoutError) or bool(cuda_devices) and not (
-            landed_after_failure(cuda_devices, holding=(result, entry)))  # queued before it
-        stuck = device_stuck or entry is not None and any(
-            b is not None and b.flat is not None and b.flat.stuck for b in entry.buckets)
-        cache.release(result.lease, reusable=not stuck)  # a stuck copy may still write into them
-        result.lease = None
+            landed_after_failure(cuda_devices, holding=(result, cached)))  # queued before it
+        if device_stuck or cached is not None and any(
+                b is not None and b.flat is not None and b.flat.stuck for b in cached):
+            cache.forget(result)  # a stuck copy may still write into them
+        result.release_buffers()
         raise
     if logger.isEnabledFor(logging.DEBUG):
         copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])

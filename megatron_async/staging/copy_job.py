@@ -1,19 +1,12 @@
 """One save's staging copy after the hand-over, the thread that runs it, and the one wait.
 
-Runs in the trainer. Every staging mode that copies after the request is handed to its
-writer (overlapped staging, :mod:`.overlapped`; the later rounds of a state above the
-staging budget, :mod:`.rounds` and :mod:`.torch_save`) builds a :class:`CopyJob` at
-scheduling and hands it, after the hand-over, to :class:`CopyThread`, which runs it on
-one of the process's helper threads. The job copies its items run after run (in rounds,
-each run once the writer wrote the items whose bytes it overwrites: a bounded wait on
-the gate) and marks each item copied on the save's gate; the writer waits per item for
-that mark.
-
-Our staged data derives from :class:`StagedData`: our callers start its job
-(:meth:`StagedData.hand_over`) once the request is with its writer and, where scheduling
-waits for the copy (rounds without overlap), wait for it. Every
-wait for a job (that one, the next optimizer step's, the next save's before it reuses the
-pool) is :meth:`CopyJob.wait`: bounded by the time the job copies nothing.
+Runs in the trainer. Overlapped staging (:mod:`.overlapped`) and the later rounds of a
+state above the budget (:mod:`.rounds`, :mod:`.torch_save`) build a :class:`CopyJob` at
+scheduling; our callers start it once the request is with its writer
+(:meth:`StagedData.hand_over`), on a helper thread (:class:`CopyThread`), where it marks
+each item copied on the save's gate. Every wait for a job (scheduling's in rounds, the
+next optimizer step's, the next save's before it reuses the pool) is
+:meth:`CopyJob.wait`, bounded by the time the job copies nothing.
 
 Every watched tensor's version counter, recorded at scheduling, is checked before and
 after its copy: a tensor changed in between fails the save on every rank
@@ -24,7 +17,6 @@ per run; after a failure their buffers live on until the queued copies have land
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -218,8 +210,6 @@ class CopyThread(OnePerProcess):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: List[CopyJob] = []
-        self._running = threading.Event()  # cleared while copies are held
-        self._running.set()
         self._optimizer_hook = None
 
     def submit(self, job: CopyJob) -> None:
@@ -232,20 +222,9 @@ class CopyThread(OnePerProcess):
         HelperThreads.of_process().start(partial(self._run, job), "megatron-async-staging")
 
     def _run(self, job: CopyJob) -> None:
-        self._running.wait()
         job.run()
         with self._lock:
             self._pending = [j for j in self._pending if j is not job]
-
-    @contextlib.contextmanager
-    def held(self):
-        """Jobs submitted inside this block start only when it exits (a debugging and
-        testing aid that makes "the tensor changed before it was copied" deterministic)."""
-        self._running.clear()
-        try:
-            yield
-        finally:
-            self._running.set()
 
     def pending(self) -> List[CopyJob]:
         """The jobs not done yet."""

@@ -22,14 +22,11 @@ Holding the views keeps the sources' storages alive as long as the cached buffer
 a save of another layout, or the cache's ``clear``); a source replaced by new memory
 fails the check and its storage is let go at the next save.
 
-A bucket of at least :data:`SPLIT_MIN_BYTES` is copied by several threads at once
-(:func:`copy_threads`; ``torch.cat`` releases the GIL; one thread alone does not reach a
-node's memory bandwidth, docs/benchmarks.md): its pieces are cut into runs of about equal
-bytes, each its own ``torch.cat`` into its own part of the region, one on the calling
-thread and the others on the helper threads of this process
-(:class:`~megatron_async.core.helper_threads.HelperThreads`).
-The call returns only when every part is copied, so the snapshot is whole when
-scheduling returns; every wait for a part is bounded by its size (:func:`wait_all`).
+A bucket of at least :data:`SPLIT_MIN_BYTES` is cut into runs of about equal bytes, each
+its own ``torch.cat`` on its own thread (:func:`copy_threads`; one thread alone does not
+reach a node's memory bandwidth, docs/benchmarks.md): one on the calling thread, the others
+on the process's :class:`~megatron_async.core.helper_threads.HelperThreads`. The copy
+returns once every part is copied, each wait bounded by the part's size (:func:`wait_all`).
 
 CUDA sources never come here: they keep the page-locked buffers, non-blocking copies and
 one synchronize of :func:`~megatron_async.staging.buffers.copy_batched`.

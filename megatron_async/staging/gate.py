@@ -7,13 +7,11 @@ written). The trainer creates it with the save's functions, before the fork or t
 so a forked writer inherits it and the persistent worker maps it from its segment
 reference.
 
-Every staging mode goes through it the same way. Staged in one go on the training
-thread, nothing is left to wait for; the writer marks the gate done when it has read
-everything (the staging budget's ledger watches that mark). Where items are copied after
-the hand-over (in rounds, or overlapped: :mod:`.rounds`), the stager marks each item
-copied and the writer marks each written (the stager waits for room with
-:func:`wait_for_room`; the writer reads the buckets through
-:meth:`StagingGate.writer_view`, which waits for each item).
+Staged in one go, the writer only marks the gate done once it read everything (the
+budget's ledger watches that mark). Where items are copied after the hand-over (in
+rounds, or overlapped), the stager marks each item copied and waits for room
+(:func:`wait_for_room`); the writer waits for each item and marks it written
+(:meth:`StagingGate.writer_view`).
 
 Either side records a failure, which ends the other side's waits at once (a failed
 bucket of the writer stops the trainer's copy and the writer's other buckets). Every wait
@@ -192,21 +190,14 @@ class StagingGate:
 
 
 def _process_running(pid: int) -> bool:
-    """Whether ``pid`` runs; a dead child that its parent has not reaped yet does not."""
+    """Whether ``pid`` runs; a dead child that its parent has not reaped yet does not (the
+    library needs procfs anyway: the persistent worker maps segments through it)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             state = stat.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone and reaped
         return False
-    except (OSError, IndexError):  # no procfs: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
+    return state not in (b"Z", b"X")
 
 
 class _ArrivingItems(list):

@@ -1,15 +1,12 @@
 """Overlapped staging: a save's host copy runs while the next forward/backward runs.
 
 Opt-in (``TorchDistSaveConfig(overlap_staging=True)``). Without it, scheduling a save
-returns once every saved tensor is copied to host memory. With it:
-
-1. scheduling (the request's ``preload_fn``, trainer) only leases the host buffers and
-   records each saved tensor's version counter; it copies nothing;
-2. once the request is handed to the background writer, one copy thread of the trainer
-   process copies the tensors into the buffers (for CUDA tensors: non-blocking copies
-   on a side stream into page-locked shared memory), while training goes on;
-3. the background writer waits for each item's copy (the save's
-   :class:`~.gate.StagingGate`, in shared memory) before it writes it.
+returns once every saved tensor is copied to host memory. With it, scheduling only
+borrows the host buffers and records each saved tensor's version counter; once the
+request is with its writer, the copy thread of the trainer copies the tensors
+(:mod:`.copy_job`) while training goes on, and the writer waits for each item's copy
+(the save's :class:`~.gate.StagingGate`). Above the staging budget the same happens in
+rounds (:mod:`.rounds`).
 
 Nothing may change a saved tensor before it is copied:
 
@@ -27,9 +24,6 @@ Nothing may change a saved tensor before it is copied:
   and the fix, instead of writing a torn checkpoint. (Writes that bypass autograd's
   version counter, e.g. through ``tensor.data``, cannot be detected.)
 
-Within the staging budget this is one round; above it, the copy thread copies every
-round after the hand-over and the next optimizer step waits for the last (:mod:`.rounds`).
-
 Runs in the trainer; the gate's waiting side runs in the background writer
 (:meth:`~.gate.StagingGate.writer_view`).
 """
@@ -46,7 +40,6 @@ __all__ = [
     "wait_for_staging",
     "staging_in_progress",
     "refuse_overlap_param_gather",
-    "copies_held",
 ]
 
 def staging_in_progress() -> bool:
@@ -67,12 +60,6 @@ def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
             did not finish within it).
     """
     CopyThread.of_process().wait_for_copies(timeout_s)
-
-
-def copies_held():
-    """Copies submitted inside this ``with`` block start only when it exits (trainer; a
-    debugging and testing aid, see :meth:`~.copy_job.CopyThread.held`)."""
-    return CopyThread.of_process().held()
 
 
 def refuse_overlap_param_gather(objects: Iterable[Any]) -> None:

@@ -1,33 +1,19 @@
 """Staging in rounds: a save larger than the staging budget goes through a bounded pool.
 
-With a ``staging_memory_limit`` (see :mod:`megatron_async.staging.budget`) smaller than
-a rank's state, the state is staged and written in rounds through one shared-memory
-*pool* of at most the budget:
+Runs in the trainer. With a ``staging_memory_limit`` (:mod:`.budget`) smaller than a
+rank's state, every tensor item gets a fixed offset in one shared-memory *pool* of at
+most the budget, in the order the writer reads them (bucket by bucket, item by item):
+one after the other, wrapping to the start when the next item does not fit before the
+end (a ring). Each item waits for the earlier items whose bytes it overwrites
+(:func:`plan_rounds`).
 
-* the trainer places every tensor item, in the order the writer reads them (bucket by
-  bucket, item by item), at a fixed offset of the pool: one after the other, wrapping to
-  the start when the next item does not fit before the end (a ring). Each item depends
-  on the earlier items whose bytes it overwrites (:func:`plan_rounds`);
-* the pool and a small *gate* (one state word per item, in shared memory) are
-  created in ``preload_fn``, before the fork or the send, so a forked writer inherits
-  both and the persistent worker receives them as segment references, like any staged
-  buffer: no buffer is ever handed over later;
-* ``preload_fn`` copies the first round (the items that depend on nothing); the caller
-  then hands a :class:`~.copy_job.CopyJob` to the copy thread (``hand_over``),
-  which copies each further item once the writer marked its predecessors in the ring
-  *written*, and waits for it before scheduling returns: the trainer
-  waits for the drain, and the snapshot is whole when scheduling returns. With
-  overlapped staging, ``preload_fn`` copies nothing, every round is the copy thread's,
-  and the next optimizer step waits for the last instead of scheduling;
-* the background writer (:meth:`~.gate.StagingGate.writer_view`) waits for an item's
-  *copied* mark before writing it, and marks it *written* once its bytes left the pool
-  (the bucket file wrote or copied them), which frees its bytes for the next round.
-
-The files are byte-identical to a save staged in one go (same buckets, items, write
-path). Version counters recorded in ``preload_fn`` are checked around every later copy: a
-tensor changed before its copy fails the save on every rank (``StagingRaceError``).
-
-Runs in the trainer.
+The pool and the save's gate (:mod:`.gate`) exist before the fork or the send, so no
+buffer is handed over later. ``preload_fn`` copies the first round (the items that
+overwrite nothing; none with overlapped staging); the copy thread copies the others
+after the hand-over (:mod:`.copy_job`), each once the writer marked the items it
+overwrites *written*, and scheduling returns once they are copied (with overlapped
+staging the next optimizer step waits instead). The files are byte-identical to a save
+staged in one go.
 """
 
 from __future__ import annotations
@@ -40,11 +26,11 @@ from typing import Deque, List, Optional, Sequence
 import torch
 
 from megatron_async.core import coordination, shared_memory
+from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
 from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.snapshot import synchronize_if_cuda
 from megatron_async.buckets.layout import WriteBucket
 
 __all__ = [
@@ -208,7 +194,9 @@ def copy_first_round(
     now = [] if overlapped else [entry for entry in items if not plan.waits_for[entry[0]]]
     for _, _, source, buffer, _ in now:
         buffer.copy_(source, non_blocking=source.device.type == "cuda")
-    synchronize_if_cuda([entry[2] for entry in now], holding=pool)
+    devices = {entry[2].device for entry in now if entry[2].device.type == "cuda"}
+    if devices:
+        wait_for_device_copies(devices, holding=pool)
     for idx, offset in enumerate(plan.offsets):
         if offset is None or not (overlapped or plan.waits_for[idx]):
             gate.mark_copied(idx)

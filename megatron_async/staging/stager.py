@@ -3,24 +3,18 @@
 A storage writer enters staging once per save, through :func:`prepare_staged_write`
 (as PyTorch DCP keeps its ``AsyncStager`` apart from its ``FileSystemWriter``): it names
 its write path and that path's own arguments, and gets back the request's ``save_fn`` and
-``preload_fn``; the gate, the stager and the choice between one go, rounds and overlapped
-staging stay here. The stager, :class:`BucketStager`, is built once per save; its
-:meth:`~BucketStager.stage` is the request's ``preload_fn``. Every save goes the same
-way: reserve the save's staging memory in the budget's ledger (:mod:`.budget`), give
-every tensor a host buffer, copy, and hand the staged buckets to the writer. Two choices differ, each made once per save:
+``preload_fn`` (:meth:`BucketStager.stage`). Every save goes the same way: reserve its
+staging memory in the budget's ledger (:mod:`.budget`), give every tensor a host buffer,
+copy, and hand the staged buckets to the writer through the save's gate (:mod:`.gate`).
+Two choices differ, each made once per save:
 
 * **where the buffers come from**: a state within the budget is one round, staged into
   its bucket layout's cached buffers (:mod:`.buffers`; a warm save is one ``torch.cat``
   per bucket); a larger one goes in rounds through the budget's pool (:mod:`.rounds`);
-* **who copies**: the training thread, before scheduling returns (in rounds, the first
-  round; the copy thread copies the rest while the writer drains the pool, and
-  scheduling waits for it); or, with overlapped staging, the copy thread alone after the
-  hand-over, while training goes on, the next optimizer step waiting for it
-  (:mod:`.overlapped`).
-
-The copies left after the hand-over travel with the staged buckets as a
-:class:`~.copy_job.CopyJob` (:class:`~.copy_job.StagedData`); the one gate between
-stager and writer (:mod:`.gate`) carries each item's state.
+* **who copies**: the training thread, before scheduling returns (in rounds the first
+  round, and the copy thread the others while scheduling waits); or, with overlapped
+  staging, the copy thread alone after the hand-over, the next optimizer step waiting for
+  it (:mod:`.overlapped`, :mod:`.copy_job`).
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
 from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
-from megatron_async.staging.rounds import RoundPlan, plan_bucket_rounds, stage_in_rounds
+from megatron_async.staging.rounds import plan_bucket_rounds, stage_in_rounds
 
 __all__ = ["BucketStager", "prepare_staged_write"]
 
@@ -108,23 +102,34 @@ class BucketStager:
         state_bytes, cuda = _state_sizes(self.buckets)
         budget = resolve_budget(self.limit, state_bytes)
         in_rounds = state_bytes > budget
-        if self.overlapped and not self.rounds_allowed:
-            raise StagingMemoryError(
-                "overlapped staging (overlap_staging) needs a write path that takes items as "
-                "they are copied; this writer's write path is an override without "
-                "staging_control, or its write_preloaded_data is a subclass's. Accept "
-                "staging_control in the override and keep our write_preloaded_data, or save "
-                "without overlap_staging"
+        if (self.overlapped or in_rounds) and not self.rounds_allowed:
+            what, instead = (
+                ("overlapped staging (overlap_staging)", "save without overlap_staging")
+                if self.overlapped else
+                (f"this rank's state ({state_bytes} bytes), above the staging_memory_limit "
+                 f"({budget} bytes),", "raise staging_memory_limit to at least the state")
             )
-        plan = self._plan_rounds(state_bytes, budget) if in_rounds else None
+            raise StagingMemoryError(
+                f"{what} needs a write path that takes items as they are copied; this writer's "
+                "write path (an override without staging_control, or a subclass's "
+                "write_preloaded_data) cannot take items in rounds. Accept staging_control in "
+                f"the override and keep our write_preloaded_data, or {instead}"
+            )
+        cache = self.cache if self.cache is not None else StagingBufferCache.of_process()
+        plan = None
+        if in_rounds:  # refused before anything is held: a tensor above the budget, or no hand-over
+            plan = plan_bucket_rounds(self.buckets, budget)
+            require_hand_over(
+                f"staging this rank's state ({state_bytes} bytes) in rounds through the "
+                f"staging_memory_limit ({budget} bytes)",
+                f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
+            )
+            cache.clear()  # the idle buffers of saves in one round
         if self.overlapped:
             require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
             copy_thread = CopyThread.of_process()
             copy_thread.wait_for_copies(self.timeout_s)  # copies run one save at a time, in order
             copy_thread.hook_optimizer_steps()
-        cache = self.cache if self.cache is not None else StagingBufferCache.of_process()
-        if in_rounds:
-            cache.clear()  # the idle buffers of saves in one round
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
             if pool is not None:
@@ -146,26 +151,6 @@ class BucketStager:
         else:
             self.stats.update(rounds=1, peak_bytes=state_bytes)
         return staged
-
-    def _plan_rounds(self, state_bytes: int, budget: int) -> RoundPlan:
-        """Plan the rounds, refusing them before anything is held or staged: a write path
-        that cannot take them, a tensor larger than the budget, or a caller that does not
-        hand over."""
-        if not self.rounds_allowed:
-            raise StagingMemoryError(
-                f"this rank's state ({state_bytes} bytes) is larger than the "
-                f"staging_memory_limit ({budget} bytes); this writer's write path (an override "
-                "without staging_control, or a subclass's write_preloaded_data) cannot take "
-                "items in rounds. Accept staging_control in the override and keep our "
-                "write_preloaded_data, or raise staging_memory_limit to at least the state"
-            )
-        plan = plan_bucket_rounds(self.buckets, budget)
-        require_hand_over(
-            f"staging this rank's state ({state_bytes} bytes) in rounds through the "
-            f"staging_memory_limit ({budget} bytes)",
-            f"set staging_memory_limit to at least {state_bytes} bytes (one copy of the state)",
-        )
-        return plan
 
 
 def _bind_supported(fn: Callable[..., Any], args: tuple, **options: Any) -> "partial[Any]":
@@ -196,11 +181,8 @@ def prepare_staged_write(
 ) -> Tuple[Callable[..., None], Callable[[], Any]]:
     """Put one save's staging in front of its write path: ``(save_fn, preload_fn)`` (trainer).
 
-    Runs in the trainer, on every rank, once per save with something to write: the
-    storage writer's one entry into staging. Here the save's gate and stager are built,
-    the gate is bound to the write path (``staging_control``), and the staging mode is
-    chosen: within the budget in one go or above it in rounds (:class:`BucketStager`),
-    copied before scheduling returns or, with ``overlapped``, on the copy thread after.
+    Runs in the trainer, on every rank, once per save with something to write: builds the
+    save's gate and stager, and binds the gate to the write path (``staging_control``).
 
     Args:
         write_path: the writer's background write path (``write_preloaded_data_multithread``
@@ -214,10 +196,7 @@ def prepare_staged_write(
         resolved_plan_data: the writer's ``resolved_plan_data``: the save's planned
             buckets and the key of their layout's cached buffers, what
             ``preload_tensors`` stages.
-        overlapped: copy on the copy thread after the hand-over (``overlap_staging``).
-        limit: the ``staging_memory_limit`` (the budget; None: one copy of the state).
-        cache: the trainer's reusable staging buffers (the default cache when None).
-        stats: filled by staging with ``rounds`` and ``peak_bytes``.
+        overlapped, limit, cache, stats: as :class:`BucketStager`'s.
         own_bucket_writer: False when each bucket is written by a subclass's
             ``write_preloaded_data``, which may read a bucket's items without waiting for
             each to be copied: a state above the budget, and overlapped staging, are then

@@ -29,6 +29,7 @@ from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging import overlapped
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+from tests.staging_aids import copies_held
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.scenarios_strategy import (
@@ -170,7 +171,7 @@ def _schedule_overlapped(queue, ctx, path, scale, before_copies=lambda: None):
     strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET, overlap_staging=True)
     state = _state(ctx, scale, params=True)
     request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
-    with overlapped.copies_held():  # the copy thread starts no round before this block ends
+    with copies_held():  # the copy thread starts no round before this block ends
         queue.schedule_async_request(request)
         assert overlapped.staging_in_progress()  # scheduling returned with every round pending
         before_copies()
@@ -216,7 +217,7 @@ def overlapped_rounds_unguarded_update_fails_everywhere(ctx, persistent):
     strategy = TorchDistAsyncSaveStrategy(staging_memory_limit=BUDGET, overlap_staging=True)
     state = _state(ctx, 8.0)
     request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
-    with overlapped.copies_held():
+    with copies_held():
         queue.schedule_async_request(request)
         if ctx.rank == FAILING_RANK:
             state["w3"].data.add_(1.0)  # no optimizer step, no wait_for_staging()

@@ -46,6 +46,7 @@ from megatron_async.mcore.strategy import (
     TorchDistAsyncSaveStrategy,
     checkpoint_dirs_in_flight,
 )
+from tests.staging_aids import copies_held
 from tests.functional.harness import (
     RankContext,
     by_name,
@@ -913,7 +914,7 @@ def overlapped_staging_update_after_the_guard(ctx, persistent):
         state = _model_state(ctx, scale)
         request = dist_checkpointing.save(state, path, sharded_strategy=strategy,
                                           async_sharded_save=True)
-        with overlapped.copies_held():
+        with copies_held():
             queue.schedule_async_request(request)
             assert overlapped.staging_in_progress()  # nothing was copied while scheduling
         overlapped.wait_for_staging()
@@ -931,7 +932,7 @@ def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):
     state = _model_state(ctx, 6.0)
     request = dist_checkpointing.save(state, path, sharded_strategy=TorchDistAsyncSaveStrategy(
         overlap_staging=True), async_sharded_save=True)
-    with overlapped.copies_held():
+    with copies_held():
         queue.schedule_async_request(request)
         if ctx.rank == FAILING_RANK:
             _mutate(state)

@@ -12,7 +12,6 @@ import torch
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.persistent import PersistentAsyncCaller
 from megatron_async.core.request import AsyncRequest
-from megatron_async.staging import snapshot_to_host
 from tests import background_fns as fns
 
 MIB = 2**20
@@ -33,7 +32,7 @@ def _save_to_a_stuck_worker(out_dir: str, call_idx: int) -> str:
     state = {"w": torch.ones(32 * MIB // 4)}
     request = AsyncRequest(
         fns.save_staged_tensor, (os.path.join(out_dir, "never.pt"), None), [],
-        preload_fn=functools.partial(snapshot_to_host, state), call_idx=call_idx,
+        preload_fn=functools.partial(fns.stage_in_shared_memory, state), call_idx=call_idx,
     )
     caller.schedule_async_call(request)
     deadline = time.monotonic() + 60

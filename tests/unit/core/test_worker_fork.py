@@ -169,8 +169,6 @@ def test_fork_that_fails_while_starting_fails_the_next_save_saying_what_to_do(tm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(120)
 def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unstaged_ones(tmp_path):
-    from megatron_async.staging import snapshot_to_host
-
     torch.cuda.init()
     weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     expected = weights.cpu()
@@ -178,7 +176,7 @@ def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unsta
     try:
         queue.schedule_async_request(AsyncRequest(
             fns.save_staged_tensor, (str(tmp_path / "0.pt"), None), [],
-            preload_fn=functools.partial(snapshot_to_host, weights),
+            preload_fn=functools.partial(fns.stage_in_shared_memory, weights),
         ))
         weights.add_(1)
         assert queue.maybe_finalize_async_calls(blocking=True) == [0]
@@ -193,7 +191,7 @@ def test_forked_worker_of_a_cuda_trainer_writes_staged_tensors_and_refuses_unsta
         worker_pid = queue.persistent_caller.process.pid
         queue.schedule_async_request(AsyncRequest(
             fns.save_staged_tensor, (str(tmp_path / "2.pt"), None), [],
-            preload_fn=functools.partial(snapshot_to_host, weights),
+            preload_fn=functools.partial(fns.stage_in_shared_memory, weights),
         ))
         assert queue.maybe_finalize_async_calls(blocking=True) == [2]
         assert queue.persistent_caller.process.pid == worker_pid  # the worker stayed up

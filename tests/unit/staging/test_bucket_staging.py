@@ -105,23 +105,6 @@ def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
         raise AssertionError("no StagingMemoryError")
 
 
-def test_snapshot_to_host_copies_into_one_segment_and_keeps_the_structure():
-    import collections
-
-    from megatron_async.staging import snapshot_to_host
-
-    weights = torch.arange(10.0)
-    state = collections.OrderedDict(w=weights, nested=[weights[::2], torch.tensor(3)], meta=(1, torch.empty(0)))
-    snapshot = snapshot_to_host(state)
-    weights.add_(100.0)
-    assert type(snapshot) is collections.OrderedDict and snapshot["meta"][0] == 1
-    assert torch.equal(snapshot["w"], torch.arange(10.0))
-    assert torch.equal(snapshot["nested"][0], torch.arange(0.0, 10.0, 2.0))
-    segments = {shared_memory.find_segment(t).segment_id for t in (snapshot["w"], *snapshot["nested"])}
-    assert len(segments) == 1
-    assert snapshot["w"].untyped_storage().nbytes() == 40  # torch.save writes only its own bytes
-
-
 def _one_tensor_buckets(source, count=1, name="t"):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -281,8 +264,7 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
         with pytest.raises(RuntimeError, match="injected: a failure after"):
             stage_buckets(buckets, True, "layout")
         assert calls == [{torch.device("cuda", torch.cuda.current_device())}] * 2  # then the wait
-        entry = StagingBufferCache.of_process().lease("layout", 1)
-        assert (entry is not None and entry.buckets[0] is not None) == copies_land  # the old ones
+        assert (StagingBufferCache.of_process().num_bytes() > 0) == copies_land  # the old ones
     finally:
         torch.cuda.synchronize()
         device_wait.release_landed()

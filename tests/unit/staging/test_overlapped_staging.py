@@ -14,13 +14,13 @@ from megatron_async.errors import CheckpointValidationError, StagingHandOverErro
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.overlapped import (
-    copies_held,
     refuse_overlap_param_gather,
     staging_in_progress,
     wait_for_staging,
 )
 from megatron_async.staging.stager import BucketStager
 from megatron_async.buckets.layout import WriteBucket
+from tests.staging_aids import copies_held
 
 
 DEVICES = [

@@ -324,7 +324,8 @@ def test_overlapped_rounds_write_the_same_bytes_as_one_go(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_the_last():
-    from megatron_async.staging.overlapped import copies_held, staging_in_progress
+    from megatron_async.staging.overlapped import staging_in_progress
+    from tests.staging_aids import copies_held
 
     params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(4)]
     optimizer = torch.optim.SGD(params, lr=1.0)
@@ -349,7 +350,8 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
 @pytest.mark.timeout(60)
 def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_naming_it(monkeypatch):
     from megatron_async.core import coordination
-    from megatron_async.staging.overlapped import copies_held, wait_for_staging
+    from megatron_async.staging.overlapped import wait_for_staging
+    from tests.staging_aids import copies_held
 
     monkeypatch.setattr(coordination, "get_rank", lambda: 3)
     tensors = _tensors(count=4, numel=1024)
@@ -468,10 +470,11 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
     from megatron_async.staging.copy_job import CopyJob, CopyThread, watch
     from megatron_async.staging.overlapped import wait_for_staging
+    from tests.staging_aids import copies_held
 
     ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
     source, buffer = torch.ones(16), torch.zeros(16)
-    with copy_thread.held():  # an earlier save's copy that has not run yet
+    with copies_held():  # an earlier save's copy that has not run yet
         copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0, [0]))
         with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
             ledger.pool(4096, pinned=False, timeout_s=0.1)
