@@ -144,7 +144,6 @@ def plan_save(
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
     cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
-    # The caller vouches that nothing changed: skip the local planning, as megatron-core does.
     vouched = bool(validated) and cached_central is not None and cached_local is not None
 
     def local_step() -> SavePlan:
