@@ -175,7 +175,6 @@ class PlanCache:
                 and structure is not None
                 and structure.fingerprint is cached.fingerprint
             ):
-                # This save's data bound to the cached plan; the writer prepared from both.
                 # Every rank's reuse is agreed before the write is scheduled.
                 writer, dist_wrapper = create_writer(), make_dist_wrapper(None, COORDINATOR_RANK)
                 writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)

@@ -13,8 +13,9 @@ from the previous commit's bytes (:func:`~megatron_async.writer.commit.commit_un
 otherwise every rank's write results are gathered and the coordinator builds it (the
 writer's ``finish``). One more small all-reduce agrees on whether the commit succeeded
 (docs/design.md, "Warm saves cost the coordinator O(1)"). The coordinator's file writes
-are bounded (:mod:`megatron_async.core.save_directories`), so a file system that stops
-answering fails the save on every rank instead of holding rank 0 in an ``fsync``.
+are bounded (:mod:`megatron_async.core.save_directories`; the metadata is built on this
+thread), so a file system that stops answering fails the save on every rank instead of
+holding rank 0 in an ``fsync``.
 """
 
 from __future__ import annotations

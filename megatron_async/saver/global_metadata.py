@@ -314,8 +314,7 @@ def without_redundant_empty_chunks(
     deduplication) treat items at the same ``(fqn, offset)`` as one. Left to DCP, which
     copy survives depends on plan sizes, and an empty chunk could replace a chunk with
     data at its offset (a "missing shard" error). Which are left out is
-    :func:`index_items`'s rule; the plans are returned
-    unchanged when nothing is left out.
+    :func:`index_items`'s rule; the plans are returned unchanged when nothing is left out.
 
     Raises:
         CheckpointValidationError: with ``refuse_duplicates``, items that several ranks plan.
