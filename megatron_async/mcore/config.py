@@ -31,12 +31,12 @@ class TorchDistSaveConfig(WriteOptions):
     """Files (and writer threads) per rank and save."""
 
     use_cached_data_structure: bool = True
-    """Keep the host staging buffers from save to save: a save whose bucket layout is the
-    previous save's stages into that save's buffers (already mapped; one memory copy),
-    a changed layout frees them and allocates anew, so at most one checkpoint's bytes stay
-    held between saves (:meth:`TorchDistAsyncSaveStrategy.release_staging_buffers` frees
-    them on request). Safe with any structure: the layout is compared on every save.
-    False frees the staging memory after every save, for jobs short on host memory."""
+    """Keep the host staging buffers from save to save: a save with the previous save's
+    bucket layout stages into its buffers (one memory copy), a changed layout frees them
+    and allocates anew, so at most one checkpoint's bytes stay held between saves
+    (:meth:`TorchDistAsyncSaveStrategy.release_staging_buffers` frees them on request).
+    Safe with any structure, as the layout is compared on every save. False frees the
+    staging memory after every save, for jobs short on host memory."""
 
     cached_metadata: bool = False
     """Reuse the previous save's plans and metadata while the checkpoint structure does not
@@ -54,11 +54,9 @@ class TorchDistSaveConfig(WriteOptions):
     removed first, with a warning); False refuses it with a CheckpointValidationError."""
 
     fail_on_stale_checkpoint: bool = False
-    """With ``checksums``, the coordinator compares every item's digest with the previous
-    save's of this strategy: when none changed (the same weights written again into a new
-    checkpoint, the symptom of stale cached tensors) it logs a WARNING naming both
-    checkpoints; True fails that save instead (no ``.metadata``). Saves where only some
-    items changed (frozen parameters) are normal and only counted in the per-save INFO line."""
+    """With ``checksums``, the coordinator logs a WARNING when no item's digest changed
+    since this strategy's previous save (docs/failures.md, "Stale checkpoints"); True
+    fails that save instead (no ``.metadata``)."""
 
     @functools.cached_property
     def write_options(self) -> WriteOptions:

@@ -8,23 +8,19 @@ megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)`` append
 finalize function to the returned request that writes ``metadata.json`` on rank 0 and then
 waits in a barrier on the *default* process group. If rank 0 fails to write the file, it
 raises alone and the other ranks sit in that barrier until the default group's timeout
-(10-30 minutes), where a training collective of rank 0 may even pair with it.
+(10-30 minutes), where a training collective of rank 0 may even pair with it. With
+``save(..., verify_integrity=True)`` megatron-core 0.18+ appends a second such step: rank
+0 writes a SHA-256 manifest of the checkpoint's files, then a default-group barrier.
 
-Our requests therefore carry a :class:`FinalizeFnList`: when megatron-core appends that
-step, the list stores an equivalent one instead (so the swap holds on megatron-core's own
-queue too). Requests that megatron-core's stock strategy built with a plain list get the
-same swap when our queue schedules them: the replacement is registered with
-:func:`~megatron_async.core.request.register_finalize_step_adapter`. The replacement
-writes ``metadata.json`` atomically (temporary file, fsync, rename) on rank 0 and agrees
-on the outcome over the gloo coordination group, so a failure raises the same error on
-every rank. Runs on every rank.
-
-megatron-core 0.18+ appends a second such step with ``save(..., verify_integrity=True)``:
-rank 0 writes a SHA-256 manifest of the checkpoint's files, then a default-group barrier.
-It is replaced the same way: rank 0 calls megatron-core's own manifest writer, and the
-outcome is agreed on over the gloo group. Both steps are recognized by where megatron-core
-defines them (``serialization.save``'s local functions); this is generation glue, kept
-here next to :mod:`.generation`.
+Each step is replaced by one that runs rank 0's part (``metadata.json`` written
+atomically, or megatron-core's own manifest writer) and agrees on the outcome over the
+gloo coordination group, so a failure raises the same error on every rank. Runs on every
+rank. Our requests carry a :class:`FinalizeFnList`, which swaps the step as megatron-core
+appends it (so the swap holds on megatron-core's own queue too); requests that
+megatron-core's stock strategy built with a plain list get the same swap when our queue
+schedules them (:func:`~megatron_async.core.request.register_finalize_step_adapter`).
+Both steps are recognized by where megatron-core defines them (``serialization.save``'s
+local functions); this is generation glue, kept here next to :mod:`.generation`.
 """
 
 from __future__ import annotations
@@ -129,11 +125,10 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
 
 
 MANIFEST_STEP_SHARE = 0.9
-"""The share of the coordination timeout that megatron-core's manifest step may take on
-rank 0 (keeping at least :data:`MANIFEST_STEP_MARGIN_S` of it, and never less than the
-half the other steps get). It reads and hashes every file of the checkpoint, so it gets
-more; the margin is what rank 0 needs to report a step that did not return before the
-other ranks, waiting for it, time out themselves."""
+"""The share of the coordination timeout that megatron-core's manifest step, which reads
+and hashes every file, may take on rank 0 (never less than the other steps' half). It
+keeps :data:`MANIFEST_STEP_MARGIN_S` for rank 0 to report a step that did not return
+before the other ranks, waiting for it, time out themselves."""
 
 MANIFEST_STEP_MARGIN_S = 10.0
 

@@ -99,10 +99,8 @@ def register_strategies(strategy_cls: type, backend_name: str) -> None:
 
 
 def common_writes() -> List[Any]:
-    """Where ``save()`` writes ``common.pt`` before the sharded strategy: objects whose
-    ``save_common`` does it (0.16.x: the ``torch`` common-save strategy class; 0.17 / 0.18:
-    the ``serialization`` module's function; 0.19+ stores the common state inside the
-    checkpoint: none)."""
+    """Where ``save()`` writes ``common.pt`` before the sharded strategy (see the module
+    docstring): the objects whose ``save_common`` does it, none from 0.19."""
     if GENERATION == "registry":
         from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 

@@ -123,10 +123,8 @@ class PlanCache:
 
     @property
     def cached_global_metadata(self) -> Optional[Metadata]:
-        """With ``cached_metadata``, the metadata the coordinator reuses while the structure
-        is unchanged. A loaded checkpoint's metadata may be set here (every rank) to let
-        the first save of a resumed job skip the plan gather: it is verified against
-        fresh plans, never reused blindly."""
+        """The strategy's ``cached_global_metadata`` (see
+        :attr:`~megatron_async.mcore.strategy.TorchDistAsyncSaveStrategy.cached_global_metadata`)."""
         return self.plans.cached_global_metadata
 
     @cached_global_metadata.setter
@@ -177,7 +175,6 @@ class PlanCache:
                 and structure is not None
                 and structure.fingerprint is cached.fingerprint
             ):
-                # This save's data bound to the cached plan; the writer prepared from both.
                 # Every rank's reuse is agreed before the write is scheduled.
                 writer, dist_wrapper = create_writer(), make_dist_wrapper(None, COORDINATOR_RANK)
                 writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank)

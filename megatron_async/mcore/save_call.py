@@ -22,16 +22,10 @@ It also guards megatron-core's ``common.pt`` write (0.16-0.18), which comes befo
 sharded strategy, so a strategy alone comes too late: a second save into a directory an
 async save is still writing would replace that save's ``common.pt``, and overwriting a
 complete checkpoint would put a new ``common.pt`` next to the old completion markers (a
-crash right then leaves a mixed checkpoint that looks complete). The guard first refuses,
-on every rank alike, a directory still being written (the process's
-:class:`~megatron_async.core.save_directories.SaveDirectories`; every rank schedules the
-same saves); rank 0 then removes a complete checkpoint's markers and megatron-core writes
-``common.pt``, both bounded. With our strategy a failure of that step (``overwrite=False``
-and a complete checkpoint, a full disk, a hung mount, an object that will not pickle), or
-a process whose saves stopped, leaves ``common.pt`` untouched and the strategy's agreed
-target check raises it on every rank; with another strategy rank 0 raises as
-megatron-core itself would. Where that write is
-(:func:`~megatron_async.mcore.generation.common_writes`) is generation glue.
+crash right then leaves a mixed checkpoint that looks complete). What the guard refuses,
+and how its failures reach every rank, is in docs/design.md ("Overwriting a complete
+checkpoint"). Where that write is (:func:`~megatron_async.mcore.generation.common_writes`)
+is generation glue.
 """
 
 from __future__ import annotations
@@ -206,10 +200,9 @@ def _our_overwrite(strategy: Any) -> Optional[bool]:
     return overwrite if isinstance(overwrite, bool) else None
 
 
-def _guarded_write(
-    write: Callable[[], Any], checkpoint_dir: Union[str, Path], directories: SaveDirectories
-) -> Any:
-    """Run megatron-core's ``common.pt`` write behind the checks (every rank).
+def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -> Any:
+    """Run megatron-core's ``common.pt`` write behind the checks against the process's
+    record (every rank).
 
     Raises:
         CheckpointInProgressError: an unfinalized async save of this process still
@@ -218,6 +211,7 @@ def _guarded_write(
     """
     call = current_save_call()
     ours = call is not None and call.overwrite is not None
+    directories = SaveDirectories.of_process()
     directory = normalize_checkpoint_path(checkpoint_dir)
     directories.refuse_if_claimed(directory)
     if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
@@ -242,12 +236,11 @@ def _guarded_write(
 
 def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap megatron-core's ``common.pt`` write (``save_common``: a function of a module,
-    or a method of a class) with the checks against the process's record."""
+    or a method of a class) with :func:`_guarded_write`."""
     signature = inspect.signature(original)
 
     def guarded_save_common(*args, **kwargs):
         checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
-        directories = SaveDirectories.of_process()
-        return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir, directories)
+        return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir)
 
     return guarded_save_common

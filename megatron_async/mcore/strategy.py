@@ -96,17 +96,14 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         config: the options in force.
 
     Copies: ``copy.copy``, ``copy.deepcopy`` and pickling give an independent strategy
-    with the same options (``config``) and empty caches: no cached plans or metadata and
-    no staging buffers. The options live in the immutable ``config``, which a setter
-    replaces, so setting an option on a copy (megatron-core's tests deep-copy the
-    registered default strategy) never changes the original. Caches are never shared,
-    as they hold the state of one strategy's saves (a staging buffer may still be leased
-    to a save in flight); call :meth:`release_staging_buffers` on a strategy you stop
-    using.
+    with the same options and empty caches (no cached plans or metadata, no staging
+    buffers). A setter replaces the immutable ``config``, so setting an option on a copy
+    (megatron-core's tests deep-copy the registered default strategy) never changes the
+    original; caches are never shared, as a staging buffer may still be leased to a save
+    in flight. Call :meth:`release_staging_buffers` on a strategy you stop using.
     """
 
     _CACHES = ("plan_cache", "staging_cache", "digest_history", "commit_cache")
-    """The attributes that a copy gets empty (see the class docstring)."""
 
     def __init__(
         self,
@@ -159,7 +156,8 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         """With ``cached_metadata``, the metadata the coordinator reuses while the structure
         is unchanged. Set it on every rank to a loaded checkpoint's metadata
         (``TorchDistLoadShardedStrategy.cached_global_metadata``) to let the first save of
-        a resumed job skip the plan gather too."""
+        a resumed job skip the plan gather too: it is verified against fresh plans, never
+        reused blindly."""
         return self.plan_cache.cached_global_metadata
 
     @cached_global_metadata.setter

@@ -18,9 +18,8 @@ Not in the fingerprint: a tensor's device and whether it is pinned. Staging copi
 any device, and the reused metadata keeps the first save's ``pin_memory`` flag, which no
 loader reads.
 
-The fingerprint only tells this rank that its structure is unchanged. The strategy
-reuses a plan only after one all-reduce established that it is unchanged on every rank,
-because the global metadata describes every rank's items.
+The strategy reuses a plan only once one all-reduce established that the fingerprint is
+unchanged on every rank, as the global metadata describes every rank's items.
 """
 
 from __future__ import annotations
@@ -78,10 +77,9 @@ def describe_structure(
         sharded_state_dict: the sharded state dict megatron-core hands to the strategy.
         previous: the fingerprint of the previous save, if any. If the new one equals
             it, the returned structure shares ``previous`` (``structure.fingerprint is
-            previous``) and the new list is dropped at once. Keeping no second copy
-            matters at tens of thousands of shards: every object that outlives a save
-            adds to the work of Python's next full garbage collection, which runs on the
-            training thread.
+            previous``) and the new list is dropped at once: at tens of thousands of
+            shards, every object that outlives a save adds to the work of Python's next
+            full garbage collection, which runs on the training thread.
 
     Returns:
         The structure, or None when the state dict holds anything but nested mappings

@@ -2,21 +2,18 @@
 
 :class:`~megatron_async.mcore.strategy.TorchDistAsyncSaveStrategy` runs
 :func:`claim_save_target` on every rank in the local step of its first collective, so a
-refusal on any rank becomes the same error on every rank (see
-:meth:`~megatron_async.mcore.plan_cache.PlanCache.plan_save`). Nothing here runs a
+refusal on any rank becomes the same error on every rank. Nothing here runs a
 collective or talks to another rank.
 
 A complete checkpoint in the target is refused with ``overwrite=False``; otherwise its
-completion markers are removed once every rank agreed the save's planning, before any
-data file changes (:func:`~megatron_async.writer.commit.unmark_before_rewrite`), so input
-that planning refuses leaves it complete, and a save that fails later leaves a directory
-every loader sees as incomplete, never a mix. In an object store (no rename, and a
-listing per save would cost requests) the markers are removed here.
+completion markers are removed once planning is agreed (docs/design.md, "Overwriting a
+complete checkpoint"), except in an object store (no rename, and a listing per save would
+cost requests), where they are removed here.
 
-The file-system checks run within half the coordination timeout on a helper thread: on a
-hung mount even ``os.path.exists`` never returns, and the rank would never reach the
-save's first collective. A check left behind stops the process's saves
-(:meth:`~megatron_async.core.save_directories.SaveDirectories.run_bounded`).
+The file-system checks run within half the coordination timeout on a helper thread
+(:meth:`~megatron_async.core.save_directories.SaveDirectories.run_bounded`): on a hung
+mount even ``os.path.exists`` never returns, and the rank would never reach the save's
+first collective.
 """
 
 from __future__ import annotations

@@ -5,25 +5,17 @@ The last of a save's three steps (plan, write, finalize; see
 succeeded, and only if all did does the coordinator write ``.metadata``. A failure
 anywhere raises the same error on every rank.
 
-Each rank's checksums are already in its own record file (its background writer wrote
-it), so finalization gathers no checksum. One all-reduce (SUM, on the coordination
-group) carries, from every rank: did its write fail, did any of its items move since its
-previous committed save (:class:`~megatron_async.writer.commit.CommitCache`), and
-its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). Then:
-
-* *warm* (no rank's items moved; the usual case of a save with cached plans): nothing is
-  gathered; the coordinator writes ``.metadata`` from the bytes of the previous commit
-  with this save's ``storage_meta`` (:func:`~megatron_async.writer.commit.commit_unchanged`);
-* *full* (the first save, a changed structure on any rank, or no cache): every rank's
-  write results are gathered and the coordinator builds ``.metadata`` from them
-  (the writer's ``finish``).
-
-Either way one more small all-reduce agrees on whether the coordinator's commit
-succeeded, so a warm finalization costs two all-reduces of a few integers and no gather.
-The coordinator's file writes are bounded (:mod:`megatron_async.core.save_directories`,
-in :mod:`megatron_async.writer.commit`; the metadata is built on this thread): on a
-file system that stops answering it fails in time for the other ranks to raise the same
-error, instead of holding rank 0 in an ``fsync`` for good.
+One all-reduce carries, from every rank: did its write fail, did any of its items move
+since its previous committed save (:class:`~megatron_async.writer.commit.CommitCache`),
+and its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). When no
+rank's items moved (*warm*), nothing is gathered and the coordinator writes ``.metadata``
+from the previous commit's bytes (:func:`~megatron_async.writer.commit.commit_unchanged`);
+otherwise every rank's write results are gathered and the coordinator builds it (the
+writer's ``finish``). One more small all-reduce agrees on whether the commit succeeded
+(docs/design.md, "Warm saves cost the coordinator O(1)"). The coordinator's file writes
+are bounded (:mod:`megatron_async.core.save_directories`; the metadata is built on this
+thread), so a file system that stops answering fails the save on every rank instead of
+holding rank 0 in an ``fsync``.
 """
 
 from __future__ import annotations
@@ -80,8 +72,6 @@ def save_state_dict_async_finalize(
     digest_history: Optional[SaveDigestHistory] = None,
 ) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
-
-    Costs what the module docstring says (a warm save gathers nothing).
 
     Args:
         storage_writer, global_metadata, dist_wrapper: what planning returned.

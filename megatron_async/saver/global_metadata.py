@@ -2,28 +2,22 @@
 
 With decentralized planning every rank writes its own local plan as it is, so the global
 plan of DCP's ``DefaultSavePlanner`` (deduplicate, rewrite every item's index hint,
-validate) does work whose result nobody uses: only the metadata is kept. At a million
-items that work is seconds of the coordinator's time with every rank waiting, mostly in
-objects made per item (a copy of every item, dictionaries of every index, hashes of
-dataclasses). :func:`build_metadata` builds it from the plans as gathered, without a new
-object per chunk (the chunks are the items' own, as DCP lists them; equal chunk sizes and
-tensor properties are made one shared object, which the pickle then writes once), and
-:func:`validate_chunks` checks it with DCP's rules.
+validate) does work whose result nobody uses: at a million items, seconds of the
+coordinator's time with every rank waiting, mostly in objects made per item.
+:func:`build_metadata` builds the metadata from the plans as gathered, without a new
+object per chunk (equal chunk sizes and tensor properties are made one shared object,
+which the pickle then writes once), and :func:`validate_chunks` checks it with DCP's rules.
 
 Items that two ranks plan are refused before any of that, except tensor chunks without
 elements (:func:`index_items`). No collective runs here: the saver gathers the plans and
 agrees on the outcome.
 
-Equal values made one object also shrink what the ranks send. A local plan holds three
-or four ``torch.Size`` values per item, each a new object, and a ``torch.Size`` is one of
-the slowest things to pickle (its reduce goes through Python: about 2 us), while pickle
-writes an object it has already written as one memo reference. Layers repeat their
-shapes and offsets, so after :func:`share_equal_sizes` (every rank, on its own plan) a
-plan pickles a few dozen sizes instead of thousands, and what is built from its objects
-inherits the sharing: the plan gather, the global metadata's chunks, the write results
-(their index is the item's), the results gather and the first save's ``.metadata``
-(docs/benchmarks.md, "Shared sizes"). Values do not change, only which object holds them,
-so plans compare, digest and load exactly as before.
+Equal values made one object also shrink what the ranks send (docs/design.md, "The
+first save's coordinator work is linear"; docs/benchmarks.md, "Shared sizes"): a
+``torch.Size`` pickles through Python (about 2 us) while a repeated object is one memo
+reference, so after :func:`share_equal_sizes` a plan pickles a few dozen sizes instead of
+thousands. Values do not change, only which object holds them, so plans compare, digest
+and load exactly as before.
 """
 
 from __future__ import annotations
@@ -291,7 +285,6 @@ def build_global_metadata(
             _, metadata = planner.create_global_plan(plans)
         except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
             raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
-    # Stored in .metadata so that a resumed job can skip this gather.
     attach_plan_digests(metadata, all_local_plans, plan_digests)
     return metadata
 
@@ -321,8 +314,7 @@ def without_redundant_empty_chunks(
     deduplication) treat items at the same ``(fqn, offset)`` as one. Left to DCP, which
     copy survives depends on plan sizes, and an empty chunk could replace a chunk with
     data at its offset (a "missing shard" error). Which are left out is
-    :func:`index_items`'s rule; the plans are returned
-    unchanged when nothing is left out.
+    :func:`index_items`'s rule; the plans are returned unchanged when nothing is left out.
 
     Raises:
         CheckpointValidationError: with ``refuse_duplicates``, items that several ranks plan.

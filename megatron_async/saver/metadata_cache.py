@@ -13,13 +13,10 @@ fresh local plans on every rank, never from the cache's flags alone: a cache tha
 
 A resumed job skips its first save's plan gather when every rank's fresh local plan is
 the one the loaded checkpoint was saved with. megatron-core stores every rank's whole
-local plan in the metadata for that (``all_local_plans``: at a million items that is
-more than half again the size of DCP's ``.metadata``). Here each rank's plan is stored
-as a 16-byte digest of what the comparison looks at (everything but the storage data and
-the index hints), as plain ``bytes``, so the file unpickles with stock torch and
-megatron-core, which ignore it (and plan in full). Checkpoints that carry
-``all_local_plans`` (older versions of this package, megatron-core) are still compared
-item by item.
+local plan for that (``all_local_plans``: at a million items more than half again the
+size of DCP's ``.metadata``); here each rank's plan is a 16-byte digest of what the
+comparison looks at, plain ``bytes`` that stock torch and megatron-core unpickle and
+ignore. Checkpoints that carry ``all_local_plans`` are still compared item by item.
 
 The digest is of the items' ``repr`` (fqn, offsets, sizes, tensor properties, global
 size, type): deterministic across processes. A change of its rules changes

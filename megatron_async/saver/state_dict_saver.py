@@ -128,10 +128,10 @@ def plan_save(
         planner: the save planner; defaults to DCP's ``DefaultSavePlanner``.
         cached_ckpt_structure: ``(central_plan, local_plan, validated_cache_reuse)``
             from the previous call. With ``validated_cache_reuse`` the caller vouches that
-            this rank's structure is unchanged: the local plan is not computed again (the
-            cached one is used), as in megatron-core. Unlike megatron-core, the one small
-            all-reduce stays, so ranks that disagree plan afresh together instead of
-            waiting on each other. Without it, reuse is verified against a fresh local plan.
+            this rank's structure is unchanged and the cached local plan is used, as in
+            megatron-core; unlike there, the one small all-reduce stays, so ranks that
+            disagree plan afresh together instead of waiting on each other. Without it,
+            reuse is verified against a fresh local plan.
         loaded_all_plans: local plans stored in a loaded checkpoint's metadata.
         unmark: remove a complete checkpoint's markers once planned, best effort (the
             reference API); our strategy does it itself, agreed.
@@ -144,7 +144,6 @@ def plan_save(
     group = dist_wrapper.group
     planner = planner if planner is not None else DefaultSavePlanner()
     cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
-    # The caller vouches that nothing changed: skip the local planning, as megatron-core does.
     vouched = bool(validated) and cached_central is not None and cached_local is not None
 
     def local_step() -> SavePlan:
