@@ -381,7 +381,9 @@ def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     # left unreaped, it is a zombie, which counts as gone.
     writer = multiprocessing.get_context("fork").Process(target=gate.record_writer)
     writer.start()
-    staged.hand_over(os.getpid(), finish=False)
+    # The trainer hands over naming the writer's pid, as the callers do; whichever of the
+    # two records it first, the gate watches the writer (naming the trainer raced with it).
+    staged.hand_over(writer.pid, finish=False)
     wait_for_staging(timeout_s=60)  # returns at the liveness check, not at the 60 s bound
     writer.join(10)
     assert gate.failed and "background writer of this save ended" in gate.message()
