@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest, SaveDetails
@@ -72,16 +71,12 @@ class TorchAsyncCheckpoint:
     """Save state dicts with ``torch.save`` in the background, one file per call.
 
     In a distributed job every rank constructs one (its queue joins the coordination
-    group). ``async_save`` pickles the object and copies its tensors' storages to host
-    memory (so the caller may modify them as soon as it returns) and writes the file in
-    a background process; ``finalize_async_save`` reaps finished saves (and raises a
-    failed one). The file holds what ``torch.save`` writes for the host copy of the
-    object (tensors load on the CPU).
-
-    Staging stays within ``staging_memory_limit``, shared with the torch_dist saves of
-    the same process (:mod:`megatron_async.staging.torch_save`): a larger save is staged
-    and written in rounds, and one scheduled while earlier saves hold the budget waits
-    for their writers (bounded, logged) instead of staging another copy.
+    group). ``async_save`` snapshots the object (the caller may modify it as soon as it
+    returns) and writes the file in a background process; ``finalize_async_save`` reaps
+    finished saves (and raises a failed one). The file holds what ``torch.save`` writes
+    for the host copy of the object (tensors load on the CPU). Staging stays within
+    ``staging_memory_limit``, shared with the torch_dist saves of the same process
+    (:mod:`megatron_async.staging.torch_save`).
 
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
@@ -185,7 +180,6 @@ class TorchAsyncCheckpoint:
         Raises:
             AsyncSaveFailedError: a save failed (on any rank, when ``no_dist`` is False).
         """
-        no_dist = no_dist or not coordination.is_distributed()
         try:
             finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         finally:
