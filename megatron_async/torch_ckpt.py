@@ -22,29 +22,6 @@ from megatron_async.writer.torch_save_file import write_torch_save_file
 __all__ = ["TorchAsyncCheckpoint"]
 
 
-def _pickle_options(options: Dict[str, Any]):
-    """``(pickle_module, pickle_protocol, byteorder_record)`` from ``torch.save`` keywords
-    (consumed from ``options``).
-
-    Raises:
-        CheckpointValidationError: a keyword ``torch.save``'s zip format does not take.
-    """
-    pickle_module = options.pop("pickle_module", pickle)
-    pickle_protocol = options.pop("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL)
-    byteorder_record = not options.pop("_disable_byteorder_record", False)
-    if not options.pop("_use_new_zipfile_serialization", True):
-        raise CheckpointValidationError(
-            "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
-            "format (_use_new_zipfile_serialization=False) with torch.save directly"
-        )
-    if options:
-        raise CheckpointValidationError(
-            f"TorchAsyncCheckpoint.async_save got options torch.save does not take: "
-            f"{sorted(options)}; pass pickle_module, pickle_protocol or _disable_byteorder_record"
-        )
-    return pickle_module, pickle_protocol, byteorder_record
-
-
 class _SaveReport:
     """The finalize step of one save (trainer): nothing to commit, the file is in place once
     the writer is done; it gives the queue's INFO line the file and the staging figures."""
@@ -100,27 +77,32 @@ class TorchAsyncCheckpoint:
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
         self._paths_in_flight: Dict[int, Path] = {}
 
-    def async_save(self, state_dict: Any, f: Union[str, os.PathLike], **kwargs: Any) -> int:
-        """Start saving ``state_dict`` like ``torch.save(state_dict, f, **kwargs)``.
+    def async_save(
+        self,
+        state_dict: Any,
+        f: Union[str, os.PathLike],
+        pickle_module: Any = pickle,
+        pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
+        _use_new_zipfile_serialization: bool = True,
+        _disable_byteorder_record: bool = False,
+    ) -> int:
+        """Start saving ``state_dict`` like ``torch.save`` with the same arguments.
 
         Args:
             state_dict: any object ``torch.save`` accepts; its tensors are snapshotted.
             f: the destination path.
-            **kwargs: ``torch.save``'s ``pickle_module``, ``pickle_protocol`` and
-                ``_disable_byteorder_record``, by keyword.
 
         Returns:
             The call index of the save.
 
         Raises:
             CheckpointValidationError: ``f`` is not a path, is a directory, or its
-                directory is missing, or an option ``torch.save``'s zip format does not take.
+                directory is missing, or the legacy format is asked for.
             CheckpointInProgressError: a save to the same path is still in flight.
 
-        A save that cannot stage within ``staging_memory_limit`` (one tensor larger than
-        the budget, or earlier saves that keep it for longer than 600 s) fails without
-        touching the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose
-        failure is the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
+        A save that cannot stage within ``staging_memory_limit`` fails without touching
+        the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose failure is
+        the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
         """
         if not isinstance(f, (str, os.PathLike)):
             raise CheckpointValidationError(
@@ -137,20 +119,24 @@ class TorchAsyncCheckpoint:
                 f"cannot save to {target}: it is a directory; torch.save writes one file, so "
                 f"name a file (for example {target}/model.pt)"
             )
+        if not _use_new_zipfile_serialization:
+            raise CheckpointValidationError(
+                "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
+                "format (_use_new_zipfile_serialization=False) with torch.save directly"
+            )
         self._forget_settled_saves()
         if target in self._paths_in_flight.values():
             raise CheckpointInProgressError(
                 f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
                 "before saving to the same path again, or save to another path"
             )
-        pickle_module, pickle_protocol, byteorder_record = _pickle_options(kwargs)
         self.staging_stats = {}
         request = AsyncRequest(
             async_fn=write_torch_save_file,
             async_fn_args=(str(target), None),
             finalize_fns=[_SaveReport(target, self.staging_stats)],
             preload_fn=functools.partial(
-                stage_torch_save, state_dict, pickle_module, pickle_protocol, byteorder_record,
+                stage_torch_save, state_dict, pickle_module, pickle_protocol, not _disable_byteorder_record,
                 self.staging_memory_limit, DEFAULT_STAGING_WAIT_S, self.staging_stats,
             ),
         )
