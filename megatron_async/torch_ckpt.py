@@ -124,7 +124,8 @@ class TorchAsyncCheckpoint:
                 "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
                 "format (_use_new_zipfile_serialization=False) with torch.save directly"
             )
-        self._forget_settled_saves()
+        pending = set(self._queue.unfinalized_call_indices())
+        self._paths_in_flight = {i: path for i, path in self._paths_in_flight.items() if i in pending}
         if target in self._paths_in_flight.values():
             raise CheckpointInProgressError(
                 f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
@@ -166,10 +167,7 @@ class TorchAsyncCheckpoint:
         Raises:
             AsyncSaveFailedError: a save failed (on any rank, when ``no_dist`` is False).
         """
-        try:
-            finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
-        finally:
-            self._forget_settled_saves()
+        finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         if terminate:
             self.close()
         return finalized
@@ -181,10 +179,3 @@ class TorchAsyncCheckpoint:
                 self.finalize_async_save(blocking=True)
         finally:
             self._queue.close(abort=True)
-            self._paths_in_flight.clear()
-
-    def _forget_settled_saves(self) -> None:
-        pending = set(self._queue.unfinalized_call_indices())
-        for idx in list(self._paths_in_flight):
-            if idx not in pending:
-                del self._paths_in_flight[idx]

@@ -108,6 +108,23 @@ def test_async_save_takes_torch_saves_arguments(tmp_path):
     assert open(path, "rb").read() == _torch_save_bytes(state, pickle_protocol=4, _disable_byteorder_record=True)
 
 
+def test_a_second_save_to_a_path_in_flight_is_refused_until_finalized(tmp_path):
+    from megatron_async.errors import CheckpointInProgressError
+
+    path = str(tmp_path / "x.pt")
+    ckpt = TorchAsyncCheckpoint()
+    try:
+        ckpt.async_save({"w": torch.zeros(2)}, path)
+        with pytest.raises(CheckpointInProgressError, match="still in flight"):
+            ckpt.async_save({"w": torch.ones(2)}, path)
+        ckpt.finalize_async_save(blocking=True)
+        ckpt.async_save({"w": torch.ones(2)}, path)
+        ckpt.finalize_async_save(blocking=True)
+    finally:
+        ckpt.close()
+    assert torch.equal(torch.load(path)["w"], torch.ones(2))
+
+
 def test_non_tensor_leaves_are_frozen_when_scheduling_returns():
     state = {"w": torch.ones(4), "meta": {"step": 1}}
     staged = _stage(state, None)
