@@ -101,9 +101,8 @@ class TorchSaveStaged(StagedData):
     ``header``: ``(name, bytes)`` records written first (``data.pkl`` and the format
     records); ``records``: ``(name, byte offset in buffer or None when empty, num_bytes)``
     per storage, in order; ``buffer``: the shared-memory segment holding them; ``gate``:
-    the save's gate (item ``i`` is ``records[i]``). In rounds, the later rounds' copies
-    (:class:`~.copy_job.StagedData`), which scheduling waits for. Pickled (to the persistent
-    worker), only these travel: the copy job and the budget hold stay with the trainer.
+    the save's gate (item ``i`` is ``records[i]``). Scheduling waits for the later rounds'
+    copies; pickled (to the persistent worker), only the fields above travel.
     """
 
     scheduling_waits = True
@@ -183,7 +182,7 @@ def stage_torch_save(
     budget = resolve_budget(limit, state_bytes)
     by_storage = _tensor_names(obj) if state_bytes > budget else {}
     names = [by_storage.get(storage._cdata, f"data/{i}") for i, storage in enumerate(storages)]
-    plan = plan_rounds(sizes, names, state_bytes if state_bytes <= budget else budget)
+    plan = plan_rounds(sizes, names, min(state_bytes, budget))
     in_rounds = plan.rounds > 1
     cuda = any(storage.device.type == "cuda" for storage in storages)
     alignment = torch.serialization._get_storage_alignment()  # as torch.save's writer
