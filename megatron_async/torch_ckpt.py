@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest, SaveDetails
@@ -21,29 +20,6 @@ from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.writer.torch_save_file import write_torch_save_file
 
 __all__ = ["TorchAsyncCheckpoint"]
-
-
-def _pickle_options(options: Dict[str, Any]):
-    """``(pickle_module, pickle_protocol, byteorder_record)`` from ``torch.save`` keywords
-    (consumed from ``options``).
-
-    Raises:
-        CheckpointValidationError: a keyword ``torch.save``'s zip format does not take.
-    """
-    pickle_module = options.pop("pickle_module", pickle)
-    pickle_protocol = options.pop("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL)
-    byteorder_record = not options.pop("_disable_byteorder_record", False)
-    if not options.pop("_use_new_zipfile_serialization", True):
-        raise CheckpointValidationError(
-            "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
-            "format (_use_new_zipfile_serialization=False) with torch.save directly"
-        )
-    if options:
-        raise CheckpointValidationError(
-            f"TorchAsyncCheckpoint.async_save got options torch.save does not take: "
-            f"{sorted(options)}; pass pickle_module, pickle_protocol or _disable_byteorder_record"
-        )
-    return pickle_module, pickle_protocol, byteorder_record
 
 
 class _SaveReport:
@@ -72,16 +48,12 @@ class TorchAsyncCheckpoint:
     """Save state dicts with ``torch.save`` in the background, one file per call.
 
     In a distributed job every rank constructs one (its queue joins the coordination
-    group). ``async_save`` pickles the object and copies its tensors' storages to host
-    memory (so the caller may modify them as soon as it returns) and writes the file in
-    a background process; ``finalize_async_save`` reaps finished saves (and raises a
-    failed one). The file holds what ``torch.save`` writes for the host copy of the
-    object (tensors load on the CPU).
-
-    Staging stays within ``staging_memory_limit``, shared with the torch_dist saves of
-    the same process (:mod:`megatron_async.staging.torch_save`): a larger save is staged
-    and written in rounds, and one scheduled while earlier saves hold the budget waits
-    for their writers (bounded, logged) instead of staging another copy.
+    group). ``async_save`` snapshots the object (the caller may modify it as soon as it
+    returns) and writes the file in a background process; ``finalize_async_save`` reaps
+    finished saves (and raises a failed one). The file holds what ``torch.save`` writes
+    for the host copy of the object (tensors load on the CPU). Staging stays within
+    ``staging_memory_limit``, shared with the torch_dist saves of the same process
+    (:mod:`megatron_async.staging.torch_save`).
 
     Args:
         persistent_queue: use one long-lived worker instead of a forked process per save.
@@ -105,27 +77,32 @@ class TorchAsyncCheckpoint:
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
         self._paths_in_flight: Dict[int, Path] = {}
 
-    def async_save(self, state_dict: Any, f: Union[str, os.PathLike], **kwargs: Any) -> int:
-        """Start saving ``state_dict`` like ``torch.save(state_dict, f, **kwargs)``.
+    def async_save(
+        self,
+        state_dict: Any,
+        f: Union[str, os.PathLike],
+        pickle_module: Any = pickle,
+        pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
+        _use_new_zipfile_serialization: bool = True,
+        _disable_byteorder_record: bool = False,
+    ) -> int:
+        """Start saving ``state_dict`` like ``torch.save`` with the same arguments.
 
         Args:
             state_dict: any object ``torch.save`` accepts; its tensors are snapshotted.
             f: the destination path.
-            **kwargs: ``torch.save``'s ``pickle_module``, ``pickle_protocol`` and
-                ``_disable_byteorder_record``, by keyword.
 
         Returns:
             The call index of the save.
 
         Raises:
             CheckpointValidationError: ``f`` is not a path, is a directory, or its
-                directory is missing, or an option ``torch.save``'s zip format does not take.
+                directory is missing, or the legacy format is asked for.
             CheckpointInProgressError: a save to the same path is still in flight.
 
-        A save that cannot stage within ``staging_memory_limit`` (one tensor larger than
-        the budget, or earlier saves that keep it for longer than 600 s) fails without
-        touching the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose
-        failure is the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
+        A save that cannot stage within ``staging_memory_limit`` fails without touching
+        the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose failure is
+        the :class:`~megatron_async.errors.StagingMemoryError` saying what to do.
         """
         if not isinstance(f, (str, os.PathLike)):
             raise CheckpointValidationError(
@@ -142,20 +119,25 @@ class TorchAsyncCheckpoint:
                 f"cannot save to {target}: it is a directory; torch.save writes one file, so "
                 f"name a file (for example {target}/model.pt)"
             )
-        self._forget_settled_saves()
+        if not _use_new_zipfile_serialization:
+            raise CheckpointValidationError(
+                "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
+                "format (_use_new_zipfile_serialization=False) with torch.save directly"
+            )
+        pending = set(self._queue.unfinalized_call_indices())
+        self._paths_in_flight = {i: path for i, path in self._paths_in_flight.items() if i in pending}
         if target in self._paths_in_flight.values():
             raise CheckpointInProgressError(
                 f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
                 "before saving to the same path again, or save to another path"
             )
-        pickle_module, pickle_protocol, byteorder_record = _pickle_options(kwargs)
         self.staging_stats = {}
         request = AsyncRequest(
             async_fn=write_torch_save_file,
             async_fn_args=(str(target), None),
             finalize_fns=[_SaveReport(target, self.staging_stats)],
             preload_fn=functools.partial(
-                stage_torch_save, state_dict, pickle_module, pickle_protocol, byteorder_record,
+                stage_torch_save, state_dict, pickle_module, pickle_protocol, not _disable_byteorder_record,
                 self.staging_memory_limit, DEFAULT_STAGING_WAIT_S, self.staging_stats,
             ),
         )
@@ -185,11 +167,7 @@ class TorchAsyncCheckpoint:
         Raises:
             AsyncSaveFailedError: a save failed (on any rank, when ``no_dist`` is False).
         """
-        no_dist = no_dist or not coordination.is_distributed()
-        try:
-            finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
-        finally:
-            self._forget_settled_saves()
+        finalized = self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
         if terminate:
             self.close()
         return finalized
@@ -201,10 +179,3 @@ class TorchAsyncCheckpoint:
                 self.finalize_async_save(blocking=True)
         finally:
             self._queue.close(abort=True)
-            self._paths_in_flight.clear()
-
-    def _forget_settled_saves(self) -> None:
-        pending = set(self._queue.unfinalized_call_indices())
-        for idx in list(self._paths_in_flight):
-            if idx not in pending:
-                del self._paths_in_flight[idx]

@@ -1,10 +1,8 @@
 """Writing a staged ``torch.save`` file record by record: :func:`write_torch_save_file`.
 
-Runs in the background writer (a forked process or the persistent worker) of
-:class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`: the records ``torch.save``
-writes, in its order, through its own zip writer, straight from the storages the trainer
-staged (:mod:`megatron_async.staging.torch_save`; in rounds, see "Staging memory budget"
-in docs/design.md).
+Runs in the background writer of :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`:
+the staged records (:mod:`megatron_async.staging.torch_save`) through ``torch.save``'s own
+zip writer.
 """
 
 from __future__ import annotations
