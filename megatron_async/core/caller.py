@@ -12,11 +12,13 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import AsyncRequest
+from megatron_async.core.request import (
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
+)
 from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
 
 __all__ = ["CallState", "CallStatus", "AsyncCaller"]
@@ -68,12 +70,70 @@ class AsyncCaller(abc.ABC):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
 
-    @abc.abstractmethod
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Start ``async_req`` in the background; returns once its data is staged.
+        """Stage the request's data (``preload_fn``), start ``async_fn`` in the background
+        and return once the data is handed over (trainer side).
 
-        Must be called on every rank (the request may be a no-op on some).
+        Must be called on every rank (the request may be a no-op on some). A failure to
+        stage or to start is recorded for :meth:`poll`, never raised: raising here would
+        leave this rank out of step. An interrupt while handing the data over abandons the
+        call (:meth:`_abandon`: nothing may still write it) and propagates.
         """
+        idx = async_req.call_idx
+        self._current_call_idx = idx
+        if async_req.async_fn is None and async_req.preload_fn is None:
+            self._set_status(idx, CallStatus.succeeded())
+            return
+        try:
+            self._prepare()
+        except Exception as exc:
+            self._record_failure(idx, "schedule", exc)
+            return
+        try:
+            args, staged = stage_request(async_req)
+        except Exception as exc:
+            self._record_failure(idx, "staging", exc)
+            return
+        if async_req.async_fn is None:
+            release_staged_data(staged)
+            self._set_status(idx, CallStatus.succeeded())
+            return
+        try:
+            pid = self._start(async_req, args, staged)
+        except Exception as exc:
+            release_staged_data(staged)
+            self._record_failure(idx, "schedule", exc)
+            return
+        self._set_status(idx, CallStatus.running())
+        try:
+            hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
+        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
+            self._abandon(idx)
+            raise
+        logger.debug("rank %d: async call %d runs in pid %d", coordination.get_rank(), idx, pid)
+
+    def _record_failure(self, call_idx: int, phase: str, exc: Exception) -> None:
+        rank = coordination.get_rank()
+        logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
+        self._set_status(call_idx, CallStatus.failed(RankFailure.from_exception(rank, phase, exc)))
+
+    def _prepare(self) -> None:
+        """Get ready to start a call, before its data is staged (the persistent caller
+        replaces a dead worker here); raises when it cannot."""
+
+    @abc.abstractmethod
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Start ``async_fn(*args)`` in a background process and return its pid; from here
+        on the caller owns ``staged`` and releases it once that process is done with it.
+        Raises when it cannot start (``staged`` stays the scheduler's to release)."""
+
+    @abc.abstractmethod
+    def _set_status(self, call_idx: int, status: CallStatus) -> None:
+        """Record the local status of call ``call_idx`` for :meth:`poll`."""
+
+    @abc.abstractmethod
+    def _abandon(self, call_idx: int) -> None:
+        """Forget call ``call_idx`` and kill the process that could still write it."""
 
     @abc.abstractmethod
     def poll(self, call_idx: int) -> CallStatus:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
@@ -12,9 +12,7 @@ from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import (
-    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
-)
+from megatron_async.core.request import AsyncRequest, release_staged_data
 from megatron_async.errors import (
     AsyncTimeoutError,
     RankFailure,
@@ -160,58 +158,34 @@ class PersistentAsyncCaller(AsyncCaller):
 
     # -- caller interface ----------------------------------------------------------------
 
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Stage the request's data, send the request to the worker and return.
-
-        Runs on every rank. Failures (staging error, unpicklable request, no shared
-        memory, a failed fork) are recorded for :meth:`poll`, never raised here. A worker
-        that died since the last call is replaced.
-        """
-        idx = async_req.call_idx
-        self._current_call_idx = idx
-        self._start_times[idx] = time.monotonic()
-        if async_req.async_fn is None and async_req.preload_fn is None:
-            self._statuses[idx] = CallStatus.succeeded()
-            return
+    def _prepare(self) -> None:
+        """Replace a worker that died since the last call (before staging)."""
         self._drain_messages()  # notices a worker that became ready, or died
         if self.process is None:
             try:
                 self._start_worker()
-            except Exception as exc:  # recorded: raising here would leave this rank out of step
-                logger.error("rank %d: cannot start the persistent worker: %s", self.rank, exc)
+            except Exception:
                 self._discard_worker(kill=True)
-                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
-                return
-        try:
-            args, staged = stage_request(async_req)
-        except Exception as exc:
-            logger.error("rank %d: staging of async call %d failed: %s", self.rank, idx, exc)
-            self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "staging", exc))
-            return
-        if async_req.async_fn is None:
-            release_staged_data(staged)
-            self._statuses[idx] = CallStatus.succeeded()
-            return
+                raise
+
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Send the request, its staged data as shared-memory references, to the worker."""
+        idx = async_req.call_idx
         request = async_req._replace(async_fn_args=args, preload_fn=None, finalize_fns=[])
-        try:
-            encoded, arena = self.process.requests.encode(request)
-        except Exception as exc:
-            logger.error("rank %d: async call %d cannot be sent to the worker: %s", self.rank, idx, exc)
-            release_staged_data(staged)
-            self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
-            return
-        self._held[idx] = (staged, arena)
-        self._statuses[idx] = CallStatus.running()
-        self._unreceived[idx] = time.monotonic()
+        encoded, arena = self.process.requests.encode(request)
         self.process.send((idx, encoded))
-        try:
-            hand_over_staged(staged, self.process.pid)  # overlapped or in rounds: copied now
-        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
-            self._statuses.pop(idx, None)
-            self._kill_worker("worker", WorkerDiedError(
-                f"rank {self.rank}: the persistent worker was killed because scheduling async "
-                f"call {idx} was interrupted"))
-            raise
+        self._held[idx] = (staged, arena)
+        self._start_times[idx] = self._unreceived[idx] = time.monotonic()
+        return self.process.pid
+
+    def _set_status(self, call_idx: int, status: CallStatus) -> None:
+        self._statuses[call_idx] = status
+
+    def _abandon(self, call_idx: int) -> None:
+        self._statuses.pop(call_idx, None)
+        self._kill_worker("worker", WorkerDiedError(
+            f"rank {self.rank}: the persistent worker was killed because scheduling async "
+            f"call {call_idx} was interrupted"))
 
     def is_worker_ready(self) -> bool:
         """Whether the worker has started and takes the next save (trainer side, never blocks)."""

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -21,9 +21,7 @@ from megatron_async.core.process_lifetime import (
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
-from megatron_async.core.request import (
-    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
-)
+from megatron_async.core.request import AsyncRequest, release_staged_data
 from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
@@ -86,55 +84,37 @@ class TemporalAsyncCaller(AsyncCaller):
         abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Stage the request's data, then fork a process that runs ``async_fn``.
-
-        Runs on every rank; returns once the data is staged and the child started.
-        A staging failure is recorded (not raised) and reported by :meth:`poll`.
-        """
         if self.process is not None:
             raise RuntimeError("a TemporalAsyncCaller runs exactly one call; create a new one")
-        rank = coordination.get_rank()
-        self._current_call_idx = async_req.call_idx
-        try:
-            args, self._staged = stage_request(async_req)
-        except Exception as exc:
-            logger.error("rank %d: staging of async call %d failed: %s", rank, async_req.call_idx, exc)
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "staging", exc))
-            return
-        if async_req.async_fn is None:
-            self._status = CallStatus.succeeded()
-            self._release_staged()
-            return
-        try:
-            _synchronize_cuda_if_used()
-            self._stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
-            ctx = mp.get_context("fork")
-            self._result_conn, child_conn = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_run_forked_call,
-                args=(
-                    child_conn, rank, os.getpid(), self.config.writer_nice_increment, self._stack_file,
-                    async_req.async_fn, args, async_req.async_fn_kwargs or {},
-                ),
-                name=f"megatron-async-save-{async_req.call_idx}",
-                daemon=False,  # a daemon could not start the writer's own I/O processes
-            )
-            process.start()
-            self._forked_at = time.monotonic()
-            child_conn.close()
-        except Exception as exc:  # recorded: raising here would leave this rank out of step
-            logger.error("rank %d: cannot start the background save: %s", rank, exc)
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "schedule", exc))
-            self._release_staged()
-            return
-        self.process = process
-        self._status = CallStatus.running()
-        try:
-            hand_over_staged(self._staged, process.pid)  # overlapped or in rounds: copied now
-        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
-            self.close(abort=True)
-            raise
-        logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
+        super().schedule_async_call(async_req)
+
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Fork the child that runs ``async_fn``; it inherits the staged snapshot."""
+        _synchronize_cuda_if_used()
+        stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
+        ctx = mp.get_context("fork")
+        result_conn, child_conn = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=_run_forked_call,
+            args=(
+                child_conn, coordination.get_rank(), os.getpid(), self.config.writer_nice_increment,
+                stack_file, async_req.async_fn, args, async_req.async_fn_kwargs or {},
+            ),
+            name=f"megatron-async-save-{async_req.call_idx}",
+            daemon=False,  # a daemon could not start the writer's own I/O processes
+        )
+        process.start()
+        self._forked_at = time.monotonic()
+        child_conn.close()
+        self.process, self._result_conn = process, result_conn
+        self._stack_file, self._staged = stack_file, staged
+        return process.pid
+
+    def _set_status(self, call_idx: int, status: CallStatus) -> None:
+        self._status = status
+
+    def _abandon(self, call_idx: int) -> None:
+        self.close(abort=True)
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead child and enforces the timeout."""
