@@ -14,12 +14,14 @@ import logging
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from megatron_async.core import coordination
+from megatron_async.core import coordination, stack_dump
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import (
     AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
-from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
+from megatron_async.errors import (
+    AsyncSaveFailedError, AsyncTimeoutError, CoordinationError, RankFailure,
+)
 
 __all__ = ["CallState", "CallStatus", "AsyncCaller"]
 
@@ -116,6 +118,18 @@ class AsyncCaller(abc.ABC):
         rank = coordination.get_rank()
         logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
         self._set_status(call_idx, CallStatus.failed(RankFailure.from_exception(rank, phase, exc)))
+
+    def _overran(self, call_idx: int, pid: Optional[int], stack_file: Any) -> AsyncTimeoutError:
+        """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``. Asks
+        the writer for its stacks (:mod:`~megatron_async.core.stack_dump`): call it before
+        the kill."""
+        rank = coordination.get_rank()
+        return AsyncTimeoutError(
+            f"rank {rank}: async call {call_idx} ran longer than timeout_s="
+            f"{self.config.timeout_s:.0f}s in background process {pid}, which was killed; "
+            "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
+            + stack_dump.timeout_note(rank, pid, stack_file)
+        )
 
     def _prepare(self) -> None:
         """Get ready to start a call, before its data is staged (the persistent caller

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from megatron_async.core import coordination, stack_dump
+from megatron_async.core import coordination
 from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
 from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
@@ -54,8 +54,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ready = False
         self._started_at = 0.0  # when the current worker was started
         self._statuses: Dict[int, CallStatus] = {}
-        self._start_times: Dict[int, float] = {}
-        self._unreceived: Dict[int, float] = {}  # call -> time it was sent
+        self._sent_at: Dict[int, float] = {}  # call -> when it was sent: timeout_s counts from there
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
         abort_at_exit(self)
@@ -89,7 +88,6 @@ class PersistentAsyncCaller(AsyncCaller):
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
             self._release_call(idx)
-        self._unreceived.clear()
 
     def _release_call(self, idx: int) -> None:
         held = self._held.pop(idx, None)
@@ -141,14 +139,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 elif kind == "error":
                     self._statuses[idx] = CallStatus.failed(message[2])
                     self._release_call(idx)
-                    self._unreceived.pop(idx, None)
                 elif kind == "ready":
                     self._ready = True
-                elif kind == "received":
-                    self._unreceived.pop(idx, None)
-                    # timeout_s bounds the background part from here on; the time
-                    # until the worker took the call is bounded by staging_timeout_s.
-                    self._start_times[idx] = time.monotonic()
         except (EOFError, OSError):
             self._worker_died()
             return
@@ -175,7 +167,7 @@ class PersistentAsyncCaller(AsyncCaller):
         encoded, arena = self.process.requests.encode(request)
         self.process.send((idx, encoded))
         self._held[idx] = (staged, arena)
-        self._start_times[idx] = self._unreceived[idx] = time.monotonic()
+        self._sent_at[idx] = time.monotonic()
         return self.process.pid
 
     def _set_status(self, call_idx: int, status: CallStatus) -> None:
@@ -205,7 +197,6 @@ class PersistentAsyncCaller(AsyncCaller):
             return status
         now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
-        sent = self._unreceived.get(call_idx)
         if pid is not None and not self._ready and now - self._started_at > self.config.fork_start_timeout_s:
             exc = AsyncTimeoutError(
                 f"rank {self.rank}: the forked persistent worker (pid {pid}) did not start within "
@@ -213,21 +204,9 @@ class PersistentAsyncCaller(AsyncCaller):
                 "before its first line); it was killed and a new one starts with the next save"
             )
             self._kill_worker("timeout", exc)
-        elif sent is not None and now - sent > self.config.staging_timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: persistent worker (pid {pid}) did not take async call "
-                f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s; "
-                "it was killed and a new one starts with the next save"
-            )
-            self._kill_worker("timeout", exc)
-        elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
-                f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
-                "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + stack_dump.timeout_note(self.rank, pid, self.process and self.process.stack_file)
-            )
-            self._kill_worker("timeout", exc)
+        elif now - self._sent_at[call_idx] > self.config.timeout_s:
+            self._kill_worker("timeout", self._overran(
+                call_idx, pid, self.process and self.process.stack_file))
         return self._statuses[call_idx]
 
     def _kill_worker(self, phase: str, exc: Exception) -> None:
@@ -238,7 +217,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def release(self, call_idx: int) -> None:
         """Forget a finalized call (the worker itself stays up)."""
         self._statuses.pop(call_idx, None)
-        self._start_times.pop(call_idx, None)
+        self._sent_at.pop(call_idx, None)
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker: let it finish (bounded), or kill it with ``abort``."""

@@ -139,14 +139,8 @@ class TemporalAsyncCaller(AsyncCaller):
             )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._forked_at > self.config.timeout_s:
-            where = stack_dump.timeout_note(rank, self.process.pid, self._stack_file)
+            exc = self._overran(call_idx, self.process.pid, self._stack_file)
             kill_and_reap(self.process)
-            exc = AsyncTimeoutError(
-                f"rank {rank}: background save (pid {self.process.pid}) of async call "
-                f"{call_idx} ran longer than timeout_s={self.config.timeout_s:.0f}s and was "
-                "killed; check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + where
-            )
             self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         if self._status.is_terminal:
             self._stack_file = None  # the child is done: no stacks to ask for

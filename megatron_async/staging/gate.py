@@ -37,7 +37,7 @@ import torch
 
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.core import shared_memory
-from megatron_async.core.config import DEFAULT_CONFIG
+from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.errors import (
     AsyncTimeoutError,
     StagingRaceError,
@@ -52,7 +52,7 @@ __all__ = [
     "wait_for_room",
 ]
 
-DEFAULT_STAGING_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
+DEFAULT_STAGING_WAIT_S = STAGING_WAIT_S
 """Bound on every staging wait without a configured one: for an overlapped copy, for an
 earlier save's staging memory or copy, and for each round (trainer and background writer)."""
 

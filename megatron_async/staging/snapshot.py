@@ -45,8 +45,8 @@ def synchronize_if_cuda(tensors: List[torch.Tensor], holding: Any = None) -> Non
     ``holding``: the host memory the copies write into, kept alive if they may still run.
 
     Raises:
-        DeviceCopyTimeoutError: a device made no progress within the default of
-            ``AsyncCallerConfig.staging_timeout_s``.
+        DeviceCopyTimeoutError: a device made no progress within
+            :data:`~megatron_async.core.config.STAGING_WAIT_S`.
     """
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     if devices:
