@@ -71,6 +71,7 @@ class AsyncCaller(abc.ABC):
     def __init__(self, config: Optional[AsyncCallerConfig] = None):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
+        self._statuses: Dict[int, CallStatus] = {}  # this rank's view of each call, for poll
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Stage the request's data (``preload_fn``), start ``async_fn`` in the background
@@ -84,7 +85,7 @@ class AsyncCaller(abc.ABC):
         idx = async_req.call_idx
         self._current_call_idx = idx
         if async_req.async_fn is None and async_req.preload_fn is None:
-            self._set_status(idx, CallStatus.succeeded())
+            self._statuses[idx] = CallStatus.succeeded()
             return
         try:
             self._prepare()
@@ -98,7 +99,7 @@ class AsyncCaller(abc.ABC):
             return
         if async_req.async_fn is None:
             release_staged_data(staged)
-            self._set_status(idx, CallStatus.succeeded())
+            self._statuses[idx] = CallStatus.succeeded()
             return
         try:
             pid = self._start(async_req, args, staged)
@@ -106,10 +107,11 @@ class AsyncCaller(abc.ABC):
             release_staged_data(staged)
             self._record_failure(idx, "schedule", exc)
             return
-        self._set_status(idx, CallStatus.running())
+        self._statuses[idx] = CallStatus.running()
         try:
             hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
+            del self._statuses[idx]
             self._abandon(idx)
             raise
         logger.debug("rank %d: async call %d runs in pid %d", coordination.get_rank(), idx, pid)
@@ -117,7 +119,7 @@ class AsyncCaller(abc.ABC):
     def _record_failure(self, call_idx: int, phase: str, exc: Exception) -> None:
         rank = coordination.get_rank()
         logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
-        self._set_status(call_idx, CallStatus.failed(RankFailure.from_exception(rank, phase, exc)))
+        self._statuses[call_idx] = CallStatus.failed(RankFailure.from_exception(rank, phase, exc))
 
     def _overran(self, call_idx: int, pid: Optional[int], stack_file: Any) -> AsyncTimeoutError:
         """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``. Asks
@@ -131,6 +133,18 @@ class AsyncCaller(abc.ABC):
             + stack_dump.timeout_note(rank, pid, stack_file)
         )
 
+    def _never_started(self, pid: Optional[int]) -> AsyncTimeoutError:
+        """The error for a forked writer ``pid`` that did not run its first line within
+        ``fork_start_timeout_s`` (and is killed)."""
+        return AsyncTimeoutError(
+            f"rank {coordination.get_rank()}: the forked writer (pid {pid}) did not start within "
+            f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s and was killed: the "
+            "fork hung in the child before running any code (CPython gh-112275, a thread "
+            "starting or ending as the trainer forked, or a library's at-fork handler). The "
+            "next save forks afresh; if this repeats, use the persistent caller (one fork per "
+            "job) or Python >= 3.12"
+        )
+
     def _prepare(self) -> None:
         """Get ready to start a call, before its data is staged (the persistent caller
         replaces a dead worker here); raises when it cannot."""
@@ -142,12 +156,8 @@ class AsyncCaller(abc.ABC):
         Raises when it cannot start (``staged`` stays the scheduler's to release)."""
 
     @abc.abstractmethod
-    def _set_status(self, call_idx: int, status: CallStatus) -> None:
-        """Record the local status of call ``call_idx`` for :meth:`poll`."""
-
-    @abc.abstractmethod
     def _abandon(self, call_idx: int) -> None:
-        """Forget call ``call_idx`` and kill the process that could still write it."""
+        """Kill the process that could still write the abandoned call ``call_idx``."""
 
     @abc.abstractmethod
     def poll(self, call_idx: int) -> CallStatus:
@@ -236,6 +246,18 @@ class AsyncCaller(abc.ABC):
         """Return True when no rank reports ``is_alive`` (one gloo all-reduce)."""
         (any_alive,) = coordination.all_reduce_max([int(is_alive)])
         return not any_alive
+
+    def _abort_at_exit(self) -> None:
+        """Kill what still runs (trainer side, at interpreter exit: registered by
+        :func:`~megatron_async.core.process_lifetime.abort_at_exit`)."""
+        pending = [idx for idx, status in self._statuses.items() if not status.is_terminal]
+        if pending:
+            logger.warning(
+                "rank %d: exiting with unfinalized async saves %s; they are aborted and their "
+                "checkpoints stay incomplete. Call AsyncCallsQueue.close() before exiting.",
+                coordination.get_rank(), pending,
+            )
+        self.close(abort=True)
 
     def __del__(self) -> None:
         try:

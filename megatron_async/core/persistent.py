@@ -14,7 +14,6 @@ from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.request import AsyncRequest, release_staged_data
 from megatron_async.errors import (
-    AsyncTimeoutError,
     RankFailure,
     ReplacedReferenceAPIError,
     WorkerDiedError,
@@ -53,7 +52,6 @@ class PersistentAsyncCaller(AsyncCaller):
         self._last_pid: Optional[int] = None  # of the last worker started: the next replaces it
         self._ready = False
         self._started_at = 0.0  # when the current worker was started
-        self._statuses: Dict[int, CallStatus] = {}
         self._sent_at: Dict[int, float] = {}  # call -> when it was sent: timeout_s counts from there
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
@@ -170,11 +168,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._sent_at[idx] = time.monotonic()
         return self.process.pid
 
-    def _set_status(self, call_idx: int, status: CallStatus) -> None:
-        self._statuses[call_idx] = status
-
     def _abandon(self, call_idx: int) -> None:
-        self._statuses.pop(call_idx, None)
         self._kill_worker("worker", WorkerDiedError(
             f"rank {self.rank}: the persistent worker was killed because scheduling async "
             f"call {call_idx} was interrupted"))
@@ -198,12 +192,7 @@ class PersistentAsyncCaller(AsyncCaller):
         now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
         if pid is not None and not self._ready and now - self._started_at > self.config.fork_start_timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: the forked persistent worker (pid {pid}) did not start within "
-                f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s (hung in the child "
-                "before its first line); it was killed and a new one starts with the next save"
-            )
-            self._kill_worker("timeout", exc)
+            self._kill_worker("timeout", self._never_started(pid))
         elif now - self._sent_at[call_idx] > self.config.timeout_s:
             self._kill_worker("timeout", self._overran(
                 call_idx, pid, self.process and self.process.stack_file))
@@ -255,14 +244,3 @@ class PersistentAsyncCaller(AsyncCaller):
             "runs: create PersistentAsyncCaller() or AsyncCallsQueue(persistent=True), which "
             "start a worker (megatron_async.core.worker_loop) and send it requests"
         )
-
-    def _abort_at_exit(self) -> None:
-        pending = [i for i, s in self._statuses.items() if not s.is_terminal]
-        if pending:
-            logger.warning(
-                "rank %d: exiting with unfinalized async saves %s; they are aborted and their "
-                "checkpoints stay incomplete. Call AsyncCallsQueue.close() before exiting.",
-                self.rank, pending,
-            )
-        self.close(abort=True)
-

@@ -22,7 +22,7 @@ from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.request import AsyncRequest, release_staged_data
-from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+from megatron_async.errors import RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
 
@@ -76,7 +76,6 @@ class TemporalAsyncCaller(AsyncCaller):
         super().__init__(config)
         self.process: Optional[mp.Process] = None
         self._result_conn = None
-        self._status: CallStatus = CallStatus.succeeded()
         self._forked_at = 0.0
         self._child_started = False
         self._staged: Any = None
@@ -110,50 +109,42 @@ class TemporalAsyncCaller(AsyncCaller):
         self._stack_file, self._staged = stack_file, staged
         return process.pid
 
-    def _set_status(self, call_idx: int, status: CallStatus) -> None:
-        self._status = status
-
     def _abandon(self, call_idx: int) -> None:
         self.close(abort=True)
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead child and enforces the timeout."""
-        if self._status.is_terminal:
-            return self._status
+        status = self._statuses[call_idx]
+        if status.is_terminal:
+            return status
         rank = coordination.get_rank()
         alive = self.process.is_alive()  # before reading: a child that reported, then exited, is read
         if self._result_conn.poll(0):
-            self._status = self._receive_result(rank)
+            status = self._receive_result(rank, status)
         elif not alive:
-            self._status = CallStatus.failed(self._died_failure(rank))
+            status = CallStatus.failed(self._died_failure(rank))
         elif (not self._child_started
               and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
             kill_and_reap(self.process)
-            exc = AsyncTimeoutError(
-                f"rank {rank}: the forked background save (pid {self.process.pid}) of async call "
-                f"{call_idx} did not start within fork_start_timeout_s="
-                f"{self.config.fork_start_timeout_s:.0f}s and was killed: the fork hung in the "
-                "child before running any code (CPython gh-112275, a thread starting or ending "
-                "as the trainer forked, or a library's at-fork handler). The next save forks "
-                "afresh; if this repeats, use the persistent caller or Python >= 3.12"
-            )
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+            exc = self._never_started(self.process.pid)
+            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._forked_at > self.config.timeout_s:
             exc = self._overran(call_idx, self.process.pid, self._stack_file)
             kill_and_reap(self.process)
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        if self._status.is_terminal:
+            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        if status.is_terminal:
             self._stack_file = None  # the child is done: no stacks to ask for
-        return self._status
+        self._statuses[call_idx] = status
+        return status
 
-    def _receive_result(self, rank: int) -> CallStatus:
+    def _receive_result(self, rank: int, status: CallStatus) -> CallStatus:
         """Read what the child sent: ``started`` first, then how the call ended."""
         try:
             kind, payload = self._result_conn.recv()
             if kind == "started":
                 self._child_started = True
                 if not self._result_conn.poll(0):
-                    return self._status
+                    return status
                 kind, payload = self._result_conn.recv()
         except (EOFError, OSError):
             return CallStatus.failed(self._died_failure(rank))
@@ -198,12 +189,3 @@ class TemporalAsyncCaller(AsyncCaller):
             self._result_conn = None
         self.process = None
         self._release_staged()
-
-    def _abort_at_exit(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            logger.warning(
-                "exiting with an unfinalized async save (pid %d); it is aborted and its "
-                "checkpoint stays incomplete. Call AsyncCallsQueue.close() before exiting.",
-                self.process.pid,
-            )
-        self.close(abort=True)
