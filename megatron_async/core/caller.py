@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.core.process_lifetime import abort_at_exit
 from megatron_async.core.request import (
     AsyncRequest, hand_over_staged, release_staged_data, stage_request,
 )
@@ -72,6 +73,7 @@ class AsyncCaller(abc.ABC):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
         self._statuses: Dict[int, CallStatus] = {}  # this rank's view of each call, for poll
+        abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Stage the request's data (``preload_fn``), start ``async_fn`` in the background

@@ -7,7 +7,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
+from megatron_async.core.process_lifetime import describe_exit, kill_and_reap
 from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
@@ -55,7 +55,6 @@ class PersistentAsyncCaller(AsyncCaller):
         self._sent_at: Dict[int, float] = {}  # call -> when it was sent: timeout_s counts from there
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
-        abort_at_exit(self)
         try:
             self._start_worker()
         except WorkerDiedError as exc:

@@ -12,12 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import (
-    abort_at_exit,
-    describe_exit,
-    enter_background,
-    kill_and_reap,
-)
+from megatron_async.core.process_lifetime import describe_exit, enter_background, kill_and_reap
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
@@ -80,7 +75,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self._child_started = False
         self._staged: Any = None
         self._stack_file = None
-        abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if self.process is not None:
