@@ -15,7 +15,7 @@ from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError, QueueClosedError
 from megatron_async.staging.budget import validate_staging_memory_limit
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S
+from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.writer.torch_save_file import write_torch_save_file
 
@@ -138,7 +138,7 @@ class TorchAsyncCheckpoint:
             finalize_fns=[_SaveReport(target, self.staging_stats)],
             preload_fn=functools.partial(
                 stage_torch_save, state_dict, pickle_module, pickle_protocol, not _disable_byteorder_record,
-                self.staging_memory_limit, DEFAULT_STAGING_WAIT_S, self.staging_stats,
+                self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats,
             ),
         )
         try:

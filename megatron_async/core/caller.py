@@ -12,12 +12,17 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-from megatron_async.core import coordination
+from megatron_async.core import coordination, stack_dump
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import AsyncRequest
-from megatron_async.errors import AsyncSaveFailedError, CoordinationError, RankFailure
+from megatron_async.core.process_lifetime import abort_at_exit
+from megatron_async.core.request import (
+    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
+)
+from megatron_async.errors import (
+    AsyncSaveFailedError, AsyncTimeoutError, CoordinationError, RankFailure,
+)
 
 __all__ = ["CallState", "CallStatus", "AsyncCaller"]
 
@@ -67,13 +72,94 @@ class AsyncCaller(abc.ABC):
     def __init__(self, config: Optional[AsyncCallerConfig] = None):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
+        self._statuses: Dict[int, CallStatus] = {}  # this rank's view of each call, for poll
+        abort_at_exit(self)
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Stage the request's data (``preload_fn``), start ``async_fn`` in the background
+        and return once the data is handed over (trainer side).
+
+        Must be called on every rank (the request may be a no-op on some). A failure to
+        stage or to start is recorded for :meth:`poll`, never raised: raising here would
+        leave this rank out of step. An interrupt while handing the data over abandons the
+        call (:meth:`_abandon`: nothing may still write it) and propagates.
+        """
+        idx = async_req.call_idx
+        self._current_call_idx = idx
+        if async_req.async_fn is None and async_req.preload_fn is None:
+            self._statuses[idx] = CallStatus.succeeded()
+            return
+        try:
+            self._prepare()
+        except Exception as exc:
+            self._record_failure(idx, "schedule", exc)
+            return
+        try:
+            args, staged = stage_request(async_req)
+        except Exception as exc:
+            self._record_failure(idx, "staging", exc)
+            return
+        if async_req.async_fn is None:
+            release_staged_data(staged)
+            self._statuses[idx] = CallStatus.succeeded()
+            return
+        try:
+            pid = self._start(async_req, args, staged)
+        except Exception as exc:
+            release_staged_data(staged)
+            self._record_failure(idx, "schedule", exc)
+            return
+        self._statuses[idx] = CallStatus.running()
+        try:
+            hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
+        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
+            del self._statuses[idx]
+            self._abandon(idx)
+            raise
+        logger.debug("rank %d: async call %d runs in pid %d", coordination.get_rank(), idx, pid)
+
+    def _record_failure(self, call_idx: int, phase: str, exc: Exception) -> None:
+        rank = coordination.get_rank()
+        logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
+        self._statuses[call_idx] = CallStatus.failed(RankFailure.from_exception(rank, phase, exc))
+
+    def _overran(self, call_idx: int, pid: Optional[int], stack_file: Any) -> AsyncTimeoutError:
+        """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``. Asks
+        the writer for its stacks (:mod:`~megatron_async.core.stack_dump`): call it before
+        the kill."""
+        rank = coordination.get_rank()
+        return AsyncTimeoutError(
+            f"rank {rank}: async call {call_idx} ran longer than timeout_s="
+            f"{self.config.timeout_s:.0f}s in background process {pid}, which was killed; "
+            "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
+            + stack_dump.timeout_note(rank, pid, stack_file)
+        )
+
+    def _never_started(self, pid: Optional[int]) -> AsyncTimeoutError:
+        """The error for a forked writer ``pid`` that did not run its first line within
+        ``fork_start_timeout_s`` (and is killed)."""
+        return AsyncTimeoutError(
+            f"rank {coordination.get_rank()}: the forked writer (pid {pid}) did not start within "
+            f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s and was killed: the "
+            "fork hung in the child before running any code (CPython gh-112275, a thread "
+            "starting or ending as the trainer forked, or a library's at-fork handler). The "
+            "next save forks afresh; if this repeats, use the persistent caller (one fork per "
+            "job) or Python >= 3.12"
+        )
+
+    def _prepare(self) -> None:
+        """Get ready to start a call, before its data is staged (the persistent caller
+        replaces a dead worker here); raises when it cannot."""
 
     @abc.abstractmethod
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Start ``async_req`` in the background; returns once its data is staged.
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Start ``async_fn(*args)`` in a background process and return its pid; from here
+        on the caller owns ``staged`` and releases it once that process is done with it.
+        Raises when it cannot start (``staged`` stays the scheduler's to release)."""
 
-        Must be called on every rank (the request may be a no-op on some).
-        """
+    @abc.abstractmethod
+    def _abandon(self, call_idx: int) -> None:
+        """Kill the process that could still write the abandoned call ``call_idx``."""
 
     @abc.abstractmethod
     def poll(self, call_idx: int) -> CallStatus:
@@ -162,6 +248,18 @@ class AsyncCaller(abc.ABC):
         """Return True when no rank reports ``is_alive`` (one gloo all-reduce)."""
         (any_alive,) = coordination.all_reduce_max([int(is_alive)])
         return not any_alive
+
+    def _abort_at_exit(self) -> None:
+        """Kill what still runs (trainer side, at interpreter exit: registered by
+        :func:`~megatron_async.core.process_lifetime.abort_at_exit`)."""
+        pending = [idx for idx, status in self._statuses.items() if not status.is_terminal]
+        if pending:
+            logger.warning(
+                "rank %d: exiting with unfinalized async saves %s; they are aborted and their "
+                "checkpoints stay incomplete. Call AsyncCallsQueue.close() before exiting.",
+                coordination.get_rank(), pending,
+            )
+        self.close(abort=True)
 
     def __del__(self) -> None:
         try:

@@ -6,34 +6,29 @@ import dataclasses
 
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG"]
+__all__ = ["AsyncCallerConfig", "DEFAULT_CONFIG", "STAGING_WAIT_S"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AsyncCallerConfig:
     """Bounds and pacing of every wait in the async path.
 
-    Every wait a trainer can get stuck in is bounded by one of these fields, and each
-    wait also checks that the background process is alive, so a dead worker is noticed
-    within ``poll_interval_s`` rather than at the timeout.
+    Every wait a trainer can get stuck in is bounded by one of these fields (staging's
+    by :data:`STAGING_WAIT_S`), and each wait also checks that the background process is
+    alive, so a dead worker is noticed within ``poll_interval_s`` rather than at the timeout.
 
     The one place the library's user-facing bounds are set: a queue and its callers read
     the config they were given; code that runs where no caller's config reaches it (the
-    writer's own options, staging inside ``preload_fn``, a coordination group created
-    before any queue) takes its default from :data:`DEFAULT_CONFIG`, never from a literal
-    of its own.
+    writer's own options, a coordination group created before any queue) takes its
+    default from :data:`DEFAULT_CONFIG`, never from a literal of its own.
     """
 
     timeout_s: float = 3600.0
-    """Longest the background part of a save (the write, counted from the end of staging)
-    may run before its process is killed and the save fails on every rank with a timeout."""
-
-    staging_timeout_s: float = 600.0
-    """Longest the persistent worker may take to pick up a request sent to it, before it
-    is killed and the save fails on every rank. Staging itself runs in the trainer, inside
-    ``preload_fn`` where no caller's config reaches it: its waits (device-to-host copies,
-    staging memory held by an earlier save, an overlapped copy) are bounded by this
-    field's default."""
+    """Longest the background part of a save may run before its process is killed and the
+    save fails on every rank with a timeout: counted from the end of staging, when the
+    temporal caller forks its writer or the persistent caller sends the request (the
+    worker takes requests as they come and writes them in order, so a call's time
+    includes its wait behind an earlier one)."""
 
     fork_start_timeout_s: float = 30.0
     """Longest a forked writer (the temporal caller's, or the persistent worker) may take
@@ -75,12 +70,18 @@ class AsyncCallerConfig:
                     f"AsyncCallerConfig.{field.name} must be a positive number of seconds, "
                     f"got {value!r}"
                 )
-        if self.poll_interval_s > min(self.timeout_s, self.staging_timeout_s):
+        if self.poll_interval_s > self.timeout_s:
             raise CheckpointValidationError(
-                "AsyncCallerConfig.poll_interval_s must not exceed timeout_s or "
-                f"staging_timeout_s (got poll_interval_s={self.poll_interval_s})"
+                "AsyncCallerConfig.poll_interval_s must not exceed timeout_s "
+                f"(got poll_interval_s={self.poll_interval_s})"
             )
 
 
 DEFAULT_CONFIG = AsyncCallerConfig()
 """The defaults, for the waits that no caller's config reaches (see :class:`AsyncCallerConfig`)."""
+
+
+STAGING_WAIT_S = 600.0
+"""Bound on each wait of staging (device-to-host copies, staging memory held by an earlier
+save, an overlapped copy). Staging runs in the trainer inside ``preload_fn``, where no
+caller's config reaches it."""

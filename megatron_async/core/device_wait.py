@@ -24,7 +24,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron_async.core.config import DEFAULT_CONFIG
+from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
@@ -51,7 +51,7 @@ class DeviceCopyTimeoutError(AsyncTimeoutError):
 
 def wait_for_device_copies(
     devices: Iterable[torch.device],
-    timeout_s: float = DEFAULT_CONFIG.staging_timeout_s,
+    timeout_s: float = STAGING_WAIT_S,
     holding: Any = None,
 ) -> None:
     """Return once everything this thread queued so far on each CUDA device's current
@@ -69,7 +69,7 @@ def wait_for_device_copies(
 
 
 def wait_for_stream(
-    stream: Any, timeout_s: float = DEFAULT_CONFIG.staging_timeout_s, holding: Any = None
+    stream: Any, timeout_s: float = STAGING_WAIT_S, holding: Any = None
 ) -> None:
     """:func:`wait_for_device_copies` for the copies queued on ``stream`` (a side stream)."""
     _wait([(str(stream.device), stream)], timeout_s, holding)

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import abort_at_exit, describe_exit, kill_and_reap
+from megatron_async.core import coordination
+from megatron_async.core.process_lifetime import describe_exit, kill_and_reap
 from megatron_async.core.worker_loop import STOP
 from megatron_async.core.worker_process import WorkerProcess, start_worker
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.core.request import (
-    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
-)
+from megatron_async.core.request import AsyncRequest, release_staged_data
 from megatron_async.errors import (
-    AsyncTimeoutError,
     RankFailure,
     ReplacedReferenceAPIError,
     WorkerDiedError,
@@ -55,12 +52,9 @@ class PersistentAsyncCaller(AsyncCaller):
         self._last_pid: Optional[int] = None  # of the last worker started: the next replaces it
         self._ready = False
         self._started_at = 0.0  # when the current worker was started
-        self._statuses: Dict[int, CallStatus] = {}
-        self._start_times: Dict[int, float] = {}
-        self._unreceived: Dict[int, float] = {}  # call -> time it was sent
+        self._sent_at: Dict[int, float] = {}  # call -> when it was sent: timeout_s counts from there
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
         self._closed = False
-        abort_at_exit(self)
         try:
             self._start_worker()
         except WorkerDiedError as exc:
@@ -91,7 +85,6 @@ class PersistentAsyncCaller(AsyncCaller):
         # The worker is gone: nothing reads the staged data any more.
         for idx in list(self._held):
             self._release_call(idx)
-        self._unreceived.clear()
 
     def _release_call(self, idx: int) -> None:
         held = self._held.pop(idx, None)
@@ -143,14 +136,8 @@ class PersistentAsyncCaller(AsyncCaller):
                 elif kind == "error":
                     self._statuses[idx] = CallStatus.failed(message[2])
                     self._release_call(idx)
-                    self._unreceived.pop(idx, None)
                 elif kind == "ready":
                     self._ready = True
-                elif kind == "received":
-                    self._unreceived.pop(idx, None)
-                    # timeout_s bounds the background part from here on; the time
-                    # until the worker took the call is bounded by staging_timeout_s.
-                    self._start_times[idx] = time.monotonic()
         except (EOFError, OSError):
             self._worker_died()
             return
@@ -160,58 +147,30 @@ class PersistentAsyncCaller(AsyncCaller):
 
     # -- caller interface ----------------------------------------------------------------
 
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Stage the request's data, send the request to the worker and return.
-
-        Runs on every rank. Failures (staging error, unpicklable request, no shared
-        memory, a failed fork) are recorded for :meth:`poll`, never raised here. A worker
-        that died since the last call is replaced.
-        """
-        idx = async_req.call_idx
-        self._current_call_idx = idx
-        self._start_times[idx] = time.monotonic()
-        if async_req.async_fn is None and async_req.preload_fn is None:
-            self._statuses[idx] = CallStatus.succeeded()
-            return
+    def _prepare(self) -> None:
+        """Replace a worker that died since the last call (before staging)."""
         self._drain_messages()  # notices a worker that became ready, or died
         if self.process is None:
             try:
                 self._start_worker()
-            except Exception as exc:  # recorded: raising here would leave this rank out of step
-                logger.error("rank %d: cannot start the persistent worker: %s", self.rank, exc)
+            except Exception:
                 self._discard_worker(kill=True)
-                self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
-                return
-        try:
-            args, staged = stage_request(async_req)
-        except Exception as exc:
-            logger.error("rank %d: staging of async call %d failed: %s", self.rank, idx, exc)
-            self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "staging", exc))
-            return
-        if async_req.async_fn is None:
-            release_staged_data(staged)
-            self._statuses[idx] = CallStatus.succeeded()
-            return
+                raise
+
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Send the request, its staged data as shared-memory references, to the worker."""
+        idx = async_req.call_idx
         request = async_req._replace(async_fn_args=args, preload_fn=None, finalize_fns=[])
-        try:
-            encoded, arena = self.process.requests.encode(request)
-        except Exception as exc:
-            logger.error("rank %d: async call %d cannot be sent to the worker: %s", self.rank, idx, exc)
-            release_staged_data(staged)
-            self._statuses[idx] = CallStatus.failed(RankFailure.from_exception(self.rank, "schedule", exc))
-            return
-        self._held[idx] = (staged, arena)
-        self._statuses[idx] = CallStatus.running()
-        self._unreceived[idx] = time.monotonic()
+        encoded, arena = self.process.requests.encode(request)
         self.process.send((idx, encoded))
-        try:
-            hand_over_staged(staged, self.process.pid)  # overlapped or in rounds: copied now
-        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
-            self._statuses.pop(idx, None)
-            self._kill_worker("worker", WorkerDiedError(
-                f"rank {self.rank}: the persistent worker was killed because scheduling async "
-                f"call {idx} was interrupted"))
-            raise
+        self._held[idx] = (staged, arena)
+        self._sent_at[idx] = time.monotonic()
+        return self.process.pid
+
+    def _abandon(self, call_idx: int) -> None:
+        self._kill_worker("worker", WorkerDiedError(
+            f"rank {self.rank}: the persistent worker was killed because scheduling async "
+            f"call {call_idx} was interrupted"))
 
     def is_worker_ready(self) -> bool:
         """Whether the worker has started and takes the next save (trainer side, never blocks)."""
@@ -231,29 +190,11 @@ class PersistentAsyncCaller(AsyncCaller):
             return status
         now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
-        sent = self._unreceived.get(call_idx)
         if pid is not None and not self._ready and now - self._started_at > self.config.fork_start_timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: the forked persistent worker (pid {pid}) did not start within "
-                f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s (hung in the child "
-                "before its first line); it was killed and a new one starts with the next save"
-            )
-            self._kill_worker("timeout", exc)
-        elif sent is not None and now - sent > self.config.staging_timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: persistent worker (pid {pid}) did not take async call "
-                f"{call_idx} within staging_timeout_s={self.config.staging_timeout_s:.0f}s; "
-                "it was killed and a new one starts with the next save"
-            )
-            self._kill_worker("timeout", exc)
-        elif sent is None and now - self._start_times[call_idx] > self.config.timeout_s:
-            exc = AsyncTimeoutError(
-                f"rank {self.rank}: async call {call_idx} ran longer than timeout_s="
-                f"{self.config.timeout_s:.0f}s in persistent worker (pid {pid}), which was killed; "
-                "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + stack_dump.timeout_note(self.rank, pid, self.process and self.process.stack_file)
-            )
-            self._kill_worker("timeout", exc)
+            self._kill_worker("timeout", self._never_started(pid))
+        elif now - self._sent_at[call_idx] > self.config.timeout_s:
+            self._kill_worker("timeout", self._overran(
+                call_idx, pid, self.process and self.process.stack_file))
         return self._statuses[call_idx]
 
     def _kill_worker(self, phase: str, exc: Exception) -> None:
@@ -264,7 +205,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def release(self, call_idx: int) -> None:
         """Forget a finalized call (the worker itself stays up)."""
         self._statuses.pop(call_idx, None)
-        self._start_times.pop(call_idx, None)
+        self._sent_at.pop(call_idx, None)
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker: let it finish (bounded), or kill it with ``abort``."""
@@ -302,14 +243,3 @@ class PersistentAsyncCaller(AsyncCaller):
             "runs: create PersistentAsyncCaller() or AsyncCallsQueue(persistent=True), which "
             "start a worker (megatron_async.core.worker_loop) and send it requests"
         )
-
-    def _abort_at_exit(self) -> None:
-        pending = [i for i, s in self._statuses.items() if not s.is_terminal]
-        if pending:
-            logger.warning(
-                "rank %d: exiting with unfinalized async saves %s; they are aborted and their "
-                "checkpoints stay incomplete. Call AsyncCallsQueue.close() before exiting.",
-                self.rank, pending,
-            )
-        self.close(abort=True)
-

@@ -6,25 +6,18 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_async.core import coordination, stack_dump
-from megatron_async.core.process_lifetime import (
-    abort_at_exit,
-    describe_exit,
-    enter_background,
-    kill_and_reap,
-)
+from megatron_async.core.process_lifetime import describe_exit, enter_background, kill_and_reap
 from megatron_async.core.caller import AsyncCaller, CallStatus
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
-from megatron_async.core.request import (
-    AsyncRequest, hand_over_staged, release_staged_data, stage_request,
-)
-from megatron_async.errors import AsyncTimeoutError, RankFailure, WorkerDiedError
+from megatron_async.core.request import AsyncRequest, release_staged_data
+from megatron_async.errors import RankFailure, WorkerDiedError
 
 __all__ = ["TemporalAsyncCaller"]
 
@@ -78,108 +71,74 @@ class TemporalAsyncCaller(AsyncCaller):
         super().__init__(config)
         self.process: Optional[mp.Process] = None
         self._result_conn = None
-        self._status: CallStatus = CallStatus.succeeded()
         self._forked_at = 0.0
         self._child_started = False
         self._staged: Any = None
         self._stack_file = None
-        abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Stage the request's data, then fork a process that runs ``async_fn``.
-
-        Runs on every rank; returns once the data is staged and the child started.
-        A staging failure is recorded (not raised) and reported by :meth:`poll`.
-        """
         if self.process is not None:
             raise RuntimeError("a TemporalAsyncCaller runs exactly one call; create a new one")
-        rank = coordination.get_rank()
-        self._current_call_idx = async_req.call_idx
-        try:
-            args, self._staged = stage_request(async_req)
-        except Exception as exc:
-            logger.error("rank %d: staging of async call %d failed: %s", rank, async_req.call_idx, exc)
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "staging", exc))
-            return
-        if async_req.async_fn is None:
-            self._status = CallStatus.succeeded()
-            self._release_staged()
-            return
-        try:
-            _synchronize_cuda_if_used()
-            self._stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
-            ctx = mp.get_context("fork")
-            self._result_conn, child_conn = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_run_forked_call,
-                args=(
-                    child_conn, rank, os.getpid(), self.config.writer_nice_increment, self._stack_file,
-                    async_req.async_fn, args, async_req.async_fn_kwargs or {},
-                ),
-                name=f"megatron-async-save-{async_req.call_idx}",
-                daemon=False,  # a daemon could not start the writer's own I/O processes
-            )
-            process.start()
-            self._forked_at = time.monotonic()
-            child_conn.close()
-        except Exception as exc:  # recorded: raising here would leave this rank out of step
-            logger.error("rank %d: cannot start the background save: %s", rank, exc)
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "schedule", exc))
-            self._release_staged()
-            return
-        self.process = process
-        self._status = CallStatus.running()
-        try:
-            hand_over_staged(self._staged, process.pid)  # overlapped or in rounds: copied now
-        except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
-            self.close(abort=True)
-            raise
-        logger.debug("rank %d: forked pid %d for async call %d", rank, self.process.pid, async_req.call_idx)
+        super().schedule_async_call(async_req)
+
+    def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
+        """Fork the child that runs ``async_fn``; it inherits the staged snapshot."""
+        _synchronize_cuda_if_used()
+        stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
+        ctx = mp.get_context("fork")
+        result_conn, child_conn = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=_run_forked_call,
+            args=(
+                child_conn, coordination.get_rank(), os.getpid(), self.config.writer_nice_increment,
+                stack_file, async_req.async_fn, args, async_req.async_fn_kwargs or {},
+            ),
+            name=f"megatron-async-save-{async_req.call_idx}",
+            daemon=False,  # a daemon could not start the writer's own I/O processes
+        )
+        process.start()
+        self._forked_at = time.monotonic()
+        child_conn.close()
+        self.process, self._result_conn = process, result_conn
+        self._stack_file, self._staged = stack_file, staged
+        return process.pid
+
+    def _abandon(self, call_idx: int) -> None:
+        self.close(abort=True)
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead child and enforces the timeout."""
-        if self._status.is_terminal:
-            return self._status
+        status = self._statuses[call_idx]
+        if status.is_terminal:
+            return status
         rank = coordination.get_rank()
         alive = self.process.is_alive()  # before reading: a child that reported, then exited, is read
         if self._result_conn.poll(0):
-            self._status = self._receive_result(rank)
+            status = self._receive_result(rank, status)
         elif not alive:
-            self._status = CallStatus.failed(self._died_failure(rank))
+            status = CallStatus.failed(self._died_failure(rank))
         elif (not self._child_started
               and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
             kill_and_reap(self.process)
-            exc = AsyncTimeoutError(
-                f"rank {rank}: the forked background save (pid {self.process.pid}) of async call "
-                f"{call_idx} did not start within fork_start_timeout_s="
-                f"{self.config.fork_start_timeout_s:.0f}s and was killed: the fork hung in the "
-                "child before running any code (CPython gh-112275, a thread starting or ending "
-                "as the trainer forked, or a library's at-fork handler). The next save forks "
-                "afresh; if this repeats, use the persistent caller or Python >= 3.12"
-            )
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+            exc = self._never_started(self.process.pid)
+            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._forked_at > self.config.timeout_s:
-            where = stack_dump.timeout_note(rank, self.process.pid, self._stack_file)
+            exc = self._overran(call_idx, self.process.pid, self._stack_file)
             kill_and_reap(self.process)
-            exc = AsyncTimeoutError(
-                f"rank {rank}: background save (pid {self.process.pid}) of async call "
-                f"{call_idx} ran longer than timeout_s={self.config.timeout_s:.0f}s and was "
-                "killed; check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-                + where
-            )
-            self._status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        if self._status.is_terminal:
+            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        if status.is_terminal:
             self._stack_file = None  # the child is done: no stacks to ask for
-        return self._status
+        self._statuses[call_idx] = status
+        return status
 
-    def _receive_result(self, rank: int) -> CallStatus:
+    def _receive_result(self, rank: int, status: CallStatus) -> CallStatus:
         """Read what the child sent: ``started`` first, then how the call ended."""
         try:
             kind, payload = self._result_conn.recv()
             if kind == "started":
                 self._child_started = True
                 if not self._result_conn.poll(0):
-                    return self._status
+                    return status
                 kind, payload = self._result_conn.recv()
         except (EOFError, OSError):
             return CallStatus.failed(self._died_failure(rank))
@@ -224,12 +183,3 @@ class TemporalAsyncCaller(AsyncCaller):
             self._result_conn = None
         self.process = None
         self._release_staged()
-
-    def _abort_at_exit(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            logger.warning(
-                "exiting with an unfinalized async save (pid %d); it is aborted and its "
-                "checkpoint stays incomplete. Call AsyncCallsQueue.close() before exiting.",
-                self.process.pid,
-            )
-        self.close(abort=True)

@@ -7,10 +7,10 @@ Protocol over the control connection, trainer -> worker:
     ``(call_idx, encoded_request)``: map the request's new shared-memory segments and
     unpickle it (:class:`SegmentTable`; the encoding is
     :mod:`megatron_async.core.request_transport`'s, its data already staged by the
-    trainer), acknowledge, then write;
+    trainer), then write;
     ``STOP``: finish the writes already accepted and exit.
 Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
-``("ready", None)`` once at start-up, ``("received", idx)``, ``("done", idx)``,
+``("ready", None)`` once at start-up, ``("done", idx)``,
 ``("error", idx, RankFailure)``.
 
 Receiving and writing run on different threads, so a second request is taken while the
@@ -253,7 +253,6 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
             jobs.put(None)
             writer.join()
             os._exit(1)
-        report("received", call_idx)
         jobs.put((call_idx, request, encoded.call_segments))
         del request, encoded
 

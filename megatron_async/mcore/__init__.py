@@ -11,7 +11,7 @@
 * :mod:`.finalize`: the request's commit step, and a gloo-safe ``metadata.json`` step.
 
 Importing this package imports megatron-core. The public import path of the strategy is
-:mod:`megatron_async.strategy`.
+``megatron_async.TorchDistAsyncSaveStrategy``.
 """
 
 # First: an unsupported megatron-core fails here with one clear error, before any other

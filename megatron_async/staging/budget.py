@@ -35,7 +35,8 @@ from megatron_async.core.coordination import local_world_size
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
 from megatron_async.staging.copy_job import CopyThread, StagedData
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
+from megatron_async.core.config import STAGING_WAIT_S
+from megatron_async.staging.gate import StagingGate
 
 __all__ = ["StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
 
@@ -197,7 +198,7 @@ class StagingLedger(OnePerProcess):
         hold.tie_to(staged)
         return staged
 
-    def pool(self, num_bytes: int, pinned: bool, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> torch.Tensor:
+    def pool(self, num_bytes: int, pinned: bool, timeout_s: float = STAGING_WAIT_S) -> torch.Tensor:
         """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,
         once no earlier save's copy job writes into it (bounded by ``timeout_s``: its
         writer may be done, or failed, while its copy job still runs).

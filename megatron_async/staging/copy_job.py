@@ -29,7 +29,8 @@ from megatron_async.core.device_wait import landed_after_failure, wait_for_strea
 from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, StagingRaceError
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate, wait_for_room
+from megatron_async.core.config import STAGING_WAIT_S
+from megatron_async.staging.gate import StagingGate, wait_for_room
 
 __all__ = ["CopyJob", "CopyThread", "OVERLAPPED_ADVICE", "StagedData", "watch"]
 
@@ -78,7 +79,7 @@ class CopyJob:
 
     def __init__(self, gate: StagingGate, copies: List[tuple], rank: int, indices: List[int],
                  waits_for: Optional[Sequence[Sequence[int]]] = None,
-                 timeout_s: float = DEFAULT_STAGING_WAIT_S,
+                 timeout_s: float = STAGING_WAIT_S,
                  what: str = "overlapped staging", advice: str = OVERLAPPED_ADVICE):
         self.gate: Optional[StagingGate] = gate
         self.copies = copies
@@ -239,7 +240,7 @@ class CopyThread(OnePerProcess):
                 return job
         return None
 
-    def wait_for_copies(self, timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+    def wait_for_copies(self, timeout_s: float = STAGING_WAIT_S) -> None:
         """Block until every job is done (see :func:`~.overlapped.wait_for_staging`).
 
         Raises:

@@ -35,7 +35,6 @@ import torch
 
 from megatron_async.buckets.layout import WriteBucket
 from megatron_async.core import shared_memory
-from megatron_async.core.config import DEFAULT_CONFIG
 from megatron_async.errors import (
     AsyncTimeoutError,
     StagingRaceError,
@@ -44,13 +43,11 @@ from megatron_async.errors import (
 )
 
 __all__ = [
-    "DEFAULT_STAGING_WAIT_S",
     "StagingGate",
     "wait_on_gate",
     "wait_for_room",
 ]
 
-DEFAULT_STAGING_WAIT_S = DEFAULT_CONFIG.staging_timeout_s
 """Bound on every staging wait without a configured one: for an overlapped copy, for an
 earlier save's staging memory or copy, and for each round (trainer and background writer)."""
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.copy_job import CopyThread
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S
+from megatron_async.core.config import STAGING_WAIT_S
 
 __all__ = [
     "wait_for_staging",
@@ -47,7 +47,7 @@ def staging_in_progress() -> bool:
     return bool(CopyThread.of_process().pending())
 
 
-def wait_for_staging(timeout_s: float = DEFAULT_STAGING_WAIT_S) -> None:
+def wait_for_staging(timeout_s: float = STAGING_WAIT_S) -> None:
     """Block until every overlapped staging copy of this process is done (trainer).
 
     The optimizer step calls it automatically (see the module docstring); a custom loop

@@ -34,7 +34,8 @@ from megatron_async.staging.budget import StagingLedger, resolve_budget
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.copy_job import CopyThread
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, StagingGate
+from megatron_async.core.config import STAGING_WAIT_S
+from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.rounds import plan_bucket_rounds, stage_in_rounds
 
 __all__ = ["BucketStager", "prepare_staged_write"]
@@ -87,7 +88,7 @@ class BucketStager:
     stage_one_go: Optional[Callable[[], Any]] = None
     rounds_allowed: bool = True
     stats: dict = dataclasses.field(default_factory=dict)
-    timeout_s: float = DEFAULT_STAGING_WAIT_S
+    timeout_s: float = STAGING_WAIT_S
 
     def stage(self) -> Any:
         """Stage the buckets and return the staged data (trainer, the request's ``preload_fn``).

@@ -14,7 +14,8 @@ from typing import BinaryIO
 import torch
 
 from megatron_async.core.shared_memory import segment_view
-from megatron_async.staging.gate import DEFAULT_STAGING_WAIT_S, wait_on_gate
+from megatron_async.core.config import STAGING_WAIT_S
+from megatron_async.staging.gate import wait_on_gate
 from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.storage.local import atomic_output
 
@@ -22,7 +23,7 @@ __all__ = ["write_torch_save_file", "write_torch_save_records"]
 
 
 def write_torch_save_file(
-    path: str, staged: TorchSaveStaged, timeout_s: float = DEFAULT_STAGING_WAIT_S
+    path: str, staged: TorchSaveStaged, timeout_s: float = STAGING_WAIT_S
 ) -> None:
     """Write ``staged`` to ``path`` atomically (background writer).
 

@@ -23,7 +23,7 @@ def _shm_used() -> int:
 
 
 def _save_to_a_stuck_worker(out_dir: str, call_idx: int) -> str:
-    caller = PersistentAsyncCaller(AsyncCallerConfig(staging_timeout_s=1.0, poll_interval_s=0.05))
+    caller = PersistentAsyncCaller(AsyncCallerConfig(timeout_s=1.0, poll_interval_s=0.05))
     # Stopped once ready: it stops reading requests, not its start.
     deadline = time.monotonic() + 60
     while not caller.is_worker_ready() and time.monotonic() < deadline:

@@ -267,7 +267,7 @@ def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer
     """Ctrl-C while a save is still being staged, after the writer was forked or the request
     sent: the queue abandons the request, so what its steps hold (our commit step's claim on
     the directory) is freed at once, and the writer that could still write it is killed."""
-    from megatron_async.core import persistent as persistent_module, temporal
+    from megatron_async.core import caller, temporal
 
     class CommitStep:
         abandoned = 0
@@ -285,8 +285,7 @@ def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer
         raise KeyboardInterrupt
 
     queue = make_queue(persistent)
-    module = persistent_module if persistent else temporal
-    monkeypatch.setattr(module, "hand_over_staged", interrupted_while_staging)
+    monkeypatch.setattr(caller, "hand_over_staged", interrupted_while_staging)
     callers = []  # kept alive, as a traceback being handled keeps them: no kill at collection
     schedule = temporal.TemporalAsyncCaller.schedule_async_call
     monkeypatch.setattr(temporal.TemporalAsyncCaller, "schedule_async_call",
