@@ -46,16 +46,18 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 _free_chunks: List[mmap.mmap] = []
-"""Page-aligned anonymous mappings of :data:`_CHUNK_BYTES`, reused from file to file so
-that a save does not fault in fresh memory for its bounce chunks (``list.pop`` and
-``append`` are atomic: the writer's threads share it without a lock)."""
+"""Page-aligned private anonymous mappings of :data:`_CHUNK_BYTES`, reused from file to
+file so that a save does not fault in fresh memory for its bounce chunks (``list.pop``
+and ``append`` are atomic: the writer's threads share it without a lock). Private, so a
+forked writer's copy of an inherited chunk is its own (copy-on-write): a shared mapping
+would let two writers fill one chunk at once."""
 
 
 def _take_chunk() -> mmap.mmap:
     try:
         return _free_chunks.pop()
     except IndexError:
-        return mmap.mmap(-1, _CHUNK_BYTES)
+        return mmap.mmap(-1, _CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _give_back_chunk(chunk: mmap.mmap) -> None:

@@ -69,6 +69,9 @@ class AsyncCaller(abc.ABC):
     :meth:`poll`, so that it surfaces on every rank at finalization instead of on one.
     """
 
+    _if_forks_hang = "use the persistent caller (one fork per job) or Python >= 3.12"
+    """The advice of :meth:`_never_started` for a fork that hangs again and again."""
+
     def __init__(self, config: Optional[AsyncCallerConfig] = None):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
@@ -109,6 +112,9 @@ class AsyncCaller(abc.ABC):
             release_staged_data(staged)
             self._record_failure(idx, "schedule", exc)
             return
+        except BaseException:  # an interrupt: its writer may have the request already
+            self._abandon(idx)
+            raise
         self._statuses[idx] = CallStatus.running()
         try:
             hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
@@ -143,8 +149,7 @@ class AsyncCaller(abc.ABC):
             f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s and was killed: the "
             "fork hung in the child before running any code (CPython gh-112275, a thread "
             "starting or ending as the trainer forked, or a library's at-fork handler). The "
-            "next save forks afresh; if this repeats, use the persistent caller (one fork per "
-            "job) or Python >= 3.12"
+            f"next save forks afresh; if this repeats, {self._if_forks_hang}"
         )
 
     def _prepare(self) -> None:

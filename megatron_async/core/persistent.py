@@ -44,6 +44,8 @@ class PersistentAsyncCaller(AsyncCaller):
             (parent-death signal, exit hook), so both values behave the same.
     """
 
+    _if_forks_hang = "use Python >= 3.12"
+
     def __init__(self, config: Optional[AsyncCallerConfig] = None, *, is_daemon: bool = False):
         super().__init__(config)
         self.is_daemon = bool(is_daemon)
@@ -162,9 +164,13 @@ class PersistentAsyncCaller(AsyncCaller):
         idx = async_req.call_idx
         request = async_req._replace(async_fn_args=args, preload_fn=None, finalize_fns=[])
         encoded, arena = self.process.requests.encode(request)
-        self.process.send((idx, encoded))
-        self._held[idx] = (staged, arena)
+        self._held[idx] = (staged, arena)  # before the send: the worker may read at once
         self._sent_at[idx] = time.monotonic()
+        try:
+            self.process.send((idx, encoded))
+        except Exception:
+            del self._held[idx], self._sent_at[idx]
+            raise
         return self.process.pid
 
     def _abandon(self, call_idx: int) -> None:

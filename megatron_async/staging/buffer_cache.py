@@ -1,24 +1,43 @@
 """The trainer's reusable staging buffers: the latest bucket layout's, lent to one save at a time.
 
 Runs in the trainer (every rank has its own caches). :func:`~.buffers.stage_buckets`
-borrows a layout's buffers for the staged data of one save, which holds them until it is
-released (its writer read everything, or the caller gave it back) or gone: the staged
-data itself is the loan, so a release of an older save never frees a later save's buffers.
+borrows a layout's buffers for the staged data of one save through a :class:`Loan`, which
+ends when the staged data is released or its save's gate says the writer is done with it
+(or gone). Dropping the staged data does not end it: a writer forked by a caller that
+keeps no reference to the staged data (megatron-core 0.16's own queue) still reads the
+buffers. Each save has its own loan, so a release of an older save never frees a later
+save's buffers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
-from typing import Any, Hashable, List, Optional
+from typing import Any, Hashable, List, Optional, Tuple
 
 from megatron_async.core.device_wait import release_landed
 from megatron_async.core.one_per_process import OnePerProcess
 
-__all__ = ["StagingBufferCache"]
+__all__ = ["Loan", "StagingBufferCache"]
 
 logger = logging.getLogger(__name__)
+
+
+class Loan:
+    """One save's borrowing of the cached buffers (trainer): over once ``returned`` (the
+    staged data was released) or once ``gate`` (the save's
+    :class:`~megatron_async.staging.gate.StagingGate`, set by the stager) says its writer
+    is done reading or gone. Without either, the buffers stay lent for good."""
+
+    __slots__ = ("returned", "gate")
+
+    def __init__(self) -> None:
+        self.returned = False
+        self.gate: Any = None
+
+    def over(self) -> bool:
+        gate = self.gate
+        return self.returned or gate is not None and (gate.writer_done or gate.writer_gone())
 
 
 class StagingBufferCache(OnePerProcess):
@@ -36,31 +55,29 @@ class StagingBufferCache(OnePerProcess):
         self._lock = threading.Lock()
         self._key: Optional[Hashable] = None
         self._buckets: List[Any] = []
-        self._borrower: Optional[weakref.ref] = None
+        self._loan: Optional[Loan] = None
 
-    def lend(self, key: Hashable, num_buckets: int, borrower: Any) -> Optional[List[Any]]:
-        """Lend ``key``'s buffers to ``borrower`` (staged data with ``buffers_released``):
-        one entry per bucket, None until first staged. None while another save has them."""
+    def lend(self, key: Hashable, num_buckets: int) -> Tuple[Optional[List[Any]], Loan]:
+        """Lend ``key``'s buffers (one entry per bucket, None until first staged) and the
+        loan that ends the borrowing; no buffers (None) while an earlier save's loan of this
+        layout is not over."""
+        loan = Loan()
         with self._lock:
             if key != self._key:
                 self._key, self._buckets = key, []
-            elif self._lent():
-                logger.debug("staging buffers of this layout are still being written; using new ones")
-                return None
+            elif self._loan is not None and not self._loan.over():
+                logger.debug("staging buffers of this layout are still being read; using new ones")
+                return None, loan
             self._buckets.extend([None] * (num_buckets - len(self._buckets)))
-            self._borrower = weakref.ref(borrower)
-            return self._buckets
+            self._loan = loan
+            return self._buckets, loan
 
-    def _lent(self) -> bool:
-        borrower = self._borrower() if self._borrower is not None else None
-        return borrower is not None and not borrower.buffers_released
-
-    def forget(self, borrower: Any) -> None:
-        """Drop the buffers lent to ``borrower`` for good: something may still write into
+    def forget(self, loan: Loan) -> None:
+        """Drop the buffers lent under ``loan`` for good: something may still write into
         them (a stuck copy thread or device copy); they are freed with their last reference."""
         with self._lock:
-            if self._borrower is not None and self._borrower() is borrower:
-                self._key, self._buckets, self._borrower = None, [], None
+            if self._loan is loan:
+                self._key, self._buckets, self._loan = None, [], None
 
     def num_bytes(self) -> int:
         """Bytes held by the cached buffers."""
@@ -76,6 +93,6 @@ class StagingBufferCache(OnePerProcess):
         holds it); use it only when no save is in flight, e.g. in tests.
         """
         with self._lock:
-            if include_in_use or not self._lent():
-                self._key, self._buckets, self._borrower = None, [], None
+            if include_in_use or self._loan is None or self._loan.over():
+                self._key, self._buckets, self._loan = None, [], None
         release_landed()

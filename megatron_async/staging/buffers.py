@@ -52,7 +52,7 @@ from megatron_async.core.device_wait import (
 )
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.buffer_cache import Loan, StagingBufferCache
 from megatron_async.staging.copy_job import CopyJob, StagedData, watch
 from megatron_async.staging.flat_copy import FlatCopy, copy_threads
 from megatron_async.staging.gate import StagingGate
@@ -172,14 +172,15 @@ def _allocate_bucket_buffers(
 class StagedBuckets(StagedData, list):
     """Staged write buckets; the borrower of the cached buffers they live in, if any.
 
-    ``buffers_released``: the cache may lend those buffers again. With overlapped staging
+    ``loan``: their borrowing of the cache's buffers (ended by ``release_buffers``, or by
+    the save's gate once its writer is done: :class:`~.buffer_cache.Loan`). With overlapped staging
     or in rounds, the copies made after the hand-over (:class:`~.copy_job.StagedData`), and
     in rounds ``plan``, the pool's :class:`~.rounds.RoundPlan`. Pickled (to the
     persistent worker), only the buckets travel: ``release`` is the stager's to call.
     """
 
     plan: Any = None
-    buffers_released = False
+    loan: Optional[Loan] = None
 
     def __init__(self, buckets=()):
         super().__init__(buckets)
@@ -187,7 +188,8 @@ class StagedBuckets(StagedData, list):
 
     def release_buffers(self) -> None:
         """Let the cache lend the buffers again, once nothing reads them any more (stager)."""
-        self.buffers_released = True
+        if self.loan is not None:
+            self.loan.returned = True
 
     def __reduce__(self):
         return (StagedBuckets, (list(self),))
@@ -226,7 +228,9 @@ def stage_buckets(
     start = time.monotonic()
     cache = cache if cache is not None else StagingBufferCache.of_process()
     result = StagedBuckets()
-    cached = cache.lend(cache_key, len(buckets), result) if cache_key is not None else None
+    cached = None
+    if cache_key is not None:
+        cached, result.loan = cache.lend(cache_key, len(buckets))
     cuda_devices: Set[torch.device] = set()
     late_copies: List[tuple] = []  # (name, source, buffer, watched) for the copy job (copy_later)
     allocated = 0
@@ -261,7 +265,7 @@ def stage_buckets(
             landed_after_failure(cuda_devices, holding=(result, cached)))  # queued before it
         if device_stuck or cached is not None and any(
                 b is not None and b.flat is not None and b.flat.stuck for b in cached):
-            cache.forget(result)  # a stuck copy may still write into them
+            cache.forget(result.loan)  # a stuck copy may still write into them
         result.release_buffers()
         raise
     if logger.isEnabledFor(logging.DEBUG):

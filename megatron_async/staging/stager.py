@@ -147,6 +147,9 @@ class BucketStager:
             stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,
             gate=self.gate, pinned=cuda, timeout_s=self.timeout_s,
         )
+        loan = getattr(staged, "loan", None)
+        if loan is not None:  # the cached buffers are lent until this save's writer is done
+            loan.gate = self.gate
         if in_rounds:
             self.stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
         else:

@@ -82,6 +82,17 @@ def atomic_output(path: PathLike) -> Iterator[BinaryIO]:
     fsync_path(directory, best_effort=True)
 
 
+def _size_of(entry: os.DirEntry) -> Optional[int]:
+    """None for a directory; 0 for what cannot be sized (a dangling link, a file removed
+    since the listing): a listing never fails for one entry it does not need."""
+    if entry.is_dir():
+        return None
+    try:
+        return entry.stat().st_size
+    except OSError:
+        return 0
+
+
 class LocalStorage:
     """Checkpoint files and directories on a POSIX file system (any process).
 
@@ -106,7 +117,7 @@ class LocalStorage:
         if not os.path.isdir(path):
             return []
         with os.scandir(path) as entries:
-            return sorted((entry.name, None if entry.is_dir() else entry.stat().st_size) for entry in entries)
+            return sorted((entry.name, _size_of(entry)) for entry in entries)
 
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:

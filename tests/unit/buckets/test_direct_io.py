@@ -157,6 +157,24 @@ def test_bounce_chunks_are_reused_and_the_pool_stays_bounded(small_chunks):
     assert sum(chunk.closed for chunk in taken) == 2
 
 
+def test_a_forked_writer_fills_its_own_copy_of_an_inherited_chunk(small_chunks):
+    """A trainer that wrote buckets itself (a synchronous save) keeps chunks that every
+    writer it forks inherits: two writers filling one shared chunk would write each
+    other's bytes under checksums of their own."""
+    chunk = direct_io._take_chunk()
+    chunk[:4] = b"mine"
+    direct_io._give_back_chunk(chunk)
+    pid = os.fork()
+    if pid == 0:  # the forked writer takes the inherited chunk and fills it
+        try:
+            direct_io._take_chunk()[:4] = b"fork"
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert direct_io._take_chunk()[:4] == b"mine"
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direct):
     from megatron_async.writer import bucket_io

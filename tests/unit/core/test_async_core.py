@@ -303,6 +303,33 @@ def test_an_interrupt_while_scheduling_abandons_the_request_and_stops_its_writer
     assert (tmp_path / "after").read_text() == "ok"
 
 
+def test_an_interrupt_just_after_the_request_reached_the_worker_kills_the_worker(
+        make_queue, tmp_path, monkeypatch):
+    """Ctrl-C between the send and the caller's own record of the call: the worker may
+    be writing already, so the abandoned request's worker is killed too."""
+    from megatron_async.core.worker_process import WorkerProcess
+
+    queue = make_queue(True)
+    send = WorkerProcess.send
+    workers = []
+
+    def sent_then_interrupted(self, message):
+        send(self, message)
+        if isinstance(message, tuple) and isinstance(message[0], int):  # a request, not a control message
+            workers.append(self.pid)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkerProcess, "send", sent_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        queue.schedule_async_request(_request(fns.sleep_then_write, tmp_path / "x", 30.0))
+    assert queue.get_num_unfinalized_calls() == 0
+    assert workers and not _pid_alive(workers[0]), "the worker of an abandoned request must be killed"
+    monkeypatch.undo()
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "after", "ok"))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "after").read_text() == "ok" and not (tmp_path / "x").exists()
+
+
 def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, stack_file, fn, args, kwargs):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
     (fn_path, _, _) = args

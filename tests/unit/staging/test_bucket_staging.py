@@ -90,6 +90,39 @@ def test_cached_buffers_are_reused_only_after_release():
         StagingBufferCache.of_process().clear(include_in_use=True)
 
 
+def test_staged_data_dropped_unreleased_keeps_its_buffers_until_its_writer_is_done():
+    """megatron-core 0.16's own queue keeps no reference to the staged data while the
+    writer it forked still reads the buffers: dropping the data must not lend them again;
+    the save's gate marked done (the writer's last step) does."""
+    import gc
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_async.buckets.layout import WriteBucket
+    from megatron_async.staging.gate import StagingGate
+
+    cache = StagingBufferCache()
+    item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+    buckets = [WriteBucket("/unused", "unused", ([], [(item, torch.zeros(16))]))]
+
+    def pointer(staged):
+        return staged[0].data[1][0][1].data_ptr()
+
+    first = stage_buckets(buckets, True, "layout", cache)
+    gate = StagingGate(1)
+    first.loan.gate = gate  # as the stager does
+    first_pointer = pointer(first)
+    del first
+    gc.collect()
+    while_writing = stage_buckets(buckets, True, "layout", cache)
+    assert pointer(while_writing) != first_pointer  # the forked writer still reads those
+    while_writing.release()
+    gate.mark_done()
+    assert pointer(stage_buckets(buckets, True, "layout", cache)) == first_pointer
+    cache.clear(include_in_use=True)
+
+
 def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
     from megatron_async.errors import StagingMemoryError
 

@@ -72,6 +72,13 @@ def test_listing_sizes_and_directories(root):
     assert storage.list_dir(root) == [("a.txt", 1), ("b.txt", 2), ("iter_0000001", None)]
 
 
+def test_a_dangling_link_in_a_save_directory_does_not_break_its_listing(tmp_path):
+    # a user's "latest -> iter_..." link whose checkpoint retention deleted
+    (tmp_path / "iter_0000001").mkdir()
+    os.symlink(tmp_path / "iter_0000000", tmp_path / "latest")
+    assert LocalStorage().list_dir(str(tmp_path)) == [("iter_0000001", None), ("latest", 0)]
+
+
 def test_removal_of_files_and_directories(root):
     storage = storage_for(root)
     directory = os.path.join(root, "iter_0000002")
