@@ -27,7 +27,7 @@ neither torch nor megatron-core.
 import os as _os
 import sys as _sys
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 BACKGROUND_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"
 """Set to ``1`` in the environment of our background workers (see the docstring above)."""
