@@ -28,8 +28,13 @@ import re
 import uuid
 from typing import Iterable, List, Optional, Sequence
 
-from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import COMPLETION_MARKERS, TRACKER_FILE, has_completion_markers
+from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
+from megatron_async.format import (
+    COMPLETION_MARKERS,
+    TRACKER_FILE,
+    has_completion_markers,
+    missing_completion_markers,
+)
 from megatron_async.storage.backend import storage_for
 
 __all__ = [
@@ -38,10 +43,12 @@ __all__ = [
     "check_save_dir_writable",
     "checkpoint_dir_name",
     "choose_resume_point",
+    "create_fresh_checkpoint_dir",
     "delete_checkpoint_dir",
     "is_complete_checkpoint",
     "iteration_from_path",
     "list_checkpoints",
+    "mark_latest_checkpoint",
     "read_tracker",
     "select_for_deletion",
     "write_tracker",
@@ -160,6 +167,55 @@ def write_tracker(save_dir: str, iteration: int) -> None:
     coordinator rank only.
     """
     storage_for(save_dir).write_atomically(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
+
+
+def mark_latest_checkpoint(save_dir: str, iteration: int) -> None:
+    """Make ``iteration``'s complete checkpoint durable, then point the tracker at it
+    (the coordinator rank, when every rank's save is durable).
+
+    Raises:
+        CheckpointIntegrityError: the checkpoint lacks a completion marker; the tracker
+            keeps naming the previous checkpoint.
+    """
+    path = os.path.join(save_dir, checkpoint_dir_name(iteration))
+    storage = storage_for(path)
+    missing = missing_completion_markers(path, storage)
+    if missing:
+        raise CheckpointIntegrityError(
+            f"checkpoint {path} is missing {missing} after its save finished; not "
+            "marking it as the latest"
+        )
+    # Files need an fsync; an object store acknowledged each marker's PUT durably.
+    for marker in COMPLETION_MARKERS:
+        storage.sync(os.path.join(path, marker))
+    storage.sync_dir(path)
+    write_tracker(save_dir, iteration)
+    logger.info("checkpoint %s is complete; tracker updated", path)
+
+
+def create_fresh_checkpoint_dir(save_dir: str, iteration: int) -> None:
+    """Create ``iteration``'s empty checkpoint directory, deleting the remains of an earlier
+    save of it first, so that stale shard files never mix with new ones (the coordinator rank).
+
+    Raises:
+        CheckpointValidationError: the tracker points at it (overwriting it would leave no
+            complete checkpoint while the save runs), or its remains cannot be deleted.
+    """
+    path = os.path.join(save_dir, checkpoint_dir_name(iteration))
+    if read_tracker(save_dir) == iteration:
+        raise CheckpointValidationError(
+            f"refusing to overwrite {path}: the tracker of {save_dir} points at it, and "
+            "overwriting would leave no complete checkpoint while the save runs. Save "
+            "under a new iteration or into another directory."
+        )
+    storage = storage_for(path)
+    if storage.is_dir(path):
+        logger.warning("deleting the remains of an earlier save of %s", path)
+        if not delete_checkpoint_dir(path):
+            raise CheckpointValidationError(
+                f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
+            )
+    storage.make_dir(path)
 
 
 @dataclasses.dataclass(frozen=True)

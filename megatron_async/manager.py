@@ -1,8 +1,10 @@
-"""Resume, commit and retention of a Megatron-LM save directory, on every rank.
+"""Resume, commit, retention and the save failure policy of a Megatron-LM save
+directory, on every rank.
 
 The directory layout (``iter_*`` checkpoints, the tracker) and its file operations are
 in :mod:`megatron_async.checkpoint_dirs`; this module decides, for a multi-rank job,
-what to resume from, when the tracker moves and what retention may delete.
+what to resume from, when the tracker moves, what retention may delete, and whether a
+failed save ends the job.
 
 With an async save the tracker moves in a finalize function of the save's request
 (:meth:`CheckpointManager.attach_commit`); a synchronous save calls
@@ -10,7 +12,12 @@ With an async save the tracker moves in a finalize function of the save's reques
 
 Every method of :class:`CheckpointManager` runs on every rank unless its docstring says
 otherwise; decisions that must agree across ranks (which checkpoint to resume from) are
-taken on rank 0 and shared over the checkpoint-coordination group.
+taken on rank 0 and shared over the checkpoint-coordination group. A failed save (an
+:class:`~megatron_async.errors.AsyncSaveFailedError` from finalization, or a
+:class:`~megatron_async.errors.CheckpointValidationError` /
+:class:`~megatron_async.errors.CheckpointInProgressError` from planning) is raised
+identically on every rank, so every rank takes the same decision about it without a
+collective.
 """
 
 from __future__ import annotations
@@ -19,31 +26,74 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import List, Optional, Set
+from typing import Optional, Set
 
 from megatron_async.checkpoint_dirs import (
     ResumePoint,
     check_save_dir_writable,
     checkpoint_dir_name,
     choose_resume_point,
+    create_fresh_checkpoint_dir,
     delete_checkpoint_dir,
     list_checkpoints,
+    mark_latest_checkpoint,
     read_tracker,
     select_for_deletion,
-    write_tracker,
 )
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
 from megatron_async.core.request import AsyncRequest
 from megatron_async.core.save_directories import SaveDirectories
-from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.format import COMPLETION_MARKERS, missing_completion_markers
-from megatron_async.save_failures import SaveFailurePolicy, SaveFailureTracker
-from megatron_async.storage.backend import storage_for
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    CheckpointInProgressError,
+    CheckpointValidationError,
+    RankFailure,
+)
 
-__all__ = ["CheckpointManager", "CheckpointManagerConfig", "ResumePoint"]
+__all__ = [
+    "CheckpointManager",
+    "CheckpointManagerConfig",
+    "ResumePoint",
+    "SaveFailurePolicy",
+    "TooManySaveFailuresError",
+]
 
 logger = logging.getLogger(__name__)
+
+_SAVE_FAILURES = (AsyncSaveFailedError, CheckpointValidationError, CheckpointInProgressError)
+
+
+class TooManySaveFailuresError(AsyncSaveFailedError):
+    """``max_consecutive_failures`` saves failed in a row under the ``continue`` policy.
+
+    Carries the last failure's per-rank records (``rank_failures``), like any
+    :class:`~megatron_async.errors.AsyncSaveFailedError`.
+    """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveFailurePolicy:
+    """How a job reacts to a failed checkpoint save (:meth:`CheckpointManager.save_failed`)."""
+
+    mode: str = "raise"
+    """``"raise"`` (the failure ends the job) or ``"continue"`` (log it, save again at the
+    next interval)."""
+
+    max_consecutive_failures: int = 3
+    """Under ``"continue"``: this many failed saves in a row end the job with
+    :class:`TooManySaveFailuresError`; one successful save resets the count."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("raise", "continue"):
+            raise CheckpointValidationError(
+                f"save failure policy must be one of ('raise', 'continue'), got {self.mode!r}"
+            )
+        if not isinstance(self.max_consecutive_failures, int) or self.max_consecutive_failures < 1:
+            raise CheckpointValidationError(
+                "max_consecutive_failures must be an integer >= 1 (1 stops at the first "
+                f"failure, like mode='raise'); got {self.max_consecutive_failures!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +128,8 @@ class CheckpointManager:
 
     Create one per training process, on every rank, with the same config. The manager
     keeps the set of iterations this process is still saving, so that retention never
-    deletes a checkpoint in flight.
+    deletes a checkpoint in flight, and counts the failed saves since the last durable
+    one (``consecutive_save_failures``) for the save failure policy.
 
     Construction is a collective when there is a ``save_dir``: every rank creates it if
     it is missing and writes a probe file into it (within the file-system step bound),
@@ -95,7 +146,7 @@ class CheckpointManager:
         self.config = config
         self._directories = directories or SaveDirectories.of_process()
         self._in_flight: Set[int] = set()
-        self.save_failures = SaveFailureTracker(config.save_failure)
+        self.consecutive_save_failures = 0
         if config.save_dir is not None:
             what = f"checking the save directory {config.save_dir}"
             probe = functools.partial(check_save_dir_writable, config.save_dir)
@@ -143,7 +194,7 @@ class CheckpointManager:
             # A late .metadata or tracker write could land over this save: refuse before
             # any data is written.
             self._directories.refuse_if_stuck()
-            self._create_fresh_dir(save_dir, iteration, path)
+            create_fresh_checkpoint_dir(save_dir, iteration)
 
         coordination.run_on_coordinator("prepare", prepare, path)
         self._in_flight.add(iteration)
@@ -186,7 +237,19 @@ class CheckpointManager:
             TooManySaveFailuresError: too many failed saves in a row.
         """
         self.abandon(iteration)
-        self.save_failures.failed(error, f"iteration {iteration} ({self.checkpoint_path(iteration)})")
+        policy = self.config.save_failure
+        if policy.mode == "raise" or not isinstance(error, _SAVE_FAILURES):
+            raise error  # a lost peer (CoordinationError) or a bug always ends the job
+        self.consecutive_save_failures += 1
+        if self.consecutive_save_failures >= policy.max_consecutive_failures:
+            raise self._too_many_failures(error) from error
+        logger.error(
+            "checkpoint save of iteration %d (%s) failed (%d in a row, %d allowed); training "
+            "goes on and the next interval saves again. The tracker still names the last "
+            "complete checkpoint. Cause:\n%s",
+            iteration, self.checkpoint_path(iteration), self.consecutive_save_failures,
+            policy.max_consecutive_failures, error,
+        )
 
     def commit(self, iteration: int) -> None:
         """Mark ``iteration``'s checkpoint as the latest, then apply retention.
@@ -201,49 +264,22 @@ class CheckpointManager:
                 previous checkpoint.
         """
         path = self.checkpoint_path(iteration)
+        mark = functools.partial(mark_latest_checkpoint, self.config.save_dir, iteration)
 
-        def mark_latest() -> None:
+        def commit_step() -> None:
             self._directories.refuse_if_stuck()
-            self._directories.run_bounded(
-                f"marking {path} as the latest checkpoint",
-                lambda: self._write_tracker_for(iteration, path),
-            )
+            self._directories.run_bounded(f"marking {path} as the latest checkpoint", mark)
 
         try:
-            coordination.run_on_coordinator("commit", mark_latest, path)
+            coordination.run_on_coordinator("commit", commit_step, path)
         finally:
             self._in_flight.discard(iteration)
-        self.save_failures.succeeded()
+        self.consecutive_save_failures = 0
         if coordination.get_rank() == 0 and self.config.keep_last_n is not None:
             try:
-                self._directories.run_bounded(f"applying retention after {path}", self.apply_retention)
+                self._directories.run_bounded(f"applying retention after {path}", self._apply_retention)
             except Exception as exc:  # best-effort cleanup: the checkpoint itself is committed
                 logger.warning("retention after committing %s failed: %s", path, exc)
-
-    def apply_retention(self) -> List[str]:
-        """Delete the checkpoints that the retention rules no longer keep.
-
-        Runs on the coordinator rank only (rank 0), after a commit. Best effort: a
-        directory that cannot be deleted is logged and left for the next commit.
-
-        Returns:
-            The deleted directories.
-        """
-        keep_last_n = self.config.keep_last_n
-        if keep_last_n is None:
-            return []
-        save_dir = self._require_save_dir()
-        protected = set(self._in_flight)
-        tracked = read_tracker(save_dir)
-        if tracked is not None:
-            protected.add(tracked)
-        deleted = []
-        for info in select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected):
-            if delete_checkpoint_dir(info.path):
-                deleted.append(info.path)
-        if deleted:
-            logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
-        return deleted
 
     def find_resume_point(self, iteration: Optional[int] = None) -> Optional[ResumePoint]:
         """Choose the checkpoint of ``load_dir`` to resume from; the same on every rank.
@@ -278,37 +314,29 @@ class CheckpointManager:
 
     # Helpers below run on the coordinator rank only.
 
-    def _create_fresh_dir(self, save_dir: str, iteration: int, path: str) -> None:
+    def _apply_retention(self) -> None:
+        """Delete the checkpoints that retention no longer keeps, after a commit. Best
+        effort: a directory that cannot be deleted is logged and left for the next commit."""
+        save_dir, keep_last_n = self.config.save_dir, self.config.keep_last_n
         tracked = read_tracker(save_dir)
-        if tracked == iteration:
-            raise CheckpointValidationError(
-                f"refusing to overwrite {path}: the tracker of {save_dir} points at it, and "
-                "overwriting would leave no complete checkpoint while the save runs. Save "
-                "under a new iteration or into another directory."
-            )
-        storage = storage_for(path)
-        if storage.is_dir(path):
-            logger.warning("deleting the remains of an earlier save of %s", path)
-            if not delete_checkpoint_dir(path):
-                raise CheckpointValidationError(
-                    f"cannot delete the earlier checkpoint directory {path}; remove it by hand"
-                )
-        storage.make_dir(path)
+        protected = self._in_flight if tracked is None else self._in_flight | {tracked}
+        doomed = select_for_deletion(list_checkpoints(save_dir), keep_last_n, protected)
+        deleted = [info.path for info in doomed if delete_checkpoint_dir(info.path)]
+        if deleted:
+            logger.info("retention (keep last %d) deleted %s", keep_last_n, ", ".join(deleted))
 
-    def _write_tracker_for(self, iteration: int, path: str) -> None:
-        storage = storage_for(path)
-        missing = missing_completion_markers(path, storage)
-        if missing:
-            raise CheckpointIntegrityError(
-                f"checkpoint {path} is missing {missing} after its save finished; not "
-                "marking it as the latest"
-            )
-        # Files need an fsync; an object store acknowledged each marker's PUT durably.
-        for marker in COMPLETION_MARKERS:
-            storage.sync(os.path.join(path, marker))
-        storage.sync_dir(path)
-        write_tracker(self._require_save_dir(), iteration)
-        logger.info("checkpoint %s is complete; tracker updated", path)
+    def _too_many_failures(self, error: BaseException) -> TooManySaveFailuresError:
+        if isinstance(error, AsyncSaveFailedError):
+            failures, checkpoint = error.rank_failures, error.checkpoint
+        else:  # a planning failure: raised alike on every rank, recorded as this rank's
+            rank = coordination.get_rank()
+            failures, checkpoint = {rank: RankFailure.from_exception(rank, "plan", error)}, None
+        return TooManySaveFailuresError(
+            failures, checkpoint,
+            hint=f"{self.consecutive_save_failures} checkpoint saves failed in a row, the most "
+            "the save failure policy allows; the job stops. Fix the cause above and resume "
+            "from the last complete checkpoint.",
+        )
 
     def _require_save_dir(self) -> str:
         if self.config.save_dir is None:

@@ -48,8 +48,12 @@ from gpt.resharding import (
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import AsyncSaveFailedError, CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
-from megatron_async.manager import CheckpointManager, CheckpointManagerConfig, ResumePoint
-from megatron_async.save_failures import SaveFailurePolicy
+from megatron_async.manager import (
+    CheckpointManager,
+    CheckpointManagerConfig,
+    ResumePoint,
+    SaveFailurePolicy,
+)
 from megatron_async.staging.overlapped import refuse_overlap_param_gather
 from megatron_async.storage import storage_for
 

@@ -18,6 +18,7 @@ from megatron_async.core.save_directories import (
     run_coordinator_step,
 )
 from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
+from megatron_async import checkpoint_dirs
 from megatron_async.checkpoint_dirs import read_tracker
 from megatron_async.format import COMPLETION_MARKERS
 
@@ -70,7 +71,7 @@ def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mou
     path = manager.prepare_save(1)
     for marker in COMPLETION_MARKERS:
         (tmp_path / os.path.basename(path) / marker).write_text("{}")
-    monkeypatch.setattr(mgr, "write_tracker", lambda *args: hung_mount.wait())
+    monkeypatch.setattr(checkpoint_dirs, "write_tracker", lambda *args: hung_mount.wait())
     with pytest.raises(AsyncSaveFailedError, match="marking .* as the latest checkpoint did not return"):
         manager.commit(1)
     assert read_tracker(str(tmp_path)) is None
@@ -190,7 +191,7 @@ def test_a_tracker_write_left_behind_stops_the_next_commit(tmp_path, monkeypatch
         calls.append(iteration)
         hung_mount.wait()
 
-    monkeypatch.setattr(mgr, "write_tracker", hung)
+    monkeypatch.setattr(checkpoint_dirs, "write_tracker", hung)
     with pytest.raises(AsyncSaveFailedError, match="did not return"):
         manager.commit(1)
     with pytest.raises(AsyncSaveFailedError, match="marking .*iter_0000001 as the latest checkpoint did not return in time.*restart the job"):
