@@ -32,10 +32,9 @@ from megatron_async.errors import CheckpointIntegrityError, CheckpointValidation
 from megatron_async.format import (
     COMPLETION_MARKERS,
     TRACKER_FILE,
-    has_completion_markers,
     missing_completion_markers,
 )
-from megatron_async.storage.backend import storage_for
+from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [
     "CheckpointInfo",
@@ -78,9 +77,10 @@ def checkpoint_dir_name(iteration: int) -> str:
     return f"iter_{step:07d}"
 
 
-def is_complete_checkpoint(path: str) -> bool:
-    """Return True when ``path`` is a directory holding every completion marker."""
-    return has_completion_markers(path, storage_for(path))
+def is_complete_checkpoint(path: str, storage: Optional[CheckpointStorage] = None) -> bool:
+    """Return True when ``path`` is a directory holding every completion marker (the
+    format's rule, :func:`~megatron_async.format.missing_completion_markers`)."""
+    return not missing_completion_markers(path, storage or storage_for(path))
 
 
 def check_save_dir_writable(save_dir: str) -> None:
@@ -134,7 +134,7 @@ def list_checkpoints(save_dir: str) -> List[CheckpointInfo]:
         path = os.path.join(save_dir, name)
         iteration = iteration_from_path(path)
         if num_bytes is None and iteration is not None:  # a directory
-            found.append(CheckpointInfo(iteration, path, has_completion_markers(path, storage)))
+            found.append(CheckpointInfo(iteration, path, is_complete_checkpoint(path, storage)))
     return sorted(found, key=lambda info: info.iteration)
 
 

@@ -42,7 +42,6 @@ __all__ = [
     "is_checksum_record",
     "COMPLETION_MARKERS",
     "TRACKER_FILE",
-    "has_completion_markers",
     "missing_completion_markers",
     "remove_completion_markers",
 ]
@@ -94,12 +93,6 @@ def missing_completion_markers(checkpoint_dir: PathLike, storage: "CheckpointSto
         name for name in COMPLETION_MARKERS
         if not storage.is_file(os.path.join(checkpoint_dir, name))
     ]
-
-
-def has_completion_markers(checkpoint_dir: PathLike, storage: "CheckpointStorage") -> bool:
-    """Whether ``checkpoint_dir`` holds every completion marker (see
-    :func:`missing_completion_markers`)."""
-    return not missing_completion_markers(checkpoint_dir, storage)
 
 
 def remove_completion_markers(checkpoint_dir: PathLike, storage: "CheckpointStorage") -> List[str]:

@@ -25,7 +25,8 @@ from typing import Optional, Tuple
 from megatron_async.core import coordination
 from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.format import DCP_METADATA_FILE, has_completion_markers, remove_completion_markers
+from megatron_async.checkpoint_dirs import is_complete_checkpoint
+from megatron_async.format import DCP_METADATA_FILE, remove_completion_markers
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 from megatron_async.storage.client import MSC_EXTRA_HINT
@@ -101,7 +102,7 @@ def unmark_or_refuse(directory: str, overwrite: Optional[bool], storage: Checkpo
         CheckpointValidationError: a complete checkpoint under ``overwrite=False``, or one
             this user may not change.
     """
-    if overwrite is False and has_completion_markers(directory, storage):
+    if overwrite is False and is_complete_checkpoint(directory, storage):
         raise CheckpointValidationError(
             f"{directory} already holds a complete torch_dist checkpoint and overwrite=False; "
             "save into a new directory (a new prefix in an object store) or delete it first"

@@ -92,9 +92,9 @@ def test_completion_markers_are_removed_before_an_overwrite(tmp_path, fsynced):
     for name in fmt.COMPLETION_MARKERS:
         (tmp_path / name).write_text("{}")
     storage = LocalStorage()
-    assert fmt.has_completion_markers(tmp_path, storage)
+    assert not fmt.missing_completion_markers(tmp_path, storage)
     assert sorted(fmt.remove_completion_markers(tmp_path, storage)) == sorted(fmt.COMPLETION_MARKERS)
-    assert not fmt.has_completion_markers(tmp_path, storage)
+    assert fmt.missing_completion_markers(tmp_path, storage)
     assert str(tmp_path) in fsynced
     assert fmt.remove_completion_markers(tmp_path, storage) == []
 

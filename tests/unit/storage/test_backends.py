@@ -14,7 +14,8 @@ import uuid
 import pytest
 
 import megatron_async
-from megatron_async.format import COMPLETION_MARKERS, has_completion_markers, remove_completion_markers
+from megatron_async.checkpoint_dirs import is_complete_checkpoint
+from megatron_async.format import COMPLETION_MARKERS, remove_completion_markers
 from megatron_async.storage import storage_for
 from megatron_async.storage.local import LocalStorage
 from megatron_async.storage.objects import ObjectStorage
@@ -86,11 +87,11 @@ def test_removal_of_files_and_directories(root):
     storage.make_dir(directory)
     for name in ("__0_0.distcp",) + COMPLETION_MARKERS:
         storage.write_atomically(os.path.join(directory, name), b"{}")
-    assert has_completion_markers(directory, storage)
+    assert is_complete_checkpoint(directory, storage)
     assert storage.remove(os.path.join(directory, "__0_0.distcp"))
     assert not storage.remove(os.path.join(directory, "__0_0.distcp"))
     assert sorted(remove_completion_markers(directory, storage)) == sorted(COMPLETION_MARKERS)
-    assert not has_completion_markers(directory, storage)
+    assert not is_complete_checkpoint(directory, storage)
     storage.write_atomically(os.path.join(directory, "__0_0.distcp"), b"data")
     storage.remove_dir(directory, first=COMPLETION_MARKERS)
     assert not storage.is_dir(directory)

@@ -103,19 +103,20 @@ def test_a_missing_bucket_is_an_object_store_error_naming_the_url(store):
 
 @needs_store
 def test_small_objects_listing_and_completion_markers(store):
-    from megatron_async.format import has_completion_markers, remove_completion_markers
+    from megatron_async.checkpoint_dirs import is_complete_checkpoint
+    from megatron_async.format import remove_completion_markers
     from megatron_async.storage import storage_for
 
     url = "msc://unit/ckpt/iter_0000001"
     storage = storage_for(url)
-    assert not has_completion_markers(url, storage)
+    assert not is_complete_checkpoint(url, storage)
     storage.write_atomically(url + "/.metadata", b"m")
     storage.write_atomically(url + "/metadata.json", "{}")
-    assert has_completion_markers(url, storage)
+    assert is_complete_checkpoint(url, storage)
     assert [name for name, _ in storage.list_dir(url)] == [".metadata", "metadata.json"]
     assert storage.list_dir("msc://unit/ckpt") == [("iter_0000001", None)]
     assert sorted(remove_completion_markers(url, storage)) == [".metadata", "metadata.json"]
-    assert not has_completion_markers(url, storage)
+    assert not is_complete_checkpoint(url, storage)
 
 
 def test_dcp_planning_requests_of_the_writer_are_bounded(store):
