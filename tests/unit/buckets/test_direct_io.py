@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 from megatron_async.integrity import checksums
-from megatron_async.buckets import direct_io
+from megatron_async.buckets import bucket_file, direct_io
 from megatron_async.buckets.bucket_file import BucketFile
 from megatron_async.writer.bucket_io import write_bucket
 from tests.unit.writer.test_write_buckets import _bucket, _mixed_tensors
@@ -33,8 +33,8 @@ _HASH_BLOCK = 24 * 1024
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(direct_io, "_CHUNK_BYTES", _CHUNK)
-    monkeypatch.setattr(direct_io, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
+    monkeypatch.setattr(bucket_file, "CHUNK_BYTES", _CHUNK)
+    monkeypatch.setattr(bucket_file, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
     monkeypatch.setattr(direct_io, "_free_chunks", [])
 
 
@@ -75,8 +75,7 @@ def test_a_direct_file_holds_exactly_the_appended_bytes(tmp_path, small_chunks):
     if not _direct_io_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     path = str(tmp_path / "f")
-    file = direct_io.open_local_bucket_file(path, hashing=True, direct_io=True)
-    assert isinstance(file, direct_io.DirectBucketFile)
+    file = direct_io.LocalBucketFile(path, hashing=True, direct_io=True)
     assert fcntl.fcntl(file._fd, fcntl.F_GETFL) & direct_io._O_DIRECT
     pieces = _pieces()
     digests, offsets = _write_items(file, pieces)
@@ -106,8 +105,8 @@ def test_a_file_system_refusing_direct_io_at_open_gets_a_buffered_file(tmp_path,
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(direct_io.os, "open", refusing_open)
-    file = direct_io.open_local_bucket_file(str(tmp_path / "f"), hashing=True, direct_io=True)
-    assert type(file) is BucketFile
+    file = direct_io.LocalBucketFile(str(tmp_path / "f"), hashing=True, direct_io=True)
+    assert not file.writes_direct
     pieces = _pieces()
     _write_items(file, pieces)
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) + b"tail written through the stream interface"
@@ -126,7 +125,7 @@ def test_a_file_system_refusing_direct_writes_is_written_buffered(tmp_path, monk
         return real_write(fd, data)
 
     monkeypatch.setattr(direct_io.os, "write", refusing_write)
-    file = direct_io.open_local_bucket_file(str(tmp_path / "f"), hashing=False, direct_io=True)
+    file = direct_io.LocalBucketFile(str(tmp_path / "f"), hashing=False, direct_io=True)
     pieces = _pieces()
     _write_items(file, pieces)
     assert refused == [_CHUNK]  # the first chunk; the flag was cleared after it
@@ -181,13 +180,13 @@ def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direc
     from tests.unit.writer.test_write_buckets import _save
 
     asked = []
-    real = bucket_io.open_local_bucket_file
+    real = bucket_io.LocalBucketFile
 
     def recording(path, hashing, direct_io):
         asked.append(direct_io)
         return real(path, hashing, direct_io)
 
-    monkeypatch.setattr(bucket_io, "open_local_bucket_file", recording)
+    monkeypatch.setattr(bucket_io, "LocalBucketFile", recording)
     state_dict = {"w": torch.randn(64, 8), "b": torch.randn(8)}
     _save(tmp_path, state_dict, direct_io=direct)
     assert asked and set(asked) == {direct}
