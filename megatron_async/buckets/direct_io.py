@@ -18,12 +18,13 @@ it with ``posix_fadvise`` once written (which also starts its writeback).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import mmap
 import os
-from typing import List, Optional
+from typing import Optional
 
 from megatron_async.buckets import bucket_file
 from megatron_async.buckets.bucket_file import BucketFile
@@ -35,32 +36,7 @@ logger = logging.getLogger(__name__)
 DIRECT_IO_ALIGNMENT = 4096
 """Alignment of direct writes: the logical block size of every common device or below it."""
 
-_KEEP_CHUNKS = 4
-"""Bounce chunks kept for reuse (the writer's threads each hold one while writing)."""
-
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-_free_chunks: List[mmap.mmap] = []
-"""Page-aligned private anonymous mappings of ``CHUNK_BYTES``, reused from file to
-file so that a save does not fault in fresh memory for its bounce chunks (``list.pop``
-and ``append`` are atomic: the writer's threads share it without a lock). Private, so a
-forked writer's copy of an inherited chunk is its own (copy-on-write): a shared mapping
-would let two writers fill one chunk at once."""
-
-
-def _take_chunk() -> mmap.mmap:
-    try:
-        return _free_chunks.pop()
-    except IndexError:
-        return mmap.mmap(-1, bucket_file.CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def _give_back_chunk(chunk: mmap.mmap) -> None:
-    if len(_free_chunks) < _KEEP_CHUNKS:
-        _free_chunks.append(chunk)
-    else:
-        chunk.close()
 
 
 class LocalBucketFile(BucketFile):
@@ -68,7 +44,9 @@ class LocalBucketFile(BucketFile):
     when ``direct_io`` is asked for and the file system accepts it, else buffered."""
 
     def __init__(self, path: str, hashing: bool, direct_io: bool = True):
-        self._chunk: Optional[mmap.mmap] = _take_chunk()
+        # Page-aligned, and the file's own: a private mapping, unmapped at close, so no
+        # chunk outlives its file or is shared with a process forked meanwhile.
+        self._chunk = mmap.mmap(-1, bucket_file.CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         super().__init__(self._chunk, hashing)
         self._direct = bool(direct_io and _O_DIRECT)
         self._advise = hasattr(os, "posix_fadvise")
@@ -77,7 +55,6 @@ class LocalBucketFile(BucketFile):
             self._fd = os.open(path, flags | (_O_DIRECT if self._direct else 0), 0o666)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not self._direct:
-                self._release_chunk()
                 raise
             logger.debug("%s: the file system refuses direct I/O; writing buffered", path)
             self._direct = False
@@ -107,13 +84,9 @@ class LocalBucketFile(BucketFile):
         try:
             os.close(self._fd)
         finally:
-            self._release_chunk()
-
-    def _release_chunk(self) -> None:
-        if self._chunk is not None:
             self._view.release()
-            _give_back_chunk(self._chunk)
-            self._chunk = None
+            with contextlib.suppress(BufferError):  # a view in a live traceback: unmapped with it
+                self._chunk.close()
 
     def _write_chunk(self, length: int) -> None:
         done = 0

@@ -35,7 +35,6 @@ _HASH_BLOCK = 24 * 1024
 def small_chunks(monkeypatch):
     monkeypatch.setattr(bucket_file, "CHUNK_BYTES", _CHUNK)
     monkeypatch.setattr(bucket_file, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
-    monkeypatch.setattr(direct_io, "_free_chunks", [])
 
 
 def _direct_io_works(directory) -> bool:
@@ -147,31 +146,15 @@ def test_a_full_disk_during_a_direct_write_raises_enospc(tmp_path, monkeypatch, 
     assert excinfo.value.errno == errno.ENOSPC
 
 
-def test_bounce_chunks_are_reused_and_the_pool_stays_bounded(small_chunks):
-    taken = [direct_io._take_chunk() for _ in range(direct_io._KEEP_CHUNKS + 2)]
-    for chunk in taken:
-        direct_io._give_back_chunk(chunk)
-    assert len(direct_io._free_chunks) == direct_io._KEEP_CHUNKS
-    assert direct_io._take_chunk() is taken[direct_io._KEEP_CHUNKS - 1]
-    assert sum(chunk.closed for chunk in taken) == 2
-
-
-def test_a_forked_writer_fills_its_own_copy_of_an_inherited_chunk(small_chunks):
-    """A trainer that wrote buckets itself (a synchronous save) keeps chunks that every
-    writer it forks inherits: two writers filling one shared chunk would write each
-    other's bytes under checksums of their own."""
-    chunk = direct_io._take_chunk()
-    chunk[:4] = b"mine"
-    direct_io._give_back_chunk(chunk)
-    pid = os.fork()
-    if pid == 0:  # the forked writer takes the inherited chunk and fills it
-        try:
-            direct_io._take_chunk()[:4] = b"fork"
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert direct_io._take_chunk()[:4] == b"mine"
+def test_a_chunk_is_its_file_s_own_and_goes_with_it(tmp_path):
+    """No chunk outlives its file, so none is inherited by a forked writer and filled
+    again: a chunk shared with the trainer or a sibling writer would mix their bytes
+    under each writer's own checksums."""
+    first, second = (direct_io.LocalBucketFile(str(tmp_path / name), True) for name in "ab")
+    assert first._chunk is not second._chunk
+    for file in (first, second):
+        file.close()
+        assert file._chunk.closed
 
 
 @pytest.mark.parametrize("direct", [True, False])
