@@ -5,9 +5,8 @@ Below the writer, the staging and the storage backends, and importing none of th
 
 * :mod:`.layout` (trainer, every rank): a *bucket*, the content of one ``.distcp`` file;
   which items share a file (size-balanced), the prepared write and its staging key;
-* :mod:`.bucket_file` (background writer): the file one bucket's bytes go to, buffered
-  or through a caller's ``open_file``, every item hashed on its way;
-* :mod:`.direct_io` (background writer): the same file written with ``O_DIRECT``;
-* :mod:`.hashing` (anywhere): the digest every item gets, shared by the bucket files and
-  the checksum records of :mod:`megatron_async.integrity.checksums`.
+* :mod:`.bucket_file` (background writer): a bucket's output, gathered in chunks, every
+  item hashed on its way (xxh3, the digest the checksum records of
+  :mod:`megatron_async.integrity.checksums` name), or through a caller's ``open_file``;
+* :mod:`.direct_io` (background writer): the local file, written with ``O_DIRECT``.
 """

@@ -21,7 +21,7 @@ import os
 from typing import Any, Iterable, List, Optional
 
 from megatron_async.format import checksum_record_name, is_checksum_record
-from megatron_async.buckets.hashing import ALGORITHM, new_hasher
+from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 
 __all__ = [

@@ -16,7 +16,7 @@ item while it passes) is the same code as on POSIX:
   every part. Closing the file before that aborts the upload, so no part is left
   behind by a failed save (a killed process leaves its parts to the bucket's lifecycle
   rule for incomplete multipart uploads);
-* a POSIX profile gets a plain local :class:`BucketFile` on the profile's directory.
+* a POSIX profile gets a buffered local file on the profile's directory.
 
 The boto3 client is the one MSC built for the profile (its endpoint, credentials,
 timeouts and retries).
@@ -31,6 +31,7 @@ from megatron_async.errors import ObjectStoreError
 from megatron_async.storage.bounded_calls import REQUEST_TIMEOUT_S, call_with_deadline
 from megatron_async.storage.client import import_msc, resolve
 from megatron_async.buckets.bucket_file import BucketFile
+from megatron_async.buckets.direct_io import LocalBucketFile
 
 __all__ = [
     "DEFAULT_PART_BYTES",
@@ -64,36 +65,15 @@ class S3MultipartBucketFile(BucketFile):
         self, s3_client: Any, bucket: str, key: str, url: str, hashing: bool, part_bytes: int,
         timeout_s: float = REQUEST_TIMEOUT_S,
     ):
-        self._start_stream(hashing)
-        self._advise = False  # no page cache to drop
+        super().__init__(bytearray(part_bytes), hashing)  # the chunk is the part
         self._s3 = s3_client
         self._bucket = bucket
         self._key = key
         self._url = url
-        self._part_bytes = part_bytes
         self._timeout_s = timeout_s
-        self._part = bytearray()
         self._upload_id: Optional[str] = None
         self._parts: List[Dict[str, Any]] = []
         self._completed = False
-
-    # -- BucketFile's output hooks -----------------------------------------------------
-
-    def _writev(self, pieces: List[Any]) -> int:
-        """Take every piece into the current part; upload each part that fills up."""
-        taken = 0
-        for piece in pieces:
-            view = memoryview(piece).cast("B")
-            start = 0
-            while start < view.nbytes:
-                room = self._part_bytes - len(self._part)
-                chunk = view[start:start + room]
-                self._part += chunk
-                start += chunk.nbytes
-                if len(self._part) >= self._part_bytes:
-                    self._upload_part()
-            taken += view.nbytes
-        return taken
 
     def finish(self, use_fsync: bool) -> None:
         """Upload what is left and complete the object; it exists once this returns.
@@ -101,13 +81,11 @@ class S3MultipartBucketFile(BucketFile):
         ``use_fsync`` has no meaning here: the store acknowledges a part or the object
         only once it holds it durably.
         """
-        self._write_pending()
         if self._upload_id is None:
-            body = bytes(self._part)
+            body = bytes(self._view[:self._filled])
             self._request("PUT", lambda: self._s3.put_object(Bucket=self._bucket, Key=self._key, Body=body))
         else:
-            if self._part:
-                self._upload_part()
+            super().finish(use_fsync)  # the last part
             parts = {"Parts": self._parts}
             self._request(
                 "completing the multipart upload of",
@@ -115,12 +93,11 @@ class S3MultipartBucketFile(BucketFile):
                     Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload=parts
                 ),
             )
-        self._part = bytearray()
+        self._filled = 0
         self._completed = True
 
     def close(self) -> None:
         """Abort an unfinished multipart upload (best effort: the save fails anyway)."""
-        self._part = bytearray()
         if self._completed or self._upload_id is None:
             return
         upload_id, self._upload_id = self._upload_id, None
@@ -139,7 +116,8 @@ class S3MultipartBucketFile(BucketFile):
 
     # -- the store ---------------------------------------------------------------------
 
-    def _upload_part(self) -> None:
+    def _write_chunk(self, length: int) -> None:
+        """Upload the chunk as the next part, starting the multipart upload with the first."""
         if self._upload_id is None:
             response = self._request(
                 "starting a multipart upload of",
@@ -147,8 +125,7 @@ class S3MultipartBucketFile(BucketFile):
             )
             self._upload_id = response["UploadId"]
         number = len(self._parts) + 1
-        body = bytes(self._part)
-        self._part = bytearray()
+        body = bytes(self._view[:length])  # an abandoned request must not see the next part
         response = self._request(
             f"uploading part {number} of",
             lambda: self._s3.upload_part(
@@ -156,6 +133,7 @@ class S3MultipartBucketFile(BucketFile):
             ),
         )
         self._parts.append({"ETag": response["ETag"], "PartNumber": number})
+        self._written += length
 
     def _request(self, what: str, call: Any) -> Any:
         return call_with_deadline(what, self._url, call, self._timeout_s)
@@ -205,7 +183,7 @@ class ObjectStoreFileOpener:
         client, path = resolve(url)
         local = client.get_posix_path(path)
         if local is not None:
-            return BucketFile(local, hashing)
+            return LocalBucketFile(local, hashing, direct_io=False)
         target = _s3_target(client, path)
         if target is None:
             raise ObjectStoreError(

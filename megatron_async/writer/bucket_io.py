@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.buckets.bucket_file import BucketFile, OpenedBucketFile
 from megatron_async.buckets.layout import WriteBucket, is_empty_chunk
-from megatron_async.buckets.direct_io import open_local_bucket_file
+from megatron_async.buckets.direct_io import LocalBucketFile
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 __all__ = ["ChecksummedWriteResult", "write_bucket"]
@@ -161,7 +161,7 @@ def write_bucket(
     if open_bucket_file is not None:
         file = open_bucket_file(bucket.file_path, compute_checksums)
     elif open_file is None or open_file is open:
-        file = open_local_bucket_file(bucket.file_path, compute_checksums, direct_io)
+        file = LocalBucketFile(bucket.file_path, compute_checksums, direct_io)
     else:
         file = OpenedBucketFile(bucket.file_path, compute_checksums, open_file)
     try:
@@ -205,8 +205,7 @@ def write_bucket(
                 if before_item is not None:
                     before_item(idx)
                 write(item, tensor)
-                if after_item is not None:
-                    file.release_pieces()
+                if after_item is not None:  # the file copied the item: its memory may go
                     after_item(idx)
         except BaseException as exc:
             abandon = getattr(tensor_data, "abandon", None)

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 from megatron_async.integrity import checksums
-from megatron_async.buckets import direct_io
+from megatron_async.buckets import bucket_file, direct_io
 from megatron_async.buckets.bucket_file import BucketFile
 from megatron_async.writer.bucket_io import write_bucket
 from tests.unit.writer.test_write_buckets import _bucket, _mixed_tensors
@@ -33,9 +33,8 @@ _HASH_BLOCK = 24 * 1024
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(direct_io, "_CHUNK_BYTES", _CHUNK)
-    monkeypatch.setattr(direct_io, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
-    monkeypatch.setattr(direct_io, "_free_chunks", [])
+    monkeypatch.setattr(bucket_file, "CHUNK_BYTES", _CHUNK)
+    monkeypatch.setattr(bucket_file, "_HASH_BLOCK_BYTES", _HASH_BLOCK)
 
 
 def _direct_io_works(directory) -> bool:
@@ -75,8 +74,7 @@ def test_a_direct_file_holds_exactly_the_appended_bytes(tmp_path, small_chunks):
     if not _direct_io_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     path = str(tmp_path / "f")
-    file = direct_io.open_local_bucket_file(path, hashing=True, direct_io=True)
-    assert isinstance(file, direct_io.DirectBucketFile)
+    file = direct_io.LocalBucketFile(path, hashing=True, direct_io=True)
     assert fcntl.fcntl(file._fd, fcntl.F_GETFL) & direct_io._O_DIRECT
     pieces = _pieces()
     digests, offsets = _write_items(file, pieces)
@@ -106,8 +104,8 @@ def test_a_file_system_refusing_direct_io_at_open_gets_a_buffered_file(tmp_path,
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(direct_io.os, "open", refusing_open)
-    file = direct_io.open_local_bucket_file(str(tmp_path / "f"), hashing=True, direct_io=True)
-    assert type(file) is BucketFile
+    file = direct_io.LocalBucketFile(str(tmp_path / "f"), hashing=True, direct_io=True)
+    assert not file.writes_direct
     pieces = _pieces()
     _write_items(file, pieces)
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) + b"tail written through the stream interface"
@@ -126,7 +124,7 @@ def test_a_file_system_refusing_direct_writes_is_written_buffered(tmp_path, monk
         return real_write(fd, data)
 
     monkeypatch.setattr(direct_io.os, "write", refusing_write)
-    file = direct_io.open_local_bucket_file(str(tmp_path / "f"), hashing=False, direct_io=True)
+    file = direct_io.LocalBucketFile(str(tmp_path / "f"), hashing=False, direct_io=True)
     pieces = _pieces()
     _write_items(file, pieces)
     assert refused == [_CHUNK]  # the first chunk; the flag was cleared after it
@@ -148,31 +146,15 @@ def test_a_full_disk_during_a_direct_write_raises_enospc(tmp_path, monkeypatch, 
     assert excinfo.value.errno == errno.ENOSPC
 
 
-def test_bounce_chunks_are_reused_and_the_pool_stays_bounded(small_chunks):
-    taken = [direct_io._take_chunk() for _ in range(direct_io._KEEP_CHUNKS + 2)]
-    for chunk in taken:
-        direct_io._give_back_chunk(chunk)
-    assert len(direct_io._free_chunks) == direct_io._KEEP_CHUNKS
-    assert direct_io._take_chunk() is taken[direct_io._KEEP_CHUNKS - 1]
-    assert sum(chunk.closed for chunk in taken) == 2
-
-
-def test_a_forked_writer_fills_its_own_copy_of_an_inherited_chunk(small_chunks):
-    """A trainer that wrote buckets itself (a synchronous save) keeps chunks that every
-    writer it forks inherits: two writers filling one shared chunk would write each
-    other's bytes under checksums of their own."""
-    chunk = direct_io._take_chunk()
-    chunk[:4] = b"mine"
-    direct_io._give_back_chunk(chunk)
-    pid = os.fork()
-    if pid == 0:  # the forked writer takes the inherited chunk and fills it
-        try:
-            direct_io._take_chunk()[:4] = b"fork"
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert direct_io._take_chunk()[:4] == b"mine"
+def test_a_chunk_is_its_file_s_own_and_goes_with_it(tmp_path):
+    """No chunk outlives its file, so none is inherited by a forked writer and filled
+    again: a chunk shared with the trainer or a sibling writer would mix their bytes
+    under each writer's own checksums."""
+    first, second = (direct_io.LocalBucketFile(str(tmp_path / name), True) for name in "ab")
+    assert first._chunk is not second._chunk
+    for file in (first, second):
+        file.close()
+        assert file._chunk.closed
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -181,13 +163,13 @@ def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direc
     from tests.unit.writer.test_write_buckets import _save
 
     asked = []
-    real = bucket_io.open_local_bucket_file
+    real = bucket_io.LocalBucketFile
 
     def recording(path, hashing, direct_io):
         asked.append(direct_io)
         return real(path, hashing, direct_io)
 
-    monkeypatch.setattr(bucket_io, "open_local_bucket_file", recording)
+    monkeypatch.setattr(bucket_io, "LocalBucketFile", recording)
     state_dict = {"w": torch.randn(64, 8), "b": torch.randn(8)}
     _save(tmp_path, state_dict, direct_io=direct)
     assert asked and set(asked) == {direct}

@@ -2,7 +2,7 @@
 
 Writes ``--mib`` MiB of float32 tensors (1 MiB each, every third one a few bytes longer,
 so items straddle block edges) as one bucket file through the direct-I/O writer
-(:class:`~megatron_async.buckets.direct_io.DirectBucketFile`, hashing on), as the
+(:class:`~megatron_async.buckets.direct_io.LocalBucketFile`, hashing on), as the
 background writer does, ``--reps`` times, and prints the median user and system CPU
 seconds and wall time of a write. ``--source shared`` places the tensors in a
 shared-memory segment as staging does (what the worker reads); ``private`` in the
@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from megatron_async.core import shared_memory
-from megatron_async.buckets.direct_io import DirectBucketFile, open_local_bucket_file
+from megatron_async.buckets.direct_io import LocalBucketFile
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
 _ELEMENTS = 256 * 1024  # 1 MiB of float32
@@ -54,8 +54,7 @@ def _tensors(mib: int, source: str):
 def _write(path: str, tensors) -> tuple:
     """Write the bucket; return its items' ``(offset, length, digest)`` and whether it
     was written with direct I/O (a file system that refuses it gets a buffered file)."""
-    bucket = open_local_bucket_file(path, hashing=True, direct_io=True)
-    direct = isinstance(bucket, DirectBucketFile)
+    bucket = LocalBucketFile(path, hashing=True, direct_io=True)
     spans = []
     try:
         for tensor in tensors:
@@ -65,7 +64,7 @@ def _write(path: str, tensors) -> tuple:
             bucket.append(head, tensor_bytes(tensor), tail)
             spans.append((offset, bucket.tell() - offset, bucket.finish_item()))
         bucket.finish(use_fsync=True)
-        direct = direct and bucket.writes_direct  # refused at the first write: went on buffered
+        direct = bucket.writes_direct  # refused at open or at the first write: buffered
     finally:
         bucket.close()
     return spans, direct
