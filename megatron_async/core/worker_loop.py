@@ -9,9 +9,7 @@ Protocol over the control connection, trainer -> worker:
     :mod:`megatron_async.core.request_transport`'s, its data already staged by the
     trainer), then write;
     ``STOP``: finish the writes already accepted and exit.
-Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
-``("ready", None)`` once at start-up, ``("done", idx)``,
-``("error", idx, RankFailure)``.
+Worker -> trainer: the callers' protocol (:mod:`megatron_async.core.caller`).
 
 Receiving and writing run on different threads, so a second request is taken while the
 first is still being written.
@@ -37,6 +35,7 @@ import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core import request_transport, shared_memory, stack_dump
+from megatron_async.core.caller import STARTED, run_call
 from megatron_async.core.process_lifetime import enter_background
 from megatron_async.core.request_transport import EncodedRequest
 from megatron_async.errors import CoordinationError, RankFailure
@@ -206,30 +205,26 @@ def _write_loop(rank: int, jobs: "queue.Queue", report: Callable, table: "Segmen
         if job is None:
             return
         call_idx, request, call_segments = job
-        try:
-            if request.async_fn is not None:
-                request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
-            outcome: Tuple[Any, ...] = ("done", call_idx)
-        except BaseException as exc:  # reported; the worker stays up for the next save
-            logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
-            outcome = ("error", call_idx, RankFailure.from_exception(rank, "write", exc))
+        outcome = run_call(
+            rank, call_idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs or {}
+        )
         del job, request  # the call's staged data, before the trainer frees it
         table.drop(call_segments)
-        report(*outcome)
+        report(outcome)
 
 
 def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
     """Take requests and hand them to the writer thread until ``STOP``."""
     lock = threading.Lock()  # both threads report
 
-    def report(*message) -> None:
+    def report(message) -> None:
         with lock:
             control.send(message)
 
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, report, table), daemon=True)
     writer.start()
-    report("ready", None)
+    report(STARTED)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
@@ -249,7 +244,7 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
             # may not have: finish the accepted writes and exit, so that the next save
             # starts a fresh worker with a fresh view of what was sent.
             logger.error("rank %d worker: cannot read async call %d: %s", rank, call_idx, exc)
-            report("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
+            report((call_idx, RankFailure.from_exception(rank, "schedule", exc)))
             jobs.put(None)
             writer.join()
             os._exit(1)
