@@ -3,6 +3,10 @@
 A caller owns the background execution of requests on one rank (trainer side):
 :meth:`AsyncCaller.poll` gives that rank's view of a call, :meth:`AsyncCaller.agree`
 every rank's.
+
+Both callers' background processes report on one connection in one protocol:
+:data:`STARTED` once they run, then one ``(call_idx, failure or None)`` per call
+(:func:`run_call`); a process that dies mid-message reads as end of file, never as a hang.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.config import AsyncCallerConfig
@@ -24,9 +28,25 @@ from megatron_async.errors import (
     AsyncSaveFailedError, AsyncTimeoutError, CoordinationError, RankFailure,
 )
 
-__all__ = ["CallState", "CallStatus", "AsyncCaller"]
+__all__ = ["CallState", "CallStatus", "AsyncCaller", "STARTED", "run_call"]
 
 logger = logging.getLogger(__name__)
+
+STARTED = "started"
+"""A background process's first message: it runs (``fork_start_timeout_s`` is over)."""
+
+
+def run_call(
+    rank: int, call_idx: int, fn: Callable[..., Any], args, kwargs
+) -> Tuple[int, Optional[RankFailure]]:
+    """Run ``fn(*args, **kwargs)`` and return the message that says how call ``call_idx``
+    ended: ``(call_idx, None)``, or ``(call_idx, the failure)`` (background side)."""
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:  # reported: the trainer raises it on every rank
+        logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
+        return call_idx, RankFailure.from_exception(rank, "write", exc)
+    return call_idx, None
 
 
 class CallState(enum.Enum):
@@ -76,6 +96,7 @@ class AsyncCaller(abc.ABC):
         self.config = config or AsyncCallerConfig()
         self._current_call_idx: Optional[int] = None
         self._statuses: Dict[int, CallStatus] = {}  # this rank's view of each call, for poll
+        self._started = False  # the background process sent STARTED
         abort_at_exit(self)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
@@ -123,6 +144,29 @@ class AsyncCaller(abc.ABC):
             self._abandon(idx)
             raise
         logger.debug("rank %d: async call %d runs in pid %d", coordination.get_rank(), idx, pid)
+
+    def _read_messages(self, conn: Any) -> Tuple[List[int], bool]:
+        """Apply what the background process sent on ``conn`` so far (trainer side, never
+        blocks; see the module docstring for the protocol).
+
+        Returns:
+            The calls that ended, and whether the process closed its end (it exited or died).
+        """
+        ended = []
+        try:
+            while conn.poll(0):
+                message = conn.recv()
+                if message == STARTED:
+                    self._started = True
+                    continue
+                idx, failure = message
+                self._statuses[idx] = (
+                    CallStatus.succeeded() if failure is None else CallStatus.failed(failure)
+                )
+                ended.append(idx)
+        except (EOFError, OSError):
+            return ended, True
+        return ended, False
 
     def _record_failure(self, call_idx: int, phase: str, exc: Exception) -> None:
         rank = coordination.get_rank()

@@ -28,7 +28,7 @@ from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.errors import AsyncTimeoutError
 
 __all__ = [
-    "DeviceCopyTimeoutError", "held_after_failures", "landed_after_failure",
+    "DeviceCopyTimeoutError", "landed_after_failure",
     "release_landed", "wait_for_device_copies", "wait_for_stream",
 ]
 
@@ -151,9 +151,3 @@ def release_landed() -> None:
             (landed if _landed(entry[0]) else kept).append(entry)
         _held[:] = kept
     del landed  # their memory is freed here, outside the lock
-
-
-def held_after_failures() -> int:
-    """How many failed waits still keep host memory alive (for tests and diagnostics)."""
-    with _held_lock:
-        return len(_held)

@@ -44,8 +44,8 @@ class HelperThreads(OnePerProcess):
     """Daemon threads that run bounded calls, each kept for the next call once it is done.
 
     Per-thread attributes (capabilities, CPU affinity, niceness, the signal mask) are
-    copied from the creating thread when a thread starts: a process that changes its own
-    calls :meth:`forget_process_instance` so that its bounded calls run on new threads.
+    copied from the creating thread when a thread starts: a thread made before the
+    process changed its own keeps the old ones.
     """
 
     fresh_in_forked_child = True  # the parent's threads are not in the child
@@ -53,9 +53,6 @@ class HelperThreads(OnePerProcess):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: List["queue.SimpleQueue[_Job]"] = []
-        self.started = 0
-        """How many threads this pool has started (a thread left in a hung call is not
-        counted out)."""
 
     def run(self, call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
         """Run ``call`` on a helper thread and wait at most ``timeout_s`` for it.
@@ -104,7 +101,6 @@ class HelperThreads(OnePerProcess):
             inbox: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(inbox,), daemon=True,
                              name=_IDLE_NAME).start()
-            self.started += 1
             return inbox
 
     def _serve(self, inbox: "queue.SimpleQueue[_Job]") -> None:

@@ -53,9 +53,3 @@ class OnePerProcess:
             if cls._process is None or stale:
                 cls._process, cls._process_pid = cls(), os.getpid()
             return cls._process
-
-    @classmethod
-    def forget_process_instance(cls) -> None:
-        """Let the next :meth:`of_process` create a new instance."""
-        with cls._process_lock:
-            cls._process = None

@@ -52,7 +52,6 @@ class PersistentAsyncCaller(AsyncCaller):
         self.rank = coordination.get_rank()
         self.process: Optional[WorkerProcess] = None
         self._last_pid: Optional[int] = None  # of the last worker started: the next replaces it
-        self._ready = False
         self._started_at = 0.0  # when the current worker was started
         self._sent_at: Dict[int, float] = {}  # call -> when it was sent: timeout_s counts from there
         self._held: Dict[int, Any] = {}  # call -> staged data and arena the worker reads
@@ -66,7 +65,7 @@ class PersistentAsyncCaller(AsyncCaller):
     # -- worker lifetime -------------------------------------------------------------
 
     def _start_worker(self) -> None:
-        self._ready = False
+        self._started = False
         self._started_at = time.monotonic()
         self.process = start_worker(self.rank, self.config)
         replaced, self._last_pid = self._last_pid, self.process.pid
@@ -102,7 +101,7 @@ class PersistentAsyncCaller(AsyncCaller):
         process = self.process
         process.join(timeout=1.0)
         how = describe_exit(process.exitcode)
-        if not self._ready:
+        if not self._started:
             how += " while starting (its traceback, if any, is on this process's stderr)"
             logger.error("rank %d: the persistent checkpoint worker (pid %d) %s",
                          self.rank, process.pid, how)
@@ -128,22 +127,10 @@ class PersistentAsyncCaller(AsyncCaller):
         """Apply every message the worker sent so far; notice a dead worker."""
         if self.process is None:
             return
-        try:
-            while self.process.control.poll(0):
-                message = self.process.control.recv()
-                kind, idx = message[0], message[1]
-                if kind == "done":
-                    self._statuses[idx] = CallStatus.succeeded()
-                    self._release_call(idx)
-                elif kind == "error":
-                    self._statuses[idx] = CallStatus.failed(message[2])
-                    self._release_call(idx)
-                elif kind == "ready":
-                    self._ready = True
-        except (EOFError, OSError):
-            self._worker_died()
-            return
-        if self.process is not None and not self.process.is_alive():
+        ended, closed = self._read_messages(self.process.control)
+        for idx in ended:
+            self._release_call(idx)
+        if closed or not self.process.is_alive():
             # Read what it managed to send before dying, then fail the rest.
             self._worker_died()
 
@@ -181,7 +168,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def is_worker_ready(self) -> bool:
         """Whether the worker has started and takes the next save (trainer side, never blocks)."""
         self._drain_messages()
-        return self._ready
+        return self._started
 
     def poll(self, call_idx: int) -> CallStatus:
         """Local status of the call; detects a dead worker and enforces the timeouts."""
@@ -196,7 +183,7 @@ class PersistentAsyncCaller(AsyncCaller):
             return status
         now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
-        if pid is not None and not self._ready and now - self._started_at > self.config.fork_start_timeout_s:
+        if pid is not None and not self._started and now - self._started_at > self.config.fork_start_timeout_s:
             self._kill_worker("timeout", self._never_started(pid))
         elif now - self._sent_at[call_idx] > self.config.timeout_s:
             self._kill_worker("timeout", self._overran(

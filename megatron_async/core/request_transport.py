@@ -20,9 +20,10 @@ trainer's descriptor, which the worker (the trainer's child) opens as
 ``/proc/<trainer pid>/fd/<number>``; the number stays the segment's while the call holds
 its staged data, and nothing is in flight for a worker that never reads the request.
 
-Plan items are sent once and then by token (:class:`SentObjects`), and a
-:class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list is pickled once per
-worker, so a warm save with thousands of tensors costs no per-tensor pickling.
+A :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list (a cached bucket's
+``(plan item, staged tensor)`` pairs) is sent once per worker, which keeps it decoded, and
+then by token: a warm save with thousands of tensors pickles nothing per tensor on either
+side.
 
 Functions and classes the worker cannot import (the training script's, which the worker
 never runs, lambdas, local functions) go by value, as cloudpickle pickles them, with the
@@ -40,7 +41,6 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import cloudpickle
 import torch
-from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.core import shared_memory
 from megatron_async.errors import CoordinationError, UnpicklableRequestError
@@ -60,11 +60,11 @@ def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Te
     raise CoordinationError(_OUTSIDE_A_TABLE)
 
 
-def _cached_object(token: int) -> Any:
+def _load_pairs(token: Optional[int], payload: bytes) -> Any:
     raise CoordinationError(_OUTSIDE_A_TABLE)
 
 
-def _load_pairs(payload: bytes) -> Any:
+def _cached_pairs(token: int) -> Any:
     raise CoordinationError(_OUTSIDE_A_TABLE)
 
 
@@ -85,67 +85,8 @@ class EncodedRequest(NamedTuple):
     call_segments: Tuple[int, ...]
     """Segments used by this call only (fresh staging buffers, the arena): the worker
     unmaps them once the call is written."""
-    new_objects: bytes
-    """Pickled ``{token: write item}`` of the plan items the worker has not seen yet."""
-    forget_objects: Tuple[int, ...]
-    """Tokens of plan items no longer used: the worker drops them first."""
-
-
-KEEP_UNUSED_OBJECTS = 1024
-"""Plan items not used by the latest request that a sender keeps (a structure that
-alternates, e.g. two models saved in turn, still finds its items)."""
-
-
-class SentObjects:
-    """The plan items (``WriteItem``) a worker already has, by token (trainer side).
-
-    A warm save with a cached plan sends the same immutable ``WriteItem`` objects again;
-    pickling their ~10 objects each was most of the cost of sending a request with
-    thousands of tensors. Each item is sent once and then referred to by its token. The
-    sender keeps the items it sent alive (so their ``id`` stays theirs) and forgets
-    those the latest request did not use once they exceed ``KEEP_UNUSED_OBJECTS``.
-    """
-
-    def __init__(self):
-        self._tokens: Dict[int, Tuple[int, Any]] = {}  # id(item) -> (token, item)
-        self._next = itertools.count(1)
-        self._used: set = set()
-        self._new: Dict[int, Tuple[int, Any]] = {}  # token -> (id(item), item)
-
-    def start_request(self) -> None:
-        self._used, self._new = set(), {}
-
-    def token_of(self, item: Any) -> int:
-        entry = self._tokens.get(id(item))
-        if entry is None:
-            entry = (next(self._next), item)
-            self._tokens[id(item)] = entry
-            self._new[entry[0]] = (id(item), item)
-        self._used.add(entry[0])
-        return entry[0]
-
-    def use_tokens(self, tokens: Tuple[int, ...]) -> None:
-        """Count tokens embedded in reused bytes as used by this request."""
-        self._used.update(tokens)
-
-    def finish_request(self) -> Tuple[bytes, Tuple[int, ...]]:
-        """Return the pickled new items and the tokens the worker may drop."""
-        new_objects = pickle.dumps(
-            {token: item for token, (_, item) in self._new.items()}, pickle.HIGHEST_PROTOCOL
-        )
-        forget: Tuple[int, ...] = ()
-        unused = len(self._tokens) - len(self._used)
-        if unused > KEEP_UNUSED_OBJECTS:
-            stale = [key for key, (token, _) in self._tokens.items() if token not in self._used]
-            forget = tuple(self._tokens.pop(key)[0] for key in stale)
-        self._new = {}
-        return new_objects, forget
-
-    def abandon_request(self) -> None:
-        """Forget the items first sent by a request that was never sent."""
-        for key, _ in self._new.values():
-            self._tokens.pop(key, None)
-        self._new = {}
+    forget_pairs: Tuple[int, ...]
+    """Tokens of reused pairs the trainer no longer has: the worker drops them first."""
 
 
 class _CallArena:
@@ -171,24 +112,19 @@ class _CallArena:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """Pickles CPU tensors as segment references and plan items as tokens (see the module
-    docstring); functions and classes as cloudpickle does."""
+    """Pickles CPU tensors as segment references and reused pairs as tokens (see the
+    module docstring); functions and classes as cloudpickle does."""
 
     def __init__(self, file, sender: "RequestSender", arena: _CallArena):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._sender = sender
         self._arena = arena
         self._last: Optional[Tuple[int, int, int]] = None  # start, end, id of a segment
-        self.tokens: List[int] = []  # plan items referred to (kept for reused pairs)
-        self.segments: List[shared_memory.Segment] = []  # segments referred to (same)
+        self.segments: List[shared_memory.Segment] = []  # segments referred to
 
     def reducer_override(self, obj):
-        if type(obj) is WriteItem:
-            token = self._sender._objects.token_of(obj)
-            self.tokens.append(token)
-            return _cached_object, (token,)
         if type(obj) is shared_memory.ReusedTensorPairs:
-            return _load_pairs, (self._sender._encode_pairs(obj, self._arena),)
+            return self._sender._reduce_pairs(obj, self._arena)
         if not isinstance(obj, torch.Tensor):
             return super().reducer_override(obj)
         if obj.device.type == "cuda":
@@ -229,50 +165,39 @@ class _Pickler(cloudpickle.Pickler):
         return segment.segment_id, segment.byte_offset
 
 
-class _EncodedPairs(NamedTuple):
-    """A :class:`~megatron_async.core.shared_memory.ReusedTensorPairs` list, pickled once."""
-
-    payload: bytes
-    tokens: Tuple[int, ...]  # the plan items it names (counted as used by each request)
-    segments: Tuple[shared_memory.Segment, ...]  # the segments it names (mapped first)
-    watch: "weakref.ref"  # drops the entry when the pairs die
-
-
 class RequestSender:
     """Encodes requests for one persistent worker (trainer side).
 
-    Tracks which segments that worker has mapped; create a new sender for a new worker.
+    Tracks which segments and reused pairs that worker holds; create a new sender for a
+    new worker.
     """
 
     def __init__(self):
         self._mapped: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._new: Dict[int, shared_memory.Segment] = {}
-        self._objects = SentObjects()
-        self._pairs: Dict[int, _EncodedPairs] = {}  # id(ReusedTensorPairs) -> its encoding;
-        # emptied whenever the worker may drop plan items that cached bytes name
+        # id(ReusedTensorPairs) -> (token, the pairs): sent, and sent by the request
+        # being encoded (forgotten if it fails)
+        self._pairs: Dict[int, Tuple[int, "weakref.ref"]] = {}
+        self._new_pairs: Dict[int, Tuple[int, "weakref.ref"]] = {}
+        self._tokens = itertools.count(1)
 
-    def _encode_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> bytes:
-        """The pickled ``pairs``: encoded at their first request, then the same bytes.
+    def _reduce_pairs(self, pairs: shared_memory.ReusedTensorPairs, arena: _CallArena) -> tuple:
+        """``pairs`` by token if the worker has them; otherwise pickled, for it to keep.
 
-        Valid while ``pairs`` lives (it is never mutated, and keeps its segments alive)
-        and the worker still has the plan items it names; the entry goes with ``pairs``.
+        The worker's copy stays valid while ``pairs`` lives: it is never mutated, and its
+        tensors keep their reusable segments alive, which each save stages into anew.
         """
         entry = self._pairs.get(id(pairs))
-        if entry is not None and entry.watch() is pairs:
-            self._objects.use_tokens(entry.tokens)
-            for segment in entry.segments:
-                self._use(segment)
-            return entry.payload
+        if entry is not None and entry[1]() is pairs:
+            return _cached_pairs, (entry[0],)
         buffer = io.BytesIO()
         pickler = _Pickler(buffer, self, arena)
         pickler.dump(list(pairs))
-        segments = tuple({s.segment_id: s for s in pickler.segments}.values())
-        if all(segment.reusable for segment in segments):  # an arena copy lives one call only
-            cache, key = self._pairs, id(pairs)
-            watch = weakref.ref(pairs, lambda _ref: cache.pop(key, None))
-            tokens = tuple(set(pickler.tokens))
-            self._pairs[key] = _EncodedPairs(buffer.getvalue(), tokens, segments, watch)
-        return buffer.getvalue()
+        if not all(segment.reusable for segment in pickler.segments):
+            return _load_pairs, (None, buffer.getvalue())  # an arena copy lives one call only
+        token = next(self._tokens)
+        self._new_pairs[id(pairs)] = (token, weakref.ref(pairs))
+        return _load_pairs, (token, buffer.getvalue())
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:
@@ -308,24 +233,17 @@ class RequestSender:
             UnpicklableRequestError: something the request refers to does not pickle.
         """
         arena = _CallArena()
-        self._new = {}
-        self._objects.start_request()
+        self._new, self._new_pairs = {}, {}
         buffer = io.BytesIO()
         try:
             self._dump(request, buffer, arena)
-            new_objects, forget_objects = self._objects.finish_request()
             new_segments = tuple(
                 (sid, seg.tensor.untyped_storage()._share_fd_cpu_()[0], seg.tensor.numel())
                 for sid, seg in self._new.items()
             )
-        except BaseException:
-            self._objects.abandon_request()
-            self._pairs.clear()
-            raise
         finally:
             new, self._new = self._new, {}
-        if forget_objects:
-            self._pairs.clear()
+            new_pairs, self._new_pairs = self._new_pairs, {}
         forget = tuple(sid for sid, segment in self._mapped.items() if segment() is None)
         for sid in forget:
             del self._mapped[sid]
@@ -335,12 +253,10 @@ class RequestSender:
                 self._mapped[sid] = weakref.ref(segment.tensor)
             else:
                 call_segments.append(sid)
+        dead_pairs = [key for key, (_, pairs) in self._pairs.items() if pairs() is None]
+        forget_pairs = tuple(self._pairs.pop(key)[0] for key in dead_pairs)
+        self._pairs.update(new_pairs)
         encoded = EncodedRequest(
-            buffer.getvalue(),
-            new_segments,
-            forget,
-            tuple(call_segments),
-            new_objects,
-            forget_objects,
+            buffer.getvalue(), new_segments, forget, tuple(call_segments), forget_pairs
         )
         return encoded, arena.chunks

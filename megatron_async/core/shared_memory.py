@@ -215,8 +215,8 @@ class ReusedTensorPairs(list):
     The stager builds one per bucket of a reused staging-buffer set and hands the very
     same object to every save of that structure (the items are the cached plan's, the
     tensors views of reusable segments whose contents each save overwrites), so the
-    request sender encodes it once per worker. Never mutate one after it was handed out:
-    make a new one instead.
+    request sender sends it once per worker (which keeps its decoded copy). Never mutate
+    one after it was handed out: make a new one instead.
     """
 
     __slots__ = ("__weakref__",)

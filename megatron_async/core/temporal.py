@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from megatron_async.core import coordination, stack_dump
 from megatron_async.core.process_lifetime import describe_exit, enter_background, kill_and_reap
-from megatron_async.core.caller import AsyncCaller, CallStatus
+from megatron_async.core.caller import STARTED, AsyncCaller, CallStatus, run_call
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.request import AsyncRequest, release_staged_data
@@ -33,11 +33,11 @@ def _synchronize_cuda_if_used() -> None:
 
 def _run_forked_call(
     result_conn, rank: int, parent_pid: int, nice_increment: int, stack_file, fn,
-    args: Sequence[Any], kwargs,
+    args: Sequence[Any], kwargs, call_idx: int,
 ):
     """Body of the forked child (background side): run ``fn`` and report how it ended."""
     enter_background(parent_pid, nice_increment)
-    result_conn.send(("started", None))  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
+    result_conn.send(STARTED)  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
     stack_dump.arm(stack_file)
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
@@ -46,11 +46,7 @@ def _run_forked_call(
     # copies them. Nothing the child allocates needs cycle collection before it exits.
     gc.disable()
     try:
-        fn(*args, **kwargs)
-    except BaseException as exc:  # reported to the trainer, which raises it on all ranks
-        result_conn.send(("error", RankFailure.from_exception(rank, "write", exc)))
-    else:
-        result_conn.send(("done", None))
+        result_conn.send(run_call(rank, call_idx, fn, args, kwargs))
     finally:
         result_conn.close()
 
@@ -72,7 +68,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process: Optional[mp.Process] = None
         self._result_conn = None
         self._forked_at = 0.0
-        self._child_started = False
         self._staged: Any = None
         self._stack_file = None
 
@@ -92,6 +87,7 @@ class TemporalAsyncCaller(AsyncCaller):
             args=(
                 child_conn, coordination.get_rank(), os.getpid(), self.config.writer_nice_increment,
                 stack_file, async_req.async_fn, args, async_req.async_fn_kwargs or {},
+                async_req.call_idx,
             ),
             name=f"megatron-async-save-{async_req.call_idx}",
             daemon=False,  # a daemon could not start the writer's own I/O processes
@@ -113,11 +109,12 @@ class TemporalAsyncCaller(AsyncCaller):
             return status
         rank = coordination.get_rank()
         alive = self.process.is_alive()  # before reading: a child that reported, then exited, is read
-        if self._result_conn.poll(0):
-            status = self._receive_result(rank, status)
-        elif not alive:
+        _, closed = self._read_messages(self._result_conn)
+        if self._statuses[call_idx].is_terminal:  # it reported
+            status = self._statuses[call_idx]
+        elif closed or not alive:
             status = CallStatus.failed(self._died_failure(rank))
-        elif (not self._child_started
+        elif (not self._started
               and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
             kill_and_reap(self.process)
             exc = self._never_started(self.process.pid)
@@ -130,19 +127,6 @@ class TemporalAsyncCaller(AsyncCaller):
             self._stack_file = None  # the child is done: no stacks to ask for
         self._statuses[call_idx] = status
         return status
-
-    def _receive_result(self, rank: int, status: CallStatus) -> CallStatus:
-        """Read what the child sent: ``started`` first, then how the call ended."""
-        try:
-            kind, payload = self._result_conn.recv()
-            if kind == "started":
-                self._child_started = True
-                if not self._result_conn.poll(0):
-                    return status
-                kind, payload = self._result_conn.recv()
-        except (EOFError, OSError):
-            return CallStatus.failed(self._died_failure(rank))
-        return CallStatus.succeeded() if kind == "done" else CallStatus.failed(payload)
 
     def _died_failure(self, rank: int) -> RankFailure:
         self.process.join(timeout=1.0)

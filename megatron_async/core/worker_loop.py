@@ -9,9 +9,7 @@ Protocol over the control connection, trainer -> worker:
     :mod:`megatron_async.core.request_transport`'s, its data already staged by the
     trainer), then write;
     ``STOP``: finish the writes already accepted and exit.
-Worker -> trainer (a worker dying mid-message reads as EOF, never as a hang):
-``("ready", None)`` once at start-up, ``("done", idx)``,
-``("error", idx, RankFailure)``.
+Worker -> trainer: the callers' protocol (:mod:`megatron_async.core.caller`).
 
 Receiving and writing run on different threads, so a second request is taken while the
 first is still being written.
@@ -31,12 +29,13 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Dict, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
 from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core import request_transport, shared_memory, stack_dump
+from megatron_async.core.caller import STARTED, run_call
 from megatron_async.core.process_lifetime import enter_background
 from megatron_async.core.request_transport import EncodedRequest
 from megatron_async.errors import CoordinationError, RankFailure
@@ -206,30 +205,26 @@ def _write_loop(rank: int, jobs: "queue.Queue", report: Callable, table: "Segmen
         if job is None:
             return
         call_idx, request, call_segments = job
-        try:
-            if request.async_fn is not None:
-                request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
-            outcome: Tuple[Any, ...] = ("done", call_idx)
-        except BaseException as exc:  # reported; the worker stays up for the next save
-            logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
-            outcome = ("error", call_idx, RankFailure.from_exception(rank, "write", exc))
+        outcome = run_call(
+            rank, call_idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs or {}
+        )
         del job, request  # the call's staged data, before the trainer frees it
         table.drop(call_segments)
-        report(*outcome)
+        report(outcome)
 
 
 def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
     """Take requests and hand them to the writer thread until ``STOP``."""
     lock = threading.Lock()  # both threads report
 
-    def report(*message) -> None:
+    def report(message) -> None:
         with lock:
             control.send(message)
 
     jobs: "queue.Queue" = queue.Queue()
     writer = threading.Thread(target=_write_loop, args=(rank, jobs, report, table), daemon=True)
     writer.start()
-    report("ready", None)
+    report(STARTED)
     logger.debug("rank %d worker %d: started", rank, os.getpid())
     while True:
         try:
@@ -245,11 +240,11 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
         try:
             request = table.apply(encoded)
         except BaseException as exc:
-            # The trainer now believes segments or plan items reached this worker that
+            # The trainer now believes segments or reused pairs reached this worker that
             # may not have: finish the accepted writes and exit, so that the next save
             # starts a fresh worker with a fresh view of what was sent.
             logger.error("rank %d worker: cannot read async call %d: %s", rank, call_idx, exc)
-            report("error", call_idx, RankFailure.from_exception(rank, "schedule", exc))
+            report((call_idx, RankFailure.from_exception(rank, "schedule", exc)))
             jobs.put(None)
             writer.join()
             os._exit(1)
@@ -261,21 +256,23 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
 
 
 class SegmentTable:
-    """The segments and plan items one worker has received, and the decoding of requests
+    """The segments and reused pairs one worker has received, and the decoding of requests
     that refer to them (one per worker, fed by one
     :class:`~megatron_async.core.request_transport.RequestSender`)."""
 
     def __init__(self, trainer_pid: int):
         self._trainer_pid = trainer_pid
         self._segments: Dict[int, torch.Tensor] = {}
-        self._objects: Dict[int, Any] = {}
+        self._pairs: Dict[int, Any] = {}
 
     def apply(self, encoded: EncodedRequest) -> Any:
-        """Unmap forgotten segments, map new ones, and return the unpickled request.
+        """Drop forgotten pairs and segments, map new ones, and return the unpickled request.
 
         Raises:
             CoordinationError: a new segment cannot be opened through ``/proc``.
         """
+        for token in encoded.forget_pairs:
+            self._pairs.pop(token, None)
         for sid in encoded.forget:
             self._segments.pop(sid, None)
         for sid, number, num_bytes in encoded.new_segments:
@@ -294,23 +291,27 @@ class SegmentTable:
             finally:
                 os.close(fd)
             self._segments[sid] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        for token in encoded.forget_objects:
-            self._objects.pop(token, None)
-        self._objects.update(pickle.loads(encoded.new_objects))
         return self.load(encoded.payload)
 
     def load(self, payload: bytes) -> Any:
-        """Unpickle ``payload``, resolving its references to segments and plan items here."""
+        """Unpickle ``payload``, resolving its references to segments and reused pairs here."""
         return _Unpickler(io.BytesIO(payload), self).load()
+
+    def load_pairs(self, token: Optional[int], payload: bytes) -> Any:
+        """Reused pairs sent in full: kept under ``token`` (if any) for later requests."""
+        pairs = self.load(payload)
+        if token is not None:
+            self._pairs[token] = pairs
+        return pairs
 
     def rebuild_tensor(self, segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
         """A tensor over the mapped segment ``segment_id``'s bytes."""
         segment = self._received(self._segments, segment_id, "shared-memory segment")
         return shared_memory.segment_view(segment, byte_offset, shape, dtype)
 
-    def cached_object(self, token: int) -> Any:
-        """A plan item sent with this or an earlier request."""
-        return self._received(self._objects, token, "plan item")
+    def cached_pairs(self, token: int) -> Any:
+        """Reused pairs sent with an earlier request (the same list object every time)."""
+        return self._received(self._pairs, token, "reused pairs")
 
     @staticmethod
     def _received(table: Dict[int, Any], key: int, what: str) -> Any:
@@ -338,8 +339,8 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self._resolved = {
             "_rebuild_tensor": table.rebuild_tensor,
-            "_cached_object": table.cached_object,
-            "_load_pairs": table.load,
+            "_load_pairs": table.load_pairs,
+            "_cached_pairs": table.cached_pairs,
         }
 
     def find_class(self, module: str, name: str) -> Any:

@@ -232,7 +232,7 @@ def _shutdown(fd: int) -> None:
 def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
     """Fork the persistent worker of ``rank``; return at once (trainer side).
 
-    The worker says ``("ready", None)`` once it can take requests; requests sent before
+    The worker says ``STARTED`` once it can take requests; requests sent before
     then wait in its socket.
 
     Raises:

@@ -583,10 +583,10 @@ def _drop_permission_override() -> None:
     if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
     # Capabilities belong to a thread: the helper threads of our bounded steps, started
-    # before the drop, would keep the override. New ones start from this thread.
+    # before the drop, would keep the override. A new pool starts new ones from this thread.
     from megatron_async.core.helper_threads import HelperThreads
 
-    HelperThreads.forget_process_instance()
+    HelperThreads._process = None
 
 
 SCENARIOS = {

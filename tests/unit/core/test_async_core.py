@@ -330,7 +330,8 @@ def test_an_interrupt_just_after_the_request_reached_the_worker_kills_the_worker
     assert (tmp_path / "after").read_text() == "ok" and not (tmp_path / "x").exists()
 
 
-def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, stack_file, fn, args, kwargs):
+def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, stack_file, fn, args, kwargs,
+                                  call_idx):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
     (fn_path, _, _) = args
     with open(fn_path, "w") as f:

@@ -4,7 +4,9 @@ No GPU here: torch.cuda's Event and current_stream are replaced by fakes that sa
 the device "ran" the copies. The real thing runs in the gpu-marked staging tests.
 """
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,11 @@ from megatron_async.errors import AsyncTimeoutError
 @pytest.fixture(autouse=True)
 def _nothing_held(monkeypatch):
     monkeypatch.setattr(device_wait, "_held", [])
+
+
+class _HostMemory:
+    """Stands for the host buffers a copy writes into (a weak reference tells whether the
+    wait keeps them alive once the caller dropped them)."""
 
 
 class _FakeDevice:
@@ -105,9 +112,13 @@ def test_with_memory_to_keep_an_interrupt_is_raised_at_once_and_the_memory_kept(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(device_wait.time, "sleep", sleep)
+    memory = _HostMemory()
+    kept = weakref.ref(memory)
     with pytest.raises(KeyboardInterrupt):
-        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=600.0, holding=bytearray(8))
-    assert fake.queries == 1 and device_wait.held_after_failures() == 1
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=600.0, holding=memory)
+    del memory
+    gc.collect()
+    assert fake.queries == 1 and kept() is not None
 
 
 def test_an_interrupt_then_a_timeout_raises_the_timeout_from_the_interrupt(monkeypatch):
@@ -129,15 +140,20 @@ def test_an_interrupt_then_a_timeout_raises_the_timeout_from_the_interrupt(monke
 
 def test_memory_a_copy_may_still_write_is_kept_until_the_copy_landed(monkeypatch):
     fake = _FakeDevice(monkeypatch, polls=None)  # stuck
-    buffers = bytearray(16)
+    memory = _HostMemory()
+    kept = weakref.ref(memory)
     with pytest.raises(DeviceCopyTimeoutError):
-        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=0.01, holding=buffers)
-    assert device_wait.held_after_failures() == 1
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=0.01, holding=memory)
+    del memory
+    gc.collect()
+    assert kept() is not None
     device_wait.release_landed()
-    assert device_wait.held_after_failures() == 1  # still not landed
+    gc.collect()
+    assert kept() is not None  # still not landed
     fake.polls = 0  # the device moves again
     device_wait.release_landed()
-    assert device_wait.held_after_failures() == 0
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_device_error_while_waiting_keeps_the_memory_and_is_raised(monkeypatch):
@@ -147,10 +163,14 @@ def test_a_device_error_while_waiting_keeps_the_memory_and_is_raised(monkeypatch
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(torch.cuda.Event, "query", broken)
+    memory = _HostMemory()
+    kept = weakref.ref(memory)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0, holding=bytearray(4))
+        wait_for_device_copies([torch.device("cuda", 0)], timeout_s=5.0, holding=memory)
+    del memory
     device_wait.release_landed()  # a device that errs is never known to have landed
-    assert device_wait.held_after_failures() == 1
+    gc.collect()
+    assert kept() is not None
 
 
 def test_the_temporal_caller_waits_on_the_current_device_before_forking(monkeypatch):

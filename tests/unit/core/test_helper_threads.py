@@ -22,7 +22,7 @@ def test_calls_one_after_another_reuse_one_thread_that_never_ends():
     for value in range(20):
         assert pool.run(lambda v=value: (threading.get_ident(), v), 5, "step")[1] == value
         idents.add(pool.run(threading.get_ident, 5, "step"))
-    assert pool.started == 1 and len(idents) == 1
+    assert len(idents) == 1
     thread = next(t for t in threading.enumerate() if t.ident in idents)
     assert thread.is_alive() and thread.daemon
 
@@ -30,10 +30,16 @@ def test_calls_one_after_another_reuse_one_thread_that_never_ends():
 def test_a_call_that_hangs_keeps_its_thread_and_the_next_call_gets_another():
     pool = HelperThreads()
     mount_answers = threading.Event()
+    hung = []
+
+    def hung_call():
+        hung.append(threading.get_ident())
+        mount_answers.wait()
+
     with pytest.raises(DeadlineExpired, match="no answer within 0s"):
-        pool.run(mount_answers.wait, 0.2, "save step: .metadata")
-    assert pool.run(lambda: 7, 5, "next step") == 7
-    assert pool.started == 2
+        pool.run(hung_call, 0.2, "save step: .metadata")
+    second = pool.run(threading.get_ident, 5, "next step")
+    assert second != hung[0]
     mount_answers.set()  # the hung call returns late: its thread serves again
     deadline = time.monotonic() + 5
     while len(pool._idle) < 2 and time.monotonic() < deadline:
@@ -55,14 +61,20 @@ def test_a_call_that_hangs_keeps_its_thread_and_the_next_call_gets_another():
     first.set()
     for caller in callers:
         caller.join(5)
-    assert len(set(results)) == 2 and pool.started == 2  # two at once, no third thread
+    assert set(results) == {hung[0], second}  # two at once, no third thread
 
 
 def test_an_error_is_raised_to_the_caller_and_the_thread_serves_on():
     pool = HelperThreads()
+    failed_on = []
+
+    def failing_call():
+        failed_on.append(threading.get_ident())
+        return {}["mine"]
+
     with pytest.raises(KeyError, match="mine"):
-        pool.run(lambda: {}["mine"], 5, "t")
-    assert pool.run(lambda: "again", 5, "t") == "again" and pool.started == 1
+        pool.run(failing_call, 5, "t")
+    assert pool.run(threading.get_ident, 5, "t") == failed_on[0]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
@@ -90,16 +102,18 @@ def test_a_started_job_returns_its_thread_to_the_pool_and_its_error_is_logged(ca
     """The persistent worker's sender runs as a started job: when its worker is replaced
     the thread serves the next one instead of ending just before the replacement's fork."""
     pool = HelperThreads()
-    first = pool.start(lambda: None, "sender of worker 1")
+    senders = []
+    first = pool.start(lambda: senders.append(threading.get_ident()), "sender of worker 1")
     assert first.wait(5)
 
     def failing_sender():
+        senders.append(threading.get_ident())
         raise OSError("the worker's socket is gone")
 
     with caplog.at_level("ERROR"):
         assert pool.start(failing_sender, "sender of worker 2").wait(5)
     assert "sender of worker 2 failed" in caplog.text and "socket is gone" in caplog.text
-    assert pool.run(lambda: "next", 5, "a bounded step") == "next" and pool.started == 1
+    assert pool.run(threading.get_ident, 5, "a bounded step") == senders[0] == senders[1]
 
 
 def test_each_call_gets_a_fresh_context_and_an_idle_thread_says_it_is_idle():
@@ -109,8 +123,13 @@ def test_each_call_gets_a_fresh_context_and_an_idle_thread_says_it_is_idle():
 
     pool = HelperThreads()
     seen = contextvars.ContextVar("seen", default="unset")
-    pool.run(lambda: seen.set("left by the first call"), 5, "first step")
-    assert pool.run(seen.get, 5, "second step") == "unset"
-    assert pool.started == 1
+
+    def first_call():
+        seen.set("left by the first call")
+        return threading.get_ident()
+
+    first = pool.run(first_call, 5, "first step")
+    second = pool.run(lambda: (seen.get(), threading.get_ident()), 5, "second step")
+    assert second == ("unset", first)  # the same thread, a fresh context
     idle = [t.name for t in threading.enumerate() if t.name.startswith("megatron-async-helper")]
     assert "megatron-async-helper (idle)" in idle

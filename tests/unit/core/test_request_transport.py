@@ -114,26 +114,6 @@ def test_a_one_call_segment_is_dropped_by_the_worker_after_the_call():
     assert encoded.call_segments[0] not in table._segments
 
 
-def test_plan_items_are_sent_once_and_then_by_token():
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-
-    items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(1100)]
-    sender, table = _pair()
-    first, _ = sender.encode(items)
-    assert table.apply(first) == items
-    second, _ = sender.encode(items)
-    assert len(second.new_objects) < 64 and len(second.payload) < len(first.new_objects) / 5
-    decoded = table.apply(second)
-    assert decoded == items and decoded[0] is not items[0]  # the worker's own copies
-
-    # Items a later structure no longer uses are dropped on both sides once there are many.
-    others = [WriteItem(index=MetadataIndex(f"u{i}"), type=WriteItemType.TENSOR) for i in range(10)]
-    third, _ = sender.encode(others)
-    assert len(third.forget_objects) == 1100
-    assert table.apply(third) == others
-
-
 def _pairs(count, numel=4, prefix="t"):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -143,7 +123,7 @@ def _pairs(count, numel=4, prefix="t"):
     return segment, shared_memory.ReusedTensorPairs(zip(items, views))
 
 
-def test_reused_pairs_are_encoded_once_and_decode_to_the_staged_values():
+def test_reused_pairs_are_sent_once_and_decode_to_the_staged_values():
     segment, pairs = _pairs(300)
     sender, table = _pair()
     first, _ = sender.encode({"bucket": pairs, "path": "iter_1"})
@@ -157,30 +137,31 @@ def test_reused_pairs_are_encoded_once_and_decode_to_the_staged_values():
     for i, (_, view) in enumerate(pairs):
         view.fill_(float(-i))
     second, _ = sender.encode({"bucket": pairs, "path": "iter_2"})
-    assert second.new_segments == () and len(second.new_objects) < 64
-    decoded = table.apply(second)
-    assert decoded["path"] == "iter_2"
-    assert all(torch.equal(t, torch.full((4,), float(-i))) for i, (_, t) in enumerate(decoded["bucket"]))
-    assert sender._pairs[id(pairs)].payload in second.payload  # the bytes of the first encoding
+    assert second.new_segments == () and len(second.payload) < 200  # a token, not 300 pairs
+    decoded_again = table.apply(second)
+    assert decoded_again["path"] == "iter_2"
+    assert decoded_again["bucket"] is decoded  # the worker's copy, kept
+    assert all(torch.equal(t, torch.full((4,), float(-i))) for i, (_, t) in enumerate(decoded))
 
 
-def test_a_new_pairs_object_is_encoded_anew_and_a_dropped_one_is_forgotten():
+def test_a_new_pairs_object_is_sent_anew_and_a_dropped_one_is_forgotten():
     segment, pairs = _pairs(5)
     sender, table = _pair()
-    table.apply(sender.encode(pairs)[0])
-    key = id(pairs)
-    assert key in sender._pairs
-    # Another structure (other items, other buffers) is never served the old bytes.
+    first = table.apply(sender.encode(pairs)[0])
+    # Another structure (other items, other buffers) is never served the old pairs.
     other_segment, others = _pairs(3, numel=2)
     decoded = table.apply(sender.encode(others)[0])
     assert len(decoded) == 3 and all(t.shape == (2,) for _, t in decoded)
-    del pairs
+    assert table.apply(sender.encode(pairs)[0]) is first
+    del pairs, first
     gc.collect()
-    assert key not in sender._pairs  # the encoding went with the pairs
+    later, _ = sender.encode(others)
+    assert len(later.forget_pairs) == 1  # the worker drops its copy (and the views it holds)
+    assert table.apply(later) is decoded
 
 
 def test_reused_pairs_survive_a_request_that_was_never_sent():
-    """A failed encode forgets the items it introduced: the cached bytes must not name them."""
+    """A failed encode forgets the pairs it introduced: a later request sends them in full."""
     segment, pairs = _pairs(4, prefix="never_sent")
     sender, table = _pair()
 
