@@ -23,6 +23,7 @@ wrapped in this process only) and their medians over the warm saves printed::
     python -m tools.bench.micro.warm_stall --callers persistent,temporal --saves 12
     python -m tools.bench.micro.warm_stall --callers persistent --profile
     python -m tools.bench.micro.warm_stall --phases
+    python -m tools.bench.micro.warm_stall --callers persistent --overlap
     python -m tools.bench.micro.warm_stall --device cuda --callers persistent --phases
 
 With ``--device cuda`` the tensors live on the GPU, the stall is compared with one
@@ -164,8 +165,13 @@ def _report(profile: cProfile.Profile, sort: str, lines: int) -> str:
 
 
 def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdir: str,
-               profile: bool, lines: int, gap_s: float = 0.0) -> Dict[str, object]:
-    """Save ``tensors`` ``saves`` times with one caller; return the stalls (seconds)."""
+               profile: bool, lines: int, gap_s: float = 0.0,
+               overlap: bool = False) -> Dict[str, object]:
+    """Save ``tensors`` ``saves`` times with one caller; return the stalls (seconds).
+
+    With ``overlap`` each save is scheduled without waiting for the previous one's write
+    (saves more frequent than a write takes): its staging cannot reuse buffers that a
+    write still reads."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -206,10 +212,11 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
             torch._foreach_add_(tensors, 1.0)  # the training step while the write runs
             if tensors[0].is_cuda:
                 torch.cuda.synchronize()  # the next stall is the save's alone
-            queue.maybe_finalize_async_calls(blocking=True)
-            if index > 0:
+            queue.maybe_finalize_async_calls(blocking=not overlap)
+            if index > 0 and not overlap:
                 shutil.rmtree(os.path.join(workdir, f"iter_{index - 1:07d}"), ignore_errors=True)
             time.sleep(gap_s)  # the rest of the training between two saves
+        queue.maybe_finalize_async_calls(blocking=True)
     finally:
         queue.close()
     result: Dict[str, object] = {"stalls": stalls, "reused": strategy.structure_reuse_count}
@@ -262,6 +269,9 @@ def main(argv=None) -> None:
                         help="seconds of 'training' after a save is complete, before the next "
                              "(lets the previous save's write-back and clean-up settle, as "
                              "minutes of training between saves do)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="schedule each save without waiting for the previous one's write "
+                             "(saves more frequent than a write takes)")
     parser.add_argument("--profile", action="store_true", help="cProfile the last save's call")
     parser.add_argument("--lines", type=int, default=35, help="rows of each profile")
     parser.add_argument("--phases", action="store_true",
@@ -301,7 +311,7 @@ def main(argv=None) -> None:
             os.makedirs(run_dir)
             phases.clear()
             result = run_caller(caller == "persistent", tensors, args.saves, run_dir,
-                                args.profile, args.lines, args.gap_s)
+                                args.profile, args.lines, args.gap_s, args.overlap)
             warm = result["stalls"][1:]
             median = statistics.median(warm)
             print(f"{caller}: warm stall median {median * 1e3:.1f} ms = {median / memcpy_s:.2f} x "
