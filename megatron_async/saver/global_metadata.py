@@ -48,6 +48,7 @@ __all__ = [
     "share_equal_sizes",
     "without_redundant_empty_chunks",
     "build_metadata",
+    "plans_globally_like_dcp",
     "index_items",
     "validate_chunks",
 ]
@@ -254,14 +255,14 @@ def build_global_metadata(
     """Build the global metadata of a decentralized save from every rank's local plan.
 
     Runs on the coordinator; refuses items planned by two ranks. The metadata lists each
-    ``(fqn, offset)`` once, as megatron-core's does. DCP's own planners
-    (``DefaultSavePlanner`` and megatron-core's ``MCoreSavePlanner``) are not run
-    (:func:`build_metadata` makes the same metadata); a planner that plans globally in
-    its own way (an override, flattened state dicts, DCP's plan caching) is.
+    ``(fqn, offset)`` once, as megatron-core's does. Only for a planner whose global
+    planning is DCP's own (:func:`plans_globally_like_dcp`; the saver plans the others
+    centrally): :func:`build_metadata` makes the metadata that planning would make.
 
     Args:
         planner: the save planner; its ``global_plan`` and ``metadata`` are set, as DCP's
-            global planning sets them.
+            global planning sets them (the plans keep their index hints: a decentralized
+            save writes every rank's plan as it is).
         all_local_plans: every rank's local plan, in rank order.
         plan_digests: every rank's :func:`~megatron_async.saver.metadata_cache.plan_digest`
             of its plan, as the ranks computed them; computed here when None.
@@ -274,23 +275,15 @@ def build_global_metadata(
     Raises:
         CheckpointValidationError: overlapping or missing shards, or another invalid plan.
     """
-    if _plans_like_dcp(planner):
-        metadata = build_metadata(all_local_plans)
-        # As DCP's global planning leaves them (the plans keep their index hints: a
-        # decentralized save writes every rank's plan as it is).
-        planner.global_plan, planner.metadata = all_local_plans, metadata
-    else:
-        plans = without_redundant_empty_chunks(all_local_plans, refuse_duplicates=True)
-        try:
-            _, metadata = planner.create_global_plan(plans)
-        except ValueError as exc:  # DCP's validation: overlapping, out-of-bounds or missing chunks
-            raise CheckpointValidationError(f"invalid global save plan: {exc}") from exc
+    metadata = build_metadata(all_local_plans)
+    planner.global_plan, planner.metadata = all_local_plans, metadata
     attach_plan_digests(metadata, all_local_plans, plan_digests)
     return metadata
 
 
-def _plans_like_dcp(planner: SavePlanner) -> bool:
-    """Whether ``planner``'s global planning is DCP's default one, unchanged."""
+def plans_globally_like_dcp(planner: SavePlanner) -> bool:
+    """Whether ``planner``'s global planning is DCP's default one, unchanged (megatron-core's
+    planner, for one): not an override, flattened state dicts or DCP's plan caching."""
     if not isinstance(planner, DefaultSavePlanner):
         return False
     cls = type(planner)
@@ -305,9 +298,7 @@ def _plans_like_dcp(planner: SavePlanner) -> bool:
     )
 
 
-def without_redundant_empty_chunks(
-    all_local_plans: List[SavePlan], refuse_duplicates: bool = False
-) -> List[SavePlan]:
+def without_redundant_empty_chunks(all_local_plans: List[SavePlan]) -> List[SavePlan]:
     """Leave out the empty chunks that another item already describes (coordinator).
 
     ``MetadataIndex`` equality ignores the index hint, so the metadata (and DCP's
@@ -315,11 +306,9 @@ def without_redundant_empty_chunks(
     copy survives depends on plan sizes, and an empty chunk could replace a chunk with
     data at its offset (a "missing shard" error). Which are left out is
     :func:`index_items`'s rule; the plans are returned unchanged when nothing is left out.
-
-    Raises:
-        CheckpointValidationError: with ``refuse_duplicates``, items that several ranks plan.
+    For central planning, where DCP deduplicates the replicas that several ranks plan.
     """
-    left_out = index_items(all_local_plans, refuse_duplicates)
+    left_out = index_items(all_local_plans, refuse_duplicates=False)
     if not left_out:
         return all_local_plans
     return [

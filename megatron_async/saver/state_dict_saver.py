@@ -32,7 +32,7 @@ from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import (
-    build_global_metadata, share_equal_sizes, without_redundant_empty_chunks,
+    build_global_metadata, plans_globally_like_dcp, share_equal_sizes, without_redundant_empty_chunks,
 )
 from megatron_async.saver.metadata_cache import (
     CheckpointMetadataCache, plan_digest, same_plan, verify_global_md_reuse,
@@ -114,7 +114,8 @@ def plan_save(
     * *cached*: ``cached_ckpt_structure`` holds the previous save's plans and no rank's
       fresh local plan differs from its cached one: no plan is gathered and the returned
       metadata is None (the caller reuses the metadata it cached);
-    * *decentralized* (planner and writer both allow it): local plans are gathered on the
+    * *decentralized* (planner and writer both allow it, and the planner's global
+      planning is DCP's own, which it replaces): local plans are gathered on the
       coordinator only to build the metadata, and each rank derives its final plan
       itself. The gather is skipped too when ``loaded_all_plans`` (the plan digests or ``all_local_plans``
       of a loaded checkpoint's metadata) match every rank's plan;
@@ -169,8 +170,10 @@ def plan_save(
     if not changed:
         logger.debug("rank %d: checkpoint structure unchanged; reusing cached plans", dist_wrapper.rank)
         central_plan = cached_central
-    elif getattr(planner, "can_run_decentralized_global_plan", False) and getattr(
-        storage_writer, "can_run_decentralized_global_plan", False
+    elif (
+        getattr(planner, "can_run_decentralized_global_plan", False)
+        and getattr(storage_writer, "can_run_decentralized_global_plan", False)
+        and plans_globally_like_dcp(planner)
     ):
         reused_loaded = verify_global_md_reuse(
             loaded_all_plans, local_plan, dist_wrapper.rank, dist_wrapper

@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.planner import (
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.saver import state_dict_saver
 from megatron_async.saver.global_metadata import (
-    _plans_like_dcp,
     build_global_metadata,
+    plans_globally_like_dcp,
     without_redundant_empty_chunks,
 )
 from megatron_async.saver.global_metadata import build_metadata
+from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,26 +99,32 @@ def test_the_chunks_are_the_items_own_objects():
 def test_the_strategy_planner_gets_the_fast_build_and_its_metadata_set():
     plans = _uneven_plans()
     planner = generation.create_save_planner(TorchDistSaveConfig())
-    assert _plans_like_dcp(planner)  # megatron-core's planner adds nothing to global planning
+    assert plans_globally_like_dcp(planner)  # megatron-core's planner adds nothing to global planning
     metadata = build_global_metadata(planner, plans)
     assert planner.metadata is metadata
     assert metadata.state_dict_metadata == dcp_metadata(plans).state_dict_metadata
 
 
-def test_a_planner_with_its_own_global_planning_is_still_run():
+def test_a_planner_with_its_own_global_planning_is_planned_centrally(tmp_path):
     calls = []
 
     class Custom(DefaultSavePlanner):
+        can_run_decentralized_global_plan = True
+
         def create_global_plan(self, all_plans):
             calls.append(len(all_plans))
             return super().create_global_plan(all_plans)
 
-    plans = _uneven_plans()
-    assert not _plans_like_dcp(Custom(flatten_state_dict=False))
-    assert not _plans_like_dcp(DefaultSavePlanner(flatten_state_dict=True))
-    metadata = build_global_metadata(Custom(flatten_state_dict=False), plans)
-    assert calls == [4]
-    assert metadata.state_dict_metadata == dcp_metadata(plans).state_dict_metadata
+        def create_decentralized_global_plan(self, local_plan):
+            raise AssertionError("a planner with its own global planning is run centrally")
+
+    assert not plans_globally_like_dcp(Custom(flatten_state_dict=False))
+    assert not plans_globally_like_dcp(DefaultSavePlanner(flatten_state_dict=True))
+    writer = FileSystemWriterAsync(str(tmp_path))
+    assert writer.can_run_decentralized_global_plan
+    result = state_dict_saver.plan_save({"w": torch.ones(4)}, writer, planner=Custom(flatten_state_dict=False))
+    assert calls == [1]
+    assert list(result.metadata.state_dict_metadata) == ["w"]
 
 
 def _refused_by_dcp(plans: List[SavePlan]) -> str:
