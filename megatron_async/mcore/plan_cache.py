@@ -32,7 +32,7 @@ from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.structure import PlanBinding, Structure, bind_plan, describe_structure, rebind
 from megatron_async.saver.metadata_cache import CheckpointMetadataCache
-from megatron_async.saver.state_dict_saver import make_dist_wrapper, plan_save, plan_with_cache
+from megatron_async.saver.state_dict_saver import make_dist_wrapper, plan_with_cache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.commit import unmark_before_rewrite
 
@@ -238,21 +238,15 @@ class PlanCache:
     ) -> PreparedSave:
         """Plan the save in full (every rank), reusing verified plans where it can."""
         self._cached = None  # until this planning succeeds: never keep an older one
-        planner = generation.create_save_planner(config)
-        # plan_save's caller unmarks, agreed, when a checkpoint is there.
-        if not config.cached_metadata:
-            result = plan_save(
-                pyt_state_dict, writer, planner=planner, coordinator_rank=COORDINATOR_RANK, unmark=False
-            )
-            self.last_save_reused_plans = False
-            return result.finalize_args
         if cached is None:  # planned with other options, or failed: not offered
             self.plans.cached_central_plan = self.plans.cached_local_plan = None
+        # Without cached_metadata every save plans in full, in a cache of its own.
         # Not vouched for: the structure may have changed, so the cached plans are reused
-        # only if a fresh local plan matches them on every rank.
+        # only if a fresh local plan matches them on every rank. The caller unmarks, agreed.
         result = plan_with_cache(
-            self.plans, pyt_state_dict, writer, coordinator_rank=COORDINATOR_RANK, planner=planner,
-            vouched=False, unmark=False,
+            self.plans if config.cached_metadata else CheckpointMetadataCache(),
+            pyt_state_dict, writer, coordinator_rank=COORDINATOR_RANK,
+            planner=generation.create_save_planner(config), vouched=False, unmark=False,
         )
         self.last_save_reused_plans = result.reused_cached_plans
         binding = None
