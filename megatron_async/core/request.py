@@ -53,7 +53,7 @@ def register_finalize_step_adapter(adapter: FinalizeStepAdapter) -> None:
 
     ``adapter(fn)`` returns the replacement of ``fn``, or None to keep ``fn``. Every request
     is adapted when it is scheduled (:meth:`AsyncRequest.freeze`) or run synchronously,
-    whoever built it: :mod:`megatron_async.mcore.finalize` registers the gloo-safe
+    whoever built it: :mod:`megatron_async.mcore.save_call` registers the gloo-safe
     replacements of megatron-core's own steps this way, so that a request built by
     megatron-core's stock strategy never waits in a default-group barrier on our queue.
     Registering the same adapter again changes nothing.

@@ -7,8 +7,8 @@
 * :mod:`.plan_cache` and :mod:`.structure`: warm saves that skip planning;
 * :mod:`.target`: the checks of a save's target directory (overwriting included);
 * :mod:`.save_call`: megatron-core's ``save()`` wrapped, so that its steps before the
-  strategy (its ``common.pt`` write on 0.16-0.18 included) know the call's strategy;
-* :mod:`.finalize`: the request's commit step, and a gloo-safe ``metadata.json`` step.
+  strategy (its ``common.pt`` write on 0.16-0.18 included) know the call's strategy, and
+  its finalize steps (``metadata.json``, manifest) replaced by gloo-safe ones.
 
 Importing this package imports megatron-core. The public import path of the strategy is
 ``megatron_async.TorchDistAsyncSaveStrategy``.

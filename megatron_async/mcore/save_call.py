@@ -26,6 +26,20 @@ crash right then leaves a mixed checkpoint that looks complete). What the guard 
 and how its failures reach every rank, is in docs/design.md ("Overwriting a complete
 checkpoint"). Where that write is (:func:`~megatron_async.mcore.generation.common_writes`)
 is generation glue.
+
+Last, ``save(..., async_sharded_save=True)`` appends finalize steps to the request that
+run rank 0's part and then wait in a barrier on the *default* process group:
+``metadata.json`` and, with ``verify_integrity=True`` (0.18+), a SHA-256 manifest. A
+failure on rank 0 would leave the other ranks in that barrier until the default group's
+timeout (10-30 minutes), where a training collective of rank 0 may even pair with it.
+Each is replaced by one that runs rank 0's part bounded and agrees on the outcome over
+the gloo coordination group (:func:`write_megatron_config`,
+:func:`write_integrity_manifest`). Our requests carry a :class:`FinalizeFnList`, which
+swaps a step as megatron-core appends it (so the swap holds on megatron-core's own queue
+too); requests that megatron-core's stock strategy built get the same swap when our
+queue schedules them (:func:`~megatron_async.core.request.register_finalize_step_adapter`).
+Both steps are recognized by where megatron-core defines them (``save``'s local
+functions).
 """
 
 from __future__ import annotations
@@ -35,21 +49,31 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
-from megatron_async.core.save_directories import SaveDirectories
+from megatron_async.core.request import register_finalize_step_adapter
+from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
 from megatron_async.errors import CheckpointValidationError
+from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
 from megatron_async.mcore.target import unmark_or_refuse
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
-__all__ = ["SaveCall", "current_save_call", "guard_save_functions"]
+__all__ = [
+    "SaveCall",
+    "current_save_call",
+    "guard_save_functions",
+    "FinalizeFnList",
+    "write_megatron_config",
+    "write_integrity_manifest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +268,93 @@ def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
         return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir)
 
     return guarded_save_common
+
+
+_SAVE_MODULE = "megatron.core.dist_checkpointing.serialization"
+_CONFIG_STEP = "save.<locals>.metadata_finalize_fn"
+_MANIFEST_STEP = "save.<locals>.integrity_finalize_fn"
+
+
+def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> None:
+    """Write megatron-core's ``metadata.json`` on rank 0; raise any failure on every rank."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    final_path = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILE)
+    config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
+    coordination.run_on_coordinator(
+        "finalize",
+        lambda: run_coordinator_step(
+            f"writing {final_path}",
+            lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
+        ),
+        checkpoint_dir,
+    )
+
+
+MANIFEST_STEP_SHARE = 0.9
+"""The share of the coordination timeout that megatron-core's manifest step, which reads
+and hashes every file, may take on rank 0 (never less than the other steps' half). It
+keeps :data:`MANIFEST_STEP_MARGIN_S` for rank 0 to report a step that did not return
+before the other ranks, waiting for it, time out themselves."""
+
+MANIFEST_STEP_MARGIN_S = 10.0
+
+
+def manifest_step_timeout_s() -> float:
+    """How long megatron-core's manifest step may take on rank 0 (see :data:`MANIFEST_STEP_SHARE`)."""
+    timeout_s = coordination.coordination_timeout_s()
+    share_s = min(MANIFEST_STEP_SHARE * timeout_s, timeout_s - MANIFEST_STEP_MARGIN_S)
+    return max(share_s, timeout_s / 2)
+
+
+def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str], None]) -> None:
+    """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
+    coordination.run_on_coordinator(
+        "finalize",
+        lambda: run_coordinator_step(
+            f"writing the integrity manifest of {checkpoint_dir}",
+            lambda: write_manifest(checkpoint_dir),
+            timeout_s=manifest_step_timeout_s(),
+            hint="it reads and hashes every file of the checkpoint: if the mount is "
+            "fine, the checkpoint is too large to hash in time; raise "
+            "coordination_timeout_s or save without verify_integrity, then restart the job",
+        ),
+        checkpoint_dir,
+    )
+
+
+def _replacement_for(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
+    """Our equivalent of one of megatron-core's finalize steps, or None for other functions."""
+    if getattr(fn, "__module__", None) != _SAVE_MODULE:
+        return None
+    step = getattr(fn, "__qualname__", None)
+    if step not in (_CONFIG_STEP, _MANIFEST_STEP):
+        return None
+    try:
+        captured = inspect.getclosurevars(fn)
+        checkpoint_dir = os.fspath(captured.nonlocals["checkpoint_dir"])
+        if step == _CONFIG_STEP:
+            strategy = captured.nonlocals["sharded_strategy"]
+            return functools.partial(
+                write_megatron_config, checkpoint_dir, strategy.backend, strategy.version
+            )
+        write_manifest = captured.globals["save_integrity_manifest"]
+        return functools.partial(write_integrity_manifest, checkpoint_dir, write_manifest)
+    except (KeyError, AttributeError, TypeError) as exc:  # another megatron-core layout
+        logger.warning("keeping megatron-core's own finalize step %s (%s)", step, exc)
+        return None
+
+
+register_finalize_step_adapter(_replacement_for)
+
+
+class FinalizeFnList(list):
+    """Finalize functions of a request; swaps in the gloo-safe megatron-core steps."""
+
+    def __init__(self, fns: Iterable[Callable[[], Any]] = ()):
+        super().__init__()
+        for fn in fns:
+            self.append(fn)
+
+    def append(self, fn: Callable[[], Any]) -> None:
+        super().append(_replacement_for(fn) or fn)

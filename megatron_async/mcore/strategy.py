@@ -27,16 +27,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_async.core import coordination
-from megatron_async.core.request import AsyncRequest
+from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.core.save_directories import Claim, SaveDirectories
-from megatron_async.errors import CheckpointValidationError
-from megatron_async.integrity.staleness import SaveDigestHistory
+from megatron_async.errors import CheckpointValidationError, FrozenRequestError
+from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.mcore.finalize import FinalizeFnList, SaveFinalizer
-from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache
-from megatron_async.mcore.save_call import current_save_call, guard_save_functions
+from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, PreparedSave
+from megatron_async.mcore.save_call import FinalizeFnList, current_save_call, guard_save_functions
 from megatron_async.mcore.target import claim_save_target
+from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.storage.backend import normalize_checkpoint_path
@@ -256,7 +256,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
         start = time.monotonic()
         try:
-            writer, metadata, dist_wrapper = self.plan_cache.plan_save(
+            prepared = self.plan_cache.plan_save(
                 sharded_state_dict,
                 checkpoint_dir,
                 self.config,
@@ -268,19 +268,16 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
                 coordination.get_rank(), checkpoint_dir, plan_s, self.last_save_reused_plans,
             )
-            return self._request(writer, metadata, dist_wrapper, claims[0], plan_s)
+            return self._request(prepared, claims[0], plan_s)
         except BaseException:
             for claim in claims:
                 claim.release()
             raise
 
-    def _request(self, writer, metadata, dist_wrapper, claim: Claim, plan_s: float) -> AsyncRequest:
+    def _request(self, prepared: PreparedSave, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalizer = SaveFinalizer(
-            writer, metadata, dist_wrapper, claim, plan_s,
-            commit_cache=self.commit_cache, digest_history=self.digest_history,
-        )
+        save_fn, preload_fn, save_args = prepared[0].get_save_function_and_args()
+        finalizer = SaveFinalizer(prepared, claim, plan_s, self.commit_cache, self.digest_history)
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
@@ -290,6 +287,68 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         """Return the storage writer of one save (a hook for subclasses, e.g. test fakes)."""
         return FileSystemWriterAsync(
             checkpoint_dir, options=self.config.write_options, staging_cache=self.staging_cache
+        )
+
+
+class SaveFinalizer:
+    """Commit one save of the strategy (the request's first finalize step): runs on every
+    rank once its background write is done everywhere
+    (:func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`), and frees the
+    directory for the next save whatever happens.
+
+    Args:
+        prepared: the planned save: ``(writer, metadata, dist_wrapper)``.
+        claim: the save's claim on its directory, released when the save is over.
+        plan_s: how long planning took.
+        commit_cache, digest_history: the strategy's records of its previous save.
+    """
+
+    def __init__(
+        self, prepared: PreparedSave, claim: Claim, plan_s: float,
+        commit_cache: CommitCache, digest_history: SaveDigestHistory,
+    ):
+        self._prepared = prepared
+        self._claim = claim
+        self._plan_s = plan_s
+        self._commit_cache = commit_cache
+        self._digest_history = digest_history
+        self._change_report: Optional[ChangeReport] = None
+        self._scheduled = False
+
+    def __call__(self) -> None:
+        try:
+            self._change_report = save_state_dict_async_finalize(
+                *self._prepared, commit_cache=self._commit_cache, digest_history=self._digest_history
+            )
+        finally:
+            self.abandon()
+
+    def claim_scheduling(self) -> None:
+        """Called when the request is scheduled or run synchronously: a request runs once.
+
+        Raises:
+            FrozenRequestError: it was scheduled before.
+        """
+        if self._scheduled:
+            raise FrozenRequestError(
+                f"this request to save {self._claim.directory} was already scheduled or run; a "
+                "request runs once: call dist_checkpointing.save again for a new one"
+            )
+        self._scheduled = True
+
+    def abandon(self) -> None:
+        """The save is over (finalized, failed or never scheduled): free its directory now
+        (every rank)."""
+        self._claim.release()
+
+    def save_details(self) -> SaveDetails:
+        """What this save cost on this rank (for the queue's INFO line)."""
+        writer, report = self._prepared[0], self._change_report
+        stats = writer.staging_stats  # filled by the save's staging
+        return SaveDetails(
+            self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
+            report.summary() if report is not None else None,
+            stats.get("peak_bytes"), stats.get("rounds"),
         )
 
 

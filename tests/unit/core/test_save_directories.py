@@ -78,7 +78,7 @@ def test_the_tracker_step_of_a_commit_is_bounded(tmp_path, monkeypatch, hung_mou
 
 
 def test_megatron_cores_metadata_json_step_is_bounded(tmp_path, monkeypatch, hung_mount):
-    from megatron_async.mcore import finalize
+    from megatron_async.mcore import save_call as finalize
 
     class HungStorage:
         def write_atomically(self, path, data):
@@ -204,7 +204,7 @@ def test_the_manifest_step_may_take_most_of_the_coordination_timeout(tmp_path, m
     """megatron-core's manifest hashes every file: it gets 0.9 of the coordination timeout
     (keeping 10 s of margin, never less than the half the other steps get), still bounded,
     and its message names the hashing."""
-    from megatron_async.mcore import finalize
+    from megatron_async.mcore import save_call as finalize
 
     for timeout_s, bound_s in ((600.0, 540.0), (60.0, 50.0), (12.0, 6.0)):
         monkeypatch.setattr(coordination, "_cached_timeout_s", timeout_s)
