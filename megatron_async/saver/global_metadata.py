@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.saver.metadata_cache import attach_plan_digests, properties_key
+from megatron_async.saver.metadata_cache import PLAN_DIGESTS_ATTR, plan_digest, properties_key
 
 __all__ = [
     "build_global_metadata",
@@ -277,7 +277,9 @@ def build_global_metadata(
     """
     metadata = build_metadata(all_local_plans)
     planner.global_plan, planner.metadata = all_local_plans, metadata
-    attach_plan_digests(metadata, all_local_plans, plan_digests)
+    if plan_digests is None:
+        plan_digests = [plan_digest(plan) for plan in all_local_plans]
+    setattr(metadata, PLAN_DIGESTS_ATTR, list(plan_digests))
     return metadata
 
 

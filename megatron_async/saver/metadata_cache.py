@@ -41,7 +41,6 @@ from megatron_async.core import coordination
 __all__ = [
     "CheckpointMetadataCache",
     "PLAN_DIGESTS_ATTR",
-    "attach_plan_digests",
     "loaded_plans",
     "plan_digest",
     "properties_key",
@@ -94,20 +93,6 @@ def _item_key(item) -> tuple:
         properties_key(data.properties),
         data.size,
     )
-
-
-def attach_plan_digests(
-    metadata: Metadata,
-    all_local_plans: Sequence[SavePlan],
-    digests: Optional[Sequence[bytes]] = None,
-) -> None:
-    """Store every rank's plan digest on the metadata (coordinator, first save).
-
-    ``digests`` are the ranks' own, gathered with their plans; computed here when None.
-    """
-    if digests is None:
-        digests = [plan_digest(plan) for plan in all_local_plans]
-    setattr(metadata, PLAN_DIGESTS_ATTR, list(digests))
 
 
 def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:
@@ -236,23 +221,9 @@ class CheckpointMetadataCache:
             return False
         return self.cached_global_metadata is not None or not is_coordinator
 
-    def record_plan(
-        self,
-        central_plan: SavePlan,
-        local_plan: SavePlan,
-        reused_cached_plans: bool,
-        reused_loaded_metadata: bool,
-    ) -> None:
-        """Remember a save's plans and how they were made (every rank, after planning);
-        its metadata goes through :meth:`prepare_save_state_dict_ret`."""
-        self.validated_loaded_metadata_reuse = bool(reused_loaded_metadata)
-        self.validated_cache_reuse = bool(reused_cached_plans)
-        self.cached_central_plan = central_plan
-        self.cached_local_plan = local_plan
-
     def prepare_save_state_dict_ret(self, rank: int, coordinator: int, save_state_dict_ret):
         """Fill the cached metadata into a planning result that reused it (every rank,
-        after :meth:`record_plan`).
+        once the save's plans and how they were made are recorded here).
 
         ``save_state_dict_ret`` is ``(writer, metadata or None, dist_wrapper)``. When the
         plans or the loaded metadata were reused, the coordinator's metadata is the

@@ -283,9 +283,9 @@ def plan_with_cache(
         loaded_all_plans=cache.loaded_all_plans,
         unmark=unmark,
     )
-    cache.record_plan(
-        result.central_plan, result.local_plan, result.reused_cached_plans, result.reused_loaded_metadata
-    )
+    cache.validated_cache_reuse = result.reused_cached_plans
+    cache.validated_loaded_metadata_reuse = result.reused_loaded_metadata
+    cache.cached_central_plan, cache.cached_local_plan = result.central_plan, result.local_plan
     _, metadata, _ = cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
     return dataclasses.replace(result, metadata=metadata)
 

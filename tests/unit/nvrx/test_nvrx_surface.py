@@ -51,17 +51,23 @@ def test_plan_signature_takes_the_cache_keywords():
     assert parameters["metadata_cache"].default is None
 
 
+def _record(cache, reused_cached_plans):
+    """What planning records in the cache after a save (plan_with_cache)."""
+    cache.cached_central_plan, cache.cached_local_plan = "central", "local"
+    cache.validated_cache_reuse, cache.validated_loaded_metadata_reuse = reused_cached_plans, False
+
+
 def test_metadata_cache_fills_in_reused_metadata_and_keeps_fresh_metadata():
     cache = CheckpointMetadataCache()
     assert not cache.can_offer_cached_plans(is_coordinator=True)
     fresh = object()
-    cache.record_plan("central", "local", False, False)
+    _record(cache, False)
     assert cache.prepare_save_state_dict_ret(0, 0, ("w", fresh, "d")) == ("w", fresh, "d")
     assert cache.get_cache_metadata() == ("central", "local", False, None)
     assert cache.can_offer_cached_plans(is_coordinator=True)
     # the next save reused the plans: no metadata was built, the cached one is returned,
     # on the coordinator only
-    cache.record_plan("central", "local", True, False)
+    _record(cache, True)
     assert cache.validated_cache_reuse
     assert cache.prepare_save_state_dict_ret(0, 0, ("w", None, "d")) == ("w", fresh, "d")
     assert cache.prepare_save_state_dict_ret(1, 0, ("w", None, "d")) == ("w", None, "d")
@@ -69,7 +75,7 @@ def test_metadata_cache_fills_in_reused_metadata_and_keeps_fresh_metadata():
 
 def test_metadata_cache_without_metadata_makes_the_coordinator_plan_afresh():
     cache = CheckpointMetadataCache()
-    cache.record_plan("central", "local", False, False)  # a non-coordinator rank
+    _record(cache, False)  # a non-coordinator rank
     assert cache.can_offer_cached_plans(is_coordinator=False)
     assert not cache.can_offer_cached_plans(is_coordinator=True)
 
