@@ -6,10 +6,8 @@ nvidia-resiliency-ext's convention (``enable_cache`` / ``metadata_cache``) is
 :mod:`megatron_async.nvrx.state_dict_saver`'s.
 """
 
-from megatron_async.saver.state_dict_saver import (
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-    verify_global_md_reuse,
-)
+from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.saver.metadata_cache import verify_global_md_reuse
+from megatron_async.saver.state_dict_saver import save_state_dict_async_plan
 
 __all__ = ["save_state_dict_async_plan", "save_state_dict_async_finalize", "verify_global_md_reuse"]

@@ -14,10 +14,9 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from megatron_async.saver.metadata_cache import CheckpointMetadataCache
-from megatron_async.saver.state_dict_saver import (
-    plan_save, plan_with_cache, save_state_dict_async_finalize, verify_global_md_reuse,
-)
+from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.saver.metadata_cache import CheckpointMetadataCache, verify_global_md_reuse
+from megatron_async.saver.state_dict_saver import plan_save, plan_with_cache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [

@@ -30,7 +30,6 @@ from megatron_async.core.coordination import agreed_step
 from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.saver.global_metadata import (
     build_global_metadata, plans_globally_like_dcp, share_equal_sizes, without_redundant_empty_chunks,
 )
@@ -41,16 +40,7 @@ from megatron_async.writer.commit import unmark_before_rewrite
 from megatron_async.buckets.layout import PreparedWrite
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-__all__ = [
-    "PlanResult",
-    "plan_save",
-    "save_state_dict_async_plan",
-    "plan_with_cache",
-    "make_dist_wrapper",
-    "verify_global_md_reuse",
-    "build_global_metadata",
-    "save_state_dict_async_finalize",
-]
+__all__ = ["PlanResult", "plan_save", "save_state_dict_async_plan", "plan_with_cache", "make_dist_wrapper"]
 
 logger = logging.getLogger(__name__)
 
