@@ -53,7 +53,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
@@ -349,12 +349,8 @@ register_finalize_step_adapter(_replacement_for)
 
 
 class FinalizeFnList(list):
-    """Finalize functions of a request; swaps in the gloo-safe megatron-core steps."""
-
-    def __init__(self, fns: Iterable[Callable[[], Any]] = ()):
-        super().__init__()
-        for fn in fns:
-            self.append(fn)
+    """Finalize functions of a request; swaps in the gloo-safe megatron-core steps as
+    megatron-core appends them."""
 
     def append(self, fn: Callable[[], Any]) -> None:
         super().append(_replacement_for(fn) or fn)

@@ -48,18 +48,12 @@ __all__ = [
     "TorchDistAsyncSaveStrategy",
     "REGISTERED_BACKEND",
     "register_strategies",
-    "checkpoint_dirs_in_flight",
 ]
 
 logger = logging.getLogger(__name__)
 
 REGISTERED_BACKEND = "megatron_async"
 """Backend name under which :func:`register_strategies` registers the strategy."""
-
-
-def checkpoint_dirs_in_flight() -> List[str]:
-    """Directories that saves of this process are still writing or finalizing."""
-    return SaveDirectories.of_process().directories()
 
 
 def _config_property(field: str) -> property:

@@ -39,7 +39,7 @@ from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from megatron_async.checkpoint_dirs import is_complete_checkpoint, read_tracker
 from megatron_async.manager import CheckpointManager, CheckpointManagerConfig
-from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from tests.functional.harness import (
     RankContext,
     by_name,
@@ -673,7 +673,7 @@ def rank_stopped_during_finalize(ctx: RankContext):
     dist.barrier()
     leftovers = set(os.listdir(failed)) & set(_MARKERS)
     assert not leftovers, f"a save that never finalized is marked complete: {leftovers}"
-    assert failed not in checkpoint_dirs_in_flight()
+    assert failed not in SaveDirectories.of_process().directories()
     _check_checkpoint(ctx, good, 1.0)
     queue.close(abort=True)
     _assert_no_process_left_behind()

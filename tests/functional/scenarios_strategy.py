@@ -42,10 +42,8 @@ from megatron_async.errors import (
 )
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.staging import overlapped
-from megatron_async.mcore.strategy import (
-    TorchDistAsyncSaveStrategy,
-    checkpoint_dirs_in_flight,
-)
+from megatron_async.core.save_directories import SaveDirectories
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from tests.staging_aids import copies_held
 from tests.functional.harness import (
     RankContext,
@@ -779,7 +777,7 @@ def _expect_failure_on_every_rank(ctx, persistent, writer_cls, phase):
     assert not leftovers, f"a failed save left completion markers: {leftovers}"
     _check_checkpoint(ctx, previous, 8.0)
     # The directory is free again and a new save into it succeeds.
-    assert path not in checkpoint_dirs_in_flight()
+    assert path not in SaveDirectories.of_process().directories()
     _save_async(queue, ctx, path, TorchDistAsyncSaveStrategy(), 10.0)
     _check_checkpoint(ctx, path, 10.0)
     return failures

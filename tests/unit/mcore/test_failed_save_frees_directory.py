@@ -10,9 +10,15 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import AsyncSaveFailedError, FrozenRequestError, QueueClosedError
-from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, checkpoint_dirs_in_flight
+from megatron_async.core.save_directories import SaveDirectories
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
+
+
+def _in_flight():
+    """Directories that saves of this process are still writing or finalizing."""
+    return SaveDirectories.of_process().directories()
 
 
 def _state(step: float):
@@ -34,11 +40,11 @@ def test_a_failed_save_frees_its_directory_while_the_caller_holds_the_request(tm
     try:
         failing = TorchDistAsyncSaveStrategy(staging_memory_limit=8)  # too small for 256 bytes
         request = failing.async_save(_state(1.0), tmp_path)
-        assert str(tmp_path) in checkpoint_dirs_in_flight()
+        assert str(tmp_path) in _in_flight()
         queue.schedule_async_request(request)
         with pytest.raises(AsyncSaveFailedError):
             queue.maybe_finalize_async_calls(blocking=True)
-        assert str(tmp_path) not in checkpoint_dirs_in_flight(), "the failed request still holds it"
+        assert str(tmp_path) not in _in_flight(), "the failed request still holds it"
         _retry_succeeds(queue, tmp_path, 2.0)
         del request
     finally:
@@ -54,7 +60,7 @@ def test_a_request_refused_by_a_closed_queue_frees_its_directory(tmp_path):
         request = TorchDistAsyncSaveStrategy().async_save(_state(1.0), tmp_path)
         with pytest.raises(QueueClosedError):
             closed.schedule_async_request(request)
-        assert str(tmp_path) not in checkpoint_dirs_in_flight()
+        assert str(tmp_path) not in _in_flight()
         _retry_succeeds(queue, tmp_path, 3.0)
         del request
     finally:
@@ -70,7 +76,7 @@ def test_a_request_scheduled_twice_is_refused_and_the_first_save_completes(tmp_p
         with pytest.raises(FrozenRequestError, match="already scheduled or run; a request runs once"):
             queue.schedule_async_request(request)
         assert queue.get_num_unfinalized_calls() == 1
-        assert str(tmp_path) in checkpoint_dirs_in_flight()  # the refusal did not free the first save's claim
+        assert str(tmp_path) in _in_flight()  # the refusal did not free the first save's claim
         queue.maybe_finalize_async_calls(blocking=True)
         loaded = {"w": torch.empty(64)}
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)))
