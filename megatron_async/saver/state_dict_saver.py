@@ -260,12 +260,8 @@ def plan_with_cache(
         The result, whose ``metadata`` is the coordinator's for this save: built, or the
         cached one when it was reused (None on the other ranks).
     """
-    if process_group is not None and coordination.is_distributed():
-        rank = dist.get_rank(process_group)
-    else:
-        rank = coordination.get_rank()
     offered = None
-    if cache.can_offer_cached_plans(rank == coordinator_rank):
+    if cache.can_offer_cached_plans(make_dist_wrapper(process_group, coordinator_rank).is_coordinator):
         offered = (cache.cached_central_plan, cache.cached_local_plan, vouched)
     result = plan_save(
         state_dict, storage_writer, process_group, coordinator_rank, planner,
@@ -276,7 +272,9 @@ def plan_with_cache(
     cache.validated_cache_reuse = result.reused_cached_plans
     cache.validated_loaded_metadata_reuse = result.reused_loaded_metadata
     cache.cached_central_plan, cache.cached_local_plan = result.central_plan, result.local_plan
-    _, metadata, _ = cache.prepare_save_state_dict_ret(rank, coordinator_rank, result.finalize_args)
+    _, metadata, _ = cache.prepare_save_state_dict_ret(
+        result.dist_wrapper.rank, coordinator_rank, result.finalize_args
+    )
     return dataclasses.replace(result, metadata=metadata)
 
 
