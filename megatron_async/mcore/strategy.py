@@ -35,7 +35,7 @@ from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, PreparedSave
 from megatron_async.mcore.save_call import FinalizeFnList, current_save_call, guard_save_functions
-from megatron_async.mcore.target import claim_save_target
+from megatron_async.mcore.target import check_save_target
 from megatron_async.saver.finalize import save_state_dict_async_finalize
 from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.buffer_cache import StagingBufferCache
@@ -242,9 +242,13 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 call.agreed = True
                 if call.failure is not None:  # rank 0's common.pt step (0.16-0.18)
                     raise call.failure
-            claim, overwrites = claim_save_target(checkpoint_dir, self.config, is_coordinator, self.directories)
-            claims.append(claim)
-            return overwrites
+            claims.append(self.directories.claim(checkpoint_dir))  # released below on failure
+            # Bounded: on a hung mount even os.path.exists never returns, and this rank
+            # would never reach the collective that agrees on the check.
+            return self.directories.run_bounded(
+                f"checking the save target {checkpoint_dir}",
+                lambda: check_save_target(checkpoint_dir, self.config, is_coordinator),
+            )
 
         # The option may have changed since the previous save (a setter replaces config).
         self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint

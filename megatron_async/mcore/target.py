@@ -1,29 +1,26 @@
 """Check that one save may write into its target directory (every rank, local).
 
-:class:`~megatron_async.mcore.strategy.TorchDistAsyncSaveStrategy` runs
-:func:`claim_save_target` on every rank in the local step of its first collective, so a
-refusal on any rank becomes the same error on every rank. Nothing here runs a
-collective or talks to another rank.
+:class:`~megatron_async.mcore.strategy.TorchDistAsyncSaveStrategy` claims the directory
+and runs :func:`check_save_target` on every rank in the local step of its first
+collective, so a refusal on any rank becomes the same error on every rank. Nothing here
+runs a collective or talks to another rank.
 
 A complete checkpoint in the target is refused with ``overwrite=False``; otherwise its
 completion markers are removed once planning is agreed (docs/design.md, "Overwriting a
 complete checkpoint"), except in an object store (no rename, and a listing per save would
 cost requests), where they are removed here.
 
-The file-system checks run within half the coordination timeout on a helper thread
-(:meth:`~megatron_async.core.save_directories.SaveDirectories.run_bounded`): on a hung
-mount even ``os.path.exists`` never returns, and the rank would never reach the save's
-first collective.
+The strategy runs the file-system checks within half the coordination timeout on a helper
+thread (:meth:`~megatron_async.core.save_directories.SaveDirectories.run_bounded`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 from megatron_async.core import coordination
-from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.checkpoint_dirs import is_complete_checkpoint
 from megatron_async.format import DCP_METADATA_FILE, remove_completion_markers
@@ -31,14 +28,14 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.storage.backend import CheckpointStorage, storage_for
 from megatron_async.storage.client import MSC_EXTRA_HINT
 
-__all__ = ["check_save_target", "claim_save_target", "unmark_or_refuse"]
+__all__ = ["check_save_target", "unmark_or_refuse"]
 
 logger = logging.getLogger(__name__)
 
 
 def check_save_target(checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool) -> bool:
     """Raise if this rank cannot save into ``checkpoint_dir`` (every rank, local; file-system
-    calls only: the claim is :func:`claim_save_target`'s).
+    calls only, which the caller bounds).
 
     Returns:
         Whether the coordinator found a complete checkpoint to unmark once planning is
@@ -120,31 +117,3 @@ def unmark_or_refuse(directory: str, overwrite: Optional[bool], storage: Checkpo
             "so it reads as incomplete until the new save is finalized",
             directory,
         )
-
-
-def claim_save_target(
-    checkpoint_dir: str, config: TorchDistSaveConfig, is_coordinator: bool, directories: SaveDirectories
-) -> Tuple[Claim, bool]:
-    """Claim ``checkpoint_dir`` in ``directories``, then :func:`check_save_target` within a
-    bound (every rank).
-
-    Returns:
-        The claim, for the save's finalization to release, and what the check returned.
-
-    Raises:
-        CheckpointInProgressError: the process's saves stopped, or a save of this process
-            still writes the directory.
-        FileSystemStepTimeoutError: the file system did not answer within half the
-            coordination timeout (the process's saves stop).
-        CheckpointValidationError: as :func:`check_save_target`.
-    """
-    claim = directories.claim(checkpoint_dir)
-    try:
-        complete = directories.run_bounded(
-            f"checking the save target {checkpoint_dir}",
-            lambda: check_save_target(checkpoint_dir, config, is_coordinator),
-        )
-    except BaseException:
-        claim.release()
-        raise
-    return claim, complete

@@ -147,8 +147,6 @@ def test_a_step_left_behind_stops_every_later_save_of_the_process(tmp_path, monk
     from torch.distributed.checkpoint.metadata import Metadata
 
     from megatron_async import manager as mgr
-    from megatron_async.mcore.config import TorchDistSaveConfig
-    from megatron_async.mcore.target import claim_save_target
     from megatron_async.writer import commit
 
     class HungStorage:
@@ -165,7 +163,7 @@ def test_a_step_left_behind_stops_every_later_save_of_the_process(tmp_path, monk
     other = tmp_path / "other"
     other.mkdir()
     with pytest.raises(CheckpointInProgressError, match="writing .metadata of .* did not return in time.*restart the job"):
-        claim_save_target(str(other), TorchDistSaveConfig(), True, process)
+        process.claim(str(other))
     assert process.directories() == []
     manager = mgr.CheckpointManager(mgr.CheckpointManagerConfig(save_dir=str(tmp_path / "run")))
     with pytest.raises(AsyncSaveFailedError, match="restart the job"):

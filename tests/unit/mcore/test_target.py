@@ -6,12 +6,27 @@ from types import SimpleNamespace
 
 import pytest
 
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
 from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError
 from megatron_async.format import COMPLETION_MARKERS
 from megatron_async.mcore import target
 from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.core.save_directories import SaveDirectories
-from megatron_async.mcore.target import check_save_target, claim_save_target
+from megatron_async.mcore.target import check_save_target
+
+
+def _strategy(directories: SaveDirectories) -> TorchDistAsyncSaveStrategy:
+    """A strategy whose claims go to ``directories``, not to the process's record."""
+    strategy = TorchDistAsyncSaveStrategy()
+    strategy.directories = directories
+    return strategy
+
+
+def _state():
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
 
 
 def _complete(path):
@@ -31,14 +46,17 @@ def test_a_missing_target_is_created_and_a_file_is_refused(tmp_path):
         check_save_target(str(tmp_path / "a-file" / "iter_1"), config, True)
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_a_directory_still_being_written_is_refused(tmp_path):
     directories = SaveDirectories()
-    claim, overwrites = claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)
-    assert not overwrites
+    first = _strategy(directories).async_save(_state(), str(tmp_path))
+    assert directories.directories() == [str(tmp_path)]
     with pytest.raises(CheckpointInProgressError, match="not finalized yet"):
-        claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)
-    claim.release()
-    claim_save_target(str(tmp_path), TorchDistSaveConfig(), False, directories)[0].release()
+        _strategy(directories).async_save(_state(), str(tmp_path))
+    assert directories.directories() == [str(tmp_path)]  # the refusal kept the first claim
+    first.abandon()
+    _strategy(directories).async_save(_state(), str(tmp_path)).abandon()
+    assert directories.directories() == []
 
 
 def test_a_complete_checkpoint_is_refused_on_the_coordinator_or_left_for_after_planning(tmp_path):
@@ -84,6 +102,7 @@ def test_an_object_store_target_needs_use_msc_and_follows_overwrite(monkeypatch)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("one_rank_group")
 def test_a_target_check_on_a_hung_mount_fails_within_its_bound_and_stops_the_process_saves(
     tmp_path, monkeypatch
 ):
@@ -94,7 +113,6 @@ def test_a_target_check_on_a_hung_mount_fails_within_its_bound_and_stops_the_pro
     import time
 
     from megatron_async.core import save_directories
-    from megatron_async.core.save_directories import FileSystemStepTimeoutError
 
     directories = SaveDirectories()
     recovered = threading.Event()
@@ -103,24 +121,25 @@ def test_a_target_check_on_a_hung_mount_fails_within_its_bound_and_stops_the_pro
     monkeypatch.setattr(target, "storage_for", lambda path: (recovered.wait(), real(path))[1])
     started = time.monotonic()
     try:
-        with pytest.raises(FileSystemStepTimeoutError, match="checking the save target .* did not return within 0.3s"):
-            claim_save_target(str(tmp_path), TorchDistSaveConfig(), True, directories)
+        with pytest.raises(CheckpointValidationError, match="checking the save target .* did not return within 0.3s"):
+            _strategy(directories).async_save(_state(), str(tmp_path))
         assert time.monotonic() - started < 5
         assert directories.directories() == []
     finally:
         recovered.set()
     monkeypatch.setattr(target, "storage_for", real)
     with pytest.raises(CheckpointInProgressError, match="checking the save target .* restart the job"):
-        claim_save_target(str(tmp_path / "other"), TorchDistSaveConfig(), True, directories)
+        _strategy(directories).async_save(_state(), str(tmp_path / "other"))
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_an_interrupt_during_the_target_check_leaves_nothing_claimed(tmp_path, monkeypatch):
     directories = SaveDirectories()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(target, "check_save_target", interrupted)
+    monkeypatch.setattr("megatron_async.mcore.strategy.check_save_target", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        claim_save_target(str(tmp_path), TorchDistSaveConfig(), True, directories)
+        _strategy(directories).async_save(_state(), str(tmp_path))
     assert directories.directories() == []
