@@ -33,6 +33,7 @@ __all__ = [
     "to_dcp_state_dict",
     "create_save_planner",
     "register_strategies",
+    "resolve_strategy",
     "common_writes",
 ]
 
@@ -55,6 +56,7 @@ try:
     from megatron.core.dist_checkpointing.strategies.base import (
         AsyncSaveShardedStrategy as StrategyBase,
         StrategyAction,
+        get_default_strategy,
         register_default_strategy,
     )
 
@@ -96,6 +98,20 @@ def register_strategies(strategy_cls: type, backend_name: str) -> None:
     exists (0.16.x); from 0.17 there is none."""
     if GENERATION == "registry":
         register_default_strategy(StrategyAction.SAVE_SHARDED, backend_name, 1, strategy_cls())
+
+
+def resolve_strategy(strategy: Any) -> Any:
+    """``save()``'s ``sharded_strategy`` argument as the strategy ``save()`` uses: a
+    backend name resolved through the registry (0.16.x), or None (an unknown name; from
+    0.17 ``save()`` replaces anything but a strategy with its own); a strategy as it is."""
+    if not isinstance(strategy, tuple):
+        return strategy
+    if GENERATION != "registry":
+        return None
+    try:
+        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
+    except Exception:  # save() itself reports an unknown backend
+        return None
 
 
 def common_writes() -> List[Any]:

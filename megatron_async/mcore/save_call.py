@@ -153,7 +153,7 @@ def _record_save_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def save_with_call_recorded(*args, **kwargs):
         arguments = signature.bind_partial(*args, **kwargs).arguments
-        strategy = _resolved(arguments.get("sharded_strategy"))
+        strategy = generation.resolve_strategy(arguments.get("sharded_strategy"))
         call = SaveCall(_our_overwrite(strategy), direct=hasattr(strategy, "directories"))
         checkpoint_dir = arguments.get("checkpoint_dir")
         token = _save_call.set(call)
@@ -200,19 +200,6 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
         agreed_step("creating the checkpoint directory", create)
     else:
         create()
-
-
-def _resolved(strategy: Any) -> Any:
-    """``save()``'s ``sharded_strategy`` argument as an instance (a registered backend name
-    resolved as ``save()`` resolves it), or as it was."""
-    if not isinstance(strategy, tuple):
-        return strategy
-    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
-
-    try:
-        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
-    except Exception:  # save() itself reports an unknown backend
-        return None
 
 
 def _our_overwrite(strategy: Any) -> Optional[bool]:

@@ -19,6 +19,15 @@ def test_registry_returns_our_strategy_writing_torch_dist_v1():
     assert (strategy.backend, strategy.version) == ("torch_dist", 1)
 
 
+def test_a_backend_name_given_to_save_resolves_as_save_resolves_it():
+    resolved = generation.resolve_strategy(("megatron_async", 1))
+    if generation.GENERATION == "registry":
+        assert isinstance(resolved, megatron_async.TorchDistAsyncSaveStrategy)
+    else:  # 0.17+ has no registry: save() uses its own strategy for a name
+        assert resolved is None
+    assert generation.resolve_strategy(("no_such_backend", 1)) is None
+
+
 @pytest.mark.skipif(generation.GENERATION != "builtin", reason="megatron-core 0.16.x")
 def test_on_megatron_core_0_17_plus_save_keeps_our_strategy():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
