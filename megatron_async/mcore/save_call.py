@@ -59,11 +59,11 @@ from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
 from megatron_async.core.request import register_finalize_step_adapter
 from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
-from megatron_async.errors import CheckpointValidationError
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
-from megatron_async.mcore.target import unmark_or_refuse
+from megatron_async.mcore.config import TorchDistSaveConfig
+from megatron_async.mcore.target import check_save_target, unmark_or_refuse
 from megatron_async.storage.backend import normalize_checkpoint_path, storage_for
 
 __all__ = [
@@ -83,7 +83,7 @@ class SaveCall:
     """One megatron-core ``save()`` call (every rank).
 
     Attributes:
-        overwrite: our strategy's ``overwrite`` option, or None for another strategy.
+        config: our strategy's options, or None for another strategy.
         direct: our strategy is ``save()``'s argument itself, not wrapped.
         agreed: this rank reached a step whose failures every rank agrees on (our
             strategy's target check, or the agreed sharding validation).
@@ -91,7 +91,7 @@ class SaveCall:
             check raises this on every rank.
     """
 
-    overwrite: Optional[bool]
+    config: Optional[TorchDistSaveConfig]
     direct: bool = False
     agreed: bool = False
     failure: Optional[BaseException] = None
@@ -138,7 +138,7 @@ def _agree_on_validation(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def agreed_validation(*args, **kwargs):
         call = current_save_call()
-        if call is None or call.overwrite is None:  # another strategy: as megatron-core
+        if call is None or call.config is None:  # another strategy: as megatron-core
             return original(*args, **kwargs)
         call.agreed = True
         agreed_step("megatron-core's sharding validation", lambda: original(*args, **kwargs))
@@ -154,12 +154,12 @@ def _record_save_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def save_with_call_recorded(*args, **kwargs):
         arguments = signature.bind_partial(*args, **kwargs).arguments
         strategy = generation.resolve_strategy(arguments.get("sharded_strategy"))
-        call = SaveCall(_our_overwrite(strategy), direct=hasattr(strategy, "directories"))
+        call = SaveCall(_our_config(strategy), direct=hasattr(strategy, "directories"))
         checkpoint_dir = arguments.get("checkpoint_dir")
         token = _save_call.set(call)
         try:
-            if call.overwrite is not None and checkpoint_dir is not None:
-                _create_on_coordinator(checkpoint_dir, agreed=not call.direct)
+            if call.config is not None and checkpoint_dir is not None:
+                _create_on_coordinator(checkpoint_dir, call.config, agreed=not call.direct)
             return original(*args, **kwargs)
         except Exception as exc:
             if call.direct and not call.agreed and isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -171,10 +171,12 @@ def _record_save_call(original: Callable[..., Any]) -> Callable[..., Any]:
     return save_with_call_recorded
 
 
-def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> None:
+def _create_on_coordinator(
+    checkpoint_dir: Union[str, Path], config: TorchDistSaveConfig, agreed: bool
+) -> None:
     """Rank 0: create a missing local checkpoint directory before megatron-core's ``save()``
-    lists it there; every rank then creates or checks it in the strategy's agreed target
-    check. Bounded.
+    lists it there (:func:`~megatron_async.mcore.target.check_save_target`, bounded); every
+    rank then checks it again in the strategy's agreed target check.
 
     A failure on rank 0 reaches the other ranks at our strategy's first collective. Under
     a wrapper (megatron-core's fully parallel one), whose own collectives come first, the
@@ -184,17 +186,10 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
     directory = normalize_checkpoint_path(checkpoint_dir)
 
     def create() -> None:
-        if coordination.get_rank() != 0 or storage_for(directory).needs_msc:
-            return
-        try:  # a process whose saves are stopped, ...: raised as it is
+        if coordination.get_rank() == 0:  # a process whose saves are stopped, ...: raised as it is
             SaveDirectories.of_process().run_bounded(
-                f"creating {directory}", lambda: os.makedirs(directory, exist_ok=True),
+                f"creating {directory}", lambda: check_save_target(directory, config, is_coordinator=False)
             )
-        except OSError as exc:
-            raise CheckpointValidationError(
-                f"rank 0: cannot create the checkpoint directory {directory} ({exc}); save "
-                "into a directory rank 0 can create or write"
-            ) from exc
 
     if agreed:
         agreed_step("creating the checkpoint directory", create)
@@ -202,13 +197,13 @@ def _create_on_coordinator(checkpoint_dir: Union[str, Path], agreed: bool) -> No
         create()
 
 
-def _our_overwrite(strategy: Any) -> Optional[bool]:
-    """``overwrite`` of our strategy, or of the one a fully parallel wrapper holds; None
+def _our_config(strategy: Any) -> Optional[TorchDistSaveConfig]:
+    """The options of our strategy, or of the one a fully parallel wrapper holds; None
     for another strategy."""
     while strategy is not None and not hasattr(strategy, "directories"):
         strategy = getattr(strategy, "base_strategy", None)
-    overwrite = getattr(getattr(strategy, "config", None), "overwrite", None)
-    return overwrite if isinstance(overwrite, bool) else None
+    config = getattr(strategy, "config", None)
+    return config if isinstance(config, TorchDistSaveConfig) else None
 
 
 def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -> Any:
@@ -221,7 +216,7 @@ def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -
             another strategy, the process's saves stopped (rank 0).
     """
     call = current_save_call()
-    ours = call is not None and call.overwrite is not None
+    ours = call is not None and call.config is not None
     directories = SaveDirectories.of_process()
     directory = normalize_checkpoint_path(checkpoint_dir)
     directories.refuse_if_claimed(directory)
@@ -234,7 +229,9 @@ def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -
     try:
         directories.run_bounded(
             f"unmarking {directory}",
-            lambda: unmark_or_refuse(directory, call.overwrite if ours else None, storage_for(directory)),
+            lambda: unmark_or_refuse(
+                directory, call.config.overwrite if ours else None, storage_for(directory)
+            ),
         )
         return directories.run_bounded(f"writing common.pt of {directory}", write)
     except Exception as exc:
