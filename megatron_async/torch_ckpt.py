@@ -13,7 +13,8 @@ import torch
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest, SaveDetails
-from megatron_async.errors import CheckpointInProgressError, CheckpointValidationError, QueueClosedError
+from megatron_async.core.save_directories import Claim, SaveDirectories
+from megatron_async.errors import CheckpointValidationError, QueueClosedError
 from megatron_async.staging.budget import validate_staging_memory_limit
 from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.torch_save import stage_torch_save
@@ -24,14 +25,18 @@ __all__ = ["TorchAsyncCheckpoint"]
 
 class _SaveReport:
     """The finalize step of one save (trainer): nothing to commit, the file is in place once
-    the writer is done; it gives the queue's INFO line the file and the staging figures."""
+    the writer is done; it frees the file's claim when the save is over (finalized or
+    abandoned) and gives the queue's INFO line the file and the staging figures."""
 
-    def __init__(self, path: Path, staging_stats: Dict[str, int]):
+    def __init__(self, path: Path, claim: Claim, staging_stats: Dict[str, int]):
         self._path = path
+        self._claim = claim
         self._stats = staging_stats
 
     def __call__(self) -> None:
-        pass
+        self._claim.release()
+
+    abandon = __call__  # a failed or refused save frees the file too
 
     def save_details(self) -> SaveDetails:
         try:
@@ -75,7 +80,6 @@ class TorchAsyncCheckpoint:
         self.staging_stats: Dict[str, int] = {}
         """``rounds`` and ``peak_bytes`` of the latest save's staging."""
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
-        self._paths_in_flight: Dict[int, Path] = {}
 
     def async_save(
         self,
@@ -98,7 +102,8 @@ class TorchAsyncCheckpoint:
         Raises:
             CheckpointValidationError: ``f`` is not a path, is a directory, or its
                 directory is missing, or the legacy format is asked for.
-            CheckpointInProgressError: a save to the same path is still in flight.
+            CheckpointInProgressError: a save of this process to the same path is not
+                finalized yet, or a file-system step was left behind (restart the job).
 
         A save that cannot stage within ``staging_memory_limit`` fails without touching
         the file: ``finalize_async_save`` raises ``AsyncSaveFailedError`` whose failure is
@@ -124,18 +129,15 @@ class TorchAsyncCheckpoint:
                 "TorchAsyncCheckpoint writes torch.save's zip format only; save the legacy "
                 "format (_use_new_zipfile_serialization=False) with torch.save directly"
             )
-        pending = set(self._queue.unfinalized_call_indices())
-        self._paths_in_flight = {i: path for i, path in self._paths_in_flight.items() if i in pending}
-        if target in self._paths_in_flight.values():
-            raise CheckpointInProgressError(
-                f"a save to {target} is still in flight; call finalize_async_save(blocking=True) "
-                "before saving to the same path again, or save to another path"
-            )
+        # Released by the request's finalize step, or when the queue abandons it.
+        claim = SaveDirectories.of_process().claim(
+            str(target), "call finalize_async_save(blocking=True) first, or save to another path"
+        )
         self.staging_stats = {}
         request = AsyncRequest(
             async_fn=write_torch_save_file,
             async_fn_args=(str(target), None),
-            finalize_fns=[_SaveReport(target, self.staging_stats)],
+            finalize_fns=[_SaveReport(target, claim, self.staging_stats)],
             preload_fn=functools.partial(
                 stage_torch_save, state_dict, pickle_module, pickle_protocol, not _disable_byteorder_record,
                 self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats,
@@ -148,7 +150,6 @@ class TorchAsyncCheckpoint:
                 "this TorchAsyncCheckpoint is closed (close() or finalize_async_save("
                 "terminate=True)); create a new TorchAsyncCheckpoint to save again"
             ) from exc
-        self._paths_in_flight[idx] = target
         return idx
 
     def finalize_async_save(self, blocking: bool = False, no_dist: bool = True, terminate: bool = False) -> List[int]:

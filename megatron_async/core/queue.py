@@ -223,10 +223,6 @@ class AsyncCallsQueue:
         """Number of scheduled calls not finalized yet."""
         return len(self.async_calls)
 
-    def unfinalized_call_indices(self) -> List[int]:
-        """Indices of the scheduled calls not finalized yet, oldest first."""
-        return [active.idx for active in self.async_calls]
-
     def close(self, abort: bool = False) -> None:
         """Finalize everything (blocking) and stop the background processes.
 

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HUNG_MOUNT_HINT = "the file system is not answering (a hung network mount?); check the mount"
+FINALIZE_OR_MOVE_ON = (
+    "finalize it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) or save "
+    "into another directory (one per iteration, as Megatron-LM does)"
+)
 
 
 class FileSystemStepTimeoutError(AsyncTimeoutError):
@@ -123,8 +127,9 @@ class SaveDirectories(OnePerProcess):
             if directory in self._claims:
                 raise _still_being_written(directory)
 
-    def claim(self, directory: str) -> Claim:
-        """Mark ``directory`` (normalized) as being written by a new save.
+    def claim(self, directory: str, advice: str = FINALIZE_OR_MOVE_ON) -> Claim:
+        """Mark ``directory`` (normalized; async ``torch.save``'s file) as being written by
+        a new save; a refusal says ``advice``.
 
         Raises:
             CheckpointInProgressError: a step was left behind, or the directory is claimed.
@@ -132,7 +137,7 @@ class SaveDirectories(OnePerProcess):
         self.refuse_if_stuck()
         with self._lock:
             if directory in self._claims:
-                raise _still_being_written(directory)
+                raise _still_being_written(directory, advice)
             claim = self._claims[directory] = Claim(self, directory)
         return claim
 
@@ -180,11 +185,9 @@ class SaveDirectories(OnePerProcess):
             ) from exc
 
 
-def _still_being_written(directory: str) -> CheckpointInProgressError:
+def _still_being_written(directory: str, advice: str = FINALIZE_OR_MOVE_ON) -> CheckpointInProgressError:
     return CheckpointInProgressError(
-        f"an earlier save of this process into {directory} is not finalized yet; finalize "
-        "it first (AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)) or save into "
-        "another directory (one per iteration, as Megatron-LM does)"
+        f"an earlier save of this process into {directory} is not finalized yet; {advice}"
     )
 
 

@@ -115,7 +115,7 @@ def test_a_second_save_to_a_path_in_flight_is_refused_until_finalized(tmp_path):
     ckpt = TorchAsyncCheckpoint()
     try:
         ckpt.async_save({"w": torch.zeros(2)}, path)
-        with pytest.raises(CheckpointInProgressError, match="still in flight"):
+        with pytest.raises(CheckpointInProgressError, match="not finalized.*finalize_async_save\\(blocking=True\\)"):
             ckpt.async_save({"w": torch.ones(2)}, path)
         ckpt.finalize_async_save(blocking=True)
         ckpt.async_save({"w": torch.ones(2)}, path)
@@ -123,6 +123,35 @@ def test_a_second_save_to_a_path_in_flight_is_refused_until_finalized(tmp_path):
     finally:
         ckpt.close()
     assert torch.equal(torch.load(path)["w"], torch.ones(2))
+
+
+def test_a_failed_save_frees_its_path_and_a_step_left_behind_refuses_later_saves(tmp_path):
+    """The file's claim is the process's record of what it writes: a failed save frees the
+    path at once; a file-system step left behind on a hung mount refuses every later save
+    of the process, torch.save files too, saying to restart the job."""
+    import threading
+
+    from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
+    from megatron_async.errors import CheckpointInProgressError
+
+    path = str(tmp_path / "x.pt")
+    ckpt = TorchAsyncCheckpoint(staging_memory_limit=1)  # too small: the save fails
+    try:
+        ckpt.async_save({"w": torch.zeros(1024)}, path)
+        with pytest.raises(AsyncSaveFailedError):
+            ckpt.finalize_async_save(blocking=True)
+        ckpt.staging_memory_limit = None
+        ckpt.async_save({"w": torch.ones(2)}, path)
+        ckpt.finalize_async_save(blocking=True)
+        recovered = threading.Event()
+        with pytest.raises(FileSystemStepTimeoutError):
+            SaveDirectories.of_process().run_bounded("writing .metadata (test)", recovered.wait, timeout_s=0.1)
+        recovered.set()
+        with pytest.raises(CheckpointInProgressError, match="did not return.*restart the job"):
+            ckpt.async_save({"w": torch.zeros(2)}, str(tmp_path / "y.pt"))
+    finally:
+        ckpt.close()
+    assert torch.equal(torch.load(path)["w"], torch.ones(2)) and not os.path.exists(tmp_path / "y.pt")
 
 
 def test_non_tensor_leaves_are_frozen_when_scheduling_returns():
