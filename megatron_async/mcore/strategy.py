@@ -159,16 +159,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         self.plan_cache.cached_global_metadata = metadata
 
     @property
-    def last_save_reused_plans(self) -> bool:
-        """Whether the latest ``async_save`` reused cached plans."""
-        return self.plan_cache.last_save_reused_plans
-
-    @property
-    def structure_reuse_count(self) -> int:
-        """How many saves of this strategy skipped planning (unchanged structure everywhere)."""
-        return self.plan_cache.structure_reuse_count
-
-    @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
@@ -264,7 +254,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
             plan_s = time.monotonic() - start
             logger.debug(
                 "rank %d: planned the save of %s in %.3fs (cached plans: %s)",
-                coordination.get_rank(), checkpoint_dir, plan_s, self.last_save_reused_plans,
+                coordination.get_rank(), checkpoint_dir, plan_s, self.plan_cache.last_save_reused_plans,
             )
             return self._request(prepared, claims[0], plan_s)
         except BaseException:

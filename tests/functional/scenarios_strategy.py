@@ -302,7 +302,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
     for step, (changes, expected) in enumerate(steps):
         scale = float(step + 1)
         path = _dir(ctx, f"one-rank-change-{step}")
-        reused, gathered = strategy.structure_reuse_count, coordination.gather_count("plan")
+        reused, gathered = strategy.plan_cache.structure_reuse_count, coordination.gather_count("plan")
         request = dist_checkpointing.save(
             _state_changed_on_rank_1(ctx, scale, changes),
             path,
@@ -313,7 +313,7 @@ def structure_change_on_one_rank_plans_everywhere(ctx):
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         counts = (
-            strategy.structure_reuse_count - reused,
+            strategy.plan_cache.structure_reuse_count - reused,
             coordination.gather_count("plan") - gathered,
         )
         assert counts == expected, (step, changes, counts, expected)
@@ -380,7 +380,7 @@ def warm_saves_gather_no_write_results(ctx, persistent):
         )
         assert gathered == ((1, 1, 0) if full else (0, 0, 0)), (step, changes, gathered)
         if step == 5:  # the larger object: plans reused, yet rank 1's offsets moved
-            assert strategy.last_save_reused_plans, "the payload changed the plan"
+            assert strategy.plan_cache.last_save_reused_plans, "the payload changed the plan"
 
         whole = _check_rank_1_change(ctx, path, scale, changes, step)
         assert ("only1" in whole) == ("tensor" in changes), (step, sorted(whole))
@@ -585,7 +585,7 @@ def empty_shards_of_uneven_splits(ctx, persistent):
             queue.schedule_async_request(request)
             queue.maybe_finalize_async_calls(blocking=True)
             _check_uneven_checkpoint(ctx, path, scale)
-        reused = strategy.structure_reuse_count
+        reused = strategy.plan_cache.structure_reuse_count
         assert reused == unplanned, (options, reused)
 
 
@@ -648,7 +648,7 @@ def megatron_lm_constant_structure_switch(ctx):
         path = _dir(ctx, f"constant-structure-{step}")
         _save_async(queue, ctx, path, strategy, 5.0 + step)
         _check_checkpoint(ctx, path, 5.0 + step)
-    assert strategy.structure_reuse_count == 2, strategy.structure_reuse_count
+    assert strategy.plan_cache.structure_reuse_count == 2, strategy.plan_cache.structure_reuse_count
     assert strategy.staging_cache.num_bytes() > 0
 
 
@@ -715,7 +715,7 @@ def deep_copy_saves_alternately_with_the_original(ctx, persistent):
     original.use_cached_ckpt_structure = True
     _save_async(queue, ctx, _dir(ctx, f"deepcopy-{persistent}-0"), original, 1.0)
     clone = copy.deepcopy(original)
-    assert clone.use_cached_ckpt_structure and clone.structure_reuse_count == 0
+    assert clone.use_cached_ckpt_structure and clone.plan_cache.structure_reuse_count == 0
     assert clone.staging_cache.num_bytes() == 0
     turns = [(clone, "async"), (original, "sync"), (clone, "sync"), (original, "async"), (clone, "async")]
     for step, (strategy, mode) in enumerate(turns, start=1):
@@ -725,7 +725,7 @@ def deep_copy_saves_alternately_with_the_original(ctx, persistent):
         else:
             _save_async(queue, ctx, path, strategy, scale)
         _check_checkpoint(ctx, path, scale)
-    reused = (original.structure_reuse_count, clone.structure_reuse_count)
+    reused = (original.plan_cache.structure_reuse_count, clone.plan_cache.structure_reuse_count)
     assert reused == (2, 2), reused  # the first save of each plans, the others do not
     assert original.staging_cache.num_bytes() > 0 and clone.staging_cache.num_bytes() > 0
     return reused
@@ -919,7 +919,7 @@ def overlapped_staging_update_after_the_guard(ctx, persistent):
         _mutate(state)
         queue.maybe_finalize_async_calls(blocking=True)
         _check_checkpoint(ctx, path, scale)
-    assert strategy.last_save_reused_plans
+    assert strategy.plan_cache.last_save_reused_plans
 
 
 def overlapped_staging_unguarded_update_fails_everywhere(ctx, persistent):

@@ -125,7 +125,7 @@ class _Saver:
         path = str(self.tmp_path / f"save{self.saves}")
         self.saves += 1
         os.makedirs(path)
-        reused, gathered = self.strategy.structure_reuse_count, coordination.gather_count("plan")
+        reused, gathered = self.strategy.plan_cache.structure_reuse_count, coordination.gather_count("plan")
         request = dist_checkpointing.save(
             _state(step, **change),
             path,
@@ -135,7 +135,7 @@ class _Saver:
         )
         request.execute_sync()
         counts = (
-            self.strategy.structure_reuse_count - reused,
+            self.strategy.plan_cache.structure_reuse_count - reused,
             coordination.gather_count("plan") - gathered,
         )
         _check_checkpoint(path, step, **change)
@@ -262,7 +262,7 @@ def test_unchanged_structure_skips_planning_and_writes_the_new_data(tmp_path, op
     # and each checkpoint holds its own save's values (checked by _Saver.save).
     assert saver.save(2.0) == (1, 0)
     assert saver.save(3.0) == (1, 0)
-    assert saver.strategy.last_save_reused_plans
+    assert saver.strategy.plan_cache.last_save_reused_plans
 
 
 @pytest.mark.parametrize("change", _CHANGES, ids=_name)

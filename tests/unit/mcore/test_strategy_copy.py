@@ -50,14 +50,14 @@ def test_a_copy_has_the_options_and_empty_caches_of_its_own(tmp_path, make_copy)
     assert (clone.backend, clone.version) == ("torch_dist", 1)
     assert clone.plan_cache is not original.plan_cache
     assert clone.staging_cache is not original.staging_cache
-    assert clone.cached_global_metadata is None and clone.structure_reuse_count == 0
+    assert clone.cached_global_metadata is None and clone.plan_cache.structure_reuse_count == 0
     assert clone.staging_cache.num_bytes() == 0
 
     # Alternating saves: each strategy reuses only its own plans.
     _save_and_check(clone, tmp_path / "copy-1", 2.0)
     _save_and_check(original, tmp_path / "original-2", 3.0)
     _save_and_check(clone, tmp_path / "copy-2", 4.0)
-    assert (original.structure_reuse_count, clone.structure_reuse_count) == (1, 1)
+    assert (original.plan_cache.structure_reuse_count, clone.plan_cache.structure_reuse_count) == (1, 1)
 
 
 @pytest.mark.parametrize("make_copy", COPIES.values(), ids=COPIES.keys())

@@ -142,8 +142,12 @@ class QueueSave(SaveMethod):
         self.timings.update(
             t_end=t4, finalize_s=marks.get("end", t4) - marks.get("start", t4),
             write_start=stamps.get("start"), write_end=stamps.get("end"),
-            reused_plans=bool(getattr(self.strategy, "last_save_reused_plans", False)))
+            reused_plans=self._reused_plans())
         self._report_profile(self._index)
+
+    def _reused_plans(self) -> bool:
+        """Whether the latest save reused cached plans (megatron-core's strategy keeps no record)."""
+        return False
 
     def close(self) -> None:
         queue = getattr(self, "queue", None)
@@ -200,6 +204,9 @@ class OurQueueSave(QueueSave):
         strategy = _TimedStrategy("torch_dist", 1, **options)
         strategy.use_cached_ckpt_structure = True  # what --ckpt-assume-constant-structure does
         return strategy
+
+    def _reused_plans(self) -> bool:
+        return self.strategy.plan_cache.last_save_reused_plans
 
     def _make_queue(self):
         from megatron_async.core import AsyncCallerConfig, AsyncCallsQueue

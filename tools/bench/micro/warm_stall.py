@@ -219,7 +219,7 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
         queue.maybe_finalize_async_calls(blocking=True)
     finally:
         queue.close()
-    result: Dict[str, object] = {"stalls": stalls, "reused": strategy.structure_reuse_count}
+    result: Dict[str, object] = {"stalls": stalls, "reused": strategy.plan_cache.structure_reuse_count}
     if profile:
         result["profile"] = (_report(profiler, "tottime", lines), _report(profiler, "cumulative", lines))
     return result
