@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_async.errors import CheckpointValidationError
 
-__all__ = ["ChangeReport", "SaveDigestHistory", "StaleCheckpointError", "digests_of"]
+__all__ = ["ChangeReport", "StaleCheckpointError", "digests_of", "judge_staleness"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def digests_of(results: Iterable[Any]) -> List[Tuple[ItemKey, str]]:
 @dataclasses.dataclass(frozen=True)
 class ChangeReport:
     """How a save's items compare with the previous save's: one rank's items
-    (:meth:`SaveDigestHistory.compare`, every rank) or the whole job's
+    (:meth:`~megatron_async.saver.finalize.PreviousSave.compare`, every rank) or the whole job's
     (:meth:`from_counts`, the same on every rank).
 
     Attributes:
@@ -84,73 +83,32 @@ class ChangeReport:
         return f"{self.changed} of {self.items} items changed since the previous save"
 
 
-class SaveDigestHistory:
-    """The digests of the previous save of one job, compared with each new save's.
+def judge_staleness(checkpoint: str, report: ChangeReport, fail_on_stale: bool, warn: bool = True) -> None:
+    """Apply the policy to a job-wide report (every rank, the same decision everywhere).
 
-    Owned by the save strategy (one per strategy, not copied with it); every rank keeps
-    the digests of the items it wrote.
+    A save into the same checkpoint as the previous one (an overwrite) is compared
+    but never called stale.
 
     Args:
-        fail_on_stale: raise :class:`StaleCheckpointError` instead of warning.
+        checkpoint: the checkpoint being committed.
+        report: the comparison of the whole job's items.
+        fail_on_stale: raise instead of warning.
+        warn: log the WARNING (the coordinator; the other ranks stay quiet).
+
+    Raises:
+        StaleCheckpointError: with ``fail_on_stale``, when nothing changed; the save is
+            then not committed, and the previous save stays the one compared with.
     """
-
-    def __init__(self, fail_on_stale: bool = False):
-        self.fail_on_stale = fail_on_stale
-        self._lock = threading.Lock()
-        self._checkpoint: Optional[str] = None
-        self._digests: Dict[Hashable, str] = {}
-        self._pending: Optional[Tuple[str, Dict[Hashable, str]]] = None
-
-    def compare(self, checkpoint: str, digests: Iterable[Tuple[Hashable, str]]) -> ChangeReport:
-        """Compare this rank's digests of a save with its previous save's (every rank).
-
-        The digests are kept aside until :meth:`accept`; nothing else changes.
-
-        Args:
-            checkpoint: the checkpoint being committed.
-            digests: ``(item key, digest)`` of every item with data (:func:`digests_of`).
-        """
-        current = dict(digests)
-        with self._lock:
-            previous, previous_checkpoint = self._digests, self._checkpoint
-            changed = sum(previous.get(key) != digest for key, digest in current.items())
-            self._pending = (checkpoint, current)
-        return ChangeReport(len(current), changed, previous_checkpoint)
-
-    def judge(self, checkpoint: str, report: ChangeReport, warn: bool = True) -> None:
-        """Apply the policy to a job-wide report (every rank, the same decision everywhere).
-
-        A save into the same checkpoint as the previous one (an overwrite) is compared
-        but never called stale.
-
-        Args:
-            checkpoint: the checkpoint being committed.
-            report: the comparison of the whole job's items.
-            warn: log the WARNING (the coordinator; the other ranks stay quiet).
-
-        Raises:
-            StaleCheckpointError: with ``fail_on_stale``, when nothing changed; do not
-                :meth:`accept` then, so that the history still holds the previous save.
-        """
-        if not report.is_stale or report.previous_checkpoint == checkpoint:
-            return
-        message = (
-            f"checkpoint {checkpoint} holds exactly the data of the previous save "
-            f"{report.previous_checkpoint}: none of its {report.items} items changed although "
-            "training went on. The saved tensors may be stale copies (a cache that "
-            "keeps serving an old buffer); compare the model's live parameters with "
-            "the saved ones before relying on this checkpoint."
-        )
-        if self.fail_on_stale:
-            raise StaleCheckpointError(message)
-        if warn:
-            logger.warning(message)
-
-    def accept(self) -> None:
-        """Make the digests of the last :meth:`compare` the previous save's (every rank,
-        once the save is committed)."""
-        with self._lock:
-            if self._pending is not None:
-                self._checkpoint, self._digests = self._pending
-                self._pending = None
-
+    if not report.is_stale or report.previous_checkpoint == checkpoint:
+        return
+    message = (
+        f"checkpoint {checkpoint} holds exactly the data of the previous save "
+        f"{report.previous_checkpoint}: none of its {report.items} items changed although "
+        "training went on. The saved tensors may be stale copies (a cache that "
+        "keeps serving an old buffer); compare the model's live parameters with "
+        "the saved ones before relying on this checkpoint."
+    )
+    if fail_on_stale:
+        raise StaleCheckpointError(message)
+    if warn:
+        logger.warning(message)

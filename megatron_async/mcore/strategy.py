@@ -30,17 +30,16 @@ from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError, FrozenRequestError
-from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory
+from megatron_async.integrity.staleness import ChangeReport
 from megatron_async.mcore import generation
 from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, PreparedSave
 from megatron_async.mcore.save_call import FinalizeFnList, current_save_call, guard_save_functions
 from megatron_async.mcore.target import check_save_target
-from megatron_async.saver.finalize import save_state_dict_async_finalize
+from megatron_async.saver.finalize import PreviousSave, save_state_dict_async_finalize
 from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.storage.backend import normalize_checkpoint_path
-from megatron_async.writer.commit import CommitCache
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 
 __all__ = [
@@ -97,7 +96,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     in flight. Call :meth:`release_staging_buffers` on a strategy you stop using.
     """
 
-    _CACHES = ("plan_cache", "staging_cache", "digest_history", "commit_cache")
+    _CACHES = ("plan_cache", "staging_cache", "previous_save")
 
     def __init__(
         self,
@@ -133,8 +132,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
         """Give this strategy empty caches (at construction, and in every copy)."""
         self.plan_cache = PlanCache()
         self.staging_cache = StagingBufferCache()
-        self.digest_history = SaveDigestHistory()
-        self.commit_cache = CommitCache()
+        self.previous_save = PreviousSave()
 
     def __getstate__(self) -> Dict[str, Any]:
         """Return what a copy or a pickle keeps: every attribute but the caches."""
@@ -240,8 +238,6 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
                 lambda: check_save_target(checkpoint_dir, self.config, is_coordinator),
             )
 
-        # The option may have changed since the previous save (a setter replaces config).
-        self.digest_history.fail_on_stale = self.config.fail_on_stale_checkpoint
         start = time.monotonic()
         try:
             prepared = self.plan_cache.plan_save(
@@ -265,7 +261,9 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, prepared: PreparedSave, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = prepared[0].get_save_function_and_args()
-        finalizer = SaveFinalizer(prepared, claim, plan_s, self.commit_cache, self.digest_history)
+        finalizer = SaveFinalizer(
+            prepared, claim, plan_s, self.previous_save, self.config.fail_on_stale_checkpoint
+        )
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
@@ -288,25 +286,26 @@ class SaveFinalizer:
         prepared: the planned save: ``(writer, metadata, dist_wrapper)``.
         claim: the save's claim on its directory, released when the save is over.
         plan_s: how long planning took.
-        commit_cache, digest_history: the strategy's records of its previous save.
+        previous_save: the strategy's record of its previous committed save.
+        fail_on_stale: the save's ``fail_on_stale_checkpoint``.
     """
 
     def __init__(
         self, prepared: PreparedSave, claim: Claim, plan_s: float,
-        commit_cache: CommitCache, digest_history: SaveDigestHistory,
+        previous_save: PreviousSave, fail_on_stale: bool,
     ):
         self._prepared = prepared
         self._claim = claim
         self._plan_s = plan_s
-        self._commit_cache = commit_cache
-        self._digest_history = digest_history
+        self._previous_save = previous_save
+        self._fail_on_stale = fail_on_stale
         self._change_report: Optional[ChangeReport] = None
         self._scheduled = False
 
     def __call__(self) -> None:
         try:
             self._change_report = save_state_dict_async_finalize(
-                *self._prepared, commit_cache=self._commit_cache, digest_history=self._digest_history
+                *self._prepared, previous_save=self._previous_save, fail_on_stale=self._fail_on_stale
             )
         finally:
             self.abandon()

@@ -6,8 +6,8 @@ succeeded, and only if all did does the coordinator write ``.metadata``. A failu
 anywhere raises the same error on every rank.
 
 One all-reduce carries, from every rank: did its write fail, did any of its items move
-since its previous committed save (:class:`~megatron_async.writer.commit.CommitCache`),
-and its stale-checkpoint counts (:mod:`megatron_async.integrity.staleness`). When no
+since its previous committed save (:class:`PreviousSave`), and its stale-checkpoint
+counts (:mod:`megatron_async.integrity.staleness`). When no
 rank's items moved (*warm*), nothing is gathered and the coordinator writes ``.metadata``
 from the previous commit's bytes (:func:`~megatron_async.writer.commit.commit_unchanged`);
 otherwise every rank's write results are gathered and the coordinator builds it (the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
@@ -30,20 +30,63 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from megatron_async.core import coordination
 from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
-    ChangeReport, SaveDigestHistory, StaleCheckpointError, digests_of,
+    ChangeReport, StaleCheckpointError, digests_of, judge_staleness,
 )
-from megatron_async.writer.commit import CommitCache, commit_unchanged, storage_layout
+from megatron_async.writer.commit import StorageLayout, commit_unchanged, storage_layout
 from megatron_async.writer.metadata_bytes import MetadataTemplate
 
 if TYPE_CHECKING:
     from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-__all__ = ["save_state_dict_async_finalize"]
+__all__ = ["CommittedSave", "PreviousSave", "save_state_dict_async_finalize"]
 
 logger = logging.getLogger(__name__)
 
 _MOVED, _RANKS = 0, 1
 """Positions in the counts the finalization sums; the stale-checkpoint counts follow."""
+
+
+class CommittedSave(NamedTuple):
+    """One rank's record of a committed save."""
+
+    checkpoint: str
+    digests: Dict[Hashable, str]  # item key -> digest, of this rank's items with data
+    layout: Optional[StorageLayout]  # where this rank stored its items (None: gather)
+    structure: Optional[Metadata] = None  # the coordinator's global metadata object
+    template: Optional[MetadataTemplate] = None  # the coordinator's ``.metadata``
+
+
+class PreviousSave:
+    """What one rank keeps of its saver's previous committed save (:attr:`last`), to tell
+    whether a new save is warm (it stored every item where that save did) and whether it
+    is stale (none of its digests changed).
+
+    Owned by the save strategy (one per strategy, not copied with it) and handed to each
+    save's finalization (every rank), which replaces :attr:`last` whole, in one
+    assignment, once a save is committed.
+    """
+
+    def __init__(self) -> None:
+        self.last: Optional[CommittedSave] = None
+
+    def matches(self, layout: StorageLayout, structure: Optional[Metadata], is_coordinator: bool) -> bool:
+        """Whether this rank may skip sending its results: it stored every item where its
+        previous committed save did, and on the coordinator, the global metadata is the
+        very object that save's ``.metadata`` was built from."""
+        last = self.last
+        if last is None or last.layout is None or layout != last.layout:
+            return False
+        return not is_coordinator or (
+            last.template is not None and structure is not None and structure is last.structure
+        )
+
+    def compare(self, digests: Dict[Hashable, str]) -> ChangeReport:
+        """This rank's digests of a save against its previous save's (every rank)."""
+        last = self.last
+        if last is None:
+            return ChangeReport(len(digests), len(digests), None)
+        changed = sum(last.digests.get(key) != digest for key, digest in digests.items())
+        return ChangeReport(len(digests), changed, last.checkpoint)
 
 
 def _local_results(
@@ -68,22 +111,22 @@ def save_state_dict_async_finalize(
     global_metadata: Optional[Metadata],
     dist_wrapper: _DistWrapper,
     *,
-    commit_cache: Optional[CommitCache] = None,
-    digest_history: Optional[SaveDigestHistory] = None,
+    previous_save: Optional[PreviousSave] = None,
+    fail_on_stale: bool = False,
 ) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
 
     Args:
         storage_writer, global_metadata, dist_wrapper: what planning returned.
-        commit_cache: the record of the previous commit of the same saver (the strategy
-            keeps one), which enables the warm path; without it every finalization
-            gathers the write results.
-        digest_history: the item digests of the saver's previous save, for the
-            stale-checkpoint comparison; without it nothing is compared.
+        previous_save: the record of the same saver's previous committed save (the
+            strategy keeps one), which enables the warm path and the stale-checkpoint
+            comparison; without it every finalization gathers the write results and
+            nothing is compared.
+        fail_on_stale: fail a save none of whose items changed, instead of warning.
 
     Returns:
-        On the coordinator, what changed since the previous save when the writer has a
-        ``digest_history`` and the save stored items; None elsewhere (the reference API
+        On the coordinator, what changed since the previous save when there is a
+        ``previous_save`` and the save stored items; None elsewhere (the reference API
         returns nothing).
 
     Raises:
@@ -95,35 +138,35 @@ def save_state_dict_async_finalize(
     group = dist_wrapper.group
     rank = coordination.get_rank()
     is_coordinator = dist_wrapper.is_coordinator
-    cache, history = commit_cache, digest_history
+    previous = previous_save
 
     results, failure = _local_results(storage_writer, rank)
     layout = storage_layout(results) if failure is None else None
     moved = (
         failure is not None
-        or cache is None
-        or not cache.matches(layout, global_metadata, is_coordinator)
+        or previous is None
+        or not previous.matches(layout, global_metadata, is_coordinator)
     )
-    comparison = (
-        history.compare(checkpoint, digests_of(results))
-        if history is not None and failure is None
-        else ChangeReport(0, 0, None)
-    )
+    compared = previous is not None and failure is None
+    digests = dict(digests_of(results)) if compared else {}
+    comparison = previous.compare(digests) if compared else ChangeReport(0, 0, None)
     summed = coordination.agree(
         failure, coordination.save_failed(checkpoint), [int(moved), 1, *comparison.counts()], group
     )
-    report = _judge_staleness(history, summed, comparison, checkpoint, dist_wrapper)
+    report = _judge_staleness(previous, fail_on_stale, summed, comparison, checkpoint, dist_wrapper)
 
     start = time.monotonic()
     warm = not summed[_MOVED]
     if not warm:
-        if cache is not None:
-            cache.forget()
+        if previous is not None and previous.last is not None:
+            # A save that fails halfway must not leave a layout matching a commit that was
+            # never written; the digests stay the previous save's.
+            previous.last = previous.last._replace(layout=None, structure=None, template=None)
         all_results = coordination.gather_on_coordinator(results, dist_wrapper, "results")
 
     def commit() -> Optional[MetadataTemplate]:
         if warm:
-            commit_unchanged(storage_writer.checkpoint_dir, cache.committed, storage_writer.storage_meta())
+            commit_unchanged(storage_writer.checkpoint_dir, previous.last.template, storage_writer.storage_meta())
             return None
         if global_metadata is None:
             raise CheckpointValidationError(
@@ -136,15 +179,17 @@ def save_state_dict_async_finalize(
         "rank %d: committed %s in %.3fs (%s)", rank, checkpoint, time.monotonic() - start,
         "warm: nothing gathered" if warm else "write results gathered",
     )
-    if history is not None:
-        history.accept()
-    if cache is not None and not warm:
-        cache.remember(layout, global_metadata, committed if is_coordinator else None)
+    if previous is not None:  # a warm save keeps the previous commit's layout and template
+        kept = previous.last if warm else CommittedSave(
+            checkpoint, digests, layout, global_metadata, committed if is_coordinator else None
+        )
+        previous.last = kept._replace(checkpoint=checkpoint, digests=digests)
     return report if is_coordinator else None
 
 
 def _judge_staleness(
-    history: Optional[SaveDigestHistory],
+    previous: Optional[PreviousSave],
+    fail_on_stale: bool,
     summed: List[int],
     comparison: ChangeReport,
     checkpoint: str,
@@ -156,7 +201,7 @@ def _judge_staleness(
         AsyncSaveFailedError: on every rank, a stale save under ``fail_on_stale``; it is
             recorded as the coordinator's failure, as that rank decides what is committed.
     """
-    if history is None:
+    if previous is None:
         return None
     report = ChangeReport.from_counts(
         summed[_RANKS + 1:], summed[_RANKS], comparison.previous_checkpoint
@@ -164,7 +209,7 @@ def _judge_staleness(
     if report.items == 0:
         return None
     try:
-        history.judge(checkpoint, report, warn=dist_wrapper.is_coordinator)
+        judge_staleness(checkpoint, report, fail_on_stale, warn=dist_wrapper.is_coordinator)
     except StaleCheckpointError as exc:
         coordinator = dist_wrapper.coordinator_rank
         if dist_wrapper.is_coordinator:

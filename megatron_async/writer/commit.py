@@ -7,8 +7,9 @@ written atomically with its directory fsynced.
 
 Two ways in: :func:`commit_checkpoint` builds ``.metadata`` from every rank's write
 results and returns the template with which :func:`commit_unchanged` writes a warm save
-from the same bytes (:mod:`megatron_async.writer.metadata_bytes`). Each rank's
-:class:`CommitCache` tells whether its save is warm, before one all-reduce agrees (see
+from the same bytes (:mod:`megatron_async.writer.metadata_bytes`). Each rank's record of
+its previous save (:class:`~megatron_async.saver.finalize.PreviousSave`) tells whether
+its save is warm, before one all-reduce agrees (see
 "Warm saves cost the coordinator O(1)" in docs/design.md). Earlier in the save,
 :func:`unmark_before_rewrite` makes a complete checkpoint in the directory read as
 incomplete before a data file is rewritten.
@@ -20,7 +21,6 @@ import copy
 import logging
 import os
 import pickle
-import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -35,7 +35,7 @@ from megatron_async.storage.backend import storage_for
 from megatron_async.writer.metadata_bytes import PICKLE_PROTOCOL, MetadataTemplate, metadata_pickle
 
 __all__ = [
-    "CommitCache", "commit_checkpoint", "commit_unchanged", "storage_layout", "unmark_before_rewrite",
+    "StorageLayout", "commit_checkpoint", "commit_unchanged", "storage_layout", "unmark_before_rewrite",
 ]
 
 logger = logging.getLogger(__name__)
@@ -179,58 +179,3 @@ StorageLayout = List[Tuple[Any, Any]]
 def storage_layout(results: Sequence[WriteResult]) -> StorageLayout:
     """Where each of a rank's items was stored (every rank)."""
     return [(result.index, result.storage_data) for result in results]
-
-
-class CommitCache:
-    """What one rank keeps of its previous committed save, to recognize a warm save.
-
-    Owned by the save strategy (one per strategy, not copied with it) and handed to each
-    save's finalization. Every rank keeps its own storage layout; the coordinator also
-    keeps the template of the ``.metadata`` it committed and the global metadata object
-    (the cached structure) it was built from.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._layout: Optional[StorageLayout] = None
-        self._structure: Optional[Metadata] = None
-        self._committed: Optional[MetadataTemplate] = None
-
-    def matches(
-        self, layout: StorageLayout, structure: Optional[Metadata], is_coordinator: bool
-    ) -> bool:
-        """Whether this rank may skip sending its results: it stored every item where its
-        previous committed save did, and on the coordinator, the global metadata is the
-        very object that save's ``.metadata`` was built from."""
-        with self._lock:
-            if self._layout is None or layout != self._layout:
-                return False
-            if is_coordinator:
-                return (
-                    self._committed is not None
-                    and structure is not None
-                    and structure is self._structure
-                )
-            return True
-
-    @property
-    def committed(self) -> Optional[MetadataTemplate]:
-        """The coordinator's previous commit (None elsewhere, or before one)."""
-        return self._committed
-
-    def forget(self) -> None:
-        """Drop everything (every rank, before a full commit): a save that fails halfway
-        must not leave a layout that matches a commit that was never written."""
-        with self._lock:
-            self._layout = self._structure = self._committed = None
-
-    def remember(
-        self,
-        layout: StorageLayout,
-        structure: Optional[Metadata] = None,
-        committed: Optional[MetadataTemplate] = None,
-    ) -> None:
-        """Keep a successfully committed save's layout (every rank) and, on the coordinator,
-        its metadata and the structure it came from."""
-        with self._lock:
-            self._layout, self._structure, self._committed = layout, structure, committed

@@ -7,7 +7,7 @@ coordinator writes ``.metadata`` from the previous commit's bytes. This module r
 as the coordinator runs it, on the synthesized results of :mod:`tools.bench.scale`:
 
 1. the first save's full commit from every rank's results (not timed; it fills the
-   coordinator's commit cache and digest history as a real first save does);
+   coordinator's record of its previous save as a real first save does);
 2. a second save of the same structure (new digests, new directory), timed: the
    coordinator's reuse check over its own items, its stale-checkpoint comparison, the
    splice of ``.metadata`` and its durable write. The all-reduce itself (7 integers on
@@ -61,20 +61,20 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     from torch.distributed.checkpoint.utils import _DistWrapper
 
     from megatron_async.core import coordination
-    from megatron_async.integrity.staleness import SaveDigestHistory, digests_of
+    from megatron_async.integrity.staleness import digests_of
     from megatron_async.saver import finalize
     from megatron_async.storage.backend import storage_for
-    from megatron_async.writer.commit import CommitCache, storage_layout
+    from megatron_async.writer.commit import storage_layout
 
     first, second = os.path.join(directory, "iter_1"), os.path.join(directory, "iter_2")
     os.makedirs(first)
     os.makedirs(second)
-    cache, history = CommitCache(), SaveDigestHistory()
+    cache = finalize.PreviousSave()
     first_writer = _CoordinatorWriter(first, results[0])
     template = first_writer.finish(metadata, results)
-    cache.remember(storage_layout(results[0]), metadata, template)
-    history.compare(first, digests_of(results[0]))
-    history.accept()
+    cache.last = finalize.CommittedSave(
+        first, dict(digests_of(results[0])), storage_layout(results[0]), metadata, template
+    )
 
     mine = [dataclasses.replace(r, checksum=f"{i + (1 << 60):016x}") for i, r in enumerate(results[0])]
     writer = _CoordinatorWriter(second, mine)
@@ -82,7 +82,7 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     gathers = coordination.gather_count("results")
     start = time.perf_counter()
     finalize.save_state_dict_async_finalize(
-        writer, metadata, wrapper, commit_cache=cache, digest_history=history
+        writer, metadata, wrapper, previous_save=cache
     )
     warm_s = time.perf_counter() - start
     if coordination.gather_count("results") != gathers:
@@ -93,7 +93,7 @@ def measure_warm_finalize(metadata: Any, results: List[List[Any]], directory: st
     # own items, the splice (no per-item work), and the durable write of the bytes.
     start = time.perf_counter()
     cache.matches(storage_layout(mine), metadata, True)
-    history.compare(second, digests_of(mine))
+    cache.compare(dict(digests_of(mine)))
     data = template.render_pieces(writer.storage_meta())
     cpu_s = time.perf_counter() - start
     start = time.perf_counter()

@@ -4,30 +4,32 @@ import logging
 
 import pytest
 
-from megatron_async.integrity.staleness import ChangeReport, SaveDigestHistory, StaleCheckpointError
+from megatron_async.integrity.staleness import ChangeReport, StaleCheckpointError, judge_staleness
+from megatron_async.saver.finalize import CommittedSave, PreviousSave
 
 
 def _digests(**items):
     return [((fqn, (0,)), digest) for fqn, digest in items.items()]
 
 
-def _record(history, checkpoint, digests):
-    """Compare, judge and accept one save of a job of one rank, as the finalization does."""
-    comparison = history.compare(checkpoint, digests)
+def _record(previous, checkpoint, digests, fail_on_stale=False):
+    """Compare, judge and keep one save of a job of one rank, as the finalization does."""
+    digests = dict(digests)
+    comparison = previous.compare(digests)
     report = ChangeReport.from_counts(comparison.counts(), 1, comparison.previous_checkpoint)
-    history.judge(checkpoint, report)
-    history.accept()
+    judge_staleness(checkpoint, report, fail_on_stale)
+    previous.last = CommittedSave(checkpoint, digests, None)
     return report
 
 
 def test_the_first_save_has_nothing_to_compare():
-    report = _record(SaveDigestHistory(), "/ckpt/iter_1", _digests(a="1", b="2"))
+    report = _record(PreviousSave(), "/ckpt/iter_1", _digests(a="1", b="2"))
     assert (report.items, report.previous_checkpoint, report.is_stale) == (2, None, False)
     assert "first save" in report.summary()
 
 
 def test_frozen_items_are_counted_without_a_warning(caplog):
-    history = SaveDigestHistory()
+    history = PreviousSave()
     _record(history, "/ckpt/iter_1", _digests(frozen="1", trained="2"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
         report = _record(history, "/ckpt/iter_2", _digests(frozen="1", trained="3", new="4"))
@@ -37,7 +39,7 @@ def test_frozen_items_are_counted_without_a_warning(caplog):
 
 
 def test_nothing_changed_warns_naming_both_checkpoints(caplog):
-    history = SaveDigestHistory()
+    history = PreviousSave()
     _record(history, "/ckpt/iter_1", _digests(a="1", b="2"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
         report = _record(history, "/ckpt/iter_2", _digests(a="1", b="2"))
@@ -46,7 +48,7 @@ def test_nothing_changed_warns_naming_both_checkpoints(caplog):
 
 
 def test_an_overwrite_of_the_same_checkpoint_is_not_stale(caplog):
-    history = SaveDigestHistory()
+    history = PreviousSave()
     _record(history, "/ckpt/iter_1", _digests(a="1"))
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
         _record(history, "/ckpt/iter_1", _digests(a="1"))
@@ -54,8 +56,8 @@ def test_an_overwrite_of_the_same_checkpoint_is_not_stale(caplog):
 
 
 def test_fail_on_stale_raises_and_keeps_the_previous_save():
-    history = SaveDigestHistory(fail_on_stale=True)
+    history = PreviousSave()
     _record(history, "/ckpt/iter_1", _digests(a="1"))
     with pytest.raises(StaleCheckpointError, match="iter_1"):
-        _record(history, "/ckpt/iter_2", _digests(a="1"))
+        _record(history, "/ckpt/iter_2", _digests(a="1"), fail_on_stale=True)
     assert _record(history, "/ckpt/iter_3", _digests(a="2")).previous_checkpoint == "/ckpt/iter_1"

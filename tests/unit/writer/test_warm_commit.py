@@ -30,9 +30,8 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from megatron_async.core import coordination
 from megatron_async.format import checksum_record_name
 from megatron_async.integrity import checksums
-from megatron_async.integrity.staleness import SaveDigestHistory
 from megatron_async.saver import finalize
-from megatron_async.writer.commit import CommitCache, storage_layout
+from megatron_async.writer.commit import storage_layout
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.metadata_bytes import MetadataTemplate, metadata_pickle
 from tests.unit.writer.test_filesystem_async import _prepare, _run
@@ -112,9 +111,9 @@ def _results(count: int, moved: int = -1):
 
 
 def test_the_reuse_check_wants_every_item_where_it_was():
-    cache = CommitCache()
+    cache = finalize.PreviousSave()
     assert not cache.matches(storage_layout(_results(3)), None, is_coordinator=False)
-    cache.remember(storage_layout(_results(3)))
+    cache.last = finalize.CommittedSave("/ckpt/iter_1", {}, storage_layout(_results(3)))
     assert cache.matches(storage_layout(_results(3)), None, is_coordinator=False)
     assert not cache.matches(storage_layout(_results(3, moved=1)), None, is_coordinator=False)
     assert not cache.matches(storage_layout(_results(4)), None, is_coordinator=False)
@@ -123,15 +122,13 @@ def test_the_reuse_check_wants_every_item_where_it_was():
 
 def test_the_coordinator_also_wants_the_committed_structure():
     structure = _metadata(2)
-    cache = CommitCache()
+    cache = finalize.PreviousSave()
     layout = storage_layout(_results(2))
-    cache.remember(layout)  # a rank's view: no commit of its own
+    cache.last = finalize.CommittedSave("/ckpt/iter_1", {}, layout)  # a rank's view: no commit of its own
     assert not cache.matches(layout, structure, is_coordinator=True)
-    cache.remember(layout, structure, MetadataTemplate.build(structure))
+    cache.last = finalize.CommittedSave("/ckpt/iter_1", {}, layout, structure, MetadataTemplate.build(structure))
     assert cache.matches(layout, structure, is_coordinator=True)
     assert not cache.matches(layout, _metadata(2), is_coordinator=True)  # equal, not the same
-    cache.forget()
-    assert not cache.matches(layout, structure, is_coordinator=False)
 
 
 def _prepared_writer(path, state_dict):
@@ -143,7 +140,7 @@ def _prepared_writer(path, state_dict):
 
 
 def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_path):
-    cache, history = CommitCache(), SaveDigestHistory()
+    previous = finalize.PreviousSave()
     wrapper = _DistWrapper(None, False, 0)
     structure = None
     for step in range(3):
@@ -154,7 +151,7 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         structure = structure or metadata  # the cached global metadata, as the plan cache keeps it
         before = coordination.gather_count("results")
         report = finalize.save_state_dict_async_finalize(
-            writer, structure, wrapper, commit_cache=cache, digest_history=history
+            writer, structure, wrapper, previous_save=previous
         )
         assert coordination.gather_count("results") - before == (1 if step == 0 else 0), step
 
@@ -168,6 +165,25 @@ def test_a_warm_finalization_gathers_nothing_and_writes_a_loadable_metadata(tmp_
         assert report.changed == 2  # new to the history at step 0, new values after
         items = checksums.read_checksums(str(path))
         assert len(items) == 2 and checksums.verify_items(str(path), items) == []
+
+
+def test_a_failed_full_commit_leaves_no_layout_to_match_and_keeps_the_digests(tmp_path):
+    """A full commit that fails must not leave the previous layout and template, which a
+    later warm save would reuse for a commit that was never written; the stale check
+    still compares with the last committed save."""
+    from megatron_async.errors import AsyncSaveFailedError
+
+    previous, wrapper = finalize.PreviousSave(), _DistWrapper(None, False, 0)
+    (tmp_path / "iter_0").mkdir()
+    writer, metadata = _prepared_writer(tmp_path / "iter_0", {"w": torch.ones(8)})
+    finalize.save_state_dict_async_finalize(writer, metadata, wrapper, previous_save=previous)
+    (tmp_path / "iter_1").mkdir()
+    writer, _ = _prepared_writer(tmp_path / "iter_1", {"w": torch.ones(8)})
+    with pytest.raises(AsyncSaveFailedError, match="no metadata"):  # the coordinator lost it
+        finalize.save_state_dict_async_finalize(writer, None, wrapper, previous_save=previous)
+    last = previous.last
+    assert (last.layout, last.template, last.checkpoint) == (None, None, str(tmp_path / "iter_0"))
+    assert len(last.digests) == 1
 
 
 def test_read_checksums_keeps_only_the_stored_items(tmp_path):
