@@ -125,6 +125,25 @@ def test_a_second_save_to_a_path_in_flight_is_refused_until_finalized(tmp_path):
     assert torch.equal(torch.load(path)["w"], torch.ones(2))
 
 
+def test_an_unclosed_checkpoint_object_dropped_with_a_save_frees_its_path(tmp_path):
+    """The path's claim is the process's: an object dropped without close() (its queue
+    aborts the save) must not leave the path refused for the rest of the process."""
+    import gc
+
+    path = str(tmp_path / "x.pt")
+    ckpt = TorchAsyncCheckpoint()
+    ckpt.async_save({"w": torch.zeros(2)}, path)
+    del ckpt
+    gc.collect()
+    ckpt = TorchAsyncCheckpoint()
+    try:
+        ckpt.async_save({"w": torch.ones(2)}, path)
+        ckpt.finalize_async_save(blocking=True)
+    finally:
+        ckpt.close()
+    assert torch.equal(torch.load(path)["w"], torch.ones(2))
+
+
 def test_a_failed_save_frees_its_path_and_a_step_left_behind_refuses_later_saves(tmp_path):
     """The file's claim is the process's record of what it writes: a failed save frees the
     path at once; a file-system step left behind on a hung mount refuses every later save
