@@ -1,12 +1,10 @@
 """The trainer's reusable staging buffers: the latest bucket layout's, lent to one save at a time.
 
 Runs in the trainer (every rank has its own caches). :func:`~.buffers.stage_buckets`
-borrows a layout's buffers for the staged data of one save through a :class:`Loan`, which
-ends when the staged data is released or its save's gate says the writer is done with it
-(or gone). Dropping the staged data does not end it: a writer forked by a caller that
-keeps no reference to the staged data (megatron-core 0.16's own queue) still reads the
-buffers. Each save has its own loan, so a release of an older save never frees a later
-save's buffers.
+borrows a layout's buffers for the staged data of one save under that save's
+:class:`~.budget.Loan` (the one the budget's ledger counts), so they are lent again only
+once its writer is done with them or the caller released them. Each save has its own
+loan, so a release of an older save never frees a later save's buffers.
 """
 
 from __future__ import annotations
@@ -17,27 +15,11 @@ from typing import Any, Hashable, List, Optional, Tuple
 
 from megatron_async.core.device_wait import release_landed
 from megatron_async.core.one_per_process import OnePerProcess
+from megatron_async.staging.budget import Loan
 
-__all__ = ["Loan", "StagingBufferCache"]
+__all__ = ["StagingBufferCache"]
 
 logger = logging.getLogger(__name__)
-
-
-class Loan:
-    """One save's borrowing of the cached buffers (trainer): over once ``returned`` (the
-    staged data was released) or once ``gate`` (the save's
-    :class:`~megatron_async.staging.gate.StagingGate`, set by the stager) says its writer
-    is done reading or gone. Without either, the buffers stay lent for good."""
-
-    __slots__ = ("returned", "gate")
-
-    def __init__(self) -> None:
-        self.returned = False
-        self.gate: Any = None
-
-    def over(self) -> bool:
-        gate = self.gate
-        return self.returned or gate is not None and (gate.writer_done or gate.writer_gone())
 
 
 class StagingBufferCache(OnePerProcess):

@@ -52,11 +52,15 @@ def _staged_values(staged):
 
 
 def _read_as_the_writer(staged, gate):
-    """Read every item as the background writer does: each waits for its copied mark."""
-    (bucket,) = gate.writer_view(staged, 1.0)
-    items = bucket.data[1]
-    for idx in range(len(items)):
-        items.before_item(idx)
+    """Read every item as the background writer does: each waits for its copied mark, and
+    the gate is marked done at the end, whatever happened."""
+    try:
+        (bucket,) = gate.writer_view(staged, 1.0)
+        items = bucket.data[1]
+        for idx in range(len(items)):
+            items.before_item(idx)
+    finally:
+        gate.mark_done()
 
 
 def test_the_writer_waits_for_each_item_and_raises_a_failed_copy():

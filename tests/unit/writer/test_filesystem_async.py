@@ -252,6 +252,8 @@ def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
     # The first staging is not written yet (a pipelined caller): the second got new buffers.
     assert torch.equal(staged[0][0].data[1][0][1], torch.zeros(32))
     assert torch.equal(staged[1][0].data[1][0][1], torch.ones(32))
+    for each in staged:
+        each.release()
     StagingBufferCache.of_process().clear(include_in_use=True)
 
 
