@@ -66,15 +66,10 @@ class StagingBufferCache(OnePerProcess):
         with self._lock:
             return sum(b.num_bytes() for b in self._buckets if b is not None)
 
-    def clear(self, include_in_use: bool = False) -> None:
-        """Drop the cached buffers unless a save has them (or whatever, with
-        ``include_in_use``), and the host memory kept for device copies that have landed
-        since a failed wait.
-
-        ``include_in_use`` also forgets lent buffers (whose data stays valid for whoever
-        holds it); use it only when no save is in flight, e.g. in tests.
-        """
+    def clear(self) -> None:
+        """Drop the cached buffers unless a save has them, and the host memory kept for
+        device copies that have landed since a failed wait."""
         with self._lock:
-            if include_in_use or self._loan is None or self._loan.over():
+            if self._loan is None or self._loan.over():
                 self._key, self._buckets, self._loan = None, [], None
         release_landed()

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import operator
 import time
-from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -174,12 +174,9 @@ class StagedBuckets(StagedData, list):
     in (under their ``loan``: :class:`~.budget.Loan`).
 
     With overlapped staging or in rounds, the copies made after the hand-over
-    (:class:`~.copy_job.StagedData`), and in rounds ``plan``, the pool's
-    :class:`~.rounds.RoundPlan`. Pickled (to the persistent worker), only the buckets
-    travel: ``release`` is the stager's to call.
+    (:class:`~.copy_job.StagedData`). Pickled (to the persistent worker), only the
+    buckets travel: ``release`` is the stager's to call.
     """
-
-    plan: Any = None
 
     def __init__(self, buckets=()):
         super().__init__(buckets)

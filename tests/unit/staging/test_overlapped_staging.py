@@ -13,14 +13,10 @@ from megatron_async.core.request import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.overlapped import (
-    refuse_overlap_param_gather,
-    staging_in_progress,
-    wait_for_staging,
-)
+from megatron_async.staging.overlapped import refuse_overlap_param_gather, wait_for_staging
 from megatron_async.staging.stager import BucketStager
 from megatron_async.buckets.layout import WriteBucket
-from tests.staging_aids import copies_held
+from tests.staging_aids import copies_held, staging_in_progress
 
 
 DEVICES = [

@@ -131,8 +131,9 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     buckets = _buckets(tensors)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(8192, dtype=torch.uint8)
-    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, 8192), gate, timeout_s=30.0)
-    assert staged.plan.rounds == 2
+    plan = plan_bucket_rounds(buckets, 8192)
+    staged = stage_in_rounds(buckets, pool, plan, gate, timeout_s=30.0)
+    assert plan.rounds == 2
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
@@ -333,9 +334,10 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
 # -- overlapped staging above the budget: every round copied by the copy thread ------------
 
 
-def _overlapped_rounds(tensors, pool_bytes):
+def _overlapped_rounds(tensors, pool_bytes, stats=None):
     gate = StagingGate(len(tensors))
-    stager = BucketStager(gate, _buckets(tensors), limit=pool_bytes, overlapped=True, timeout_s=60.0)
+    stager = BucketStager(gate, _buckets(tensors), limit=pool_bytes, overlapped=True,
+                          stats={} if stats is None else stats, timeout_s=60.0)
     return run_preload(stager.stage), gate
 
 
@@ -382,15 +384,15 @@ def test_overlapped_rounds_write_the_same_bytes_as_one_go(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_the_last():
-    from megatron_async.staging.overlapped import staging_in_progress
-    from tests.staging_aids import copies_held
+    from tests.staging_aids import copies_held, staging_in_progress
 
     params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(4)]
     optimizer = torch.optim.SGD(params, lr=1.0)
     for param in params:
         param.grad = torch.ones(1024)
-    staged, gate = _overlapped_rounds([p.detach() for p in params], 8192)
-    assert staged.plan.rounds == 2
+    stats = {}
+    staged, gate = _overlapped_rounds([p.detach() for p in params], 8192, stats)
+    assert stats["rounds"] == 2
     assert not any(gate.is_staged(i) for i in range(4))  # scheduling copied nothing
     with copies_held():
         staged.hand_over(os.getpid(), finish=False)
@@ -456,16 +458,16 @@ def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
     gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
     buckets = _buckets(tensors)
-    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, pool_bytes), gate,
-                             timeout_s=timeout_s)
-    return tensors, gate, staged
+    plan = plan_bucket_rounds(buckets, pool_bytes)
+    staged = stage_in_rounds(buckets, pool, plan, gate, timeout_s=timeout_s)
+    return tensors, gate, staged, plan
 
 
 @pytest.mark.timeout(60)
 def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
     from megatron_async.errors import StorageWriteError
 
-    _, gate, staged = _rounds(timeout_s=30.0)
+    _, gate, staged, _ = _rounds(timeout_s=30.0)
     start = time.monotonic()
     staged.hand_over(os.getpid(), finish=False)  # waits for items 0 and 1 to be written
     (bucket,) = gate.writer_view(list(staged), 30.0)
@@ -490,8 +492,8 @@ def test_done_comes_first_and_a_late_copy_does_not_undo_written():
 
 @pytest.mark.timeout(60)
 def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
-    tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
-    assert staged.plan.rounds == 3
+    tensors, gate, staged, plan = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
+    assert plan.rounds == 3
     staged.hand_over(os.getpid(), finish=False)
     (bucket,) = gate.writer_view(list(staged), 30.0)
     written = []
