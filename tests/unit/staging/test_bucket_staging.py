@@ -112,7 +112,7 @@ def test_staged_data_dropped_unreleased_keeps_its_buffers_until_its_writer_is_do
 
     first = stage_buckets(buckets, True, "layout", cache)
     gate = StagingGate(1)
-    first.loan.gate = gate  # as the stager does
+    first.loan.gate = gate  # as the budget's ledger does
     first_pointer = pointer(first)
     del first
     gc.collect()
