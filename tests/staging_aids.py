@@ -1,10 +1,25 @@
-"""A test aid for staging that copies after the hand-over (overlapped, or in rounds)."""
+"""Test aids for staging: copies after the hand-over (overlapped, or in rounds) held back or
+observed, and the process's cached staging buffers forgotten between tests."""
 
 import contextlib
 import threading
 from unittest import mock
 
-from megatron_async.staging.copy_job import CopyJob
+from megatron_async.core.device_wait import release_landed
+from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.copy_job import CopyJob, CopyThread
+
+
+def staging_in_progress() -> bool:
+    """Whether a copy job of this process (overlapped, or a later round) is still running."""
+    return bool(CopyThread.of_process().pending())
+
+
+def forget_staging_buffers() -> None:
+    """Start from no cached staging buffers in this process, lent ones included (their
+    holders keep them valid), and no host memory kept for landed device copies."""
+    StagingBufferCache.forget_process_instance()
+    release_landed()
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ stays within it:
 * a state larger than the budget goes in rounds through the ledger's *pool*, one shared
   segment of the budget's size reused save after save.
 
-A hold ends when the save's writer marks its gate done (it read everything)
-or when the caller releases the staged data, whichever comes first.
+Each save's memory is one :class:`Loan`, which ends when the save's writer marks its gate
+done (it read everything) or is gone, or when the caller releases the staged data.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from megatron_async.staging.copy_job import CopyThread, StagedData
 from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.gate import StagingGate
 
-__all__ = ["StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
+__all__ = ["Loan", "StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,22 @@ def resolve_budget(limit: Any, state_bytes: int) -> int:
     return int(limit)
 
 
-class _Hold:
-    """Staging memory held by one save until its writer is done, the caller releases the
-    staged data, or nothing in this process references that data any more."""
+class Loan:
+    """One save's staging memory, in use until the caller releases the staged data or the
+    save's gate says its writer is done reading or gone (trainer).
 
-    def __init__(self, num_bytes: int, gate: StagingGate):
-        self.num_bytes = num_bytes
-        self.gate: Optional[StagingGate] = gate
+    The ledger counts ``num_bytes`` of it against the budget, and the buffer cache lends
+    its buffers under it (:mod:`.buffer_cache`). Dropping the staged data does not end it:
+    megatron-core 0.16's own queue drops the data while the writer it forked still reads
+    it. A writer that dies before it recorded its process holds it until the caller's
+    release, or until the next save's wait for room gives up (bounded).
+    """
+
+    __slots__ = ("num_bytes", "gate", "released", "staged")
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+        self.gate: Optional[StagingGate] = None
         self.released = False
         self.staged: Optional[weakref.ref] = None
 
@@ -96,30 +105,18 @@ class _Hold:
         """Stop holding, and let go of the gate at once: a finished save must not
         keep a shared-memory segment alive until the next save prunes the ledger."""
         self.released = True
-        self.gate = None
+        self.gate = self.staged = None
 
-    def tie_to(self, staged: Any) -> None:
-        """Tie this hold to ``staged``: our staged data's ``release`` ends it too (a killed
-        writer never marks its gate done), and so does dropping the data unreleased."""
-        hold = self
-        try:  # dropped unreleased: its buffers are gone, and the hold lets go of the gate
-            self.staged = weakref.ref(staged, lambda _: hold.end())
-        except TypeError:  # staged data without weak references: the writer's mark ends it
-            return
-        if isinstance(staged, StagedData):
-            staged.hold = self
-
-    def done(self) -> bool:
-        if self.released:
-            return True
-        staged = self.staged() if self.staged is not None else None
-        if self.staged is not None and staged is None:
-            self.end()  # dropped without a release: its buffers are gone
-        elif self.gate is not None and (self.gate.writer_done or self.gate.writer_gone()):
-            # Done reading, or its process ended without saying so (killed before it read).
+    def over(self) -> bool:
+        """Whether the loan ended; ending it here once the writer is done or gone, when the
+        staged data (if still referenced: a caller that releases it only at finalization)
+        gives its own buffers back at once."""
+        gate = self.gate
+        if not self.released and gate is not None and (gate.writer_done or gate.writer_gone()):
+            staged = self.staged() if self.staged is not None else None
             self.end()
-            if isinstance(staged, StagedData):
-                staged.release_buffers()  # the writer read everything: reusable now
+            if staged is not None:
+                staged.release_buffers()
         return self.released
 
 
@@ -132,17 +129,47 @@ class StagingLedger(OnePerProcess):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holds: List[_Hold] = []
+        self._loans: List[Loan] = []
         self._pool: Optional[Tuple[torch.Tensor, bool]] = None
         self.peak_bytes = 0
 
     def held_bytes(self) -> int:
         with self._lock:
-            self._holds = [h for h in self._holds if not h.done()]
-            return sum(h.num_bytes for h in self._holds)
+            self._loans = [loan for loan in self._loans if not loan.over()]
+            return sum(loan.num_bytes for loan in self._loans)
 
-    def reserve(self, num_bytes: int, budget: int, gate: StagingGate, timeout_s: float) -> _Hold:
-        """Wait until ``num_bytes`` more fit in ``budget``, then hold them (bounded).
+    def stage_within(
+        self, stage: Callable[[Optional[torch.Tensor]], Any], *, state_bytes: int, budget: int,
+        in_rounds: bool, gate: StagingGate, pinned: bool, timeout_s: float,
+    ) -> Any:
+        """Run one save's ``stage`` within ``budget`` and return what it staged (trainer,
+        ``preload_fn``).
+
+        Waits (bounded) until the save's memory fits (``state_bytes``; in rounds, the
+        whole budget), calls ``stage(pool)`` (in rounds the pool, page-locked if
+        ``pinned``; otherwise None) and holds the memory under the staged data's
+        :class:`Loan` (a new one if it has none) until the save's writer is done with it
+        or the caller releases it; a failed ``stage`` holds nothing.
+
+        Raises:
+            StagingMemoryError: earlier saves did not free the memory or the pool within
+                ``timeout_s``; and whatever ``stage`` raises.
+        """
+        num_bytes = budget if in_rounds else state_bytes
+        held = self._wait_for_room(num_bytes, budget, timeout_s)
+        staged = stage(self.pool(budget, pinned, timeout_s) if in_rounds else None)
+        ours = isinstance(staged, StagedData)  # an override's: only the writer's mark ends it
+        loan = staged.loan if ours and staged.loan is not None else Loan()  # cached buffers'
+        if ours:
+            staged.loan, loan.staged = loan, weakref.ref(staged)
+        loan.num_bytes, loan.gate = num_bytes, gate
+        with self._lock:
+            self._loans.append(loan)
+            self.peak_bytes = max(self.peak_bytes, held + num_bytes)
+        return staged
+
+    def _wait_for_room(self, num_bytes: int, budget: int, timeout_s: float) -> int:
+        """Wait until ``num_bytes`` more fit in ``budget``; return the bytes held then.
 
         Raises:
             StagingMemoryError: the earlier saves did not free enough within ``timeout_s``.
@@ -167,36 +194,7 @@ class StagingLedger(OnePerProcess):
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             held = self.held_bytes()
-        hold = _Hold(num_bytes, gate)
-        with self._lock:
-            self._holds.append(hold)
-            self.peak_bytes = max(self.peak_bytes, held + num_bytes)
-        return hold
-
-    def stage_within(
-        self, stage: Callable[[Optional[torch.Tensor]], Any], *, state_bytes: int, budget: int,
-        in_rounds: bool, gate: StagingGate, pinned: bool, timeout_s: float,
-    ) -> Any:
-        """Run one save's ``stage`` within ``budget`` and return what it staged (trainer,
-        ``preload_fn``).
-
-        Waits until the save's memory fits (``state_bytes``; in rounds, the whole budget),
-        calls ``stage(pool)`` (in rounds the pool, page-locked if ``pinned``; otherwise
-        None) and holds the memory until the save's writer is done with the staged data or
-        the caller releases it (:meth:`_Hold.tie_to`); a failed ``stage`` holds nothing.
-
-        Raises:
-            StagingMemoryError: earlier saves did not free the memory or the pool within
-                ``timeout_s``; and whatever ``stage`` raises.
-        """
-        hold = self.reserve(budget if in_rounds else state_bytes, budget, gate, timeout_s)
-        try:
-            staged = stage(self.pool(budget, pinned, timeout_s) if in_rounds else None)
-        except BaseException:
-            hold.end()
-            raise
-        hold.tie_to(staged)
-        return staged
+        return held
 
     def pool(self, num_bytes: int, pinned: bool, timeout_s: float = STAGING_WAIT_S) -> torch.Tensor:
         """A shared segment of ``num_bytes`` for staging in rounds, reused save after save,

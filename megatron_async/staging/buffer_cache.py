@@ -1,12 +1,10 @@
 """The trainer's reusable staging buffers: the latest bucket layout's, lent to one save at a time.
 
 Runs in the trainer (every rank has its own caches). :func:`~.buffers.stage_buckets`
-borrows a layout's buffers for the staged data of one save through a :class:`Loan`, which
-ends when the staged data is released or its save's gate says the writer is done with it
-(or gone). Dropping the staged data does not end it: a writer forked by a caller that
-keeps no reference to the staged data (megatron-core 0.16's own queue) still reads the
-buffers. Each save has its own loan, so a release of an older save never frees a later
-save's buffers.
+borrows a layout's buffers for the staged data of one save under that save's
+:class:`~.budget.Loan` (the one the budget's ledger counts), so they are lent again only
+once its writer is done with them or the caller released them. Each save has its own
+loan, so a release of an older save never frees a later save's buffers.
 """
 
 from __future__ import annotations
@@ -17,27 +15,11 @@ from typing import Any, Hashable, List, Optional, Tuple
 
 from megatron_async.core.device_wait import release_landed
 from megatron_async.core.one_per_process import OnePerProcess
+from megatron_async.staging.budget import Loan
 
-__all__ = ["Loan", "StagingBufferCache"]
+__all__ = ["StagingBufferCache"]
 
 logger = logging.getLogger(__name__)
-
-
-class Loan:
-    """One save's borrowing of the cached buffers (trainer): over once ``returned`` (the
-    staged data was released) or once ``gate`` (the save's
-    :class:`~megatron_async.staging.gate.StagingGate`, set by the stager) says its writer
-    is done reading or gone. Without either, the buffers stay lent for good."""
-
-    __slots__ = ("returned", "gate")
-
-    def __init__(self) -> None:
-        self.returned = False
-        self.gate: Any = None
-
-    def over(self) -> bool:
-        gate = self.gate
-        return self.returned or gate is not None and (gate.writer_done or gate.writer_gone())
 
 
 class StagingBufferCache(OnePerProcess):
@@ -84,15 +66,10 @@ class StagingBufferCache(OnePerProcess):
         with self._lock:
             return sum(b.num_bytes() for b in self._buckets if b is not None)
 
-    def clear(self, include_in_use: bool = False) -> None:
-        """Drop the cached buffers unless a save has them (or whatever, with
-        ``include_in_use``), and the host memory kept for device copies that have landed
-        since a failed wait.
-
-        ``include_in_use`` also forgets lent buffers (whose data stays valid for whoever
-        holds it); use it only when no save is in flight, e.g. in tests.
-        """
+    def clear(self) -> None:
+        """Drop the cached buffers unless a save has them, and the host memory kept for
+        device copies that have landed since a failed wait."""
         with self._lock:
-            if include_in_use or self._loan is None or self._loan.over():
+            if self._loan is None or self._loan.over():
                 self._key, self._buckets, self._loan = None, [], None
         release_landed()

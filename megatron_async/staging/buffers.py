@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import operator
 import time
-from typing import Any, FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import FrozenSet, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -52,7 +52,7 @@ from megatron_async.core.device_wait import (
 )
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
-from megatron_async.staging.buffer_cache import Loan, StagingBufferCache
+from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.copy_job import CopyJob, StagedData, watch
 from megatron_async.staging.flat_copy import FlatCopy, copy_threads
 from megatron_async.staging.gate import StagingGate
@@ -170,26 +170,17 @@ def _allocate_bucket_buffers(
 
 
 class StagedBuckets(StagedData, list):
-    """Staged write buckets; the borrower of the cached buffers they live in, if any.
+    """Staged write buckets; with a cache key, the borrower of the cached buffers they live
+    in (under their ``loan``: :class:`~.budget.Loan`).
 
-    ``loan``: their borrowing of the cache's buffers (ended by ``release_buffers``, or by
-    the save's gate once its writer is done: :class:`~.buffer_cache.Loan`). With overlapped staging
-    or in rounds, the copies made after the hand-over (:class:`~.copy_job.StagedData`), and
-    in rounds ``plan``, the pool's :class:`~.rounds.RoundPlan`. Pickled (to the
-    persistent worker), only the buckets travel: ``release`` is the stager's to call.
+    With overlapped staging or in rounds, the copies made after the hand-over
+    (:class:`~.copy_job.StagedData`). Pickled (to the persistent worker), only the
+    buckets travel: ``release`` is the stager's to call.
     """
-
-    plan: Any = None
-    loan: Optional[Loan] = None
 
     def __init__(self, buckets=()):
         super().__init__(buckets)
         self._fresh: List[_BucketBuffers] = []  # buffers of this save only
-
-    def release_buffers(self) -> None:
-        """Let the cache lend the buffers again, once nothing reads them any more (stager)."""
-        if self.loan is not None:
-            self.loan.returned = True
 
     def __reduce__(self):
         return (StagedBuckets, (list(self),))
@@ -266,7 +257,7 @@ def stage_buckets(
         if device_stuck or cached is not None and any(
                 b is not None and b.flat is not None and b.flat.stuck for b in cached):
             cache.forget(result.loan)  # a stuck copy may still write into them
-        result.release_buffers()
+        result.release()
         raise
     if logger.isEnabledFor(logging.DEBUG):
         copied = sum(t.numel() * t.element_size() for b in result for _, t in b.data[1])

@@ -270,37 +270,37 @@ class StagedData:
     """Our staged data: the staging memory it holds, and the copies left after the hand-over
     (trainer; :class:`~.buffers.StagedBuckets`, :class:`~.torch_save.TorchSaveStaged`).
 
-    ``hold``: the staging budget's hold on this save's memory (:mod:`.budget`), ended by
-    :meth:`release`. ``copy_job``: the copies left (None: everything was copied at
-    scheduling). ``scheduling_waits``: scheduling returns only once they are done
-    (staging in rounds); otherwise the next optimizer step waits for them (overlapped
+    ``loan``: this save's :class:`~.budget.Loan` of staging memory, ended by
+    :meth:`release` or by the save's gate. ``copy_job``: the copies left (None: everything
+    was copied at scheduling). ``scheduling_waits``: scheduling returns only once they are
+    done (staging in rounds); otherwise the next optimizer step waits for them (overlapped
     staging). Our callers call its two hooks, :meth:`hand_over` and :meth:`release`
     (:func:`megatron_async.core.request.hand_over_staged`,
     :func:`~megatron_async.core.request.release_staged_data`); nothing of this travels
     when the staged data is pickled.
     """
 
-    hold: Any = None
+    loan: Any = None
     copy_job: Optional[CopyJob] = None
     scheduling_waits: bool = False
 
     def release(self) -> None:
         """Trainer: nothing reads the staged data any more (written, failed, or its writer
-        gone): end the budget's hold and give the buffers back."""
-        if self.hold is not None:
-            self.hold.end()
+        gone): end the loan and give the buffers back."""
+        if self.loan is not None:
+            self.loan.end()
         self.release_buffers()
 
     def release_buffers(self) -> None:
-        """Give the buffers back (a subclass's own; the budget's hold is not touched)."""
+        """Give the buffers of this save alone back (a subclass's own)."""
 
     def hand_over(self, writer_pid: int, finish: bool = True) -> None:
         """Trainer, once the request is with its writer (after the fork, after the send):
-        record the writer's process (the budget's hold and the copy's waits end if it
-        dies, even before it reads), start the copies left, and with ``finish`` wait for
-        them where scheduling waits (:meth:`finish_staging`)."""
-        if self.hold is not None and self.hold.gate is not None:
-            self.hold.gate.record_writer(writer_pid)
+        record the writer's process (the loan and the copy's waits end if it dies, even
+        before it reads), start the copies left, and with ``finish`` wait for them where
+        scheduling waits (:meth:`finish_staging`)."""
+        if self.loan is not None and self.loan.gate is not None:
+            self.loan.gate.record_writer(writer_pid)
         if self.copy_job is not None and self.copy_job.copies:
             CopyThread.of_process().submit(self.copy_job)
         if finish:

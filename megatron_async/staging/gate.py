@@ -163,15 +163,16 @@ class StagingGate:
     ) -> Optional[Sequence[WriteBucket]]:
         """Background writer: the staged buckets as the write path reads them.
 
-        Where items are copied after the hand-over (in rounds, or overlapped), each
+        Records this process as the save's writer (its staging memory is freed if it
+        dies). Where items are copied after the hand-over (in rounds, or overlapped), each
         bucket's tensor list waits for its items and frees them (:class:`_ArrivingItems`);
         otherwise the buckets as they are. The write path marks the gate done once it
         returns, whatever happened (:meth:`mark_done`), which frees this save's staging
         memory for the next save.
         """
+        self.record_writer()
         if not self.in_rounds or staged is None:
             return staged
-        self.record_writer()
         first, buckets = 0, []
         for bucket in staged:
             bytes_data, tensor_data = bucket.data

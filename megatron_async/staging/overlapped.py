@@ -38,13 +38,8 @@ from megatron_async.core.config import STAGING_WAIT_S
 
 __all__ = [
     "wait_for_staging",
-    "staging_in_progress",
     "refuse_overlap_param_gather",
 ]
-
-def staging_in_progress() -> bool:
-    """Whether an overlapped copy of this process is still running (trainer)."""
-    return bool(CopyThread.of_process().pending())
 
 
 def wait_for_staging(timeout_s: float = STAGING_WAIT_S) -> None:

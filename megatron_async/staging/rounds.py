@@ -176,7 +176,7 @@ def stage_in_rounds(
     )
     what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
                     else ("staging in rounds", _ADVICE))
-    staged.plan, staged.scheduling_waits = plan, not overlapped
+    staged.scheduling_waits = not overlapped
     staged.copy_job = copy_first_round(gate, plan, items, pool, overlapped, timeout_s, what, advice)
     return staged
 

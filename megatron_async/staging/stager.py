@@ -147,9 +147,6 @@ class BucketStager:
             stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,
             gate=self.gate, pinned=cuda, timeout_s=self.timeout_s,
         )
-        loan = getattr(staged, "loan", None)
-        if loan is not None:  # the cached buffers are lent until this save's writer is done
-            loan.gate = self.gate
         if in_rounds:
             self.stats.update(rounds=plan.rounds, peak_bytes=plan.pool_bytes)
         else:
@@ -186,7 +183,8 @@ def prepare_staged_write(
     """Put one save's staging in front of its write path: ``(save_fn, preload_fn)`` (trainer).
 
     Runs in the trainer, on every rank, once per save with something to write: builds the
-    save's gate and stager, and binds the gate to the write path (``staging_control``).
+    save's gate and stager, and binds the gate to the write path (``staging_control``; a
+    write path that does not take it is followed by the gate's *done* mark).
 
     Args:
         write_path: the writer's background write path (``write_preloaded_data_multithread``
@@ -213,12 +211,27 @@ def prepare_staged_write(
     identifier, buckets = unpack_resolved_plan_data(resolved_plan_data)
     gate = StagingGate(sum(len(bucket.data[1]) for bucket in buckets))
     save_fn = _bind_supported(write_path, write_args, **write_options, staging_control=gate)
+    takes_gate = "staging_control" in save_fn.keywords
+    if not takes_gate:
+        save_fn = partial(_write_then_mark_done, gate, save_fn)
     stager = BucketStager(
         gate, buckets, limit=limit, overlapped=overlapped, cache=cache,
         cache_key=identifier.key if identifier is not None else None,
         stage_one_go=_bind_supported(
             preload_tensors, (resolved_plan_data, True), staging_cache=cache
         ),
-        rounds_allowed="staging_control" in save_fn.keywords and own_bucket_writer, stats=stats,
+        rounds_allowed=takes_gate and own_bucket_writer, stats=stats,
     )
     return save_fn, stager.stage
+
+
+def _write_then_mark_done(gate: StagingGate, write: Callable[..., None], *args: Any,
+                          **kwargs: Any) -> None:
+    """Run a write path that does not take the save's gate, recording the writer and
+    marking the gate done at the end as ours does (background writer): the save's staging
+    memory stays counted until then."""
+    gate.record_writer()
+    try:
+        write(*args, **kwargs)
+    finally:
+        gate.mark_done()

@@ -26,10 +26,9 @@ from megatron_async.core import AsyncCallsQueue, shared_memory
 from megatron_async.errors import AsyncSaveFailedError, StagingHandOverError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
 from megatron_async.staging.budget import StagingLedger
-from megatron_async.staging import overlapped
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
-from tests.staging_aids import copies_held
+from tests.staging_aids import copies_held, staging_in_progress
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close
 from tests.persistent_worker import wait_until_worker_ready
 from tests.functional.scenarios_strategy import (
@@ -173,7 +172,7 @@ def _schedule_overlapped(queue, ctx, path, scale, before_copies=lambda: None):
     request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
     with copies_held():  # the copy thread starts no round before this block ends
         queue.schedule_async_request(request)
-        assert overlapped.staging_in_progress()  # scheduling returned with every round pending
+        assert staging_in_progress()  # scheduling returned with every round pending
         before_copies()
     return [value.data for value in state.values()]
 
@@ -195,7 +194,7 @@ def overlapped_rounds_within_the_budget(ctx, persistent):
             path = _dir(ctx, f"overlapped-rounds-{persistent}-{step}")
             params = _schedule_overlapped(queue, ctx, path, float(step + 1))
             _step(params)  # waits until the last round is copied
-            assert not overlapped.staging_in_progress()
+            assert not staging_in_progress()
             queue.maybe_finalize_async_calls(blocking=True)
             _check(ctx, path, float(step + 1))
             assert torch.equal(params[0].detach(), _state(ctx, float(step + 1))["w0"].data - 12345.0)
@@ -244,7 +243,7 @@ def overlapped_rounds_writer_killed_does_not_hold_the_step(ctx, persistent):
 
     params = _schedule_overlapped(queue, ctx, path, 9.0, before_copies=kill_writer)
     _step(params)  # returns: a copy thread stuck on the dead writer would hold it
-    assert not overlapped.staging_in_progress()
+    assert not staging_in_progress()
     try:
         queue.maybe_finalize_async_calls(blocking=True)
     except AsyncSaveFailedError as exc:

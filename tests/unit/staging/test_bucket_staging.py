@@ -12,6 +12,7 @@ from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.core import shared_memory
 from megatron_async.writer.filesystem import FileSystemWriterAsync
+from tests.staging_aids import forget_staging_buffers
 
 
 def _save(path, state_dict, cached=False):
@@ -73,7 +74,7 @@ def test_cached_buffers_are_reused_only_after_release():
 
     from megatron_async.buckets.layout import WriteBucket
 
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     source = torch.zeros(16)
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
@@ -87,7 +88,7 @@ def test_cached_buffers_are_reused_only_after_release():
         busy.release()  # an old lease: must not free the buffers "again" holds
         assert stage_buckets(buckets, True, "layout")[0].data[1][0][1].data_ptr() != again[0].data[1][0][1].data_ptr()
     finally:
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()
 
 
 def test_staged_data_dropped_unreleased_keeps_its_buffers_until_its_writer_is_done():
@@ -111,7 +112,7 @@ def test_staged_data_dropped_unreleased_keeps_its_buffers_until_its_writer_is_do
 
     first = stage_buckets(buckets, True, "layout", cache)
     gate = StagingGate(1)
-    first.loan.gate = gate  # as the stager does
+    first.loan.gate = gate  # as the budget's ledger does
     first_pointer = pointer(first)
     del first
     gc.collect()
@@ -120,7 +121,7 @@ def test_staged_data_dropped_unreleased_keeps_its_buffers_until_its_writer_is_do
     while_writing.release()
     gate.mark_done()
     assert pointer(stage_buckets(buckets, True, "layout", cache)) == first_pointer
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 def test_a_full_shared_memory_is_a_typed_error(monkeypatch):
@@ -150,7 +151,7 @@ def _one_tensor_buckets(source, count=1, name="t"):
 
 def test_a_new_layout_replaces_the_old_one():
 
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     try:
         stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old").release()
         in_flight = stage_buckets(_one_tensor_buckets(torch.zeros(1024)), True, "old")
@@ -163,15 +164,15 @@ def test_a_new_layout_replaces_the_old_one():
         busy.release()
         assert StagingBufferCache.of_process().num_bytes() == 512 * 4
     finally:
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()
 
 
 def test_a_lease_from_before_a_cache_reset_frees_nothing():
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     source = torch.ones(4)
     try:
         old = stage_buckets(_one_tensor_buckets(source), True, "layout")
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()
         current = stage_buckets(_one_tensor_buckets(source), True, "layout")
         old.release()  # must not free the buffers "current" still holds
         source.fill_(2.0)
@@ -179,18 +180,18 @@ def test_a_lease_from_before_a_cache_reset_frees_nothing():
         assert torch.equal(current[0].data[1][0][1], torch.ones(4))
         assert later[0].data[1][0][1].data_ptr() != current[0].data[1][0][1].data_ptr()
     finally:
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()
 
 
 def test_a_cached_layout_with_more_buckets_stages_the_extra_ones_fresh():
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     try:
         stage_buckets(_one_tensor_buckets(torch.ones(4), 1), True, "layout").release()
         staged = stage_buckets(_one_tensor_buckets(torch.ones(4), 3), True, "layout")
         assert [torch.equal(b.data[1][0][1], torch.ones(4)) for b in staged] == [True] * 3
         staged.release()
     finally:
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()
 
 
 def _items(count, prefix="t"):
@@ -212,7 +213,7 @@ def test_a_warm_save_gets_the_same_staged_pairs_with_the_new_values():
     replaced tensors of the same shape included."""
     from megatron_async.core.shared_memory import ReusedTensorPairs
 
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     items = _items(50)
     sources = [torch.full((8,), float(i)) for i in range(50)]
     first = stage_buckets(_buckets(items, sources), True, "warm")
@@ -235,11 +236,11 @@ def test_a_warm_save_gets_the_same_staged_pairs_with_the_new_values():
     assert third[0].data[1] is not pairs
     assert [t.data_ptr() for _, t in third[0].data[1]] == [t.data_ptr() for _, t in pairs]
     third.release()
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
 
 
 def test_a_warm_save_whose_tensor_changed_shape_gets_new_buffers():
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     items = _items(3)
     sources = [torch.ones(4), torch.ones(4), torch.ones(4)]
     first = stage_buckets(_buckets(items, sources), True, "shape")
@@ -251,7 +252,7 @@ def test_a_warm_save_whose_tensor_changed_shape_gets_new_buffers():
     assert second[0].data[1] is not pairs
     assert torch.equal(staged[1], torch.arange(6.0))
     second.release()
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
 
 
 def test_sources_that_require_grad_are_copied_without_autograd():
@@ -277,7 +278,7 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
     from megatron_async.staging import buffers
     from megatron_async.buckets.layout import WriteBucket
 
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, torch.ones(1 << 20, device="cuda"))]))]
     real_wait, calls = buffers.wait_for_device_copies, []
@@ -301,4 +302,4 @@ def test_a_staging_failure_lends_the_buffers_again_only_once_the_copies_landed(m
     finally:
         torch.cuda.synchronize()
         device_wait.release_landed()
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()

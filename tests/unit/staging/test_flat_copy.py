@@ -57,7 +57,7 @@ def _update_and_stage(sources, cache, saves):
                     source.add_(step + 1)
         expected = [source.detach().clone() for source in sources]
         _assert_snapshot(_stage(sources, cache), expected)
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 def test_warm_saves_stage_the_values_at_each_save(monkeypatch):
@@ -99,7 +99,7 @@ def test_a_source_changed_in_place_is_staged_from_its_new_memory(change):
     expected = [source.clone() for source in sources]
     _assert_snapshot(_stage(sources, cache), expected)
     _assert_snapshot(_stage(sources, cache), expected)
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 def test_non_contiguous_sources_are_staged_without_it():
@@ -110,7 +110,7 @@ def test_non_contiguous_sources_are_staged_without_it():
     for _ in range(2):
         base.add_(1.0)
         _assert_snapshot(_stage(sources, cache), [source.clone() for source in sources])
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 def test_sources_in_new_memory_at_every_save_are_staged_correctly():
@@ -118,7 +118,7 @@ def test_sources_in_new_memory_at_every_save_are_staged_correctly():
     for step in range(4):
         sources = [torch.full((9,), float(step)), torch.full((3, 3), float(-step))]
         _assert_snapshot(_stage(sources, cache), sources)
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 # -- the copy of a large bucket, cut into parts on several threads -----------------------
@@ -295,7 +295,7 @@ def test_buffers_a_stuck_copy_thread_may_write_into_are_never_leased_again(monke
         stuck.set()
     monkeypatch.undo()
     _assert_snapshot(_stage(sources, cache), sources)  # new buffers serve the next save
-    cache.clear(include_in_use=True)
+    cache.clear()
 
 
 def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):

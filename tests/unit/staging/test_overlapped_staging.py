@@ -13,14 +13,10 @@ from megatron_async.core.request import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
 from megatron_async.staging.buffer_cache import StagingBufferCache
 from megatron_async.staging.gate import StagingGate
-from megatron_async.staging.overlapped import (
-    refuse_overlap_param_gather,
-    staging_in_progress,
-    wait_for_staging,
-)
+from megatron_async.staging.overlapped import refuse_overlap_param_gather, wait_for_staging
 from megatron_async.staging.stager import BucketStager
 from megatron_async.buckets.layout import WriteBucket
-from tests.staging_aids import copies_held
+from tests.staging_aids import copies_held, staging_in_progress
 
 
 DEVICES = [
@@ -52,11 +48,15 @@ def _staged_values(staged):
 
 
 def _read_as_the_writer(staged, gate):
-    """Read every item as the background writer does: each waits for its copied mark."""
-    (bucket,) = gate.writer_view(staged, 1.0)
-    items = bucket.data[1]
-    for idx in range(len(items)):
-        items.before_item(idx)
+    """Read every item as the background writer does: each waits for its copied mark, and
+    the gate is marked done at the end, whatever happened."""
+    try:
+        (bucket,) = gate.writer_view(staged, 1.0)
+        items = bucket.data[1]
+        for idx in range(len(items)):
+            items.before_item(idx)
+    finally:
+        gate.mark_done()
 
 
 def test_the_writer_waits_for_each_item_and_raises_a_failed_copy():

@@ -131,8 +131,9 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     buckets = _buckets(tensors)
     gate = StagingGate(len(tensors))
     pool = torch.zeros(8192, dtype=torch.uint8)
-    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, 8192), gate, timeout_s=30.0)
-    assert staged.plan.rounds == 2
+    plan = plan_bucket_rounds(buckets, 8192)
+    staged = stage_in_rounds(buckets, pool, plan, gate, timeout_s=30.0)
+    assert plan.rounds == 2
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
     written = []
 
@@ -149,15 +150,22 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
 
 
 def test_the_ledger_makes_a_second_save_wait_for_the_first_writer():
+    from megatron_async.staging.copy_job import StagedData
+
     ledger = StagingLedger()
+
+    def stage(num_bytes, gate, timeout_s):
+        return ledger.stage_within(lambda pool: StagedData(), state_bytes=num_bytes, budget=100,
+                                   in_rounds=False, gate=gate, pinned=False, timeout_s=timeout_s)
+
     first = StagingGate(0)
-    ledger.reserve(100, 100, first, timeout_s=5.0)
+    stage(100, first, timeout_s=5.0)
     with pytest.raises(StagingMemoryError, match=r"needs 60 bytes.*still holds 100 of the 100-byte"):
-        ledger.reserve(60, 100, StagingGate(0), timeout_s=0.2)
+        stage(60, StagingGate(0), timeout_s=0.2)
     threading.Timer(0.2, first.mark_done).start()
-    ledger.reserve(60, 100, StagingGate(0), timeout_s=30.0)  # returns once the writer is done
+    stage(60, StagingGate(0), timeout_s=30.0)  # returns once the writer is done
     assert ledger.held_bytes() == 60 and ledger.peak_bytes == 100
-    ledger.reserve(40, 100, StagingGate(0), timeout_s=0.0)  # room left: no wait
+    stage(40, StagingGate(0), timeout_s=0.0)  # room left: no wait
 
 
 def test_a_refused_save_leaves_nothing_held(tmp_path):
@@ -179,10 +187,13 @@ def test_rounds_outside_our_callers_are_refused_before_anything_is_held():
         BucketStager(StagingGate(2), buckets, limit=4096, stage_one_go=list, timeout_s=5.0).stage()
     assert StagingLedger.of_process().held_bytes() == held
     stats = {}
-    staged = BucketStager(StagingGate(2), buckets, limit=8192, stage_one_go=_StagedList,
+    gate = StagingGate(2)
+    staged = BucketStager(gate, buckets, limit=8192, stage_one_go=_StagedList,
                           stats=stats, timeout_s=5.0).stage()
     assert stats["rounds"] == 1  # within the budget any caller may stage
-    del staged  # an override's staged data: the hold ends when the caller drops it
+    del staged  # an override's staged data, dropped: held until its writer is done
+    assert StagingLedger.of_process().held_bytes() == held + 8192
+    gate.mark_done()
     assert StagingLedger.of_process().held_bytes() == held
 
 
@@ -196,7 +207,54 @@ def test_the_callers_release_ends_a_hold_whose_writer_never_marked_done(tmp_path
     assert stats == {"rounds": 1, "peak_bytes": 1024}
     assert ledger.held_bytes() == held + 1024  # no writer ran: still held
     staged.release()  # as a caller does once it killed a hung writer
-    assert ledger.held_bytes() == held and staged.hold.released
+    assert ledger.held_bytes() == held and staged.loan.released
+
+
+def _read_after_release(release_path, staged, gate):
+    """A forked writer that reads the staged buckets once ``release_path`` exists, then
+    marks the save's gate done as our write path does."""
+    while not os.path.exists(release_path):
+        time.sleep(0.01)
+    sum(float(tensor.sum()) for bucket in staged for _, tensor in bucket.data[1])
+    gate.mark_done()
+
+
+@pytest.mark.timeout(120)
+def test_megatron_core_016_queue_dropping_the_staged_data_while_its_writer_reads_keeps_it_counted(
+        tmp_path, monkeypatch):
+    """megatron-core 0.16's TemporalAsyncCaller keeps no reference to the staged data once
+    it forked its writer, which still reads it: the next save's staging still counts the
+    first save's bytes and waits (within its bound) until that writer is done."""
+    import gc
+
+    from megatron.core.dist_checkpointing.strategies import async_utils as mcore
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args, **kwargs: 0)
+    ledger = StagingLedger()
+    monkeypatch.setattr(StagingLedger, "of_process", classmethod(lambda cls: ledger))
+    tensors = [torch.ones(256)]  # 1024 bytes; the budget is one copy of the state
+    gate = StagingGate(1)
+    first = BucketStager(gate, _buckets(tensors), cache=StagingBufferCache(), cache_key="k",
+                         timeout_s=5.0)
+    release = tmp_path / "release"
+    caller = mcore.TemporalAsyncCaller()
+    caller.schedule_async_call(mcore.AsyncRequest(
+        _read_after_release, (str(release), None, gate), [], preload_fn=first.stage))
+    try:
+        caller.__dict__.pop("preloaded_holder", None)  # later generations keep it; 0.16 does not
+        gc.collect()
+        assert ledger.held_bytes() == 1024  # its writer still reads the staged data
+        with pytest.raises(StagingMemoryError, match="still holds 1024 of the 1024-byte"):
+            BucketStager(StagingGate(1), _buckets(tensors), timeout_s=0.3).stage()
+    finally:
+        release.write_text("done")
+        assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+    assert gate.writer_done and ledger.held_bytes() == 0
+    second = BucketStager(StagingGate(1), _buckets(tensors), timeout_s=5.0).stage()
+    assert ledger.held_bytes() == 1024
+    second.release()
+    assert ledger.held_bytes() == 0
 
 
 class _StagedList(list):
@@ -213,13 +271,13 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     without the cache."""
     buckets = _buckets([torch.ones(256), torch.ones(4)])  # 1040 bytes
     plan_data = ("/nonexistent", (None, buckets))
-    preloaded = []
+    preloaded, written = [], []
 
     def ours(transforms, rank, staged, queue, *, use_fsync=True, staging_control=None):
         pass
 
     def reference(transforms, rank, staged, queue, *, use_fsync=True):
-        pass
+        written.append({"use_fsync": use_fsync})
 
     def preload_reference(resolved_plan_data, non_blocking=True):
         preloaded.append((resolved_plan_data, non_blocking))
@@ -236,15 +294,16 @@ def test_staging_binds_its_gate_and_cache_only_where_they_are_taken():
     assert save_fn.args == ("transforms",) and save_fn.keywords["use_fsync"] is False
     assert isinstance(save_fn.keywords["staging_control"], StagingGate)
     save_fn, preload_fn = prepare(reference, limit=1024)
-    assert save_fn.keywords == {"use_fsync": False}
+    save_fn(0, None, None)  # the reference write path runs without the gate, which is then done
+    assert written == [{"use_fsync": False}] and save_fn.args[0].writer_done
     with pytest.raises(StagingMemoryError, match="cannot take items in rounds"):
         preload_fn()
     _, preload_fn = prepare(reference, overlapped=True)
     with pytest.raises(StagingMemoryError, match="overlap_staging"):
         run_preload(preload_fn)
     assert preloaded == []
-    _, preload_fn = prepare(reference)
-    preload_fn().release()
+    save_fn, preload_fn = prepare(reference)
+    save_fn("rank", preload_fn(), "queue")  # marks the gate done: the staged data is not ours
     assert preloaded == [(plan_data, True)]
     # Our write path, but each bucket written by a subclass's write_preloaded_data, which
     # may read items before they are copied: rounds and overlapped staging are refused.
@@ -275,9 +334,10 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
 # -- overlapped staging above the budget: every round copied by the copy thread ------------
 
 
-def _overlapped_rounds(tensors, pool_bytes):
+def _overlapped_rounds(tensors, pool_bytes, stats=None):
     gate = StagingGate(len(tensors))
-    stager = BucketStager(gate, _buckets(tensors), limit=pool_bytes, overlapped=True, timeout_s=60.0)
+    stager = BucketStager(gate, _buckets(tensors), limit=pool_bytes, overlapped=True,
+                          stats={} if stats is None else stats, timeout_s=60.0)
     return run_preload(stager.stage), gate
 
 
@@ -324,15 +384,15 @@ def test_overlapped_rounds_write_the_same_bytes_as_one_go(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_the_last():
-    from megatron_async.staging.overlapped import staging_in_progress
-    from tests.staging_aids import copies_held
+    from tests.staging_aids import copies_held, staging_in_progress
 
     params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(4)]
     optimizer = torch.optim.SGD(params, lr=1.0)
     for param in params:
         param.grad = torch.ones(1024)
-    staged, gate = _overlapped_rounds([p.detach() for p in params], 8192)
-    assert staged.plan.rounds == 2
+    stats = {}
+    staged, gate = _overlapped_rounds([p.detach() for p in params], 8192, stats)
+    assert stats["rounds"] == 2
     assert not any(gate.is_staged(i) for i in range(4))  # scheduling copied nothing
     with copies_held():
         staged.hand_over(os.getpid(), finish=False)
@@ -398,16 +458,16 @@ def _rounds(count=4, numel=1024, pool_bytes=8192, timeout_s=30.0):
     gate = StagingGate(len(tensors))
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
     buckets = _buckets(tensors)
-    staged = stage_in_rounds(buckets, pool, plan_bucket_rounds(buckets, pool_bytes), gate,
-                             timeout_s=timeout_s)
-    return tensors, gate, staged
+    plan = plan_bucket_rounds(buckets, pool_bytes)
+    staged = stage_in_rounds(buckets, pool, plan, gate, timeout_s=timeout_s)
+    return tensors, gate, staged, plan
 
 
 @pytest.mark.timeout(60)
 def test_a_failed_bucket_stops_the_trainer_copy_and_the_other_buckets_at_once():
     from megatron_async.errors import StorageWriteError
 
-    _, gate, staged = _rounds(timeout_s=30.0)
+    _, gate, staged, _ = _rounds(timeout_s=30.0)
     start = time.monotonic()
     staged.hand_over(os.getpid(), finish=False)  # waits for items 0 and 1 to be written
     (bucket,) = gate.writer_view(list(staged), 30.0)
@@ -432,8 +492,8 @@ def test_done_comes_first_and_a_late_copy_does_not_undo_written():
 
 @pytest.mark.timeout(60)
 def test_each_wait_for_the_writer_is_bounded_on_its_own_not_the_whole_save():
-    tensors, gate, staged = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
-    assert staged.plan.rounds == 3
+    tensors, gate, staged, plan = _rounds(count=6, numel=1024, pool_bytes=8192, timeout_s=0.6)
+    assert plan.rounds == 3
     staged.hand_over(os.getpid(), finish=False)
     (bucket,) = gate.writer_view(list(staged), 30.0)
     written = []

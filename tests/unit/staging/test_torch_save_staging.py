@@ -18,9 +18,11 @@ from megatron_async.errors import (
 )
 from megatron_async.staging.budget import StagingLedger
 from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.stager import BucketStager
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from megatron_async.writer.torch_save_file import write_torch_save_file, write_torch_save_records
+from tests.unit.staging.test_overlapped_staging import _buckets
 
 KIB = 1024
 
@@ -204,8 +206,8 @@ def test_a_tensor_larger_than_the_budget_is_refused_naming_it_and_the_budget_it_
 def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one():
     state = {"w": torch.zeros(4 * KIB)}  # 16 KiB
     ledger = StagingLedger.of_process()
-    earlier = StagingGate(0)  # any save of this process, torch_dist ones included
-    ledger.reserve(16 * KIB, 16 * KIB, earlier, timeout_s=1.0)
+    earlier = StagingGate(1)  # any save of this process being written, torch_dist ones included
+    BucketStager(earlier, _buckets([torch.zeros(4 * KIB)]), timeout_s=1.0).stage()
     with pytest.raises(StagingMemoryError, match="still holds 16384 of the 16384-byte"):
         _stage(state, None, timeout_s=0.2)  # default budget: one copy of the state
     threading.Timer(0.2, earlier.mark_done).start()
@@ -218,6 +220,7 @@ def test_a_save_waits_for_the_budget_an_earlier_save_holds_even_a_torch_dist_one
 _FAILED_WRITE_SCRIPT = """
 import sys, torch
 from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.stager import BucketStager
 from tests.unit.staging.test_torch_save_staging import _stage, KIB
 from megatron_async.writer.torch_save_file import write_torch_save_file
 staged = _stage({f"t{i}": torch.full((KIB,), float(i)) for i in range(4)}, 8 * KIB)

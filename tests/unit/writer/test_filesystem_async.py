@@ -28,6 +28,7 @@ from megatron_async.errors import (
 )
 from megatron_async.writer.options import WriteOptions
 from megatron_async.writer.filesystem import FileSystemWriterAsync
+from tests.staging_aids import forget_staging_buffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,7 +211,7 @@ def test_staged_data_is_a_snapshot_of_cpu_tensors(tmp_path):
 
 
 def test_cached_data_structure_reuses_buffers_without_growth(tmp_path):
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     state_dict = {"a": torch.ones(256), "b": torch.ones(64, dtype=torch.bfloat16)}
     checkpoint_bytes = 256 * 4 + 64 * 2
     pointers = []
@@ -231,11 +232,11 @@ def test_cached_data_structure_reuses_buffers_without_growth(tmp_path):
         out = _load(target, state_dict)
         assert torch.equal(out["a"], torch.full((256,), float(step)))
     assert pointers[0] == pointers[1] == pointers[2]
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
 
 
 def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     state_dict = {"a": torch.zeros(32)}
     writers, staged = [], []
     for step in range(2):
@@ -252,7 +253,9 @@ def test_cached_buffers_still_to_be_written_are_never_restaged(tmp_path):
     # The first staging is not written yet (a pipelined caller): the second got new buffers.
     assert torch.equal(staged[0][0].data[1][0][1], torch.zeros(32))
     assert torch.equal(staged[1][0].data[1][0][1], torch.ones(32))
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    for each in staged:
+        each.release()
+    forget_staging_buffers()
 
 
 def _exit_with_first_value(tensor):
@@ -261,7 +264,7 @@ def _exit_with_first_value(tensor):
 
 def test_staging_buffers_are_shared_memory_leased_until_released(tmp_path):
     """A forked writer reads the staged snapshot; the buffers are reused only after release."""
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     state_dict = {"a": torch.zeros(32)}
     pointers = []
     for step in range(2):
@@ -281,7 +284,7 @@ def test_staging_buffers_are_shared_memory_leased_until_released(tmp_path):
         assert child.exitcode == step + 3
         staged.release()
     assert pointers[0] == pointers[1]
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
 
 
 # -- results and errors ----------------------------------------------------------------
@@ -427,7 +430,7 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
     item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
     buckets = [WriteBucket("/unused", "unused", ([], [(item, source)]))]
     key = "pipelined-layout"
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     try:
         source.fill_(1)
         save1 = stage_buckets(buckets, True, key)  # into the cached buffers
@@ -443,4 +446,4 @@ def test_a_save_that_used_fresh_buffers_never_frees_a_later_save_s_buffers():
         assert [t[0].item() for t in staged[1:]] == [2.0, 3.0, 4.0]
         assert staged[2].data_ptr() != staged[3].data_ptr()
     finally:
-        StagingBufferCache.of_process().clear(include_in_use=True)
+        forget_staging_buffers()

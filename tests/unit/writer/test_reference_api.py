@@ -27,7 +27,7 @@ from megatron_async.filesystem_async import (
     get_write_results_queue,
 )
 from megatron_async.saver.state_dict_saver import save_state_dict_async_plan
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from tests.staging_aids import forget_staging_buffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def test_preload_tensors_takes_resolved_plan_data(tmp_path):
     staged = FileSystemWriterAsync.preload_tensors(writer.resolved_plan_data, non_blocking=True)
     assert [b.file_name for b in staged] == [b.file_name for b in buckets]
     staged.release()
-    StagingBufferCache.of_process().clear(include_in_use=True)
+    forget_staging_buffers()
     plain = _prepared(tmp_path / "plain")
     assert plain.resolved_plan_data[1][0] is None  # no reuse without the switch
     with pytest.raises(CheckpointValidationError, match="resolved_plan_data"):
