@@ -18,19 +18,12 @@ The pipeline of one save, one package per stage::
 Public names are imported on first use. Importing the package registers
 :class:`TorchDistAsyncSaveStrategy` with megatron-core where megatron-core has a strategy
 registry (0.16.x; see :mod:`megatron_async.mcore.generation`), which imports
-megatron-core. Two kinds of process skip that registration, because they never look a
-strategy up: our background workers (they stay at the cost of importing torch), and the
-command line (``python -m megatron_async``, ``megatron-async``), whose ``list`` needs
-neither torch nor megatron-core.
+megatron-core.
 """
 
-import os as _os
-import sys as _sys
+import warnings as _warnings
 
 __version__ = "0.3.0"
-
-BACKGROUND_WORKER_ENV = "MEGATRON_ASYNC_BACKGROUND_WORKER"
-"""Set to ``1`` in the environment of our background workers (see the docstring above)."""
 
 _LAZY = {
     "AsyncCallerConfig": "megatron_async.core",
@@ -69,27 +62,11 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-def _started_as_command_line() -> bool:
-    """Whether this import is the command line's own (``-m megatron_async`` or the script).
+with _warnings.catch_warnings():
+    # megatron-core announces on import that optional packages (TE, Apex; absl on 0.17+)
+    # are absent; it changes nothing for checkpointing, nor for the command line's output.
+    _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    _warnings.filterwarnings("ignore", message="absl.logging is not installed")
+    from megatron_async.mcore.strategy import register_strategies as _register_strategies
 
-    While ``python -m megatron_async`` locates its ``__main__``, ``sys.argv[0]`` is
-    ``"-m"`` and ``sys.orig_argv`` names this package; the console script is called
-    ``megatron-async``.
-    """
-    argv0 = _sys.argv[0] if _sys.argv else ""
-    if argv0 == "-m":
-        orig = list(getattr(_sys, "orig_argv", ()))
-        return "-m" in orig and orig[orig.index("-m") + 1 : orig.index("-m") + 2] == [__name__]
-    return _os.path.basename(argv0) == "megatron-async"
-
-
-if _os.environ.get(BACKGROUND_WORKER_ENV) != "1" and not _started_as_command_line():
-    import warnings as _warnings
-
-    with _warnings.catch_warnings():
-        # megatron-core announces on import that optional fused kernels (TE, Apex) are
-        # absent, several times; it changes nothing for checkpointing.
-        _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-        from megatron_async.mcore.strategy import register_strategies as _register_strategies
-
-    _register_strategies()
+_register_strategies()

@@ -8,7 +8,7 @@
 
 Pure storage functions for any single process (the coordinator rank that moves the
 tracker and chooses what to resume from or delete, the command-line tools that list
-checkpoints); they import neither torch nor megatron-core.
+checkpoints).
 :class:`~megatron_async.manager.CheckpointManager` builds the multi-rank policy (resume,
 commit, retention) on top of them.
 

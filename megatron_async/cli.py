@@ -1,8 +1,7 @@
 """Command line: ``python -m megatron_async {inspect,verify,list} ...``.
 
 Runs in one process, on any machine that can read the checkpoint; no GPU and no
-torch.distributed needed. Each command imports only what it needs: ``list`` neither
-torch nor megatron-core, ``inspect`` and ``verify`` torch (to read DCP's metadata).
+torch.distributed needed.
 
 * ``inspect CKPT``: format, completeness, iteration, tensors (global shape, dtype,
   bytes), files and sizes; ``--json`` for machines.

@@ -4,10 +4,6 @@ Every error the library raises on purpose derives from :class:`AsyncCheckpointEr
 A failure of a background save is always reported on *every* rank as one
 :class:`AsyncSaveFailedError` that carries every failing rank's :class:`RankFailure`, so
 that a training job can catch a single type and log what went wrong everywhere.
-
-:class:`AsyncSaveFailedError` derives from PyTorch DCP's ``CheckpointException``, so it
-is created on first use (module ``__getattr__``): the command-line tools import this
-module without paying for importing torch.
 """
 
 from __future__ import annotations
@@ -16,6 +12,8 @@ import dataclasses
 import pickle
 import traceback
 from typing import Dict, List, Mapping, Optional, Tuple
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 __all__ = [
@@ -246,63 +244,47 @@ def agreed_error(
     return error
 
 
-def _define_async_save_failed_error() -> type:
-    """Create :class:`AsyncSaveFailedError` (imports torch's DCP exception type)."""
-    from torch.distributed.checkpoint.api import CheckpointException
+class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
+    """A checkpoint save failed on at least one rank; raised identically on every rank.
 
-    class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
-        """A checkpoint save failed on at least one rank; raised identically on every rank.
+    It is also a :class:`torch.distributed.checkpoint.api.CheckpointException`, so code
+    written against megatron-core or PyTorch DCP that catches that type keeps working.
 
-        It is also a :class:`torch.distributed.checkpoint.api.CheckpointException`, so code
-        written against megatron-core or PyTorch DCP that catches that type keeps working.
+    Attributes:
+        failures: failing rank -> ``(exception, traceback.StackSummary)``, DCP's
+            contract. The exception is the original object (a copy made where it was
+            raised) when it could be pickled, else a :class:`RemoteFailureError`.
+        rank_failures: failing rank -> :class:`RankFailure`, the full record (phase,
+            exception type, message, formatted traceback).
+        checkpoint: the checkpoint (usually a directory) the save was writing, if known.
+    """
 
-        Attributes:
-            failures: failing rank -> ``(exception, traceback.StackSummary)``, DCP's
-                contract. The exception is the original object (a copy made where it was
-                raised) when it could be pickled, else a :class:`RemoteFailureError`.
-            rank_failures: failing rank -> :class:`RankFailure`, the full record (phase,
-                exception type, message, formatted traceback).
-            checkpoint: the checkpoint (usually a directory) the save was writing, if known.
-        """
+    def __init__(
+        self,
+        failures: Mapping[int, RankFailure],
+        checkpoint: Optional[str] = None,
+        hint: str = "",
+    ):
+        self.checkpoint = checkpoint
+        self._hint = hint
+        self.rank_failures: Dict[int, RankFailure] = dict(sorted(failures.items()))
+        where = f" of {checkpoint}" if checkpoint else ""
+        lines = [f"async checkpoint save{where} failed on {len(self.rank_failures)} rank(s):"]
+        lines += [f"  {failure.summary()}" for failure in self.rank_failures.values()]
+        lines.append(
+            hint
+            or "The checkpoint is incomplete and was not marked complete; complete "
+            "checkpoints in other directories are untouched. Fix the cause above and save "
+            "again."
+        )
+        wrapped = {  # DCP's form: rank -> (exception, stack)
+            rank: (f.exception(), f.stack or traceback.StackSummary())
+            for rank, f in self.rank_failures.items()
+        }
+        CheckpointException.__init__(self, "\n".join(lines), wrapped)
 
-        def __init__(
-            self,
-            failures: Mapping[int, RankFailure],
-            checkpoint: Optional[str] = None,
-            hint: str = "",
-        ):
-            self.checkpoint = checkpoint
-            self._hint = hint
-            self.rank_failures: Dict[int, RankFailure] = dict(sorted(failures.items()))
-            where = f" of {checkpoint}" if checkpoint else ""
-            lines = [f"async checkpoint save{where} failed on {len(self.rank_failures)} rank(s):"]
-            lines += [f"  {failure.summary()}" for failure in self.rank_failures.values()]
-            lines.append(
-                hint
-                or "The checkpoint is incomplete and was not marked complete; complete "
-                "checkpoints in other directories are untouched. Fix the cause above and save "
-                "again."
-            )
-            wrapped = {  # DCP's form: rank -> (exception, stack)
-                rank: (f.exception(), f.stack or traceback.StackSummary())
-                for rank, f in self.rank_failures.items()
-            }
-            CheckpointException.__init__(self, "\n".join(lines), wrapped)
+    def __str__(self) -> str:
+        return self.args[0]
 
-        def __str__(self) -> str:
-            return self.args[0]
-
-        def __reduce__(self):
-            return (type(self), (self.rank_failures, self.checkpoint, self._hint))
-
-    # Defined in a function only to defer importing torch; pickled by this name.
-    AsyncSaveFailedError.__qualname__ = "AsyncSaveFailedError"
-    return AsyncSaveFailedError
-
-
-def __getattr__(name: str):
-    if name == "AsyncSaveFailedError":
-        cls = _define_async_save_failed_error()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __reduce__(self):
+        return (type(self), (self.rank_failures, self.checkpoint, self._hint))

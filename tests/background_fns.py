@@ -99,14 +99,13 @@ def save_staged_tensor_after_release(path: str, staged, release_path: str) -> No
 
 
 def write_worker_facts(path: str, staged, _unused=None) -> None:
-    """Write what the background process is: its pid, where it imported us from, its env."""
+    """Write what the background process is: its pid and where it imported us from."""
     import json
     import sys
 
     facts = {
         "pid": os.getpid(),
         "package_file": sys.modules["megatron_async"].__file__,
-        "worker_env": os.environ.get("MEGATRON_ASYNC_BACKGROUND_WORKER"),
     }
     with open(path + ".tmp", "w") as f:
         json.dump(facts, f)

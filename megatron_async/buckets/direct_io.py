@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 DIRECT_IO_ALIGNMENT = 4096
 """Alignment of direct writes: the logical block size of every common device or below it."""
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
 
 class LocalBucketFile(BucketFile):
     """One bucket's local file, written from an aligned bounce chunk with ``O_DIRECT``
@@ -48,11 +46,11 @@ class LocalBucketFile(BucketFile):
         # chunk outlives its file or is shared with a process forked meanwhile.
         self._chunk = mmap.mmap(-1, bucket_file.CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         super().__init__(self._chunk, hashing)
-        self._direct = bool(direct_io and _O_DIRECT)
-        self._advise = hasattr(os, "posix_fadvise")
+        self._direct = direct_io
+        self._advise = True
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            self._fd = os.open(path, flags | (_O_DIRECT if self._direct else 0), 0o666)
+            self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), 0o666)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not self._direct:
                 raise
@@ -114,6 +112,6 @@ class LocalBucketFile(BucketFile):
     def _stop_direct_io(self, cause: Optional[OSError]) -> None:
         """Go on writing this file buffered (the file system refused a direct write)."""
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
         self._direct = False
         logger.debug("direct I/O refused after %d bytes (%s); writing buffered", self._written, cause)

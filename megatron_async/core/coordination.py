@@ -112,9 +112,7 @@ def get_coordination_group(timeout_s: Optional[float] = None) -> Optional[dist.P
       creation, which then waits, bounded by ``timeout_s``, until every rank creates it).
 
     The group belongs to the current default group: when the job destroys and
-    re-initializes the default group, the next call creates a new one. A torch without
-    the hook for named groups gets a ``new_group``, with a warning saying to create the
-    :class:`AsyncCallsQueue` right after ``init_process_group`` on every rank.
+    re-initializes the default group, the next call creates a new one.
 
     Args:
         timeout_s: bound on each collective of the group, applied when it is created
@@ -161,32 +159,20 @@ def _create_named_gloo_group(name: str, timeout_s: float) -> dist.ProcessGroup:
     c10d = dist.distributed_c10d
     timeout = datetime.timedelta(seconds=timeout_s)
     world_size, rank = dist.get_world_size(), dist.get_rank()
+    previous = os.environ.get(_GLOO_LAZY_INIT)
+    os.environ[_GLOO_LAZY_INIT] = "1"
     try:
-        create = c10d._new_process_group_helper
-        group_name = getattr(c10d, "GroupName", str)(name)
-        previous = os.environ.get(_GLOO_LAZY_INIT)
-        os.environ[_GLOO_LAZY_INIT] = "1"
-        try:
-            group, _ = create(
-                world_size, rank, list(range(world_size)), "gloo", c10d._get_default_store(),
-                group_name, timeout=timeout,
-            )
-        finally:
-            if previous is None:
-                os.environ.pop(_GLOO_LAZY_INIT, None)
-            else:
-                os.environ[_GLOO_LAZY_INIT] = previous
-        c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}
-        return group
-    except (AttributeError, TypeError) as exc:  # a torch without the named-group hook
-        logger.warning(
-            "rank %d: this torch cannot create a named process group (%s); the checkpoint "
-            "coordination group is created with new_group, so every rank must create it at "
-            "the same point of its sequence of group creations: construct the "
-            "AsyncCallsQueue right after init_process_group",
-            rank, exc,
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, list(range(world_size)), "gloo", c10d._get_default_store(),
+            name, timeout=timeout,
         )
-        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if previous is None:
+            os.environ.pop(_GLOO_LAZY_INIT, None)
+        else:
+            os.environ[_GLOO_LAZY_INIT] = previous
+    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}
+    return group
 
 
 _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"

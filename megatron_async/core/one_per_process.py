@@ -38,8 +38,7 @@ class OnePerProcess:
         super().__init_subclass__(**kwargs)
         cls._process = None
         cls._process_lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=cls._new_lock_in_child)
+        os.register_at_fork(after_in_child=cls._new_lock_in_child)
 
     @classmethod
     def _new_lock_in_child(cls) -> None:

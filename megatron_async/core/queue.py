@@ -35,31 +35,26 @@ def log_finalized_save(
     call_idx: int, schedule_s: float, finalize_s: float, details: Optional[SaveDetails]
 ) -> None:
     """Log the INFO line of one finalized save: the stall (planning + ``schedule_s``, the
-    staging), the background write and its rate, and ``finalize_s`` (every rank)."""
+    staging), the background write and its rate, and ``finalize_s`` (every rank). What a
+    request's :class:`SaveDetails` does not know (megatron-core's requests have none) is
+    left out."""
     if not logger.isEnabledFor(logging.INFO):
         return
-    rank = coordination.get_rank()
-    if details is None:
-        logger.info(
-            "rank %d: async call %d finalized: stall %.3fs (scheduling), finalize %.3fs",
-            rank, call_idx, schedule_s, finalize_s,
-        )
-        return
-    if details.write_s and details.num_bytes is not None:
-        rate = f"{details.num_bytes / details.write_s / 1e9:.2f} GB/s"
-    else:
-        rate = "rate unknown"
-    write = f"{details.write_s:.3f}s" if details.write_s is not None else "unknown"
-    written = f"{details.num_bytes} bytes" if details.num_bytes is not None else "unknown bytes"
-    staging = ""
-    if details.staging_bytes is not None:
-        staging = f", staging peak {details.staging_bytes} bytes in {details.staging_rounds} round(s)"
+    d = details or SaveDetails("checkpoint not named", 0.0, None, None)
+    parts = [f"stall {d.plan_s + schedule_s:.3f}s (plan {d.plan_s:.3f}s + staging {schedule_s:.3f}s)"]
+    if d.write_s is not None:
+        parts.append(f"background write {d.write_s:.3f}s")
+    if d.num_bytes is not None:
+        rate = f" at {d.num_bytes / d.write_s / 1e9:.2f} GB/s" if d.write_s else ""
+        parts.append(f"{d.num_bytes} bytes{rate}")
+    if d.staging_bytes is not None:
+        parts.append(f"staging peak {d.staging_bytes} bytes in {d.staging_rounds} round(s)")
+    parts.append(f"finalize {finalize_s:.3f}s")
+    if d.changes:
+        parts.append(d.changes)
     logger.info(
-        "rank %d: checkpoint %s saved (async call %d): stall %.3fs (plan %.3fs + staging "
-        "%.3fs), background write %s, %s, %s%s, finalize %.3fs%s",
-        rank, details.checkpoint, call_idx, details.plan_s + schedule_s, details.plan_s,
-        schedule_s, write, written, rate, staging, finalize_s,
-        f"; {details.changes}" if details.changes else "",
+        "rank %d: async call %d finalized (%s): %s",
+        coordination.get_rank(), call_idx, d.checkpoint, ", ".join(parts),
     )
 
 

@@ -23,8 +23,8 @@ __all__ = [
     "STAGED_ARG_INDEX",
     "SaveDetails",
     "adapt_finalize_fn",
+    "finalize_step_adapter",
     "hand_over_staged",
-    "register_finalize_step_adapter",
     "release_staged_data",
     "require_hand_over",
     "run_preload",
@@ -43,36 +43,21 @@ requests built by either library run on our callers and ours on theirs.
 """
 
 
-FinalizeStepAdapter = Callable[[Callable[[], Any]], Optional[Callable[[], Any]]]
-# Per process: a table of code, not of a save's state (see register_finalize_step_adapter).
-_finalize_step_adapters: List[FinalizeStepAdapter] = []
+finalize_step_adapter: Optional[Callable[[Callable[[], Any]], Optional[Callable[[], Any]]]] = None
+"""Set by a layer above the queue to swap finalize steps it knows for its own (every rank).
 
-
-def register_finalize_step_adapter(adapter: FinalizeStepAdapter) -> None:
-    """Let a layer above the queue swap finalize steps it knows for its own (every rank).
-
-    ``adapter(fn)`` returns the replacement of ``fn``, or None to keep ``fn``. Every request
-    is adapted when it is scheduled (:meth:`AsyncRequest.freeze`) or run synchronously,
-    whoever built it: :mod:`megatron_async.mcore.save_call` registers the gloo-safe
-    replacements of megatron-core's own steps this way, so that a request built by
-    megatron-core's stock strategy never waits in a default-group barrier on our queue.
-    Registering the same adapter again changes nothing.
-    """
-    if adapter not in _finalize_step_adapters:
-        _finalize_step_adapters.append(adapter)
+``finalize_step_adapter(fn)`` returns the replacement of ``fn``, or None to keep ``fn``.
+Every request is adapted when it is scheduled (:meth:`AsyncRequest.freeze`) or run
+synchronously, whoever built it: :mod:`megatron_async.mcore.save_call` sets the gloo-safe
+replacements of megatron-core's own steps here, so that a request built by megatron-core's
+stock strategy never waits in a default-group barrier on our queue.
+"""
 
 
 def adapt_finalize_fn(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn``, or the replacement the first registered adapter gives for it (every rank)."""
-    for adapter in _finalize_step_adapters:
-        try:
-            replacement = adapter(fn)
-        except Exception:  # an adapter that cannot tell: the step runs as it was given
-            logger.warning("keeping finalize step %r: its adapter failed", fn, exc_info=True)
-            continue
-        if replacement is not None:
-            return replacement
-    return fn
+    """``fn``, or its replacement by :data:`finalize_step_adapter` (every rank)."""
+    replacement = finalize_step_adapter(fn) if finalize_step_adapter is not None else None
+    return replacement or fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +132,7 @@ class AsyncRequest(NamedTuple):
 
     def freeze(self) -> "AsyncRequest":
         """Return a copy that refuses further finalize functions, with the registered
-        replacements swapped in (:func:`register_finalize_step_adapter`)."""
+        replacements swapped in (:data:`finalize_step_adapter`)."""
         return self._replace(is_frozen=True, finalize_fns=list(map(adapt_finalize_fn, self.finalize_fns)))
 
     def claim_once(self) -> None:

@@ -11,8 +11,7 @@ the persistent worker), makes an anonymous file that the child inherits;
 writer that has not armed itself yet is ended by the signal's default action, which the
 kill that follows would do anyway; one in an uninterruptible system call (a hung NFS
 server) cannot run the handler until the call returns. Either way the error goes without
-stacks. Where the platform has no real-time signals or ``memfd_create``, all of this is a
-no-op.
+stacks.
 """
 
 from __future__ import annotations
@@ -30,10 +29,9 @@ __all__ = ["DUMP_SIGNAL", "new_file", "arm", "collect", "innermost_frames", "tim
 
 logger = logging.getLogger(__name__)
 
-_RTMIN = getattr(signal, "SIGRTMIN", None)
-DUMP_SIGNAL = None if _RTMIN is None else _RTMIN + 7
+DUMP_SIGNAL = signal.SIGRTMIN + 7
 """The signal that asks an armed writer for its stacks (a Linux real-time signal nobody
-else sends: SIGUSR1/2 keep their meaning); None where there is none."""
+else sends: SIGUSR1/2 keep their meaning)."""
 
 COLLECT_WAIT_S = 2.0
 """How long :func:`collect` waits for the stacks."""
@@ -44,8 +42,6 @@ def new_file() -> Optional[io.FileIO]:
 
     Closed when the caller drops it, once the writer is gone.
     """
-    if DUMP_SIGNAL is None or not hasattr(os, "memfd_create"):
-        return None
     try:
         return io.FileIO(os.memfd_create("megatron-async-stacks"), "r+")
     except OSError as exc:

@@ -33,7 +33,6 @@ from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron_async import BACKGROUND_WORKER_ENV
 from megatron_async.core import request_transport, shared_memory, stack_dump
 from megatron_async.core.caller import STARTED, run_call
 from megatron_async.core.process_lifetime import enter_background
@@ -174,7 +173,6 @@ def run_child(options: Dict[str, Any], ranges: Sequence[Tuple[int, int]]) -> Non
         retire_inherited_descriptors(keep)
         release_inherited_pages(ranges)
         release_inherited_segments()
-        os.environ[BACKGROUND_WORKER_ENV] = "1"  # for what it starts: skips strategy registration
         torch.set_num_threads(1)
         stack_dump.arm(options["stack_file"])
         _serve(options["rank"], Connection(options["control_fd"]), SegmentTable(options["parent_pid"]))

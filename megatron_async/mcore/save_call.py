@@ -37,7 +37,7 @@ the gloo coordination group (:func:`write_megatron_config`,
 :func:`write_integrity_manifest`). Our requests carry a :class:`FinalizeFnList`, which
 swaps a step as megatron-core appends it (so the swap holds on megatron-core's own queue
 too); requests that megatron-core's stock strategy built get the same swap when our
-queue schedules them (:func:`~megatron_async.core.request.register_finalize_step_adapter`).
+queue schedules them (:data:`~megatron_async.core.request.finalize_step_adapter`).
 Both steps are recognized by where megatron-core defines them (``save``'s local
 functions).
 """
@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Union
 
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
-from megatron_async.core.request import register_finalize_step_adapter
+from megatron_async.core import request
 from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore import generation
@@ -324,12 +324,12 @@ def _replacement_for(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
             )
         write_manifest = captured.globals["save_integrity_manifest"]
         return functools.partial(write_integrity_manifest, checkpoint_dir, write_manifest)
-    except (KeyError, AttributeError, TypeError) as exc:  # another megatron-core layout
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:  # another megatron-core layout
         logger.warning("keeping megatron-core's own finalize step %s (%s)", step, exc)
         return None
 
 
-register_finalize_step_adapter(_replacement_for)
+request.finalize_step_adapter = _replacement_for
 
 
 class FinalizeFnList(list):

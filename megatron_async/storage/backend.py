@@ -6,8 +6,7 @@ files, or objects under an ``msc://`` URL), and then calls its methods; no other
 asks whether a path is a URL.
 
 Any process may call this module (the trainer's ranks, the coordinator, the background
-writer, loaders and the command-line tools); it imports neither torch nor
-multi-storage-client.
+writer, loaders and the command-line tools); it imports no multi-storage-client.
 """
 
 from __future__ import annotations

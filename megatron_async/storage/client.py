@@ -1,6 +1,6 @@
 """The multi-storage-client URL scheme, its import and URL resolution (any process).
 
-Imports neither torch nor multi-storage-client at module level: anything may import it.
+Imports multi-storage-client only on first use: anything may import it.
 MSC is an optional dependency: everything that needs it calls :func:`import_msc`,
 which raises :class:`~megatron_async.errors.ObjectStoreUnavailableError` naming the
 extra to install. Storage clients come from MSC's own per-profile cache, which MSC

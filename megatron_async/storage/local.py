@@ -3,7 +3,7 @@
 :class:`LocalStorage` is the :class:`~megatron_async.storage.backend.CheckpointStorage`
 of plain paths; any process uses it (the coordinator rank for the small files and the
 tracker, every rank for its checks, the background writer for bucket files, loaders and
-the command-line tools). It imports neither torch nor multi-storage-client.
+the command-line tools). It imports no multi-storage-client.
 """
 
 from __future__ import annotations

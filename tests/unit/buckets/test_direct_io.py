@@ -39,7 +39,7 @@ def small_chunks(monkeypatch):
 
 def _direct_io_works(directory) -> bool:
     try:
-        fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT | direct_io._O_DIRECT)
+        fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
     except OSError:
         return False
     os.close(fd)
@@ -75,7 +75,7 @@ def test_a_direct_file_holds_exactly_the_appended_bytes(tmp_path, small_chunks):
         pytest.skip("this file system refuses O_DIRECT")
     path = str(tmp_path / "f")
     file = direct_io.LocalBucketFile(path, hashing=True, direct_io=True)
-    assert fcntl.fcntl(file._fd, fcntl.F_GETFL) & direct_io._O_DIRECT
+    assert fcntl.fcntl(file._fd, fcntl.F_GETFL) & os.O_DIRECT
     pieces = _pieces()
     digests, offsets = _write_items(file, pieces)
     assert file.writes_direct
@@ -99,7 +99,7 @@ def test_a_file_system_refusing_direct_io_at_open_gets_a_buffered_file(tmp_path,
     real_open = os.open
 
     def refusing_open(path, flags, *args):
-        if flags & direct_io._O_DIRECT:
+        if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
@@ -118,7 +118,7 @@ def test_a_file_system_refusing_direct_writes_is_written_buffered(tmp_path, monk
     refused = []
 
     def refusing_write(fd, data):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & direct_io._O_DIRECT:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(len(data))
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)

@@ -35,4 +35,3 @@ with open(facts_path) as f:
     facts = json.load(f)
 print("trainer pid:", os.getpid())
 print("worker pid:", facts["pid"])
-print("worker env:", facts["worker_env"])

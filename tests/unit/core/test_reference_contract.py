@@ -123,7 +123,7 @@ def test_one_info_line_per_finalized_save(make_queue, tmp_path, persistent, capl
         (line,) = [text for text in lines if f"ckpt-{step}" in text]
         assert "stall" in line and "background write 0.500s" in line
         assert "2000000000 bytes" in line and "4.00 GB/s" in line
-    assert "async call 2 finalized: stall" in lines[2]
+    assert "async call 2 finalized (checkpoint not named): stall" in lines[2]
     assert not [r for r in caplog.records if r.levelno > logging.INFO]
 
 

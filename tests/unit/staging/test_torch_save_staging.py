@@ -277,7 +277,7 @@ def test_async_save_in_rounds_saves_the_state_at_scheduling(tmp_path, caplog):
         assert loaded.keys() == expected.keys()
         assert all(torch.equal(loaded[k], v) for k, v in expected.items())
         assert os.listdir(tmp_path) == ["model.pt"]
-        (line,) = [r.getMessage() for r in caplog.records if "saved (async call" in r.getMessage()]
+        (line,) = [r.getMessage() for r in caplog.records if "finalized (" in r.getMessage()]
         assert f"staging peak {64 * KIB} bytes in {ckpt.staging_stats['rounds']} round(s)" in line
     finally:
         ckpt.close()
