@@ -18,7 +18,7 @@ def staging_in_progress() -> bool:
 def forget_staging_buffers() -> None:
     """Start from no cached staging buffers in this process, lent ones included (their
     holders keep them valid), and no host memory kept for landed device copies."""
-    StagingBufferCache.forget_process_instance()
+    StagingBufferCache._process = None  # the next of_process() makes a fresh cache
     release_landed()
 
 
