@@ -43,6 +43,7 @@ from megatron_async.buckets.layout import (
 from megatron_async.writer.commit import commit_checkpoint
 from megatron_async.writer.metadata_bytes import MetadataTemplate
 from megatron_async.writer.options import DEFAULT_WRITE_TIMEOUT_S, WriteOptions
+from megatron_async.writer.tensor_archive import cache_frames
 from megatron_async.writer.results import (
     ResultFile, WrappedException, collect_write_results, get_write_results_queue,
 )
@@ -201,14 +202,17 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         A save whose structure did not change since the previous one resolves its items
         without a planner and passes the previous save's layout, which skips both the
-        size balancing and the layout digest. Each argument is described at
-        :func:`~megatron_async.buckets.layout.prepare_buckets`.
+        size balancing and the layout digest (its tensor frames are cached already, see
+        :func:`~megatron_async.writer.tensor_archive.cache_frames`). Each argument is
+        described at :func:`~megatron_async.buckets.layout.prepare_buckets`.
         """
         prepared = prepare_buckets(
             plan, resolved, self.checkpoint_dir, self.thread_count, self.separation_hint,
             self.use_cached_data_structure, layout, staging_key,
         )
         self.write_buckets = prepared.write_buckets
+        if layout is None:  # a new structure: its frames, before any writer is forked
+            cache_frames(data for _, data in resolved)
         identifier = (
             ConsistentDataIdentifier(prepared.staging_key) if prepared.staging_key is not None else None
         )

@@ -36,6 +36,7 @@ from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
 from megatron_async.integrity.verify import verify_checkpoint_integrity
 from tests.unit.integrity.test_checksums import _tensor_item
+from tests.unit.writer.test_filesystem_async import _prepare
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +67,7 @@ def _tensor(shape, dtype) -> torch.Tensor:
 
 
 def _forget_archive_layout():
-    _tensor_archive._get_layout.cache_clear()
+    _tensor_archive._frames_usable.cache_clear()
     _tensor_archive._frame.cache_clear()
 
 
@@ -74,8 +75,7 @@ def _forget_archive_layout():
 def torch_save_without_crc():
     """``torch.save`` with CRC-32 off in this test process (restored afterwards).
 
-    The archive layout is learnt again under it, so that the copied serialization id is
-    the one ``torch.save`` writes without CRCs.
+    The frames are made again under it, without CRCs as well.
     """
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -180,10 +180,10 @@ def test_every_item_loads_back_alone_and_its_checksum_covers_its_bytes(tmp_path)
         assert torch.equal(loaded, tensors[result.index.fqn]), result.index.fqn
 
 
-def test_without_a_known_archive_layout_every_item_goes_through_torch_save(tmp_path, monkeypatch, request):
-    monkeypatch.setattr(_tensor_archive, "_probe_layout", lambda: None)
+def test_without_usable_frames_every_item_goes_through_torch_save(tmp_path, monkeypatch, request):
     _forget_archive_layout()
-    request.addfinalizer(_forget_archive_layout)  # before the probe is restored: learnt anew
+    monkeypatch.setattr(_tensor_archive, "_frames_usable", lambda: False)
+    request.addfinalizer(_tensor_archive._frame.cache_clear)  # none of its None frames stay
     tensors = {"a": torch.randn(7, 3), "b": torch.arange(10, dtype=torch.int64)}
     bucket = _bucket(tmp_path / "f.distcp", tensors)
     results = write_bucket(_StorageWriterTransforms(), bucket, True)
@@ -300,3 +300,38 @@ def test_a_full_disk_reaches_the_trainer_as_a_storage_write_error(tmp_path):
     exc, _ = writer.retrieve_write_results()  # DCP's wrapped exception, returned
     assert isinstance(exc, StorageWriteError) and "No space left" in str(exc)
     assert isinstance(exc.failure.exception(), OSError)
+
+
+def test_a_forked_writer_inherits_the_frames_the_trainer_made(tmp_path, request):
+    """The temporal caller's writer is a fresh fork per save: it must find every frame (and
+    the probe's verdict) made by the trainer's prepare step, not build them itself."""
+    _forget_archive_layout()
+    request.addfinalizer(_forget_archive_layout)
+    state_dict = {
+        "w": torch.randn(48, 40), "b": torch.arange(40, dtype=torch.int64), "h": torch.randn(5, 3, 2),
+    }
+    writer = FileSystemWriterAsync(str(tmp_path))
+    metadata = _prepare(writer, state_dict)  # the trainer's prepare step makes the frames
+    assert _tensor_archive._frame.cache_info().currsize == len(state_dict)
+    save_fn, preload_fn, args = writer.get_save_function_and_args()
+    staged = preload_fn()
+    pid = os.fork()
+    if pid == 0:  # the forked writer: torch.save is not there, every item must be framed
+        code = 1
+        try:
+            def no_torch_save(*_args, **_kwargs):
+                raise AssertionError("torch.save called in the forked writer")
+
+            torch.save = no_torch_save
+            misses = _tensor_archive._frame.cache_info().misses
+            save_fn(args[0], staged, args[2])
+            code = 0 if _tensor_archive._frame.cache_info().misses == misses else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    writer.finish(metadata, [writer.retrieve_write_results()])
+    out = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    for key, tensor in state_dict.items():
+        assert torch.equal(out[key], tensor), key
