@@ -14,11 +14,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import faulthandler
 import logging
+import os
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron_async.core import coordination, stack_dump
+from megatron_async.core import coordination
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.process_lifetime import abort_at_exit
 from megatron_async.core.request import (
@@ -28,7 +31,7 @@ from megatron_async.errors import (
     AsyncSaveFailedError, AsyncTimeoutError, CoordinationError, RankFailure,
 )
 
-__all__ = ["CallState", "CallStatus", "AsyncCaller", "STARTED", "run_call"]
+__all__ = ["CallState", "CallStatus", "AsyncCaller", "STARTED", "run_call", "stacks_due"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +39,46 @@ STARTED = "started"
 """A background process's first message: it runs (``fork_start_timeout_s`` is over)."""
 
 
+def stacks_due(since: float, timeout_s: float) -> float:
+    """When :func:`run_call` writes the stacks of a call that times out ``timeout_s`` after
+    ``since`` (``time.monotonic()``, alike in every process): the smaller of 10 s and 5 %
+    of ``timeout_s`` before, so that they are out before the trainer kills the writer."""
+    return since + timeout_s - min(10.0, 0.05 * timeout_s)
+
+
 def run_call(
-    rank: int, call_idx: int, fn: Callable[..., Any], args, kwargs
+    rank: int, call_idx: int, fn: Callable[..., Any], args, kwargs, due: float
 ) -> Tuple[int, Optional[RankFailure]]:
     """Run ``fn(*args, **kwargs)`` and return the message that says how call ``call_idx``
-    ended: ``(call_idx, None)``, or ``(call_idx, the failure)`` (background side)."""
+    ended: ``(call_idx, None)``, or ``(call_idx, the failure)`` (background side).
+
+    If the call still runs at ``due`` (:func:`stacks_due`), every thread's stack goes to
+    this process's stderr, which is the trainer's (the job's log). A timer thread writes
+    them: it runs while the writer waits in a system call (a hung NFS server releases the
+    interpreter lock), not while a thread holds the lock. Not faulthandler's own timer:
+    in a fork of a process that armed it, arming it deadlocks.
+    """
+    timer = threading.Timer(max(0.0, due - time.monotonic()), _dump_stacks, (rank, call_idx))
+    timer.daemon = True
+    timer.start()
     try:
         fn(*args, **kwargs)
     except BaseException as exc:  # reported: the trainer raises it on every rank
         logger.error("rank %d worker: async call %d failed while writing: %s", rank, call_idx, exc)
         return call_idx, RankFailure.from_exception(rank, "write", exc)
+    finally:
+        timer.cancel()
     return call_idx, None
+
+
+def _dump_stacks(rank: int, call_idx: int) -> None:
+    """Write every thread's stack to stderr (the timer thread of :func:`run_call`)."""
+    try:
+        os.write(2, f"rank {rank}: async call {call_idx} is about to time out in pid "
+                    f"{os.getpid()}; its threads, most recent call first:\n".encode())
+        faulthandler.dump_traceback(file=2, all_threads=True)
+    except (OSError, ValueError):
+        pass
 
 
 class CallState(enum.Enum):
@@ -173,16 +205,14 @@ class AsyncCaller(abc.ABC):
         logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
         self._statuses[call_idx] = CallStatus.failed(RankFailure.from_exception(rank, phase, exc))
 
-    def _overran(self, call_idx: int, pid: Optional[int], stack_file: Any) -> AsyncTimeoutError:
-        """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``. Asks
-        the writer for its stacks (:mod:`~megatron_async.core.stack_dump`): call it before
-        the kill."""
+    def _overran(self, call_idx: int, pid: Optional[int]) -> AsyncTimeoutError:
+        """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``."""
         rank = coordination.get_rank()
         return AsyncTimeoutError(
             f"rank {rank}: async call {call_idx} ran longer than timeout_s="
             f"{self.config.timeout_s:.0f}s in background process {pid}, which was killed; "
-            "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s"
-            + stack_dump.timeout_note(rank, pid, stack_file)
+            "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s; "
+            f"the writer's stacks, written just before, are in rank {rank}'s stderr"
         )
 
     def _never_started(self, pid: Optional[int]) -> AsyncTimeoutError:

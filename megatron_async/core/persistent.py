@@ -186,8 +186,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if pid is not None and not self._started and now - self._started_at > self.config.fork_start_timeout_s:
             self._kill_worker("timeout", self._never_started(pid))
         elif now - self._sent_at[call_idx] > self.config.timeout_s:
-            self._kill_worker("timeout", self._overran(
-                call_idx, pid, self.process and self.process.stack_file))
+            self._kill_worker("timeout", self._overran(call_idx, pid))
         return self._statuses[call_idx]
 
     def _kill_worker(self, phase: str, exc: Exception) -> None:

@@ -11,9 +11,9 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 import torch.multiprocessing as mp
 
-from megatron_async.core import coordination, stack_dump
+from megatron_async.core import coordination
 from megatron_async.core.process_lifetime import describe_exit, enter_background, kill_and_reap
-from megatron_async.core.caller import STARTED, AsyncCaller, CallStatus, run_call
+from megatron_async.core.caller import STARTED, AsyncCaller, CallStatus, run_call, stacks_due
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.core.request import AsyncRequest, release_staged_data
@@ -32,13 +32,12 @@ def _synchronize_cuda_if_used() -> None:
 
 
 def _run_forked_call(
-    result_conn, rank: int, parent_pid: int, nice_increment: int, stack_file, fn,
+    result_conn, rank: int, parent_pid: int, nice_increment: int, due: float, fn,
     args: Sequence[Any], kwargs, call_idx: int,
 ):
     """Body of the forked child (background side): run ``fn`` and report how it ended."""
     enter_background(parent_pid, nice_increment)
     result_conn.send(STARTED)  # the fork did not hang (AsyncCallerConfig.fork_start_timeout_s)
-    stack_dump.arm(stack_file)
     # The child shares the trainer's heap copy-on-write, including tensor objects whose
     # storage (CUDA memory, pinned buffers, shared memory) belongs to the trainer. A
     # garbage collection here could run their destructors: freeing CUDA memory from a
@@ -46,7 +45,7 @@ def _run_forked_call(
     # copies them. Nothing the child allocates needs cycle collection before it exits.
     gc.disable()
     try:
-        result_conn.send(run_call(rank, call_idx, fn, args, kwargs))
+        result_conn.send(run_call(rank, call_idx, fn, args, kwargs, due))
     finally:
         result_conn.close()
 
@@ -69,7 +68,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self._result_conn = None
         self._forked_at = 0.0
         self._staged: Any = None
-        self._stack_file = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if self.process is not None:
@@ -79,15 +77,14 @@ class TemporalAsyncCaller(AsyncCaller):
     def _start(self, async_req: AsyncRequest, args: Tuple[Any, ...], staged: Any) -> int:
         """Fork the child that runs ``async_fn``; it inherits the staged snapshot."""
         _synchronize_cuda_if_used()
-        stack_file = stack_dump.new_file()  # where the child puts its stacks if it times out
         ctx = mp.get_context("fork")
         result_conn, child_conn = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=_run_forked_call,
             args=(
                 child_conn, coordination.get_rank(), os.getpid(), self.config.writer_nice_increment,
-                stack_file, async_req.async_fn, args, async_req.async_fn_kwargs or {},
-                async_req.call_idx,
+                stacks_due(time.monotonic(), self.config.timeout_s), async_req.async_fn, args,
+                async_req.async_fn_kwargs or {}, async_req.call_idx,
             ),
             name=f"megatron-async-save-{async_req.call_idx}",
             daemon=False,  # a daemon could not start the writer's own I/O processes
@@ -96,7 +93,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._forked_at = time.monotonic()
         child_conn.close()
         self.process, self._result_conn = process, result_conn
-        self._stack_file, self._staged = stack_file, staged
+        self._staged = staged
         return process.pid
 
     def _abandon(self, call_idx: int) -> None:
@@ -120,11 +117,9 @@ class TemporalAsyncCaller(AsyncCaller):
             exc = self._never_started(self.process.pid)
             status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
         elif time.monotonic() - self._forked_at > self.config.timeout_s:
-            exc = self._overran(call_idx, self.process.pid, self._stack_file)
+            exc = self._overran(call_idx, self.process.pid)
             kill_and_reap(self.process)
             status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        if status.is_terminal:
-            self._stack_file = None  # the child is done: no stacks to ask for
         self._statuses[call_idx] = status
         return status
 

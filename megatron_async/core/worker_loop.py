@@ -27,14 +27,15 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron_async.core import request_transport, shared_memory, stack_dump
-from megatron_async.core.caller import STARTED, run_call
+from megatron_async.core import request_transport, shared_memory
+from megatron_async.core.caller import STARTED, run_call, stacks_due
 from megatron_async.core.process_lifetime import enter_background
 from megatron_async.core.request_transport import EncodedRequest
 from megatron_async.errors import CoordinationError, RankFailure
@@ -157,7 +158,7 @@ def run_child(options: Dict[str, Any], ranges: Sequence[Tuple[int, int]]) -> Non
             ``rank`` (the trainer's global rank, for messages), ``parent_pid`` (the worker
             dies with the trainer, and opens its descriptors through ``/proc/<parent_pid>``),
             ``nice_increment``, the inherited descriptor ``control_fd`` (requests in,
-            results out), and ``stack_file`` (see :mod:`~megatron_async.core.stack_dump`).
+            results out), and ``timeout_s`` (each call's, for :func:`~megatron_async.core.caller.stacks_due`).
         ranges: the trainer's tensor pages to release
             (:func:`~megatron_async.core.worker_process.trainer_tensor_pages`).
     """
@@ -168,14 +169,12 @@ def run_child(options: Dict[str, Any], ranges: Sequence[Tuple[int, int]]) -> Non
         gc.freeze()  # the inherited objects: never walked (copied) by this process's collector
         gc.enable()  # the trainer disabled it around the fork
         keep = {0, 1, 2, options["control_fd"]} | _output_stream_fds()
-        if options["stack_file"] is not None:
-            keep.add(options["stack_file"].fileno())
         retire_inherited_descriptors(keep)
         release_inherited_pages(ranges)
         release_inherited_segments()
         torch.set_num_threads(1)
-        stack_dump.arm(options["stack_file"])
-        _serve(options["rank"], Connection(options["control_fd"]), SegmentTable(options["parent_pid"]))
+        table = SegmentTable(options["parent_pid"])
+        _serve(options["rank"], Connection(options["control_fd"]), table, options["timeout_s"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -202,17 +201,19 @@ def _write_loop(rank: int, jobs: "queue.Queue", report: Callable, table: "Segmen
         job = jobs.get()
         if job is None:
             return
-        call_idx, request, call_segments = job
+        call_idx, request, call_segments, due = job
         outcome = run_call(
-            rank, call_idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs or {}
+            rank, call_idx, request.async_fn, request.async_fn_args, request.async_fn_kwargs or {},
+            due,
         )
         del job, request  # the call's staged data, before the trainer frees it
         table.drop(call_segments)
         report(outcome)
 
 
-def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
-    """Take requests and hand them to the writer thread until ``STOP``."""
+def _serve(rank: int, control: Connection, table: "SegmentTable", timeout_s: float) -> None:
+    """Take requests and hand them to the writer thread until ``STOP``; each call's
+    ``timeout_s`` counts from its arrival here, as the trainer's from its sending."""
     lock = threading.Lock()  # both threads report
 
     def report(message) -> None:
@@ -227,6 +228,7 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
     while True:
         try:
             message = control.recv()  # a trainer that dies kills this process (enter_background)
+            due = stacks_due(time.monotonic(), timeout_s)
         except (EOFError, OSError):
             logger.warning("rank %d worker: the trainer closed the connection; exiting", rank)
             os._exit(1)
@@ -246,7 +248,7 @@ def _serve(rank: int, control: Connection, table: "SegmentTable") -> None:
             jobs.put(None)
             writer.join()
             os._exit(1)
-        jobs.put((call_idx, request, encoded.call_segments))
+        jobs.put((call_idx, request, encoded.call_segments, due))
         del request, encoded
 
 

@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_async.core import stack_dump, worker_loop
+from megatron_async.core import worker_loop
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.core.helper_threads import HelperThreads
 from megatron_async.core.request_transport import RequestSender
@@ -154,10 +154,8 @@ class WorkerProcess:
     hook of ``multiprocessing`` joins it.
     """
 
-    def __init__(self, pid: int, control: Connection, stack_file, rank: int):
+    def __init__(self, pid: int, control: Connection, rank: int):
         self.pid = pid
-        self.stack_file = stack_file
-        """Where the worker writes its stacks when asked (:mod:`~megatron_async.core.stack_dump`)."""
         self._returncode: Optional[int] = None
         self.control = control
         """Receives the worker's messages (``poll``/``recv``); send with :meth:`send`."""
@@ -245,7 +243,7 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         "parent_pid": os.getpid(),
         "control_fd": worker_control.fileno(),
         "nice_increment": config.writer_nice_increment,
-        "stack_file": stack_dump.new_file(),
+        "timeout_s": config.timeout_s,
     }
     try:
         pid = fork_worker(options)
@@ -260,4 +258,4 @@ def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:
         raise
     finally:
         worker_control.close()  # the worker has its own copy now
-    return WorkerProcess(pid, Connection(control.detach()), options["stack_file"], rank)
+    return WorkerProcess(pid, Connection(control.detach()), rank)
