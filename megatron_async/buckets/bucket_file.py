@@ -132,7 +132,8 @@ class OpenedBucketFile(BucketFile):
     """A bucket's file opened by a caller-given ``open_file`` (custom I/O).
 
     Every chunk goes to the stream ``open_file(path, "wb")`` returned; ``fsync`` applies
-    only when the stream has a real file descriptor.
+    only when the stream has a real file descriptor. The chunk is refilled as soon as
+    ``write`` returns (Python's I/O contract): a stream must not keep the view it is given.
     """
 
     def __init__(self, path: str, hashing: bool, open_file: Callable[..., Any]):

@@ -166,7 +166,8 @@ class AsyncCaller(abc.ABC):
             self._record_failure(idx, "schedule", exc)
             return
         except BaseException:  # an interrupt: its writer may have the request already
-            self._abandon(idx)
+            self._abandon(idx)  # killed: nothing reads the staged data, which is freed
+            release_staged_data(staged)  # (also where no writer took it: not leaked)
             raise
         self._statuses[idx] = CallStatus.running()
         try:

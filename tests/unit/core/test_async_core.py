@@ -322,6 +322,45 @@ def test_an_interrupt_just_after_the_request_reached_the_worker_kills_the_worker
     assert (tmp_path / "after").read_text() == "ok" and not (tmp_path / "x").exists()
 
 
+class _StagedCounting:
+    """Staged data that counts its releases (our StagedData ends its staging-memory loan there)."""
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+@pytest.mark.parametrize("persistent", CALLER_KINDS)
+def test_an_interrupt_before_any_writer_took_the_staged_data_frees_it(
+        make_queue, tmp_path, monkeypatch, persistent):
+    """Ctrl-C while the request is encoded for the worker or before the writer is forked:
+    no writer will ever read the staged data, so it is released (a save whose staging
+    memory stayed lent would make every later save of the process wait for it, then fail)."""
+    from megatron_async.core import temporal
+    from megatron_async.core.request_transport import RequestSender
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    queue = make_queue(persistent)
+    if persistent:
+        monkeypatch.setattr(RequestSender, "encode", interrupted)
+    else:
+        monkeypatch.setattr(temporal, "_synchronize_cuda_if_used", interrupted)
+    staged = _StagedCounting()
+    with pytest.raises(KeyboardInterrupt):
+        queue.schedule_async_request(
+            _request(fns.sleep_then_write, tmp_path / "x", 30.0, preload_fn=lambda: staged))
+    assert staged.released >= 1
+    assert queue.get_num_unfinalized_calls() == 0
+    monkeypatch.undo()  # the next save gets a writer and succeeds
+    queue.schedule_async_request(_request(fns.write_text, tmp_path / "after", "ok"))
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert (tmp_path / "after").read_text() == "ok" and not (tmp_path / "x").exists()
+
+
 def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, due, fn, args, kwargs,
                                   call_idx):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""
