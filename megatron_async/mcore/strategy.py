@@ -326,11 +326,11 @@ class SaveFinalizer:
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
         writer, report = self._prepared[0], self._change_report
-        stats = writer.staging_stats  # filled by the save's staging
+        stats = writer.staging_stats  # filled by the save's staging (empty if it failed first)
         return SaveDetails(
-            self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
-            report.summary() if report is not None else None,
-            stats.get("peak_bytes"), stats.get("rounds"),
+            self._claim.directory, writer.bytes_written or 0, stats.get("peak_bytes", 0),
+            stats.get("rounds", 0), self._plan_s, writer.write_elapsed_s,
+            report.summary() if report is not None else "",
         )
 
 
