@@ -40,13 +40,11 @@ class _SaveReport:
 
     def save_details(self) -> SaveDetails:
         try:
-            size: Optional[int] = self._path.stat().st_size
-        except OSError:
-            size = None
-        return SaveDetails(
-            str(self._path), 0.0, None, size, None,
-            self._stats.get("peak_bytes"), self._stats.get("rounds"),
-        )
+            size = self._path.stat().st_size
+        except OSError:  # a failed save is only named (the error's headline); no file then
+            size = 0
+        stats = self._stats
+        return SaveDetails(str(self._path), size, stats.get("peak_bytes", 0), stats.get("rounds", 0))
 
 
 class TorchAsyncCheckpoint:

@@ -35,21 +35,22 @@ def log_finalized_save(
     call_idx: int, schedule_s: float, finalize_s: float, details: Optional[SaveDetails]
 ) -> None:
     """Log the INFO line of one finalized save: the stall (planning + ``schedule_s``, the
-    staging), the background write and its rate, and ``finalize_s`` (every rank). What a
-    request's :class:`SaveDetails` does not know (megatron-core's requests have none) is
-    left out."""
-    if not logger.isEnabledFor(logging.INFO):
+    staging), the bytes written (with the background write's time and rate where the
+    writer measured it), the staging peak, and ``finalize_s`` (every rank). A request
+    without :class:`SaveDetails` (megatron-core's own) cannot name its save: no line."""
+    if details is None or not logger.isEnabledFor(logging.INFO):
         return
-    d = details or SaveDetails("checkpoint not named", 0.0, None, None)
-    parts = [f"stall {d.plan_s + schedule_s:.3f}s (plan {d.plan_s:.3f}s + staging {schedule_s:.3f}s)"]
+    d = details
+    written = f"{d.num_bytes} bytes"
     if d.write_s is not None:
-        parts.append(f"background write {d.write_s:.3f}s")
-    if d.num_bytes is not None:
-        rate = f" at {d.num_bytes / d.write_s / 1e9:.2f} GB/s" if d.write_s else ""
-        parts.append(f"{d.num_bytes} bytes{rate}")
-    if d.staging_bytes is not None:
-        parts.append(f"staging peak {d.staging_bytes} bytes in {d.staging_rounds} round(s)")
-    parts.append(f"finalize {finalize_s:.3f}s")
+        rate = d.num_bytes / max(d.write_s, 1e-9) / 1e9
+        written = f"background write {d.write_s:.3f}s, {written} at {rate:.2f} GB/s"
+    parts = [
+        f"stall {d.plan_s + schedule_s:.3f}s (plan {d.plan_s:.3f}s + staging {schedule_s:.3f}s)",
+        written,
+        f"staging peak {d.staging_bytes} bytes in {d.staging_rounds} round(s)",
+        f"finalize {finalize_s:.3f}s",
+    ]
     if d.changes:
         parts.append(d.changes)
     logger.info(

@@ -64,26 +64,27 @@ def adapt_finalize_fn(fn: Callable[[], Any]) -> Callable[[], Any]:
 class SaveDetails:
     """What the commit step of a save knows about it, for the queue's INFO line (trainer
     side, one rank). A finalize function provides it through a ``save_details()`` method
-    (our strategy's commit, :class:`~megatron_async.TorchAsyncCheckpoint`'s); requests
-    without one get the line with what the queue itself measured.
+    (our strategy's commit, :class:`~megatron_async.TorchAsyncCheckpoint`'s); a request
+    without one gets no line.
 
     Attributes:
-        plan_s: time the trainer spent planning (the first part of the stall).
-        write_s: time the background write took, as the writer measured it.
         num_bytes: bytes this rank wrote.
-        changes: on the coordinator, how many items changed since the previous save.
         staging_bytes: the most staging memory the save held (its pool when staged in
             rounds, else its state).
         staging_rounds: how many rounds the state was staged in (1: in one go).
+        plan_s: time the trainer spent planning (the first part of the stall).
+        write_s: time the background write took, where the writer measures it (our
+            strategy's writer, on a rank that wrote something).
+        changes: on the coordinator, how many items changed since the previous save.
     """
 
     checkpoint: str
-    plan_s: float
-    write_s: Optional[float]
-    num_bytes: Optional[int]
-    changes: Optional[str] = None
-    staging_bytes: Optional[int] = None
-    staging_rounds: Optional[int] = None
+    num_bytes: int
+    staging_bytes: int
+    staging_rounds: int
+    plan_s: float = 0.0
+    write_s: Optional[float] = None
+    changes: str = ""
 
 
 class AsyncRequest(NamedTuple):
@@ -160,15 +161,11 @@ class AsyncRequest(NamedTuple):
 
     def save_details(self) -> Optional[SaveDetails]:
         """The details a finalize function provides through a ``save_details()`` method;
-        None when none does, or when it cannot (a failed save may leave them incomplete)."""
+        None when none does."""
         for fn in self.finalize_fns:
             provide = getattr(fn, "save_details", None)
             if callable(provide):
-                try:
-                    return provide()
-                except Exception:  # only the log line loses them
-                    logger.debug("cannot describe the save of %r", fn, exc_info=True)
-                    return None
+                return provide()
         return None
 
     def execute_sync(self) -> None:

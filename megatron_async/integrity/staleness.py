@@ -15,18 +15,12 @@ import dataclasses
 import logging
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_async.errors import CheckpointValidationError
-
-__all__ = ["ChangeReport", "StaleCheckpointError", "digests_of", "judge_staleness"]
+__all__ = ["ChangeReport", "digests_of", "judge_staleness"]
 
 logger = logging.getLogger(__name__)
 
 ItemKey = Tuple[str, Optional[Tuple[int, ...]]]
 """An item of a checkpoint: its fully qualified name and its chunk offsets."""
-
-
-class StaleCheckpointError(CheckpointValidationError):
-    """Every item of a save equals the previous save's (with ``fail_on_stale``)."""
 
 
 def digests_of(results: Iterable[Any]) -> List[Tuple[ItemKey, str]]:
@@ -83,8 +77,8 @@ class ChangeReport:
         return f"{self.changed} of {self.items} items changed since the previous save"
 
 
-def judge_staleness(checkpoint: str, report: ChangeReport, fail_on_stale: bool, warn: bool = True) -> None:
-    """Apply the policy to a job-wide report (every rank, the same decision everywhere).
+def judge_staleness(checkpoint: str, report: ChangeReport) -> None:
+    """Log a WARNING when a job-wide report says nothing changed (the coordinator).
 
     A save into the same checkpoint as the previous one (an overwrite) is compared
     but never called stale.
@@ -92,12 +86,6 @@ def judge_staleness(checkpoint: str, report: ChangeReport, fail_on_stale: bool, 
     Args:
         checkpoint: the checkpoint being committed.
         report: the comparison of the whole job's items.
-        fail_on_stale: raise instead of warning.
-        warn: log the WARNING (the coordinator; the other ranks stay quiet).
-
-    Raises:
-        StaleCheckpointError: with ``fail_on_stale``, when nothing changed; the save is
-            then not committed, and the previous save stays the one compared with.
     """
     if not report.is_stale or report.previous_checkpoint == checkpoint:
         return
@@ -108,7 +96,4 @@ def judge_staleness(checkpoint: str, report: ChangeReport, fail_on_stale: bool, 
         "keeps serving an old buffer); compare the model's live parameters with "
         "the saved ones before relying on this checkpoint."
     )
-    if fail_on_stale:
-        raise StaleCheckpointError(message)
-    if warn:
-        logger.warning(message)
+    logger.warning(message)

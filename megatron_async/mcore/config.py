@@ -53,11 +53,6 @@ class TorchDistSaveConfig(WriteOptions):
     """A directory that holds a complete checkpoint is overwritten (its completion markers
     removed first, with a warning); False refuses it with a CheckpointValidationError."""
 
-    fail_on_stale_checkpoint: bool = False
-    """With ``checksums``, the coordinator logs a WARNING when no item's digest changed
-    since this strategy's previous save (docs/failures.md, "Stale checkpoints"); True
-    fails that save instead (no ``.metadata``)."""
-
     @functools.cached_property
     def write_options(self) -> WriteOptions:
         """The options of this config's storage writers (every rank; one object per config,

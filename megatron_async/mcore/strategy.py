@@ -261,9 +261,7 @@ class TorchDistAsyncSaveStrategy(generation.StrategyBase):
     def _request(self, prepared: PreparedSave, claim: Claim, plan_s: float) -> AsyncRequest:
         """Wrap a prepared save into the request that writes and then commits it."""
         save_fn, preload_fn, save_args = prepared[0].get_save_function_and_args()
-        finalizer = SaveFinalizer(
-            prepared, claim, plan_s, self.previous_save, self.config.fail_on_stale_checkpoint
-        )
+        finalizer = SaveFinalizer(prepared, claim, plan_s, self.previous_save)
         claim.release_when_dropped(finalizer)  # a request dropped unfinalized frees its directory
         return AsyncRequest(
             save_fn, tuple(save_args or ()), FinalizeFnList([finalizer]), preload_fn=preload_fn
@@ -287,25 +285,22 @@ class SaveFinalizer:
         claim: the save's claim on its directory, released when the save is over.
         plan_s: how long planning took.
         previous_save: the strategy's record of its previous committed save.
-        fail_on_stale: the save's ``fail_on_stale_checkpoint``.
     """
 
     def __init__(
-        self, prepared: PreparedSave, claim: Claim, plan_s: float,
-        previous_save: PreviousSave, fail_on_stale: bool,
+        self, prepared: PreparedSave, claim: Claim, plan_s: float, previous_save: PreviousSave
     ):
         self._prepared = prepared
         self._claim = claim
         self._plan_s = plan_s
         self._previous_save = previous_save
-        self._fail_on_stale = fail_on_stale
         self._change_report: Optional[ChangeReport] = None
         self._scheduled = False
 
     def __call__(self) -> None:
         try:
             self._change_report = save_state_dict_async_finalize(
-                *self._prepared, previous_save=self._previous_save, fail_on_stale=self._fail_on_stale
+                *self._prepared, previous_save=self._previous_save
             )
         finally:
             self.abandon()
@@ -331,11 +326,11 @@ class SaveFinalizer:
     def save_details(self) -> SaveDetails:
         """What this save cost on this rank (for the queue's INFO line)."""
         writer, report = self._prepared[0], self._change_report
-        stats = writer.staging_stats  # filled by the save's staging
+        stats = writer.staging_stats  # filled by the save's staging (empty if it failed first)
         return SaveDetails(
-            self._claim.directory, self._plan_s, writer.write_elapsed_s, writer.bytes_written,
-            report.summary() if report is not None else None,
-            stats.get("peak_bytes"), stats.get("rounds"),
+            self._claim.directory, writer.bytes_written or 0, stats.get("peak_bytes", 0),
+            stats.get("rounds", 0), self._plan_s, writer.write_elapsed_s,
+            report.summary() if report is not None else "",
         )
 
 

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from megatron_async.core import coordination
-from megatron_async.errors import AsyncSaveFailedError, CheckpointValidationError, RankFailure
+from megatron_async.errors import CheckpointValidationError, RankFailure
 from megatron_async.integrity.staleness import (
-    ChangeReport, StaleCheckpointError, digests_of, judge_staleness,
+    ChangeReport, digests_of, judge_staleness,
 )
 from megatron_async.writer.commit import StorageLayout, commit_unchanged, storage_layout
 from megatron_async.writer.metadata_bytes import MetadataTemplate
@@ -112,7 +112,6 @@ def save_state_dict_async_finalize(
     dist_wrapper: _DistWrapper,
     *,
     previous_save: Optional[PreviousSave] = None,
-    fail_on_stale: bool = False,
 ) -> Optional[ChangeReport]:
     """Commit the save once the background write is done on every rank (every rank).
 
@@ -122,7 +121,6 @@ def save_state_dict_async_finalize(
             strategy keeps one), which enables the warm path and the stale-checkpoint
             comparison; without it every finalization gathers the write results and
             nothing is compared.
-        fail_on_stale: fail a save none of whose items changed, instead of warning.
 
     Returns:
         On the coordinator, what changed since the previous save when there is a
@@ -130,9 +128,8 @@ def save_state_dict_async_finalize(
         returns nothing).
 
     Raises:
-        AsyncSaveFailedError: on every rank, when the write failed on any rank, the save
-            is stale under ``fail_on_stale``, or the coordinator could not write the
-            metadata. No ``.metadata`` is written then.
+        AsyncSaveFailedError: on every rank, when the write failed on any rank or the
+            coordinator could not write the metadata. No ``.metadata`` is written then.
     """
     checkpoint = str(storage_writer.checkpoint_id)
     group = dist_wrapper.group
@@ -153,7 +150,7 @@ def save_state_dict_async_finalize(
     summed = coordination.agree(
         failure, coordination.save_failed(checkpoint), [int(moved), 1, *comparison.counts()], group
     )
-    report = _judge_staleness(previous, fail_on_stale, summed, comparison, checkpoint, dist_wrapper)
+    report = _judge_staleness(previous, summed, comparison, checkpoint) if is_coordinator else None
 
     start = time.monotonic()
     warm = not summed[_MOVED]
@@ -184,23 +181,17 @@ def save_state_dict_async_finalize(
             checkpoint, digests, layout, global_metadata, committed if is_coordinator else None
         )
         previous.last = kept._replace(checkpoint=checkpoint, digests=digests)
-    return report if is_coordinator else None
+    return report
 
 
 def _judge_staleness(
     previous: Optional[PreviousSave],
-    fail_on_stale: bool,
     summed: List[int],
     comparison: ChangeReport,
     checkpoint: str,
-    dist_wrapper: _DistWrapper,
 ) -> Optional[ChangeReport]:
-    """The job-wide comparison with the previous save, judged the same way on every rank.
-
-    Raises:
-        AsyncSaveFailedError: on every rank, a stale save under ``fail_on_stale``; it is
-            recorded as the coordinator's failure, as that rank decides what is committed.
-    """
+    """The job-wide comparison with the previous save, with its WARNING when nothing
+    changed (the coordinator)."""
     if previous is None:
         return None
     report = ChangeReport.from_counts(
@@ -208,12 +199,5 @@ def _judge_staleness(
     )
     if report.items == 0:
         return None
-    try:
-        judge_staleness(checkpoint, report, fail_on_stale, warn=dist_wrapper.is_coordinator)
-    except StaleCheckpointError as exc:
-        coordinator = dist_wrapper.coordinator_rank
-        if dist_wrapper.is_coordinator:
-            logger.error("rank %d: %s", coordination.get_rank(), exc)
-        failure = RankFailure.from_exception(coordinator, "finalize", exc)
-        raise AsyncSaveFailedError({coordinator: failure}, checkpoint) from exc
+    judge_staleness(checkpoint, report)
     return report

@@ -16,7 +16,7 @@ the one the loaded checkpoint was saved with. megatron-core stores every rank's 
 local plan for that (``all_local_plans``: at a million items more than half again the
 size of DCP's ``.metadata``); here each rank's plan is a 16-byte digest of what the
 comparison looks at, plain ``bytes`` that stock torch and megatron-core unpickle and
-ignore. Checkpoints that carry ``all_local_plans`` are still compared item by item.
+ignore; a checkpoint without them (megatron-core's own) is planned in full.
 
 The digest is of the items' ``repr`` (fqn, offsets, sizes, tensor properties, global
 size, type): deterministic across processes. A change of its rules changes
@@ -95,20 +95,18 @@ def _item_key(item) -> tuple:
     )
 
 
-def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[Any]]:
-    """What a loaded checkpoint's metadata says of every rank's plan, or None.
-
-    Runs on every rank. Digests (``bytes``) when the checkpoint has them, else the whole
-    plans of ``all_local_plans`` (megatron-core, older versions of this package).
-    """
+def loaded_plans(metadata: Optional[Metadata]) -> Optional[List[bytes]]:
+    """The plan digests a loaded checkpoint's metadata stores, one per rank, or None
+    (every rank)."""
     digests = getattr(metadata, PLAN_DIGESTS_ATTR, None)
     if isinstance(digests, list) and all(isinstance(d, bytes) for d in digests):
         return digests
-    return getattr(metadata, "all_local_plans", None)
+    return None
 
 
 def same_plan(plan: SavePlan, loaded: Any) -> bool:
-    """Whether ``plan`` is the plan that ``loaded`` (a digest or a plan) describes.
+    """Whether ``plan`` is the plan that ``loaded`` (a loaded digest or a cached plan)
+    describes.
 
     Plans are compared on every field but the storage data; the index hints are left
     out of digests (``MetadataIndex`` equality ignores them too).
@@ -125,7 +123,7 @@ def same_plan(plan: SavePlan, loaded: Any) -> bool:
 
 
 def verify_global_md_reuse(
-    loaded_all_plans: Optional[Sequence[SavePlan]],
+    loaded_all_plans: Optional[Sequence[bytes]],
     local_plan: SavePlan,
     rank: int,
     dist_wrapper: _DistWrapper,
@@ -137,9 +135,7 @@ def verify_global_md_reuse(
     the same size and its own entry equals ``local_plan`` apart from the storage data.
 
     Args:
-        loaded_all_plans: what the loaded metadata says of every rank's plan
-            (:func:`loaded_plans`: digests, or the ``all_local_plans`` of older
-            checkpoints), or None.
+        loaded_all_plans: the loaded metadata's plan digests (:func:`loaded_plans`), or None.
         local_plan: this rank's fresh local plan.
         rank: this rank's index in the planning group.
         dist_wrapper: the planning wrapper.
@@ -147,15 +143,11 @@ def verify_global_md_reuse(
     Returns:
         True on every rank if every rank agrees, else False on every rank.
     """
-    try:
-        local_ok = (
-            bool(loaded_all_plans)
-            and len(loaded_all_plans) == dist_wrapper.get_world_size()
-            and same_plan(local_plan, loaded_all_plans[rank])
-        )
-    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
-        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
-        local_ok = False
+    local_ok = (
+        bool(loaded_all_plans)
+        and len(loaded_all_plans) == dist_wrapper.get_world_size()
+        and same_plan(local_plan, loaded_all_plans[rank])
+    )
     if not local_ok and loaded_all_plans:
         logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
     (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)
@@ -184,17 +176,15 @@ class CheckpointMetadataCache:
         self.validated_loaded_metadata_reuse = False
 
     @property
-    def loaded_all_plans(self) -> Optional[List[Any]]:
-        """What the cached metadata says of every rank's local plan (digests or plans, see
-        :func:`loaded_plans`), or None."""
+    def loaded_all_plans(self) -> Optional[List[bytes]]:
+        """The plan digests of the cached metadata (:func:`loaded_plans`), or None."""
         return loaded_plans(self.cached_global_metadata)
 
     def set_cached_global_metadata(self, cached_global_metadata: Optional[Metadata]) -> None:
         """Seed the cache with a loaded checkpoint's metadata (every rank).
 
-        Its plan digests (written by our saver) or ``all_local_plans`` (megatron-core's,
-        older versions of ours) let the first save of a resumed job skip the plan
-        gather when every rank's plan matches. Cached plans are dropped: they were made
+        Its plan digests (written by our saver) let the first save of a resumed job skip
+        the plan gather when every rank's plan matches. Cached plans are dropped: they were made
         with another metadata, which this one may not describe.
         """
         self.cached_global_metadata = cached_global_metadata
@@ -202,7 +192,7 @@ class CheckpointMetadataCache:
 
     def get_cache_metadata(
         self,
-    ) -> Tuple[Optional[SavePlan], Optional[SavePlan], bool, Optional[List[Any]]]:
+    ) -> Tuple[Optional[SavePlan], Optional[SavePlan], bool, Optional[List[bytes]]]:
         """Return ``(central plan, local plan, validated_cache_reuse, loaded_all_plans)``."""
         return (
             self.cached_central_plan,

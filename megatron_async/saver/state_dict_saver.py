@@ -94,7 +94,7 @@ def plan_save(
     coordinator_rank: int = 0,
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
-    loaded_all_plans: Optional[List[SavePlan]] = None,
+    loaded_all_plans: Optional[List[bytes]] = None,
     unmark: bool = True,
 ) -> PlanResult:
     """Plan a save and prepare the writer's buckets (every rank, synchronous).
@@ -107,8 +107,8 @@ def plan_save(
     * *decentralized* (planner and writer both allow it, and the planner's global
       planning is DCP's own, which it replaces): local plans are gathered on the
       coordinator only to build the metadata, and each rank derives its final plan
-      itself. The gather is skipped too when ``loaded_all_plans`` (the plan digests or ``all_local_plans``
-      of a loaded checkpoint's metadata) match every rank's plan;
+      itself. The gather is skipped too when ``loaded_all_plans`` (the plan digests of a
+      loaded checkpoint's metadata) match every rank's plan;
     * *central*: DCP's gather, global plan, scatter.
 
     Args:
@@ -123,7 +123,7 @@ def plan_save(
             megatron-core; unlike there, the one small all-reduce stays, so ranks that
             disagree plan afresh together instead of waiting on each other. Without it,
             reuse is verified against a fresh local plan.
-        loaded_all_plans: local plans stored in a loaded checkpoint's metadata.
+        loaded_all_plans: the plan digests stored in a loaded checkpoint's metadata.
         unmark: remove a complete checkpoint's markers once planned, best effort (the
             reference API); our strategy does it itself, agreed.
 
@@ -207,7 +207,7 @@ def save_state_dict_async_plan(
     coordinator_rank: int = 0,
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
-    loaded_all_plans: Optional[List[SavePlan]] = None,
+    loaded_all_plans: Optional[List[bytes]] = None,
 ):
     """Plan a save and prepare the writer's buckets (every rank, synchronous), in
     megatron-core's convention (see :func:`plan_save` for the arguments and how plans

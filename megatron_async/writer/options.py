@@ -102,11 +102,10 @@ class WriteOptions:
     (see :mod:`megatron_async.staging.budget`)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int):
-            raise CheckpointValidationError(f"thread_count must be an int, got {self.thread_count!r}")
-        if self.thread_count < 1:
+        count = self.thread_count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise CheckpointValidationError(
-                f"thread_count must be >= 1 (files per rank), got {self.thread_count}"
+                f"thread_count must be an int >= 1 (files per rank), got {count!r}"
             )
         if self.separation_hint is not None and (
             not isinstance(self.separation_hint, str)

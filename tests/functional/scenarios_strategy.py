@@ -671,9 +671,8 @@ def _captured_log(name: str, level: int):
 
 def stale_checkpoint_detection(ctx, persistent):
     """The same weights saved again into a new checkpoint warn on the coordinator, naming
-    both checkpoints; changed weights are counted in the per-save INFO line; with
-    ``fail_on_stale_checkpoint`` the stale save fails on every rank, unmarked, and the
-    previous checkpoint still loads."""
+    both checkpoints, and the stale save is still committed; changed weights are counted in
+    the per-save INFO line."""
     queue = _queue(persistent)
     strategy = TorchDistAsyncSaveStrategy()
     strategy.use_cached_ckpt_structure = True
@@ -693,17 +692,6 @@ def stale_checkpoint_detection(ctx, persistent):
         assert "0 of " not in infos[2] and "items changed" in infos[2], infos
     else:
         assert not messages and not any("items changed" in line for line in infos), (messages, infos)
-
-    strict = TorchDistAsyncSaveStrategy(fail_on_stale_checkpoint=True)
-    ok, stale = _dir(ctx, f"stale-strict-{persistent}-0"), _dir(ctx, f"stale-strict-{persistent}-1")
-    _save_async(queue, ctx, ok, strict, 7.0)
-    try:
-        _save_async(queue, ctx, stale, strict, 7.0)
-        raise AssertionError("a stale save with fail_on_stale_checkpoint=True succeeded")
-    except AsyncSaveFailedError as exc:
-        assert "holds exactly the data of the previous save" in str(exc), exc
-    assert not os.path.exists(os.path.join(stale, ".metadata"))
-    _check_checkpoint(ctx, ok, 7.0)
 
 
 def deep_copy_saves_alternately_with_the_original(ctx, persistent):

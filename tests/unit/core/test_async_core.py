@@ -41,7 +41,7 @@ class _Commit:
         self.finalized.append(self.checkpoint)
 
     def save_details(self):
-        return SaveDetails(self.checkpoint, 0.0, None, None)
+        return SaveDetails(self.checkpoint, 0, 0, 0)
 
 
 @pytest.fixture

@@ -2,9 +2,7 @@
 
 import logging
 
-import pytest
-
-from megatron_async.integrity.staleness import ChangeReport, StaleCheckpointError, judge_staleness
+from megatron_async.integrity.staleness import ChangeReport, judge_staleness
 from megatron_async.saver.finalize import CommittedSave, PreviousSave
 
 
@@ -12,12 +10,12 @@ def _digests(**items):
     return [((fqn, (0,)), digest) for fqn, digest in items.items()]
 
 
-def _record(previous, checkpoint, digests, fail_on_stale=False):
+def _record(previous, checkpoint, digests):
     """Compare, judge and keep one save of a job of one rank, as the finalization does."""
     digests = dict(digests)
     comparison = previous.compare(digests)
     report = ChangeReport.from_counts(comparison.counts(), 1, comparison.previous_checkpoint)
-    judge_staleness(checkpoint, report, fail_on_stale)
+    judge_staleness(checkpoint, report)
     previous.last = CommittedSave(checkpoint, digests, None)
     return report
 
@@ -53,11 +51,3 @@ def test_an_overwrite_of_the_same_checkpoint_is_not_stale(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_async.integrity.staleness"):
         _record(history, "/ckpt/iter_1", _digests(a="1"))
     assert not caplog.records
-
-
-def test_fail_on_stale_raises_and_keeps_the_previous_save():
-    history = PreviousSave()
-    _record(history, "/ckpt/iter_1", _digests(a="1"))
-    with pytest.raises(StaleCheckpointError, match="iter_1"):
-        _record(history, "/ckpt/iter_2", _digests(a="1"), fail_on_stale=True)
-    assert _record(history, "/ckpt/iter_3", _digests(a="2")).previous_checkpoint == "/ckpt/iter_1"

@@ -327,8 +327,8 @@ def test_a_resumed_job_skips_the_first_gather_with_the_stored_digests(tmp_path):
     assert resumed.save(3.0) == (1, 0)
 
 
-def test_a_checkpoint_with_whole_plans_still_lets_a_resumed_job_skip_the_gather(tmp_path):
-    # As written by older versions of this package and by megatron-core: all_local_plans.
+def test_a_checkpoint_with_whole_plans_makes_the_resumed_job_gather(tmp_path):
+    # As written by megatron-core: all_local_plans, no digests; planned like a cold save.
     first = _Saver(tmp_path / "first")
     first.save(1.0)
     metadata = _stored_metadata(first, 0)
@@ -336,7 +336,7 @@ def test_a_checkpoint_with_whole_plans_still_lets_a_resumed_job_skip_the_gather(
     metadata.all_local_plans = [first.strategy.plan_cache.plans.cached_local_plan]
     resumed = _Saver(tmp_path / "resumed")
     resumed.strategy.cached_global_metadata = metadata
-    assert resumed.save(2.0) == (0, 0)
+    assert resumed.save(2.0) == (0, 1)
 
 
 def test_a_digest_of_another_plan_makes_the_resumed_job_gather(tmp_path):

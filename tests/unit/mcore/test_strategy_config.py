@@ -72,7 +72,7 @@ def test_megatron_attribute_names_read_and_write_the_config():
 def test_unknown_option_and_bad_values_are_typed_errors():
     with pytest.raises(CheckpointValidationError, match="valid options"):
         megatron_async.TorchDistAsyncSaveStrategy(thread_cnt=2)
-    with pytest.raises(CheckpointValidationError, match="thread_count must be >= 1"):
+    with pytest.raises(CheckpointValidationError, match="thread_count must be an int >= 1"):
         megatron_async.TorchDistAsyncSaveStrategy(thread_count=0)
     with pytest.raises(CheckpointValidationError, match="torch_dist version 1"):
         megatron_async.TorchDistAsyncSaveStrategy("torch", 1)

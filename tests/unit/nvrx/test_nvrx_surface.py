@@ -82,11 +82,11 @@ def test_metadata_cache_without_metadata_makes_the_coordinator_plan_afresh():
 
 def test_loaded_metadata_seeds_the_plans_to_verify():
     class Loaded:
-        all_local_plans = ["plan0", "plan1"]
+        megatron_async_plan_digests = [b"plan0", b"plan1"]
 
     cache = CheckpointMetadataCache()
     cache.set_cached_global_metadata(Loaded())
-    assert cache.loaded_all_plans == ["plan0", "plan1"]
+    assert cache.loaded_all_plans == [b"plan0", b"plan1"]
     cache.set_cached_global_metadata(None)
     assert cache.loaded_all_plans is None
 

@@ -325,7 +325,7 @@ def test_the_info_line_reports_the_staging_peak_and_rounds(caplog):
     from megatron_async.core.request import SaveDetails
 
     caplog.set_level(logging.INFO, logger="megatron_async")
-    details = SaveDetails("ckpt", 0.01, 0.5, 4096, None, staging_bytes=1024, staging_rounds=4)
+    details = SaveDetails("ckpt", 4096, 1024, 4, plan_s=0.01, write_s=0.5)
     log_finalized_save(3, 0.2, 0.1, details)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "staging peak 1024 bytes in 4 round(s)" in line

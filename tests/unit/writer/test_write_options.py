@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "options, rule",
     [
-        ({"thread_count": 0}, "thread_count must be >= 1"),
+        ({"thread_count": 0}, "thread_count must be an int >= 1"),
         ({"thread_count": True}, "thread_count must be an int"),
         ({"thread_count": 2.0}, "thread_count must be an int"),
         ({"separation_hint": ""}, "separation_hint must be a non-empty key prefix"),
@@ -74,7 +74,7 @@ def test_the_writer_takes_an_options_object_as_it_is(tmp_path):
 
 
 def test_an_invalid_writer_keyword_is_a_validation_error(tmp_path):
-    with pytest.raises(CheckpointValidationError, match="thread_count must be >= 1"):
+    with pytest.raises(CheckpointValidationError, match="thread_count must be an int >= 1"):
         FileSystemWriterAsync(tmp_path, thread_count=0)
 
 
