@@ -10,7 +10,7 @@ end (a ring). Each item waits for the earlier items whose bytes it overwrites
 The pool and the save's gate (:mod:`.gate`) exist before the fork or the send, so no
 buffer is handed over later. ``preload_fn`` copies the first round (the items that
 overwrite nothing; none with overlapped staging); the copy thread copies the others
-after the hand-over (:mod:`.copy_job`), each once the writer marked the items it
+after the hand-over (:mod:`.overlapped`), each once the writer marked the items it
 overwrites *written*, and scheduling returns once they are copied (with overlapped
 staging the next optimizer step waits instead). The files are byte-identical to a save
 staged in one go.
@@ -25,11 +25,11 @@ from typing import Deque, List, Optional, Sequence
 
 import torch
 
-from megatron_async.core import coordination, shared_memory
+from megatron_async.core import shared_memory
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
+from megatron_async.staging.overlapped import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate
 from megatron_async.buckets.layout import WriteBucket
 
@@ -206,7 +206,7 @@ def copy_first_round(
         len(plan.offsets), plan.rounds, plan.pool_bytes, len(plan.offsets) - len(later),
     )
     return CopyJob(
-        gate, [entry[1:] for entry in later], coordination.get_rank(),
-        indices=[entry[0] for entry in later], waits_for=plan.waits_for,
+        gate, [entry[1:] for entry in later], [entry[0] for entry in later],
+        waits_for=plan.waits_for,
         timeout_s=timeout_s, what=what, advice=advice,
     )
