@@ -69,13 +69,6 @@ def validate_staging_memory_limit(limit: Any) -> None:
         )
 
 
-def _node_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # pragma: no cover - every Linux has both
-        return 0
-
-
 def resolve_budget(limit: Any, state_bytes: int) -> int:
     """This rank's budget in bytes for a state of ``state_bytes`` (trainer).
 
@@ -85,7 +78,8 @@ def resolve_budget(limit: Any, state_bytes: int) -> int:
     if limit is None:
         return max(state_bytes, 1)
     if isinstance(limit, float):
-        return max(int(_node_memory_bytes() * limit) // local_world_size(), 1)
+        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(int(node_bytes * limit) // local_world_size(), 1)
     return int(limit)
 
 
@@ -123,7 +117,7 @@ class Loan:
             staged = self.staged() if self.staged is not None else None
             self.end()
             if staged is not None:
-                staged.release_buffers()
+                staged.release()
         return self.released
 
 

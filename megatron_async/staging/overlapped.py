@@ -289,13 +289,9 @@ class StagedData:
 
     def release(self) -> None:
         """Trainer: nothing reads the staged data any more (written, failed, or its writer
-        gone): end the loan and give the buffers back."""
+        gone): end the loan (a subclass also gives back the buffers of this save alone)."""
         if self.loan is not None:
             self.loan.end()
-        self.release_buffers()
-
-    def release_buffers(self) -> None:
-        """Give the buffers of this save alone back (a subclass's own)."""
 
     def hand_over(self, writer_pid: int, finish: bool = True) -> None:
         """Trainer, once the request is with its writer (after the fork, after the send):

@@ -52,24 +52,14 @@ class RoundPlan:
 
     Items are numbered in the writer's order: bucket by bucket, each bucket's tensor
     items in order. ``offsets[i]`` is item ``i``'s byte offset in the pool (None for an
-    empty tensor), ``waits_for[i]`` the earlier items whose bytes it overwrites.
+    empty tensor), ``waits_for[i]`` the earlier items whose bytes it overwrites;
+    ``rounds``: how many times the pool is filled (1: the whole state at once).
     """
 
     pool_bytes: int
     offsets: List[Optional[int]]
     waits_for: List[List[int]]
-
-    @property
-    def rounds(self) -> int:
-        """How many times the pool is filled (1: the whole state at once)."""
-        laps, previous = 1, -1
-        for offset in self.offsets:
-            if offset is None:
-                continue
-            if offset <= previous:
-                laps += 1
-            previous = offset
-        return laps
+    rounds: int
 
 
 def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> RoundPlan:
@@ -85,7 +75,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
     # current position: ``ahead`` (placed before this lap) and ``behind`` (this lap).
     ahead: Deque[List[int]] = collections.deque()
     behind: List[List[int]] = []
-    position, used = 0, 0
+    position, used, rounds = 0, 0, 1
     for idx, size in enumerate(sizes):
         if size == 0:
             offsets.append(None)
@@ -99,7 +89,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
             )
         start = shared_memory.aligned(position)
         if start + size > budget:
-            start = 0
+            start, rounds = 0, rounds + 1
             ahead.extendleft(reversed(behind))  # this lap's items are next in the ring
             behind = []
         end = start + size
@@ -116,7 +106,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
         waits_for.append(waits)
         position = end
         used = max(used, end)
-    return RoundPlan(used, offsets, waits_for)
+    return RoundPlan(used, offsets, waits_for, rounds)
 
 
 def plan_bucket_rounds(buckets: Sequence[WriteBucket], budget: int) -> RoundPlan:

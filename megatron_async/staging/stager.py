@@ -135,11 +135,10 @@ class BucketStager:
                 return stage_in_rounds(
                     self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped
                 )
-            if self.overlapped:  # the layout's buffers, copied by the copy thread
-                return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
-            if self.stage_one_go is not None:
+            if self.stage_one_go is not None and not self.overlapped:
                 return self.stage_one_go()
-            return stage_buckets(self.buckets, True, self.cache_key, cache)
+            return stage_buckets(self.buckets, True, self.cache_key, cache,
+                                 copy_later=self.gate if self.overlapped else None)
 
         staged = StagingLedger.of_process().stage_within(
             stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,

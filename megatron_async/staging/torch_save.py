@@ -119,8 +119,9 @@ class TorchSaveStaged(StagedData):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def release_buffers(self) -> None:
+    def release(self) -> None:
         """Trainer: the writer is done with the staged bytes."""
+        super().release()
         self.buffer = None  # a segment of this save alone is freed here
 
 
