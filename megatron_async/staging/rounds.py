@@ -145,25 +145,21 @@ def stage_in_rounds(
         overlapped: copy nothing now: every round is the copy thread's, and scheduling
             does not wait for it (the next optimizer step does).
     """
-    entries = [
-        (b_idx, item, tensor.detach())
-        for b_idx, bucket in enumerate(buckets)
-        for item, tensor in bucket.data[1]
-    ]
     gate.start_rounds()
     items: List[tuple] = []
-    staged_tensors: List[List[tuple]] = [[] for _ in buckets]
-    for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
-        if offset is None:
-            buffer = torch.empty(source.shape, dtype=source.dtype)
-        else:
-            buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            items.append((idx, item.index.fqn, source, buffer, watch(source)))
-        staged_tensors[b_idx].append((item, buffer))
-    staged = StagedBuckets(
-        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
-        for bucket, tensors in zip(buckets, staged_tensors)
-    )
+    staged = StagedBuckets()
+    places = enumerate(plan.offsets)  # gate index and pool offset, in the writer's order
+    for bucket in buckets:
+        pairs = []
+        for (item, tensor), (idx, offset) in zip(bucket.data[1], places):
+            source = tensor.detach()
+            if offset is None:
+                buffer = torch.empty(source.shape, dtype=source.dtype)
+            else:
+                buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
+                items.append((idx, item.index.fqn, source, buffer, watch(source)))
+            pairs.append((item, buffer))
+        staged.append(WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], pairs)))
     what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
                     else ("staging in rounds", _ADVICE))
     staged.scheduling_waits = not overlapped
