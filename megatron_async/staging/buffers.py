@@ -19,9 +19,9 @@ No CUDA API is called unless a tensor is on a CUDA device.
 The staged buckets (:class:`StagedBuckets`) hold their buffers until the caller releases
 them (the write finished, failed, or its process is gone). With a *cache key*
 (``use_cached_data_structure``), a layout's buffers are kept after release
-(:class:`~.budget.StagingBufferCache`) and reused by its next save, so staging memory stays about the
-checkpoint size and warm staging is one memory copy; a save that finds them still lent
-(a save still being written) uses fresh buffers.
+(:class:`~.budget.StagingBufferCache`) and reused by its next save, so staging memory
+stays about the checkpoint size and warm staging is one memory copy; a save that finds
+them still lent (a save still being written) uses fresh buffers.
 
 A warm save runs no Python bytecode per tensor: a cached bucket of contiguous CPU
 tensors is copied with one ``torch.cat`` into its segment (:mod:`.flat_copy`), checked
