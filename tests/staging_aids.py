@@ -6,8 +6,8 @@ import threading
 from unittest import mock
 
 from megatron_async.core.device_wait import release_landed
-from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.copy_job import CopyJob, CopyThread
+from megatron_async.staging.budget import StagingBufferCache
+from megatron_async.staging.overlapped import CopyJob, CopyThread
 
 
 def staging_in_progress() -> bool:

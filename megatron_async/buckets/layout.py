@@ -181,7 +181,7 @@ class ConsistentDataIdentifier:
     """Names the reusable staging buffers of one bucket layout (trainer side).
 
     Travels in ``resolved_plan_data`` instead of the buffers themselves; the buffers stay
-    in the stager's :class:`~megatron_async.staging.buffer_cache.StagingBufferCache`.
+    in the stager's :class:`~megatron_async.staging.budget.StagingBufferCache`.
 
     Attributes:
         key: a digest of everything that decides the buffers' shapes.

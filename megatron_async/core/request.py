@@ -265,7 +265,7 @@ def release_staged_data(staged: Any) -> None:
 def hand_over_staged(staged: Any, writer_pid: int, finish: bool = True) -> None:
     """Start what staging left for after the hand-over (trainer, once the request is with
     its writer: after the fork, after the send). Staged data without a ``hand_over``
-    method (ours: :class:`~megatron_async.staging.copy_job.StagedData`) is left alone.
+    method (ours: :class:`~megatron_async.staging.overlapped.StagedData`) is left alone.
 
     Args:
         staged: what ``preload_fn`` returned.

@@ -37,8 +37,7 @@ from megatron_async.mcore.plan_cache import COORDINATOR_RANK, PlanCache, Prepare
 from megatron_async.mcore.save_call import FinalizeFnList, current_save_call, guard_save_functions
 from megatron_async.mcore.target import check_save_target
 from megatron_async.saver.finalize import PreviousSave, save_state_dict_async_finalize
-from megatron_async.staging.budget import StagingLedger
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger
 from megatron_async.storage.backend import normalize_checkpoint_path
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 

@@ -1,4 +1,4 @@
-"""The staging memory budget: how much host memory one rank's saves may hold at once.
+"""The staging memory budget, and the staging memory kept from one save to the next.
 
 Runs in the trainer (every rank), in the request's ``preload_fn``. Every save staged by
 :class:`~megatron_async.writer.filesystem.FileSystemWriterAsync` (through
@@ -13,10 +13,15 @@ stays within it:
   save scheduled while the first is written waits for the first's writer to finish
   (logged) instead of allocating a second copy, unless the budget holds two copies;
 * a state larger than the budget goes in rounds through the ledger's *pool*, one shared
-  segment of the budget's size reused save after save.
+  segment of the budget's size reused save after save; a state within it is staged into
+  its bucket layout's buffers, which a :class:`StagingBufferCache` keeps for the layout's
+  next save.
 
 Each save's memory is one :class:`Loan`, which ends when the save's writer marks its gate
-done (it read everything) or is gone, or when the caller releases the staged data.
+done (it read everything) or is gone, or when the caller releases the staged data. The
+cache lends a layout's buffers to one save at a time, under that save's loan, so they are
+lent again only once it ended; a release of an older save never frees a later save's
+buffers.
 """
 
 from __future__ import annotations
@@ -26,19 +31,21 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Hashable, List, Optional, Tuple
 
 import torch
 
 from megatron_async.core import shared_memory
 from megatron_async.core.coordination import local_world_size
+from megatron_async.core.device_wait import release_landed
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import CheckpointValidationError, StagingMemoryError
-from megatron_async.staging.copy_job import CopyThread, StagedData
+from megatron_async.staging.overlapped import CopyThread, StagedData
 from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.gate import StagingGate
 
-__all__ = ["Loan", "StagingLedger", "validate_staging_memory_limit", "resolve_budget"]
+__all__ = ["Loan", "StagingBufferCache", "StagingLedger", "resolve_budget",
+           "validate_staging_memory_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +69,6 @@ def validate_staging_memory_limit(limit: Any) -> None:
         )
 
 
-def _node_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # pragma: no cover - every Linux has both
-        return 0
-
-
 def resolve_budget(limit: Any, state_bytes: int) -> int:
     """This rank's budget in bytes for a state of ``state_bytes`` (trainer).
 
@@ -78,7 +78,8 @@ def resolve_budget(limit: Any, state_bytes: int) -> int:
     if limit is None:
         return max(state_bytes, 1)
     if isinstance(limit, float):
-        return max(int(_node_memory_bytes() * limit) // local_world_size(), 1)
+        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(int(node_bytes * limit) // local_world_size(), 1)
     return int(limit)
 
 
@@ -87,7 +88,7 @@ class Loan:
     save's gate says its writer is done reading or gone (trainer).
 
     The ledger counts ``num_bytes`` of it against the budget, and the buffer cache lends
-    its buffers under it (:mod:`.buffer_cache`). Dropping the staged data does not end it:
+    its buffers under it (:class:`StagingBufferCache`). Dropping the staged data does not end it:
     megatron-core 0.16's own queue drops the data while the writer it forked still reads
     it. A writer that dies before it recorded its process holds it until the caller's
     release, or until the next save's wait for room gives up (bounded).
@@ -116,8 +117,61 @@ class Loan:
             staged = self.staged() if self.staged is not None else None
             self.end()
             if staged is not None:
-                staged.release_buffers()
+                staged.release()
         return self.released
+
+
+class StagingBufferCache(OnePerProcess):
+    """Reusable staging buffers of one bucket layout, lent to one save at a time.
+
+    Lives in the trainer process that stages (every rank has its own). An owner (a
+    strategy, a writer) passes it explicitly to
+    :func:`~megatron_async.staging.buffers.stage_buckets`; writers built
+    without one share the process's (:meth:`of_process`). A new layout replaces the cached
+    one (a changed structure does not leave a checkpoint's worth of shared memory behind);
+    a save still reading the old buffers keeps them until it is released.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: Optional[Hashable] = None
+        self._buckets: List[Any] = []
+        self._loan: Optional[Loan] = None
+
+    def lend(self, key: Hashable, num_buckets: int) -> Tuple[Optional[List[Any]], Loan]:
+        """Lend ``key``'s buffers (one entry per bucket, None until first staged) and the
+        loan that ends the borrowing; no buffers (None) while an earlier save's loan of this
+        layout is not over."""
+        loan = Loan()
+        with self._lock:
+            if key != self._key:
+                self._key, self._buckets = key, []
+            elif self._loan is not None and not self._loan.over():
+                logger.debug("staging buffers of this layout are still being read; using new ones")
+                return None, loan
+            self._buckets.extend([None] * (num_buckets - len(self._buckets)))
+            self._loan = loan
+            return self._buckets, loan
+
+    def forget(self, loan: Loan) -> None:
+        """Drop the buffers lent under ``loan`` for good: something may still write into
+        them (a stuck copy thread or device copy); they are freed with their last reference."""
+        with self._lock:
+            if self._loan is loan:
+                self._key, self._buckets, self._loan = None, [], None
+
+    def num_bytes(self) -> int:
+        """Bytes held by the cached buffers."""
+        with self._lock:
+            return sum(b.num_bytes() for b in self._buckets if b is not None)
+
+    def clear(self) -> None:
+        """Drop the cached buffers unless a save has them, and the host memory kept for
+        device copies that have landed since a failed wait."""
+        with self._lock:
+            if self._loan is None or self._loan.over():
+                self._key, self._buckets, self._loan = None, [], None
+        release_landed()
 
 
 class StagingLedger(OnePerProcess):

@@ -19,9 +19,9 @@ No CUDA API is called unless a tensor is on a CUDA device.
 The staged buckets (:class:`StagedBuckets`) hold their buffers until the caller releases
 them (the write finished, failed, or its process is gone). With a *cache key*
 (``use_cached_data_structure``), a layout's buffers are kept after release
-(:mod:`.buffer_cache`) and reused by its next save, so staging memory stays about the
-checkpoint size and warm staging is one memory copy; a save that finds them still lent
-(a save still being written) uses fresh buffers.
+(:class:`~.budget.StagingBufferCache`) and reused by its next save, so staging memory
+stays about the checkpoint size and warm staging is one memory copy; a save that finds
+them still lent (a save still being written) uses fresh buffers.
 
 A warm save runs no Python bytecode per tensor: a cached bucket of contiguous CPU
 tensors is copied with one ``torch.cat`` into its segment (:mod:`.flat_copy`), checked
@@ -44,7 +44,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
-from megatron_async.core import coordination, shared_memory
+from megatron_async.core import shared_memory
 from megatron_async.core.device_wait import (
     DeviceCopyTimeoutError,
     landed_after_failure,
@@ -52,8 +52,8 @@ from megatron_async.core.device_wait import (
 )
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.core.shared_memory import ReusedTensorPairs
-from megatron_async.staging.buffer_cache import StagingBufferCache
-from megatron_async.staging.copy_job import CopyJob, StagedData, watch
+from megatron_async.staging.budget import StagingBufferCache
+from megatron_async.staging.overlapped import CopyJob, StagedData, watch
 from megatron_async.staging.flat_copy import FlatCopy, copy_threads
 from megatron_async.staging.gate import StagingGate
 
@@ -174,7 +174,7 @@ class StagedBuckets(StagedData, list):
     in (under their ``loan``: :class:`~.budget.Loan`).
 
     With overlapped staging or in rounds, the copies made after the hand-over
-    (:class:`~.copy_job.StagedData`). Pickled (to the persistent worker), only the
+    (:class:`~.overlapped.StagedData`). Pickled (to the persistent worker), only the
     buckets travel: ``release`` is the stager's to call.
     """
 
@@ -207,7 +207,7 @@ def stage_buckets(
         cache: where buffers are cached; :meth:`StagingBufferCache.of_process` when None.
         copy_later: the save's gate, for overlapped staging: only borrow the buffers; the
             result's ``copy_job`` copies every tensor on the copy thread after the
-            hand-over (:class:`~.copy_job.StagedData`), marking each copied on that gate.
+            hand-over (:class:`~.overlapped.StagedData`), marking each copied on that gate.
 
     Returns:
         Buckets with the same items whose tensors are contiguous host copies; call
@@ -267,8 +267,8 @@ def stage_buckets(
         )
     if copy_later is not None:
         copy_later.start_rounds()  # the writer waits for each item's copied mark
-        result.copy_job = CopyJob(copy_later, late_copies, coordination.get_rank(),
-                                  indices=list(range(len(late_copies))))
+        result.copy_job = CopyJob(copy_later, late_copies, list(range(len(late_copies))),
+                                  waits_for=[()] * len(late_copies))
     return result
 
 

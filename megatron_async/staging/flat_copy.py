@@ -84,10 +84,7 @@ def copy_threads() -> int:
                 f"{COPY_THREADS_ENV}={configured!r} is not an integer; set it to the number of "
                 "threads that copy a bucket (1: the training thread only)"
             ) from None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0))
     return max(1, min(_DEFAULT_MAX_COPY_THREADS, cpus // local_world_size()))
 
 

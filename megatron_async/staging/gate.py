@@ -48,11 +48,8 @@ __all__ = [
     "wait_for_room",
 ]
 
-"""Bound on every staging wait without a configured one: for an overlapped copy, for an
-earlier save's staging memory or copy, and for each round (trainer and background writer)."""
-
 _PENDING, _COPIED, _WRITTEN = 0, 1, 2
-_OK, _FAILED = 0, 1
+_FAILED = 1
 # failure, message length, writer done, copied later (in_rounds), writer pid, failed by writer
 _HEADER_WORDS = 6
 _LIVENESS_PERIOD_S = 0.5

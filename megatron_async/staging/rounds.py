@@ -10,7 +10,7 @@ end (a ring). Each item waits for the earlier items whose bytes it overwrites
 The pool and the save's gate (:mod:`.gate`) exist before the fork or the send, so no
 buffer is handed over later. ``preload_fn`` copies the first round (the items that
 overwrite nothing; none with overlapped staging); the copy thread copies the others
-after the hand-over (:mod:`.copy_job`), each once the writer marked the items it
+after the hand-over (:mod:`.overlapped`), each once the writer marked the items it
 overwrites *written*, and scheduling returns once they are copied (with overlapped
 staging the next optimizer step waits instead). The files are byte-identical to a save
 staged in one go.
@@ -25,11 +25,11 @@ from typing import Deque, List, Optional, Sequence
 
 import torch
 
-from megatron_async.core import coordination, shared_memory
+from megatron_async.core import shared_memory
 from megatron_async.core.device_wait import wait_for_device_copies
 from megatron_async.errors import StagingMemoryError
 from megatron_async.staging.buffers import StagedBuckets
-from megatron_async.staging.copy_job import OVERLAPPED_ADVICE, CopyJob, watch
+from megatron_async.staging.overlapped import OVERLAPPED_ADVICE, CopyJob, watch
 from megatron_async.staging.gate import StagingGate
 from megatron_async.buckets.layout import WriteBucket
 
@@ -52,24 +52,14 @@ class RoundPlan:
 
     Items are numbered in the writer's order: bucket by bucket, each bucket's tensor
     items in order. ``offsets[i]`` is item ``i``'s byte offset in the pool (None for an
-    empty tensor), ``waits_for[i]`` the earlier items whose bytes it overwrites.
+    empty tensor), ``waits_for[i]`` the earlier items whose bytes it overwrites;
+    ``rounds``: how many times the pool is filled (1: the whole state at once).
     """
 
     pool_bytes: int
     offsets: List[Optional[int]]
     waits_for: List[List[int]]
-
-    @property
-    def rounds(self) -> int:
-        """How many times the pool is filled (1: the whole state at once)."""
-        laps, previous = 1, -1
-        for offset in self.offsets:
-            if offset is None:
-                continue
-            if offset <= previous:
-                laps += 1
-            previous = offset
-        return laps
+    rounds: int
 
 
 def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> RoundPlan:
@@ -85,7 +75,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
     # current position: ``ahead`` (placed before this lap) and ``behind`` (this lap).
     ahead: Deque[List[int]] = collections.deque()
     behind: List[List[int]] = []
-    position, used = 0, 0
+    position, used, rounds = 0, 0, 1
     for idx, size in enumerate(sizes):
         if size == 0:
             offsets.append(None)
@@ -99,7 +89,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
             )
         start = shared_memory.aligned(position)
         if start + size > budget:
-            start = 0
+            start, rounds = 0, rounds + 1
             ahead.extendleft(reversed(behind))  # this lap's items are next in the ring
             behind = []
         end = start + size
@@ -116,7 +106,7 @@ def plan_rounds(sizes: Sequence[int], names: Sequence[str], budget: int) -> Roun
         waits_for.append(waits)
         position = end
         used = max(used, end)
-    return RoundPlan(used, offsets, waits_for)
+    return RoundPlan(used, offsets, waits_for, rounds)
 
 
 def plan_bucket_rounds(buckets: Sequence[WriteBucket], budget: int) -> RoundPlan:
@@ -155,25 +145,21 @@ def stage_in_rounds(
         overlapped: copy nothing now: every round is the copy thread's, and scheduling
             does not wait for it (the next optimizer step does).
     """
-    entries = [
-        (b_idx, item, tensor.detach())
-        for b_idx, bucket in enumerate(buckets)
-        for item, tensor in bucket.data[1]
-    ]
     gate.start_rounds()
     items: List[tuple] = []
-    staged_tensors: List[List[tuple]] = [[] for _ in buckets]
-    for idx, ((b_idx, item, source), offset) in enumerate(zip(entries, plan.offsets)):
-        if offset is None:
-            buffer = torch.empty(source.shape, dtype=source.dtype)
-        else:
-            buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
-            items.append((idx, item.index.fqn, source, buffer, watch(source)))
-        staged_tensors[b_idx].append((item, buffer))
-    staged = StagedBuckets(
-        WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], tensors))
-        for bucket, tensors in zip(buckets, staged_tensors)
-    )
+    staged = StagedBuckets()
+    places = enumerate(plan.offsets)  # gate index and pool offset, in the writer's order
+    for bucket in buckets:
+        pairs = []
+        for (item, tensor), (idx, offset) in zip(bucket.data[1], places):
+            source = tensor.detach()
+            if offset is None:
+                buffer = torch.empty(source.shape, dtype=source.dtype)
+            else:
+                buffer = shared_memory.segment_view(pool, offset, tuple(source.shape), source.dtype)
+                items.append((idx, item.index.fqn, source, buffer, watch(source)))
+            pairs.append((item, buffer))
+        staged.append(WriteBucket(bucket.file_path, bucket.file_name, (bucket.data[0], pairs)))
     what, advice = (("overlapped staging in rounds", OVERLAPPED_ADVICE) if overlapped
                     else ("staging in rounds", _ADVICE))
     staged.scheduling_waits = not overlapped
@@ -206,7 +192,7 @@ def copy_first_round(
         len(plan.offsets), plan.rounds, plan.pool_bytes, len(plan.offsets) - len(later),
     )
     return CopyJob(
-        gate, [entry[1:] for entry in later], coordination.get_rank(),
-        indices=[entry[0] for entry in later], waits_for=plan.waits_for,
+        gate, [entry[1:] for entry in later], [entry[0] for entry in later],
+        waits_for=plan.waits_for,
         timeout_s=timeout_s, what=what, advice=advice,
     )

@@ -14,7 +14,7 @@ Two choices differ, each made once per save:
 * **who copies**: the training thread, before scheduling returns (in rounds the first
   round, and the copy thread the others while scheduling waits); or, with overlapped
   staging, the copy thread alone after the hand-over, the next optimizer step waiting for
-  it (:mod:`.overlapped`, :mod:`.copy_job`).
+  it (:mod:`.overlapped`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import torch
 from megatron_async.buckets.layout import ResolvedPlanData, WriteBucket, unpack_resolved_plan_data
 from megatron_async.core.request import require_hand_over
 from megatron_async.errors import StagingMemoryError
-from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger, resolve_budget
 from megatron_async.staging.buffers import stage_buckets
-from megatron_async.staging.copy_job import CopyThread
+from megatron_async.staging.overlapped import CopyThread, wait_for_staging
 from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.rounds import plan_bucket_rounds, stage_in_rounds
@@ -128,20 +127,18 @@ class BucketStager:
             cache.clear()  # the idle buffers of saves in one round
         if self.overlapped:
             require_hand_over("overlapped staging (overlap_staging)", "save without overlap_staging")
-            copy_thread = CopyThread.of_process()
-            copy_thread.wait_for_copies(self.timeout_s)  # copies run one save at a time, in order
-            copy_thread.hook_optimizer_steps()
+            wait_for_staging(self.timeout_s)  # copies run one save at a time, in order
+            CopyThread.of_process().hook_optimizer_steps()
 
         def stage_into(pool: Optional[torch.Tensor]) -> Any:
             if pool is not None:
                 return stage_in_rounds(
                     self.buckets, pool, plan, self.gate, self.timeout_s, self.overlapped
                 )
-            if self.overlapped:  # the layout's buffers, copied by the copy thread
-                return stage_buckets(self.buckets, True, self.cache_key, cache, copy_later=self.gate)
-            if self.stage_one_go is not None:
+            if self.stage_one_go is not None and not self.overlapped:
                 return self.stage_one_go()
-            return stage_buckets(self.buckets, True, self.cache_key, cache)
+            return stage_buckets(self.buckets, True, self.cache_key, cache,
+                                 copy_later=self.gate if self.overlapped else None)
 
         staged = StagingLedger.of_process().stage_within(
             stage_into, state_bytes=state_bytes, budget=budget, in_rounds=in_rounds,

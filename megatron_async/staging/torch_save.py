@@ -23,7 +23,7 @@ from torch.serialization import location_tag, normalize_storage_type
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
 from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.copy_job import StagedData, watch
+from megatron_async.staging.overlapped import StagedData, watch
 from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
 
@@ -119,8 +119,9 @@ class TorchSaveStaged(StagedData):
         return (TorchSaveStaged, (self.header, self.records, self.buffer, self.gate,
                                   self.alignment, self.crc32))
 
-    def release_buffers(self) -> None:
+    def release(self) -> None:
         """Trainer: the writer is done with the staged bytes."""
+        super().release()
         self.buffer = None  # a segment of this save alone is freed here
 
 

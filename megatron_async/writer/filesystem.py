@@ -25,7 +25,7 @@ from torch.futures import Future
 from megatron_async.core import coordination
 from megatron_async.core.request import AsyncRequest, run_staging_and_async_fn
 from megatron_async.errors import CheckpointIntegrityError, CheckpointValidationError
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache
 from megatron_async.staging.buffers import preload_tensors
 from megatron_async.staging.stager import prepare_staged_write
 from megatron_async.storage.bounded_calls import BoundedFileSystem
@@ -81,7 +81,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         options: how to write (see :class:`~megatron_async.writer.options.WriteOptions`),
             built and validated by the caller, e.g. the strategy's config.
         staging_cache: where the reusable staging buffers are kept (the trainer's);
-            :meth:`~megatron_async.staging.buffer_cache.StagingBufferCache.of_process`
+            :meth:`~megatron_async.staging.budget.StagingBufferCache.of_process`
             when None.
         separation_hint, use_msc, is_multiproc_io, use_cached_data_structure: the
             reference API's keywords for these fields of ``WriteOptions``; used only

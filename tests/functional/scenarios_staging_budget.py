@@ -25,8 +25,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron_async.core import AsyncCallsQueue, shared_memory
 from megatron_async.errors import AsyncSaveFailedError, StagingHandOverError
 from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy
-from megatron_async.staging.budget import StagingLedger
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from tests.staging_aids import copies_held, staging_in_progress
 from tests.functional.harness import RankContext, by_name, for_both_callers, run_selected_then_close

@@ -92,7 +92,7 @@ def _rank_main(rank, args, port, out_dir):
 
     import megatron_async
     from megatron_async import AsyncCallsQueue, TorchDistAsyncSaveStrategy
-    from megatron_async.staging.buffer_cache import StagingBufferCache
+    from megatron_async.staging.budget import StagingBufferCache
     from megatron_async.staging.overlapped import wait_for_staging
     from tools.bench.memory import RssSampler
 

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.core import shared_memory
 from megatron_async.writer.filesystem import FileSystemWriterAsync

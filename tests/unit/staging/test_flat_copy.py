@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.staging import buffers, flat_copy
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
 from megatron_async.buckets.layout import WriteBucket

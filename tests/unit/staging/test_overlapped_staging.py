@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.core.request import run_preload
 from megatron_async.errors import CheckpointValidationError, StagingHandOverError, StagingRaceError
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.overlapped import refuse_overlap_param_gather, wait_for_staging
 from megatron_async.staging.stager import BucketStager

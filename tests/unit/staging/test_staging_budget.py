@@ -19,8 +19,7 @@ from megatron_async.errors import (
     StagingRaceError,
 )
 from megatron_async.mcore.config import TorchDistSaveConfig
-from megatron_async.staging.budget import StagingLedger, resolve_budget
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger, resolve_budget
 from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
@@ -150,7 +149,7 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
 
 
 def test_the_ledger_makes_a_second_save_wait_for_the_first_writer():
-    from megatron_async.staging.copy_job import StagedData
+    from megatron_async.staging.overlapped import StagedData
 
     ledger = StagingLedger()
 
@@ -530,14 +529,13 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 
 @pytest.mark.timeout(60)
 def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
-    from megatron_async.staging.copy_job import CopyJob, CopyThread, watch
-    from megatron_async.staging.overlapped import wait_for_staging
+    from megatron_async.staging.overlapped import CopyJob, CopyThread, wait_for_staging, watch
     from tests.staging_aids import copies_held
 
     ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
     source, buffer = torch.ones(16), torch.zeros(16)
     with copies_held():  # an earlier save's copy that has not run yet
-        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], 0, [0]))
+        copy_thread.submit(CopyJob(StagingGate(1), [("t", source, buffer, watch(source))], [0], [()]))
         with pytest.raises(StagingMemoryError, match="earlier save's copy into the staging pool"):
             ledger.pool(4096, pinned=False, timeout_s=0.1)
     wait_for_staging(timeout_s=30.0)

@@ -258,6 +258,15 @@ def test_a_failed_write_gives_the_staging_memory_back(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+def test_staged_data_kept_until_finalize_gives_its_segment_back_once_its_writer_is_done():
+    # The caller keeps the staged data until finalize: the loan that ends at the writer's
+    # done mark drops the save's own segment too, so memory held follows the ledger.
+    staged = _stage({"w": torch.ones(KIB)}, None)
+    assert staged.buffer is not None
+    staged.gate.mark_done()
+    assert staged.loan.over() and staged.buffer is None
+
+
 @pytest.mark.timeout(120)
 def test_async_save_in_rounds_saves_the_state_at_scheduling(tmp_path, caplog):
     import logging

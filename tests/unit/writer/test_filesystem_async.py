@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_async.staging.buffer_cache import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache
 from megatron_async.core import shared_memory
 from megatron_async.buckets.layout import assign_buckets, balance_by_size, item_num_bytes
 from megatron_async.errors import (
