@@ -111,15 +111,11 @@ class TemporalAsyncCaller(AsyncCaller):
             status = self._statuses[call_idx]
         elif closed or not alive:
             status = CallStatus.failed(self._died_failure(rank))
-        elif (not self._started
-              and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
-            kill_and_reap(self.process)
-            exc = self._never_started(self.process.pid)
-            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        elif time.monotonic() - self._forked_at > self.config.timeout_s:
-            exc = self._overran(call_idx, self.process.pid)
-            kill_and_reap(self.process)
-            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        else:
+            overdue = self._overdue(call_idx, self.process.pid, self._forked_at, self._forked_at)
+            if overdue is not None:
+                kill_and_reap(self.process)
+                status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", overdue))
         self._statuses[call_idx] = status
         return status
 
