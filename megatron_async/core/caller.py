@@ -101,16 +101,12 @@ class CallStatus:
         return self.state is not CallState.RUNNING
 
     @classmethod
-    def running(cls) -> "CallStatus":
-        return cls(CallState.RUNNING)
-
-    @classmethod
-    def succeeded(cls) -> "CallStatus":
-        return cls(CallState.SUCCEEDED)
-
-    @classmethod
     def failed(cls, failure: RankFailure) -> "CallStatus":
         return cls(CallState.FAILED, failure)
+
+
+_RUNNING = CallStatus(CallState.RUNNING)
+_SUCCEEDED = CallStatus(CallState.SUCCEEDED)
 
 
 class AsyncCaller(abc.ABC):
@@ -143,7 +139,7 @@ class AsyncCaller(abc.ABC):
         idx = async_req.call_idx
         self._current_call_idx = idx
         if async_req.async_fn is None and async_req.preload_fn is None:
-            self._statuses[idx] = CallStatus.succeeded()
+            self._statuses[idx] = _SUCCEEDED
             return
         try:
             self._prepare()
@@ -157,7 +153,7 @@ class AsyncCaller(abc.ABC):
             return
         if async_req.async_fn is None:
             release_staged_data(staged)
-            self._statuses[idx] = CallStatus.succeeded()
+            self._statuses[idx] = _SUCCEEDED
             return
         try:
             pid = self._start(async_req, args, staged)
@@ -169,7 +165,7 @@ class AsyncCaller(abc.ABC):
             self._abandon(idx)  # killed: nothing reads the staged data, which is freed
             release_staged_data(staged)  # (also where no writer took it: not leaked)
             raise
-        self._statuses[idx] = CallStatus.running()
+        self._statuses[idx] = _RUNNING
         try:
             hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
@@ -194,7 +190,7 @@ class AsyncCaller(abc.ABC):
                     continue
                 idx, failure = message
                 self._statuses[idx] = (
-                    CallStatus.succeeded() if failure is None else CallStatus.failed(failure)
+                    _SUCCEEDED if failure is None else CallStatus.failed(failure)
                 )
                 ended.append(idx)
         except (EOFError, OSError):
