@@ -132,10 +132,6 @@ class TemporalAsyncCaller(AsyncCaller):
         """Join the finished child (bounded) so it leaves no zombie."""
         self.close(abort=False)
 
-    def _release_staged(self) -> None:
-        staged, self._staged = self._staged, None
-        release_staged_data(staged)
-
     def close(self, abort: bool = False) -> None:
         """Join the child; kill it first when ``abort`` or when it outlives the bound.
 
@@ -143,18 +139,16 @@ class TemporalAsyncCaller(AsyncCaller):
         still be reading the buffers.
         """
         process = self.process
-        if process is None:
-            self._release_staged()
-            return
-        if abort:
-            kill_and_reap(process, self.config.close_timeout_s)
-        else:
-            process.join(timeout=self.config.close_timeout_s)
-            if process.is_alive():
-                logger.warning("background save pid %d did not exit; killing it", process.pid)
-                kill_and_reap(process)
-        if self._result_conn is not None:
-            self._result_conn.close()
+        if process is not None:
+            if abort:
+                kill_and_reap(process, self.config.close_timeout_s)
+            else:
+                process.join(timeout=self.config.close_timeout_s)
+                if process.is_alive():
+                    logger.warning("background save pid %d did not exit; killing it", process.pid)
+                    kill_and_reap(process)
+            self._result_conn.close()  # set with the process
             self._result_conn = None
-        self.process = None
-        self._release_staged()
+            self.process = None
+        staged, self._staged = self._staged, None
+        release_staged_data(staged)
