@@ -101,16 +101,12 @@ class CallStatus:
         return self.state is not CallState.RUNNING
 
     @classmethod
-    def running(cls) -> "CallStatus":
-        return cls(CallState.RUNNING)
-
-    @classmethod
-    def succeeded(cls) -> "CallStatus":
-        return cls(CallState.SUCCEEDED)
-
-    @classmethod
     def failed(cls, failure: RankFailure) -> "CallStatus":
         return cls(CallState.FAILED, failure)
+
+
+_RUNNING = CallStatus(CallState.RUNNING)
+_SUCCEEDED = CallStatus(CallState.SUCCEEDED)
 
 
 class AsyncCaller(abc.ABC):
@@ -122,7 +118,7 @@ class AsyncCaller(abc.ABC):
     """
 
     _if_forks_hang = "use the persistent caller (one fork per job) or Python >= 3.12"
-    """The advice of :meth:`_never_started` for a fork that hangs again and again."""
+    """The advice of :meth:`_overdue` for a fork that hangs again and again."""
 
     def __init__(self, config: Optional[AsyncCallerConfig] = None):
         self.config = config or AsyncCallerConfig()
@@ -143,7 +139,7 @@ class AsyncCaller(abc.ABC):
         idx = async_req.call_idx
         self._current_call_idx = idx
         if async_req.async_fn is None and async_req.preload_fn is None:
-            self._statuses[idx] = CallStatus.succeeded()
+            self._statuses[idx] = _SUCCEEDED
             return
         try:
             self._prepare()
@@ -157,7 +153,7 @@ class AsyncCaller(abc.ABC):
             return
         if async_req.async_fn is None:
             release_staged_data(staged)
-            self._statuses[idx] = CallStatus.succeeded()
+            self._statuses[idx] = _SUCCEEDED
             return
         try:
             pid = self._start(async_req, args, staged)
@@ -169,7 +165,7 @@ class AsyncCaller(abc.ABC):
             self._abandon(idx)  # killed: nothing reads the staged data, which is freed
             release_staged_data(staged)  # (also where no writer took it: not leaked)
             raise
-        self._statuses[idx] = CallStatus.running()
+        self._statuses[idx] = _RUNNING
         try:
             hand_over_staged(staged, pid)  # overlapped or in rounds: copied now
         except BaseException:  # an interrupt: the queue abandons the call, so nothing may write it
@@ -194,7 +190,7 @@ class AsyncCaller(abc.ABC):
                     continue
                 idx, failure = message
                 self._statuses[idx] = (
-                    CallStatus.succeeded() if failure is None else CallStatus.failed(failure)
+                    _SUCCEEDED if failure is None else CallStatus.failed(failure)
                 )
                 ended.append(idx)
         except (EOFError, OSError):
@@ -206,26 +202,27 @@ class AsyncCaller(abc.ABC):
         logger.error("rank %d: %s of async call %d failed: %s", rank, phase, call_idx, exc)
         self._statuses[call_idx] = CallStatus.failed(RankFailure.from_exception(rank, phase, exc))
 
-    def _overran(self, call_idx: int, pid: Optional[int]) -> AsyncTimeoutError:
-        """The error of call ``call_idx``, whose writer ``pid`` ran past ``timeout_s``."""
-        rank = coordination.get_rank()
-        return AsyncTimeoutError(
-            f"rank {rank}: async call {call_idx} ran longer than timeout_s="
-            f"{self.config.timeout_s:.0f}s in background process {pid}, which was killed; "
-            "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s; "
-            f"the writer's stacks, written just before, are in rank {rank}'s stderr"
-        )
-
-    def _never_started(self, pid: Optional[int]) -> AsyncTimeoutError:
-        """The error for a forked writer ``pid`` that did not run its first line within
-        ``fork_start_timeout_s`` (and is killed)."""
-        return AsyncTimeoutError(
-            f"rank {coordination.get_rank()}: the forked writer (pid {pid}) did not start within "
-            f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s and was killed: the "
-            "fork hung in the child before running any code (CPython gh-112275, a thread "
-            "starting or ending as the trainer forked, or a library's at-fork handler). The "
-            f"next save forks afresh; if this repeats, {self._if_forks_hang}"
-        )
+    def _overdue(self, call_idx: int, pid: Optional[int], forked_at: float, sent_at: float
+                 ) -> Optional[AsyncTimeoutError]:
+        """The error of call ``call_idx`` if its writer ``pid`` (killed by the caller) did not
+        start within ``fork_start_timeout_s`` or ran past ``timeout_s``, else None."""
+        rank, now = coordination.get_rank(), time.monotonic()
+        if pid is not None and not self._started and now - forked_at > self.config.fork_start_timeout_s:
+            return AsyncTimeoutError(
+                f"rank {rank}: the forked writer (pid {pid}) did not start within "
+                f"fork_start_timeout_s={self.config.fork_start_timeout_s:.0f}s and was killed: the "
+                "fork hung in the child before running any code (CPython gh-112275, a thread "
+                "starting or ending as the trainer forked, or a library's at-fork handler). The "
+                f"next save forks afresh; if this repeats, {self._if_forks_hang}"
+            )
+        if now - sent_at > self.config.timeout_s:
+            return AsyncTimeoutError(
+                f"rank {rank}: async call {call_idx} ran longer than timeout_s="
+                f"{self.config.timeout_s:.0f}s in background process {pid}, which was killed; "
+                "check the storage for a stalled write or raise AsyncCallerConfig.timeout_s; "
+                f"the writer's stacks, written just before, are in rank {rank}'s stderr"
+            )
+        return None
 
     def _prepare(self) -> None:
         """Get ready to start a call, before its data is staged (the persistent caller

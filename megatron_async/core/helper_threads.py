@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Tuple, TypeVar
 
 from megatron_async.core.one_per_process import OnePerProcess
 
-__all__ = ["DeadlineExpired", "HelperThreads", "run_with_deadline"]
+__all__ = ["DeadlineExpired", "HelperThreads"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ _IDLE_NAME = "megatron-async-helper (idle)"
 
 
 class DeadlineExpired(TimeoutError):
-    """:func:`run_with_deadline` stopped waiting: the call had not returned in time."""
+    """:meth:`HelperThreads.run` stopped waiting: the call had not returned in time."""
 
 
 class HelperThreads(OnePerProcess):
@@ -119,8 +119,3 @@ class HelperThreads(OnePerProcess):
             with self._lock:
                 self._idle.append(inbox)  # idle before the caller hears: its next call reuses us
             done.set()
-
-
-def run_with_deadline(call: Callable[[], T], timeout_s: float, thread_name: str) -> T:
-    """:meth:`HelperThreads.run` on this process's helper threads (any side)."""
-    return HelperThreads.of_process().run(call, timeout_s, thread_name)

@@ -181,12 +181,10 @@ class PersistentAsyncCaller(AsyncCaller):
         status = self._statuses[call_idx]
         if status.is_terminal:
             return status
-        now = time.monotonic()
         pid = self.process.pid if self.process is not None else None
-        if pid is not None and not self._started and now - self._started_at > self.config.fork_start_timeout_s:
-            self._kill_worker("timeout", self._never_started(pid))
-        elif now - self._sent_at[call_idx] > self.config.timeout_s:
-            self._kill_worker("timeout", self._overran(call_idx, pid))
+        overdue = self._overdue(call_idx, pid, self._started_at, self._sent_at[call_idx])
+        if overdue is not None:
+            self._kill_worker("timeout", overdue)
         return self._statuses[call_idx]
 
     def _kill_worker(self, phase: str, exc: Exception) -> None:

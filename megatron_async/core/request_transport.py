@@ -50,22 +50,11 @@ __all__ = ["EncodedRequest", "RequestSender"]
 _ARENA_FIRST_CHUNK_BYTES = 2**20
 _ARENA_CHUNK_BYTES = 64 * 2**20
 
-# Names that a pickled request refers to; the worker's unpickler
-# (megatron_async.core.worker_loop) reads each as one of its SegmentTable's methods, so
-# these bodies never run there.
-_OUTSIDE_A_TABLE = "decode a request for the persistent worker with SegmentTable.apply"
-
-
-def _rebuild_tensor(segment_id: int, byte_offset: int, shape, dtype) -> torch.Tensor:
-    raise CoordinationError(_OUTSIDE_A_TABLE)
-
-
-def _load_pairs(token: Optional[int], payload: bytes) -> Any:
-    raise CoordinationError(_OUTSIDE_A_TABLE)
-
-
-def _cached_pairs(token: int) -> Any:
-    raise CoordinationError(_OUTSIDE_A_TABLE)
+def _from_table(method: str, *args: Any) -> Any:
+    """What a pickled request calls for its segment references and reused pairs: the
+    worker's unpickler (:mod:`megatron_async.core.worker_loop`) reads this name as a call
+    of its SegmentTable's ``method``, so this body never runs there."""
+    raise CoordinationError("decode a request for the persistent worker with SegmentTable.apply")
 
 
 def _rebuild_empty(size, dtype) -> torch.Tensor:
@@ -140,7 +129,7 @@ class _Pickler(cloudpickle.Pickler):
             # torch would share the whole storage of an empty view; nothing to send.
             return _rebuild_empty, (tuple(obj.shape), obj.dtype)
         segment_id, byte_offset = self._locate(obj)
-        return _rebuild_tensor, (segment_id, byte_offset, tuple(obj.shape), obj.dtype)
+        return _from_table, ("rebuild_tensor", segment_id, byte_offset, tuple(obj.shape), obj.dtype)
 
     def _locate(self, tensor: torch.Tensor) -> Tuple[int, int]:
         """``(segment id, byte offset)`` of ``tensor``'s data, copying it into the arena if needed."""
@@ -189,15 +178,16 @@ class RequestSender:
         """
         entry = self._pairs.get(id(pairs))
         if entry is not None and entry[1]() is pairs:
-            return _cached_pairs, (entry[0],)
+            return _from_table, ("cached_pairs", entry[0])
         buffer = io.BytesIO()
         pickler = _Pickler(buffer, self, arena)
         pickler.dump(list(pairs))
         if not all(segment.reusable for segment in pickler.segments):
-            return _load_pairs, (None, buffer.getvalue())  # an arena copy lives one call only
+            # An arena copy lives one call only: not kept.
+            return _from_table, ("load_pairs", None, buffer.getvalue())
         token = next(self._tokens)
         self._new_pairs[id(pairs)] = (token, weakref.ref(pairs))
-        return _load_pairs, (token, buffer.getvalue())
+        return _from_table, ("load_pairs", token, buffer.getvalue())
 
     def _use(self, segment: shared_memory.Segment) -> None:
         if segment.segment_id not in self._mapped:

@@ -29,7 +29,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from megatron_async.core import coordination
-from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
 from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import AsyncTimeoutError, CheckpointInProgressError
 
@@ -175,7 +175,7 @@ class SaveDirectories(OnePerProcess):
         """
         bound_s = coordinator_step_timeout_s() if timeout_s is None else timeout_s
         try:
-            return run_with_deadline(step, bound_s, f"save step: {what}")
+            return HelperThreads.of_process().run(step, bound_s, f"save step: {what}")
         except DeadlineExpired as exc:
             with self._lock:
                 self._stuck = self._stuck or what

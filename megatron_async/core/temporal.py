@@ -111,15 +111,11 @@ class TemporalAsyncCaller(AsyncCaller):
             status = self._statuses[call_idx]
         elif closed or not alive:
             status = CallStatus.failed(self._died_failure(rank))
-        elif (not self._started
-              and time.monotonic() - self._forked_at > self.config.fork_start_timeout_s):
-            kill_and_reap(self.process)
-            exc = self._never_started(self.process.pid)
-            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
-        elif time.monotonic() - self._forked_at > self.config.timeout_s:
-            exc = self._overran(call_idx, self.process.pid)
-            kill_and_reap(self.process)
-            status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", exc))
+        else:
+            overdue = self._overdue(call_idx, self.process.pid, self._forked_at, self._forked_at)
+            if overdue is not None:
+                kill_and_reap(self.process)
+                status = CallStatus.failed(RankFailure.from_exception(rank, "timeout", overdue))
         self._statuses[call_idx] = status
         return status
 
@@ -136,10 +132,6 @@ class TemporalAsyncCaller(AsyncCaller):
         """Join the finished child (bounded) so it leaves no zombie."""
         self.close(abort=False)
 
-    def _release_staged(self) -> None:
-        staged, self._staged = self._staged, None
-        release_staged_data(staged)
-
     def close(self, abort: bool = False) -> None:
         """Join the child; kill it first when ``abort`` or when it outlives the bound.
 
@@ -147,18 +139,16 @@ class TemporalAsyncCaller(AsyncCaller):
         still be reading the buffers.
         """
         process = self.process
-        if process is None:
-            self._release_staged()
-            return
-        if abort:
-            kill_and_reap(process, self.config.close_timeout_s)
-        else:
-            process.join(timeout=self.config.close_timeout_s)
-            if process.is_alive():
-                logger.warning("background save pid %d did not exit; killing it", process.pid)
-                kill_and_reap(process)
-        if self._result_conn is not None:
-            self._result_conn.close()
+        if process is not None:
+            if abort:
+                kill_and_reap(process, self.config.close_timeout_s)
+            else:
+                process.join(timeout=self.config.close_timeout_s)
+                if process.is_alive():
+                    logger.warning("background save pid %d did not exit; killing it", process.pid)
+                    kill_and_reap(process)
+            self._result_conn.close()  # set with the process
             self._result_conn = None
-        self.process = None
-        self._release_staged()
+            self.process = None
+        staged, self._staged = self._staged, None
+        release_staged_data(staged)

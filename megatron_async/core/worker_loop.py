@@ -331,19 +331,18 @@ class SegmentTable:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Reads what the trainer's pickler wrote: its references to the placeholders of
-    :mod:`~megatron_async.core.request_transport` become the methods of one
-    :class:`SegmentTable`."""
+    """Reads what the trainer's pickler wrote: its calls of
+    :func:`~megatron_async.core.request_transport._from_table` become calls of one
+    :class:`SegmentTable`'s methods."""
 
     def __init__(self, file, table: SegmentTable):
         super().__init__(file)
-        self._resolved = {
-            "_rebuild_tensor": table.rebuild_tensor,
-            "_load_pairs": table.load_pairs,
-            "_cached_pairs": table.cached_pairs,
-        }
+        self._table = table
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == request_transport.__name__ and name in self._resolved:
-            return self._resolved[name]
+        if module == request_transport.__name__ and name == "_from_table":
+            return self._from_table
         return super().find_class(module, name)
+
+    def _from_table(self, method: str, *args: Any) -> Any:
+        return getattr(self._table, method)(*args)

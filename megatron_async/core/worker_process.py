@@ -209,22 +209,18 @@ class WorkerProcess:
     def close_channel(self) -> None:
         """Close the trainer's end; call once the worker has exited or was killed."""
         self._outbox.put(_CLOSED)
-        _shutdown(self.control.fileno())  # wakes a sender blocked on a worker that is gone
+        sock = socket.socket(fileno=self.control.fileno())
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a sender blocked on a worker that is gone
+        except OSError:
+            pass  # already disconnected
+        finally:
+            sock.detach()
         if not self._sender_stopped.wait(_SENDER_JOIN_TIMEOUT_S):
             # Closing a descriptor another thread still writes to could hit a reused number.
             logger.warning("worker %d: sender thread did not stop; leaving its socket open", self.pid)
         else:
             self.control.close()
-
-
-def _shutdown(fd: int) -> None:
-    sock = socket.socket(fileno=fd)
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already disconnected
-    finally:
-        sock.detach()
 
 
 def start_worker(rank: int, config: AsyncCallerConfig) -> WorkerProcess:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, TypeVar
 
-from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
 from megatron_async.core.save_directories import run_coordinator_step
 from megatron_async.errors import ObjectStoreError
 
@@ -58,7 +58,7 @@ def call_with_deadline(what: str, url: str, call: Callable[[], T], timeout_s: fl
             :class:`ObjectStoreTimeoutError` when it did not finish in time.
     """
     try:
-        return run_with_deadline(call, timeout_s, f"object-request: {what}")
+        return HelperThreads.of_process().run(call, timeout_s, f"object-request: {what}")
     except FileNotFoundError:
         raise
     except DeadlineExpired as exc:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,11 +79,11 @@ def test_an_error_is_raised_to_the_caller_and_the_thread_serves_on():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_forked_child_starts_with_no_helper_threads_and_can_run_bounded_calls():
-    run_with_deadline(lambda: None, 5, "parent's step")  # the parent has an idle helper
+    HelperThreads.of_process().run(lambda: None, 5, "parent's step")  # the parent has an idle helper
     pid = os.fork()
     if pid == 0:  # the child: the parent's helper thread does not exist here
         try:
-            ok = run_with_deadline(lambda: 42, 2, "child's step") == 42
+            ok = HelperThreads.of_process().run(lambda: 42, 2, "child's step") == 42
         except BaseException:
             ok = False
         os._exit(0 if ok else 1)

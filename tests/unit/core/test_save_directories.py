@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_async.core import coordination, save_directories
-from megatron_async.core.helper_threads import DeadlineExpired, run_with_deadline
+from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
 from megatron_async.core.save_directories import (
     FileSystemStepTimeoutError,
     SaveDirectories,
@@ -34,9 +34,9 @@ def hung_mount():
 
 
 def test_a_step_returns_its_value_or_raises_its_own_error():
-    assert run_with_deadline(lambda: 42, 5, "t") == 42
+    assert HelperThreads.of_process().run(lambda: 42, 5, "t") == 42
     with pytest.raises(KeyError, match="mine"):
-        run_with_deadline(lambda: {}["mine"], 5, "t")
+        HelperThreads.of_process().run(lambda: {}["mine"], 5, "t")
 
     def own_timeout():
         raise TimeoutError("the step's own socket timeout")
