@@ -42,7 +42,7 @@ def log_finalized_save(
         return
     d = details
     written = f"{d.num_bytes} bytes"
-    if d.write_s is not None:
+    if d.write_s:  # unmeasured (None) or too short to give a rate
         rate = d.num_bytes / max(d.write_s, 1e-9) / 1e9
         written = f"background write {d.write_s:.3f}s, {written} at {rate:.2f} GB/s"
     parts = [

@@ -30,7 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -123,7 +123,7 @@ def same_plan(plan: SavePlan, loaded: Any) -> bool:
 
 
 def verify_global_md_reuse(
-    loaded_all_plans: Optional[Sequence[bytes]],
+    loaded_all_plans: Optional[Sequence[Union[bytes, SavePlan]]],
     local_plan: SavePlan,
     rank: int,
     dist_wrapper: _DistWrapper,
@@ -135,7 +135,9 @@ def verify_global_md_reuse(
     the same size and its own entry equals ``local_plan`` apart from the storage data.
 
     Args:
-        loaded_all_plans: the loaded metadata's plan digests (:func:`loaded_plans`), or None.
+        loaded_all_plans: the loaded metadata's plan digests (:func:`loaded_plans`), the
+            reference API's whole ``all_local_plans`` (a caller's own code may pass
+            them), or None.
         local_plan: this rank's fresh local plan.
         rank: this rank's index in the planning group.
         dist_wrapper: the planning wrapper.
@@ -143,11 +145,15 @@ def verify_global_md_reuse(
     Returns:
         True on every rank if every rank agrees, else False on every rank.
     """
-    local_ok = (
-        bool(loaded_all_plans)
-        and len(loaded_all_plans) == dist_wrapper.get_world_size()
-        and same_plan(local_plan, loaded_all_plans[rank])
-    )
+    try:
+        local_ok = (
+            bool(loaded_all_plans)
+            and len(loaded_all_plans) == dist_wrapper.get_world_size()
+            and same_plan(local_plan, loaded_all_plans[rank])
+        )
+    except Exception as exc:  # an unexpected plan layout: plan afresh rather than diverge
+        logger.debug("rank %d: cannot compare with the loaded plans: %s", rank, exc)
+        local_ok = False
     if not local_ok and loaded_all_plans:
         logger.debug("rank %d: loaded checkpoint plans differ from this save's plan", rank)
     (any_mismatch,) = coordination.all_reduce_max([int(not local_ok)], dist_wrapper.group)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -94,7 +94,7 @@ def plan_save(
     coordinator_rank: int = 0,
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
-    loaded_all_plans: Optional[List[bytes]] = None,
+    loaded_all_plans: Optional[List[Union[bytes, SavePlan]]] = None,
     unmark: bool = True,
 ) -> PlanResult:
     """Plan a save and prepare the writer's buckets (every rank, synchronous).
@@ -123,7 +123,8 @@ def plan_save(
             megatron-core; unlike there, the one small all-reduce stays, so ranks that
             disagree plan afresh together instead of waiting on each other. Without it,
             reuse is verified against a fresh local plan.
-        loaded_all_plans: the plan digests stored in a loaded checkpoint's metadata.
+        loaded_all_plans: the plan digests stored in a loaded checkpoint's metadata (or
+            the reference API's whole ``all_local_plans``, compared item by item).
         unmark: remove a complete checkpoint's markers once planned, best effort (the
             reference API); our strategy does it itself, agreed.
 
@@ -207,7 +208,7 @@ def save_state_dict_async_plan(
     coordinator_rank: int = 0,
     planner: Optional[SavePlanner] = None,
     cached_ckpt_structure: Optional[CachedStructure] = None,
-    loaded_all_plans: Optional[List[bytes]] = None,
+    loaded_all_plans: Optional[List[Union[bytes, SavePlan]]] = None,
 ):
     """Plan a save and prepare the writer's buckets (every rank, synchronous), in
     megatron-core's convention (see :func:`plan_save` for the arguments and how plans

@@ -361,6 +361,35 @@ def test_an_interrupt_before_any_writer_took_the_staged_data_frees_it(
     assert (tmp_path / "after").read_text() == "ok" and not (tmp_path / "x").exists()
 
 
+class _StagedRecordingItsWriter:
+    """Staged data that records, when released, whether its writer process still runs."""
+
+    def __init__(self, pid_path):
+        self.pid_path = pid_path
+        self.writer_alive_at_release = []
+
+    def release(self):
+        with open(self.pid_path) as f:
+            self.writer_alive_at_release.append(_pid_alive(int(f.read())))
+
+
+def test_an_aborted_temporal_save_releases_its_staged_data_only_after_its_writer_is_gone(
+        make_queue, tmp_path):
+    """Abort while the forked writer still reads the staged buffers: they are released
+    only once the child is reaped (released earlier, the cache would lend them to the next
+    save while the old writer still reads them, writing a mix into the checkpoint)."""
+    queue = make_queue(False)
+    pid_path = tmp_path / "pid"
+    staged = _StagedRecordingItsWriter(str(pid_path))
+    queue.schedule_async_request(
+        _request(fns.record_pid_and_hang, pid_path, 30.0, preload_fn=lambda: staged))
+    deadline = time.monotonic() + 60
+    while not pid_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    queue.close(abort=True)
+    assert staged.writer_alive_at_release == [False]
+
+
 def _fork_that_hangs_in_the_child(result_conn, rank, parent_pid, priority, due, fn, args, kwargs,
                                   call_idx):
     """A forked child stuck before our first line (as in CPython gh-112275's deadlock)."""

@@ -262,7 +262,7 @@ def test_staged_data_kept_until_finalize_gives_its_segment_back_once_its_writer_
     # The caller keeps the staged data until finalize: the loan that ends at the writer's
     # done mark drops the save's own segment too, so memory held follows the ledger.
     staged = _stage({"w": torch.ones(KIB)}, None)
-    assert staged.buffer is not None
+    assert staged.buffer is not None and not staged.loan.over()  # held while the writer reads
     staged.gate.mark_done()
     assert staged.loan.over() and staged.buffer is None
 
