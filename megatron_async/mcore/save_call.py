@@ -206,50 +206,47 @@ def _our_config(strategy: Any) -> Optional[TorchDistSaveConfig]:
     return config if isinstance(config, TorchDistSaveConfig) else None
 
 
-def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -> Any:
-    """Run megatron-core's ``common.pt`` write behind the checks against the process's
-    record (every rank).
-
-    Raises:
-        CheckpointInProgressError: an unfinalized async save of this process still
-            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
-            another strategy, the process's saves stopped (rank 0).
-    """
-    call = current_save_call()
-    ours = call is not None and call.config is not None
-    directories = SaveDirectories.of_process()
-    directory = normalize_checkpoint_path(checkpoint_dir)
-    directories.refuse_if_claimed(directory)
-    if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
-        return write()
-    if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
-        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
-        return None
-    directories.refuse_if_stuck()
-    try:
-        directories.run_bounded(
-            f"unmarking {directory}",
-            lambda: unmark_or_refuse(
-                directory, call.config.overwrite if ours else None, storage_for(directory)
-            ),
-        )
-        return directories.run_bounded(f"writing common.pt of {directory}", write)
-    except Exception as exc:
-        if not ours:
-            raise  # another strategy: as megatron-core would
-        logger.error("rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc)
-        call.failure = exc
-        return None
-
-
 def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap megatron-core's ``common.pt`` write (``save_common``: a function of a module,
-    or a method of a class) with :func:`_guarded_write`."""
+    or a method of a class) so that it runs behind the checks against the process's
+    record (every rank).
+
+    The wrapper raises CheckpointInProgressError when an unfinalized async save of this
+    process still writes the directory (every rank alike; nothing was written), or, with
+    another strategy, when the process's saves stopped (rank 0).
+    """
     signature = inspect.signature(original)
 
     def guarded_save_common(*args, **kwargs):
         checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
-        return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir)
+        write = functools.partial(original, *args, **kwargs)
+        call = current_save_call()
+        ours = call is not None and call.config is not None
+        directories = SaveDirectories.of_process()
+        directory = normalize_checkpoint_path(checkpoint_dir)
+        directories.refuse_if_claimed(directory)
+        if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
+            return write()
+        if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
+            logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
+            return None
+        directories.refuse_if_stuck()
+        try:
+            directories.run_bounded(
+                f"unmarking {directory}",
+                lambda: unmark_or_refuse(
+                    directory, call.config.overwrite if ours else None, storage_for(directory)
+                ),
+            )
+            return directories.run_bounded(f"writing common.pt of {directory}", write)
+        except Exception as exc:
+            if not ours:
+                raise  # another strategy: as megatron-core would
+            logger.error(
+                "rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc
+            )
+            call.failure = exc
+            return None
 
     return guarded_save_common
 
