@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Union
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
 from megatron_async.core import request
-from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
@@ -264,7 +264,7 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
     coordination.run_on_coordinator(
         "finalize",
-        lambda: run_coordinator_step(
+        lambda: SaveDirectories.of_process().run_bounded(
             f"writing {final_path}",
             lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
         ),
@@ -292,7 +292,7 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
     """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
     coordination.run_on_coordinator(
         "finalize",
-        lambda: run_coordinator_step(
+        lambda: SaveDirectories.of_process().run_bounded(
             f"writing the integrity manifest of {checkpoint_dir}",
             lambda: write_manifest(checkpoint_dir),
             timeout_s=manifest_step_timeout_s(),
