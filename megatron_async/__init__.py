@@ -15,7 +15,7 @@ The pipeline of one save, one package per stage::
     format.py   names on disk and the completeness rule; manager.py, checkpoint_dirs.py,
                 torch_ckpt.py, cli.py around them
 
-Public names are imported on first use. Importing the package registers
+Importing the package imports its public names and registers
 :class:`TorchDistAsyncSaveStrategy` with megatron-core where megatron-core has a strategy
 registry (0.16.x; see :mod:`megatron_async.mcore.generation`), which imports
 megatron-core.
@@ -25,48 +25,39 @@ import warnings as _warnings
 
 __version__ = "0.3.0"
 
-_LAZY = {
-    "AsyncCallerConfig": "megatron_async.core",
-    "AsyncCallsQueue": "megatron_async.core",
-    "AsyncRequest": "megatron_async.core",
-    "PersistentAsyncCaller": "megatron_async.core",
-    "TemporalAsyncCaller": "megatron_async.core",
-    "AsyncCheckpointError": "megatron_async.errors",
-    "AsyncSaveFailedError": "megatron_async.errors",
-    "FileSystemWriterAsync": "megatron_async.writer.filesystem",
-    "save_state_dict_async_finalize": "megatron_async.state_dict_saver",
-    "save_state_dict_async_plan": "megatron_async.state_dict_saver",
-    "verify_global_md_reuse": "megatron_async.state_dict_saver",
-    "TorchDistAsyncSaveStrategy": "megatron_async.mcore.strategy",
-    "TorchDistSaveConfig": "megatron_async.mcore.config",
-    "register_strategies": "megatron_async.mcore.strategy",
-    "TorchAsyncCheckpoint": "megatron_async.torch_ckpt",
-}
-"""Each public name and the module it is imported from on first use."""
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'megatron_async' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
-
+__all__ = [
+    "AsyncCallerConfig",
+    "AsyncCallsQueue",
+    "AsyncCheckpointError",
+    "AsyncRequest",
+    "AsyncSaveFailedError",
+    "FileSystemWriterAsync",
+    "PersistentAsyncCaller",
+    "TemporalAsyncCaller",
+    "TorchAsyncCheckpoint",
+    "TorchDistAsyncSaveStrategy",
+    "TorchDistSaveConfig",
+    "register_strategies",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
+    "verify_global_md_reuse",
+]
 
 with _warnings.catch_warnings():
     # megatron-core announces on import that optional packages (TE, Apex; absl on 0.17+)
     # are absent; it changes nothing for checkpointing, nor for the command line's output.
     _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     _warnings.filterwarnings("ignore", message="absl.logging is not installed")
-    from megatron_async.mcore.strategy import register_strategies as _register_strategies
+    from megatron_async.core import (
+        AsyncCallerConfig, AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller, TemporalAsyncCaller,
+    )
+    from megatron_async.errors import AsyncCheckpointError, AsyncSaveFailedError
+    from megatron_async.mcore.config import TorchDistSaveConfig
+    from megatron_async.mcore.strategy import TorchDistAsyncSaveStrategy, register_strategies
+    from megatron_async.state_dict_saver import (
+        save_state_dict_async_finalize, save_state_dict_async_plan, verify_global_md_reuse,
+    )
+    from megatron_async.torch_ckpt import TorchAsyncCheckpoint
+    from megatron_async.writer.filesystem import FileSystemWriterAsync
 
-_register_strategies()
+register_strategies()

@@ -38,7 +38,6 @@ __all__ = [
     "FileSystemStepTimeoutError",
     "SaveDirectories",
     "coordinator_step_timeout_s",
-    "run_coordinator_step",
 ]
 
 logger = logging.getLogger(__name__)
@@ -190,9 +189,3 @@ def _still_being_written(directory: str, advice: str = FINALIZE_OR_MOVE_ON) -> C
         f"an earlier save of this process into {directory} is not finalized yet; {advice}"
     )
 
-
-def run_coordinator_step(what: str, step: Callable[[], T], **options: Any) -> T:
-    """:meth:`SaveDirectories.run_bounded` on the process's record (the rank that runs it):
-    for bounded steps whose caller holds no record of its own (the writer's file system,
-    the reference API's commit). ``options`` are :meth:`~SaveDirectories.run_bounded`'s."""
-    return SaveDirectories.of_process().run_bounded(what, step, **options)

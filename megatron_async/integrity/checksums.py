@@ -100,16 +100,13 @@ def write_rank_record(checkpoint_dir: str, rank: int, results: Iterable[Any]) ->
     storage.write_atomically(path, json.dumps(payload))
 
 
-def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[ItemChecksum]]:
+def read_checksums(checkpoint_dir: str) -> Optional[List[ItemChecksum]]:
     """Every recorded checksum of the items of a checkpoint, or None when it has none.
 
     Reads the per-rank records; a record of an item that ``.metadata`` does not store (a
     rank that wrote in an earlier, unfinished save into the same directory, or a chunk
     without elements that several ranks wrote) is left out, so the result describes
     exactly the checkpoint's stored items.
-
-    Args:
-        metadata: its DCP ``Metadata`` if already read; read from ``.metadata`` otherwise.
     """
     storage = storage_for(checkpoint_dir)
     names = [
@@ -118,8 +115,7 @@ def read_checksums(checkpoint_dir: str, metadata: Any = None) -> Optional[List[I
     ]
     if not names:
         return None
-    if metadata is None:
-        metadata = storage.dcp_reader(checkpoint_dir).read_metadata()
+    metadata = storage.dcp_reader(checkpoint_dir).read_metadata()
     stored = {
         (info.relative_path, info.offset, info.length) for info in (metadata.storage_data or {}).values()
     }

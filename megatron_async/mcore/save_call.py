@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Union
 from megatron_async.core import coordination
 from megatron_async.core.coordination import agreed_step
 from megatron_async.core import request
-from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.format import MEGATRON_METADATA_FILE
 from megatron_async.mcore import generation
 from megatron_async.mcore.plan_cache import fail_first_collective
@@ -206,50 +206,47 @@ def _our_config(strategy: Any) -> Optional[TorchDistSaveConfig]:
     return config if isinstance(config, TorchDistSaveConfig) else None
 
 
-def _guarded_write(write: Callable[[], Any], checkpoint_dir: Union[str, Path]) -> Any:
-    """Run megatron-core's ``common.pt`` write behind the checks against the process's
-    record (every rank).
-
-    Raises:
-        CheckpointInProgressError: an unfinalized async save of this process still
-            writes ``checkpoint_dir`` (every rank alike; nothing was written), or, with
-            another strategy, the process's saves stopped (rank 0).
-    """
-    call = current_save_call()
-    ours = call is not None and call.config is not None
-    directories = SaveDirectories.of_process()
-    directory = normalize_checkpoint_path(checkpoint_dir)
-    directories.refuse_if_claimed(directory)
-    if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
-        return write()
-    if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
-        logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
-        return None
-    directories.refuse_if_stuck()
-    try:
-        directories.run_bounded(
-            f"unmarking {directory}",
-            lambda: unmark_or_refuse(
-                directory, call.config.overwrite if ours else None, storage_for(directory)
-            ),
-        )
-        return directories.run_bounded(f"writing common.pt of {directory}", write)
-    except Exception as exc:
-        if not ours:
-            raise  # another strategy: as megatron-core would
-        logger.error("rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc)
-        call.failure = exc
-        return None
-
-
 def _guard_common_write(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap megatron-core's ``common.pt`` write (``save_common``: a function of a module,
-    or a method of a class) with :func:`_guarded_write`."""
+    or a method of a class) so that it runs behind the checks against the process's
+    record (every rank).
+
+    The wrapper raises CheckpointInProgressError when an unfinalized async save of this
+    process still writes the directory (every rank alike; nothing was written), or, with
+    another strategy, when the process's saves stopped (rank 0).
+    """
     signature = inspect.signature(original)
 
     def guarded_save_common(*args, **kwargs):
         checkpoint_dir = signature.bind_partial(*args, **kwargs).arguments["checkpoint_dir"]
-        return _guarded_write(lambda: original(*args, **kwargs), checkpoint_dir)
+        write = functools.partial(original, *args, **kwargs)
+        call = current_save_call()
+        ours = call is not None and call.config is not None
+        directories = SaveDirectories.of_process()
+        directory = normalize_checkpoint_path(checkpoint_dir)
+        directories.refuse_if_claimed(directory)
+        if coordination.get_rank() != 0:  # megatron-core writes on rank 0 only
+            return write()
+        if ours and directories.stuck is not None:  # our strategy's agreed check refuses the save
+            logger.warning("leaving common.pt of %s untouched: %s", checkpoint_dir, directories.stuck)
+            return None
+        directories.refuse_if_stuck()
+        try:
+            directories.run_bounded(
+                f"unmarking {directory}",
+                lambda: unmark_or_refuse(
+                    directory, call.config.overwrite if ours else None, storage_for(directory)
+                ),
+            )
+            return directories.run_bounded(f"writing common.pt of {directory}", write)
+        except Exception as exc:
+            if not ours:
+                raise  # another strategy: as megatron-core would
+            logger.error(
+                "rank 0: leaving common.pt of %s for the save to fail on every rank: %s", checkpoint_dir, exc
+            )
+            call.failure = exc
+            return None
 
     return guarded_save_common
 
@@ -267,7 +264,7 @@ def write_megatron_config(checkpoint_dir: str, backend: str, version: int) -> No
     config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version)))
     coordination.run_on_coordinator(
         "finalize",
-        lambda: run_coordinator_step(
+        lambda: SaveDirectories.of_process().run_bounded(
             f"writing {final_path}",
             lambda: storage_for(checkpoint_dir).write_atomically(final_path, config),
         ),
@@ -295,7 +292,7 @@ def write_integrity_manifest(checkpoint_dir: str, write_manifest: Callable[[str]
     """Run megatron-core's manifest writer on rank 0; raise any failure on every rank."""
     coordination.run_on_coordinator(
         "finalize",
-        lambda: run_coordinator_step(
+        lambda: SaveDirectories.of_process().run_bounded(
             f"writing the integrity manifest of {checkpoint_dir}",
             lambda: write_manifest(checkpoint_dir),
             timeout_s=manifest_step_timeout_s(),

@@ -150,7 +150,11 @@ def save_state_dict_async_finalize(
     summed = coordination.agree(
         failure, coordination.save_failed(checkpoint), [int(moved), 1, *comparison.counts()], group
     )
-    report = _judge_staleness(previous, summed, comparison, checkpoint) if is_coordinator else None
+    report = None
+    if is_coordinator:  # the job-wide comparison, with its WARNING when nothing changed
+        counts, ranks = summed[_RANKS + 1:], summed[_RANKS]
+        report = ChangeReport.from_counts(counts, ranks, comparison.previous_checkpoint)
+        judge_staleness(checkpoint, report)
 
     start = time.monotonic()
     warm = not summed[_MOVED]
@@ -181,23 +185,5 @@ def save_state_dict_async_finalize(
             checkpoint, digests, layout, global_metadata, committed if is_coordinator else None
         )
         previous.last = kept._replace(checkpoint=checkpoint, digests=digests)
-    return report
+    return report if report is not None and report.items else None
 
-
-def _judge_staleness(
-    previous: Optional[PreviousSave],
-    summed: List[int],
-    comparison: ChangeReport,
-    checkpoint: str,
-) -> Optional[ChangeReport]:
-    """The job-wide comparison with the previous save, with its WARNING when nothing
-    changed (the coordinator)."""
-    if previous is None:
-        return None
-    report = ChangeReport.from_counts(
-        summed[_RANKS + 1:], summed[_RANKS], comparison.previous_checkpoint
-    )
-    if report.items == 0:
-        return None
-    judge_staleness(checkpoint, report)
-    return report

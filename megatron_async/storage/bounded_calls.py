@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Callable, Optional, TypeVar
 
 from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
-from megatron_async.core.save_directories import run_coordinator_step
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.errors import ObjectStoreError
 
 __all__ = ["BoundedFileSystem", "ObjectStoreTimeoutError", "REQUEST_TIMEOUT_S", "call_with_deadline"]
@@ -109,7 +109,7 @@ class BoundedFileSystem:
                 return attribute(path, *args, **kwargs)
 
             if self._timeout_s is None:
-                return run_coordinator_step(f"{what} {path}", call)
+                return SaveDirectories.of_process().run_bounded(f"{what} {path}", call)
             return call_with_deadline(what, str(path), call, self._timeout_s)
 
         return bounded

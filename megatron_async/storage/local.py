@@ -102,9 +102,6 @@ class LocalStorage:
 
     needs_msc = False
 
-    def __repr__(self) -> str:
-        return "LocalStorage()"
-
     # -- lookups and reads -------------------------------------------------------------
 
     def is_file(self, path: str) -> bool:

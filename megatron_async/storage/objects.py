@@ -63,9 +63,6 @@ class ObjectStorage:
 
     needs_msc = True
 
-    def __repr__(self) -> str:
-        return "ObjectStorage()"
-
     # -- lookups and reads -------------------------------------------------------------
 
     @_local_for_posix_profiles

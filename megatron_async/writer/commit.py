@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_async.core.save_directories import SaveDirectories, run_coordinator_step
+from megatron_async.core.save_directories import SaveDirectories
 from megatron_async.core.gc_pause import paused_gc
 from megatron_async.format import (
     COMMON_FILE, DCP_METADATA_FILE, remove_completion_markers,
@@ -107,7 +107,7 @@ def _write_metadata(checkpoint_dir: str, data: Union[bytes, List[Any]]) -> None:
 
     # Only the file-system calls run on the bounded helper thread: the metadata was built
     # here, under this thread's paused_gc, which a thread left behind would never end.
-    run_coordinator_step(f"writing .metadata of {checkpoint_dir}", write)
+    SaveDirectories.of_process().run_bounded(f"writing .metadata of {checkpoint_dir}", write)
 
 
 def _storage_data(results: List[List[WriteResult]]) -> Dict[MetadataIndex, Any]:
@@ -153,7 +153,7 @@ def unmark_before_rewrite(checkpoint_dir: str, strict: bool = False) -> None:
     if storage.needs_msc:
         return
     try:  # after the agreement: unless the caller agrees on it, it must not fail alone
-        removed = run_coordinator_step(
+        removed = SaveDirectories.of_process().run_bounded(
             f"unmarking {checkpoint_dir}",
             lambda: remove_completion_markers(checkpoint_dir, storage),
         )

@@ -12,11 +12,7 @@ import pytest
 
 from megatron_async.core import coordination, save_directories
 from megatron_async.core.helper_threads import DeadlineExpired, HelperThreads
-from megatron_async.core.save_directories import (
-    FileSystemStepTimeoutError,
-    SaveDirectories,
-    run_coordinator_step,
-)
+from megatron_async.core.save_directories import FileSystemStepTimeoutError, SaveDirectories
 from megatron_async.errors import AsyncSaveFailedError, AsyncTimeoutError, CheckpointInProgressError
 from megatron_async import checkpoint_dirs
 from megatron_async.checkpoint_dirs import read_tracker
@@ -42,14 +38,14 @@ def test_a_step_returns_its_value_or_raises_its_own_error():
         raise TimeoutError("the step's own socket timeout")
 
     with pytest.raises(TimeoutError, match="own socket") as caught:
-        run_coordinator_step("a step", own_timeout, timeout_s=5)
+        SaveDirectories.of_process().run_bounded("a step", own_timeout, timeout_s=5)
     assert not isinstance(caught.value, (DeadlineExpired, AsyncTimeoutError))
 
 
 def test_a_step_that_never_returns_fails_within_its_bound(hung_mount):
     started = time.monotonic()
     with pytest.raises(FileSystemStepTimeoutError, match="writing .metadata of /x did not return within 0.3s") as caught:
-        run_coordinator_step("writing .metadata of /x", hung_mount.wait, timeout_s=0.3)
+        SaveDirectories.of_process().run_bounded("writing .metadata of /x", hung_mount.wait, timeout_s=0.3)
     assert time.monotonic() - started < 5
     assert isinstance(caught.value, AsyncTimeoutError)
     assert "check the mount" in str(caught.value)
