@@ -109,7 +109,6 @@ _PHASES = (
      "megatron-core save_preprocess"),
     ("megatron.core.dist_checkpointing.strategies.common", "TorchCommonSaveStrategy.save_common",
      "megatron-core common.pt (rank 0)"),
-    ("megatron_async.mcore.save_call", "_guarded_write", "  our common.pt guard (in the above)"),
     ("megatron_async.mcore.strategy", "TorchDistAsyncSaveStrategy.async_save", "our async_save"),
     ("megatron_async.mcore.plan_cache", "describe_structure", "  structure fingerprint"),
     ("megatron_async.mcore.plan_cache", "rebind", "  rebind to the new tensors"),
@@ -226,14 +225,12 @@ def run_caller(persistent: bool, tensors: List[torch.Tensor], saves: int, workdi
 
 
 def _our_share(phases: Dict[str, List[float]], stalls: List[float]):
-    """Medians over the warm saves of (our part of the stall, the rest): our part is our
-    ``common.pt`` guard (0.16-0.18), ``async_save`` and the scheduling, timed per save;
+    """Medians over the warm saves of (our part of the stall, the rest): our part is
+    ``async_save`` and the scheduling, timed per save (our ``common.pt`` guard on
+    0.16-0.18, a few checks, is timed within megatron-core's ``common.pt`` phase);
     None without ``--phases``."""
     ours = [a + s for a, s in zip(phases.get("our async_save", []),
                                   phases.get("scheduling (staging included)", []))]
-    guard = phases.get("  our common.pt guard (in the above)", [])
-    if len(guard) == len(ours):
-        ours = [mine + checked for mine, checked in zip(ours, guard)]
     if len(ours) != len(stalls) or len(stalls) < 2:
         return None
     return (statistics.median(ours[1:]),
