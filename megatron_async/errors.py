@@ -26,6 +26,8 @@ __all__ = [
     "AsyncTimeoutError",
     "CoordinationError",
     "CheckpointIntegrityError",
+    "LocalCheckpointError",
+    "NoReplicasAvailableError",
     "StorageWriteError",
     "StagingMemoryError",
     "StagingRaceError",
@@ -79,6 +81,18 @@ class CoordinationError(AsyncCheckpointError):
 
 class CheckpointIntegrityError(AsyncCheckpointError):
     """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+class LocalCheckpointError(AsyncCheckpointError):
+    """A node-local checkpoint (``megatron_async.local``) cannot be saved, found or
+    recovered: a replication layout that does not fit the job, a part that cannot be
+    written or a state dict used out of order. The message names the rank, directory or
+    iteration and says what to change."""
+
+
+class NoReplicasAvailableError(LocalCheckpointError):
+    """No intact copy of some rank's local checkpoint part exists on any holder; the
+    recovery falls back to an older local iteration or the persistent checkpoint."""
 
 
 class UnsupportedMegatronError(AsyncCheckpointError, ImportError):

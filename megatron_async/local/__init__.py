@@ -1,0 +1,15 @@
+"""Local checkpoints: saved often to node-local storage, replicated to peer nodes.
+
+The building blocks of nvidia-resiliency-ext's ``checkpointing.local`` surface (served
+by :mod:`megatron_async.nvrx`), one role per module:
+
+* :mod:`.state_dict` (every rank): ``TensorAwareStateDict``, the base megatron-core's
+  ``MCoreTensorAwareStateDict`` derives from, and ``BasicTensorAwareStateDict`` for
+  plain nested dicts and lists;
+* :mod:`.cliques` (every rank): which ranks keep replicas of which rank's part
+  (``parse_group_sequence``, ``CliqueReplicationStrategy``);
+* :mod:`.parts` (background writer writes, every rank reads): a holder directory's part
+  files and their records (size, xxh3 digest, the job's identity);
+* :mod:`.recovery` (every rank): the pure decision of which iteration to recover and
+  which intact copy each rank reads.
+"""
