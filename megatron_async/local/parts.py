@@ -158,16 +158,17 @@ def write_part(
     Raises:
         CheckpointIntegrityError: the bytes do not match ``expected_digest``.
         StorageWriteError: the directory or a file cannot be written (the message names
-            the path). The part's files are removed; an older record of it is gone too.
+            the path). What was written of the part is removed.
     """
     directory = os.fspath(directory)
     dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
     hasher = new_hasher()
     num_bytes = 0
-    renamed = False
+    written: Optional[str] = None  # the file to remove if the write fails
     try:
         os.makedirs(directory, exist_ok=True)
         with open(dirty, "wb") as stream:
+            written = dirty
             for buffer in buffers:
                 view = memoryview(buffer).cast("B")
                 hasher.update(view)
@@ -183,12 +184,14 @@ def write_part(
             )
         record = PartRecord(iteration, owner, num_bytes, digest, identity)
         _remove(os.path.join(directory, record_name(iteration, owner)))
-        os.replace(dirty, os.path.join(directory, part_name(iteration, owner)))
-        renamed = True
+        clean = os.path.join(directory, part_name(iteration, owner))
+        os.replace(dirty, clean)
+        written = clean
         with atomic_output(os.path.join(directory, record_name(iteration, owner))) as stream:
             stream.write(record.to_json().encode())
     except BaseException as exc:
-        _remove(os.path.join(directory, part_name(iteration, owner)) if renamed else dirty)
+        if written is not None:
+            _remove(written)
         if isinstance(exc, OSError):
             raise StorageWriteError(
                 f"cannot write rank {owner}'s local checkpoint part of iteration {iteration} "

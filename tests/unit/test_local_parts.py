@@ -8,6 +8,7 @@ import pytest
 
 from megatron_async.buckets.bucket_file import new_hasher
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
+from megatron_async.local import parts
 from megatron_async.local.parts import (
     FORMAT,
     LocalIdentity,
@@ -79,6 +80,16 @@ def test_a_failed_write_leaves_no_part_behind(tmp_path):
     blocked.write_text("")
     with pytest.raises(StorageWriteError, match="cannot write rank 0's"):
         write_part(blocked, 6, 0, [b"x"], IDENTITY)
+
+
+def test_a_part_whose_record_cannot_be_written_is_removed(tmp_path, monkeypatch):
+    def no_record(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(parts, "atomic_output", no_record)
+    with pytest.raises(StorageWriteError, match="Input/output error"):
+        write_part(tmp_path, 6, 0, [b"x"], IDENTITY)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_flipped_byte_is_found_before_the_part_is_used(tmp_path, caplog):
