@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "LocalCheckpointError",
     "NoReplicasAvailableError",
+    "LocalReplicationError",
     "StorageWriteError",
     "StagingMemoryError",
     "StagingRaceError",
@@ -93,6 +94,19 @@ class LocalCheckpointError(AsyncCheckpointError):
 class NoReplicasAvailableError(LocalCheckpointError):
     """No intact copy of some rank's local checkpoint part exists on any holder; the
     recovery falls back to an older local iteration or the persistent checkpoint."""
+
+
+class LocalReplicationError(LocalCheckpointError):
+    """A background writer could not exchange local checkpoint parts with its clique peers
+    (a peer that died, stalled, never published its address or refused a damaged part).
+    ``failures`` maps each peer's global rank to what happened with it."""
+
+    def __init__(self, message: str, failures: Optional[Mapping[int, List[str]]] = None):
+        super().__init__(message)
+        self.failures: Dict[int, List[str]] = dict(failures or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.failures))
 
 
 class UnsupportedMegatronError(AsyncCheckpointError, ImportError):

@@ -1,0 +1,218 @@
+"""How background writers reach each other: the job's store, this node's address, messages.
+
+:func:`store_address` runs in the training process: it finds the job's ``TCPStore``
+behind the default process group, so that its host and port can travel in a save's
+request. The rest runs in the background writer (a forked child or the persistent
+worker), which cannot use the trainer's process groups nor its store connection: it
+opens its own store client (:func:`store_client`), listens on this node's address
+(:func:`advertised_address`, :func:`listen`) and talks to peers in length-prefixed JSON
+messages (:func:`send_message`, :func:`recv_message`). :mod:`.exchange` builds the
+replication of a part on these.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch.distributed as dist
+
+from megatron_async.errors import LocalCheckpointError
+
+__all__ = [
+    "LOCAL_ADDR_ENV",
+    "PeerLost",
+    "store_address",
+    "store_client",
+    "advertised_address",
+    "listen",
+    "send_message",
+    "recv_message",
+    "recv_chunks",
+    "close_socket",
+]
+
+LOCAL_ADDR_ENV = "MEGATRON_ASYNC_LOCAL_ADDR"
+"""The address peers reach this node's writers at; by default, the local end of the
+route to the store's host."""
+
+_LENGTH = struct.Struct("!I")
+_MAX_MESSAGE_BYTES = 1 << 16
+_CHUNK_BYTES = 4 << 20
+
+
+class PeerLost(Exception):
+    """A peer's connection broke, closed or timed out. Not an ``OSError``, so that code
+    writing what it receives does not report it as a storage failure."""
+
+
+def store_address(
+    store: Optional[dist.Store] = None, *, required: bool = False
+) -> Optional[Tuple[str, int]]:
+    """The ``(host, port)`` of the job's TCPStore, for the writer's own client (training process).
+
+    Args:
+        store: the store to look behind; the default process group's when None.
+        required: raise instead of returning None (replication was asked for).
+
+    Returns:
+        The address, behind any ``PrefixStore``s; None without a process group or when
+        the store is not a ``TCPStore`` (peers cannot reach a file or hash store).
+
+    Raises:
+        LocalCheckpointError: ``required`` and there is no TCPStore.
+    """
+    if store is None and dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    if required:
+        found = "no process group" if store is None else f"a {type(store).__name__}"
+        raise LocalCheckpointError(
+            f"local checkpoint replication needs the job's TCPStore, but there is {found}: "
+            "initialize torch.distributed with torchrun, init_method='env://' or 'tcp://', "
+            "or save local checkpoints without replication"
+        )
+    return None
+
+
+_clients: Dict[Tuple[int, str, int], dist.TCPStore] = {}
+_clients_lock = threading.Lock()
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """This process's client of the store at ``host:port`` (background writer).
+
+    Created once per address and process, and reused: a forked writer makes its own
+    (the parent's connection is not its to use). ``timeout_s`` bounds connecting.
+    """
+    key = (os.getpid(), host, port)
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            )
+        return _clients[key]
+
+
+def _after_fork_in_child() -> None:
+    global _clients_lock
+    _clients_lock = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def advertised_address(store_host: str, store_port: int) -> str:
+    """The address peers reach this writer at (background writer).
+
+    ``MEGATRON_ASYNC_LOCAL_ADDR`` if set; ``127.0.0.1`` when the store is on a loopback
+    address; else the local end of the route to the store's host, found with a connected
+    UDP socket (which sends nothing).
+
+    Raises:
+        LocalCheckpointError: the store's host cannot be resolved or routed to.
+    """
+    configured = os.environ.get(LOCAL_ADDR_ENV)
+    if configured:
+        return configured
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            store_host, store_port, type=socket.SOCK_DGRAM
+        )[0]
+        if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise LocalCheckpointError(
+            f"cannot find this node's address on the route to the store host {store_host!r} "
+            f"({exc}): set {LOCAL_ADDR_ENV} to an address the peer nodes reach"
+        ) from exc
+
+
+def listen(advertised: str, backlog: int) -> socket.socket:
+    """A listening socket on an ephemeral port of ``advertised`` when it is a literal IP,
+    else of every interface (background writer)."""
+    try:
+        ip = ipaddress.ip_address(advertised.strip("[]"))
+    except ValueError:
+        return socket.create_server(("", 0), backlog=backlog)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return socket.create_server((str(ip), 0), family=family, backlog=backlog)
+
+
+def send_message(sock: socket.socket, message: Dict[str, Any]) -> None:
+    """Send a small JSON object, length first (within the socket's timeout)."""
+    data = json.dumps(message).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def recv_message(sock: socket.socket) -> Dict[str, Any]:
+    """Receive what :func:`send_message` sent (within the socket's timeout).
+
+    Raises:
+        PeerLost: the connection broke, closed or timed out first.
+        ValueError: the bytes are not such a message (a stranger's connection).
+    """
+    (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
+    if length > _MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {length} bytes is not from a peer's writer")
+    message = json.loads(_recv_exactly(sock, length))
+    if not isinstance(message, dict):
+        raise ValueError("a message that is not an object is not from a peer's writer")
+    return message
+
+
+def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < num_bytes:
+        try:
+            chunk = sock.recv(num_bytes - len(data))
+        except OSError as exc:
+            raise PeerLost(str(exc) or type(exc).__name__) from exc
+        if not chunk:
+            raise PeerLost("the connection closed")
+        data += chunk
+    return bytes(data)
+
+
+def recv_chunks(sock: socket.socket, num_bytes: int, deadline: float) -> Iterator[memoryview]:
+    """Receive ``num_bytes`` through one bounded buffer, by the ``time.monotonic()``
+    deadline. Each chunk is overwritten by the next: consume it before asking for more.
+
+    Raises:
+        PeerLost: the connection broke, closed or timed out first.
+    """
+    view = memoryview(bytearray(max(min(_CHUNK_BYTES, num_bytes), 1)))
+    done = 0
+    while done < num_bytes:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            count = sock.recv_into(view[: min(num_bytes - done, len(view))])
+        except OSError as exc:
+            raise PeerLost(f"after {done} of {num_bytes} bytes: {exc}") from exc
+        if not count:
+            raise PeerLost(f"the connection closed after {done} of {num_bytes} bytes")
+        done += count
+        yield view[:count]
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut a socket down (waking a thread blocked on it) and close it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or already shut
+    sock.close()
