@@ -11,5 +11,9 @@ by :mod:`megatron_async.nvrx`), one role per module:
 * :mod:`.parts` (background writer writes, every rank reads): a holder directory's part
   files and their records (size, xxh3 digest, the job's identity);
 * :mod:`.recovery` (every rank): the pure decision of which iteration to recover and
-  which intact copy each rank reads.
+  which intact copy each rank reads;
+* :mod:`.transport` (the store's address found in the training process, the rest in the
+  background writer): the job's store, this node's address, messages between writers;
+* :mod:`.exchange` (background writer): one save's part sent to the clique peers and
+  theirs kept, each replica verified against its owner's digest before it is acked.
 """
