@@ -43,16 +43,7 @@ from megatron_async.errors import (
     StorageWriteError,
 )
 from megatron_async.local.parts import LocalIdentity, PartRecord, write_part
-from megatron_async.local.transport import (
-    PeerLost,
-    advertised_address,
-    close_socket,
-    listen,
-    recv_chunks,
-    recv_message,
-    send_message,
-    store_client,
-)
+from megatron_async.local import transport
 
 __all__ = ["PeerExchange", "exchange_part"]
 
@@ -162,9 +153,9 @@ class _Exchange:
         spec, store, listener = self.spec, None, None
         try:
             try:
-                store = store_client(spec.store_host, spec.store_port, spec.timeout_s)
-                advertised = advertised_address(spec.store_host, spec.store_port)
-                listener = listen(advertised, len(spec.peers) + 4)
+                store = transport.store_client(spec.store_host, spec.store_port, spec.timeout_s)
+                advertised = transport.advertised_address(spec.store_host, spec.store_port)
+                listener = transport.listen(advertised, len(spec.peers) + 4)
                 store.set(self.key(self.rank), f"{advertised}:{listener.getsockname()[1]}")
             except Exception as exc:
                 raise LocalReplicationError(
@@ -174,15 +165,20 @@ class _Exchange:
             self.start(self.accept_loop, listener)
             for peer in spec.peers:
                 self.start(self.send_loop, store, peer)
+
             def settled() -> bool:
                 return len(self.sent) == len(self.received) == len(spec.peers)
+
             with self.cond:
                 self.cond.wait_for(settled, timeout=max(self.remaining(), 0))
         finally:
             self.close(listener)
             if store is not None:
                 try:
-                    with self.store_lock:
+                    with self.store_lock:  # the same client, with a short bound
+                        store = transport.store_client(
+                            spec.store_host, spec.store_port, _CLOSE_GRACE_S
+                        )
                         store.delete_key(self.key(self.rank))
                 except Exception as exc:  # best effort: the next attempt overwrites it
                     logger.warning("rank %d: cannot delete its store key: %s", self.rank, exc)
@@ -218,7 +214,7 @@ class _Exchange:
             if not self.closed:
                 self.sockets.append(sock)
                 return True
-        close_socket(sock)
+        transport.close_socket(sock)
         return False
 
     def close(self, listener: Optional[socket.socket]) -> None:
@@ -234,7 +230,7 @@ class _Exchange:
             self.closed = True
             sockets, threads = self.sockets + [listener] * (listener is not None), self.threads
         for sock in sockets:
-            close_socket(sock)
+            transport.close_socket(sock)
         stop_by = time.monotonic() + _CLOSE_GRACE_S
         for thread in threads:
             thread.join(max(stop_by - time.monotonic(), 0))
@@ -283,7 +279,7 @@ class _Exchange:
             header = dataclasses.asdict(self.record)
             header.update(session_id=self.spec.session_id, receiver=peer)
             sock.settimeout(self.wait_s())
-            send_message(sock, header)
+            transport.send_message(sock, header)
             for view in self.views:
                 sock.settimeout(self.wait_s())  # sendall's timeout bounds the whole call
                 sock.sendall(view)
@@ -295,8 +291,8 @@ class _Exchange:
             broken = None
         try:
             sock.settimeout(self.wait_s() if broken is None else min(self.wait_s(), 1.0))
-            reply = recv_message(sock)
-        except (PeerLost, ValueError) as exc:
+            reply = transport.recv_message(sock)
+        except (transport.PeerLost, ValueError) as exc:
             if self.remaining() <= 0:
                 return self.timed_out(peer)
             return broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
@@ -313,8 +309,8 @@ class _Exchange:
         key = self.key(peer)
         while not self.closed and self.remaining() > 0:
             with self.store_lock:
-                if store.check([key]):
-                    return store.get(key).decode()
+                if (address := transport.read_key(store, key, self.wait_s())) is not None:
+                    return address
             time.sleep(_POLL_S)
         return None
 
@@ -336,11 +332,11 @@ class _Exchange:
         owner = None
         try:
             conn.settimeout(self.wait_s())
-            header = recv_message(conn)
+            header = transport.recv_message(conn)
             owner = self.admit(header)
             replica = write_part(
                 self.spec.directory, self.record.iteration, owner,
-                recv_chunks(conn, header["num_bytes"], self.deadline),
+                transport.recv_chunks(conn, header["num_bytes"], self.deadline),
                 LocalIdentity(**header["identity"]),
                 expected_digest=header["digest"],
             )
@@ -355,12 +351,12 @@ class _Exchange:
             self.settle(self.received, owner, what)
         else:
             try:  # before settling: the last settle closes every connection
-                send_message(conn, {"ok": True})
+                transport.send_message(conn, {"ok": True})
             except OSError as exc:
                 logger.warning("rank %d: cannot ack rank %d's part: %s", self.rank, owner, exc)
             self.settle(self.received, owner, replica)
         finally:
-            close_socket(conn)
+            transport.close_socket(conn)
 
     def admit(self, header: Dict[str, Any]) -> int:
         """The owner of an incoming part, if this rank expects it; else :class:`_Refused`."""
@@ -386,7 +382,7 @@ class _Exchange:
         """Tell the sender why its part is not kept, and drain what it still sends so the
         answer is not lost to a reset; only then settle (which may close the connection)."""
         try:
-            send_message(conn, {"ok": False, "error": reason})
+            transport.send_message(conn, {"ok": False, "error": reason})
             conn.shutdown(socket.SHUT_WR)
             while self.remaining() > 0:
                 conn.settimeout(self.wait_s())

@@ -31,6 +31,7 @@ __all__ = [
     "PeerLost",
     "store_address",
     "store_client",
+    "read_key",
     "advertised_address",
     "listen",
     "send_message",
@@ -93,16 +94,24 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """This process's client of the store at ``host:port`` (background writer).
 
     Created once per address and process, and reused: a forked writer makes its own
-    (the parent's connection is not its to use). ``timeout_s`` bounds connecting.
+    (the parent's connection is not its to use). ``timeout_s`` bounds connecting and,
+    until it is set again, each call.
     """
-    key = (os.getpid(), host, port)
+    key, timeout = (os.getpid(), host, port), datetime.timedelta(seconds=max(timeout_s, 1e-3))
     with _clients_lock:
         if key not in _clients:
             _clients[key] = dist.TCPStore(
-                host, port, is_master=False, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+                host, port, is_master=False, wait_for_workers=False, timeout=timeout
             )
+        _clients[key].set_timeout(timeout)
         return _clients[key]
+
+
+def read_key(store: dist.Store, key: str, timeout_s: float) -> Optional[str]:
+    """``key``'s value if it is set, without waiting for it to be; each store call
+    within ``timeout_s``."""
+    store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 1e-3)))
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def _after_fork_in_child() -> None:

@@ -4,6 +4,7 @@ Each rank is a forked process that writes its own part and exchanges it through 
 TCPStore whose master lives in the test process; no process group is initialized.
 """
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -52,6 +53,15 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
             client.set(f"{PREFIX}/{rank}", _dead_address())
             os._exit(0)
+        if behaviour == "dies mid-send":  # to rank 0: the header and half of the bytes
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+            host, _, peer_port = client.get(f"{PREFIX}/0").decode().rpartition(":")
+            sock = socket.create_connection((host, int(peer_port)))
+            header = dataclasses.asdict(record)
+            header.update(session_id=SESSION, receiver=0)
+            transport.send_message(sock, header)
+            sock.sendall(bytes(buffers[0]) + bytes(buffers[1][: size // 2]))
+            os._exit(0)
         if behaviour == "late":
             time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
         if behaviour == "damages its part":
@@ -82,11 +92,15 @@ def store():
     yield master
 
 
+_SILENT = ("never publishes", "dies after publishing", "dies mid-send")
+"""Behaviours of ranks that report nothing."""
+
+
 def _run(store, root, world, factor=2, timeout_s=30.0, size=(5 << 20) + 3, behaviours=None):
     """Run ``world`` ranks; returns rank -> (outcome, text, failures, elapsed_s) of those
     that report (a rank that dies or never publishes reports nothing)."""
     behaviours = behaviours or {}
-    silent = {r for r, b in behaviours.items() if b in ("never publishes", "dies after publishing")}
+    silent = {r for r, b in behaviours.items() if b in _SILENT}
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     processes = [
@@ -165,6 +179,19 @@ def test_a_peer_that_never_sends_fails_its_clique_within_the_deadline(
     assert results[1][0] == results[3][0] == "ok"  # the other clique is not held up
     assert [r.key for r in scan(holder_dir(tmp_path, SESSION, 0))] == [(ITERATION, 0)]
     assert not store.check([f"{PREFIX}/0"])
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(store, tmp_path):
+    results = _run(
+        store, tmp_path, 4, timeout_s=FAULT_TIMEOUT_S, size=1000, behaviours={2: "dies mid-send"}
+    )
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: receiving its part failed: PeerLost: " in text and "of 1000 bytes" in text
+    assert elapsed_s < FAULT_TIMEOUT_S + 5
+    directory = holder_dir(tmp_path, SESSION, 0)
+    assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
 
 
 @pytest.mark.timeout(60)
@@ -258,7 +285,7 @@ def test_a_strangers_connection_does_not_disturb_the_exchange(store, tmp_path):
         )
         outcomes[me] = [r.key for r in exchange_part(spec, record, _part(me, 1000))]
 
-    threads = [threading.Thread(target=rank, args=(me, delay_s)) for me, delay_s in ((0, 0), (1, 1))]
+    threads = [threading.Thread(target=rank, args=(me, me * 1.0)) for me in (0, 1)]
     threads[0].start()
     store.wait([f"{PREFIX}/0"])
     host, _, port = store.get(f"{PREFIX}/0").decode().rpartition(":")
