@@ -100,7 +100,10 @@ def exchange_part(
 
     Raises:
         LocalReplicationError: some peer's part was not kept, or some peer did not
-            acknowledge this rank's part, by the deadline; ``failures`` says per peer.
+            acknowledge this rank's part, by the deadline (``failures`` says per peer); or
+            the writer could not listen or publish its address.
+        LocalCheckpointError: the buffers do not fit the record, or no address of this
+            node is found (set ``MEGATRON_ASYNC_LOCAL_ADDR``).
     """
     if not exchange.peers:
         return []

@@ -4,9 +4,10 @@
 behind the default process group, so that its host and port can travel in a save's
 request. The rest runs in the background writer (a forked child or the persistent
 worker), which cannot use the trainer's process groups nor its store connection: it
-opens its own store client (:func:`store_client`), listens on this node's address
-(:func:`advertised_address`, :func:`listen`) and talks to peers in length-prefixed JSON
-messages (:func:`send_message`, :func:`recv_message`). :mod:`.exchange` builds the
+opens its own store client (:func:`store_client`, :func:`read_key`), listens on this
+node's address (:func:`advertised_address`, :func:`listen`), talks to peers in
+length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`) and receives
+bulk bytes through a bounded buffer (:func:`recv_chunks`). :mod:`.exchange` builds the
 replication of a part on these.
 """
 
