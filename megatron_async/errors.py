@@ -27,6 +27,8 @@ __all__ = [
     "CoordinationError",
     "CheckpointIntegrityError",
     "LocalCheckpointError",
+    "CheckpointingException",
+    "SameMachineReplicationException",
     "NoReplicasAvailableError",
     "LocalReplicationError",
     "StorageWriteError",
@@ -89,6 +91,16 @@ class LocalCheckpointError(AsyncCheckpointError):
     recovered: a replication layout that does not fit the job, a part that cannot be
     written or a state dict used out of order. The message names the rank, directory or
     iteration and says what to change."""
+
+
+CheckpointingException = LocalCheckpointError
+"""nvidia-resiliency-ext's name for the base error of its local checkpoint package."""
+
+
+class SameMachineReplicationException(LocalCheckpointError):
+    """nvidia-resiliency-ext's error for a second copy of one part written into one holder
+    directory. Kept for code that imports or catches it; never raised here: each rank has
+    its own holder directory and the exchange refuses a second copy of a part."""
 
 
 class NoReplicasAvailableError(LocalCheckpointError):

@@ -15,5 +15,11 @@ by :mod:`megatron_async.nvrx`), one role per module:
 * :mod:`.transport` (the store's address found in the training process, the rest in the
   background writer): the job's store, this node's address, messages between writers;
 * :mod:`.exchange` (background writer): one save's part sent to the clique peers and
-  theirs kept, each replica verified against its owner's digest before it is acked.
+  theirs kept, each replica verified against its owner's digest before it is acked;
+* :mod:`.part_writer` (background writer): one save's part written from its staged
+  ``torch.save`` records, then replicated;
+* :mod:`.manager` (every rank): ``LocalCheckpointManager``, whose ``save`` stages on the
+  training thread and returns the request, and whose finalize step applies retention;
+* :mod:`.recover` (every rank): ``find_latest``'s agreed recovery, verified parts moved
+  between ranks in bulk, and ``load``'s deserialization of the verified bytes.
 """

@@ -17,10 +17,9 @@ process groups, which a forked writer cannot use. For one save, it:
    acknowledges only when the replica is durable and hashed to that digest; otherwise it
    answers with the reason.
 
-The part is sent from the staged buffers with ``socket.sendall`` on memoryviews, not with
-``sendfile`` from the written part file: the bytes are in memory already, so no read of
-the file is needed and the exchange does not depend on the own part being written first;
-the receiver's digest check covers the transfer either way. Every wait ends at the
+The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
+writer (:mod:`.part_writer`) gives the written part file mapped read-only, so the part is
+never held in the writer's own memory; the receiver's digest check covers the transfer. Every wait ends at the
 caller's deadline; the listener, connections and threads are closed and the store key
 deleted on every path.
 """

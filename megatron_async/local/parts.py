@@ -11,19 +11,21 @@ It holds, per iteration, the rank's own part and the replicas of its peers' part
 
 A part counts only with its record, and only when its bytes hash to the record's digest;
 :func:`read_verified` checks that before a byte is handed on. Writing runs in the
-background writer (its own part and the replicas it receives); :func:`scan` and
+background writer (its own part through :func:`open_part`, the replicas it receives
+through :func:`write_part`); :func:`scan` and
 :func:`read_verified` run on every rank when it looks for a checkpoint to recover.
 This module is the only place that knows these names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
@@ -36,6 +38,8 @@ __all__ = [
     "holder_dir",
     "part_name",
     "record_name",
+    "PartStream",
+    "open_part",
     "write_part",
     "scan",
     "read_verified",
@@ -129,66 +133,85 @@ def record_name(iteration: int, owner: int) -> str:
     return f"iter_{iteration:07d}_{owner}_local.json"
 
 
-def write_part(
+class PartStream:
+    """The dirty file of a part being written: what goes through :meth:`write` is hashed
+    and counted on its way (background writer). ``record`` is set once the part is in
+    place (after the ``with`` block of :func:`open_part`)."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self._hasher = new_hasher()
+        self.num_bytes = 0
+        self.record: Optional[PartRecord] = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        self._raw.write(view)
+        self.num_bytes += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+@contextlib.contextmanager
+def open_part(
     directory: PathLike,
     iteration: int,
     owner: int,
-    buffers: Iterable[Any],
     identity: LocalIdentity,
     *,
     expected_digest: Optional[str] = None,
-) -> PartRecord:
-    """Write a part and then its record, durably (background writer).
+) -> Iterator[PartStream]:
+    """Write a part through a stream, then its record, durably (background writer).
 
-    The bytes go to the dirty file, hashed on their way; the file is fsynced and renamed
-    to the part's name, and the record is written atomically after it (which fsyncs the
-    directory, and so the rename too). A record an earlier save left for the same part
-    is removed before the rename, so no record ever describes other bytes.
+    The bytes written to the yielded :class:`PartStream` go to the dirty file, hashed on
+    their way; when the block ends the file is fsynced and renamed to the part's name,
+    and the record is written atomically after it (which fsyncs the directory, and so
+    the rename too). A record an earlier save left for the same part is removed before
+    the rename, so no record ever describes other bytes. If the block raises, what was
+    written of the part is removed and the error goes on.
 
     Args:
         directory: the holder directory (created if missing).
-        buffers: the part's bytes, as bytes-like objects written one after the other.
         identity: the job's identity, recorded with the part.
         expected_digest: for a replica, the digest the owner computed; the part is
             dropped and an error raised if the received bytes hash otherwise.
 
-    Returns:
-        The part's record.
-
     Raises:
         CheckpointIntegrityError: the bytes do not match ``expected_digest``.
         StorageWriteError: the directory or a file cannot be written (the message names
-            the path). What was written of the part is removed.
+            the path).
     """
     directory = os.fspath(directory)
     dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
-    hasher = new_hasher()
-    num_bytes = 0
     written: Optional[str] = None  # the file to remove if the write fails
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(dirty, "wb") as stream:
+        with open(dirty, "wb") as raw:
             written = dirty
-            for buffer in buffers:
-                view = memoryview(buffer).cast("B")
-                hasher.update(view)
-                stream.write(view)
-                num_bytes += view.nbytes
-            stream.flush()
-            os.fsync(stream.fileno())
-        digest = hasher.hexdigest()
+            stream = PartStream(raw)
+            yield stream
+            raw.flush()
+            os.fsync(raw.fileno())
+        digest = stream.hexdigest()
         if expected_digest is not None and digest != expected_digest:
             raise CheckpointIntegrityError(
                 f"replica of rank {owner}'s part of iteration {iteration} in {directory} hashes "
                 f"to {digest}, the owner sent {expected_digest}: it was damaged on its way"
             )
-        record = PartRecord(iteration, owner, num_bytes, digest, identity)
+        record = PartRecord(iteration, owner, stream.num_bytes, digest, identity)
         _remove(os.path.join(directory, record_name(iteration, owner)))
         clean = os.path.join(directory, part_name(iteration, owner))
         os.replace(dirty, clean)
         written = clean
-        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as stream:
-            stream.write(record.to_json().encode())
+        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as out:
+            out.write(record.to_json().encode())
+        stream.record = record
     except BaseException as exc:
         if written is not None:
             _remove(written)
@@ -198,7 +221,32 @@ def write_part(
                 f"in {directory}: {exc}"
             ) from exc
         raise
-    return record
+
+
+def write_part(
+    directory: PathLike,
+    iteration: int,
+    owner: int,
+    buffers: Iterable[Any],
+    identity: LocalIdentity,
+    *,
+    expected_digest: Optional[str] = None,
+) -> PartRecord:
+    """Write a part from ``buffers`` (bytes-like objects, one after the other) and then
+    its record, durably, as :func:`open_part` does (background writer).
+
+    Returns:
+        The part's record.
+
+    Raises:
+        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        StorageWriteError: the directory or a file cannot be written (the message names
+            the path). What was written of the part is removed.
+    """
+    with open_part(directory, iteration, owner, identity, expected_digest=expected_digest) as stream:
+        for buffer in buffers:
+            stream.write(buffer)
+    return stream.record  # type: ignore[return-value]  # set: the block ended without an error
 
 
 def scan(directory: PathLike) -> List[PartRecord]:

@@ -1,0 +1,136 @@
+"""megatron_async.local.manager in one process: save, retention, failures and recovery
+of a rank's own parts (replication and moves between ranks: tests/functional/test_local_checkpoints.py)."""
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_async.core import AsyncCallsQueue
+from megatron_async.errors import AsyncSaveFailedError, CheckpointingException, LocalCheckpointError
+from megatron_async.local.manager import LocalCheckpointManager
+from megatron_async.local.parts import part_name, record_name
+from megatron_async.local.state_dict import BasicTensorAwareStateDict
+
+
+def _state(value: float):
+    return {"w": torch.full((64,), value), "nested": [torch.arange(5), {"step": int(value)}]}
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _files(manager):
+    return sorted(os.listdir(manager.local_ckpt_dir))
+
+
+def test_sync_save_then_find_latest_and_load_twice(tmp_path):
+    saver = LocalCheckpointManager(tmp_path)
+    state = _state(1.0)
+    tasd = BasicTensorAwareStateDict(state)
+    assert saver.save(tasd, 7) is None
+    assert not tasd.is_hollow and state["w"][0] == 1.0  # the caller's state dict is left whole
+    assert saver.local_ckpt_dir == tmp_path / "0"
+    assert _files(saver) == [record_name(7, 0), part_name(7, 0)]
+
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 7
+    assert loader.find_latest() == 7
+    first, ckpt_id = loader.load()
+    second, _ = loader.load()
+    assert ckpt_id == (7, 0, "")
+    assert _equal(first.state_dict, _state(1.0)) and _equal(second.state_dict, _state(1.0))
+    first.state_dict["w"].add_(1)  # each load is its own copy
+    assert _equal(loader.load()[0].state_dict, _state(1.0))
+
+
+def test_async_save_snapshots_at_save_and_finalize_removes_older_iterations(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, session_id="s")
+    queue = AsyncCallsQueue()
+    try:
+        state = _state(1.0)
+        for iteration in (1, 2):
+            request = manager.save(BasicTensorAwareStateDict(state), iteration, is_async=True)
+            state["w"].add_(1)  # after save returns: not in the checkpoint
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert manager.local_ckpt_dir == tmp_path / "s" / "0"
+        assert _files(manager) == [record_name(2, 0), part_name(2, 0)]
+    finally:
+        queue.close()
+    loader = LocalCheckpointManager(tmp_path, session_id="s")
+    assert loader.find_latest() == 2
+    expected = _state(2.0)  # the tensor added to once before the second save; the int never
+    expected["nested"][1]["step"] = 1
+    assert _equal(loader.load()[0].state_dict, expected)
+
+
+def test_a_failed_save_keeps_the_previous_iteration(tmp_path):
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    # A directory where the part's dirty file goes: the writer cannot open it.
+    os.makedirs(manager.local_ckpt_dir / part_name(2, 0, dirty=True))
+    with pytest.raises(AsyncSaveFailedError):
+        manager.save(BasicTensorAwareStateDict(_state(2.0)), 2)
+    assert part_name(1, 0) in _files(manager)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    assert _equal(loader.load()[0].state_dict, _state(1.0))
+    os.rmdir(manager.local_ckpt_dir / part_name(2, 0, dirty=True))
+    manager.save(BasicTensorAwareStateDict(_state(3.0)), 3)
+    assert _files(manager) == [record_name(3, 0), part_name(3, 0)]
+
+
+def test_a_damaged_part_is_never_loaded_and_an_older_one_is(tmp_path, caplog):
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    kept = tmp_path / "kept"
+    shutil.copytree(manager.local_ckpt_dir, kept)
+    manager.save(BasicTensorAwareStateDict(_state(2.0)), 2)
+    for name in os.listdir(kept):  # iteration 1 again beside 2, as after an unfinished finalize
+        shutil.copy(kept / name, manager.local_ckpt_dir / name)
+    path = manager.local_ckpt_dir / part_name(2, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    loader = LocalCheckpointManager(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert loader.find_latest() == 1
+    assert "damaged" in caplog.text
+    assert _equal(loader.load()[0].state_dict, _state(1.0))
+
+
+def test_parts_of_another_run_are_ignored(tmp_path, caplog):
+    LocalCheckpointManager(tmp_path, run_id="a").save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    other = LocalCheckpointManager(tmp_path, run_id="b")
+    with caplog.at_level(logging.WARNING):
+        assert other.find_latest() == -1
+    assert "run_id: 'b' != 'a'" in caplog.text
+    with pytest.raises(CheckpointingException, match="find_latest"):
+        other.load()
+
+
+def test_iterations_must_grow(tmp_path):
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save(BasicTensorAwareStateDict(_state(1.0)), 5)
+    for iteration in (5, 4, -1):
+        with pytest.raises(LocalCheckpointError, match="above the last one"):
+            manager.save(BasicTensorAwareStateDict(_state(1.0)), iteration)
+
+
+def test_run_id_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_ASYNC_RUN_ID", "job-42")
+    manager = LocalCheckpointManager(tmp_path)
+    identity = manager.identity()
+    assert (identity.run_id, identity.world_size, identity.replication_jump, identity.replication_factor) == (
+        "job-42", 1, None, 1,
+    )
