@@ -36,7 +36,6 @@ from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.core.request import AsyncRequest, SaveDetails, run_preload
 from megatron_async.errors import (
     CheckpointingException,
-    LocalCheckpointError,
     RankFailure,
     SameMachineReplicationException,
 )
@@ -114,6 +113,7 @@ class LocalCheckpointManager:
         self._token: Optional[str] = None
         self._saves = 0
         self._kept = -1  # the newest iteration finalized or recovered here: never removed by a save
+        self._in_flight: set = set()  # iterations saved, not yet finalized nor failed
         self._recovered: Optional[recover.Recovered] = None
 
     # -- where ------------------------------------------------------------------------
@@ -166,24 +166,25 @@ class LocalCheckpointManager:
             None, after the save is written, replicated and finalized on every rank.
 
         Raises:
-            LocalCheckpointError: ``iteration`` does not grow, or replication has no
-                job store to meet in.
+            CheckpointingException: ``iteration`` is not above every iteration saved or
+                recovered before, or replication has no job TCPStore to meet in (it is
+                :class:`~megatron_async.errors.LocalCheckpointError`).
             AsyncSaveFailedError: on every rank, when staging failed on any rank (and,
                 synchronously, when writing or replicating failed); the previous local
                 checkpoint is intact.
         """
-        if not isinstance(iteration, int) or iteration < 0 or iteration <= self._kept:
-            raise LocalCheckpointError(
+        floor = max([self._kept, *self._in_flight])
+        if not isinstance(iteration, int) or iteration < 0 or iteration <= floor:
+            raise CheckpointingException(
                 f"rank {self.rank}: local checkpoint iteration {iteration!r} must be a "
-                f"non-negative int above the last one saved or recovered ({self._kept})"
+                f"non-negative int above the last one saved or recovered ({floor})"
             )
         self.latest_iteration = -1
         self._recovered = None
         self._saves += 1
         token = self._job_token()
         directory = os.fspath(self.local_ckpt_dir)
-        kept = self._kept
-        parts.remove_iterations(directory, (lambda i: i > kept) if kept >= 0 else (lambda i: i >= iteration))
+        self._remove_failed_saves(directory, iteration)
         job = LocalSaveJob(
             directory=directory, iteration=iteration, rank=self.rank,
             identity=self.identity(), exchange=self._exchange(token, iteration, directory),
@@ -196,10 +197,24 @@ class LocalCheckpointManager:
             finalize_fns=[_FinalizeLocalSave(self, iteration, staged, self.staging_stats)],
             preload_fn=functools.partial(_staged, staged),
         )
+        self._in_flight.add(iteration)
         if is_async:
             return request
         request.execute_sync()
         return None
+
+    def _remove_failed_saves(self, directory: str, iteration: int) -> None:
+        """Remove what failed saves left in this rank's holder directory (every rank):
+        iterations above the one kept (all at or above ``iteration`` when none is known
+        yet), except those of saves still in flight."""
+        kept, in_flight = self._kept, set(self._in_flight)
+        floor = kept if kept >= 0 else iteration - 1
+        removed = parts.remove_iterations(directory, lambda i: i > floor and i not in in_flight)
+        if removed:
+            logger.info(
+                "rank %d: removed %d file(s) of failed local saves from %s",
+                self.rank, len(removed), directory,
+            )
 
     def _stage(self, state_dict: Any, iteration: int) -> TorchSaveStaged:
         """Stage on this rank and agree that every rank did (every rank): a rank that
@@ -256,8 +271,9 @@ class LocalCheckpointManager:
         One agreed decision (:func:`~megatron_async.local.recover.recover_newest`): parts
         of another job are ignored, every part used is verified against its digest, a
         missing or damaged part is taken from a peer's intact replica, else the next older
-        iteration is tried. The verified bytes of this rank's part are kept for
-        :meth:`load` (until the next save); a second call returns the cached answer.
+        iteration is tried. The verified bytes of this rank's part are kept in host memory
+        for :meth:`load` until the next save (while it runs, a rank also holds the
+        replicas it verified for others); a second call returns the cached answer.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
@@ -279,11 +295,11 @@ class LocalCheckpointManager:
             ``(state dict, (iteration, rank, session_id))``.
 
         Raises:
-            LocalCheckpointError: no local checkpoint was found (call ``find_latest``
+            CheckpointingException: no local checkpoint was found (call ``find_latest``
                 first; it returned -1).
         """
         if self._recovered is None:
-            raise LocalCheckpointError(
+            raise CheckpointingException(
                 f"rank {self.rank}: no local checkpoint to load: call find_latest() first, "
                 "and load only when it returned an iteration (not -1)"
             )
@@ -321,13 +337,16 @@ class _FinalizeLocalSave:
         manager, iteration = self._manager, self._iteration
         removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i < iteration)
         manager._kept = max(manager._kept, iteration)
+        manager._in_flight.discard(iteration)
         logger.debug(
             "rank %d: local checkpoint %d finalized; %d older file(s) removed",
             manager.rank, iteration, len(removed),
         )
 
     def abandon(self) -> None:
-        """The save failed or was never scheduled: give its staging memory back."""
+        """The save failed or was never scheduled: give its staging memory back (its files
+        go at the start of the next save)."""
+        self._manager._in_flight.discard(self._iteration)
         self._staged.release()
 
     def save_details(self) -> SaveDetails:

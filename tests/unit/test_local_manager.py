@@ -74,6 +74,23 @@ def test_async_save_snapshots_at_save_and_finalize_removes_older_iterations(tmp_
     assert _equal(loader.load()[0].state_dict, expected)
 
 
+def test_a_save_in_flight_is_not_removed_by_the_next_save(tmp_path):
+    manager = LocalCheckpointManager(tmp_path)
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(manager.save(BasicTensorAwareStateDict(_state(1.0)), 1, is_async=True))
+        second = manager.save(BasicTensorAwareStateDict(_state(2.0)), 2, is_async=True)
+        with pytest.raises(LocalCheckpointError, match="above the last one"):
+            manager.save(BasicTensorAwareStateDict(_state(2.0)), 2, is_async=True)
+        queue.maybe_finalize_async_calls(blocking=True)  # the first save only
+        assert _files(manager) == [record_name(1, 0), part_name(1, 0)]
+        queue.schedule_async_request(second)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert _files(manager) == [record_name(2, 0), part_name(2, 0)]
+    finally:
+        queue.close()
+
+
 def test_a_failed_save_keeps_the_previous_iteration(tmp_path):
     manager = LocalCheckpointManager(tmp_path)
     manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
