@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.core.config import AsyncCallerConfig
+from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
 from tests.functional.harness import RankContext, by_name, only_selected, run_scenarios
 
@@ -35,7 +36,7 @@ def _queue() -> AsyncCallsQueue:
     return _QUEUE["queue"]
 
 
-def _manager(ctx: RankContext, root: str):
+def _manager(ctx: RankContext, root: str, **kwargs):
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
         LocalCheckpointManager,
     )
@@ -44,7 +45,7 @@ def _manager(ctx: RankContext, root: str):
     )
 
     strategy = CliqueReplicationStrategy.from_replication_params(JUMP, FACTOR)
-    return LocalCheckpointManager(os.path.join(ctx.tmp_dir, root), repl_strategy=strategy)
+    return LocalCheckpointManager(os.path.join(ctx.tmp_dir, root), repl_strategy=strategy, **kwargs)
 
 
 def _state(rank: int, iteration: int):
@@ -129,6 +130,23 @@ def a_lost_node_recovers_from_replicas(ctx: RankContext):
     source = _recover(ctx, "lost_node", 3, _state(ctx.rank, 3))
     expected_source = (ctx.rank + JUMP) % ctx.world_size if ctx.rank in LOST_NODE else ctx.rank
     assert source == expected_source
+
+
+def a_rank_that_cannot_stage_fails_the_save_everywhere(ctx: RankContext):
+    """Rank 1's staging budget is below its largest tensor: save raises the same error on
+    every rank before any writer starts, and the previous iteration recovers."""
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    root = "staging_fails"
+    _manager(ctx, root).save(BasicTensorAwareStateDict(_state(ctx.rank, 1)), 1)
+    limited = _manager(ctx, root, staging_memory_limit=64 if ctx.rank == 1 else None)
+    try:
+        limited.save(BasicTensorAwareStateDict(_state(ctx.rank, 2)), 2, is_async=True)
+    except AsyncSaveFailedError as exc:
+        assert list(exc.failures) == [1], exc.failures
+    else:
+        raise AssertionError("the save did not fail")
+    assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
 
 
 def _flip_one_byte(path: str) -> None:
@@ -217,6 +235,7 @@ def megatron_core_state_dict_round_trips(ctx: RankContext):
 SCENARIOS = by_name(
     saves_are_replicated_and_recover_equal,
     a_lost_node_recovers_from_replicas,
+    a_rank_that_cannot_stage_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
     megatron_core_state_dict_round_trips,
 )
