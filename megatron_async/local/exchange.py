@@ -19,7 +19,8 @@ process groups, which a forked writer cannot use. For one save, it:
 
 The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
 writer (:mod:`.part_writer`) gives the written part file mapped read-only, so the part is
-never held in the writer's own memory; the receiver's digest check covers the transfer. Every wait ends at the
+never held in the writer's own memory; the receiver's digest check covers the transfer.
+Every wait ends at the
 caller's deadline; the listener, connections and threads are closed and the store key
 deleted on every path.
 """

@@ -228,7 +228,9 @@ class LocalCheckpointManager:
         try:
             staged = run_preload(stage)
         except Exception as exc:  # agreed on below
-            logger.error("rank %d: staging local checkpoint %d failed: %s", self.rank, iteration, exc)
+            logger.error(
+                "rank %d: staging local checkpoint %d failed: %s", self.rank, iteration, exc
+            )
             failure = RankFailure.from_exception(self.rank, "staging", exc)
         try:
             coordination.agree(failure, coordination.save_failed(self._name(iteration)))
@@ -355,5 +357,5 @@ class _FinalizeLocalSave:
             size: Optional[int] = os.stat(path).st_size
         except OSError:
             size = None
-        stats = self._stats
-        return SaveDetails(path, 0.0, None, size, None, stats.get("peak_bytes"), stats.get("rounds"))
+        peak, rounds = self._stats.get("peak_bytes"), self._stats.get("rounds")
+        return SaveDetails(path, 0.0, None, size, None, peak, rounds)

@@ -243,7 +243,8 @@ def write_part(
         StorageWriteError: the directory or a file cannot be written (the message names
             the path). What was written of the part is removed.
     """
-    with open_part(directory, iteration, owner, identity, expected_digest=expected_digest) as stream:
+    digest = expected_digest
+    with open_part(directory, iteration, owner, identity, expected_digest=digest) as stream:
         for buffer in buffers:
             stream.write(buffer)
     return stream.record  # type: ignore[return-value]  # set: the block ended without an error

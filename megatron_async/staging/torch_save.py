@@ -86,7 +86,8 @@ def pickle_like_torch_save(
         if key is None:
             key = keys[untyped._cdata] = str(len(storages))
             storages.append(untyped)
-        on_host = untyped.device.type == "cpu" or (untyped.device.type == "cuda" and not device_locations)
+        kind = untyped.device.type
+        on_host = kind == "cpu" or (kind == "cuda" and not device_locations)
         location = "cpu" if on_host else location_tag(untyped)
         return ("storage", storage_type, key, location, numel)
 

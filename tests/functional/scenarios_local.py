@@ -121,6 +121,22 @@ def saves_are_replicated_and_recover_equal(ctx: RankContext):
     assert _recover(ctx, "replicated", 4, _state(ctx.rank, 4)) == ctx.rank
 
 
+def a_forked_writer_replicates_too(ctx: RankContext):
+    """The temporal caller: each save's writer is a forked child with its own store client."""
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    queue = AsyncCallsQueue(persistent=False)
+    try:
+        state = BasicTensorAwareStateDict(_state(ctx.rank, 7))
+        queue.schedule_async_request(_manager(ctx, "forked").save(state, 7, is_async=True))
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    peer = (ctx.rank + JUMP) % ctx.world_size
+    assert f"iter_0000007_{peer}_local.pt" in os.listdir(_holder(ctx, "forked", ctx.rank))
+    assert _recover(ctx, "forked", 7, _state(ctx.rank, 7)) == ctx.rank
+
+
 def a_lost_node_recovers_from_replicas(ctx: RankContext):
     _save_three(ctx, "lost_node")
     dist.barrier()
@@ -194,7 +210,9 @@ def _sharded_state(ctx: RankContext, iteration: int):
         "weight": ShardedTensor.from_rank_offsets(
             "weight", torch.full((4, 3), float(10 * iteration + rank)), (0, rank, world)
         ),
-        "bias": ShardedTensor.from_rank_offsets("bias", torch.arange(3.0) + iteration, replica_id=rank),
+        "bias": ShardedTensor.from_rank_offsets(
+            "bias", torch.arange(3.0) + iteration, replica_id=rank
+        ),
         "iteration": iteration,
     }
 
@@ -234,6 +252,7 @@ def megatron_core_state_dict_round_trips(ctx: RankContext):
 
 SCENARIOS = by_name(
     saves_are_replicated_and_recover_equal,
+    a_forked_writer_replicates_too,
     a_lost_node_recovers_from_replicas,
     a_rank_that_cannot_stage_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
