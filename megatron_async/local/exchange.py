@@ -17,12 +17,14 @@ process groups, which a forked writer cannot use. For one save, it:
    acknowledges only when the replica is durable and hashed to that digest; otherwise it
    answers with the reason.
 
+A writer whose own part failed publishes the reason under its key instead of an address
+(:func:`~megatron_async.local.transport.publish_failure`): its peers fail at once.
+
 The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
 writer (:mod:`.part_writer`) gives the written part file mapped read-only, so the part is
 never held in the writer's own memory; the receiver's digest check covers the transfer.
-Every wait ends at the
-caller's deadline; the listener, connections and threads are closed and the store key
-deleted on every path.
+Every wait ends at the caller's deadline; the listener, connections and threads are
+closed and the store key deleted on every path.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ __all__ = ["PeerExchange", "exchange_part"]
 
 logger = logging.getLogger(__name__)
 
-_DRAIN_BYTES = 1 << 16
 _POLL_S = 0.05
 _CLOSE_GRACE_S = 2.0
 
@@ -76,6 +77,10 @@ class PeerExchange:
     """This rank's holder directory: received replicas are written there."""
     timeout_s: float
     """Bound on the whole exchange, every wait included."""
+
+    def key(self, rank: int) -> str:
+        """The store key under which ``rank`` publishes its address for this save."""
+        return f"{self.key_prefix}/{rank}"
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -149,7 +154,7 @@ class _Exchange:
         return self.deadline - time.monotonic()
 
     def key(self, rank: int) -> str:
-        return f"{self.spec.key_prefix}/{rank}"
+        return self.spec.key(rank)
 
     def run(self) -> List[PartRecord]:
         """Publish, send and receive until every peer is settled or the deadline passes."""
@@ -265,6 +270,10 @@ class _Exchange:
             address = self.address_of(store, peer)
             if address is None:
                 return self.timed_out(peer)
+            if address.startswith(transport.FAILED_PREFIX):
+                failed = f"its own part failed ({address[len(transport.FAILED_PREFIX):]})"
+                self.settle(self.received, peer, failed)
+                return failed
             self.phase[peer], self.address[peer] = "connection", address
             host, _, port = address.rpartition(":")
             try:
@@ -384,15 +393,7 @@ class _Exchange:
     def refuse(self, conn: socket.socket, owner: Optional[int], reason: str) -> None:
         """Tell the sender why its part is not kept, and drain what it still sends so the
         answer is not lost to a reset; only then settle (which may close the connection)."""
-        try:
-            transport.send_message(conn, {"ok": False, "error": reason})
-            conn.shutdown(socket.SHUT_WR)
-            while self.remaining() > 0:
-                conn.settimeout(self.wait_s())
-                if not conn.recv(_DRAIN_BYTES):
-                    break
-        except OSError:
-            pass  # the sender went away: it reads a broken connection instead
+        transport.answer_and_drain(conn, {"ok": False, "error": reason}, self.deadline)
         if owner is None:
             logger.warning("rank %d: refused a part: %s", self.rank, reason)
         self.settle(self.received, owner, f"its part was refused: {reason}")

@@ -16,6 +16,7 @@ import mmap
 import os
 from typing import List, Optional
 
+from megatron_async.local import transport
 from megatron_async.local.exchange import PeerExchange, exchange_part
 from megatron_async.local.parts import LocalIdentity, PartRecord, open_part, part_name
 from megatron_async.staging.torch_save import TorchSaveStaged
@@ -67,16 +68,25 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
         AsyncTimeoutError: the trainer staged no next round within ``staging_wait_s``.
         StorageWriteError: the part cannot be written.
         LocalReplicationError: a peer did not acknowledge this rank's part, or did not
-            send its own, within the exchange's bound.
+            send its own, within the exchange's bound (a peer whose own part failed says
+            so at once: its peers do not wait for the bound).
     """
+    replicated = job.exchange is not None and bool(job.exchange.peers)
     try:
         with open_part(job.directory, job.iteration, job.rank, job.identity) as stream:
             write_torch_save_records(stream, staged, job.staging_wait_s)
             staged.gate.mark_done()  # the staging memory goes back before the fsync
+    except Exception as exc:
+        if replicated:  # its peers stop waiting for it
+            spec = job.exchange
+            transport.publish_failure(
+                spec.store_host, spec.store_port, spec.key(job.rank), f"{type(exc).__name__}: {exc}"
+            )
+        raise
     finally:
         staged.gate.mark_done()
     own = stream.record
-    if job.exchange is None or not job.exchange.peers:
+    if not replicated:
         return [own]
     path = os.path.join(job.directory, part_name(job.iteration, job.rank))
     with open(path, "rb") as part:

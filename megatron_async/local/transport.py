@@ -6,8 +6,9 @@ request. The rest runs in the background writer (a forked child or the persisten
 worker), which cannot use the trainer's process groups nor its store connection: it
 opens its own store client (:func:`store_client`, :func:`read_key`), listens on this
 node's address (:func:`advertised_address`, :func:`listen`), talks to peers in
-length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`) and receives
-bulk bytes through a bounded buffer (:func:`recv_chunks`). :mod:`.exchange` builds the
+length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`,
+:func:`answer_and_drain`) and receives bulk bytes through a bounded buffer
+(:func:`recv_chunks`). :mod:`.exchange` builds the
 replication of a part on these.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import logging
 import os
 import socket
 import struct
@@ -29,6 +31,7 @@ from megatron_async.errors import LocalCheckpointError
 
 __all__ = [
     "LOCAL_ADDR_ENV",
+    "FAILED_PREFIX",
     "PeerLost",
     "store_address",
     "store_client",
@@ -37,17 +40,26 @@ __all__ = [
     "listen",
     "send_message",
     "recv_message",
+    "answer_and_drain",
+    "publish_failure",
     "recv_chunks",
     "close_socket",
 ]
+
+logger = logging.getLogger(__name__)
 
 LOCAL_ADDR_ENV = "MEGATRON_ASYNC_LOCAL_ADDR"
 """The address peers reach this node's writers at; by default, the local end of the
 route to the store's host."""
 
+FAILED_PREFIX = "failed:"
+"""Starts what a writer publishes under its address key instead of an address when it
+will not take part in an exchange (its own part failed): its peers stop waiting for it."""
+
 _LENGTH = struct.Struct("!I")
 _MAX_MESSAGE_BYTES = 1 << 16
 _CHUNK_BYTES = 4 << 20
+_DRAIN_BYTES = 1 << 16
 
 
 class PeerLost(Exception):
@@ -113,6 +125,16 @@ def read_key(store: dist.Store, key: str, timeout_s: float) -> Optional[str]:
     within ``timeout_s``."""
     store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 1e-3)))
     return store.get(key).decode() if store.check([key]) else None
+
+
+def publish_failure(host: str, port: int, key: str, reason: str, timeout_s: float = 2.0) -> None:
+    """Publish under ``key`` that this writer will not take part in an exchange, and why
+    (background writer, after its own part failed), so that its peers stop waiting for it.
+    Best effort: a failure to publish is logged, and the peers fail at their deadline."""
+    try:
+        store_client(host, port, timeout_s).set(key, FAILED_PREFIX + reason[:1000])
+    except Exception as exc:
+        logger.warning("cannot tell the peers waiting on %s that this writer failed: %s", key, exc)
 
 
 def _after_fork_in_child() -> None:
@@ -183,6 +205,21 @@ def recv_message(sock: socket.socket) -> Dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError("a message that is not an object is not from a peer's writer")
     return message
+
+
+def answer_and_drain(sock: socket.socket, message: Dict[str, Any], deadline: float) -> None:
+    """Send a last message, then read and drop what the peer still sends until it closes
+    or the ``time.monotonic()`` deadline passes, so that the answer is not lost to a
+    reset (best effort: a peer that went away reads a broken connection instead)."""
+    try:
+        send_message(sock, message)
+        sock.shutdown(socket.SHUT_WR)
+        while time.monotonic() < deadline:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            if not sock.recv(_DRAIN_BYTES):
+                break
+    except OSError:
+        pass
 
 
 def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:

@@ -165,6 +165,31 @@ def a_rank_that_cannot_stage_fails_the_save_everywhere(ctx: RankContext):
     assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
 
 
+def a_writer_that_cannot_write_fails_the_save_everywhere(ctx: RankContext):
+    """Rank 3's writer cannot write its part: its peer (rank 1) stops waiting for it at once,
+    every rank raises the same error, and the previous iteration recovers."""
+    root = "write_fails"
+    manager = _manager(ctx, root)
+    _save_async(manager, _state(ctx.rank, 1), 1, [])
+    _queue().maybe_finalize_async_calls(blocking=True)
+    blocked = os.path.join(_holder(ctx, root, 3), "iter_0000002_3_local.dirty.pt")
+    if ctx.rank == 3:
+        os.makedirs(blocked)  # a directory where the part's dirty file goes
+    dist.barrier()
+    _save_async(manager, _state(ctx.rank, 2), 2, [])
+    try:
+        _queue().maybe_finalize_async_calls(blocking=True)
+    except AsyncSaveFailedError as exc:
+        assert sorted(exc.failures) == [1, 3], exc.failures
+        assert "rank 3: its own part failed (StorageWriteError" in str(exc), str(exc)
+    else:
+        raise AssertionError("the save did not fail")
+    if ctx.rank == 3:
+        os.rmdir(blocked)
+    dist.barrier()
+    assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
+
+
 def _flip_one_byte(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
@@ -255,6 +280,7 @@ SCENARIOS = by_name(
     a_forked_writer_replicates_too,
     a_lost_node_recovers_from_replicas,
     a_rank_that_cannot_stage_fails_the_save_everywhere,
+    a_writer_that_cannot_write_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
     megatron_core_state_dict_round_trips,
 )

@@ -49,6 +49,9 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
         if behaviour == "never publishes":
             time.sleep(timeout_s + 2)
             return
+        if behaviour == "its own part failed":
+            transport.publish_failure("127.0.0.1", port, f"{PREFIX}/{rank}", "OSError: disk full")
+            return
         if behaviour == "dies after publishing":
             client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
             client.set(f"{PREFIX}/{rank}", _dead_address())
@@ -92,7 +95,7 @@ def store():
     yield master
 
 
-_SILENT = ("never publishes", "dies after publishing", "dies mid-send")
+_SILENT = ("never publishes", "dies after publishing", "dies mid-send", "its own part failed")
 """Behaviours of ranks that report nothing."""
 
 
@@ -181,11 +184,25 @@ def test_a_peer_that_never_sends_fails_its_clique_within_the_deadline(
     assert not store.check([f"{PREFIX}/0"])
 
 
+def _run_with_faulty_rank_2(store, root, behaviour, timeout_s=FAULT_TIMEOUT_S):
+    """4 ranks, small parts, the fault tests' deadline; rank 2 plays ``behaviour``."""
+    return _run(store, root, 4, timeout_s=timeout_s, size=1000, behaviours={2: behaviour})
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_whose_own_part_failed_fails_its_clique_at_once(store, tmp_path):
+    deadline_s = 30.0  # far above the time a busy machine takes to start the ranks
+    results = _run_with_faulty_rank_2(store, tmp_path, "its own part failed", deadline_s)
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert failures[2] == ["its own part failed (OSError: disk full)"] * 2  # both ways
+    assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[1][0] == results[3][0] == "ok"
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(store, tmp_path):
-    results = _run(
-        store, tmp_path, 4, timeout_s=FAULT_TIMEOUT_S, size=1000, behaviours={2: "dies mid-send"}
-    )
+    results = _run_with_faulty_rank_2(store, tmp_path, "dies mid-send")
     outcome, text, failures, elapsed_s = results[0]
     assert outcome == "failed" and set(failures) == {2}, text
     assert "rank 2: receiving its part failed: PeerLost: " in text and "of 1000 bytes" in text
@@ -196,10 +213,7 @@ def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(
 
 @pytest.mark.timeout(60)
 def test_a_replica_that_does_not_match_its_digest_is_refused_and_both_sides_fail(store, tmp_path):
-    results = _run(
-        store, tmp_path, 4, timeout_s=FAULT_TIMEOUT_S, size=1000,
-        behaviours={2: "damages its part"},
-    )
+    results = _run_with_faulty_rank_2(store, tmp_path, "damages its part")
     outcome, text, failures, _ = results[0]
     assert outcome == "failed" and set(failures) == {2}, text
     assert "rank 2: its part was refused: replica of rank 2's part of iteration 30" in text
