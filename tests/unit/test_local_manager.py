@@ -93,6 +93,24 @@ def test_a_save_in_flight_is_not_removed_by_the_next_save(tmp_path):
         queue.close()
 
 
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_state_above_the_staging_budget_is_staged_in_rounds(tmp_path, is_async):
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each
+    manager = LocalCheckpointManager(tmp_path, staging_memory_limit=9000)
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        request = manager.save(BasicTensorAwareStateDict(state), 1, is_async=is_async)
+        if is_async:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert manager.staging_stats["rounds"] > 1 and manager.staging_stats["peak_bytes"] <= 9000
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    assert _equal(loader.load()[0].state_dict, state)
+
+
 def test_a_failed_save_keeps_the_previous_iteration(tmp_path):
     manager = LocalCheckpointManager(tmp_path)
     manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
