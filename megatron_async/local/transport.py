@@ -27,12 +27,14 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron_async.core.one_per_process import OnePerProcess
 from megatron_async.errors import LocalCheckpointError
 
 __all__ = [
     "LOCAL_ADDR_ENV",
     "FAILED_PREFIX",
     "PeerLost",
+    "StoreClients",
     "store_address",
     "store_client",
     "read_key",
@@ -99,25 +101,36 @@ def store_address(
     return None
 
 
-_clients: Dict[Tuple[int, str, int], dist.TCPStore] = {}
-_clients_lock = threading.Lock()
+class StoreClients(OnePerProcess):
+    """This process's clients of the job's store, one per address (background writer).
+
+    A forked writer gets its own instance: the parent's connections are not its to use,
+    and a parent's thread may have held the lock at the fork.
+    """
+
+    fresh_in_forked_child = True
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._clients: Dict[Tuple[str, int], dist.TCPStore] = {}
+
+    def client(self, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+        """The client of ``host:port``, created at the first ask; ``timeout_s`` bounds
+        connecting and, until it is set again, each call."""
+        timeout = datetime.timedelta(seconds=max(timeout_s, 1e-3))
+        with self._lock:
+            if (host, port) not in self._clients:
+                self._clients[host, port] = dist.TCPStore(
+                    host, port, is_master=False, wait_for_workers=False, timeout=timeout
+                )
+            self._clients[host, port].set_timeout(timeout)
+            return self._clients[host, port]
 
 
 def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """This process's client of the store at ``host:port`` (background writer).
-
-    Created once per address and process, and reused: a forked writer makes its own
-    (the parent's connection is not its to use). ``timeout_s`` bounds connecting and,
-    until it is set again, each call.
-    """
-    key, timeout = (os.getpid(), host, port), datetime.timedelta(seconds=max(timeout_s, 1e-3))
-    with _clients_lock:
-        if key not in _clients:
-            _clients[key] = dist.TCPStore(
-                host, port, is_master=False, wait_for_workers=False, timeout=timeout
-            )
-        _clients[key].set_timeout(timeout)
-        return _clients[key]
+    """This process's client of the store at ``host:port`` (background writer):
+    :meth:`StoreClients.client` of :meth:`StoreClients.of_process`."""
+    return StoreClients.of_process().client(host, port, timeout_s)
 
 
 def read_key(store: dist.Store, key: str, timeout_s: float) -> Optional[str]:
@@ -135,14 +148,6 @@ def publish_failure(host: str, port: int, key: str, reason: str, timeout_s: floa
         store_client(host, port, timeout_s).set(key, FAILED_PREFIX + reason[:1000])
     except Exception as exc:
         logger.warning("cannot tell the peers waiting on %s that this writer failed: %s", key, exc)
-
-
-def _after_fork_in_child() -> None:
-    global _clients_lock
-    _clients_lock = threading.Lock()  # a parent's thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def advertised_address(store_host: str, store_port: int) -> str:

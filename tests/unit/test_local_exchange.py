@@ -253,13 +253,14 @@ def test_the_advertised_address_is_the_route_to_the_store_or_the_configured_one(
 def test_a_process_reuses_its_store_client_and_a_forked_writer_makes_its_own(store):
     client = transport.store_client("127.0.0.1", store.port, 5.0)
     assert transport.store_client("127.0.0.1", store.port, 5.0) is client
+    clients = transport.StoreClients.of_process()
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
 
     def child():
         own = transport.store_client("127.0.0.1", store.port, 5.0)
         own.set("from the child", "yes")
-        queue.put(own is not client)
+        queue.put(own is not client and transport.StoreClients.of_process() is not clients)
 
     process = context.Process(target=child)
     process.start()
