@@ -17,7 +17,8 @@ process groups, which a forked writer cannot use. For one save, it:
    acknowledges only when the replica is durable and hashed to that digest; otherwise it
    answers with the reason.
 
-A writer whose own part failed publishes the reason under its key instead of an address
+A writer whose own part failed, or that cannot listen or publish its address, publishes
+the reason under its key instead of an address
 (:func:`~megatron_async.local.transport.publish_failure`): its peers fail at once.
 
 The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
@@ -166,9 +167,14 @@ class _Exchange:
                 listener = transport.listen(advertised, len(spec.peers) + 4)
                 store.set(self.key(self.rank), f"{advertised}:{listener.getsockname()[1]}")
             except Exception as exc:
+                reason = f"cannot listen for its peers or publish its address: {exc}"
+                transport.publish_failure(
+                    spec.store_host, spec.store_port, self.key(self.rank), reason
+                )
+                store = None  # the failure stays published for the peers
                 raise LocalReplicationError(
-                    f"rank {self.rank}: cannot listen for its peers or publish its address in "
-                    f"the job's store at {spec.store_host}:{spec.store_port}: {exc}"
+                    f"rank {self.rank}: {reason} (the job's store at "
+                    f"{spec.store_host}:{spec.store_port})"
                 ) from exc
             self.start(self.accept_loop, listener)
             for peer in spec.peers:
@@ -264,25 +270,20 @@ class _Exchange:
 
     def send(self, store: dist.TCPStore, peer: int) -> Optional[str]:
         """Send the part to ``peer``; None when it acknowledged, else what went wrong."""
-        sock = None
-        while sock is None:
-            self.phase[peer] = "address"
-            address = self.address_of(store, peer)
-            if address is None:
-                return self.timed_out(peer)
-            if address.startswith(transport.FAILED_PREFIX):
-                failed = f"its own part failed ({address[len(transport.FAILED_PREFIX):]})"
-                self.settle(self.received, peer, failed)
-                return failed
-            self.phase[peer], self.address[peer] = "connection", address
-            host, _, port = address.rpartition(":")
-            try:
-                sock = socket.create_connection((host.strip("[]"), int(port)), self.wait_s())
-            except (OSError, ValueError) as exc:  # refused: an earlier attempt's address
-                self.address[peer] = f"{address} ({exc})"
-                if self.remaining() <= 0:
-                    return self.timed_out(peer)
-                time.sleep(_POLL_S)  # then read the key again
+        def note(address: Optional[str]) -> None:
+            self.phase[peer] = "address" if address is None else "connection"
+            if address is not None:
+                self.address[peer] = address
+
+        sock, failed = transport.connect_published(
+            store, self.key(peer), self.deadline, self.store_lock, note, lambda: self.closed
+        )
+        if failed is not None:
+            failed = f"its own part failed ({failed})"
+            self.settle(self.received, peer, failed)
+            return failed
+        if sock is None:
+            return self.timed_out(peer)
         if not self.register(sock):
             return None
         self.phase[peer] = "transfer"
@@ -315,16 +316,6 @@ class _Exchange:
     def wait_s(self) -> float:
         """A socket timeout that ends at the deadline."""
         return max(self.remaining(), 1e-3)
-
-    def address_of(self, store: dist.TCPStore, peer: int) -> Optional[str]:
-        """The peer's published ``ip:port``, polled until the deadline (None after it)."""
-        key = self.key(peer)
-        while not self.closed and self.remaining() > 0:
-            with self.store_lock:
-                if (address := transport.read_key(store, key, self.wait_s())) is not None:
-                    return address
-            time.sleep(_POLL_S)
-        return None
 
     def accept_loop(self, listener: socket.socket) -> None:
         """Accept peers' connections, each received on a thread, until all settled."""

@@ -5,7 +5,8 @@ behind the default process group, so that its host and port can travel in a save
 request. The rest runs in the background writer (a forked child or the persistent
 worker), which cannot use the trainer's process groups nor its store connection: it
 opens its own store client (:func:`store_client`, :func:`read_key`), listens on this
-node's address (:func:`advertised_address`, :func:`listen`), talks to peers in
+node's address (:func:`advertised_address`, :func:`listen`), connects to the address a
+peer published (:func:`connect_published`), talks to peers in
 length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`,
 :func:`answer_and_drain`) and receives bulk bytes through a bounded buffer
 (:func:`recv_chunks`). :mod:`.exchange` builds the
@@ -23,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ __all__ = [
     "store_address",
     "store_client",
     "read_key",
+    "connect_published",
     "advertised_address",
     "listen",
     "send_message",
@@ -62,6 +64,7 @@ _LENGTH = struct.Struct("!I")
 _MAX_MESSAGE_BYTES = 1 << 16
 _CHUNK_BYTES = 4 << 20
 _DRAIN_BYTES = 1 << 16
+_POLL_S = 0.05
 
 
 class PeerLost(Exception):
@@ -140,9 +143,47 @@ def read_key(store: dist.Store, key: str, timeout_s: float) -> Optional[str]:
     return store.get(key).decode() if store.check([key]) else None
 
 
+def connect_published(
+    store: dist.Store,
+    key: str,
+    deadline: float,
+    store_lock: threading.Lock,
+    note: Callable[[Optional[str]], None],
+    stopped: Callable[[], bool] = lambda: False,
+) -> Tuple[Optional[socket.socket], Optional[str]]:
+    """Connect to the ``ip:port`` a peer publishes under ``key`` (background writer).
+
+    The key is read (each store call under ``store_lock``) until it is set; an address
+    that refuses (an earlier attempt's) is read again, until the ``time.monotonic()``
+    deadline or ``stopped()``. ``note`` hears each step: None while the key is read,
+    then the address tried, then the address with why it failed.
+
+    Returns:
+        ``(socket, None)`` once connected; ``(None, reason)`` when the peer published a
+        failure instead (:func:`publish_failure`); ``(None, None)`` at the deadline.
+    """
+    while not stopped() and time.monotonic() < deadline:
+        note(None)
+        with store_lock:
+            address = read_key(store, key, max(deadline - time.monotonic(), 1e-3))
+        if address is not None and address.startswith(FAILED_PREFIX):
+            return None, address[len(FAILED_PREFIX):]
+        if address is not None:
+            note(address)
+            host, _, port = address.rpartition(":")
+            try:
+                timeout_s = max(deadline - time.monotonic(), 1e-3)
+                return socket.create_connection((host.strip("[]"), int(port)), timeout_s), None
+            except (OSError, ValueError) as exc:  # refused: an earlier attempt's address
+                note(f"{address} ({exc})")
+        time.sleep(_POLL_S)
+    return None, None
+
+
 def publish_failure(host: str, port: int, key: str, reason: str, timeout_s: float = 2.0) -> None:
     """Publish under ``key`` that this writer will not take part in an exchange, and why
-    (background writer, after its own part failed), so that its peers stop waiting for it.
+    (background writer, after its own part failed or it could not listen or publish its
+    address), so that its peers stop waiting for it.
     Best effort: a failure to publish is logged, and the peers fail at their deadline."""
     try:
         store_client(host, port, timeout_s).set(key, FAILED_PREFIX + reason[:1000])

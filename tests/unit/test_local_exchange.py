@@ -65,6 +65,12 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             transport.send_message(sock, header)
             sock.sendall(bytes(buffers[0]) + bytes(buffers[1][: size // 2]))
             os._exit(0)
+        if behaviour == "cannot listen":
+
+            def no_port(advertised, backlog):
+                raise OSError(98, "no port to listen on")
+
+            transport.listen = no_port  # this forked rank's module only
         if behaviour == "late":
             time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
         if behaviour == "damages its part":
@@ -190,12 +196,24 @@ def _run_with_faulty_rank_2(store, root, behaviour, timeout_s=FAULT_TIMEOUT_S):
 
 
 @pytest.mark.timeout(90)
-def test_a_peer_whose_own_part_failed_fails_its_clique_at_once(store, tmp_path):
+@pytest.mark.parametrize(
+    "behaviour, reason",
+    [
+        ("its own part failed", "OSError: disk full"),
+        (
+            "cannot listen",
+            "cannot listen for its peers or publish its address: [Errno 98] no port to listen on",
+        ),
+    ],
+)
+def test_a_peer_that_fails_before_its_exchange_fails_its_clique_at_once(
+    store, tmp_path, behaviour, reason
+):
     deadline_s = 30.0  # far above the time a busy machine takes to start the ranks
-    results = _run_with_faulty_rank_2(store, tmp_path, "its own part failed", deadline_s)
+    results = _run_with_faulty_rank_2(store, tmp_path, behaviour, deadline_s)
     outcome, text, failures, elapsed_s = results[0]
     assert outcome == "failed" and set(failures) == {2}, text
-    assert failures[2] == ["its own part failed (OSError: disk full)"] * 2  # both ways
+    assert failures[2] == [f"its own part failed ({reason})"] * 2  # both ways
     assert elapsed_s < deadline_s  # it did not wait for the deadline
     assert results[1][0] == results[3][0] == "ok"
 
