@@ -136,18 +136,24 @@ def record_name(iteration: int, owner: int) -> str:
 class PartStream:
     """The dirty file of a part being written: what goes through :meth:`write` is hashed
     and counted on its way (background writer). ``record`` is set once the part is in
-    place (after the ``with`` block of :func:`open_part`)."""
+    place (after the ``with`` block of :func:`open_part`); ``write_error`` is the first
+    ``OSError`` of a write, which torch's zip writer would report as "unexpected pos"."""
 
     def __init__(self, raw: BinaryIO):
         self._raw = raw
         self._hasher = new_hasher()
         self.num_bytes = 0
         self.record: Optional[PartRecord] = None
+        self.write_error: Optional[OSError] = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        try:
+            self._raw.write(view)
+        except OSError as exc:
+            self.write_error = self.write_error or exc
+            raise
         self._hasher.update(view)
-        self._raw.write(view)
         self.num_bytes += view.nbytes
         return view.nbytes
 
@@ -174,7 +180,8 @@ def open_part(
     and the record is written atomically after it (which fsyncs the directory, and so
     the rename too). A record an earlier save left for the same part is removed before
     the rename, so no record ever describes other bytes. If the block raises, what was
-    written of the part is removed and the error goes on.
+    written of the part is removed and the error goes on (the stream's first write
+    error in its place: a full disk, not the zip writer's "unexpected pos").
 
     Args:
         directory: the holder directory (created if missing).
@@ -190,12 +197,15 @@ def open_part(
     directory = os.fspath(directory)
     dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
     written: Optional[str] = None  # the file to remove if the write fails
+    stream: Optional[PartStream] = None
     try:
         os.makedirs(directory, exist_ok=True)
         with open(dirty, "wb") as raw:
             written = dirty
             stream = PartStream(raw)
             yield stream
+            if stream.write_error is not None:  # swallowed by the block's zip writer
+                raise stream.write_error
             raw.flush()
             os.fsync(raw.fileno())
         digest = stream.hexdigest()
@@ -215,11 +225,12 @@ def open_part(
     except BaseException as exc:
         if written is not None:
             _remove(written)
-        if isinstance(exc, OSError):
+        cause = exc if stream is None or stream.write_error is None else stream.write_error
+        if isinstance(cause, OSError):
             raise StorageWriteError(
                 f"cannot write rank {owner}'s local checkpoint part of iteration {iteration} "
-                f"in {directory}: {exc}"
-            ) from exc
+                f"to {written or directory}: {cause}"
+            ) from cause
         raise
 
 

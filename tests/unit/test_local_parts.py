@@ -162,3 +162,20 @@ def test_identities_differ_by_field_and_algo_counts_only_when_both_know_it():
     ]
     record = PartRecord(1, 0, 3, "d", atomic)
     assert PartRecord.from_json(record.to_json()) == record
+
+
+def test_a_full_disk_under_torch_save_is_a_storage_error_naming_the_file(tmp_path):
+    """torch's zip writer reports a failing stream as "unexpected pos"; the stream keeps
+    the real error, which open_part raises (ENOSPC from /dev/full behind the dirty name)."""
+    import torch
+
+    os.makedirs(tmp_path / "h")
+    dirty = tmp_path / "h" / part_name(5, 1, dirty=True)
+    os.symlink("/dev/full", dirty)
+    with pytest.raises(StorageWriteError) as caught:
+        with parts.open_part(tmp_path / "h", 5, 1, IDENTITY) as stream:
+            torch.save({"w": torch.zeros(1 << 16)}, stream)
+    assert "No space left on device" in str(caught.value), str(caught.value)
+    assert str(dirty) in str(caught.value)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert scan(tmp_path / "h") == []
