@@ -44,6 +44,7 @@ __all__ = [
     "UnpicklableRequestError",
     "RankFailure",
     "AsyncSaveFailedError",
+    "LocalSaveFailedError",
     "describe_for_agreement",
     "agreed_error",
 ]
@@ -328,3 +329,9 @@ class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
 
     def __reduce__(self):
         return (type(self), (self.rank_failures, self.checkpoint, self._hint))
+
+
+class LocalSaveFailedError(AsyncSaveFailedError, LocalCheckpointError):
+    """A local checkpoint save failed on at least one rank; raised identically on every
+    rank. Also nvidia-resiliency-ext's ``CheckpointingException``, which Megatron-LM's
+    local saves are caught as, and still an :class:`AsyncSaveFailedError`."""

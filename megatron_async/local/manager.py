@@ -36,6 +36,7 @@ from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.core.request import AsyncRequest, SaveDetails, run_preload
 from megatron_async.errors import (
     CheckpointingException,
+    LocalSaveFailedError,
     RankFailure,
     SameMachineReplicationException,
 )
@@ -169,9 +170,11 @@ class LocalCheckpointManager:
             CheckpointingException: ``iteration`` is not above every iteration saved or
                 recovered before, or replication has no job TCPStore to meet in (it is
                 :class:`~megatron_async.errors.LocalCheckpointError`).
-            AsyncSaveFailedError: on every rank, when staging failed on any rank (and,
+            LocalSaveFailedError: on every rank, when staging failed on any rank (and,
                 synchronously, when writing or replicating failed); the previous local
-                checkpoint is intact.
+                checkpoint is intact. It is an ``AsyncSaveFailedError`` and
+                nvidia-resiliency-ext's ``CheckpointingException``; the queue raises it
+                too when an asynchronous save fails.
         """
         floor = max([self._kept, *self._in_flight])
         if not isinstance(iteration, int) or iteration < 0 or iteration <= floor:
@@ -233,7 +236,10 @@ class LocalCheckpointManager:
             )
             failure = RankFailure.from_exception(self.rank, "staging", exc)
         try:
-            coordination.agree(failure, coordination.save_failed(self._name(iteration)))
+            name = self._name(iteration)
+            coordination.agree(
+                failure, lambda found: LocalSaveFailedError({f.rank: f for f in found}, name)
+            )
         except BaseException:
             if staged is not None:
                 staged.release()
@@ -324,8 +330,11 @@ class _FinalizeLocalSave:
     """The finalize step of one local save (every rank, trainer).
 
     The queue runs it only once every rank's writer succeeded, i.e. every part and every
-    replica of ``iteration`` is durable on its holder: older iterations can go.
+    replica of ``iteration`` is durable on its holder: older iterations can go. When the
+    save failed, the queue raises ``failure_error_type`` instead and calls :meth:`abandon`.
     """
+
+    failure_error_type = LocalSaveFailedError
 
     def __init__(
         self, manager: LocalCheckpointManager, iteration: int, staged: TorchSaveStaged, stats: dict
@@ -346,10 +355,17 @@ class _FinalizeLocalSave:
         )
 
     def abandon(self) -> None:
-        """The save failed or was never scheduled: give its staging memory back (its files
-        go at the start of the next save)."""
-        self._manager._in_flight.discard(self._iteration)
+        """The save failed or was never scheduled: give its staging memory back and remove
+        this rank's files of its iteration (best effort; what stays goes at the start of
+        the next save), so that a restart recovers the previous iteration."""
+        manager, iteration = self._manager, self._iteration
+        manager._in_flight.discard(iteration)
         self._staged.release()
+        removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i == iteration)
+        logger.info(
+            "rank %d: local checkpoint %d failed; %d of its file(s) removed",
+            manager.rank, iteration, len(removed),
+        )
 
     def save_details(self) -> SaveDetails:
         path = self._manager._name(self._iteration)

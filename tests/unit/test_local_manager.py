@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.errors import AsyncSaveFailedError, CheckpointingException, LocalCheckpointError
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    CheckpointingException,
+    LocalCheckpointError,
+)
 from megatron_async.local.manager import LocalCheckpointManager
 from megatron_async.local.parts import part_name, record_name
 from megatron_async.local.state_dict import BasicTensorAwareStateDict
@@ -116,8 +120,9 @@ def test_a_failed_save_keeps_the_previous_iteration(tmp_path):
     manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
     # A directory where the part's dirty file goes: the writer cannot open it.
     os.makedirs(manager.local_ckpt_dir / part_name(2, 0, dirty=True))
-    with pytest.raises(AsyncSaveFailedError):
+    with pytest.raises(CheckpointingException) as caught:  # nvidia-resiliency-ext's name
         manager.save(BasicTensorAwareStateDict(_state(2.0)), 2)
+    assert isinstance(caught.value, AsyncSaveFailedError)
     assert part_name(1, 0) in _files(manager)
     loader = LocalCheckpointManager(tmp_path)
     assert loader.find_latest() == 1
@@ -170,3 +175,21 @@ def test_run_id_from_the_environment(tmp_path, monkeypatch):
     identity = manager.identity()
     assert identity.run_id == "job-42" and identity.world_size == 1
     assert (identity.replication_jump, identity.replication_factor) == (None, 1)
+
+
+def test_a_failed_async_save_raises_nvidia_resiliency_exts_error(tmp_path):
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    os.makedirs(manager.local_ckpt_dir / part_name(2, 0, dirty=True))
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(_state(2.0)), 2, is_async=True)
+        )
+        with pytest.raises(CheckpointingException) as caught:
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert isinstance(caught.value, AsyncSaveFailedError)
+    assert "StorageWriteError" in str(caught.value)
+    assert _files(manager) == [record_name(1, 0), part_name(1, 0), part_name(2, 0, dirty=True)]
