@@ -33,7 +33,7 @@ import torch
 
 from megatron_async.core import coordination
 from megatron_async.core.config import STAGING_WAIT_S
-from megatron_async.core.request import AsyncRequest, SaveDetails, run_preload
+from megatron_async.core.request import AsyncRequest, SaveDetails, require_hand_over, run_preload
 from megatron_async.errors import (
     CheckpointingException,
     LocalSaveFailedError,
@@ -322,7 +322,22 @@ class LocalCheckpointManager:
 
 
 def _staged(staged: TorchSaveStaged) -> TorchSaveStaged:
-    """``preload_fn`` of a local save: the data ``save`` staged already."""
+    """``preload_fn`` of a local save: the data ``save`` staged already (trainer).
+
+    Raises:
+        StagingHandOverError: the state was staged in rounds and another library's queue
+            runs this request (its writer would wait for rounds nobody hands over); the
+            staging memory is given back.
+    """
+    if staged.gate.in_rounds:
+        try:
+            require_hand_over(
+                "a local checkpoint staged in rounds through the staging_memory_limit",
+                "raise the LocalCheckpointManager's staging_memory_limit to one copy of the state",
+            )
+        except BaseException:
+            staged.release()
+            raise
     return staged
 
 

@@ -14,6 +14,7 @@ from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointingException,
     LocalCheckpointError,
+    StagingHandOverError,
 )
 from megatron_async.local.manager import LocalCheckpointManager
 from megatron_async.local.parts import part_name, record_name
@@ -193,3 +194,18 @@ def test_a_failed_async_save_raises_nvidia_resiliency_exts_error(tmp_path):
     assert isinstance(caught.value, AsyncSaveFailedError)
     assert "StorageWriteError" in str(caught.value)
     assert _files(manager) == [record_name(1, 0), part_name(1, 0), part_name(2, 0, dirty=True)]
+
+
+def test_a_state_staged_in_rounds_is_refused_under_another_librarys_queue(tmp_path):
+    """nvidia-resiliency-ext's queue calls preload_fn itself: nobody would hand the later
+    rounds over, so the request says so at once (as our other staged requests do)."""
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}
+    manager = LocalCheckpointManager(tmp_path, staging_memory_limit=9000)
+    request = manager.save(BasicTensorAwareStateDict(state), 1, is_async=True)
+    with pytest.raises(StagingHandOverError, match="staging_memory_limit"):
+        request.preload_fn()
+    request.abandon()
+    fits = LocalCheckpointManager(tmp_path / "fits")
+    staged = fits.save(BasicTensorAwareStateDict(state), 1, is_async=True).preload_fn()
+    assert not staged.gate.in_rounds
+    staged.release()
