@@ -279,9 +279,13 @@ class LocalCheckpointManager:
         One agreed decision (:func:`~megatron_async.local.recover.recover_newest`): parts
         of another job are ignored, every part used is verified against its digest, a
         missing or damaged part is taken from a peer's intact replica, else the next older
-        iteration is tried. The verified bytes of this rank's part are kept in host memory
-        for :meth:`load` until the next save (while it runs, a rank also holds the
-        replicas it verified for others); a second call returns the cached answer.
+        iteration is tried. A part received from a peer is written back to this rank's
+        holder directory. Memory: verifying streams through one 8 MiB buffer; at most
+        one part a rank sends plus its own part received are in memory at once, and
+        none once this returns (only the record of the verified copy, unless a received
+        part could not be written back); a second call returns the cached answer. The
+        ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
+        only): else every rank logs both and returns -1.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
@@ -296,15 +300,16 @@ class LocalCheckpointManager:
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """This rank's state dict of the iteration :meth:`find_latest` found (every rank).
 
-        Deserializes the verified bytes ``find_latest`` kept, so a second call reads and
-        moves nothing; tensors are back on their devices.
+        Reads this rank's copy ``find_latest`` verified, verifies it again and
+        deserializes it (peak: one part's bytes and the state it holds); a second call
+        moves nothing between ranks. Tensors are back on their devices.
 
         Returns:
             ``(state dict, (iteration, rank, session_id))``.
 
         Raises:
             CheckpointingException: no local checkpoint was found (call ``find_latest``
-                first; it returned -1).
+                first; it returned -1), or its verified copy changed since.
         """
         if self._recovered is None:
             raise CheckpointingException(

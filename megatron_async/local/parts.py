@@ -32,17 +32,8 @@ from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.storage.local import atomic_output, fsync_path
 
 __all__ = [
-    "FORMAT",
-    "LocalIdentity",
-    "PartRecord",
-    "holder_dir",
-    "part_name",
-    "record_name",
-    "PartStream",
-    "open_part",
-    "write_part",
-    "scan",
-    "read_verified",
+    "FORMAT", "LocalIdentity", "PartRecord", "holder_dir", "part_name", "record_name",
+    "PartStream", "open_part", "write_part", "scan", "verify_part", "read_verified",
     "remove_iterations",
 ]
 
@@ -166,11 +157,7 @@ class PartStream:
 
 @contextlib.contextmanager
 def open_part(
-    directory: PathLike,
-    iteration: int,
-    owner: int,
-    identity: LocalIdentity,
-    *,
+    directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
     expected_digest: Optional[str] = None,
 ) -> Iterator[PartStream]:
     """Write a part through a stream, then its record, durably (background writer).
@@ -235,13 +222,8 @@ def open_part(
 
 
 def write_part(
-    directory: PathLike,
-    iteration: int,
-    owner: int,
-    buffers: Iterable[Any],
-    identity: LocalIdentity,
-    *,
-    expected_digest: Optional[str] = None,
+    directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
+    identity: LocalIdentity, *, expected_digest: Optional[str] = None,
 ) -> PartRecord:
     """Write a part from ``buffers`` (bytes-like objects, one after the other) and then
     its record, durably, as :func:`open_part` does (background writer).
@@ -274,6 +256,9 @@ def scan(directory: PathLike) -> List[PartRecord]:
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
+        return []
+    except OSError as exc:  # the others still agree, and recover from replicas
+        logger.warning("%s: cannot list local checkpoint parts, none used: %s", directory, exc)
         return []
     records, unrecorded = [], []
     for name in names:
@@ -325,28 +310,35 @@ def _read_record(directory: str, name: str, iteration: int, owner: int) -> Optio
     return record
 
 
-def read_verified(directory: PathLike, record: PartRecord) -> Optional[bytearray]:
-    """The part ``record`` describes, if its bytes hash to the record's digest (any rank).
+def verify_part(directory: PathLike, record: PartRecord) -> bool:
+    """Whether the part ``record`` describes hashes to its digest (any rank).
 
-    Reads and hashes in one pass. The result is a ``bytearray`` (writable, so it can be
-    wrapped as a tensor without a copy).
-
-    Returns:
-        The part's bytes, or None (with a log line saying why) when the part is missing,
-        unreadable, of another size or damaged.
+    Streams the part through one 8 MiB buffer: nothing of it is kept. False (with a log
+    line saying why) when the part is missing, unreadable, of another size or damaged.
     """
+    return _read_part(directory, record, keep=False) is not None
+
+
+def read_verified(directory: PathLike, record: PartRecord) -> Optional[bytearray]:
+    """The part ``record`` describes, read and hashed in one pass, as a ``bytearray``
+    (writable: a tensor can wrap it without a copy); None as for :func:`verify_part`."""
+    return _read_part(directory, record, keep=True)
+
+
+def _read_part(directory: PathLike, record: PartRecord, keep: bool) -> Optional[bytearray]:
+    """The part's bytes (``keep``; else a buffer's worth), or None when they do not hash
+    to the record's digest."""
     path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
-    data = bytearray(record.num_bytes)
-    view = memoryview(data)
-    hasher = new_hasher()
-    filled = 0
+    data = bytearray(record.num_bytes if keep else min(record.num_bytes, _READ_BYTES))
+    view, hasher, filled = memoryview(data), new_hasher(), 0
     try:
         with open(path, "rb", buffering=0) as stream:
             while filled < record.num_bytes:
-                count = stream.readinto(view[filled : filled + _READ_BYTES])
+                at = filled if keep else 0
+                count = stream.readinto(view[at : at + min(_READ_BYTES, record.num_bytes - filled)])
                 if not count:
                     break
-                hasher.update(view[filled : filled + count])
+                hasher.update(view[at : at + count])
                 filled += count
             extra = stream.read(1)
     except OSError as exc:

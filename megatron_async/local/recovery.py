@@ -5,13 +5,15 @@ Runs on every rank during a recovery. Each function takes what the ranks gathere
 verified intact) and returns the same answer on every rank, so the ranks agree without
 another collective. The steps, per candidate iteration, newest first:
 
+0. :func:`agreed_identity`: rank 0's identity, or nothing recovered when ranks differ.
 1. :func:`matching_identity` drops the parts of another job (one log line naming both
    values); :func:`complete_iterations` lists the iterations every owner has a part of.
-2. Each holder verifies its own part; :func:`replicas_to_verify` says which replicas
-   to verify for the owners whose own copy is missing or damaged.
-3. :func:`choose_sources` plans, for every rank, the intact copy it reads: its own if it
-   has one, else the lowest-ranked holder's. No plan means some part has no intact copy
-   anywhere: the next older iteration is tried, then the persistent checkpoint.
+2. Each holder verifies its own part; :func:`next_step` (:func:`replicas_to_verify`)
+   says which replicas to verify for the owners whose own copy is missing or damaged.
+3. :func:`next_step` (:func:`choose_sources`) plans, for every rank, the intact copy it
+   reads: its own if it has one, else the lowest-ranked holder's. No plan means some part
+   has no intact copy anywhere: the next older iteration is tried, then the persistent
+   checkpoint.
 
 Parts are named by their key ``(iteration, owner)``; ``inventories`` and ``intact`` are
 indexed by the holder's global rank, as ``all_gather_object`` returns them.
@@ -19,6 +21,7 @@ indexed by the holder's global rank, as ``all_gather_object`` returns them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -27,11 +30,13 @@ from megatron_async.local.parts import LocalIdentity, PartRecord
 
 __all__ = [
     "PartKey",
+    "Step",
+    "agreed_identity",
     "matching_identity",
     "complete_iterations",
     "replicas_to_verify",
     "choose_sources",
-    "newest_recoverable",
+    "next_step",
 ]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +46,21 @@ PartKey = Tuple[int, int]
 
 Inventories = Sequence[Iterable[PartRecord]]
 Intact = Sequence[AbstractSet[PartKey]]
+
+
+def agreed_identity(identities: Sequence[LocalIdentity]) -> Optional[LocalIdentity]:
+    """Rank 0's identity when every rank has the same one (``identities`` by rank);
+    else None, with one log line naming rank 0's and every differing rank's values
+    (a run id or algo passed on some ranks only): nothing is recovered then."""
+    differing = [f"rank {r}: {i}" for r, i in enumerate(identities) if i != identities[0]]
+    if not differing:
+        return identities[0]
+    logger.error(
+        "the ranks disagree on this job's local checkpoint identity (rank 0: %s; %s): no "
+        "local checkpoint is recovered; pass the same run_id and algo on every rank",
+        identities[0], "; ".join(differing),
+    )
+    return None
 
 
 def matching_identity(inventories: Inventories, identity: LocalIdentity) -> List[List[PartRecord]]:
@@ -126,21 +146,33 @@ def choose_sources(iteration: int, intact: Intact, world_size: int) -> Optional[
     return plan
 
 
-def newest_recoverable(
-    inventories: Inventories, intact: Intact, world_size: int
-) -> Optional[Tuple[int, ExchangePlan]]:
-    """The newest complete iteration every part of which has an intact copy, and its plan;
-    None when there is none (the persistent checkpoint is the recovery then).
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What every rank does next with one candidate iteration."""
+
+    verify: Dict[int, List[PartRecord]]
+    """Holder -> the replicas it verifies first (empty: go on with ``plan``)."""
+    plan: Optional[ExchangePlan]
+    """Where each rank reads its part; None with nothing to verify: try an older iteration."""
+
+
+def next_step(
+    iteration: int, inventories: Inventories, intact: Intact, world_size: int,
+    replicas_verified: bool,
+) -> Step:
+    """The decision for ``iteration`` at one point of the recovery: after each holder
+    verified its own part (``replicas_verified`` False), then, if replicas were wanted,
+    after their holders verified them too (True).
 
     Args:
         inventories: every holder's records, already through :func:`matching_identity`.
-        intact: per holder, the parts it verified intact (of any iterations).
+        intact: per holder, the parts of ``iteration`` it verified intact so far.
     """
-    for iteration in complete_iterations(inventories, world_size):
-        plan = choose_sources(iteration, intact, world_size)
-        if plan is not None:
-            return iteration, plan
-    return None
+    if not replicas_verified:
+        wanted = replicas_to_verify(iteration, inventories, intact, world_size)
+        if wanted:
+            return Step(wanted, None)
+    return Step({}, choose_sources(iteration, intact, world_size))
 
 
 def _holds(intact: Intact, holder: int, key: PartKey) -> bool:

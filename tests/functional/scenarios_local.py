@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.core.config import AsyncCallerConfig
-from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.errors import AsyncSaveFailedError, CheckpointingException
 from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
 from tests.functional.harness import RankContext, by_name, only_selected, run_scenarios
 
@@ -146,6 +147,22 @@ def a_lost_node_recovers_from_replicas(ctx: RankContext):
     source = _recover(ctx, "lost_node", 3, _state(ctx.rank, 3))
     expected_source = (ctx.rank + JUMP) % ctx.world_size if ctx.rank in LOST_NODE else ctx.rank
     assert source == expected_source
+    # the received part was written back: the next restart reads every part from its owner
+    assert f"iter_0000003_{ctx.rank}_local.pt" in os.listdir(_holder(ctx, "lost_node", ctx.rank))
+    dist.barrier()
+    assert _recover(ctx, "lost_node", 3, _state(ctx.rank, 3)) == ctx.rank
+
+
+def ranks_that_disagree_on_the_identity_recover_nothing(ctx: RankContext):
+    """``algo`` passed on rank 1 only: rank 0's identity decides, and since rank 1's
+    differs every rank returns -1 (none waits in a collective the others left)."""
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    root = "identity"
+    _manager(ctx, root).save(BasicTensorAwareStateDict(_state(ctx.rank, 1)), 1)
+    disagreeing = _manager(ctx, root, algo="atomic" if ctx.rank == 1 else None)
+    assert disagreeing.find_latest() == -1
+    assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank  # agreeing again
 
 
 def a_rank_that_cannot_stage_fails_the_save_everywhere(ctx: RankContext):
@@ -190,6 +207,57 @@ def a_writer_that_cannot_write_fails_the_save_everywhere(ctx: RankContext):
     assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
 
 
+def _writer_that_dies_mid_exchange(job, staged):
+    """Rank 3's writer in the scenario below (a forked child: the patch is its own): it
+    writes its part and replicates it, but exits abruptly instead of acknowledging the
+    part it received from its peer."""
+    from megatron_async.local import part_writer, transport
+
+    send_message = transport.send_message
+
+    def die_before_the_ack(sock, message):
+        if message == {"ok": True}:
+            os._exit(17)
+        send_message(sock, message)
+
+    transport.send_message = die_before_the_ack
+    return part_writer.write_local_part(job, staged)
+
+
+def a_writer_killed_mid_replication_fails_the_save_everywhere(ctx: RankContext):
+    """Rank 3's writer dies mid-exchange: its peer (rank 1) fails at once, every rank raises
+    nvidia-resiliency-ext's error well within the exchange's bound, the failed iteration's
+    files go, and the previous iteration recovers."""
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    root = "killed"
+    manager = _manager(ctx, root)
+    queue = AsyncCallsQueue(persistent=False)  # a writer per save: the dead one is not reused
+    try:
+        queue.schedule_async_request(
+            manager.save(BasicTensorAwareStateDict(_state(ctx.rank, 1)), 1, is_async=True)
+        )
+        queue.maybe_finalize_async_calls(blocking=True)
+        request = manager.save(BasicTensorAwareStateDict(_state(ctx.rank, 2)), 2, is_async=True)
+        if ctx.rank == 3:
+            request = request._replace(async_fn=_writer_that_dies_mid_exchange)
+        start = time.monotonic()
+        queue.schedule_async_request(request)
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+        except CheckpointingException as exc:
+            assert isinstance(exc, AsyncSaveFailedError)
+            assert sorted(exc.failures) == [1, 3], exc.failures
+        else:
+            raise AssertionError("the save did not fail")
+        elapsed_s = time.monotonic() - start
+        assert elapsed_s < 60.0, elapsed_s  # the exchange's bound is 120 s: not waited for
+    finally:
+        queue.close()
+    dist.barrier()
+    assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
+
+
 def _flip_one_byte(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
@@ -199,8 +267,9 @@ def _flip_one_byte(path: str) -> None:
 
 
 def a_damaged_copy_is_never_loaded(ctx: RankContext):
-    """Rank 0's own part damaged: it loads rank 2's replica. Rank 2's replica damaged too:
-    every rank falls back to the older iteration (left beside, as after an unfinished finalize)."""
+    """Rank 0's own part damaged: it loads rank 2's replica, and writes it back. Both copies
+    damaged: every rank falls back to the older iteration (left beside, as after an
+    unfinished finalize)."""
     root = "damaged"
     manager = _manager(ctx, root)
     finalized = []
@@ -221,7 +290,9 @@ def a_damaged_copy_is_never_loaded(ctx: RankContext):
     source = _recover(ctx, root, 6, _state(ctx.rank, 6))
     assert source == (2 if ctx.rank == 0 else ctx.rank)
     dist.barrier()
-    if ctx.rank == 2:
+    assert _recover(ctx, root, 6, _state(ctx.rank, 6)) == ctx.rank  # rank 0's copy written back
+    dist.barrier()
+    if ctx.rank in (0, 2):
         _flip_one_byte(os.path.join(holder, "iter_0000006_0_local.pt"))
     dist.barrier()
     assert _recover(ctx, root, 5, _state(ctx.rank, 5)) == ctx.rank
@@ -279,8 +350,10 @@ SCENARIOS = by_name(
     saves_are_replicated_and_recover_equal,
     a_forked_writer_replicates_too,
     a_lost_node_recovers_from_replicas,
+    ranks_that_disagree_on_the_identity_recover_nothing,
     a_rank_that_cannot_stage_fails_the_save_everywhere,
     a_writer_that_cannot_write_fails_the_save_everywhere,
+    a_writer_killed_mid_replication_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
     megatron_core_state_dict_round_trips,
 )

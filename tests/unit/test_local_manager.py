@@ -16,6 +16,7 @@ from megatron_async.errors import (
     LocalCheckpointError,
     StagingHandOverError,
 )
+from megatron_async.local import parts
 from megatron_async.local.manager import LocalCheckpointManager
 from megatron_async.local.parts import part_name, record_name
 from megatron_async.local.state_dict import BasicTensorAwareStateDict
@@ -209,3 +210,30 @@ def test_a_state_staged_in_rounds_is_refused_under_another_librarys_queue(tmp_pa
     staged = fits.save(BasicTensorAwareStateDict(state), 1, is_async=True).preload_fn()
     assert not staged.gate.in_rounds
     staged.release()
+
+
+def test_find_latest_keeps_only_the_record_and_load_verifies_again(tmp_path):
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    assert loader._recovered.data is None and loader._recovered.record.key == (1, 0)
+    assert _equal(loader.load()[0].state_dict, _state(1.0))
+    path = loader.local_ckpt_dir / part_name(1, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointingException, match="changed or vanished after find_latest"):
+        loader.load()
+
+
+def test_an_error_while_verifying_counts_as_not_intact(tmp_path, monkeypatch, caplog):
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+
+    def out_of_memory(directory, record):
+        raise MemoryError("no room for the part")
+
+    monkeypatch.setattr(parts, "verify_part", out_of_memory)
+    with caplog.at_level(logging.WARNING):
+        assert LocalCheckpointManager(tmp_path).find_latest() == -1
+    assert "cannot verify rank 0's local checkpoint part of iteration 1" in caplog.text
+    assert "MemoryError: no room for the part" in caplog.text

@@ -179,3 +179,23 @@ def test_a_full_disk_under_torch_save_is_a_storage_error_naming_the_file(tmp_pat
     assert str(dirty) in str(caught.value)
     assert isinstance(caught.value.__cause__, OSError)
     assert scan(tmp_path / "h") == []
+
+
+def test_a_directory_that_cannot_be_listed_holds_nothing_usable(tmp_path, caplog):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"x")
+    with caplog.at_level(logging.WARNING):
+        assert scan(not_a_directory) == []
+    assert "cannot list local checkpoint parts" in caplog.text
+
+
+def test_verifying_a_part_streams_it_and_keeps_nothing(tmp_path, caplog):
+    record = write_part(tmp_path, 3, 0, PAYLOAD, IDENTITY)
+    assert parts.verify_part(tmp_path, record) is True
+    path = tmp_path / part_name(3, 0)
+    data = bytearray(path.read_bytes())
+    data[5] ^= 1
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert parts.verify_part(tmp_path, record) is False
+    assert "damaged" in caplog.text
