@@ -154,9 +154,6 @@ class _Exchange:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def key(self, rank: int) -> str:
-        return self.spec.key(rank)
-
     def run(self) -> List[PartRecord]:
         """Publish, send and receive until every peer is settled or the deadline passes."""
         spec, store, listener = self.spec, None, None
@@ -165,11 +162,11 @@ class _Exchange:
                 store = transport.store_client(spec.store_host, spec.store_port, spec.timeout_s)
                 advertised = transport.advertised_address(spec.store_host, spec.store_port)
                 listener = transport.listen(advertised, len(spec.peers) + 4)
-                store.set(self.key(self.rank), f"{advertised}:{listener.getsockname()[1]}")
+                store.set(self.spec.key(self.rank), f"{advertised}:{listener.getsockname()[1]}")
             except Exception as exc:
                 reason = f"cannot listen for its peers or publish its address: {exc}"
                 transport.publish_failure(
-                    spec.store_host, spec.store_port, self.key(self.rank), reason
+                    spec.store_host, spec.store_port, self.spec.key(self.rank), reason
                 )
                 store = None  # the failure stays published for the peers
                 raise LocalReplicationError(
@@ -193,7 +190,7 @@ class _Exchange:
                         store = transport.store_client(
                             spec.store_host, spec.store_port, _CLOSE_GRACE_S
                         )
-                        store.delete_key(self.key(self.rank))
+                        store.delete_key(self.spec.key(self.rank))
                 except Exception as exc:  # best effort: the next attempt overwrites it
                     logger.warning("rank %d: cannot delete its store key: %s", self.rank, exc)
         failures: Dict[int, List[str]] = {}
@@ -254,7 +251,7 @@ class _Exchange:
     def timed_out(self, peer: int) -> str:
         """What the send to ``peer`` was waiting for when the deadline passed."""
         return f"timed out after {self.spec.timeout_s:g} s " + {
-            "address": f"waiting for it to publish its address under '{self.key(peer)}' "
+            "address": f"waiting for it to publish its address under '{self.spec.key(peer)}' "
             "(did it die, or not start this save?)",
             "connection": f"connecting to it at {self.address.get(peer)}",
             "transfer": f"sending rank {self.rank}'s part to it",
@@ -276,7 +273,7 @@ class _Exchange:
                 self.address[peer] = address
 
         sock, failed = transport.connect_published(
-            store, self.key(peer), self.deadline, self.store_lock, note, lambda: self.closed
+            store, self.spec.key(peer), self.deadline, self.store_lock, note, lambda: self.closed
         )
         if failed is not None:
             failed = f"its own part failed ({failed})"
@@ -308,10 +305,20 @@ class _Exchange:
         except (transport.PeerLost, ValueError) as exc:
             if self.remaining() <= 0:
                 return self.timed_out(peer)
+            if isinstance(exc, transport.PeerLost):
+                self.went_away(peer, exc)
             return broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
         if reply.get("ok") is True:
             return broken
         return f"it refused rank {self.rank}'s part: {reply.get('error')}"
+
+    def went_away(self, peer: int, exc: Exception) -> None:
+        """``peer`` closed unanswered (its writer died or ended its exchange): unless its
+        part is arriving, stop waiting for it."""
+        with self.cond:
+            arriving = peer in self.receiving
+        if not arriving:
+            self.settle(self.received, peer, f"it went away before sending its part ({exc})")
 
     def wait_s(self) -> float:
         """A socket timeout that ends at the deadline."""

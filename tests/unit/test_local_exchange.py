@@ -71,6 +71,14 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
                 raise OSError(98, "no port to listen on")
 
             transport.listen = no_port  # this forked rank's module only
+        if behaviour == "dies before acking":  # after rank 0's part came, before sending its own
+            transport.connect_published = lambda *args: time.sleep(timeout_s + 2)
+
+            def die_at_the_ack(sock, message):
+                if message == {"ok": True}:
+                    os._exit(0)
+
+            transport.send_message = die_at_the_ack
         if behaviour == "late":
             time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
         if behaviour == "damages its part":
@@ -101,7 +109,10 @@ def store():
     yield master
 
 
-_SILENT = ("never publishes", "dies after publishing", "dies mid-send", "its own part failed")
+_SILENT = (
+    "never publishes", "dies after publishing", "dies mid-send", "its own part failed",
+    "dies before acking",
+)
 """Behaviours of ranks that report nothing."""
 
 
@@ -227,6 +238,18 @@ def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(
     assert elapsed_s < FAULT_TIMEOUT_S + 5
     directory = holder_dir(tmp_path, SESSION, 0)
     assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_that_dies_before_sending_its_part_fails_its_clique_at_once(store, tmp_path):
+    deadline_s = 30.0
+    results = _run_with_faulty_rank_2(store, tmp_path, "dies before acking", deadline_s)
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: no acknowledgement of rank 0's part" in text
+    assert "rank 2: it went away before sending its part" in text
+    assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[1][0] == results[3][0] == "ok"
 
 
 @pytest.mark.timeout(60)
