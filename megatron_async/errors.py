@@ -26,6 +26,11 @@ __all__ = [
     "AsyncTimeoutError",
     "CoordinationError",
     "CheckpointIntegrityError",
+    "LocalCheckpointError",
+    "CheckpointingException",
+    "SameMachineReplicationException",
+    "NoReplicasAvailableError",
+    "LocalReplicationError",
     "StorageWriteError",
     "StagingMemoryError",
     "StagingRaceError",
@@ -39,6 +44,7 @@ __all__ = [
     "UnpicklableRequestError",
     "RankFailure",
     "AsyncSaveFailedError",
+    "LocalSaveFailedError",
     "describe_for_agreement",
     "agreed_error",
 ]
@@ -79,6 +85,41 @@ class CoordinationError(AsyncCheckpointError):
 
 class CheckpointIntegrityError(AsyncCheckpointError):
     """Checkpoint content does not match what was written (missing item, bad checksum)."""
+
+
+class LocalCheckpointError(AsyncCheckpointError):
+    """A node-local checkpoint (``megatron_async.local``) cannot be saved, found or
+    recovered: a replication layout that does not fit the job, a part that cannot be
+    written or a state dict used out of order. The message names the rank, directory or
+    iteration and says what to change."""
+
+
+CheckpointingException = LocalCheckpointError
+"""nvidia-resiliency-ext's name for the base error of its local checkpoint package."""
+
+
+class SameMachineReplicationException(LocalCheckpointError):
+    """nvidia-resiliency-ext's error for a second copy of one part written into one holder
+    directory. Kept for code that imports or catches it; never raised here: each rank has
+    its own holder directory and the exchange refuses a second copy of a part."""
+
+
+class NoReplicasAvailableError(LocalCheckpointError):
+    """No intact copy of some rank's local checkpoint part exists on any holder; the
+    recovery falls back to an older local iteration or the persistent checkpoint."""
+
+
+class LocalReplicationError(LocalCheckpointError):
+    """A background writer could not exchange local checkpoint parts with its clique peers
+    (a peer that died, stalled, never published its address or refused a damaged part).
+    ``failures`` maps each peer's global rank to what happened with it."""
+
+    def __init__(self, message: str, failures: Optional[Mapping[int, List[str]]] = None):
+        super().__init__(message)
+        self.failures: Dict[int, List[str]] = dict(failures or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.failures))
 
 
 class UnsupportedMegatronError(AsyncCheckpointError, ImportError):
@@ -288,3 +329,9 @@ class AsyncSaveFailedError(AsyncCheckpointError, CheckpointException):
 
     def __reduce__(self):
         return (type(self), (self.rank_failures, self.checkpoint, self._hint))
+
+
+class LocalSaveFailedError(AsyncSaveFailedError, LocalCheckpointError):
+    """A local checkpoint save failed on at least one rank; raised identically on every
+    rank. Also nvidia-resiliency-ext's ``CheckpointingException``, which Megatron-LM's
+    local saves are caught as, and still an :class:`AsyncSaveFailedError`."""

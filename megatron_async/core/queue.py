@@ -202,11 +202,12 @@ class AsyncCallsQueue:
             if failures:
                 details = request.save_details()  # its checkpoint is named in the error's headline
                 checkpoint = details.checkpoint if details is not None else None
+                error = request.failed_error(failures, checkpoint)
                 # Free the request's resources (an in-flight directory claim) now: the
                 # caller may still hold the request, and the traceback keeps this frame.
                 request.abandon()
                 del request, caller
-                raise AsyncSaveFailedError(failures, checkpoint)
+                raise error
             start = time.monotonic()
             for finalize_fn in request.finalize_fns:
                 finalize_fn()

@@ -13,10 +13,15 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from megatron_async.core import coordination
-from megatron_async.errors import FrozenRequestError, RankFailure, StagingHandOverError
+from megatron_async.errors import (
+    AsyncSaveFailedError,
+    FrozenRequestError,
+    RankFailure,
+    StagingHandOverError,
+)
 
 __all__ = [
     "AsyncRequest",
@@ -168,6 +173,19 @@ class AsyncRequest(NamedTuple):
                 return provide()
         return None
 
+    def failed_error(
+        self, failures: Mapping[int, RankFailure], checkpoint: Optional[str] = None
+    ) -> AsyncSaveFailedError:
+        """The error every rank raises when this request failed (every rank): the type a
+        finalize function names in its ``failure_error_type`` (the local checkpoint
+        manager's, also nvidia-resiliency-ext's ``CheckpointingException``), else
+        :class:`~megatron_async.errors.AsyncSaveFailedError`."""
+        for fn in self.finalize_fns:
+            error_type = getattr(fn, "failure_error_type", None)
+            if error_type is not None:
+                return error_type(failures, checkpoint)
+        return AsyncSaveFailedError(failures, checkpoint)
+
     def execute_sync(self) -> None:
         """Run the whole request in the calling thread: stage, write, agree, finalize.
 
@@ -187,7 +205,7 @@ class AsyncRequest(NamedTuple):
             logger.error("rank %d: synchronous save failed: %s", coordination.get_rank(), exc)
             failure = RankFailure.from_exception(coordination.get_rank(), "write", exc)
         try:
-            coordination.agree(failure, coordination.save_failed())
+            coordination.agree(failure, lambda found: self.failed_error({f.rank: f for f in found}))
         except BaseException:
             self.abandon()
             raise

@@ -12,6 +12,12 @@ prefix::
 For code one cannot edit (megatron-core's own ``get_async_strategy("nvrx")``, called by
 ``dist_checkpointing.save``), :func:`serve_as_nvidia_resiliency_ext` makes those module
 paths resolve to ours in this process, when nvidia-resiliency-ext is not installed.
+
+It serves the local checkpoint package ``nvidia_resiliency_ext.checkpointing.local``
+too (Megatron-LM's ``--non-persistent-ckpt-type local``, and the base class of
+megatron-core's ``MCoreTensorAwareStateDict``): each of its submodules is one of our
+:mod:`megatron_async.local` modules under nvidia-resiliency-ext's path
+(:data:`_SERVED_LOCAL`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,17 @@ _SERVED_SUBMODULES = (
     "cached_metadata_filesystem_reader",
     "torch_ckpt",
 )
+_LOCAL = "nvidia_resiliency_ext.checkpointing.local"
+_SERVED_LOCAL = {
+    "base_state_dict": "megatron_async.local.state_dict",
+    "basic_state_dict": "megatron_async.local.state_dict",
+    "ckpt_managers.base_manager": "megatron_async.local.manager",
+    "ckpt_managers.local_manager": "megatron_async.local.manager",
+    "replication.strategies": "megatron_async.local.cliques",
+    "replication.group_utils": "megatron_async.local.cliques",
+}
+"""nvidia-resiliency-ext's local submodules and ours that carry their names (two of its
+modules may be one of ours: the names, not the split, are the contract)."""
 
 
 def is_served() -> bool:
@@ -62,8 +79,11 @@ def serve_as_nvidia_resiliency_ext() -> None:
     it, megatron-core 0.17+'s stock ``TorchDistSaveShardedStrategy`` with
     ``async_strategy="nvrx"`` (its default) plans, stages, writes and commits through
     this package, and Megatron-LM's ``--async-save`` runs without nvidia-resiliency-ext.
-    Only the async checkpointing modules are served: ``import
-    nvidia_resiliency_ext.<anything else>`` still raises ``ModuleNotFoundError``.
+    The local checkpoint modules are served as well (``LocalCheckpointManager``,
+    ``CliqueReplicationStrategy``, ``TensorAwareStateDict``; call this before
+    megatron-core's ``tensor_aware_state_dict`` is imported, which picks its base class
+    once). Nothing else is: ``import nvidia_resiliency_ext.<anything else>`` still raises
+    ``ModuleNotFoundError``.
     Calling it again is a no-op.
 
     Raises:
@@ -82,7 +102,7 @@ def serve_as_nvidia_resiliency_ext() -> None:
             "sharded_strategy=megatron_async.TorchDistAsyncSaveStrategy(...) to "
             "dist_checkpointing.save (it runs our pipeline whatever async_strategy says)"
         )
-    package = _namespace(_NVRX_PACKAGE, "Served by megatron_async.nvrx (async checkpointing only).")
+    package = _namespace(_NVRX_PACKAGE, "Served by megatron_async.nvrx (async and local checkpointing only).")
     package.__version__ = NVRX_INTERFACE_VERSION
     checkpointing = _namespace(f"{_NVRX_PACKAGE}.checkpointing", None)
     async_ckpt = _namespace(_ASYNC_CKPT, None)
@@ -97,4 +117,12 @@ def serve_as_nvidia_resiliency_ext() -> None:
         module = importlib.import_module(f"{__name__}.{name}")
         setattr(async_ckpt, name, module)
         served[f"{_ASYNC_CKPT}.{name}"] = module
+    served[_LOCAL] = checkpointing.local = _namespace(_LOCAL, None)
+    for name, ours in _SERVED_LOCAL.items():
+        parent, _, leaf = f"{_LOCAL}.{name}".rpartition(".")
+        if parent not in served:
+            served[parent] = _namespace(parent, None)
+            setattr(served[parent.rpartition(".")[0]], parent.rpartition(".")[2], served[parent])
+        served[f"{parent}.{leaf}"] = importlib.import_module(ours)
+        setattr(served[parent], leaf, served[f"{parent}.{leaf}"])
     sys.modules.update(served)

@@ -40,13 +40,15 @@ _PLAIN_TYPES = frozenset({str, bytes, int, float, bool, type(None), tuple, list,
 
 
 def pickle_like_torch_save(
-    obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2
+    obj: Any, pickle_module: Any = pickle, pickle_protocol: int = 2, device_locations: bool = False
 ) -> Tuple[bytes, List[torch.UntypedStorage], List[List[torch.Tensor]]]:
     """Pickle ``obj`` into the ``data.pkl`` record of a ``torch.save`` file (trainer).
 
     Returns the record, the storages it names (storage ``i`` is record ``data/i``) and the
     tensors seen over each. A storage is keyed by its first appearance, so two tensors
-    over one storage share one record, as in ``torch.save``.
+    over one storage share one record, as in ``torch.save``. CUDA storages are recorded
+    at location ``cpu`` (they load on the CPU), or at their device (``cuda:1``, as
+    ``torch.save`` records them) with ``device_locations``.
 
     Raises:
         CheckpointValidationError: two saved tensors view the same data as different
@@ -84,7 +86,9 @@ def pickle_like_torch_save(
         if key is None:
             key = keys[untyped._cdata] = str(len(storages))
             storages.append(untyped)
-        location = "cpu" if untyped.device.type in ("cpu", "cuda") else location_tag(untyped)
+        kind = untyped.device.type
+        on_host = kind == "cpu" or (kind == "cuda" and not device_locations)
+        location = "cpu" if on_host else location_tag(untyped)
         return ("storage", storage_type, key, location, numel)
 
     class _Pickler(pickle_module.Pickler):  # type: ignore[name-defined]
@@ -167,17 +171,20 @@ def stage_torch_save(
     limit: Any,
     timeout_s: float,
     stats: dict,
+    *,
+    device_locations: bool = False,
 ) -> TorchSaveStaged:
     """Pickle ``obj`` and stage its storages within the budget (trainer, ``preload_fn``).
 
     ``stats`` receives ``rounds`` and ``peak_bytes`` (the staging bytes held) of this save.
+    ``device_locations``: see :func:`pickle_like_torch_save`.
 
     Raises:
         StagingMemoryError: one storage alone exceeds the budget (naming its tensor and
             the budget it needs), or earlier saves did not free the memory within
             ``timeout_s``; nothing was staged and the trainer's state is untouched.
     """
-    data, storages, tensors = pickle_like_torch_save(obj, pickle_module, pickle_protocol)
+    data, storages, tensors = pickle_like_torch_save(obj, pickle_module, pickle_protocol, device_locations)
     sizes = [storage.nbytes() for storage in storages]
     state_bytes = sum(shared_memory.aligned(size) for size in sizes)
     budget = resolve_budget(limit, state_bytes)

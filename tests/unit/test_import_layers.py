@@ -18,7 +18,7 @@ LAYERS = (
     ("__main__",),
     ("cli", "manager", "state_dict_saver", "filesystem_async"),
     ("mcore", "nvrx"),
-    ("torch_ckpt",),
+    ("torch_ckpt", "local"),
     ("saver",),
     ("writer",),
     ("staging",),

@@ -165,6 +165,36 @@ def test_serving_makes_the_module_paths_resolve_to_ours():
     assert proc.returncode == 0 and "served" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_serving_includes_the_local_checkpoint_modules_megatron_lm_imports():
+    proc = _run_python(
+        """
+        from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
+        serve_as_nvidia_resiliency_ext()
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+            LocalCheckpointManager)
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+            CheckpointingException, CkptID, SameMachineReplicationException)
+        from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import (
+            ExchangePlan, ExchangePlanEntry, GroupWrapper, ProcessGroupLike, batched,
+            parse_group_sequence)
+        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
+            CliqueReplicationStrategy, LazyCliqueReplicationStrategy,
+            LazyReplicationStrategyBuilder, NoReplicasAvailableError, ReplicationStrategy)
+        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
+            BasicTensorAwareStateDict, TensorPlaceholder, dict_list_map_inplace, nested_values)
+        from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+        import megatron_async.local.manager as ours
+        assert LocalCheckpointManager is ours.LocalCheckpointManager
+        assert issubclass(SameMachineReplicationException, CheckpointingException)
+        from megatron.core.dist_checkpointing import tensor_aware_state_dict
+        assert tensor_aware_state_dict.HAVE_NVRX
+        assert issubclass(tensor_aware_state_dict.MCoreTensorAwareStateDict, TensorAwareStateDict)
+        print("served")
+        """
+    )
+    assert proc.returncode == 0 and "served" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_serving_refuses_when_the_real_package_is_installed(tmp_path):
     (tmp_path / "nvidia_resiliency_ext").mkdir()
     (tmp_path / "nvidia_resiliency_ext" / "__init__.py").write_text("")

@@ -1,0 +1,25 @@
+"""Local checkpoints: saved often to node-local storage, replicated to peer nodes.
+
+The building blocks of nvidia-resiliency-ext's ``checkpointing.local`` surface (served
+by :mod:`megatron_async.nvrx`), one role per module:
+
+* :mod:`.state_dict` (every rank): ``TensorAwareStateDict``, the base megatron-core's
+  ``MCoreTensorAwareStateDict`` derives from, and ``BasicTensorAwareStateDict`` for
+  plain nested dicts and lists;
+* :mod:`.cliques` (every rank): which ranks keep replicas of which rank's part
+  (``parse_group_sequence``, ``CliqueReplicationStrategy``);
+* :mod:`.parts` (background writer writes, every rank reads): a holder directory's part
+  files and their records (size, xxh3 digest, the job's identity);
+* :mod:`.recovery` (every rank): the pure decision of which iteration to recover and
+  which intact copy each rank reads;
+* :mod:`.transport` (the store's address found in the training process, the rest in the
+  background writer): the job's store, this node's address, messages between writers;
+* :mod:`.exchange` (background writer): one save's part sent to the clique peers and
+  theirs kept, each replica verified against its owner's digest before it is acked;
+* :mod:`.part_writer` (background writer): one save's part written from its staged
+  ``torch.save`` records, then replicated;
+* :mod:`.manager` (every rank): ``LocalCheckpointManager``, whose ``save`` stages on the
+  training thread and returns the request, and whose finalize step applies retention;
+* :mod:`.recover` (every rank): ``find_latest``'s agreed recovery, verified parts moved
+  between ranks in bulk, and ``load``'s deserialization of the verified bytes.
+"""

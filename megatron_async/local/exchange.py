@@ -1,0 +1,397 @@
+"""Replicate one rank's local checkpoint part to its clique peers, and keep theirs.
+
+:class:`PeerExchange` is built in the training process (the store's address comes from
+:func:`~megatron_async.local.transport.store_address`) and travels in the save's
+request. :func:`exchange_part` runs in the **background writer** (a forked child or the
+persistent worker), never on the training thread, and without ``torch.distributed``
+process groups, which a forked writer cannot use. For one save, it:
+
+1. listens on an ephemeral port and publishes ``ip:port`` under ``<key_prefix>/<rank>``
+   through its own client of the job's store;
+2. sends this rank's part to every peer: it waits for the peer's address, connects
+   (an address an earlier attempt left, refused, is read again until the deadline),
+   sends a header (session, iteration, owner, receiver, size, digest, identity) and the
+   bytes, and waits for the peer's acknowledgement;
+3. receives every peer's part on threads, streams it through a bounded chunk buffer into
+   :func:`~megatron_async.local.parts.write_part` with the owner's digest, and
+   acknowledges only when the replica is durable and hashed to that digest; otherwise it
+   answers with the reason.
+
+A writer whose own part failed, or that cannot listen or publish its address, publishes
+the reason under its key instead of an address
+(:func:`~megatron_async.local.transport.publish_failure`): its peers fail at once.
+
+The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
+writer (:mod:`.part_writer`) gives the written part file mapped read-only, so the part is
+never held in the writer's own memory; the receiver's digest check covers the transfer.
+Every wait ends at the caller's deadline; the listener, connections and threads are
+closed and the store key deleted on every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from megatron_async.errors import (
+    CheckpointIntegrityError,
+    LocalCheckpointError,
+    LocalReplicationError,
+    StorageWriteError,
+)
+from megatron_async.local.parts import LocalIdentity, PartRecord, write_part
+from megatron_async.local import transport
+
+__all__ = ["PeerExchange", "exchange_part"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_CLOSE_GRACE_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerExchange:
+    """Where one local save's part goes (built in the training process, used by the writer).
+
+    It pickles: it travels in the save's request to the persistent worker.
+    """
+
+    store_host: str
+    """The job's TCPStore host, from :func:`~megatron_async.local.transport.store_address`."""
+    store_port: int
+    """Its port."""
+    key_prefix: str
+    """Names this save in the store (its session and iteration); every rank of the save
+    passes the same one, and no other save of the job uses it."""
+    session_id: str
+    """The manager's session, checked in every received header."""
+    peers: Tuple[int, ...]
+    """The other global ranks of this rank's clique (``CliqueReplicationStrategy.peers``)."""
+    directory: str
+    """This rank's holder directory: received replicas are written there."""
+    timeout_s: float
+    """Bound on the whole exchange, every wait included."""
+
+    def key(self, rank: int) -> str:
+        """The store key under which ``rank`` publishes its address for this save."""
+        return f"{self.key_prefix}/{rank}"
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise LocalCheckpointError(f"the exchange needs timeout_s > 0, not {self.timeout_s!r}")
+        if len(set(self.peers)) != len(self.peers):
+            raise LocalCheckpointError(f"peers must be distinct ranks, not {self.peers}")
+
+
+def exchange_part(
+    exchange: PeerExchange, record: PartRecord, buffers: Sequence[Any]
+) -> List[PartRecord]:
+    """Send this rank's part to every peer and keep every peer's part (background writer).
+
+    Args:
+        exchange: where the part goes and the deadline.
+        record: the part's record as :func:`~megatron_async.local.parts.write_part`
+            computed it; its owner is this rank.
+        buffers: the part's bytes (bytes-like objects, one after the other).
+
+    Returns:
+        The records of the replicas written into ``exchange.directory``, by owner.
+
+    Raises:
+        LocalReplicationError: some peer's part was not kept, or some peer did not
+            acknowledge this rank's part, by the deadline (``failures`` says per peer); or
+            the writer could not listen or publish its address.
+        LocalCheckpointError: the buffers do not fit the record, or no address of this
+            node is found (set ``MEGATRON_ASYNC_LOCAL_ADDR``).
+    """
+    if not exchange.peers:
+        return []
+    if record.owner in exchange.peers:
+        raise LocalCheckpointError(f"rank {record.owner} is among its own peers {exchange.peers}")
+    views = [memoryview(b).cast("B") for b in buffers]
+    if sum(v.nbytes for v in views) != record.num_bytes:
+        raise LocalCheckpointError(
+            f"rank {record.owner}'s buffers hold {sum(v.nbytes for v in views)} bytes, "
+            f"its record says {record.num_bytes}"
+        )
+    return _Exchange(exchange, record, views).run()
+
+
+class _Refused(Exception):
+    """``(reason, owner)``: a refused header; the reason goes back, the owner's replica fails."""
+
+
+class _Exchange:
+    """One run of :func:`exchange_part`: its listener, threads and per-peer outcomes.
+
+    Each peer is settled once per direction: ``sent[peer]`` is None when it acknowledged
+    this rank's part, ``received[peer]`` the record of its durable replica; a string in
+    either says what failed. The run ends when every peer is settled both ways or the
+    deadline passes; the first outcome counts, later ones are echoes of the closing.
+    """
+
+    def __init__(self, spec: PeerExchange, record: PartRecord, views: List[memoryview]):
+        self.spec, self.record, self.views, self.rank = spec, record, views, record.owner
+        self.deadline = time.monotonic() + spec.timeout_s
+        self.cond = threading.Condition()
+        self.sent: Dict[int, Optional[str]] = {}
+        self.received: Dict[int, Any] = {}
+        self.receiving: set = set()
+        self.phase = dict.fromkeys(spec.peers, "address")  # what each send waits for
+        self.address: Dict[int, str] = {}  # the address last tried, and why it failed
+        self.sockets: List[socket.socket] = []
+        self.threads: List[threading.Thread] = []
+        self.closed = False
+        self.store_lock = threading.Lock()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self) -> List[PartRecord]:
+        """Publish, send and receive until every peer is settled or the deadline passes."""
+        spec, store, listener = self.spec, None, None
+        try:
+            try:
+                store = transport.store_client(spec.store_host, spec.store_port, spec.timeout_s)
+                advertised = transport.advertised_address(spec.store_host, spec.store_port)
+                listener = transport.listen(advertised, len(spec.peers) + 4)
+                store.set(self.spec.key(self.rank), f"{advertised}:{listener.getsockname()[1]}")
+            except Exception as exc:
+                reason = f"cannot listen for its peers or publish its address: {exc}"
+                transport.publish_failure(
+                    spec.store_host, spec.store_port, self.spec.key(self.rank), reason
+                )
+                store = None  # the failure stays published for the peers
+                raise LocalReplicationError(
+                    f"rank {self.rank}: {reason} (the job's store at "
+                    f"{spec.store_host}:{spec.store_port})"
+                ) from exc
+            self.start(self.accept_loop, listener)
+            for peer in spec.peers:
+                self.start(self.send_loop, store, peer)
+
+            def settled() -> bool:
+                return len(self.sent) == len(self.received) == len(spec.peers)
+
+            with self.cond:
+                self.cond.wait_for(settled, timeout=max(self.remaining(), 0))
+        finally:
+            self.close(listener)
+            if store is not None:
+                try:
+                    with self.store_lock:  # the same client, with a short bound
+                        store = transport.store_client(
+                            spec.store_host, spec.store_port, _CLOSE_GRACE_S
+                        )
+                        store.delete_key(self.spec.key(self.rank))
+                except Exception as exc:  # best effort: the next attempt overwrites it
+                    logger.warning("rank %d: cannot delete its store key: %s", self.rank, exc)
+        failures: Dict[int, List[str]] = {}
+        for peer in spec.peers:
+            for outcome in (self.sent[peer], self.received[peer]):
+                if isinstance(outcome, str):
+                    failures.setdefault(peer, []).append(outcome)
+        if failures:
+            text = "; ".join(f"rank {p}: {what}" for p, whats in failures.items() for what in whats)
+            raise LocalReplicationError(
+                f"rank {self.rank}: local checkpoint of iteration {self.record.iteration} was "
+                f"not replicated within {spec.timeout_s:g} s: {text}", failures,
+            )
+        return [self.received[peer] for peer in sorted(spec.peers)]
+
+    def settle(self, outcomes: Dict[int, Any], peer: int, outcome: Any) -> None:
+        with self.cond:  # None: a stranger's connection, nobody's outcome
+            if not self.closed and peer is not None and peer not in outcomes:
+                outcomes[peer] = outcome
+                self.cond.notify_all()
+
+    def start(self, target, *args) -> None:
+        name = f"local-exchange-{target.__name__}"
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self.cond:
+            self.threads.append(thread)
+        thread.start()
+
+    def register(self, sock: socket.socket) -> bool:
+        """Keep ``sock`` to close with the run; False (and closed) if the run is over."""
+        with self.cond:
+            if not self.closed:
+                self.sockets.append(sock)
+                return True
+        transport.close_socket(sock)
+        return False
+
+    def close(self, listener: Optional[socket.socket]) -> None:
+        """Settle what is open as timed out, close every socket and join the threads."""
+        waited = f"timed out after {self.spec.timeout_s:g} s"
+        with self.cond:
+            for peer in self.spec.peers:
+                self.sent.setdefault(peer, self.timed_out(peer))
+                self.received.setdefault(
+                    peer, f"{waited} while its part was arriving" if peer in self.receiving
+                    else f"it did not send its part within {self.spec.timeout_s:g} s",
+                )
+            self.closed = True
+            sockets, threads = self.sockets + [listener] * (listener is not None), self.threads
+        for sock in sockets:
+            transport.close_socket(sock)
+        stop_by = time.monotonic() + _CLOSE_GRACE_S
+        for thread in threads:
+            thread.join(max(stop_by - time.monotonic(), 0))
+            if thread.is_alive():
+                logger.warning("rank %d: exchange thread %s did not stop", self.rank, thread.name)
+
+    def timed_out(self, peer: int) -> str:
+        """What the send to ``peer`` was waiting for when the deadline passed."""
+        return f"timed out after {self.spec.timeout_s:g} s " + {
+            "address": f"waiting for it to publish its address under '{self.spec.key(peer)}' "
+            "(did it die, or not start this save?)",
+            "connection": f"connecting to it at {self.address.get(peer)}",
+            "transfer": f"sending rank {self.rank}'s part to it",
+            "ack": f"waiting for it to acknowledge rank {self.rank}'s part",
+        }[self.phase[peer]]
+
+    def send_loop(self, store: dist.TCPStore, peer: int) -> None:
+        """Settle the send to ``peer`` (a thread per peer)."""
+        try:
+            self.settle(self.sent, peer, self.send(store, peer))
+        except Exception as exc:
+            self.settle(self.sent, peer, f"sending to it failed: {type(exc).__name__}: {exc}")
+
+    def send(self, store: dist.TCPStore, peer: int) -> Optional[str]:
+        """Send the part to ``peer``; None when it acknowledged, else what went wrong."""
+        def note(address: Optional[str]) -> None:
+            self.phase[peer] = "address" if address is None else "connection"
+            if address is not None:
+                self.address[peer] = address
+
+        sock, failed = transport.connect_published(
+            store, self.spec.key(peer), self.deadline, self.store_lock, note, lambda: self.closed
+        )
+        if failed is not None:
+            failed = f"its own part failed ({failed})"
+            self.settle(self.received, peer, failed)
+            return failed
+        if sock is None:
+            return self.timed_out(peer)
+        if not self.register(sock):
+            return None
+        self.phase[peer] = "transfer"
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header = dataclasses.asdict(self.record)
+            header.update(session_id=self.spec.session_id, receiver=peer)
+            sock.settimeout(self.wait_s())
+            transport.send_message(sock, header)
+            for view in self.views:
+                sock.settimeout(self.wait_s())  # sendall's timeout bounds the whole call
+                sock.sendall(view)
+            sock.shutdown(socket.SHUT_WR)
+            self.phase[peer] = "ack"
+        except OSError as exc:  # it may have refused the part and said why
+            broken = f"the connection broke while sending rank {self.rank}'s part ({exc})"
+        else:
+            broken = None
+        try:
+            sock.settimeout(self.wait_s() if broken is None else min(self.wait_s(), 1.0))
+            reply = transport.recv_message(sock)
+        except (transport.PeerLost, ValueError) as exc:
+            if self.remaining() <= 0:
+                return self.timed_out(peer)
+            if isinstance(exc, transport.PeerLost):
+                self.went_away(peer, exc)
+            return broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
+        if reply.get("ok") is True:
+            return broken
+        return f"it refused rank {self.rank}'s part: {reply.get('error')}"
+
+    def went_away(self, peer: int, exc: Exception) -> None:
+        """``peer`` closed unanswered (its writer died or ended its exchange): unless its
+        part is arriving, stop waiting for it."""
+        with self.cond:
+            arriving = peer in self.receiving
+        if not arriving:
+            self.settle(self.received, peer, f"it went away before sending its part ({exc})")
+
+    def wait_s(self) -> float:
+        """A socket timeout that ends at the deadline."""
+        return max(self.remaining(), 1e-3)
+
+    def accept_loop(self, listener: socket.socket) -> None:
+        """Accept peers' connections, each received on a thread, until all settled."""
+        listener.settimeout(_POLL_S * 2)
+        while not self.closed and len(self.received) < len(self.spec.peers):
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            if self.register(conn):
+                self.start(self.receive, conn)
+
+    def receive(self, conn: socket.socket) -> None:
+        """Keep a peer's part as a replica if its header and digest check out; answer."""
+        owner = None
+        try:
+            conn.settimeout(self.wait_s())
+            header = transport.recv_message(conn)
+            owner = self.admit(header)
+            replica = write_part(
+                self.spec.directory, self.record.iteration, owner,
+                transport.recv_chunks(conn, header["num_bytes"], self.deadline),
+                LocalIdentity(**header["identity"]),
+                expected_digest=header["digest"],
+            )
+        except _Refused as exc:
+            self.refuse(conn, exc.args[1], exc.args[0])
+        except (CheckpointIntegrityError, StorageWriteError) as exc:
+            self.refuse(conn, owner, str(exc))
+        except Exception as exc:  # a broken connection, or a stranger's bytes
+            what = f"receiving its part failed: {type(exc).__name__}: {exc}"
+            if owner is None:
+                logger.warning("rank %d: a connection to the exchange ended: %s", self.rank, what)
+            self.settle(self.received, owner, what)
+        else:
+            try:  # before settling: the last settle closes every connection
+                transport.send_message(conn, {"ok": True})
+            except OSError as exc:
+                logger.warning("rank %d: cannot ack rank %d's part: %s", self.rank, owner, exc)
+            self.settle(self.received, owner, replica)
+        finally:
+            transport.close_socket(conn)
+
+    def admit(self, header: Dict[str, Any]) -> int:
+        """The owner of an incoming part, if this rank expects it; else :class:`_Refused`."""
+        owner = header["owner"]
+        peer = owner if owner in self.spec.peers else None
+        expected = (self.spec.session_id, self.record.iteration, self.rank)
+        found = (header["session_id"], header["iteration"], header["receiver"])
+        if found != expected or peer is None:
+            raise _Refused(
+                f"rank {self.rank} expects its peers' {self.spec.peers} parts for (session, "
+                f"iteration, receiver) {expected}, not rank {owner}'s for {found}", peer,
+            )
+        differences = self.record.identity.differences(LocalIdentity(**header["identity"]))
+        if differences:
+            raise _Refused(f"rank {owner}'s part is another job's ({', '.join(differences)})", peer)
+        with self.cond:
+            if owner in self.receiving or owner in self.received:
+                raise _Refused(f"rank {self.rank} already receives rank {owner}'s part", None)
+            self.receiving.add(owner)
+        return owner
+
+    def refuse(self, conn: socket.socket, owner: Optional[int], reason: str) -> None:
+        """Tell the sender why its part is not kept, and drain what it still sends so the
+        answer is not lost to a reset; only then settle (which may close the connection)."""
+        transport.answer_and_drain(conn, {"ok": False, "error": reason}, self.deadline)
+        if owner is None:
+            logger.warning("rank %d: refused a part: %s", self.rank, reason)
+        self.settle(self.received, owner, f"its part was refused: {reason}")

@@ -1,0 +1,397 @@
+"""nvidia-resiliency-ext's ``LocalCheckpointManager`` on our async machinery.
+
+Megatron-LM's ``--non-persistent-ckpt-type local`` builds one manager per rank and calls
+``save`` every ``--non-persistent-save-interval`` iterations, then ``find_latest`` and
+``load`` (twice each) when it restarts. The names, arguments and return values are
+nvidia-resiliency-ext's; what differs is where the work runs and what is checked:
+
+* ``save`` (every rank, training thread) only stages the state dict, a ``torch.save`` of
+  the ``TensorAwareStateDict`` within the staging budget, and returns our
+  :class:`~megatron_async.core.request.AsyncRequest`. Writing the part and replicating it
+  to the clique peers run in the background writer (:mod:`.part_writer`); each part and
+  replica is hashed and recorded (:mod:`.parts`). The caller's state dict is left whole.
+* Finalize (every rank, once the queue agreed that every rank's writer succeeded, so
+  every part and every replica is durable) removes the older iterations of this
+  rank's holder directory. A failed save leaves the previous iteration in place; its
+  own files go at the start of the next save.
+* ``find_latest`` and ``load`` (every rank) are one agreed recovery (:mod:`.recover`):
+  the newest iteration whose every part has a verified copy somewhere, the missing parts
+  moved between ranks as whole byte blobs, nothing deserialized before its digest checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+import secrets
+from pathlib import Path
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+from megatron_async.core import coordination
+from megatron_async.core.config import STAGING_WAIT_S
+from megatron_async.core.request import AsyncRequest, SaveDetails, require_hand_over, run_preload
+from megatron_async.errors import (
+    CheckpointingException,
+    LocalSaveFailedError,
+    RankFailure,
+    SameMachineReplicationException,
+)
+from megatron_async.local import parts, recover, transport
+from megatron_async.local.cliques import LazyReplicationStrategyBuilder, ReplicationStrategy
+from megatron_async.local.exchange import PeerExchange
+from megatron_async.local.part_writer import LocalSaveJob, write_local_part
+from megatron_async.local.state_dict import TensorAwareStateDict
+from megatron_async.staging.budget import validate_staging_memory_limit
+from megatron_async.staging.torch_save import TorchSaveStaged, stage_torch_save
+
+__all__ = [
+    "LocalCheckpointManager",
+    "CkptID",
+    "RUN_ID_ENV",
+    "CheckpointingException",
+    "SameMachineReplicationException",
+]
+
+logger = logging.getLogger(__name__)
+
+CkptID = Tuple[int, int, Any]
+"""``(iteration, rank, session_id)``: what ``load`` returns beside the state dict."""
+
+RUN_ID_ENV = "MEGATRON_ASYNC_RUN_ID"
+"""The job's run id when none is passed: parts of another run id are never recovered."""
+
+
+class LocalCheckpointManager:
+    """Save local checkpoints to node-local storage, replicated to peers; recover them.
+
+    Every rank constructs one with the same arguments (after ``torch.distributed`` is
+    initialized) and calls ``save``, ``find_latest`` and ``load`` at the same points:
+    they run collectives over the coordination group
+    (:func:`~megatron_async.core.coordination.get_coordination_group`). Nothing touches
+    the disk before the first of them.
+
+    Args:
+        root_local_ckpt_dir: node-local directory; this rank's holder directory is
+            ``root/<session_id>/<rank>``.
+        session_id: a sub-directory of the root (nvidia-resiliency-ext's argument).
+        repl_strategy: where replicas are kept
+            (``CliqueReplicationStrategy.from_replication_params(J, F)``); None keeps each
+            part only on its owner.
+        run_id: the job's name, recorded with every part; parts of another run id are
+            ignored at recovery (None: ``MEGATRON_ASYNC_RUN_ID``, default ``''``).
+        algo: ``"fully_parallel"`` or ``"atomic"``, recorded and compared when known.
+        staging_memory_limit: the most host memory this process's staged tensors may hold
+            at once, as for :class:`~megatron_async.torch_ckpt.TorchAsyncCheckpoint`.
+    """
+
+    def __init__(
+        self,
+        root_local_ckpt_dir: Union[str, os.PathLike],
+        session_id: str = "",
+        repl_strategy: Optional[ReplicationStrategy] = None,
+        *,
+        run_id: Optional[str] = None,
+        algo: Optional[str] = None,
+        staging_memory_limit: Union[int, float, None] = None,
+    ):
+        validate_staging_memory_limit(staging_memory_limit)
+        self.root_local_ckpt_dir = root_local_ckpt_dir
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self.run_id = os.environ.get(RUN_ID_ENV, "") if run_id is None else run_id
+        self.algo = algo
+        self.staging_memory_limit = staging_memory_limit
+        self.latest_iteration = -1
+        """The iteration ``find_latest`` found (cached for Megatron-LM's second call); -1
+        before it, and again once a save starts."""
+        self.staging_stats: dict = {}
+        """``rounds`` and ``peak_bytes`` of the latest save's staging."""
+        self._rank: Optional[int] = None
+        self._token: Optional[str] = None
+        self._saves = 0
+        self._kept = -1  # the newest iteration finalized or recovered here: never removed by a save
+        self._in_flight: set = set()  # iterations saved, not yet finalized nor failed
+        self._recovered: Optional[recover.Recovered] = None
+
+    # -- where ------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 without ``torch.distributed``)."""
+        if self._rank is None:
+            self._rank = coordination.get_rank()
+        return self._rank
+
+    @property
+    def local_ckpt_dir(self) -> Path:
+        """This rank's holder directory (created by the first save)."""
+        return Path(parts.holder_dir(self.root_local_ckpt_dir, self.session_id, self.rank))
+
+    def identity(self) -> parts.LocalIdentity:
+        """The job's identity recorded with every part (world size, J, F, run id, algo)."""
+        strategy = self.repl_strategy
+        if isinstance(strategy, LazyReplicationStrategyBuilder):
+            strategy = strategy.replication_strategy
+        jump = getattr(strategy, "replication_jump", None)
+        factor = getattr(strategy, "replication_factor", 1) if strategy is not None else 1
+        return parts.LocalIdentity(
+            coordination.get_world_size(), jump, factor, self.run_id, self.algo
+        )
+
+    # -- save -------------------------------------------------------------------------
+
+    def save(
+        self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False
+    ) -> Optional[AsyncRequest]:
+        """Save this rank's part of ``iteration`` (every rank, training thread).
+
+        Stages a ``torch.save`` of ``state_dict`` within the staging budget: when it fits,
+        every tensor is copied before this returns and the caller may change them at once;
+        above the budget the later rounds copy once the request is scheduled, so schedule
+        it before changing them (Megatron-LM does, at once). GPU tensors are recorded on
+        their device and load back there. ``state_dict`` itself is not changed.
+
+        Args:
+            state_dict: this rank's ``TensorAwareStateDict`` (megatron-core's
+                ``MCoreTensorAwareStateDict``, or ``BasicTensorAwareStateDict``).
+            iteration: the training iteration; larger than the last one saved or recovered.
+            is_async: return the request for ``AsyncCallsQueue.schedule_async_request``
+                instead of saving here.
+
+        Returns:
+            The request (``is_async``), whose finalize step removes older iterations; else
+            None, after the save is written, replicated and finalized on every rank.
+
+        Raises:
+            CheckpointingException: ``iteration`` is not above every iteration saved or
+                recovered before, or replication has no job TCPStore to meet in (it is
+                :class:`~megatron_async.errors.LocalCheckpointError`).
+            LocalSaveFailedError: on every rank, when staging failed on any rank (and,
+                synchronously, when writing or replicating failed); the previous local
+                checkpoint is intact. It is an ``AsyncSaveFailedError`` and
+                nvidia-resiliency-ext's ``CheckpointingException``; the queue raises it
+                too when an asynchronous save fails.
+        """
+        floor = max([self._kept, *self._in_flight])
+        if not isinstance(iteration, int) or iteration < 0 or iteration <= floor:
+            raise CheckpointingException(
+                f"rank {self.rank}: local checkpoint iteration {iteration!r} must be a "
+                f"non-negative int above the last one saved or recovered ({floor})"
+            )
+        self.latest_iteration = -1
+        self._recovered = None
+        self._saves += 1
+        token = self._job_token()
+        directory = os.fspath(self.local_ckpt_dir)
+        self._remove_failed_saves(directory, iteration)
+        job = LocalSaveJob(
+            directory=directory, iteration=iteration, rank=self.rank,
+            identity=self.identity(), exchange=self._exchange(token, iteration, directory),
+            staging_wait_s=STAGING_WAIT_S,
+        )
+        staged = self._stage(state_dict, iteration)
+        request = AsyncRequest(
+            async_fn=write_local_part,
+            async_fn_args=(job, None),
+            finalize_fns=[_FinalizeLocalSave(self, iteration, staged, self.staging_stats)],
+            preload_fn=functools.partial(_staged, staged),
+        )
+        self._in_flight.add(iteration)
+        if is_async:
+            return request
+        request.execute_sync()
+        return None
+
+    def _remove_failed_saves(self, directory: str, iteration: int) -> None:
+        """Remove what failed saves left in this rank's holder directory (every rank):
+        iterations above the one kept (all at or above ``iteration`` when none is known
+        yet), except those of saves still in flight."""
+        kept, in_flight = self._kept, set(self._in_flight)
+        floor = kept if kept >= 0 else iteration - 1
+        removed = parts.remove_iterations(directory, lambda i: i > floor and i not in in_flight)
+        if removed:
+            logger.info(
+                "rank %d: removed %d file(s) of failed local saves from %s",
+                self.rank, len(removed), directory,
+            )
+
+    def _stage(self, state_dict: Any, iteration: int) -> TorchSaveStaged:
+        """Stage on this rank and agree that every rank did (every rank): a rank that
+        could not would otherwise leave its peers' writers waiting for its part."""
+        self.staging_stats = {}
+        stage = functools.partial(
+            stage_torch_save, state_dict, pickle, torch.serialization.DEFAULT_PROTOCOL, True,
+            self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats, device_locations=True,
+        )
+        staged, failure = None, None
+        try:
+            staged = run_preload(stage)
+        except Exception as exc:  # agreed on below
+            logger.error(
+                "rank %d: staging local checkpoint %d failed: %s", self.rank, iteration, exc
+            )
+            failure = RankFailure.from_exception(self.rank, "staging", exc)
+        try:
+            name = self._name(iteration)
+            coordination.agree(
+                failure, lambda found: LocalSaveFailedError({f.rank: f for f in found}, name)
+            )
+        except BaseException:
+            if staged is not None:
+                staged.release()
+            raise
+        return staged
+
+    def _exchange(self, token: str, iteration: int, directory: str) -> Optional[PeerExchange]:
+        if self.repl_strategy is None:
+            return None
+        peers = self.repl_strategy.peers(self.rank)
+        if not peers:
+            return None
+        host, port = transport.store_address(required=True)
+        return PeerExchange(
+            store_host=host, store_port=port,
+            key_prefix=f"megatron_async/local/{token}/{iteration}/{self._saves}",
+            session_id=self.session_id, peers=peers, directory=directory,
+            timeout_s=coordination.coordination_timeout_s(),
+        )
+
+    def _job_token(self) -> str:
+        """A token naming this job in the store, chosen by rank 0 and shared at the first
+        collective use (every rank)."""
+        if self._token is None:
+            proposal = secrets.token_hex(8) if self.rank == 0 else None
+            self._token = coordination.all_gather_objects(proposal)[0]
+        return self._token
+
+    def _name(self, iteration: int) -> str:
+        return os.path.join(os.fspath(self.local_ckpt_dir), parts.part_name(iteration, self.rank))
+
+    # -- recovery ---------------------------------------------------------------------
+
+    def find_latest(self) -> int:
+        """The newest local iteration every rank can recover, or -1 (every rank).
+
+        One agreed decision (:func:`~megatron_async.local.recover.recover_newest`): parts
+        of another job are ignored, every part used is verified against its digest, a
+        missing or damaged part is taken from a peer's intact replica, else the next older
+        iteration is tried. A part received from a peer is written back to this rank's
+        holder directory. Memory: verifying streams through one 8 MiB buffer; at most
+        one part a rank sends plus its own part received are in memory at once, and
+        none once this returns (only the record of the verified copy, unless a received
+        part could not be written back); a second call returns the cached answer. The
+        ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
+        only): else every rank logs both and returns -1.
+        """
+        if self.latest_iteration != -1:
+            return self.latest_iteration
+        self._job_token()
+        self._recovered = recover.recover_newest(
+            os.fspath(self.local_ckpt_dir), self.identity(), self.rank
+        )
+        if self._recovered is not None:
+            self.latest_iteration = self._kept = self._recovered.iteration
+        return self.latest_iteration
+
+    def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
+        """This rank's state dict of the iteration :meth:`find_latest` found (every rank).
+
+        Reads this rank's copy ``find_latest`` verified, verifies it again and
+        deserializes it (peak: one part's bytes and the state it holds); a second call
+        moves nothing between ranks. Tensors are back on their devices.
+
+        Returns:
+            ``(state dict, (iteration, rank, session_id))``.
+
+        Raises:
+            CheckpointingException: no local checkpoint was found (call ``find_latest``
+                first; it returned -1), or its verified copy changed since.
+        """
+        if self._recovered is None:
+            raise CheckpointingException(
+                f"rank {self.rank}: no local checkpoint to load: call find_latest() first, "
+                "and load only when it returned an iteration (not -1)"
+            )
+        state = recover.deserialize(self._recovered)
+        return state, (self._recovered.iteration, self.rank, self.session_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalCheckpointManager(root_local_ckpt_dir={self.root_local_ckpt_dir!r}, "
+            f"session_id={self.session_id!r}, repl_strategy={self.repl_strategy!r})"
+        )
+
+
+def _staged(staged: TorchSaveStaged) -> TorchSaveStaged:
+    """``preload_fn`` of a local save: the data ``save`` staged already (trainer).
+
+    Raises:
+        StagingHandOverError: the state was staged in rounds and another library's queue
+            runs this request (its writer would wait for rounds nobody hands over); the
+            staging memory is given back.
+    """
+    if staged.gate.in_rounds:
+        try:
+            require_hand_over(
+                "a local checkpoint staged in rounds through the staging_memory_limit",
+                "raise the LocalCheckpointManager's staging_memory_limit to one copy of the state",
+            )
+        except BaseException:
+            staged.release()
+            raise
+    return staged
+
+
+class _FinalizeLocalSave:
+    """The finalize step of one local save (every rank, trainer).
+
+    The queue runs it only once every rank's writer succeeded, i.e. every part and every
+    replica of ``iteration`` is durable on its holder: older iterations can go. When the
+    save failed, the queue raises ``failure_error_type`` instead and calls :meth:`abandon`.
+    """
+
+    failure_error_type = LocalSaveFailedError
+
+    def __init__(
+        self, manager: LocalCheckpointManager, iteration: int, staged: TorchSaveStaged, stats: dict
+    ):
+        self._manager = manager
+        self._iteration = iteration
+        self._staged = staged
+        self._stats = stats
+
+    def __call__(self) -> None:
+        manager, iteration = self._manager, self._iteration
+        removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i < iteration)
+        manager._kept = max(manager._kept, iteration)
+        manager._in_flight.discard(iteration)
+        logger.debug(
+            "rank %d: local checkpoint %d finalized; %d older file(s) removed",
+            manager.rank, iteration, len(removed),
+        )
+
+    def abandon(self) -> None:
+        """The save failed or was never scheduled: give its staging memory back and remove
+        this rank's files of its iteration (best effort; what stays goes at the start of
+        the next save), so that a restart recovers the previous iteration."""
+        manager, iteration = self._manager, self._iteration
+        manager._in_flight.discard(iteration)
+        self._staged.release()
+        removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i == iteration)
+        logger.info(
+            "rank %d: local checkpoint %d failed; %d of its file(s) removed",
+            manager.rank, iteration, len(removed),
+        )
+
+    def save_details(self) -> SaveDetails:
+        path = self._manager._name(self._iteration)
+        try:
+            size: Optional[int] = os.stat(path).st_size
+        except OSError:
+            size = None
+        peak, rounds = self._stats.get("peak_bytes"), self._stats.get("rounds")
+        return SaveDetails(path, 0.0, None, size, None, peak, rounds)

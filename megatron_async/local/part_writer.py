@@ -1,0 +1,101 @@
+"""The background part of one local save: write this rank's part, then replicate it.
+
+:class:`LocalSaveJob` is built in the training process by
+:meth:`~megatron_async.local.manager.LocalCheckpointManager.save` and travels in the
+save's request (it pickles, so it reaches the persistent worker too);
+:func:`write_local_part` is the request's ``async_fn`` and runs in the **background
+writer** (a forked child, the persistent worker, or the calling thread of a synchronous
+save), never on the training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+from typing import List, Optional
+
+from megatron_async.local import transport
+from megatron_async.local.exchange import PeerExchange, exchange_part
+from megatron_async.local.parts import LocalIdentity, PartRecord, open_part, part_name
+from megatron_async.staging.torch_save import TorchSaveStaged
+from megatron_async.writer.torch_save_file import write_torch_save_records
+
+__all__ = ["LocalSaveJob", "write_local_part"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalSaveJob:
+    """What the writer needs to keep one rank's part of one local save (pickles)."""
+
+    directory: str
+    """This rank's holder directory."""
+    iteration: int
+    """The training iteration the part belongs to."""
+    rank: int
+    """The owner of the part: this rank's global rank."""
+    identity: LocalIdentity
+    """The job's identity, recorded with the part and checked by every receiving peer."""
+    exchange: Optional[PeerExchange]
+    """Where the part is replicated to; None without replication."""
+    staging_wait_s: float
+    """Bound on each wait for the trainer's next staging round (state above the budget)."""
+
+
+def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRecord]:
+    """Write this rank's part and send it to its clique peers, keeping theirs (background writer).
+
+    The staged ``torch.save`` records stream through a hashing stream into the part's
+    dirty file (:func:`~megatron_async.local.parts.open_part`), so the part is never
+    built in memory: the writer holds the staging memory (within the budget; given back
+    once the last record is written, before the fsync) and the zip writer's small
+    buffers. The part is then sent from the written file, mapped read-only (page cache,
+    not this process's memory), while each peer's part is received through a 4 MiB
+    buffer per peer and written as a replica (:func:`~megatron_async.local.exchange.exchange_part`).
+
+    Args:
+        job: the part and where it goes.
+        staged: the staged records (``async_fn_args[1]``, put there by ``preload_fn``).
+
+    Returns:
+        The records of this rank's part and of the replicas it keeps.
+
+    Raises:
+        StagingRaceError: a saved tensor changed before its staging copy.
+        AsyncTimeoutError: the trainer staged no next round within ``staging_wait_s``.
+        StorageWriteError: the part cannot be written.
+        LocalReplicationError: a peer did not acknowledge this rank's part, or did not
+            send its own, within the exchange's bound (a peer whose own part failed says
+            so at once: its peers do not wait for the bound).
+    """
+    replicated = job.exchange is not None and bool(job.exchange.peers)
+    try:
+        with open_part(job.directory, job.iteration, job.rank, job.identity) as stream:
+            write_torch_save_records(stream, staged, job.staging_wait_s)
+            staged.gate.mark_done()  # the staging memory goes back before the fsync
+    except Exception as exc:
+        if replicated:  # its peers stop waiting for it
+            spec = job.exchange
+            transport.publish_failure(
+                spec.store_host, spec.store_port, spec.key(job.rank), f"{type(exc).__name__}: {exc}"
+            )
+        raise
+    finally:
+        staged.gate.mark_done()
+    own = stream.record
+    if not replicated:
+        return [own]
+    path = os.path.join(job.directory, part_name(job.iteration, job.rank))
+    with open(path, "rb") as part:
+        mapped = mmap.mmap(part.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        replicas = exchange_part(job.exchange, own, [mapped])
+    finally:
+        try:
+            mapped.close()
+        except BufferError:  # a send thread that did not stop still views it: unmapped when freed
+            logger.debug("rank %d: the mapped part is still viewed; unmapped later", job.rank)
+    return [own, *replicas]

@@ -1,0 +1,395 @@
+"""The files of one holder directory of local checkpoints: parts and their records.
+
+Every rank has a holder directory ``root/<session_id>/<rank>/`` on node-local storage.
+It holds, per iteration, the rank's own part and the replicas of its peers' parts:
+
+* ``iter_{iteration:07d}_{owner}_local.pt``: the part's bytes, exactly as the owner
+  serialized them (nvidia-resiliency-ext's name; iterations past 10**7 take more digits).
+  It is written as ``iter_..._local.dirty.pt``, fsynced, then renamed.
+* ``iter_{iteration:07d}_{owner}_local.json``: its record (:class:`PartRecord`: size,
+  xxh3 digest, the job's :class:`LocalIdentity`), written atomically after the part.
+
+A part counts only with its record, and only when its bytes hash to the record's digest;
+:func:`read_verified` checks that before a byte is handed on. Writing runs in the
+background writer (its own part through :func:`open_part`, the replicas it receives
+through :func:`write_part`); :func:`scan` and
+:func:`read_verified` run on every rank when it looks for a checkpoint to recover.
+This module is the only place that knows these names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional, Union
+
+from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
+from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
+from megatron_async.storage.local import atomic_output, fsync_path
+
+__all__ = [
+    "FORMAT", "LocalIdentity", "PartRecord", "holder_dir", "part_name", "record_name",
+    "PartStream", "open_part", "write_part", "scan", "verify_part", "read_verified",
+    "remove_iterations",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "megatron_async.local.part/1"
+"""The ``format`` of a part record; a record of another format is ignored."""
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_READ_BYTES = 8 << 20
+_NAME = re.compile(r"\.?iter_(\d+)_(\d+)_local(\.pt|\.dirty\.pt|\.json|\.json\.tmp-.*)")
+"""Every file this module writes (the last form: a record's unfinished atomic write)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalIdentity:
+    """The job a local checkpoint belongs to; a part of another job is never recovered.
+
+    Attributes:
+        world_size: the number of ranks (and of parts per iteration).
+        replication_jump: ranks per node of the replication cliques; None without
+            replication.
+        replication_factor: copies of each part (1 without replication).
+        run_id: the job's name (the ``run_id=`` argument or ``MEGATRON_ASYNC_RUN_ID``).
+        algo: ``"fully_parallel"`` or ``"atomic"`` when known, else None (not compared).
+    """
+
+    world_size: int
+    replication_jump: Optional[int] = None
+    replication_factor: int = 1
+    run_id: str = ""
+    algo: Optional[str] = None
+
+    def differences(self, other: "LocalIdentity") -> List[str]:
+        """What differs from ``other``, as ``"field: mine != theirs"``; empty if they match.
+        ``algo`` is compared only when both know it."""
+        found = []
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if field.name == "algo" and None in (mine, theirs):
+                continue
+            if mine != theirs:
+                found.append(f"{field.name}: {mine!r} != {theirs!r}")
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class PartRecord:
+    """What a holder knows about one part it keeps (its record file's content)."""
+
+    iteration: int
+    owner: int
+    num_bytes: int
+    digest: str
+    identity: LocalIdentity
+    algorithm: str = ALGORITHM
+    format: str = FORMAT
+
+    @property
+    def key(self) -> tuple:
+        """``(iteration, owner)``: the part, whoever holds it."""
+        return (self.iteration, self.owner)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: Union[str, bytes]) -> "PartRecord":
+        fields: Dict[str, Any] = json.loads(text)
+        fields["identity"] = LocalIdentity(**fields["identity"])
+        return cls(**fields)
+
+
+def holder_dir(root: PathLike, session_id: str, rank: int) -> str:
+    """The holder directory of ``rank``: ``root/<session_id>/<rank>`` (``root/<rank>``
+    for the default session ``''``)."""
+    return os.path.join(os.fspath(root), session_id, str(rank))
+
+
+def part_name(iteration: int, owner: int, dirty: bool = False) -> str:
+    """The file name of the part of ``owner`` at ``iteration`` (being written if dirty)."""
+    return f"iter_{iteration:07d}_{owner}_local{'.dirty' if dirty else ''}.pt"
+
+
+def record_name(iteration: int, owner: int) -> str:
+    """The file name of the record of that part."""
+    return f"iter_{iteration:07d}_{owner}_local.json"
+
+
+class PartStream:
+    """The dirty file of a part being written: what goes through :meth:`write` is hashed
+    and counted on its way (background writer). ``record`` is set once the part is in
+    place (after the ``with`` block of :func:`open_part`); ``write_error`` is the first
+    ``OSError`` of a write, which torch's zip writer would report as "unexpected pos"."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+        self._hasher = new_hasher()
+        self.num_bytes = 0
+        self.record: Optional[PartRecord] = None
+        self.write_error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._raw.write(view)
+        except OSError as exc:
+            self.write_error = self.write_error or exc
+            raise
+        self._hasher.update(view)
+        self.num_bytes += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+@contextlib.contextmanager
+def open_part(
+    directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
+    expected_digest: Optional[str] = None,
+) -> Iterator[PartStream]:
+    """Write a part through a stream, then its record, durably (background writer).
+
+    The bytes written to the yielded :class:`PartStream` go to the dirty file, hashed on
+    their way; when the block ends the file is fsynced and renamed to the part's name,
+    and the record is written atomically after it (which fsyncs the directory, and so
+    the rename too). A record an earlier save left for the same part is removed before
+    the rename, so no record ever describes other bytes. If the block raises, what was
+    written of the part is removed and the error goes on (the stream's first write
+    error in its place: a full disk, not the zip writer's "unexpected pos").
+
+    Args:
+        directory: the holder directory (created if missing).
+        identity: the job's identity, recorded with the part.
+        expected_digest: for a replica, the digest the owner computed; the part is
+            dropped and an error raised if the received bytes hash otherwise.
+
+    Raises:
+        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        StorageWriteError: the directory or a file cannot be written (the message names
+            the path).
+    """
+    directory = os.fspath(directory)
+    dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
+    written: Optional[str] = None  # the file to remove if the write fails
+    stream: Optional[PartStream] = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(dirty, "wb") as raw:
+            written = dirty
+            stream = PartStream(raw)
+            yield stream
+            if stream.write_error is not None:  # swallowed by the block's zip writer
+                raise stream.write_error
+            raw.flush()
+            os.fsync(raw.fileno())
+        digest = stream.hexdigest()
+        if expected_digest is not None and digest != expected_digest:
+            raise CheckpointIntegrityError(
+                f"replica of rank {owner}'s part of iteration {iteration} in {directory} hashes "
+                f"to {digest}, the owner sent {expected_digest}: it was damaged on its way"
+            )
+        record = PartRecord(iteration, owner, stream.num_bytes, digest, identity)
+        _remove(os.path.join(directory, record_name(iteration, owner)))
+        clean = os.path.join(directory, part_name(iteration, owner))
+        os.replace(dirty, clean)
+        written = clean
+        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as out:
+            out.write(record.to_json().encode())
+        stream.record = record
+    except BaseException as exc:
+        if written is not None:
+            _remove(written)
+        cause = exc if stream is None or stream.write_error is None else stream.write_error
+        if isinstance(cause, OSError):
+            raise StorageWriteError(
+                f"cannot write rank {owner}'s local checkpoint part of iteration {iteration} "
+                f"to {written or directory}: {cause}"
+            ) from cause
+        raise
+
+
+def write_part(
+    directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
+    identity: LocalIdentity, *, expected_digest: Optional[str] = None,
+) -> PartRecord:
+    """Write a part from ``buffers`` (bytes-like objects, one after the other) and then
+    its record, durably, as :func:`open_part` does (background writer).
+
+    Returns:
+        The part's record.
+
+    Raises:
+        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        StorageWriteError: the directory or a file cannot be written (the message names
+            the path). What was written of the part is removed.
+    """
+    digest = expected_digest
+    with open_part(directory, iteration, owner, identity, expected_digest=digest) as stream:
+        for buffer in buffers:
+            stream.write(buffer)
+    return stream.record  # type: ignore[return-value]  # set: the block ended without an error
+
+
+def scan(directory: PathLike) -> List[PartRecord]:
+    """The records of the parts a holder directory keeps, by iteration and owner (any rank).
+
+    Cheap: it reads the small record files and checks each part's size, without hashing.
+    A record that cannot be read, of another format, whose name disagrees with its
+    content, or whose part is missing or of another size is left out with a log line;
+    parts without a record (an interrupted write, or nvidia-resiliency-ext's files,
+    which have no checksum) are left out too. A missing directory holds nothing.
+    """
+    directory = os.fspath(directory)
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:  # the others still agree, and recover from replicas
+        logger.warning("%s: cannot list local checkpoint parts, none used: %s", directory, exc)
+        return []
+    records, unrecorded = [], []
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or name.startswith("."):
+            continue
+        iteration, owner, suffix = int(match[1]), int(match[2]), match[3]
+        if suffix == ".pt" and record_name(iteration, owner) not in names:
+            unrecorded.append(name)
+        if suffix == ".json":
+            record = _read_record(directory, name, iteration, owner)
+            if record is not None:
+                records.append(record)
+    if unrecorded:
+        logger.warning(
+            "%s: %d local checkpoint part(s) without a record are ignored (an interrupted "
+            "write, or files without checksums): %s",
+            directory, len(unrecorded), ", ".join(unrecorded[:4]),
+        )
+    return sorted(records, key=lambda r: r.key)
+
+
+def _read_record(directory: str, name: str, iteration: int, owner: int) -> Optional[PartRecord]:
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as stream:
+            record = PartRecord.from_json(stream.read())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        logger.warning("%s: unreadable local checkpoint record, ignored: %s", path, exc)
+        return None
+    problem = None
+    if record.format != FORMAT or record.algorithm != ALGORITHM:
+        problem = (
+            f"format {record.format!r} / {record.algorithm!r}, not {FORMAT!r} / {ALGORITHM!r}"
+        )
+    elif record.key != (iteration, owner):
+        problem = f"it describes iteration {record.iteration}, owner {record.owner}"
+    else:
+        try:
+            size = os.stat(os.path.join(directory, part_name(iteration, owner))).st_size
+        except OSError:
+            size = None
+        if size != record.num_bytes:
+            found = "missing" if size is None else f"{size} bytes"
+            problem = f"its part is {found}, the record says {record.num_bytes} bytes"
+    if problem is not None:
+        logger.warning("%s: local checkpoint record ignored: %s", path, problem)
+        return None
+    return record
+
+
+def verify_part(directory: PathLike, record: PartRecord) -> bool:
+    """Whether the part ``record`` describes hashes to its digest (any rank).
+
+    Streams the part through one 8 MiB buffer: nothing of it is kept. False (with a log
+    line saying why) when the part is missing, unreadable, of another size or damaged.
+    """
+    return _read_part(directory, record, keep=False) is not None
+
+
+def read_verified(directory: PathLike, record: PartRecord) -> Optional[bytearray]:
+    """The part ``record`` describes, read and hashed in one pass, as a ``bytearray``
+    (writable: a tensor can wrap it without a copy); None as for :func:`verify_part`."""
+    return _read_part(directory, record, keep=True)
+
+
+def _read_part(directory: PathLike, record: PartRecord, keep: bool) -> Optional[bytearray]:
+    """The part's bytes (``keep``; else a buffer's worth), or None when they do not hash
+    to the record's digest."""
+    path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
+    data = bytearray(record.num_bytes if keep else min(record.num_bytes, _READ_BYTES))
+    view, hasher, filled = memoryview(data), new_hasher(), 0
+    try:
+        with open(path, "rb", buffering=0) as stream:
+            while filled < record.num_bytes:
+                at = filled if keep else 0
+                count = stream.readinto(view[at : at + min(_READ_BYTES, record.num_bytes - filled)])
+                if not count:
+                    break
+                hasher.update(view[at : at + count])
+                filled += count
+            extra = stream.read(1)
+    except OSError as exc:
+        logger.warning("%s: cannot read local checkpoint part: %s", path, exc)
+        return None
+    if filled != record.num_bytes or extra:
+        logger.warning(
+            "%s: local checkpoint part is not of its record's size (%d bytes): not used",
+            path, record.num_bytes,
+        )
+        return None
+    digest = hasher.hexdigest()
+    if digest != record.digest:
+        logger.warning(
+            "%s: local checkpoint part hashes to %s, its record says %s (damaged): not used",
+            path, digest, record.digest,
+        )
+        return None
+    return data
+
+
+def remove_iterations(directory: PathLike, predicate: Callable[[int], bool]) -> List[str]:
+    """Remove every file of the iterations for which ``predicate`` is true (the holder).
+
+    Records go before their parts, so an interruption leaves parts without records, which
+    nothing uses; dirty parts and unfinished record writes go too. The directory is
+    fsynced once after (best effort).
+
+    Returns:
+        The names removed.
+    """
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    doomed = [n for n in names if (m := _NAME.fullmatch(n)) and predicate(int(m[1]))]
+    doomed.sort(key=lambda n: (not n.endswith(".json"), n))  # records first
+    removed = [n for n in doomed if _remove(os.path.join(directory, n))]
+    if removed:
+        fsync_path(directory, best_effort=True)
+    return removed
+
+
+def _remove(path: str) -> bool:
+    """Remove a file if it exists (best effort: a failure is logged, not raised)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("cannot remove %s: %s", path, exc)
+        return False
+    return True

@@ -1,0 +1,354 @@
+"""megatron_async.local.exchange: background writers replicate their parts to clique peers.
+
+Each rank is a forked process that writes its own part and exchanges it through a
+TCPStore whose master lives in the test process; no process group is initialized.
+"""
+
+import dataclasses
+import multiprocessing
+import os
+import pickle
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_async.errors import LocalCheckpointError, LocalReplicationError
+from megatron_async.local.cliques import CliqueReplicationStrategy
+from megatron_async.local import transport
+from megatron_async.local.exchange import PeerExchange, exchange_part
+from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
+from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan, write_part
+
+ITERATION = 30
+SESSION = "s"
+PREFIX = f"megatron_async/local/{SESSION}/{ITERATION}"
+FAULT_TIMEOUT_S = 3.0
+"""The exchange deadline of the fault tests: the survivors fail this soon."""
+
+
+def _part(rank, num_bytes):
+    """A rank's part as three buffers of different kinds (bytes, bytearray, memoryview)."""
+    data = random.Random(rank).randbytes(num_bytes)
+    return [data[:100], bytearray(data[100:-7]), memoryview(data[-7:])]
+
+
+def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
+    """One rank's background writer: write the own part, then exchange it (forked child)."""
+    try:
+        identity = LocalIdentity(world_size=world, replication_jump=2, replication_factor=factor)
+        peers = CliqueReplicationStrategy.from_replication_params(
+            2, factor, world_size=world, rank=rank
+        ).peers(rank)
+        directory = holder_dir(root, SESSION, rank)
+        buffers = _part(rank, size)
+        record = write_part(directory, ITERATION, rank, buffers, identity)
+        if behaviour == "never publishes":
+            time.sleep(timeout_s + 2)
+            return
+        if behaviour == "its own part failed":
+            transport.publish_failure("127.0.0.1", port, f"{PREFIX}/{rank}", "OSError: disk full")
+            return
+        if behaviour == "dies after publishing":
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+            client.set(f"{PREFIX}/{rank}", _dead_address())
+            os._exit(0)
+        if behaviour == "dies mid-send":  # to rank 0: the header and half of the bytes
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+            host, _, peer_port = client.get(f"{PREFIX}/0").decode().rpartition(":")
+            sock = socket.create_connection((host, int(peer_port)))
+            header = dataclasses.asdict(record)
+            header.update(session_id=SESSION, receiver=0)
+            transport.send_message(sock, header)
+            sock.sendall(bytes(buffers[0]) + bytes(buffers[1][: size // 2]))
+            os._exit(0)
+        if behaviour == "cannot listen":
+
+            def no_port(advertised, backlog):
+                raise OSError(98, "no port to listen on")
+
+            transport.listen = no_port  # this forked rank's module only
+        if behaviour == "dies before acking":  # after rank 0's part came, before sending its own
+            transport.connect_published = lambda *args: time.sleep(timeout_s + 2)
+
+            def die_at_the_ack(sock, message):
+                if message == {"ok": True}:
+                    os._exit(0)
+
+            transport.send_message = die_at_the_ack
+        if behaviour == "late":
+            time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
+        if behaviour == "damages its part":
+            buffers = [b"X" + bytes(buffers[0][1:])] + buffers[1:]
+        spec = PeerExchange(
+            store_host="127.0.0.1", store_port=port, key_prefix=PREFIX, session_id=SESSION,
+            peers=peers, directory=directory, timeout_s=timeout_s,
+        )
+        start = time.monotonic()
+        try:
+            replicas = exchange_part(spec, record, buffers)
+        except LocalReplicationError as exc:
+            queue.put((rank, "failed", str(exc), exc.failures, time.monotonic() - start))
+        else:
+            queue.put((rank, "ok", [r.key for r in replicas], {}, time.monotonic() - start))
+    except BaseException as exc:
+        queue.put((rank, "crashed", repr(exc), {}, 0.0))
+
+
+def _dead_address():
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+
+
+_SILENT = (
+    "never publishes", "dies after publishing", "dies mid-send", "its own part failed",
+    "dies before acking",
+)
+"""Behaviours of ranks that report nothing."""
+
+
+def _run(store, root, world, factor=2, timeout_s=30.0, size=(5 << 20) + 3, behaviours=None):
+    """Run ``world`` ranks; returns rank -> (outcome, text, failures, elapsed_s) of those
+    that report (a rank that dies or never publishes reports nothing)."""
+    behaviours = behaviours or {}
+    silent = {r for r, b in behaviours.items() if b in _SILENT}
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    processes = [
+        context.Process(
+            target=_rank,
+            args=(r, world, factor, store.port, str(root), timeout_s, size, behaviours.get(r),
+                  queue),
+        )
+        for r in range(world)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        results = {}
+        for _ in range(world - len(silent)):
+            rank, *outcome = queue.get(timeout=timeout_s + 30)
+            results[rank] = tuple(outcome)
+    finally:
+        for process in processes:
+            process.join(timeout_s + 10)
+            if process.is_alive():
+                process.kill()
+    return results
+
+
+def _assert_holds_verified(root, holder, owners, size):
+    directory = holder_dir(root, SESSION, holder)
+    records = scan(directory)
+    assert [r.key for r in records] == [(ITERATION, o) for o in sorted(owners)]
+    for record in records:
+        expected = b"".join(bytes(b) for b in _part(record.owner, size))
+        assert read_verified(directory, record) == expected
+    assert not [n for n in os.listdir(directory) if "dirty" in n]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world, factor", [(4, 2), (6, 3)])
+def test_every_holder_keeps_its_part_and_its_peers_verified(store, tmp_path, world, factor):
+    size = (5 << 20) + 3 if factor == 2 else (1 << 20) + 5
+    results = _run(store, tmp_path, world, factor, size=size)
+    cliques = [tuple(range(m, world, 2)) for m in (0, 1)]  # J=2: the even and the odd ranks
+    for rank in range(world):
+        clique = next(c for c in cliques if rank in c)
+        assert results[rank][:2] == ("ok", [(ITERATION, p) for p in clique if p != rank])
+        _assert_holds_verified(tmp_path, rank, clique, size)
+    assert not any(store.check([f"{PREFIX}/{r}"]) for r in range(world))  # keys deleted
+
+
+@pytest.mark.timeout(60)
+def test_an_address_left_by_an_earlier_attempt_is_read_again(store, tmp_path):
+    store.set(f"{PREFIX}/2", _dead_address())
+    results = _run(store, tmp_path, 4, behaviours={2: "late"}, size=1000)
+    assert {r: outcome for r, (outcome, *_) in results.items()} == dict.fromkeys(range(4), "ok")
+    _assert_holds_verified(tmp_path, 0, (0, 2), 1000)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "behaviour, what",
+    [
+        ("dies after publishing", "connecting to it at 127.0.0.1:"),
+        ("never publishes", f"waiting for it to publish its address under '{PREFIX}/2'"),
+    ],
+)
+def test_a_peer_that_never_sends_fails_its_clique_within_the_deadline(
+    store, tmp_path, behaviour, what
+):
+    results = _run(
+        store, tmp_path, 4, timeout_s=FAULT_TIMEOUT_S, size=1000, behaviours={2: behaviour}
+    )
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert f"rank 2: timed out after {FAULT_TIMEOUT_S:g} s {what}" in text
+    assert "rank 2: it did not send its part" in text
+    assert FAULT_TIMEOUT_S <= elapsed_s < FAULT_TIMEOUT_S + 5  # seconds, not minutes
+    assert results[1][0] == results[3][0] == "ok"  # the other clique is not held up
+    assert [r.key for r in scan(holder_dir(tmp_path, SESSION, 0))] == [(ITERATION, 0)]
+    assert not store.check([f"{PREFIX}/0"])
+
+
+def _run_with_faulty_rank_2(store, root, behaviour, timeout_s=FAULT_TIMEOUT_S):
+    """4 ranks, small parts, the fault tests' deadline; rank 2 plays ``behaviour``."""
+    return _run(store, root, 4, timeout_s=timeout_s, size=1000, behaviours={2: behaviour})
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "behaviour, reason",
+    [
+        ("its own part failed", "OSError: disk full"),
+        (
+            "cannot listen",
+            "cannot listen for its peers or publish its address: [Errno 98] no port to listen on",
+        ),
+    ],
+)
+def test_a_peer_that_fails_before_its_exchange_fails_its_clique_at_once(
+    store, tmp_path, behaviour, reason
+):
+    deadline_s = 30.0  # far above the time a busy machine takes to start the ranks
+    results = _run_with_faulty_rank_2(store, tmp_path, behaviour, deadline_s)
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert failures[2] == [f"its own part failed ({reason})"] * 2  # both ways
+    assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[1][0] == results[3][0] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(store, tmp_path):
+    results = _run_with_faulty_rank_2(store, tmp_path, "dies mid-send")
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: receiving its part failed: PeerLost: " in text and "of 1000 bytes" in text
+    assert elapsed_s < FAULT_TIMEOUT_S + 5
+    directory = holder_dir(tmp_path, SESSION, 0)
+    assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_that_dies_before_sending_its_part_fails_its_clique_at_once(store, tmp_path):
+    deadline_s = 30.0
+    results = _run_with_faulty_rank_2(store, tmp_path, "dies before acking", deadline_s)
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: no acknowledgement of rank 0's part" in text
+    assert "rank 2: it went away before sending its part" in text
+    assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[1][0] == results[3][0] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_that_does_not_match_its_digest_is_refused_and_both_sides_fail(store, tmp_path):
+    results = _run_with_faulty_rank_2(store, tmp_path, "damages its part")
+    outcome, text, failures, _ = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: its part was refused: replica of rank 2's part of iteration 30" in text
+    assert "damaged on its way" in text
+    outcome, text, failures, _ = results[2]
+    assert outcome == "failed" and set(failures) == {0}, text
+    assert "rank 0: it refused rank 2's part: replica of rank 2's part" in text
+    # the receiver kept no record (nor bytes) of the damaged replica; rank 2 got rank 0's
+    directory = holder_dir(tmp_path, SESSION, 0)
+    assert [r.key for r in scan(directory)] == [(ITERATION, 0)]
+    assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
+    _assert_holds_verified(tmp_path, 2, (0, 2), 1000)
+    assert results[1][0] == results[3][0] == "ok"
+
+
+def test_the_store_address_is_found_behind_prefix_stores(store):
+    wrapped = dist.PrefixStore("outer", dist.PrefixStore("default_pg", store))
+    assert store_address(wrapped) == ("127.0.0.1", store.port)
+    assert store_address(dist.HashStore()) is None
+    expected = "needs the job's TCPStore, but there is a HashStore"
+    with pytest.raises(LocalCheckpointError, match=expected):
+        store_address(dist.HashStore(), required=True)
+    if not dist.is_initialized():
+        assert store_address() is None
+        with pytest.raises(LocalCheckpointError, match="there is no process group.*torchrun"):
+            store_address(required=True)
+
+
+def test_the_advertised_address_is_the_route_to_the_store_or_the_configured_one(monkeypatch):
+    monkeypatch.delenv(LOCAL_ADDR_ENV, raising=False)
+    assert transport.advertised_address("localhost", 29500) == "127.0.0.1"
+    monkeypatch.setenv(LOCAL_ADDR_ENV, "10.1.2.3")
+    assert transport.advertised_address("localhost", 29500) == "10.1.2.3"
+
+
+@pytest.mark.timeout(60)
+def test_a_process_reuses_its_store_client_and_a_forked_writer_makes_its_own(store):
+    client = transport.store_client("127.0.0.1", store.port, 5.0)
+    assert transport.store_client("127.0.0.1", store.port, 5.0) is client
+    clients = transport.StoreClients.of_process()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+
+    def child():
+        own = transport.store_client("127.0.0.1", store.port, 5.0)
+        own.set("from the child", "yes")
+        queue.put(own is not client and transport.StoreClients.of_process() is not clients)
+
+    process = context.Process(target=child)
+    process.start()
+    assert queue.get(timeout=30) is True
+    process.join(30)
+    assert client.get("from the child") == b"yes"
+
+
+def test_the_exchange_options_pickle_and_are_checked():
+    spec = PeerExchange(
+        store_host="h", store_port=1, key_prefix="p", session_id="", peers=(2,), directory="d",
+        timeout_s=5.0,
+    )
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    with pytest.raises(LocalCheckpointError, match="timeout_s > 0"):
+        PeerExchange(
+            store_host="h", store_port=1, key_prefix="p", session_id="", peers=(2,),
+            directory="d", timeout_s=0,
+        )
+    error = pickle.loads(pickle.dumps(LocalReplicationError("m", {2: ["what"]})))
+    assert (str(error), error.failures) == ("m", {2: ["what"]})
+
+
+@pytest.mark.timeout(60)
+def test_a_strangers_connection_does_not_disturb_the_exchange(store, tmp_path):
+    """Two ranks as threads of this process; something else connects to rank 0 first."""
+    identity = LocalIdentity(world_size=2, replication_jump=1, replication_factor=2)
+    outcomes = {}
+
+    def rank(me, delay_s):
+        time.sleep(delay_s)
+        directory = holder_dir(tmp_path, SESSION, me)
+        record = write_part(directory, ITERATION, me, _part(me, 1000), identity)
+        spec = PeerExchange(
+            store_host="127.0.0.1", store_port=store.port, key_prefix=PREFIX,
+            session_id=SESSION, peers=(1 - me,), directory=directory, timeout_s=30.0,
+        )
+        outcomes[me] = [r.key for r in exchange_part(spec, record, _part(me, 1000))]
+
+    threads = [threading.Thread(target=rank, args=(me, me * 1.0)) for me in (0, 1)]
+    threads[0].start()
+    store.wait([f"{PREFIX}/0"])
+    host, _, port = store.get(f"{PREFIX}/0").decode().rpartition(":")
+    with socket.create_connection((host, int(port))) as stranger:
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        threads[1].start()
+        for thread in threads:
+            thread.join(40)
+    assert outcomes == {0: [(ITERATION, 1)], 1: [(ITERATION, 0)]}
+    _assert_holds_verified(tmp_path, 0, (0, 1), 1000)
