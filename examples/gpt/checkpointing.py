@@ -285,13 +285,10 @@ class Checkpointer:
 
     def _save_failed(self, record: SaveRecord, error: BaseException) -> None:
         """Every rank: the save of ``record`` failed; the failure policy raises or goes on."""
-        if not record.local:
+        if record.local:
+            self.local.save_failed(record.iteration, error)
+        else:
             self.manager.save_failed(record.iteration, error)
-        elif self.args.ckpt_save_failure == "raise" or not isinstance(error, AsyncSaveFailedError):
-            raise error
-        else:  # the previous local checkpoint is intact: nothing to forget
-            logger.error("local checkpoint of iteration %d failed; training goes on:\n%s",
-                         record.iteration, error)
         self._failed.append(record.iteration)
 
     def take_failed_iterations(self) -> List[int]:
@@ -407,13 +404,15 @@ class Checkpointer:
         tracker moved; local: every part and replica is durable on its holder)."""
         if record.is_async:
             record.background_s = time.perf_counter() - record.scheduled_at
-        if torch.distributed.get_rank() == 0:
-            if record.local:
-                record.path = str(self.local.manager.local_ckpt_dir)
+        is_rank0 = torch.distributed.get_rank() == 0
+        if record.local:
+            self.local.saved()
+            record.path = str(self.local.manager.local_ckpt_dir)
+            if is_rank0:
                 record.num_bytes = self.local.holder_bytes() or 0
-            else:
-                listing = storage_for(record.path).list_dir(record.path)  # a torch_dist checkpoint is flat
-                record.num_bytes = sum(num_bytes or 0 for _, num_bytes in listing)
+        elif is_rank0:
+            listing = storage_for(record.path).list_dir(record.path)  # a torch_dist checkpoint is flat
+            record.num_bytes = sum(num_bytes or 0 for _, num_bytes in listing)
         if record in self._pending:
             self._pending.remove(record)
         self._finished.append(record)

@@ -17,15 +17,21 @@ points (the manager's calls are collective).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional
 
 import torch
 from megatron.core import parallel_state
 
+from megatron_async.errors import AsyncSaveFailedError
+from megatron_async.manager import TooManySaveFailuresError
+
 from gpt.resharding import ParallelLayout
 from gpt.training_state import TrainingState
 
 __all__ = ["LocalCheckpointer", "local_tier_device_problem", "serve_local_checkpointing"]
+
+logger = logging.getLogger(__name__)
 
 
 def serve_local_checkpointing() -> None:
@@ -75,6 +81,7 @@ class LocalCheckpointer:
             args.non_persistent_local_ckpt_dir, repl_strategy=repl_strategy, algo=self.algo,
             staging_memory_limit=args.ckpt_staging_memory_limit,
         )
+        self.consecutive_failures = 0
 
     def save(self, iteration: int, consumed_samples: int):
         """Stage this rank's part of ``iteration``; return the request to schedule
@@ -92,6 +99,31 @@ class LocalCheckpointer:
             sharded_state_dict, algo=self.algo, parallelization_group=_data_parallel_group()
         )
         return self.manager.save(tasd, iteration, is_async=bool(args.async_save))
+
+    def saved(self) -> None:
+        """A local save is durable everywhere: the failure count starts again."""
+        self.consecutive_failures = 0
+
+    def save_failed(self, iteration: int, error: BaseException) -> None:
+        """Apply ``--ckpt-save-failure`` to a failed local save (every rank): raise, or log
+        it and go on (the previous local checkpoint is intact and still recovers).
+
+        Local saves are counted apart from persistent ones, against the same
+        ``--ckpt-max-consecutive-save-failures``.
+        """
+        args = self.args
+        if args.ckpt_save_failure == "raise" or not isinstance(error, AsyncSaveFailedError):
+            raise error
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= args.ckpt_max_consecutive_save_failures:
+            raise TooManySaveFailuresError(
+                error.rank_failures, error.checkpoint,
+                hint=f"{self.consecutive_failures} local checkpoint saves failed in a row, the "
+                "most --ckpt-max-consecutive-save-failures allows; the job stops.",
+            ) from error
+        logger.error("local checkpoint of iteration %d failed (%d in a row); training goes on "
+                     "and the previous local checkpoint still recovers:\n%s",
+                     iteration, self.consecutive_failures, error)
 
     def find_latest(self) -> int:
         """The newest local iteration whose every part is intact somewhere, or -1."""
