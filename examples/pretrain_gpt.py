@@ -34,7 +34,7 @@ from gpt.checkpointing import Checkpointer, create_checkpoint_queue, enable_obje
 from gpt.data import build_dataset, micro_batches
 from gpt.debug_hooks import DEBUG_CRASH_AFTER_ENV, crash_iteration
 from gpt.devices import bind_rank_to_gpu
-from gpt.local_checkpoints import local_tier_device_problem, serve_local_checkpointing
+from gpt.local_checkpoints import serve_local_checkpointing
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
 
@@ -81,8 +81,6 @@ def main(argv=None) -> None:
     if args.object_storage:  # msc:// --save/--load: object storage through multi-storage-client
         enable_object_storage(args.msc_config)
     if args.non_persistent_ckpt_type == "local":
-        if args.non_persistent_local_ckpt_algo == "fully_parallel" and local_tier_device_problem():
-            raise SystemExit(local_tier_device_problem())
         # nvidia-resiliency-ext's local checkpointing, served by megatron_async.
         serve_local_checkpointing()
 

@@ -136,7 +136,8 @@ def _build_parser() -> argparse.ArgumentParser:
     local.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
                        default="fully_parallel",
                        help="fully_parallel: each data-parallel rank stores its share of the "
-                       "replicated tensors (loading needs CUDA); atomic: each rank its whole state")
+                       "replicated tensors (exchanged again when loading); atomic: each rank "
+                       "its whole state")
     local.add_argument("--replication", action="store_true",
                        help="also keep each rank's part on its clique peers")
     local.add_argument("--replication-jump", type=int, default=None,

@@ -9,7 +9,9 @@ the background writer also sends it to its clique peers (``--replication-jump``,
 are Megatron-LM's (``megatron/training/checkpointing.py``): the state goes in as
 megatron-core's ``MCoreTensorAwareStateDict.from_state_dict`` of the same sharded state
 dict the persistent tier saves, and comes back through ``find_latest``, ``load`` and
-``to_state_dict``.
+``to_state_dict``. With ``fully_parallel`` (the default) each data-parallel rank saves
+only its share of the replicated tensors and megatron-core exchanges them at load time,
+on the GPU, or on a CPU-only host through the patches of ``cpu_compat.py``.
 
 Every function and method here runs on every rank, in the training thread, at the same
 points (the manager's calls are collective).
@@ -20,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional
 
-import torch
 from megatron.core import parallel_state
 
 from megatron_async.errors import AsyncSaveFailedError
@@ -29,7 +30,7 @@ from megatron_async.manager import TooManySaveFailuresError
 from gpt.resharding import ParallelLayout
 from gpt.training_state import TrainingState
 
-__all__ = ["LocalCheckpointer", "local_tier_device_problem", "serve_local_checkpointing"]
+__all__ = ["LocalCheckpointer", "serve_local_checkpointing"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +166,3 @@ class LocalCheckpointer:
         if not directory.is_dir():
             return None
         return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-
-
-def local_tier_device_problem() -> Optional[str]:
-    """Why this host cannot run ``--non-persistent-local-ckpt-algo fully_parallel``, or None."""
-    if torch.cuda.is_available():
-        return None
-    return ("--non-persistent-local-ckpt-algo fully_parallel needs CUDA: megatron-core "
-            "exchanges the parts between data-parallel ranks on the GPU when it loads them "
-            "(MCoreTensorAwareStateDict.to_state_dict). On a CPU-only host pass "
-            "--non-persistent-local-ckpt-algo atomic (each rank keeps its whole state)")

@@ -6,7 +6,7 @@ Each job is two ``torchrun --nnodes 2 --nproc-per-node 2`` launches on loopback,
 one shared directory. Replication with J = 2, F = 2 makes the cliques (0, 2) and (1, 3):
 every part of node 1 (ranks 2 and 3) has a replica on node 0. Persistent checkpoints are
 saved every 6 iterations and local ones every 2 in between (async, through the same
-queue); the job dies right after the local save of 10 (``PRETRAIN_GPT_DEBUG_CRASH_AFTER``),
+queue; both of Megatron-LM's algos); the job dies right after the local save of 10 (``PRETRAIN_GPT_DEBUG_CRASH_AFTER``),
 when the newest persistent checkpoint is 6.
 """
 
@@ -40,8 +40,7 @@ LAST_PERSISTENT = 6
 FLAGS = [
     *TINY_MODEL, "--train-iters", str(TRAIN_ITERS), "--async-save",
     "--save-interval", str(LAST_PERSISTENT), "--non-persistent-save-interval", "2",
-    "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-algo", "atomic",
-    "--replication", "--replication-jump", "2", "--replication-factor", "2",
+    "--non-persistent-ckpt-type", "local", "--replication", "--replication-jump", "2", "--replication-factor", "2",
 ]
 
 
@@ -51,9 +50,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_nodes(root, env=None):
+def run_two_nodes(root, algo, env=None):
     """Run one job of two 2-rank "nodes" (persistent checkpoints in ``root/persistent``,
-    node N's local ones in ``root/nodeN``); return each node's finished process."""
+    node N's local ones in ``root/nodeN``); return each node's exit status and output."""
     port = str(_free_port())
     procs = []
     for node in (0, 1):
@@ -63,6 +62,7 @@ def run_two_nodes(root, env=None):
             "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, *FLAGS,
             "--save", str(root / "persistent"), "--load", str(root / "persistent"),
             "--non-persistent-local-ckpt-dir", str(root / f"node{node}"),
+            "--non-persistent-local-ckpt-algo", algo,
             "--metrics-file", str(root / "metrics.jsonl"),  # written by rank 0 only
         ]
         procs.append(subprocess.Popen(
@@ -90,10 +90,11 @@ _runs = {}
 
 
 def straight_run(tmp_path_factory):
-    """Losses of the same job run uninterrupted to the end (once per session)."""
+    """Losses of the same job run uninterrupted to the end (once per session; local saves
+    do not change them, whatever their algo)."""
     if "straight" not in _runs:
         root = tmp_path_factory.mktemp("straight")
-        _check_finished(run_two_nodes(root))
+        _check_finished(run_two_nodes(root, "atomic"))
         metrics = read_metrics(root / "metrics.jsonl")
         assert sorted(losses(metrics)) == list(range(1, TRAIN_ITERS + 1))
         # 14 saves locally in the loop and persistently at the end, as in Megatron-LM.
@@ -102,18 +103,19 @@ def straight_run(tmp_path_factory):
     return _runs["straight"]
 
 
-def crashed_run(tmp_path_factory):
-    """A job lost right after the local save of 10 (once per session): its directories."""
-    if "crashed" not in _runs:
-        root = tmp_path_factory.mktemp("crashed")
-        results = run_two_nodes(root, {"PRETRAIN_GPT_DEBUG_CRASH_AFTER": str(CRASH_AFTER)})
+def crashed_run(tmp_path_factory, algo):
+    """A job lost right after the local save of 10 (once per algo and session): its
+    directories."""
+    if algo not in _runs:
+        root = tmp_path_factory.mktemp(f"crashed-{algo}")
+        results = run_two_nodes(root, algo, {"PRETRAIN_GPT_DEBUG_CRASH_AFTER": str(CRASH_AFTER)})
         assert all(code != 0 for code, _ in results), results
         assert f"[debug] iter {CRASH_AFTER}: every rank exits now" in results[0][1], results[0][1][-6000:]
         assert read_tracker(str(root / "persistent")) == LAST_PERSISTENT
         metrics = read_metrics(root / "metrics.jsonl")
         assert [e["iteration"] for e in events(metrics, "local_save")] == [2, 4, 8, 10]
-        _runs["crashed"] = root
-    return _runs["crashed"]
+        _runs[algo] = root
+    return _runs[algo]
 
 
 def _lose_node_1(root):
@@ -135,20 +137,27 @@ DAMAGE = {
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_every_rank_resumes_from_the_newest_intact_local_checkpoint(tmp_path, tmp_path_factory, damage):
+@pytest.mark.parametrize("algo, damage", [
+    ("atomic", "node 1 lost"),
+    ("atomic", "one byte of a part flipped"),
+    ("fully_parallel", "node 1 lost"),
+])
+def test_every_rank_resumes_from_the_newest_intact_local_checkpoint(
+    tmp_path, tmp_path_factory, algo, damage
+):
     """After the crash, node 1's local directory is lost (or rank 2's own part is damaged):
     every rank resumes from the local checkpoint of 10, newer than the persistent one of
     6, with node 1's parts taken from node 0's verified replicas, and the losses of 11 to
-    14 equal the uninterrupted run's."""
+    14 equal the uninterrupted run's. With fully_parallel each data-parallel rank saved
+    only its share, so the load also exchanges the shares between ranks."""
     straight = straight_run(tmp_path_factory)
     root = tmp_path / "job"
-    shutil.copytree(crashed_run(tmp_path_factory), root)
+    shutil.copytree(crashed_run(tmp_path_factory, algo), root)
     os.remove(root / "metrics.jsonl")
     damage_fn, logged = DAMAGE[damage]
     damage_fn(root)
 
-    results = run_two_nodes(root)
+    results = run_two_nodes(root, algo)
     _check_finished(results)
     line = (f"[ckpt] resumed from the local checkpoint of iteration {CRASH_AFTER} (every part "
             f"verified against its digest; persistent checkpoint: iteration {LAST_PERSISTENT})")
