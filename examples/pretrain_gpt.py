@@ -5,6 +5,14 @@ Run on CPU (gloo) or GPU (NCCL), one process per rank::
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --train-iters 20 \\
         --save /tmp/ckpt --load /tmp/ckpt --save-interval 5 --async-save
 
+Megatron-LM's local checkpoints save between persistent ones to node-local storage,
+replicated to peer nodes, and a restart resumes from the newer tier::
+
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 2 ... examples/pretrain_gpt.py \\
+        --save /shared/ckpt --load /shared/ckpt --save-interval 100 --async-save \\
+        --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /local/ckpt \\
+        --non-persistent-save-interval 10 --replication --replication-jump 2
+
 ``--save``/``--load`` may be ``msc://PROFILE/PREFIX`` URLs (object storage through
 multi-storage-client; ``--msc-config FILE`` names the profiles' configuration).
 
@@ -44,10 +52,11 @@ def report_saves(records, progress: Progress, finished: list) -> None:
     finished.extend(records)
     for r in records:
         how = f"{r.background_s:.3f} s in the background" if r.is_async else "synchronously"
-        what = "local checkpoint durable (rank 0 holds" if r.local else "durable:"
+        size = format_bytes(r.num_bytes)
+        what = (f"local checkpoint durable on every holder (rank 0 holds {size})" if r.local
+                else f"durable: {size}")
         progress.event(
-            f"[ckpt] iter {r.iteration} {what} {format_bytes(r.num_bytes)}"
-            f"{')' if r.local else ''} written {how}, "
+            f"[ckpt] iter {r.iteration} {what} written {how}, "
             f"{format_bytes(r.throughput_bytes_per_s)}/s; training stalled {r.stall_s:.3f} s",
             event="local_save" if r.local else "save", iteration=r.iteration,
             is_async=r.is_async, stall_s=r.stall_s,

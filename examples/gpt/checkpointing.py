@@ -57,7 +57,7 @@ __all__ = ["Checkpointer", "Resumed", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEB
 
 logger = logging.getLogger(__name__)
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one record per save: compared by identity
 class SaveRecord:
     """What one save cost.
 
