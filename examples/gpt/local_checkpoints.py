@@ -61,6 +61,7 @@ class LocalCheckpointer:
     """
 
     def __init__(self, args, state: TrainingState, content_metadata: Dict[str, Any]):
+        # Megatron-LM's imports, resolved to megatron_async by serve_local_checkpointing().
         from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
             LocalCheckpointManager,
         )
