@@ -5,6 +5,14 @@ Run on CPU (gloo) or GPU (NCCL), one process per rank::
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --train-iters 20 \\
         --save /tmp/ckpt --load /tmp/ckpt --save-interval 5 --async-save
 
+Megatron-LM's local checkpoints save between persistent ones to node-local storage,
+replicated to peer nodes, and a restart resumes from the newer tier::
+
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 2 ... examples/pretrain_gpt.py \\
+        --save /shared/ckpt --load /shared/ckpt --save-interval 100 --async-save \\
+        --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /local/ckpt \\
+        --non-persistent-save-interval 10 --replication --replication-jump 2
+
 ``--save``/``--load`` may be ``msc://PROFILE/PREFIX`` URLs (object storage through
 multi-storage-client; ``--msc-config FILE`` names the profiles' configuration).
 
@@ -32,7 +40,9 @@ from megatron.core import parallel_state
 from gpt.arguments import parse_args, validate_parallel_args
 from gpt.checkpointing import Checkpointer, create_checkpoint_queue, enable_object_storage
 from gpt.data import build_dataset, micro_batches
+from gpt.debug_hooks import DEBUG_CRASH_AFTER_ENV, crash_iteration
 from gpt.devices import bind_rank_to_gpu
+from gpt.local_checkpoints import serve_local_checkpointing
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
 
@@ -42,10 +52,14 @@ def report_saves(records, progress: Progress, finished: list) -> None:
     finished.extend(records)
     for r in records:
         how = f"{r.background_s:.3f} s in the background" if r.is_async else "synchronously"
+        size = format_bytes(r.num_bytes)
+        what = (f"local checkpoint durable on every holder (rank 0 holds {size})" if r.local
+                else f"durable: {size}")
         progress.event(
-            f"[ckpt] iter {r.iteration} durable: {format_bytes(r.num_bytes)} written {how}, "
+            f"[ckpt] iter {r.iteration} {what} written {how}, "
             f"{format_bytes(r.throughput_bytes_per_s)}/s; training stalled {r.stall_s:.3f} s",
-            event="save", iteration=r.iteration, is_async=r.is_async, stall_s=r.stall_s,
+            event="local_save" if r.local else "save", iteration=r.iteration,
+            is_async=r.is_async, stall_s=r.stall_s,
             background_s=r.background_s, num_bytes=r.num_bytes, path=r.path,
         )
 
@@ -59,13 +73,15 @@ def report_failures(checkpointer: Checkpointer, progress: Progress) -> None:
 
 
 def save_checkpoint(checkpointer: Checkpointer, iteration: int, consumed_samples: int,
-                    progress: Progress) -> None:
+                    progress: Progress, local: bool = False) -> None:
     """Save (or schedule) a checkpoint and print how long training was blocked."""
-    record = checkpointer.save(iteration, consumed_samples)
+    record = checkpointer.save(iteration, consumed_samples, local=local)
     if record is None:  # failed under --ckpt-save-failure continue: reported below
         report_failures(checkpointer, progress)
         return
     what = "async save scheduled" if record.is_async else "saved"
+    if local:
+        what = f"local {what}"
     progress.event(f"[ckpt] iter {iteration}: {what}, training stalled {record.stall_s:.3f} s")
 
 
@@ -73,6 +89,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.object_storage:  # msc:// --save/--load: object storage through multi-storage-client
         enable_object_storage(args.msc_config)
+    if args.non_persistent_ckpt_type == "local":
+        # nvidia-resiliency-ext's local checkpointing, served by megatron_async.
+        serve_local_checkpointing()
 
     # Process groups: NCCL with GPUs, gloo on a CPU-only host (megatron-core then needs
     # the patches of gpt/cpu_compat.py).
@@ -121,10 +140,13 @@ def main(argv=None) -> None:
     iteration, consumed_samples, last_saved = 0, 0, None
     resumed = checkpointer.load()
     if resumed is not None:
-        point, iteration, consumed_samples = resumed
+        iteration, consumed_samples = resumed.iteration, resumed.consumed_samples
         last_saved = iteration
-        progress.event(f"resumed from {point.path} ({point.reason}) at iteration {iteration}",
-                       event="resume", iteration=iteration, path=point.path)
+        path = resumed.point.path if resumed.point is not None else None
+        progress.event(resumed.describe(), event="resume", iteration=iteration, path=path,
+                       tier="persistent" if path else "local")
+        if rank != 0:  # the tier is agreed; every rank says what it loaded
+            print(f"[rank {rank}] {resumed.describe()}", flush=True)
     else:
         progress.event("starting from scratch")
 
@@ -132,6 +154,7 @@ def main(argv=None) -> None:
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     saves = []
+    crash_after = crash_iteration()
     start = time.perf_counter()
     while iteration < args.train_iters:
         report_saves(checkpointer.maybe_finalize(blocking=False), progress, saves)
@@ -145,6 +168,15 @@ def main(argv=None) -> None:
         if args.save and iteration % args.save_interval == 0:
             save_checkpoint(checkpointer, iteration, consumed_samples, progress)
             last_saved = iteration
+        elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+            # As Megatron-LM: a local checkpoint only where no persistent one is saved.
+            save_checkpoint(checkpointer, iteration, consumed_samples, progress, local=True)
+        if iteration == crash_after:
+            report_saves(checkpointer.maybe_finalize(blocking=True), progress, saves)
+            progress.event(f"[debug] iter {iteration}: every rank exits now, as if the job "
+                           f"were lost ({DEBUG_CRASH_AFTER_ENV})")
+            dist.barrier()
+            os._exit(1)
 
     # Save the final state if the interval did not, then wait for every save.
     if args.save and iteration != last_saved:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import List, Optional
 
 from megatron_async.storage import is_object_url
@@ -121,7 +122,58 @@ def _build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--ckpt-max-consecutive-save-failures", type=int, default=3,
                       help="with --ckpt-save-failure continue: this many failed saves in a row "
                       "end the job")
+
+    local = parser.add_argument_group(
+        "local checkpoints", "non-persistent checkpoints on node-local storage, replicated to "
+        "peer nodes (Megatron-LM's --non-persistent-ckpt-type local)")
+    local.add_argument("--non-persistent-save-interval", type=int, default=None,
+                       help="save a local checkpoint every N iterations (not at iterations "
+                       "that save a persistent one)")
+    local.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"],
+                       default=None, help="only local is implemented here")
+    local.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                       help="node-local directory of the local checkpoints (one per node)")
+    local.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
+                       default="fully_parallel",
+                       help="fully_parallel: each data-parallel rank stores its share of the "
+                       "replicated tensors (exchanged again when loading); atomic: each rank "
+                       "its whole state")
+    local.add_argument("--replication", action="store_true",
+                       help="also keep each rank's part on its clique peers")
+    local.add_argument("--replication-jump", type=int, default=None,
+                       help="rank distance between the members of a clique (typically the "
+                       "number of ranks per node)")
+    local.add_argument("--replication-factor", type=int, default=2,
+                       help="copies of each part, the owner's included")
     return parser
+
+
+def _check_local_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Megatron-LM's checks of the local checkpoint flags (arguments.py), plus what this
+    example does not implement."""
+    if args.non_persistent_ckpt_type not in (None, "local"):
+        parser.error(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not "
+                     "implemented by this example; use local")
+    if args.non_persistent_ckpt_type == "local" and args.non_persistent_local_ckpt_dir is None:
+        parser.error("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_save_interval < 1:
+            parser.error("--non-persistent-save-interval must be at least 1")
+        if args.non_persistent_ckpt_type is None:
+            parser.error("--non-persistent-save-interval needs --non-persistent-ckpt-type local")
+        if args.save is None:
+            parser.error("--non-persistent-save-interval needs --save (as in Megatron-LM, "
+                         "local checkpoints are saved between persistent ones)")
+    if args.replication:
+        if args.replication_jump is None:
+            parser.error("--replication needs --replication-jump")
+        if args.non_persistent_ckpt_type != "local":
+            parser.error("--replication needs --non-persistent-ckpt-type local")
+        if args.replication_jump < 1 or args.replication_factor < 1:
+            parser.error("--replication-jump and --replication-factor must be at least 1")
+    elif args.replication_jump is not None:
+        warnings.warn("--replication-jump was given without --replication: ignored")
+        args.replication_jump = None
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -153,6 +205,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--ckpt-step needs --load")
     if args.ckpt_verify_on_load and args.load is None:
         parser.error("--ckpt-verify-on-load needs --load")
+    _check_local_checkpoint_args(parser, args)
     args.object_storage = any(is_object_url(p) for p in (args.save, args.load) if p)
     if args.object_storage and not msc_available():
         parser.error(f"msc:// --save/--load need multi-storage-client: {MSC_EXTRA_HINT}")
@@ -183,3 +236,10 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of "
                          f"micro batch size x data-parallel size = {samples_per_step}")
     args.num_micro_batches = args.global_batch_size // samples_per_step
+    if args.replication:
+        group = args.replication_jump * args.replication_factor
+        if world_size % group:
+            raise SystemExit(f"world size {world_size} is not divisible by --replication-jump "
+                             f"{args.replication_jump} x --replication-factor "
+                             f"{args.replication_factor} (the ranks form cliques of "
+                             f"{args.replication_factor}, {args.replication_jump} ranks apart)")

@@ -1,9 +1,8 @@
 """Save and resume the whole training state with megatron-core's dist_checkpointing.
 
-A checkpoint holds the model and optimizer as sharded tensors, each rank's RNG states
-as a :class:`ShardedObject`, and (in the common part that rank 0 writes) the iteration,
-the data position, the parallel layout that saved it and its content metadata (the
-format of the optimizer state, see ``resharding.py``). A run may resume with another
+A checkpoint holds the training state of ``training_state.py`` (model, optimizer, RNG
+states, data position and the parallel layout that saved it) and its content metadata
+(the format of the optimizer state, see ``resharding.py``). A run may resume with another
 parallel layout wherever megatron-core can reshard the checkpoint; where it cannot, the
 load stops before reading any shard and names the flag to use. Saving goes through
 :class:`~megatron_async.TorchDistAsyncSaveStrategy` (on megatron-core 0.16.x the class
@@ -11,7 +10,8 @@ that the registered ``megatron_async`` backend returns; on 0.17+ a subclass of t
 strategy that ``save()`` keeps), configured the way Megatron-LM configures megatron-core's
 own; with ``--async-save`` the write runs in the background and
 :class:`~megatron_async.manager.CheckpointManager` moves the tracker only once every
-rank's data is durable.
+rank's data is durable. Local checkpoints (``--non-persistent-ckpt-type local``,
+``local_checkpoints.py``) go through the same queue, and a resume takes the newer tier.
 
 Every method of :class:`Checkpointer` runs on every rank, in the training thread.
 """
@@ -22,29 +22,25 @@ import dataclasses
 import functools
 import logging
 import os
-import random
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional
 
-import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_async import TorchDistAsyncSaveStrategy
-from gpt import torch_adam_compat
 from gpt.debug_hooks import DEBUG_SAVE_DELAY_ENV, DEBUG_SAVE_FAULT_ENV, DebugSaveHooks
+from gpt.local_checkpoints import LocalCheckpointer
 from gpt.resharding import (
     LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
     ParallelLayout,
     build_content_metadata,
     check_optimizer_resume,
-    with_process_groups,
 )
+from gpt.training_state import CHECKPOINT_VERSION, TrainingState
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.errors import AsyncSaveFailedError, CheckpointIntegrityError
 from megatron_async.integrity.verify import verify_checkpoint_integrity
@@ -57,32 +53,32 @@ from megatron_async.manager import (
 from megatron_async.staging.overlapped import refuse_overlap_param_gather
 from megatron_async.storage import storage_for
 
-__all__ = ["Checkpointer", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "enable_object_storage"]
+__all__ = ["Checkpointer", "Resumed", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "enable_object_storage"]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 2
-"""2: RNG states are sharded over (pipeline, tensor, data) ranks; 1 had no pipeline axis."""
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one record per save: compared by identity
 class SaveRecord:
     """What one save cost.
 
     Attributes:
         iteration: the saved iteration.
-        path: the checkpoint directory.
+        path: the checkpoint directory (local tier: rank 0's holder directory).
         is_async: whether the write ran in the background.
+        local: a local checkpoint (``--non-persistent-save-interval``), not a persistent one.
         stall_s: seconds the training loop was blocked by the save.
         background_s: seconds from scheduling to the finalize that saw the write done
             everywhere (0 for a synchronous save); it includes up to one iteration of
             waiting for that finalize.
-        num_bytes: bytes in the checkpoint directory (all ranks' files); rank 0 only.
+        num_bytes: bytes in the checkpoint directory (all ranks' files; local tier: the
+            parts rank 0 holds); rank 0 only.
         scheduled_at: ``time.perf_counter()`` when an async save was scheduled.
     """
 
     iteration: int
     path: str
     is_async: bool
+    local: bool = False
     stall_s: float = 0.0
     background_s: float = 0.0
     num_bytes: int = 0
@@ -93,6 +89,33 @@ class SaveRecord:
         """Bytes per second of the part that wrote: the background for async, the stall for sync."""
         seconds = self.background_s if self.is_async else self.stall_s
         return self.num_bytes / seconds if seconds > 0 else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What :meth:`Checkpointer.load` restored.
+
+    Attributes:
+        iteration: the iteration resumed from.
+        consumed_samples: the data position.
+        point: the persistent checkpoint loaded; None when it was the local one.
+        persistent_iteration: the newest persistent checkpoint's iteration (-1: none).
+    """
+
+    iteration: int
+    consumed_samples: int
+    point: Optional[ResumePoint]
+    persistent_iteration: int
+
+    def describe(self) -> str:
+        """One line naming the tier and the iteration."""
+        if self.point is not None:
+            return (f"[ckpt] resumed from the persistent checkpoint of iteration {self.iteration}: "
+                    f"{self.point.path} ({self.point.reason})")
+        persistent = (f"iteration {self.persistent_iteration}" if self.persistent_iteration >= 0
+                      else "none")
+        return (f"[ckpt] resumed from the local checkpoint of iteration {self.iteration} "
+                f"(every part verified against its digest; persistent checkpoint: {persistent})")
 
 
 def enable_object_storage(msc_config: Optional[str]) -> None:
@@ -110,47 +133,6 @@ def enable_object_storage(msc_config: Optional[str]) -> None:
     from megatron.core.msc_utils import MultiStorageClientFeature
 
     MultiStorageClientFeature.enable()
-
-
-def _collect_rng_state() -> Dict[str, Any]:
-    """Every RNG the training loop draws from on this rank."""
-    state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _restore_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["torch_cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _rng_sharded_object(state: Optional[Dict[str, Any]]) -> ShardedObject:
-    """One RNG record per (pipeline, tensor-parallel, data-parallel) rank; no replicas."""
-    return ShardedObject(
-        "rng_state",
-        state,
-        (
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_data_parallel_world_size(),
-        ),
-        (
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(),
-        ),
-        replica_id=0,
-    )
 
 
 def create_checkpoint_queue(args) -> Optional[AsyncCallsQueue]:
@@ -176,13 +158,14 @@ class Checkpointer:
         optimizer: the megatron-core optimizer of ``model``.
         queue: the queue of background saves, from :func:`create_checkpoint_queue`
             (created early); with ``--async-save`` and None, one is created here.
-            :meth:`close` closes it.
+            :meth:`close` closes it. Local saves go through it too.
     """
 
     def __init__(self, args, model, optimizer, queue: Optional[AsyncCallsQueue] = None):
         self.args = args
         self.model = model
         self.optimizer = optimizer
+        self.state = TrainingState(model, optimizer)
         self.manager = CheckpointManager(
             CheckpointManagerConfig(
                 save_dir=args.save, load_dir=args.load, keep_last_n=args.keep_last_n,
@@ -198,37 +181,52 @@ class Checkpointer:
         # first save only when --ckpt-assume-constant-structure says it cannot change.
         self._sharding_validated = False
         self._finished: List[SaveRecord] = []
-        self._pending: Dict[int, SaveRecord] = {}
+        # In the order scheduled, which is the order the queue finalizes them in.
+        self._pending: List[SaveRecord] = []
         self._debug = DebugSaveHooks.from_environment()
         self._failed: List[int] = []
         # What every save records as its format (Megatron-LM's sharded_state_dict metadata).
         self._content_metadata = build_content_metadata(args)
+        self.local: Optional[LocalCheckpointer] = None
+        if args.non_persistent_ckpt_type == "local":
+            self.local = LocalCheckpointer(args, self.state, self._content_metadata)
 
     @property
     def in_flight(self) -> List[int]:
         """Iterations whose save was scheduled and is not finalized yet."""
-        return sorted(self._pending)
+        return sorted(r.iteration for r in self._pending)
 
-    def save(self, iteration: int, consumed_samples: int) -> Optional[SaveRecord]:
+    def save(self, iteration: int, consumed_samples: int, *, local: bool = False) -> Optional[SaveRecord]:
         """Save the training state of ``iteration``; with ``--async-save``, in the background.
 
         Returns once the state is staged (async) or written and committed (sync). The
         record of an async save is completed by the finalize that sees it durable. A
         save that fails here returns None under ``--ckpt-save-failure continue``.
+
+        Args:
+            local: save to the local tier (``--non-persistent-ckpt-type local``) instead.
         """
         start = time.perf_counter()
+        record = None
         try:
-            return self._save(iteration, consumed_samples, start)
+            if local:
+                record = SaveRecord(iteration, "", self.args.async_save, local=True)
+                request = self.local.save(iteration, consumed_samples)
+            else:
+                record, request = self._save(iteration, consumed_samples)
+            return self._schedule(record, request, start)
         except Exception as exc:  # the failure policy decides: go on, or raise
-            self._pending.pop(iteration, None)
-            self._save_failed(iteration, exc)
+            if record is not None and record in self._pending:
+                self._pending.remove(record)
+            self._save_failed(record or SaveRecord(iteration, "", False, local=local), exc)
             return None
 
-    def _save(self, iteration: int, consumed_samples: int, start: float) -> SaveRecord:
+    def _save(self, iteration: int, consumed_samples: int):
+        """Start the persistent save; return its record and its request (None: done)."""
         args = self.args
         path = self.manager.prepare_save(iteration)
         record = SaveRecord(iteration, path, args.async_save)
-        state_dict = self._state_dict(
+        state_dict = self.state.sharded_state_dict(
             iteration,
             consumed_samples,
             self._content_metadata,
@@ -249,16 +247,22 @@ class Checkpointer:
         self._sharding_validated = bool(args.ckpt_assume_constant_structure)
         if request is None:
             self.manager.commit(iteration)
+            return record, None
+        request = self._debug.wrap(request, iteration)
+        self.manager.attach_commit(request, iteration)
+        return record, request
+
+    def _schedule(self, record: SaveRecord, request, start: float) -> SaveRecord:
+        """Schedule a save's request on the queue, or record a save that is done."""
+        if request is None:
             record.stall_s = time.perf_counter() - start
             self._on_durable(record)
             return record
-        request = self._debug.wrap(request, iteration)
-        self.manager.attach_commit(request, iteration)
         request.add_finalize_fn(functools.partial(self._on_durable, record))
         self.queue.schedule_async_request(request)
         record.scheduled_at = time.perf_counter()
         record.stall_s = record.scheduled_at - start
-        self._pending[iteration] = record
+        self._pending.append(record)
         return record
 
     def maybe_finalize(self, blocking: bool = False) -> List[SaveRecord]:
@@ -271,9 +275,7 @@ class Checkpointer:
             except AsyncSaveFailedError as exc:
                 # Calls finalize in the order they were scheduled: the failed one is the
                 # oldest save still pending. Later saves are finalized by the next round.
-                iteration = min(self._pending)
-                self._pending.pop(iteration)
-                self._save_failed(iteration, exc)
+                self._save_failed(self._pending.pop(0), exc)
                 if not blocking:
                     # One failure per poll: the caller reports it before the next poll
                     # finds another, which may be the one past the failure limit.
@@ -281,10 +283,13 @@ class Checkpointer:
         finished, self._finished = self._finished, []
         return finished
 
-    def _save_failed(self, iteration: int, error: BaseException) -> None:
-        """Every rank: the save of ``iteration`` failed; the failure policy raises or goes on."""
-        self.manager.save_failed(iteration, error)
-        self._failed.append(iteration)
+    def _save_failed(self, record: SaveRecord, error: BaseException) -> None:
+        """Every rank: the save of ``record`` failed; the failure policy raises or goes on."""
+        if record.local:
+            self.local.save_failed(record.iteration, error)
+        else:
+            self.manager.save_failed(record.iteration, error)
+        self._failed.append(record.iteration)
 
     def take_failed_iterations(self) -> List[int]:
         """Iterations whose save failed (and training went on) since the last call."""
@@ -298,8 +303,10 @@ class Checkpointer:
             self.queue.close()
         return finished
 
-    def load(self) -> Optional[Tuple[ResumePoint, int, int]]:
-        """Restore the state of the checkpoint that ``--load`` (and ``--ckpt-step``) select.
+    def load(self) -> Optional[Resumed]:
+        """Restore the newest state of the two tiers: the local checkpoint that
+        ``find_latest`` agrees on, if it is at least as new as the persistent checkpoint
+        that ``--load`` (and ``--ckpt-step``) select, else that one (Megatron-LM's rule).
 
         With ``--ckpt-verify-on-load`` every rank first re-hashes its share of the
         checkpoint's files, and a damaged checkpoint stops the job on every rank.
@@ -309,10 +316,21 @@ class Checkpointer:
         state into this run's parallel layout (see ``resharding.py``).
 
         Returns:
-            ``(resume point, iteration, consumed_samples)``, or None for a fresh start.
+            What was resumed, or None for a fresh start.
         """
         args = self.args
         point = self.manager.find_resume_point(args.ckpt_step)
+        persistent = point.iteration if point is not None else -1
+        if self.local is not None:
+            local = self.local.find_latest()
+            if local != -1 and local >= persistent:
+                state_dict = self.local.load()
+                return Resumed(state_dict["iteration"], state_dict["consumed_samples"],
+                               None, persistent)
+            if local != -1:
+                logger.warning("the local checkpoint of iteration %d is older than the "
+                               "persistent one of iteration %d: resuming from the persistent",
+                               local, persistent)
         if point is None:
             return None
         if args.ckpt_verify_on_load:
@@ -348,57 +366,13 @@ class Checkpointer:
         if with_optimizer:
             check_optimizer_resume(point.path, metadata, saved_layout, layout,
                                    args.use_distributed_optimizer)
-            torch_adam_compat.prepare_optimizer_for_load(self.optimizer)
-        template = self._state_dict(
+        self.state.prepare_load(with_optimizer)
+        template = self.state.sharded_state_dict(
             0, 0, metadata, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
         )
         state_dict = dist_checkpointing.load(template, point.path)
-        # no_grad: with fp32 parameters the distributed optimizer's main parameters are
-        # views of the model's leaf parameters, and it loads into them with copy_().
-        with torch.no_grad():
-            self.model.module.load_state_dict(state_dict["model"])
-            if with_optimizer:
-                self.optimizer.load_state_dict(state_dict["optimizer"])
-                torch_adam_compat.repair_optimizer_after_load(self.optimizer, state_dict["optimizer"])
-        if with_rng:
-            _restore_rng_state(state_dict["rng_state"])
-        return point, common["iteration"], common["consumed_samples"]
-
-    def _state_dict(
-        self,
-        iteration: int,
-        consumed_samples: int,
-        metadata: Dict[str, Any],
-        *,
-        is_loading: bool,
-        with_optimizer: bool,
-        with_rng: bool,
-    ) -> Dict[str, Any]:
-        """The sharded state dict to save, or the template to load into; ``metadata`` is
-        the format (this run's to save, the checkpoint's to load)."""
-        metadata = with_process_groups(metadata)
-        model_sd = self.model.module.sharded_state_dict(metadata=metadata)
-        content = {
-            "optimizer": with_optimizer,
-            "rng": with_rng,
-            "layout": ParallelLayout.current().as_dict(),
-        }
-        state_dict: Dict[str, Any] = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "content": content,
-            "model": model_sd,
-        }
-        if with_optimizer:
-            state_dict["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata=metadata
-            )
-        if with_rng:
-            state_dict["rng_state"] = _rng_sharded_object(
-                None if is_loading else _collect_rng_state()
-            )
-        return state_dict
+        self.state.apply(state_dict, with_optimizer=with_optimizer, with_rng=with_rng)
+        return Resumed(common["iteration"], common["consumed_samples"], point, persistent)
 
     def _save_strategy(self):
         """The save strategy, built once so that cached plans carry over between saves."""
@@ -426,11 +400,19 @@ class Checkpointer:
         return self._strategy
 
     def _on_durable(self, record: SaveRecord) -> None:
-        """Finalize side (every rank): the checkpoint is complete and the tracker moved."""
+        """Finalize side (every rank): the checkpoint is complete (persistent: and the
+        tracker moved; local: every part and replica is durable on its holder)."""
         if record.is_async:
             record.background_s = time.perf_counter() - record.scheduled_at
-        if torch.distributed.get_rank() == 0:
+        is_rank0 = torch.distributed.get_rank() == 0
+        if record.local:
+            self.local.saved()
+            record.path = str(self.local.manager.local_ckpt_dir)
+            if is_rank0:
+                record.num_bytes = self.local.holder_bytes() or 0
+        elif is_rank0:
             listing = storage_for(record.path).list_dir(record.path)  # a torch_dist checkpoint is flat
             record.num_bytes = sum(num_bytes or 0 for _, num_bytes in listing)
-        self._pending.pop(record.iteration, None)
+        if record in self._pending:
+            self._pending.remove(record)
         self._finished.append(record)

@@ -1,8 +1,9 @@
 """Debugging hooks of the example's saves, set through environment variables.
 
 Runs on every rank when a save is scheduled; the wrapped write runs in the background
-process. The functional tests use them to kill a job in the middle of an async save and
-to make saves fail (tests/functional/test_pretrain_gpt.py).
+process. The functional tests use them to kill a job in the middle of an async save, to
+make saves fail (tests/functional/test_pretrain_gpt.py) and to lose a job right after a
+save (tests/functional/test_pretrain_gpt_local_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "DebugSaveHooks"]
+__all__ = ["DEBUG_CRASH_AFTER_ENV", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV",
+           "DebugSaveHooks", "crash_iteration"]
 
 DEBUG_SAVE_DELAY_ENV = "PRETRAIN_GPT_DEBUG_SAVE_DELAY"
 """``"ITERATION:SECONDS"``: the background write of that iteration's checkpoint sleeps for
@@ -28,7 +30,17 @@ DEBUG_SAVE_FAULT_ENV = "PRETRAIN_GPT_DEBUG_SAVE_FAULT"
 checkpoint fails on the last rank (rank 1 of two), with FAULT ``disk_full`` (the write
 raises ENOSPC) or ``dead_worker`` (the writing process is SIGKILLed)."""
 
+DEBUG_CRASH_AFTER_ENV = "PRETRAIN_GPT_DEBUG_CRASH_AFTER"
+"""``"ITERATION"``: once the saves of that iteration are durable, every rank exits at once
+with status 1, without a final save, as if the job were lost right there."""
+
 FAULTS = ("disk_full", "dead_worker")
+
+
+def crash_iteration() -> Optional[int]:
+    """The iteration after which :data:`DEBUG_CRASH_AFTER_ENV` asks the job to die, or None."""
+    value = os.environ.get(DEBUG_CRASH_AFTER_ENV)
+    return int(value) if value else None
 
 
 def _write_then_stall(async_fn, delay_s: float, *args, **kwargs) -> None:
