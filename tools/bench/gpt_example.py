@@ -79,6 +79,10 @@ class ExampleTrainer:
             "--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
             "--num-attention-heads", "8", "--use-distributed-optimizer", *flags,
         ])
+        if self.args.non_persistent_ckpt_type == "local":  # as examples/pretrain_gpt.py does
+            from gpt.local_checkpoints import serve_local_checkpointing
+
+            serve_local_checkpointing()
         validate_parallel_args(self.args, dist.get_world_size())
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 

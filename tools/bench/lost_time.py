@@ -29,6 +29,10 @@ Methods (:data:`~.config.LOST_TIME_METHODS`, built by :mod:`.methods.catalog`):
   ``--ckpt-assume-constant-structure`` (the worker forked from the trainer);
   ``ours_persistent_overlap`` adds
   ``--ckpt-overlap-staging``;
+* ``ours_local_f2``: ``ours_persistent``'s flags, but every save a local checkpoint
+  (``--non-persistent-ckpt-type local``, atomic algo) replicated with F = 2 and
+  J = ranks / 2 (an even number of ranks, 2 or more; on one machine every "node" shares
+  the checkpoint root), to compare with ``ours_persistent``;
 * ``dcp_thread`` / ``dcp_process``: ``dcp.async_save`` with its thread or process
   executor and one reused ``DefaultStager`` (synchronous staging; shared memory for the
   process executor);
@@ -48,7 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .config import EXAMPLE_FLAGS
+from .config import EXAMPLE_FLAGS, LOST_TIME_LOCAL_METHODS
 from .gpt_example import ExampleTrainer
 from .launch import RankContext
 from .methods.base import SaveMethod, now
@@ -163,9 +167,13 @@ def lost_time_job(ctx: RankContext) -> Dict[str, Any]:
         os.makedirs(root)
     dist.barrier(group=group)
     name = payload["method"]
+    local_flags = []
+    if name in LOST_TIME_LOCAL_METHODS:  # F = 2: each rank's part also on the rank J away
+        local_flags = ["--non-persistent-local-ckpt-dir", os.path.join(root, "local"),
+                       "--replication-jump", str(ctx.world_size // 2)]
     trainer = ExampleTrainer(payload["num_layers"], payload["hidden_size"], [
         "--train-iters", "1000000", "--save", root, "--save-interval", "1",
-        *EXAMPLE_FLAGS.get(name, [])])
+        *EXAMPLE_FLAGS.get(name, []), *local_flags])
     method = build_lost_time_method(name, trainer)
     try:
         # As the example (and Megatron-LM) does: the queue, and with it the persistent

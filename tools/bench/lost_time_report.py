@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .config import (
     LOST_TIME_DCP_METHODS,
+    LOST_TIME_LOCAL_METHODS,
     LOST_TIME_METHODS,
     LOST_TIME_OUR_METHODS,
     format_num_bytes,
@@ -46,6 +47,9 @@ LOST_TIME_TARGETS = {
     "first_vs_sync": "first save + set-up <= 1.5 x sync's",
     "overlap_stall_vs_memcpy": "overlapped staging: warm stall <= 0.1 x one memory copy "
                                "of the state",
+    "local_lost_vs_persistent": "local save, F = 2: lost time per warm save <= 1.0 x "
+                                "ours_persistent's",
+    "local_stall_vs_persistent": "local save, F = 2: warm stall <= 1.1 x ours_persistent's",
 }
 
 
@@ -137,17 +141,29 @@ def evaluate_lost_time_targets(entries: List[Dict[str, Any]]) -> List[Dict[str, 
         sync = group.get("sync")
         dcp = [group[m] for m in LOST_TIME_DCP_METHODS if _ok(group.get(m))]
         best_dcp = min((e["lost_warm_s"] for e in dcp), default=None)
-        for method in LOST_TIME_OUR_METHODS:
+        persistent = group.get("ours_persistent")
+        for method in LOST_TIME_OUR_METHODS + LOST_TIME_LOCAL_METHODS:
             entry = group.get(method)
             if not _ok(entry):
                 continue
-            checks = {
-                "lost_vs_sync": (_ratio(entry["lost_warm_s"], sync["lost_warm_s"])
-                                 if _ok(sync) else None, 0.2),
-                "lost_vs_dcp_best": (_ratio(entry["lost_warm_s"], best_dcp), 0.5),
-                "first_vs_sync": (_ratio(entry["first_and_setup_s"], sync["first_and_setup_s"])
-                                  if _ok(sync) else None, 1.5),
-            }
+            if method in LOST_TIME_LOCAL_METHODS:  # against a persistent save of the same state
+                checks = {
+                    "local_lost_vs_persistent": (_ratio(entry["lost_warm_s"],
+                                                        persistent["lost_warm_s"])
+                                                 if _ok(persistent) else None, 1.0),
+                    "local_stall_vs_persistent": (_ratio(entry["stall_warm_s"],
+                                                         persistent["stall_warm_s"])
+                                                  if _ok(persistent) else None, 1.1),
+                }
+            else:
+                checks = {
+                    "lost_vs_sync": (_ratio(entry["lost_warm_s"], sync["lost_warm_s"])
+                                     if _ok(sync) else None, 0.2),
+                    "lost_vs_dcp_best": (_ratio(entry["lost_warm_s"], best_dcp), 0.5),
+                    "first_vs_sync": (_ratio(entry["first_and_setup_s"],
+                                             sync["first_and_setup_s"])
+                                      if _ok(sync) else None, 1.5),
+                }
             if method == "ours_persistent_overlap":
                 checks["overlap_stall_vs_memcpy"] = (
                     _ratio(entry["stall_warm_s"], entry["memcpy_s"]), 0.1)

@@ -11,7 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
-from ..config import EXAMPLE_FLAGS, LOST_TIME_METHODS, OUR_VARIANTS, PRIORITY_VARIANTS
+from ..config import (
+    EXAMPLE_FLAGS,
+    LOST_TIME_LOCAL_METHODS,
+    LOST_TIME_METHODS,
+    OUR_VARIANTS,
+    PRIORITY_VARIANTS,
+)
 from ..gpt_example import ExampleTrainer
 from .base import SaveMethod
 from .dcp import DcpOptions, DcpSave
@@ -55,7 +61,7 @@ def build_variant(name: str, payload: Dict[str, Any], workload, stamp_dir: str) 
 def build_lost_time_method(name: str, trainer: ExampleTrainer) -> SaveMethod:
     """Create the method a lost-time name stands for, saving ``trainer``'s state."""
     if name in EXAMPLE_FLAGS:
-        return ExampleCheckpointerSave(name, trainer)
+        return ExampleCheckpointerSave(name, trainer, local=name in LOST_TIME_LOCAL_METHODS)
     if name == "dcp_async_staging":
         options = DcpOptions(executor="thread", thread_count=_LOST_TIME_THREAD_COUNT,
                              reuse_stager=True, async_staging=True,

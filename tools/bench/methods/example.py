@@ -4,7 +4,8 @@ Sync, or async with our callers, as ``examples/pretrain_gpt.py`` runs it with th
 of :data:`~..config.EXAMPLE_FLAGS`: its queue is created before the model
 (:meth:`ExampleCheckpointerSave.start_early`, as the example and Megatron-LM do), and it
 saves the trainer's model and optimizer under the example's ``--save`` folder, named by
-iteration (the ``directory`` a loop passes is not used).
+iteration (the ``directory`` a loop passes is not used); with ``local``, a local checkpoint
+(``--non-persistent-ckpt-type local``) under ``--non-persistent-local-ckpt-dir`` instead.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ __all__ = ["ExampleCheckpointerSave"]
 class ExampleCheckpointerSave(SaveMethod):
     """The example's ``Checkpointer`` on the example's queue."""
 
-    def __init__(self, name: str, trainer: ExampleTrainer):
+    def __init__(self, name: str, trainer: ExampleTrainer, local: bool = False):
         super().__init__(name)
         self._trainer = trainer
+        self._local = local
         self._pending = False
         self._queue = None
         self._checkpointer = None
@@ -40,7 +42,7 @@ class ExampleCheckpointerSave(SaveMethod):
     def save(self, directory: str, index: int) -> None:
         trainer = self._trainer
         t0 = self._begin()
-        record = self._checkpointer.save(trainer.iteration, trainer.consumed)
+        record = self._checkpointer.save(trainer.iteration, trainer.consumed, local=self._local)
         self._pending = record.is_async
         t2 = now()
         self.timings.update(build_s=0.0, t_start=t0, t_stall_end=t2)
