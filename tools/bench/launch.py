@@ -4,13 +4,17 @@ CPU-only hosts get a gloo process group; with CUDA every rank takes device
 ``rank % device_count`` and the group is ``cpu:gloo,cuda:nccl`` (DCP's ``async_save``
 needs a CPU backend). A launch that raises on any rank, loses a rank or runs past its
 timeout kills every rank together with its children and raises :class:`LaunchError`
-carrying each rank's traceback.
+carrying each rank's traceback. Before a launch that ran past its timeout is killed, every
+rank (and every background process it forked) writes the Python stacks of all its threads
+to its log, so a method that hangs says where.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import signal
 import socket
 import time
 import traceback
@@ -69,6 +73,9 @@ def _rank_main(rank: int, world_size: int, port: int, threads: int, log_path, jo
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
+    # Stacks on SIGUSR1 (sent by the launcher before it kills a launch that ran past its
+    # timeout); forked children inherit the handler, spawned ones do not.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(_torchrun_env(rank, world_size, port))
     # Inherited by the rank's background processes (forked writers, spawned workers).
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -94,6 +101,20 @@ def _rank_main(rank: int, world_size: int, port: int, threads: int, log_path, jo
         result_conn.send(("error", traceback.format_exc()))
     finally:
         result_conn.close()
+
+
+def _dump_stacks(ranks) -> None:
+    """Ask every rank and its forked children to write their stacks to the log, then wait."""
+    import psutil
+
+    for process, _ in ranks:
+        try:
+            tree = psutil.Process(process.pid)
+            for victim in [tree] + tree.children(recursive=True):
+                victim.send_signal(signal.SIGUSR1)
+        except (psutil.Error, TypeError):
+            pass
+    time.sleep(1.0)
 
 
 def _kill_tree(process) -> None:
@@ -155,6 +176,7 @@ def launch(
     deadline = time.monotonic() + timeout_s
     results: Dict[int, Any] = {}
     errors: Dict[int, str] = {}
+    timed_out = False
     # Wait on each rank's pipe and on its process sentinel: a result or a death wakes us.
     waiting = {conn: rank for rank, (_, conn) in enumerate(ranks)}
     waiting.update({process.sentinel: rank for rank, (process, _) in enumerate(ranks)})
@@ -162,9 +184,14 @@ def launch(
         while len(results) + len(errors) < world_size and not errors:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                timed_out = True
+                where = ""
+                if log_path is not None:
+                    _dump_stacks(ranks)
+                    where = f"; the ranks' stacks at the timeout are in {log_path}"
                 raise LaunchError(
                     f"launch of {world_size} rank(s) ran past {timeout_s:.0f}s; every rank was "
-                    "killed (raise --launch-timeout-s for big sizes on slow disks)"
+                    f"killed (raise --launch-timeout-s for big sizes on slow disks){where}"
                 )
             for ready in mp_connection.wait(list(waiting), timeout=remaining):
                 rank = waiting.pop(ready)
@@ -184,7 +211,7 @@ def launch(
             raise LaunchError(f"{len(errors)} rank(s) failed:\n{detail}")
     finally:
         for process, conn in ranks:
-            process.join(timeout=30 if not errors else 1)
+            process.join(timeout=1 if errors or timed_out else 30)
             if process.is_alive():
                 _kill_tree(process)
                 process.join(timeout=5)
