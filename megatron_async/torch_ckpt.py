@@ -15,7 +15,7 @@ from megatron_async.core.queue import AsyncCallsQueue
 from megatron_async.core.request import AsyncRequest, SaveDetails
 from megatron_async.core.save_directories import Claim, SaveDirectories
 from megatron_async.errors import CheckpointValidationError, QueueClosedError
-from megatron_async.staging.budget import validate_staging_memory_limit
+from megatron_async.staging.budget import StagingBufferCache, validate_staging_memory_limit
 from megatron_async.core.config import STAGING_WAIT_S
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.writer.torch_save_file import write_torch_save_file
@@ -77,6 +77,8 @@ class TorchAsyncCheckpoint:
         self.staging_memory_limit = staging_memory_limit
         self.staging_stats: Dict[str, int] = {}
         """``rounds`` and ``peak_bytes`` of the latest save's staging."""
+        self.staging_cache = StagingBufferCache()
+        """Keeps the staging segment of a state within the budget for its next save."""
         self._queue = AsyncCallsQueue(persistent=persistent_queue, config=config)
 
     def async_save(
@@ -139,6 +141,7 @@ class TorchAsyncCheckpoint:
             preload_fn=functools.partial(
                 stage_torch_save, state_dict, pickle_module, pickle_protocol, not _disable_byteorder_record,
                 self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats,
+                cache=self.staging_cache,
             ),
         )
         try:

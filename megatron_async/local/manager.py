@@ -45,7 +45,7 @@ from megatron_async.local.cliques import LazyReplicationStrategyBuilder, Replica
 from megatron_async.local.exchange import PeerExchange
 from megatron_async.local.part_writer import LocalSaveJob, write_local_part
 from megatron_async.local.state_dict import TensorAwareStateDict
-from megatron_async.staging.budget import validate_staging_memory_limit
+from megatron_async.staging.budget import StagingBufferCache, validate_staging_memory_limit
 from megatron_async.staging.torch_save import TorchSaveStaged, stage_torch_save
 
 __all__ = [
@@ -110,6 +110,7 @@ class LocalCheckpointManager:
         before it, and again once a save starts."""
         self.staging_stats: dict = {}
         """``rounds`` and ``peak_bytes`` of the latest save's staging."""
+        self.staging_cache = StagingBufferCache()  # this rank's segment, kept between saves
         self._rank: Optional[int] = None
         self._token: Optional[str] = None
         self._saves = 0
@@ -226,6 +227,7 @@ class LocalCheckpointManager:
         stage = functools.partial(
             stage_torch_save, state_dict, pickle, torch.serialization.DEFAULT_PROTOCOL, True,
             self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats, device_locations=True,
+            cache=self.staging_cache,
         )
         staged, failure = None, None
         try:

@@ -22,7 +22,7 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from megatron_async.core import shared_memory
 from megatron_async.errors import CheckpointValidationError
-from megatron_async.staging.budget import StagingLedger, resolve_budget
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger, resolve_budget
 from megatron_async.staging.overlapped import StagedData, watch
 from megatron_async.staging.rounds import copy_first_round, plan_rounds
 from megatron_async.staging.gate import StagingGate
@@ -163,6 +163,36 @@ def _tensor_names(obj: Any, prefix: str = "", names: Optional[Dict[int, str]] = 
     return names
 
 
+class _KeptSegment:
+    """A segment kept in a :class:`StagingBufferCache` for the next save of the same size."""
+
+    __slots__ = ("segment",)
+
+    def __init__(self, segment: torch.Tensor):
+        self.segment = segment
+
+    def num_bytes(self) -> int:
+        return self.segment.numel()
+
+
+def _segment(cache: Optional[StagingBufferCache], num_bytes: int, pinned: bool):
+    """``(segment, loan)``: the segment a save within the budget stages into (trainer).
+
+    With a ``cache``, the segment its last save of this size used, once that save's loan
+    is over (its writer read everything), under a new loan; a new segment, kept for the
+    next save, otherwise. Without one (or while the kept one is still read), a segment of
+    this save alone and no loan."""
+    kept, loan = (None, None) if cache is None else cache.lend(("torch.save", num_bytes, pinned), 1)
+    if kept is not None and kept[0] is not None:
+        return kept[0].segment, loan
+    segment = shared_memory.allocate_segment(num_bytes, reusable=kept is not None)
+    if pinned:
+        shared_memory.pin_segment(segment)
+    if kept is not None:
+        kept[0] = _KeptSegment(segment)
+    return segment, loan
+
+
 def stage_torch_save(
     obj: Any,
     pickle_module: Any,
@@ -173,11 +203,15 @@ def stage_torch_save(
     stats: dict,
     *,
     device_locations: bool = False,
+    cache: Optional[StagingBufferCache] = None,
 ) -> TorchSaveStaged:
     """Pickle ``obj`` and stage its storages within the budget (trainer, ``preload_fn``).
 
     ``stats`` receives ``rounds`` and ``peak_bytes`` (the staging bytes held) of this save.
-    ``device_locations``: see :func:`pickle_like_torch_save`.
+    ``device_locations``: see :func:`pickle_like_torch_save`. ``cache``: the owner's
+    (a manager's, a checkpointer's) cache that keeps a state's staging segment from one
+    save to the next, as the bucket layouts' buffers are kept, instead of allocating
+    shared memory on every save; None: a segment per save.
 
     Raises:
         StagingMemoryError: one storage alone exceeds the budget (naming its tensor and
@@ -202,22 +236,26 @@ def stage_torch_save(
     gate = StagingGate(len(storages))
 
     def stage_into(pool: Optional[torch.Tensor]) -> TorchSaveStaged:
-        buffer = pool
+        buffer, loan = pool, None
         if in_rounds:
             gate.start_rounds()
         elif plan.pool_bytes:
-            buffer = shared_memory.allocate_segment(plan.pool_bytes)
-            if cuda:
-                shared_memory.pin_segment(buffer)
-        staged = TorchSaveStaged(header, records, buffer, gate, alignment,
-                                 torch.serialization.get_crc32_options())
-        items = [
-            (idx, names[idx], *_storage_copy(storage, buffer, offset), watch(*tensors[idx]))
-            for idx, (storage, offset) in enumerate(zip(storages, plan.offsets))
-            if offset is not None
-        ]
-        staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
-                                           "torch.save staging in rounds", _ADVICE)
+            buffer, loan = _segment(cache, plan.pool_bytes, cuda)
+        try:
+            staged = TorchSaveStaged(header, records, buffer, gate, alignment,
+                                     torch.serialization.get_crc32_options())
+            staged.loan = loan
+            items = [
+                (idx, names[idx], *_storage_copy(storage, buffer, offset), watch(*tensors[idx]))
+                for idx, (storage, offset) in enumerate(zip(storages, plan.offsets))
+                if offset is not None
+            ]
+            staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
+                                               "torch.save staging in rounds", _ADVICE)
+        except BaseException:
+            if loan is not None:  # the kept segment is lent again (its copies are synchronous)
+                loan.end()
+            raise
         return staged
 
     staged = StagingLedger.of_process().stage_within(

@@ -16,7 +16,7 @@ from megatron_async.errors import (
     StagingMemoryError,
     StagingRaceError,
 )
-from megatron_async.staging.budget import StagingLedger
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager
 from megatron_async.staging.torch_save import stage_torch_save
@@ -371,3 +371,42 @@ def test_saving_after_close_says_to_create_a_new_torch_async_checkpoint(tmp_path
     with pytest.raises(QueueClosedError, match="create a new TorchAsyncCheckpoint"):
         saver.async_save({"w": torch.ones(2)}, str(tmp_path / "w.pt"))
     assert not os.path.exists(tmp_path / "w.pt")
+
+
+def test_an_owner_that_saves_often_stages_into_the_same_segment_once_its_writer_is_done():
+    # Local checkpoints every few iterations: allocating a state's worth of shared memory
+    # per save was half of a local save's stall. The owner's cache lends the last save's
+    # segment again only once that save's writer read it; a save that overlaps gets its
+    # own and leaves the first save's bytes alone; a failed staging gives the segment back.
+    cache = StagingBufferCache()
+    state = {"w": torch.arange(KIB, dtype=torch.float32)}
+
+    def stage():  # a budget of several copies: saves may overlap
+        return stage_torch_save(state, pickle, 2, True, 64 * KIB, 5.0, {}, cache=cache)
+
+    first = stage()
+    first_segment = first.buffer.data_ptr()
+    overlapping = stage()  # the first save's writer has not read it yet
+    assert overlapping.buffer.data_ptr() != first_segment
+    expected = _torch_save_bytes(state, _use_new_zipfile_serialization=True)
+    assert _write(first) == expected
+    assert _write(overlapping) == expected
+
+    again = stage()
+    assert again.buffer.data_ptr() == first_segment
+    state["w"].add_(1)
+    assert _write(again) == expected  # staged before the change, which does not reach the file
+    reused = stage()
+    assert reused.buffer.data_ptr() == first_segment
+    assert torch.load(io.BytesIO(_write(reused)), weights_only=True)["w"][0] == 1
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        stage_torch_save({"w": state["w"], "x": Unpicklable()}, pickle, 2, True, 64 * KIB, 5.0,
+                         {}, cache=cache)
+    last = stage()
+    assert last.buffer.data_ptr() == first_segment
+    last.release()  # nothing left held in the process's ledger for the next tests
