@@ -22,7 +22,9 @@ by :mod:`megatron_async.nvrx`), one role per module:
 * :mod:`.part_writer` (background writer): one save's part written from its staged
   ``torch.save`` records, then replicated;
 * :mod:`.manager` (every rank): ``LocalCheckpointManager``, whose ``save`` stages on the
-  training thread and returns the request, and whose finalize step applies retention;
+  training thread and returns the request;
+* :mod:`.retention` (every rank): which iterations a holder directory keeps, and the
+  save's finalize step that applies it;
 * :mod:`.recover` (every rank): ``find_latest``'s agreed recovery, verified parts moved
   between ranks in bulk, and ``load``'s deserialization of the verified bytes.
 """
