@@ -8,18 +8,23 @@ by :mod:`megatron_async.nvrx`), one role per module:
   plain nested dicts and lists;
 * :mod:`.cliques` (every rank): which ranks keep replicas of which rank's part
   (``parse_group_sequence``, ``CliqueReplicationStrategy``);
-* :mod:`.parts` (background writer writes, every rank reads): a holder directory's part
-  files and their records (size, xxh3 digest, the job's identity);
+* :mod:`.parts` (every rank): a holder directory's part files and their records (size,
+  xxh3 digest, the job's identity), listed, read back verified and removed;
+* :mod:`.part_output` (background writer): one part written through the local bucket
+  file (aligned chunks hashed there, ``O_DIRECT``), then its record, durably;
 * :mod:`.recovery` (every rank): the pure decision of which iteration to recover and
   which intact copy each rank reads;
 * :mod:`.transport` (the store's address found in the training process, the rest in the
   background writer): the job's store, this node's address, messages between writers;
 * :mod:`.exchange` (background writer): one save's part sent to the clique peers and
-  theirs kept, each replica verified against its owner's digest before it is acked;
+  theirs kept; :mod:`.replica_receiver` admits and writes theirs, each replica verified
+  against its owner's digest before it is acked;
 * :mod:`.part_writer` (background writer): one save's part written from its staged
   ``torch.save`` records, then replicated;
 * :mod:`.manager` (every rank): ``LocalCheckpointManager``, whose ``save`` stages on the
-  training thread and returns the request, and whose finalize step applies retention;
+  training thread and returns the request;
+* :mod:`.retention` (every rank): which iterations a holder directory keeps, and the
+  save's finalize step that applies it;
 * :mod:`.recover` (every rank): ``find_latest``'s agreed recovery, verified parts moved
   between ranks in bulk, and ``load``'s deserialization of the verified bytes.
 """

@@ -12,10 +12,9 @@ process groups, which a forked writer cannot use. For one save, it:
    (an address an earlier attempt left, refused, is read again until the deadline),
    sends a header (session, iteration, owner, receiver, size, digest, identity) and the
    bytes, and waits for the peer's acknowledgement;
-3. receives every peer's part on threads, streams it through a bounded chunk buffer into
-   :func:`~megatron_async.local.parts.write_part` with the owner's digest, and
-   acknowledges only when the replica is durable and hashed to that digest; otherwise it
-   answers with the reason.
+3. receives every peer's part on threads (:mod:`.replica_receiver`), written as a
+   replica and acknowledged only once it is durable and hashed to the owner's digest;
+   otherwise it answers with the reason.
 
 A writer whose own part failed, or that cannot listen or publish its address, publishes
 the reason under its key instead of an address
@@ -39,20 +38,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from megatron_async.errors import (
-    CheckpointIntegrityError,
-    LocalCheckpointError,
-    LocalReplicationError,
-    StorageWriteError,
-)
-from megatron_async.local.parts import LocalIdentity, PartRecord, write_part
+from megatron_async.errors import LocalCheckpointError, LocalReplicationError
 from megatron_async.local import transport
+from megatron_async.local.parts import PartRecord
+from megatron_async.local.replica_receiver import ReplicaReceiver
 
 __all__ = ["PeerExchange", "exchange_part"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05
 _CLOSE_GRACE_S = 2.0
 
 
@@ -97,7 +91,7 @@ def exchange_part(
 
     Args:
         exchange: where the part goes and the deadline.
-        record: the part's record as :func:`~megatron_async.local.parts.write_part`
+        record: the part's record as :func:`~megatron_async.local.part_output.open_part`
             computed it; its owner is this rank.
         buffers: the part's bytes (bytes-like objects, one after the other).
 
@@ -124,12 +118,9 @@ def exchange_part(
     return _Exchange(exchange, record, views).run()
 
 
-class _Refused(Exception):
-    """``(reason, owner)``: a refused header; the reason goes back, the owner's replica fails."""
-
-
 class _Exchange:
-    """One run of :func:`exchange_part`: its listener, threads and per-peer outcomes.
+    """One run of :func:`exchange_part`: its listener, threads and per-peer outcomes; the
+    sending side is here, the receiving side is a :class:`ReplicaReceiver` of the run.
 
     Each peer is settled once per direction: ``sent[peer]`` is None when it acknowledged
     this rank's part, ``received[peer]`` the record of its durable replica; a string in
@@ -173,7 +164,7 @@ class _Exchange:
                     f"rank {self.rank}: {reason} (the job's store at "
                     f"{spec.store_host}:{spec.store_port})"
                 ) from exc
-            self.start(self.accept_loop, listener)
+            self.start(ReplicaReceiver(self).accept_loop, listener)
             for peer in spec.peers:
                 self.start(self.send_loop, store, peer)
 
@@ -323,75 +314,3 @@ class _Exchange:
     def wait_s(self) -> float:
         """A socket timeout that ends at the deadline."""
         return max(self.remaining(), 1e-3)
-
-    def accept_loop(self, listener: socket.socket) -> None:
-        """Accept peers' connections, each received on a thread, until all settled."""
-        listener.settimeout(_POLL_S * 2)
-        while not self.closed and len(self.received) < len(self.spec.peers):
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return  # closed
-            if self.register(conn):
-                self.start(self.receive, conn)
-
-    def receive(self, conn: socket.socket) -> None:
-        """Keep a peer's part as a replica if its header and digest check out; answer."""
-        owner = None
-        try:
-            conn.settimeout(self.wait_s())
-            header = transport.recv_message(conn)
-            owner = self.admit(header)
-            replica = write_part(
-                self.spec.directory, self.record.iteration, owner,
-                transport.recv_chunks(conn, header["num_bytes"], self.deadline),
-                LocalIdentity(**header["identity"]),
-                expected_digest=header["digest"],
-            )
-        except _Refused as exc:
-            self.refuse(conn, exc.args[1], exc.args[0])
-        except (CheckpointIntegrityError, StorageWriteError) as exc:
-            self.refuse(conn, owner, str(exc))
-        except Exception as exc:  # a broken connection, or a stranger's bytes
-            what = f"receiving its part failed: {type(exc).__name__}: {exc}"
-            if owner is None:
-                logger.warning("rank %d: a connection to the exchange ended: %s", self.rank, what)
-            self.settle(self.received, owner, what)
-        else:
-            try:  # before settling: the last settle closes every connection
-                transport.send_message(conn, {"ok": True})
-            except OSError as exc:
-                logger.warning("rank %d: cannot ack rank %d's part: %s", self.rank, owner, exc)
-            self.settle(self.received, owner, replica)
-        finally:
-            transport.close_socket(conn)
-
-    def admit(self, header: Dict[str, Any]) -> int:
-        """The owner of an incoming part, if this rank expects it; else :class:`_Refused`."""
-        owner = header["owner"]
-        peer = owner if owner in self.spec.peers else None
-        expected = (self.spec.session_id, self.record.iteration, self.rank)
-        found = (header["session_id"], header["iteration"], header["receiver"])
-        if found != expected or peer is None:
-            raise _Refused(
-                f"rank {self.rank} expects its peers' {self.spec.peers} parts for (session, "
-                f"iteration, receiver) {expected}, not rank {owner}'s for {found}", peer,
-            )
-        differences = self.record.identity.differences(LocalIdentity(**header["identity"]))
-        if differences:
-            raise _Refused(f"rank {owner}'s part is another job's ({', '.join(differences)})", peer)
-        with self.cond:
-            if owner in self.receiving or owner in self.received:
-                raise _Refused(f"rank {self.rank} already receives rank {owner}'s part", None)
-            self.receiving.add(owner)
-        return owner
-
-    def refuse(self, conn: socket.socket, owner: Optional[int], reason: str) -> None:
-        """Tell the sender why its part is not kept, and drain what it still sends so the
-        answer is not lost to a reset; only then settle (which may close the connection)."""
-        transport.answer_and_drain(conn, {"ok": False, "error": reason}, self.deadline)
-        if owner is None:
-            logger.warning("rank %d: refused a part: %s", self.rank, reason)
-        self.settle(self.received, owner, f"its part was refused: {reason}")

@@ -12,8 +12,8 @@ nvidia-resiliency-ext's; what differs is where the work runs and what is checked
   replica is hashed and recorded (:mod:`.parts`). The caller's state dict is left whole.
 * Finalize (every rank, once the queue agreed that every rank's writer succeeded, so
   every part and every replica is durable) removes the older iterations of this
-  rank's holder directory. A failed save leaves the previous iteration in place; its
-  own files go at the start of the next save.
+  rank's holder directory (:mod:`.retention`). A failed save leaves the previous
+  iteration in place; its own files go at once, or at the start of the next save.
 * ``find_latest`` and ``load`` (every rank) are one agreed recovery (:mod:`.recover`):
   the newest iteration whose every part has a verified copy somewhere, the missing parts
   moved between ranks as whole byte blobs, nothing deserialized before its digest checks.
@@ -33,7 +33,7 @@ import torch
 
 from megatron_async.core import coordination
 from megatron_async.core.config import STAGING_WAIT_S
-from megatron_async.core.request import AsyncRequest, SaveDetails, require_hand_over, run_preload
+from megatron_async.core.request import AsyncRequest, require_hand_over, run_preload
 from megatron_async.errors import (
     CheckpointingException,
     LocalSaveFailedError,
@@ -44,6 +44,7 @@ from megatron_async.local import parts, recover, transport
 from megatron_async.local.cliques import LazyReplicationStrategyBuilder, ReplicationStrategy
 from megatron_async.local.exchange import PeerExchange
 from megatron_async.local.part_writer import LocalSaveJob, write_local_part
+from megatron_async.local.retention import FinalizeLocalSave, LocalRetention
 from megatron_async.local.state_dict import TensorAwareStateDict
 from megatron_async.staging.budget import StagingBufferCache, validate_staging_memory_limit
 from megatron_async.staging.torch_save import TorchSaveStaged, stage_torch_save
@@ -114,8 +115,7 @@ class LocalCheckpointManager:
         self._rank: Optional[int] = None
         self._token: Optional[str] = None
         self._saves = 0
-        self._kept = -1  # the newest iteration finalized or recovered here: never removed by a save
-        self._in_flight: set = set()  # iterations saved, not yet finalized nor failed
+        self._retention: Optional[LocalRetention] = None
         self._recovered: Optional[recover.Recovered] = None
 
     # -- where ------------------------------------------------------------------------
@@ -131,6 +131,13 @@ class LocalCheckpointManager:
     def local_ckpt_dir(self) -> Path:
         """This rank's holder directory (created by the first save)."""
         return Path(parts.holder_dir(self.root_local_ckpt_dir, self.session_id, self.rank))
+
+    @property
+    def retention(self) -> LocalRetention:
+        """Which iterations this rank's holder directory keeps (every rank)."""
+        if self._retention is None:
+            self._retention = LocalRetention(os.fspath(self.local_ckpt_dir), self.rank)
+        return self._retention
 
     def identity(self) -> parts.LocalIdentity:
         """The job's identity recorded with every part (world size, J, F, run id, algo)."""
@@ -177,7 +184,8 @@ class LocalCheckpointManager:
                 nvidia-resiliency-ext's ``CheckpointingException``; the queue raises it
                 too when an asynchronous save fails.
         """
-        floor = max([self._kept, *self._in_flight])
+        retention = self.retention
+        floor = retention.floor()
         if not isinstance(iteration, int) or iteration < 0 or iteration <= floor:
             raise CheckpointingException(
                 f"rank {self.rank}: local checkpoint iteration {iteration!r} must be a "
@@ -187,8 +195,8 @@ class LocalCheckpointManager:
         self._recovered = None
         self._saves += 1
         token = self._job_token()
-        directory = os.fspath(self.local_ckpt_dir)
-        self._remove_failed_saves(directory, iteration)
+        directory = retention.directory
+        retention.remove_failed_saves(iteration)
         job = LocalSaveJob(
             directory=directory, iteration=iteration, rank=self.rank,
             identity=self.identity(), exchange=self._exchange(token, iteration, directory),
@@ -198,27 +206,14 @@ class LocalCheckpointManager:
         request = AsyncRequest(
             async_fn=write_local_part,
             async_fn_args=(job, None),
-            finalize_fns=[_FinalizeLocalSave(self, iteration, staged, self.staging_stats)],
+            finalize_fns=[FinalizeLocalSave(retention, iteration, staged, self.staging_stats)],
             preload_fn=functools.partial(_staged, staged),
         )
-        self._in_flight.add(iteration)
+        retention.started(iteration)
         if is_async:
             return request
         request.execute_sync()
         return None
-
-    def _remove_failed_saves(self, directory: str, iteration: int) -> None:
-        """Remove what failed saves left in this rank's holder directory (every rank):
-        iterations above the one kept (all at or above ``iteration`` when none is known
-        yet), except those of saves still in flight."""
-        kept, in_flight = self._kept, set(self._in_flight)
-        floor = kept if kept >= 0 else iteration - 1
-        removed = parts.remove_iterations(directory, lambda i: i > floor and i not in in_flight)
-        if removed:
-            logger.info(
-                "rank %d: removed %d file(s) of failed local saves from %s",
-                self.rank, len(removed), directory,
-            )
 
     def _stage(self, state_dict: Any, iteration: int) -> TorchSaveStaged:
         """Stage on this rank and agree that every rank did (every rank): a rank that
@@ -296,7 +291,8 @@ class LocalCheckpointManager:
             os.fspath(self.local_ckpt_dir), self.identity(), self.rank
         )
         if self._recovered is not None:
-            self.latest_iteration = self._kept = self._recovered.iteration
+            self.latest_iteration = self._recovered.iteration
+            self.retention.recovered(self.latest_iteration)
         return self.latest_iteration
 
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
@@ -346,54 +342,3 @@ def _staged(staged: TorchSaveStaged) -> TorchSaveStaged:
             staged.release()
             raise
     return staged
-
-
-class _FinalizeLocalSave:
-    """The finalize step of one local save (every rank, trainer).
-
-    The queue runs it only once every rank's writer succeeded, i.e. every part and every
-    replica of ``iteration`` is durable on its holder: older iterations can go. When the
-    save failed, the queue raises ``failure_error_type`` instead and calls :meth:`abandon`.
-    """
-
-    failure_error_type = LocalSaveFailedError
-
-    def __init__(
-        self, manager: LocalCheckpointManager, iteration: int, staged: TorchSaveStaged, stats: dict
-    ):
-        self._manager = manager
-        self._iteration = iteration
-        self._staged = staged
-        self._stats = stats
-
-    def __call__(self) -> None:
-        manager, iteration = self._manager, self._iteration
-        removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i < iteration)
-        manager._kept = max(manager._kept, iteration)
-        manager._in_flight.discard(iteration)
-        logger.debug(
-            "rank %d: local checkpoint %d finalized; %d older file(s) removed",
-            manager.rank, iteration, len(removed),
-        )
-
-    def abandon(self) -> None:
-        """The save failed or was never scheduled: give its staging memory back and remove
-        this rank's files of its iteration (best effort; what stays goes at the start of
-        the next save), so that a restart recovers the previous iteration."""
-        manager, iteration = self._manager, self._iteration
-        manager._in_flight.discard(iteration)
-        self._staged.release()
-        removed = parts.remove_iterations(manager.local_ckpt_dir, lambda i: i == iteration)
-        logger.info(
-            "rank %d: local checkpoint %d failed; %d of its file(s) removed",
-            manager.rank, iteration, len(removed),
-        )
-
-    def save_details(self) -> SaveDetails:
-        path = self._manager._name(self._iteration)
-        try:
-            size: Optional[int] = os.stat(path).st_size
-        except OSError:
-            size = None
-        peak, rounds = self._stats.get("peak_bytes"), self._stats.get("rounds")
-        return SaveDetails(path, 0.0, None, size, None, peak, rounds)

@@ -18,7 +18,8 @@ from typing import List, Optional
 
 from megatron_async.local import transport
 from megatron_async.local.exchange import PeerExchange, exchange_part
-from megatron_async.local.parts import LocalIdentity, PartRecord, open_part, part_name
+from megatron_async.local.part_output import open_part
+from megatron_async.local.parts import LocalIdentity, PartRecord, part_name
 from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.writer.torch_save_file import write_torch_save_records
 
@@ -48,13 +49,16 @@ class LocalSaveJob:
 def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRecord]:
     """Write this rank's part and send it to its clique peers, keeping theirs (background writer).
 
-    The staged ``torch.save`` records stream through a hashing stream into the part's
-    dirty file (:func:`~megatron_async.local.parts.open_part`), so the part is never
-    built in memory: the writer holds the staging memory (within the budget; given back
-    once the last record is written, before the fsync) and the zip writer's small
-    buffers. The part is then sent from the written file, mapped read-only (page cache,
-    not this process's memory), while each peer's part is received through a 4 MiB
-    buffer per peer and written as a replica (:func:`~megatron_async.local.exchange.exchange_part`).
+    The staged ``torch.save`` records stream into the part's dirty file through the
+    local bucket file (:func:`~megatron_async.local.part_output.open_part`: one aligned
+    8 MiB chunk, hashed there, written with ``O_DIRECT`` where accepted), so the part is
+    never built in memory: the writer holds the staging memory (within the budget; given
+    back once the last record is written, before the fsync), the chunk and the zip
+    writer's small buffers. The part is then sent from the written file, mapped
+    read-only (read back from the disk, which direct I/O left out of the page cache, not
+    kept in this process's memory), while each peer's part is received through a 4 MiB
+    buffer and an 8 MiB chunk per peer and written as a replica
+    (:func:`~megatron_async.local.exchange.exchange_part`).
 
     Args:
         job: the part and where it goes.

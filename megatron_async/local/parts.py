@@ -10,31 +10,28 @@ It holds, per iteration, the rank's own part and the replicas of its peers' part
   xxh3 digest, the job's :class:`LocalIdentity`), written atomically after the part.
 
 A part counts only with its record, and only when its bytes hash to the record's digest;
-:func:`read_verified` checks that before a byte is handed on. Writing runs in the
-background writer (its own part through :func:`open_part`, the replicas it receives
-through :func:`write_part`); :func:`scan` and
-:func:`read_verified` run on every rank when it looks for a checkpoint to recover.
-This module is the only place that knows these names.
+:func:`read_verified` checks that before a byte is handed on. :func:`scan` and
+:func:`read_verified` run on every rank when it looks for a checkpoint to recover;
+:func:`remove_iterations` on every rank when a save is finalized or failed. Writing a
+part runs in the background writer (:mod:`.part_output`). This module is the only place
+that knows these names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
-from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
-from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
-from megatron_async.storage.local import atomic_output, fsync_path
+from megatron_async.storage.local import fsync_path
 
 __all__ = [
     "FORMAT", "LocalIdentity", "PartRecord", "holder_dir", "part_name", "record_name",
-    "PartStream", "open_part", "write_part", "scan", "verify_part", "read_verified",
-    "remove_iterations",
+    "scan", "verify_part", "read_verified", "remove_iterations", "remove_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,125 +119,6 @@ def part_name(iteration: int, owner: int, dirty: bool = False) -> str:
 def record_name(iteration: int, owner: int) -> str:
     """The file name of the record of that part."""
     return f"iter_{iteration:07d}_{owner}_local.json"
-
-
-class PartStream:
-    """The dirty file of a part being written: what goes through :meth:`write` is hashed
-    and counted on its way (background writer). ``record`` is set once the part is in
-    place (after the ``with`` block of :func:`open_part`); ``write_error`` is the first
-    ``OSError`` of a write, which torch's zip writer would report as "unexpected pos"."""
-
-    def __init__(self, raw: BinaryIO):
-        self._raw = raw
-        self._hasher = new_hasher()
-        self.num_bytes = 0
-        self.record: Optional[PartRecord] = None
-        self.write_error: Optional[OSError] = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self._raw.write(view)
-        except OSError as exc:
-            self.write_error = self.write_error or exc
-            raise
-        self._hasher.update(view)
-        self.num_bytes += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
-
-
-@contextlib.contextmanager
-def open_part(
-    directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
-    expected_digest: Optional[str] = None,
-) -> Iterator[PartStream]:
-    """Write a part through a stream, then its record, durably (background writer).
-
-    The bytes written to the yielded :class:`PartStream` go to the dirty file, hashed on
-    their way; when the block ends the file is fsynced and renamed to the part's name,
-    and the record is written atomically after it (which fsyncs the directory, and so
-    the rename too). A record an earlier save left for the same part is removed before
-    the rename, so no record ever describes other bytes. If the block raises, what was
-    written of the part is removed and the error goes on (the stream's first write
-    error in its place: a full disk, not the zip writer's "unexpected pos").
-
-    Args:
-        directory: the holder directory (created if missing).
-        identity: the job's identity, recorded with the part.
-        expected_digest: for a replica, the digest the owner computed; the part is
-            dropped and an error raised if the received bytes hash otherwise.
-
-    Raises:
-        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
-        StorageWriteError: the directory or a file cannot be written (the message names
-            the path).
-    """
-    directory = os.fspath(directory)
-    dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
-    written: Optional[str] = None  # the file to remove if the write fails
-    stream: Optional[PartStream] = None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(dirty, "wb") as raw:
-            written = dirty
-            stream = PartStream(raw)
-            yield stream
-            if stream.write_error is not None:  # swallowed by the block's zip writer
-                raise stream.write_error
-            raw.flush()
-            os.fsync(raw.fileno())
-        digest = stream.hexdigest()
-        if expected_digest is not None and digest != expected_digest:
-            raise CheckpointIntegrityError(
-                f"replica of rank {owner}'s part of iteration {iteration} in {directory} hashes "
-                f"to {digest}, the owner sent {expected_digest}: it was damaged on its way"
-            )
-        record = PartRecord(iteration, owner, stream.num_bytes, digest, identity)
-        _remove(os.path.join(directory, record_name(iteration, owner)))
-        clean = os.path.join(directory, part_name(iteration, owner))
-        os.replace(dirty, clean)
-        written = clean
-        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as out:
-            out.write(record.to_json().encode())
-        stream.record = record
-    except BaseException as exc:
-        if written is not None:
-            _remove(written)
-        cause = exc if stream is None or stream.write_error is None else stream.write_error
-        if isinstance(cause, OSError):
-            raise StorageWriteError(
-                f"cannot write rank {owner}'s local checkpoint part of iteration {iteration} "
-                f"to {written or directory}: {cause}"
-            ) from cause
-        raise
-
-
-def write_part(
-    directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
-    identity: LocalIdentity, *, expected_digest: Optional[str] = None,
-) -> PartRecord:
-    """Write a part from ``buffers`` (bytes-like objects, one after the other) and then
-    its record, durably, as :func:`open_part` does (background writer).
-
-    Returns:
-        The part's record.
-
-    Raises:
-        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
-        StorageWriteError: the directory or a file cannot be written (the message names
-            the path). What was written of the part is removed.
-    """
-    digest = expected_digest
-    with open_part(directory, iteration, owner, identity, expected_digest=digest) as stream:
-        for buffer in buffers:
-            stream.write(buffer)
-    return stream.record  # type: ignore[return-value]  # set: the block ended without an error
 
 
 def scan(directory: PathLike) -> List[PartRecord]:
@@ -377,13 +255,13 @@ def remove_iterations(directory: PathLike, predicate: Callable[[int], bool]) -> 
         return []
     doomed = [n for n in names if (m := _NAME.fullmatch(n)) and predicate(int(m[1]))]
     doomed.sort(key=lambda n: (not n.endswith(".json"), n))  # records first
-    removed = [n for n in doomed if _remove(os.path.join(directory, n))]
+    removed = [n for n in doomed if remove_file(os.path.join(directory, n))]
     if removed:
         fsync_path(directory, best_effort=True)
     return removed
 
 
-def _remove(path: str) -> bool:
+def remove_file(path: str) -> bool:
     """Remove a file if it exists (best effort: a failure is logged, not raised)."""
     try:
         os.remove(path)

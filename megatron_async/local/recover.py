@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron_async.buckets.bucket_file import new_hasher
 from megatron_async.core import coordination
 from megatron_async.errors import LocalCheckpointError
-from megatron_async.local import parts, recovery
+from megatron_async.local import part_output, parts, recovery
 from megatron_async.local.cliques import ExchangePlan
 from megatron_async.local.parts import LocalIdentity, PartRecord
 from megatron_async.local.recovery import PartKey
@@ -204,7 +204,7 @@ def _write_back(part: Recovered) -> Recovered:
     bytes stay in memory only if that fails (logged)."""
     record = part.record
     try:
-        parts.write_part(
+        part_output.write_part(
             part.directory, record.iteration, record.owner, [part.data], record.identity,
             expected_digest=record.digest,
         )

@@ -21,7 +21,8 @@ from megatron_async.local.cliques import CliqueReplicationStrategy
 from megatron_async.local import transport
 from megatron_async.local.exchange import PeerExchange, exchange_part
 from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
-from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan, write_part
+from megatron_async.local.part_output import write_part
+from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan
 
 ITERATION = 30
 SESSION = "s"

@@ -237,3 +237,26 @@ def test_an_error_while_verifying_counts_as_not_intact(tmp_path, monkeypatch, ca
         assert LocalCheckpointManager(tmp_path).find_latest() == -1
     assert "cannot verify rank 0's local checkpoint part of iteration 1" in caplog.text
     assert "MemoryError: no room for the part" in caplog.text
+
+
+def test_the_info_line_of_a_finalized_local_save_names_its_part_bytes_and_staging(
+    tmp_path, caplog
+):
+    """An operator reading the queue's INFO line sees which part a local save wrote, how
+    many bytes, and the staging it held (the line's fields, not shifted by one)."""
+    manager = LocalCheckpointManager(tmp_path)
+    queue = AsyncCallsQueue()
+    try:
+        with caplog.at_level(logging.INFO, logger="megatron_async.core.queue"):
+            queue.schedule_async_request(
+                manager.save(BasicTensorAwareStateDict(_state(1.0)), 3, is_async=True)
+            )
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    part = manager.local_ckpt_dir / part_name(3, 0)
+    peak, rounds = manager.staging_stats["peak_bytes"], manager.staging_stats["rounds"]
+    line = next(r.getMessage() for r in caplog.records if "finalized" in r.getMessage())
+    assert f"({part}):" in line, line
+    assert f"{part.stat().st_size} bytes" in line, line
+    assert f"staging peak {peak} bytes in {rounds} round(s)" in line, line

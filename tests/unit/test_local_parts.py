@@ -6,9 +6,11 @@ import os
 
 import pytest
 
-from megatron_async.buckets.bucket_file import new_hasher
+from megatron_async.buckets.bucket_file import CHUNK_BYTES, new_hasher
+from megatron_async.buckets.direct_io import DIRECT_IO_ALIGNMENT
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
-from megatron_async.local import parts
+from megatron_async.local import part_output, parts
+from megatron_async.local.part_output import write_part
 from megatron_async.local.parts import (
     FORMAT,
     LocalIdentity,
@@ -19,7 +21,6 @@ from megatron_async.local.parts import (
     record_name,
     remove_iterations,
     scan,
-    write_part,
 )
 
 IDENTITY = LocalIdentity(world_size=4, replication_jump=2, replication_factor=2, run_id="r")
@@ -86,7 +87,7 @@ def test_a_part_whose_record_cannot_be_written_is_removed(tmp_path, monkeypatch)
     def no_record(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(parts, "atomic_output", no_record)
+    monkeypatch.setattr(part_output, "atomic_output", no_record)
     with pytest.raises(StorageWriteError, match="Input/output error"):
         write_part(tmp_path, 6, 0, [b"x"], IDENTITY)
     assert os.listdir(tmp_path) == []
@@ -173,7 +174,7 @@ def test_a_full_disk_under_torch_save_is_a_storage_error_naming_the_file(tmp_pat
     dirty = tmp_path / "h" / part_name(5, 1, dirty=True)
     os.symlink("/dev/full", dirty)
     with pytest.raises(StorageWriteError) as caught:
-        with parts.open_part(tmp_path / "h", 5, 1, IDENTITY) as stream:
+        with part_output.open_part(tmp_path / "h", 5, 1, IDENTITY) as stream:
             torch.save({"w": torch.zeros(1 << 16)}, stream)
     assert "No space left on device" in str(caught.value), str(caught.value)
     assert str(dirty) in str(caught.value)
@@ -199,3 +200,23 @@ def test_verifying_a_part_streams_it_and_keeps_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert parts.verify_part(tmp_path, record) is False
     assert "damaged" in caplog.text
+
+
+def test_a_part_of_unaligned_size_over_several_chunks_records_the_digest_of_its_bytes(tmp_path):
+    """A part streams through the local bucket file: 8 MiB chunks, hashed there, written
+    with O_DIRECT where the file system accepts it, the last one padded to the block size
+    and cut off. The record describes exactly the bytes read back."""
+    data = os.urandom(2 * CHUNK_BYTES + DIRECT_IO_ALIGNMENT + 1)
+    with part_output.open_part(tmp_path, 4, 0, IDENTITY) as stream:
+        for start in range(0, len(data), 3 << 20):  # pieces that straddle the chunks
+            stream.write(memoryview(data)[start : start + (3 << 20)])
+        direct = stream.writes_direct
+    stored = (tmp_path / part_name(4, 0)).read_bytes()
+    assert stored == data
+    assert (stream.record.num_bytes, stream.record.digest) == (len(data), _digest(stored))
+    assert scan(tmp_path) == [stream.record] and read_verified(tmp_path, stream.record) == data
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        return  # a file system without direct I/O: written buffered, as checked above
+    assert direct, "the part was not written with O_DIRECT where the file system accepts it"

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megatron_async.core import coordination
 from megatron_async.local import recover
-from megatron_async.local.parts import LocalIdentity, part_name, scan, write_part
+from megatron_async.local.part_output import write_part
+from megatron_async.local.parts import LocalIdentity, part_name, scan
 
 IDENTITY = LocalIdentity(world_size=2, replication_jump=1, replication_factor=2, run_id="r")
 

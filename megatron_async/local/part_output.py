@@ -1,0 +1,142 @@
+"""Write one part of a holder directory, and then its record, durably (background writer).
+
+The write side of :mod:`.parts`, which names the files and reads them back. A part goes
+through the library's local bucket file
+(:class:`~megatron_async.buckets.direct_io.LocalBucketFile`): its bytes are gathered in
+an aligned 8 MiB bounce chunk, hashed there (xxh3, while the block is in cache) and
+written a chunk at a time with ``O_DIRECT`` where the file system accepts it. The whole
+part is one item of that file, so the item's digest is the part's. Then, in order:
+
+1. the dirty file ``iter_..._local.dirty.pt`` is fsynced (its size included);
+2. a record an earlier save left for the same part is removed, so that no record ever
+   describes other bytes, and the dirty file is renamed to the part's name;
+3. the record (size, digest, the job's identity) is written atomically, which fsyncs the
+   directory, and so the rename too.
+
+A part whose write fails, at any of these steps, leaves no record and no file behind.
+Runs in the background writer: this rank's part from its staged ``torch.save`` records
+(:mod:`.part_writer`), the replicas it receives from its peers (:mod:`.replica_receiver`);
+and on every rank for a part recovered from a peer (:mod:`.recover`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterable, Iterator, Optional
+
+from megatron_async.buckets.direct_io import LocalBucketFile
+from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
+from megatron_async.local.parts import (
+    LocalIdentity,
+    PartRecord,
+    PathLike,
+    part_name,
+    record_name,
+    remove_file,
+)
+from megatron_async.storage.local import atomic_output
+from megatron_async.writer.bucket_io import BounceChunks
+
+__all__ = ["PartFile", "open_part", "write_part"]
+
+
+class PartFile(LocalBucketFile):
+    """The dirty file of one part being written: a stream (``write``, ``tell``) whose
+    bytes are hashed on their way (background writer). ``record`` is set once the part
+    is in place, after the ``with`` block of :func:`open_part`; ``write_error`` is the
+    first ``OSError`` of a write, which torch's zip writer would report only as
+    "unexpected pos"."""
+
+    def __init__(self, path: str):
+        super().__init__(path, hashing=True, chunks=BounceChunks.of_process())
+        self.record: Optional[PartRecord] = None
+        self.start_item()  # the whole part is one item: its digest is the part's
+
+
+@contextlib.contextmanager
+def open_part(
+    directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
+    expected_digest: Optional[str] = None,
+) -> Iterator[PartFile]:
+    """Write a part through a stream, then its record, durably (background writer).
+
+    What is written to the yielded :class:`PartFile` goes to the dirty file; when the
+    block ends the part is made durable, put in place and recorded (see the module). If
+    the block raises, what was written of the part is removed and the error goes on (the
+    stream's first write error in its place: a full disk, not the zip writer's
+    "unexpected pos").
+
+    Args:
+        directory: the holder directory (created if missing).
+        identity: the job's identity, recorded with the part.
+        expected_digest: for a replica, the digest the owner computed; the part is
+            dropped and an error raised if the received bytes hash otherwise.
+
+    Raises:
+        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        StorageWriteError: the directory or a file cannot be written (the message names
+            the path).
+    """
+    directory = os.fspath(directory)
+    dirty = os.path.join(directory, part_name(iteration, owner, dirty=True))
+    written: Optional[str] = None  # the file to remove if the write fails
+    stream: Optional[PartFile] = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        stream = PartFile(dirty)
+        written = dirty
+        try:
+            yield stream
+            if stream.write_error is not None:  # swallowed by the block's zip writer
+                raise stream.write_error
+            stream.finish(use_fsync=True)
+        finally:
+            stream.close()
+        digest = stream.finish_item()
+        if expected_digest is not None and digest != expected_digest:
+            raise CheckpointIntegrityError(
+                f"replica of rank {owner}'s part of iteration {iteration} in {directory} hashes "
+                f"to {digest}, the owner sent {expected_digest}: it was damaged on its way"
+            )
+        record = PartRecord(iteration, owner, stream.tell(), digest, identity)
+        remove_file(os.path.join(directory, record_name(iteration, owner)))
+        clean = os.path.join(directory, part_name(iteration, owner))
+        os.replace(dirty, clean)
+        written = clean
+        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as out:
+            out.write(record.to_json().encode())
+        stream.record = record
+    except BaseException as exc:
+        if written is not None:
+            remove_file(written)
+        cause = exc if stream is None or stream.write_error is None else stream.write_error
+        if isinstance(cause, OSError):
+            raise StorageWriteError(
+                f"cannot write rank {owner}'s local checkpoint part of iteration {iteration} "
+                f"to {written or directory}: {cause}"
+            ) from cause
+        raise
+
+
+def write_part(
+    directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
+    identity: LocalIdentity, *, expected_digest: Optional[str] = None,
+) -> PartRecord:
+    """Write a part from ``buffers`` (bytes-like objects, one after the other; each may be
+    reused once the next is asked for) and then its record, durably, as :func:`open_part`
+    does (background writer; every rank for a recovered part).
+
+    Returns:
+        The part's record.
+
+    Raises:
+        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        StorageWriteError: the directory or a file cannot be written (the message names
+            the path). What was written of the part is removed.
+    """
+    digest = expected_digest
+    with open_part(directory, iteration, owner, identity, expected_digest=digest) as stream:
+        for buffer in buffers:
+            stream.append(buffer)
+    return stream.record  # type: ignore[return-value]  # set: the block ended without an error

@@ -1,0 +1,126 @@
+"""The receiving side of a part exchange: peers' parts admitted, written and acknowledged.
+
+Runs in the **background writer**, on threads of one run of
+:func:`~megatron_async.local.exchange.exchange_part`: one accepts the peers'
+connections on the run's listener, and one per connection receives a part. A part is
+kept only when its header names this save (session, iteration, this rank as receiver),
+its owner is one of this rank's peers not received yet, and its owner's job identity is
+this job's; it streams through a bounded buffer
+(:func:`~megatron_async.local.transport.recv_chunks`) into
+:func:`~megatron_async.local.part_output.write_part` with the owner's digest, and is
+acknowledged only once the replica is durable and hashed to that digest. Otherwise the
+sender is told why (:func:`~megatron_async.local.transport.answer_and_drain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Dict, Optional
+
+from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
+from megatron_async.local import transport
+from megatron_async.local.part_output import write_part
+from megatron_async.local.parts import LocalIdentity
+
+__all__ = ["ReplicaReceiver"]
+
+logger = logging.getLogger(__name__)
+
+_ACCEPT_POLL_S = 0.1
+
+
+class _Refused(Exception):
+    """``(reason, owner)``: a refused header; the reason goes back, the owner's replica fails."""
+
+
+class ReplicaReceiver:
+    """Receive the peers' parts of one exchange run (background writer, the run's threads).
+
+    Args:
+        run: the exchange's run, whose state the receiver shares under ``run.cond``:
+            ``spec`` and ``record`` (this save and this rank's part), ``deadline``,
+            ``closed``, ``receiving`` (the owners whose part is arriving) and ``received``
+            (per owner, the replica's record or what failed, set through
+            ``run.settle``); ``register`` keeps a connection to close with the run,
+            ``start`` runs a method on a thread of the run, ``wait_s`` is a socket
+            timeout that ends at the deadline.
+    """
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.rank = run.record.owner
+
+    def accept_loop(self, listener: socket.socket) -> None:
+        """Accept peers' connections, each received on a thread, until all settled."""
+        run = self.run
+        listener.settimeout(_ACCEPT_POLL_S)
+        while not run.closed and len(run.received) < len(run.spec.peers):
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            if run.register(conn):
+                run.start(self.receive, conn)
+
+    def receive(self, conn: socket.socket) -> None:
+        """Keep a peer's part as a replica if its header and digest check out; answer."""
+        run, owner = self.run, None
+        try:
+            conn.settimeout(run.wait_s())
+            header = transport.recv_message(conn)
+            owner = self.admit(header)
+            replica = write_part(
+                run.spec.directory, run.record.iteration, owner,
+                transport.recv_chunks(conn, header["num_bytes"], run.deadline),
+                LocalIdentity(**header["identity"]),
+                expected_digest=header["digest"],
+            )
+        except _Refused as exc:
+            self.refuse(conn, exc.args[1], exc.args[0])
+        except (CheckpointIntegrityError, StorageWriteError) as exc:
+            self.refuse(conn, owner, str(exc))
+        except Exception as exc:  # a broken connection, or a stranger's bytes
+            what = f"receiving its part failed: {type(exc).__name__}: {exc}"
+            if owner is None:
+                logger.warning("rank %d: a connection to the exchange ended: %s", self.rank, what)
+            run.settle(run.received, owner, what)
+        else:
+            try:  # before settling: the last settle closes every connection
+                transport.send_message(conn, {"ok": True})
+            except OSError as exc:
+                logger.warning("rank %d: cannot ack rank %d's part: %s", self.rank, owner, exc)
+            run.settle(run.received, owner, replica)
+        finally:
+            transport.close_socket(conn)
+
+    def admit(self, header: Dict[str, Any]) -> int:
+        """The owner of an incoming part, if this rank expects it; else :class:`_Refused`."""
+        run, owner = self.run, header["owner"]
+        peers = run.spec.peers
+        peer = owner if owner in peers else None
+        expected = (run.spec.session_id, run.record.iteration, self.rank)
+        found = (header["session_id"], header["iteration"], header["receiver"])
+        if found != expected or peer is None:
+            raise _Refused(
+                f"rank {self.rank} expects its peers' {peers} parts for (session, "
+                f"iteration, receiver) {expected}, not rank {owner}'s for {found}", peer,
+            )
+        differences = run.record.identity.differences(LocalIdentity(**header["identity"]))
+        if differences:
+            raise _Refused(f"rank {owner}'s part is another job's ({', '.join(differences)})", peer)
+        with run.cond:
+            if owner in run.receiving or owner in run.received:
+                raise _Refused(f"rank {self.rank} already receives rank {owner}'s part", None)
+            run.receiving.add(owner)
+        return owner
+
+    def refuse(self, conn: socket.socket, owner: Optional[int], reason: str) -> None:
+        """Tell the sender why its part is not kept, and drain what it still sends so the
+        answer is not lost to a reset; only then settle (which may close the connection)."""
+        transport.answer_and_drain(conn, {"ok": False, "error": reason}, self.run.deadline)
+        if owner is None:
+            logger.warning("rank %d: refused a part: %s", self.rank, reason)
+        self.run.settle(self.run.received, owner, f"its part was refused: {reason}")
