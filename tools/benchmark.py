@@ -17,6 +17,9 @@ Example::
 
 It prints the tables, and writes ``results.json``, ``report.md`` and PNG plots into
 ``--out``. Timings are never asserted: the targets are reported as PASS/MISS.
+``--lost-time`` and ``--local-recovery`` (or ``--lost-time-only``, ``--local-recovery-only``)
+add the training time lost per checkpoint and the recovery after a lost node from local
+replicas (with the local save's host memory).
 ``python tools/benchmark.py --object-store ...`` (first argument) runs the object-store
 row instead: our async save to an S3 endpoint against boto3 (``tools/bench/object_store.py``).
 """
@@ -33,13 +36,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from bench.lost_time_run import (
-    LostTimeOptions,
-    add_lost_time_arguments,
-    lost_time_options,
-    measure_lost_time,
-    render_lost_time,
-)
+from bench.extras import ExtraMeasurements, add_extra_arguments, render_extras
 from bench.config import (
     ALL_VARIANTS,
     MCORE_VARIANTS,
@@ -50,8 +47,9 @@ from bench.config import (
     parse_num_bytes,
 )
 
-LOST_TIME = LostTimeOptions()
-"""The ``--lost-time*`` options of this run (set by :func:`parse_args`)."""
+EXTRAS = ExtraMeasurements()
+"""The ``--lost-time*`` and ``--local-recovery*`` options of this run (set by
+:func:`parse_args`)."""
 
 _SCALING_VARIANTS = ("ours_temporal", "ours_persistent", "dcp_async_thread")
 
@@ -102,13 +100,13 @@ def parse_args(argv=None) -> Tuple[BenchConfig, Optional[str]]:
     parser.add_argument("--from-results", default=None, metavar="RESULTS_JSON",
                         help="measure nothing: redo the targets, tables and plots of an earlier "
                         "run's results.json into --out")
-    add_lost_time_arguments(parser)
+    add_extra_arguments(parser)
     args = parser.parse_args(argv)
     if args.from_results is not None:
         return BenchConfig(out_dir=args.out), args.from_results
     try:
-        global LOST_TIME
-        LOST_TIME = lost_time_options(args)
+        global EXTRAS
+        EXTRAS = ExtraMeasurements.from_args(args)
         return BenchConfig(
             ranks=args.ranks, bytes_per_rank=args.bytes_per_rank,
             tensor_counts=args.tensor_counts, saves=args.saves,
@@ -258,12 +256,12 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
 
     started = time.monotonic()
     host = _host_info()
-    if LOST_TIME.mode == "only":
-        lost = _measure_lost_time(config)
+    if EXTRAS.only:
+        extras = _measure_extras(config)
         host["load_average_end"] = os.getloadavg()
         host["elapsed_s"] = time.monotonic() - started
         return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "config": dataclasses.asdict(config), "host": host, "lost_time": lost}
+                "config": dataclasses.asdict(config), "host": host, **extras}
     print(f"benchmark: {config.ranks} ranks, {format_num_bytes(config.bytes_per_rank)}/rank, "
           f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
           f"({config.memory_saves} for ours), load average "
@@ -317,7 +315,7 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
                 runner.run(variant, "synthetic", ranks, config.scaling_count,
                            config.scaling_bytes, config.saves, "ranks")
 
-    lost = _measure_lost_time(config) if LOST_TIME.mode == "on" else None
+    extras = _measure_extras(config)
 
     # Measured again at the end: the machine and disk may be shared, so the best of the two
     # is taken as the limit.
@@ -332,14 +330,13 @@ def _measure(config: BenchConfig) -> Dict[str, Any]:
         "runs": runner.runs,
         "checksums": checksums,
         "gpt": gpt,
-        **({"lost_time": lost} if lost is not None else {}),
+        **extras,
     }
 
 
-def _measure_lost_time(config: BenchConfig) -> Dict[str, Any]:
-    """The lost-time launches (see ``tools/bench/lost_time.py``), logged under ``OUT/logs``."""
-    return measure_lost_time(LOST_TIME, config.checkpoint_root, config.launch_timeout_s,
-                             config.threads_per_rank, lambda tag: _log_path(config, tag, True))
+def _measure_extras(config: BenchConfig) -> Dict[str, Any]:
+    """The lost-time and local-recovery launches asked for, logged under ``OUT/logs``."""
+    return EXTRAS.measure(config, lambda tag: _log_path(config, tag, True))
 
 
 def _config_of(results: Dict[str, Any], out_dir: str) -> BenchConfig:
@@ -352,9 +349,8 @@ def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
     """Evaluate the targets, draw the plots, write results.json and report.md, print."""
     from bench import report
 
-    if "runs" not in results:  # --lost-time-only
-        lines = _lost_time_header(results) + render_lost_time(results["lost_time"],
-                                                              config.out_dir)
+    if "runs" not in results:  # --lost-time-only, --local-recovery-only
+        lines = _lost_time_header(results) + render_extras(results, config.out_dir)
         _write_report(config, results, "\n".join(lines))
         return
     measured = results["limits_measured"]
@@ -365,8 +361,7 @@ def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
         results["runs"], limits, config.ranks, [v for v in OUR_VARIANTS if v in variants])
     results["plots"] = report.draw_plots(results["runs"], limits, config.ranks, config.out_dir)
     markdown = _render_markdown(config, results, report)
-    if "lost_time" in results:
-        markdown += "\n" + "\n".join(render_lost_time(results["lost_time"], config.out_dir))
+    markdown += "\n" + "\n".join(render_extras(results, config.out_dir))
     _write_report(config, results, markdown)
 
 

@@ -21,7 +21,7 @@ from typing import List, Tuple
 
 import psutil
 
-__all__ = ["RssSampler", "tree_pss_bytes", "wait_for_quiet_children"]
+__all__ = ["RssSampler", "current_rss", "tree_pss_bytes", "wait_for_quiet_children"]
 
 
 def _children(proc: psutil.Process) -> List[psutil.Process]:
@@ -36,6 +36,13 @@ def _rss(proc: psutil.Process) -> int:
         return proc.memory_info().rss
     except (psutil.Error, OSError):  # a child that exited between listing and reading
         return 0
+
+
+def current_rss() -> Tuple[int, int]:
+    """RSS of this process now, and the largest RSS of one of its descendants now: the
+    baseline a save's peaks (:meth:`RssSampler.take_peaks`) are compared with."""
+    proc = psutil.Process(os.getpid())
+    return _rss(proc), max((_rss(c) for c in _children(proc)), default=0)
 
 
 class RssSampler:
