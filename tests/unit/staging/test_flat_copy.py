@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_async.staging import buffers, flat_copy
-from megatron_async.staging.budget import StagingBufferCache
+from megatron_async.staging.budget import StagingBufferCache, StagingLedger
 from megatron_async.staging.buffers import stage_buckets
 from megatron_async.staging.flat_copy import FlatCopy, StagingCopyTimeoutError
 from megatron_async.buckets.layout import WriteBucket
@@ -310,6 +310,7 @@ def test_idle_copy_threads_hold_no_staging_segment(monkeypatch):
     for _ in range(2):  # the second save runs the three-part copy of the cached buffers
         _assert_snapshot(_stage(sources, cache), sources)
     cache.clear()
+    StagingLedger.of_process().drop_pool()  # an earlier test's pool of staging in rounds
     deadline = time.monotonic() + 5  # a thread freed by an earlier test may still be ending
     while gc.collect() is not None and segment_ranges() and time.monotonic() < deadline:
         time.sleep(0.05)
