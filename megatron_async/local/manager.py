@@ -11,9 +11,11 @@ nvidia-resiliency-ext's; what differs is where the work runs and what is checked
   to the clique peers run in the background writer (:mod:`.part_writer`); each part and
   replica is hashed and recorded (:mod:`.parts`). The caller's state dict is left whole.
 * Finalize (every rank, once the queue agreed that every rank's writer succeeded, so
-  every part and every replica is durable) removes the older iterations of this
-  rank's holder directory (:mod:`.retention`). A failed save leaves the previous
-  iteration in place; its own files go at once, or at the start of the next save.
+  every part and every replica is durable) makes the iteration the kept one
+  (:mod:`.retention`); the next save's writer removes the older iterations of this
+  rank's holder directory before writing (unlinking is not the training thread's work).
+  A failed save leaves the previous iteration in place; its own files go at once, or at
+  the start of the next save.
 * ``find_latest`` and ``load`` (every rank) are one agreed recovery (:mod:`.recover`):
   the newest iteration whose every part has a verified copy somewhere, the missing parts
   moved between ranks as whole byte blobs, nothing deserialized before its digest checks.
@@ -171,8 +173,9 @@ class LocalCheckpointManager:
                 instead of saving here.
 
         Returns:
-            The request (``is_async``), whose finalize step removes older iterations; else
-            None, after the save is written, replicated and finalized on every rank.
+            The request (``is_async``), whose finalize step makes ``iteration`` the kept
+            one; else None, after the save is written, replicated and finalized on every
+            rank.
 
         Raises:
             CheckpointingException: ``iteration`` is not above every iteration saved or
@@ -200,7 +203,7 @@ class LocalCheckpointManager:
         job = LocalSaveJob(
             directory=directory, iteration=iteration, rank=self.rank,
             identity=self.identity(), exchange=self._exchange(token, iteration, directory),
-            staging_wait_s=STAGING_WAIT_S,
+            staging_wait_s=STAGING_WAIT_S, remove_below=retention.kept,
         )
         staged = self._stage(state_dict, iteration)
         request = AsyncRequest(
@@ -222,7 +225,7 @@ class LocalCheckpointManager:
         stage = functools.partial(
             stage_torch_save, state_dict, pickle, torch.serialization.DEFAULT_PROTOCOL, True,
             self.staging_memory_limit, STAGING_WAIT_S, self.staging_stats, device_locations=True,
-            cache=self.staging_cache,
+            cache=self.staging_cache, crc32=False,  # the part's xxh3 digest covers every byte
         )
         staged, failure = None, None
         try:

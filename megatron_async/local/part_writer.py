@@ -19,7 +19,7 @@ from typing import List, Optional
 from megatron_async.local import transport
 from megatron_async.local.exchange import PeerExchange, exchange_part
 from megatron_async.local.part_output import open_part
-from megatron_async.local.parts import LocalIdentity, PartRecord, part_name
+from megatron_async.local.parts import LocalIdentity, PartRecord, part_name, remove_iterations
 from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.writer.torch_save_file import write_torch_save_records
 
@@ -44,10 +44,15 @@ class LocalSaveJob:
     """Where the part is replicated to; None without replication."""
     staging_wait_s: float
     """Bound on each wait for the trainer's next staging round (state above the budget)."""
+    remove_below: int = -1
+    """The newest iteration kept when the save started (finalized or recovered): the
+    writer first removes every older iteration from the holder directory."""
 
 
 def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRecord]:
     """Write this rank's part and send it to its clique peers, keeping theirs (background writer).
+
+    First the iterations older than ``job.remove_below`` leave the holder directory.
 
     The staged ``torch.save`` records stream into the part's dirty file through the
     local bucket file (:func:`~megatron_async.local.part_output.open_part`: one aligned
@@ -76,6 +81,7 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
             so at once: its peers do not wait for the bound).
     """
     replicated = job.exchange is not None and bool(job.exchange.peers)
+    remove_iterations(job.directory, lambda i: i < job.remove_below)
     try:
         with open_part(job.directory, job.iteration, job.rank, job.identity) as stream:
             write_torch_save_records(stream, staged, job.staging_wait_s)

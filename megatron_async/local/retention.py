@@ -5,8 +5,9 @@ Runs on every rank, in the trainer. :class:`LocalRetention` is the bookkeeping o
 (finalized or recovered), which is never removed by a save, and the iterations of saves
 still in flight. A save first removes what failed saves left
 (:meth:`LocalRetention.remove_failed_saves`); its :class:`FinalizeLocalSave` step, which
-the queue runs once every rank's writer succeeded, removes the older iterations, or,
-when the save failed, that save's own files.
+the queue runs once every rank's writer succeeded, makes it the kept iteration (the next
+save's writer removes the older ones), or, when the save failed, removes that save's own
+files.
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ class LocalRetention:
             )
 
     def finalized(self, iteration: int) -> None:
-        """Every part and replica of ``iteration`` is durable: the older iterations go."""
-        removed = parts.remove_iterations(self.directory, lambda i: i < iteration)
+        """Every part and replica of ``iteration`` is durable: the older iterations may
+        go. The next save's writer removes them (:attr:`LocalSaveJob.remove_below`), off
+        the training thread: unlinking a part of a few hundred MiB took tens of ms here.
+        Until then the directory holds one more iteration; while that save is written it
+        holds as many as before (the kept one and the one in flight)."""
         self.kept = max(self.kept, iteration)
         self.in_flight.discard(iteration)
-        logger.debug(
-            "rank %d: local checkpoint %d finalized; %d older file(s) removed",
-            self.rank, iteration, len(removed),
-        )
+        logger.debug("rank %d: local checkpoint %d finalized", self.rank, iteration)
 
     def failed(self, iteration: int) -> None:
         """The save of ``iteration`` failed: its files go (best effort; what stays goes at

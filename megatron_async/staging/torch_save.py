@@ -204,6 +204,7 @@ def stage_torch_save(
     *,
     device_locations: bool = False,
     cache: Optional[StagingBufferCache] = None,
+    crc32: Optional[bool] = None,
 ) -> TorchSaveStaged:
     """Pickle ``obj`` and stage its storages within the budget (trainer, ``preload_fn``).
 
@@ -211,7 +212,10 @@ def stage_torch_save(
     ``device_locations``: see :func:`pickle_like_torch_save`. ``cache``: the owner's
     (a manager's, a checkpointer's) cache that keeps a state's staging segment from one
     save to the next, as the bucket layouts' buffers are kept, instead of allocating
-    shared memory on every save; None: a segment per save.
+    shared memory on every save; None: a segment per save. ``crc32``: whether the zip
+    records carry CRC-32s (None: as ``torch.save``, ``get_crc32_options()``); False where
+    the caller hashes the whole file itself (a local checkpoint part), which spares the
+    writer one pass over the bytes. ``torch.load`` reads the file either way.
 
     Raises:
         StagingMemoryError: one storage alone exceeds the budget (naming its tensor and
@@ -234,6 +238,8 @@ def stage_torch_save(
         header.append(("byteorder", sys.byteorder.encode()))
     records = [(f"data/{i}", offset, size) for i, (offset, size) in enumerate(zip(plan.offsets, sizes))]
     gate = StagingGate(len(storages))
+    if crc32 is None:
+        crc32 = torch.serialization.get_crc32_options()
 
     def stage_into(pool: Optional[torch.Tensor]) -> TorchSaveStaged:
         buffer, loan = pool, None
@@ -242,8 +248,7 @@ def stage_torch_save(
         elif plan.pool_bytes:
             buffer, loan = _segment(cache, plan.pool_bytes, cuda)
         try:
-            staged = TorchSaveStaged(header, records, buffer, gate, alignment,
-                                     torch.serialization.get_crc32_options())
+            staged = TorchSaveStaged(header, records, buffer, gate, alignment, crc32)
             staged.loan = loan
             items = [
                 (idx, names[idx], *_storage_copy(storage, buffer, offset), watch(*tensors[idx]))

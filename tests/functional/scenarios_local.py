@@ -110,16 +110,16 @@ def saves_are_replicated_and_recover_equal(ctx: RankContext):
 
     _save_three(ctx, "replicated")
     peer = (ctx.rank + JUMP) % ctx.world_size
-    for iteration in (3, 4):
-        if iteration == 4:
-            state = _state(ctx.rank, 4)
-            assert _manager(ctx, "replicated").save(BasicTensorAwareStateDict(state), 4) is None
-        names = sorted(os.listdir(_holder(ctx, "replicated", ctx.rank)))
-        assert names == sorted(
-            f"iter_{iteration:07d}_{owner}_local.{ext}" for owner in (ctx.rank, peer)
-            for ext in ("json", "pt")
-        ), names  # older iterations removed by finalize, a replica of the peer's part kept
-    assert _recover(ctx, "replicated", 4, _state(ctx.rank, 4)) == ctx.rank
+    manager = _manager(ctx, "replicated")  # knows of no kept iteration: removes nothing yet
+    for iteration in (4, 5):
+        state = _state(ctx.rank, iteration)
+        assert manager.save(BasicTensorAwareStateDict(state), iteration) is None
+    names = sorted(os.listdir(_holder(ctx, "replicated", ctx.rank)))
+    assert names == sorted(
+        f"iter_{iteration:07d}_{owner}_local.{ext}" for iteration in (4, 5)
+        for owner in (ctx.rank, peer) for ext in ("json", "pt")
+    ), names  # older than 4 (kept when 5 began) removed by 5's writer; the peer's replicas kept
+    assert _recover(ctx, "replicated", 5, _state(ctx.rank, 5)) == ctx.rank
 
 
 def a_forked_writer_replicates_too(ctx: RankContext):

@@ -4,6 +4,7 @@ test_local_checkpoints.py)."""
 
 import logging
 import os
+import zipfile
 import shutil
 
 import pytest
@@ -48,6 +49,9 @@ def test_sync_save_then_find_latest_and_load_twice(tmp_path):
     assert not tasd.is_hollow and state["w"][0] == 1.0  # the caller's state dict is left whole
     assert saver.local_ckpt_dir == tmp_path / "0"
     assert _files(saver) == [record_name(7, 0), part_name(7, 0)]
+    # The part's xxh3 covers every byte: its zip records skip torch.save's CRC-32 pass.
+    with zipfile.ZipFile(saver.local_ckpt_dir / part_name(7, 0)) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
 
     loader = LocalCheckpointManager(tmp_path)
     assert loader.find_latest() == 7
@@ -60,23 +64,29 @@ def test_sync_save_then_find_latest_and_load_twice(tmp_path):
     assert _equal(loader.load()[0].state_dict, _state(1.0))
 
 
-def test_async_save_snapshots_at_save_and_finalize_removes_older_iterations(tmp_path):
+def test_async_save_snapshots_at_save_and_the_next_save_removes_older_iterations(tmp_path):
+    # Unlinking the older iterations is the next save's writer's work, not the training
+    # thread's finalize step: after a save the directory keeps the previous iteration too.
     manager = LocalCheckpointManager(tmp_path, session_id="s")
     queue = AsyncCallsQueue()
     try:
         state = _state(1.0)
-        for iteration in (1, 2):
+        for iteration in (1, 2, 3):
             request = manager.save(BasicTensorAwareStateDict(state), iteration, is_async=True)
             state["w"].add_(1)  # after save returns: not in the checkpoint
             queue.schedule_async_request(request)
             queue.maybe_finalize_async_calls(blocking=True)
+            if iteration == 2:
+                assert _files(manager) == [record_name(1, 0), part_name(1, 0),
+                                           record_name(2, 0), part_name(2, 0)]
         assert manager.local_ckpt_dir == tmp_path / "s" / "0"
-        assert _files(manager) == [record_name(2, 0), part_name(2, 0)]
+        assert _files(manager) == [record_name(2, 0), part_name(2, 0),
+                                   record_name(3, 0), part_name(3, 0)]
     finally:
         queue.close()
     loader = LocalCheckpointManager(tmp_path, session_id="s")
-    assert loader.find_latest() == 2
-    expected = _state(2.0)  # the tensor added to once before the second save; the int never
+    assert loader.find_latest() == 3
+    expected = _state(3.0)  # the tensor added to twice before the third save; the int never
     expected["nested"][1]["step"] = 1
     assert _equal(loader.load()[0].state_dict, expected)
 
@@ -94,7 +104,13 @@ def test_a_save_in_flight_is_not_removed_by_the_next_save(tmp_path):
         assert _files(manager) == [record_name(1, 0), part_name(1, 0)]
         queue.schedule_async_request(second)
         queue.maybe_finalize_async_calls(blocking=True)
-        assert _files(manager) == [record_name(2, 0), part_name(2, 0)]
+        assert _files(manager) == [record_name(1, 0), part_name(1, 0),
+                                   record_name(2, 0), part_name(2, 0)]
+        third = manager.save(BasicTensorAwareStateDict(_state(3.0)), 3, is_async=True)
+        queue.schedule_async_request(third)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert _files(manager) == [record_name(2, 0), part_name(2, 0),
+                                   record_name(3, 0), part_name(3, 0)]
     finally:
         queue.close()
 
@@ -130,8 +146,9 @@ def test_a_failed_save_keeps_the_previous_iteration(tmp_path):
     assert loader.find_latest() == 1
     assert _equal(loader.load()[0].state_dict, _state(1.0))
     os.rmdir(manager.local_ckpt_dir / part_name(2, 0, dirty=True))
-    manager.save(BasicTensorAwareStateDict(_state(3.0)), 3)
-    assert _files(manager) == [record_name(3, 0), part_name(3, 0)]
+    manager.save(BasicTensorAwareStateDict(_state(3.0)), 3)  # the failed 2 is gone, 1 stays
+    assert _files(manager) == [record_name(1, 0), part_name(1, 0),
+                               record_name(3, 0), part_name(3, 0)]
 
 
 def test_a_damaged_part_is_never_loaded_and_an_older_one_is(tmp_path, caplog):
