@@ -281,9 +281,10 @@ class LocalCheckpointManager:
         missing or damaged part is taken from a peer's intact replica, else the next older
         iteration is tried. A part received from a peer is written back to this rank's
         holder directory. Memory: verifying streams through one 8 MiB buffer; at most
-        one part a rank sends plus its own part received are in memory at once, and
-        none once this returns (only the record of the verified copy, unless a received
-        part could not be written back); a second call returns the cached answer. The
+        one part a rank sends plus its own part received are in memory at once; a rank
+        that received its part keeps it for :meth:`load` (until the next save), the
+        others keep only the record of their verified copy; a second call returns the
+        cached answer. The
         ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
         only): else every rank logs both and returns -1.
         """
@@ -301,9 +302,10 @@ class LocalCheckpointManager:
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """This rank's state dict of the iteration :meth:`find_latest` found (every rank).
 
-        Reads this rank's copy ``find_latest`` verified, verifies it again and
-        deserializes it (peak: one part's bytes and the state it holds); a second call
-        moves nothing between ranks. Tensors are back on their devices.
+        Verifies this rank's copy on disk again and maps it (``torch.load(mmap=True)``:
+        CPU tensors share the file's page-cache pages, copy-on-write, instead of a copy
+        of the part), or deserializes the part received from a peer from memory; a
+        second call moves nothing between ranks. Tensors are back on their devices.
 
         Returns:
             ``(state dict, (iteration, rank, session_id))``.

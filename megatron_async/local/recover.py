@@ -20,9 +20,10 @@ bounded by its timeout:
    -1 (the persistent checkpoint) follows.
 
 Memory: verification streams through one 8 MiB buffer; while parts move, a sender holds
-the one part it is sending and a receiver its own part, which it drops once written
-back. :class:`Recovered` then names the verified copy on disk, which :func:`deserialize`
-reads and verifies again (one part at a time) as often as it is asked.
+the one part it is sending and a receiver its own part, which it keeps after writing it
+back, for :func:`deserialize` (a rank of a lost node holds its part until ``load``). A
+copy on disk is named by :class:`Recovered`; :func:`deserialize` verifies it again and
+maps it, as often as it is asked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import dataclasses
 import datetime
 import io
 import logging
+import os
 import time
 from typing import List, Optional, Sequence, Set
 
@@ -62,7 +64,8 @@ class Recovered:
     directory: str
     """This rank's holder directory, where the verified copy lies (its own, or written back)."""
     data: Optional[memoryview] = None
-    """The part's bytes, kept only when a received part could not be written back."""
+    """The bytes of a part received from a peer (kept after the write-back, so that
+    ``load`` does not read them back from disk); None for a copy on this rank's disk."""
 
 
 def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Optional[Recovered]:
@@ -201,7 +204,7 @@ def _wait(work, deadline: float) -> None:
 def _write_back(part: Recovered) -> Recovered:
     """Write a part received from a peer into this rank's holder directory, so that the
     part has its copies again before the next save (every rank that received one). The
-    bytes stay in memory only if that fails (logged)."""
+    bytes stay in memory for ``load`` either way; a failed write is logged."""
     record = part.record
     try:
         part_output.write_part(
@@ -213,8 +216,7 @@ def _write_back(part: Recovered) -> Recovered:
             "rank %d: cannot write its recovered local checkpoint part of iteration %d back "
             "to %s (kept in memory): %s", record.owner, record.iteration, part.directory, exc,
         )
-        return part
-    return dataclasses.replace(part, data=None)
+    return part
 
 
 class _MemoryReader(io.RawIOBase):
@@ -250,24 +252,28 @@ class _MemoryReader(io.RawIOBase):
 def deserialize(part: Recovered):
     """The state dict in ``part``'s bytes, its tensors back on their devices (every rank).
 
-    Reads this rank's verified copy again (one part in memory, freed after), unless the
-    bytes are kept. Trusted: they hash to the digest their owner recorded, so the full
-    unpickler (``weights_only=False``) runs on this job's own output only.
+    A copy on this rank's disk is verified again (read and hashed through one 8 MiB
+    buffer: an unreadable sector is an error here, never a ``SIGBUS`` later), then loaded
+    with ``torch.load(mmap=True)``: its tensors map the file's pages, just read, privately
+    (changing them writes nothing back; each call gets its own), so no copy of the part is
+    made. A part received from a peer is deserialized from its bytes in memory. Trusted:
+    the bytes hash to the digest their owner recorded, so the full unpickler
+    (``weights_only=False``) runs on this job's own output only.
 
     Raises:
         LocalCheckpointError: the copy changed or vanished since it was verified.
     """
-    data = part.data
-    if data is None:
-        data = parts.read_verified(part.directory, part.record)
-        if data is None:
+    if part.data is not None:
+        state = torch.load(_MemoryReader(part.data), weights_only=False)
+    else:
+        if not parts.verify_part(part.directory, part.record):
             raise LocalCheckpointError(
                 f"rank {part.record.owner}'s local checkpoint part of iteration "
                 f"{part.iteration} in {part.directory} changed or vanished after find_latest "
                 "verified it (see the line above); call find_latest() again"
             )
-        data = memoryview(data)
-    state = torch.load(_MemoryReader(data), weights_only=False)
+        path = os.path.join(part.directory, parts.part_name(part.iteration, part.record.owner))
+        state = torch.load(path, mmap=True, weights_only=False)
     restore = getattr(state, "restore_tensor_device", None)
     if callable(restore):
         restore(non_blocking=False)
