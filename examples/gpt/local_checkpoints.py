@@ -84,6 +84,10 @@ class LocalCheckpointer:
             staging_memory_limit=args.ckpt_staging_memory_limit,
         )
         self.consecutive_failures = 0
+        self.distribution = None
+        """megatron-core's distribution of the last save (which rank saves which
+        replicated tensor), reused with --ckpt-assume-constant-structure as Megatron-LM
+        does: the next save then skips the validation and the distribution's gathers."""
 
     def save(self, iteration: int, consumed_samples: int):
         """Stage this rank's part of ``iteration``; return the request to schedule
@@ -97,8 +101,10 @@ class LocalCheckpointer:
             iteration, consumed_samples, self.content_metadata, is_loading=False,
             with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
         )
-        tasd, _ = MCoreTensorAwareStateDict.from_state_dict(
-            sharded_state_dict, algo=self.algo, parallelization_group=_data_parallel_group()
+        cached = self.distribution if args.ckpt_assume_constant_structure else None
+        tasd, self.distribution = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state_dict, algo=self.algo, parallelization_group=_data_parallel_group(),
+            cached_metadata=cached,
         )
         return self.manager.save(tasd, iteration, is_async=bool(args.async_save))
 
