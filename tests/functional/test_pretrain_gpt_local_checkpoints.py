@@ -87,12 +87,14 @@ def launch_two_nodes(root, algo, env=None):
 
 
 def finish(launched, timeout_s=LAUNCH_TIMEOUT_S):
-    """Wait for every node (killing what is left after ``timeout_s``); return each node's
-    exit status and output."""
+    """Wait for every node, killing what is left after ``timeout_s`` (its status is then
+    -9); return each node's exit status and output."""
     deadline = time.monotonic() + timeout_s
     try:
         for proc, _ in launched:
             proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        pass  # killed below; the caller's checks report it with the output
     finally:
         for proc, _ in launched:
             if proc.poll() is None:
