@@ -211,7 +211,7 @@ class Checkpointer:
         try:
             if local:
                 record = SaveRecord(iteration, "", self.args.async_save, local=True)
-                request = self.local.save(iteration, consumed_samples)
+                request = self._debug.wrap(self.local.save(iteration, consumed_samples), iteration)
             else:
                 record, request = self._save(iteration, consumed_samples)
             return self._schedule(record, request, start)
