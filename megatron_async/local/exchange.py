@@ -193,7 +193,7 @@ class _Exchange:
             text = "; ".join(f"rank {p}: {what}" for p, whats in failures.items() for what in whats)
             raise LocalReplicationError(
                 f"rank {self.rank}: local checkpoint of iteration {self.record.iteration} was "
-                f"not replicated within {spec.timeout_s:g} s: {text}", failures,
+                f"not replicated: {text}", failures,
             )
         return [self.received[peer] for peer in sorted(spec.peers)]
 

@@ -51,6 +51,7 @@ SURVIVOR_BOUND_S = 90.0
 (the queue's coordination timeout, 600 s), so a survivor that waits for it fails here."""
 FLAGS = [
     *TINY_MODEL, "--train-iters", str(TRAIN_ITERS), "--async-save",
+    "--ckpt-assume-constant-structure",  # local saves reuse megatron-core's distribution
     "--save-interval", str(LAST_PERSISTENT), "--non-persistent-save-interval", "2",
     "--non-persistent-ckpt-type", "local", "--replication", "--replication-jump", "2", "--replication-factor", "2",
 ]
