@@ -109,6 +109,10 @@ class LocalCheckpointManager:
         self.latest_iteration = -1
         """The iteration ``find_latest`` found (cached for Megatron-LM's second call); -1
         before it, and again once a save starts."""
+        self.recovered_from: Optional[int] = None
+        """The holder whose copy of this rank's part ``find_latest`` recovered: this rank
+        (its own part) or the peer whose replica it received (and wrote back); None when
+        nothing was recovered, and again once a save starts."""
         self.staging_stats: dict = {}
         """``rounds`` and ``peak_bytes`` of the latest save's staging."""
         self.staging_cache = StagingBufferCache()  # this rank's segment, kept between saves
@@ -193,6 +197,7 @@ class LocalCheckpointManager:
             )
         self.latest_iteration = -1
         self._recovered = None
+        self.recovered_from = None
         self._saves += 1
         token = self._job_token()
         directory = retention.directory
@@ -283,6 +288,9 @@ class LocalCheckpointManager:
         part could not be written back); a second call returns the cached answer. The
         ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
         only): else every rank logs both and returns -1.
+
+        Each rank logs which copy it recovered (INFO) and keeps its holder in
+        :attr:`recovered_from`.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
@@ -292,7 +300,12 @@ class LocalCheckpointManager:
         )
         if self._recovered is not None:
             self.latest_iteration = self._recovered.iteration
+            self.recovered_from = self._recovered.source
             self.retention.recovered(self.latest_iteration)
+            logger.info(
+                "rank %d: local checkpoint %d recovered from %s", self.rank,
+                self.latest_iteration, self._recovered.describe(),
+            )
         return self.latest_iteration
 
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:

@@ -298,6 +298,34 @@ def a_damaged_copy_is_never_loaded(ctx: RankContext):
     assert _recover(ctx, root, 5, _state(ctx.rank, 5)) == ctx.rank
 
 
+def a_move_that_timed_out_leaves_nothing_behind(ctx: RankContext):
+    """Rank 2 lost its parts and rank 0 is too slow to send its replica: every rank gives
+    up (-1). The next recovery moves the same part between the same ranks, and a save and
+    recovery after it work: nothing of the timed-out move stayed posted."""
+    from megatron_async.local import parts, recover
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    root = "slow_peer"
+    _save_three(ctx, root)
+    dist.barrier()
+    if ctx.rank == 2:
+        shutil.rmtree(_holder(ctx, root, 2))
+    dist.barrier()
+    read, timeout_s = parts.read_verified, recover.coordination.coordination_timeout_s
+    try:
+        recover.coordination.coordination_timeout_s = lambda: 3.0
+        if ctx.rank == 0:
+            parts.read_verified = lambda *args: time.sleep(6.0) or read(*args)
+        assert _manager(ctx, root).find_latest() == -1
+    finally:
+        parts.read_verified, recover.coordination.coordination_timeout_s = read, timeout_s
+    dist.barrier()
+    loader = _manager(ctx, root)
+    assert _recover(ctx, root, 3, _state(ctx.rank, 3)) == (0 if ctx.rank == 2 else ctx.rank)
+    assert loader.find_latest() == 3 and loader.recovered_from == ctx.rank  # written back
+    assert loader.save(BasicTensorAwareStateDict(_state(ctx.rank, 4)), 4) is None
+    assert _recover(ctx, root, 4, _state(ctx.rank, 4)) == ctx.rank
+
 def _sharded_state(ctx: RankContext, iteration: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -355,6 +383,7 @@ SCENARIOS = by_name(
     a_writer_that_cannot_write_fails_the_save_everywhere,
     a_writer_killed_mid_replication_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
+    a_move_that_timed_out_leaves_nothing_behind,
     megatron_core_state_dict_round_trips,
 )
 
