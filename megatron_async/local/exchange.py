@@ -43,7 +43,7 @@ from megatron_async.local import transport
 from megatron_async.local.parts import PartRecord
 from megatron_async.local.replica_receiver import ReplicaReceiver
 
-__all__ = ["PeerExchange", "exchange_part"]
+__all__ = ["PeerExchange", "ForgetPublishedKey", "exchange_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,30 @@ class PeerExchange:
             raise LocalCheckpointError(f"the exchange needs timeout_s > 0, not {self.timeout_s!r}")
         if len(set(self.peers)) != len(self.peers):
             raise LocalCheckpointError(f"peers must be distinct ranks, not {self.peers}")
+
+
+class ForgetPublishedKey:
+    """A finalize step of a replicated local save: delete this rank's key of the save
+    from the job's store (every rank, trainer), whether the save finalized or failed
+    (``abandon``).
+
+    The queue runs either only after every rank's writer ended, so no peer reads the key
+    any more. The writer deletes the address it published itself, but a failure it
+    published (:func:`~megatron_async.local.transport.publish_failure`) must stay until
+    then for its peers to stop waiting: without this step every failed save would leave
+    one key per failed rank in the store for the rest of the job.
+    """
+
+    def __init__(self, exchange: PeerExchange, rank: int):
+        self._exchange = exchange
+        self._rank = rank
+
+    def __call__(self) -> None:
+        spec = self._exchange
+        transport.forget_key(spec.store_host, spec.store_port, spec.key(self._rank), _CLOSE_GRACE_S)
+
+    def abandon(self) -> None:
+        self()
 
 
 def exchange_part(

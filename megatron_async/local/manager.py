@@ -42,7 +42,7 @@ from megatron_async.errors import (
 )
 from megatron_async.local import parts, recover, transport
 from megatron_async.local.cliques import LazyReplicationStrategyBuilder, ReplicationStrategy
-from megatron_async.local.exchange import PeerExchange
+from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange
 from megatron_async.local.part_writer import LocalSaveJob, write_local_part
 from megatron_async.local.retention import FinalizeLocalSave, LocalRetention
 from megatron_async.local.state_dict import TensorAwareStateDict
@@ -202,16 +202,19 @@ class LocalCheckpointManager:
         token = self._job_token()
         directory = retention.directory
         retention.remove_failed_saves(iteration)
+        exchange = self._exchange(token, iteration, directory)
         job = LocalSaveJob(
             directory=directory, iteration=iteration, rank=self.rank,
-            identity=self.identity(), exchange=self._exchange(token, iteration, directory),
-            staging_wait_s=STAGING_WAIT_S,
+            identity=self.identity(), exchange=exchange, staging_wait_s=STAGING_WAIT_S,
         )
         staged = self._stage(state_dict, iteration)
         request = AsyncRequest(
             async_fn=write_local_part,
             async_fn_args=(job, None),
-            finalize_fns=[FinalizeLocalSave(retention, iteration, staged, self.staging_stats)],
+            finalize_fns=[
+                FinalizeLocalSave(retention, iteration, staged, self.staging_stats),
+                *([ForgetPublishedKey(exchange, self.rank)] if exchange is not None else []),
+            ],
             preload_fn=functools.partial(_staged, staged),
         )
         retention.started(iteration)
