@@ -37,6 +37,7 @@ __all__ = [
     "get_world_size",
     "local_world_size",
     "get_coordination_group",
+    "new_transfer_group",
     "coordination_timeout_s",
     "all_reduce_max",
     "all_gather_objects",
@@ -154,25 +155,50 @@ def coordination_timeout_s() -> float:
     return _cached_timeout_s
 
 
-def _create_named_gloo_group(name: str, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of every rank under ``name``, connected lazily (every rank)."""
+def _create_named_gloo_group(
+    name: str, timeout_s: float, ranks: Optional[Sequence[int]] = None, lazy: bool = True
+) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` (default: every rank) under ``name`` (every rank in it):
+    connected at its first collective (``lazy``), else at creation, which then waits,
+    bounded by ``timeout_s``, until every rank in it created it too."""
     c10d = dist.distributed_c10d
     timeout = datetime.timedelta(seconds=timeout_s)
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    members = list(range(dist.get_world_size())) if ranks is None else sorted(ranks)
     previous = os.environ.get(_GLOO_LAZY_INIT)
-    os.environ[_GLOO_LAZY_INIT] = "1"
+    os.environ[_GLOO_LAZY_INIT] = "1" if lazy else "0"
     try:
         group, _ = c10d._new_process_group_helper(
-            world_size, rank, list(range(world_size)), "gloo", c10d._get_default_store(),
-            name, timeout=timeout,
+            len(members), members.index(dist.get_rank()), members, "gloo",
+            c10d._get_default_store(), name, timeout=timeout,
         )
     finally:
         if previous is None:
             os.environ.pop(_GLOO_LAZY_INIT, None)
         else:
             os.environ[_GLOO_LAZY_INIT] = previous
-    c10d._world.pg_group_ranks[group] = {r: r for r in range(world_size)}
+    c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(members)}
     return group
+
+
+def new_transfer_group(name: str, ranks: Sequence[int], timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group for one bulk transfer between ``ranks``, to be destroyed after it
+    (every rank in ``ranks``, none else, at the same point).
+
+    Point-to-point operations that a timeout leaves posted stay on this group and never
+    meet a later collective or transfer: the caller destroys it
+    (``torch.distributed.destroy_process_group``) once the transfer ended, finished or
+    not. Every pair connects at creation, which waits (bounded by ``timeout_s``) until
+    every rank in ``ranks`` created it; a lazily connected group would block a receive
+    from a peer that never sends without bound. ``name`` must be new in this job (torch
+    keys the group's rendezvous by it) and the same on every rank in ``ranks``.
+
+    Raises:
+        CoordinationError: a rank in ``ranks`` did not create it within ``timeout_s``.
+    """
+    try:
+        return _create_named_gloo_group(name, timeout_s, ranks, lazy=False)
+    except Exception as exc:
+        raise _describe_collective_failure(f"creating the group {name}", exc) from exc
 
 
 _GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"

@@ -43,7 +43,7 @@ from megatron_async.local import transport
 from megatron_async.local.parts import PartRecord
 from megatron_async.local.replica_receiver import ReplicaReceiver
 
-__all__ = ["PeerExchange", "exchange_part"]
+__all__ = ["PeerExchange", "ForgetPublishedKey", "exchange_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,31 @@ class PeerExchange:
             raise LocalCheckpointError(f"the exchange needs timeout_s > 0, not {self.timeout_s!r}")
         if len(set(self.peers)) != len(self.peers):
             raise LocalCheckpointError(f"peers must be distinct ranks, not {self.peers}")
+
+
+class ForgetPublishedKey:
+    """A finalize step of a replicated local save: when the save failed (``abandon``),
+    delete this rank's key of the save from the job's store (every rank, trainer).
+
+    The queue abandons a save only after every rank's writer ended, so no peer reads the
+    key any more. A failure the writer published
+    (:func:`~megatron_async.local.transport.publish_failure`) must stay until then for
+    its peers to stop waiting: without this step every failed save would leave one key
+    per failed rank in the store for the rest of the job. A save that finalized left no
+    key (its writer deleted the address it published), so finalizing costs the training
+    thread no store round trip.
+    """
+
+    def __init__(self, exchange: PeerExchange, rank: int):
+        self._exchange = exchange
+        self._rank = rank
+
+    def __call__(self) -> None:
+        """The save finalized: nothing to delete."""
+
+    def abandon(self) -> None:
+        spec = self._exchange
+        transport.forget_key(spec.store_host, spec.store_port, spec.key(self._rank), _CLOSE_GRACE_S)
 
 
 def exchange_part(

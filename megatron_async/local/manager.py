@@ -44,7 +44,7 @@ from megatron_async.errors import (
 )
 from megatron_async.local import parts, recover, transport
 from megatron_async.local.cliques import LazyReplicationStrategyBuilder, ReplicationStrategy
-from megatron_async.local.exchange import PeerExchange
+from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange
 from megatron_async.local.part_writer import LocalSaveJob, write_local_part
 from megatron_async.local.retention import FinalizeLocalSave, LocalRetention
 from megatron_async.local.state_dict import TensorAwareStateDict
@@ -111,6 +111,10 @@ class LocalCheckpointManager:
         self.latest_iteration = -1
         """The iteration ``find_latest`` found (cached for Megatron-LM's second call); -1
         before it, and again once a save starts."""
+        self.recovered_from: Optional[int] = None
+        """The holder whose copy of this rank's part ``find_latest`` recovered: this rank
+        (its own part) or the peer whose replica it received (and wrote back); None when
+        nothing was recovered, and again once a save starts."""
         self.staging_stats: dict = {}
         """``rounds`` and ``peak_bytes`` of the latest save's staging."""
         self.staging_cache = StagingBufferCache()  # this rank's segment, kept between saves
@@ -196,20 +200,25 @@ class LocalCheckpointManager:
             )
         self.latest_iteration = -1
         self._recovered = None
+        self.recovered_from = None
         self._saves += 1
         token = self._job_token()
         directory = retention.directory
         retention.remove_failed_saves(iteration)
+        exchange = self._exchange(token, iteration, directory)
         job = LocalSaveJob(
             directory=directory, iteration=iteration, rank=self.rank,
-            identity=self.identity(), exchange=self._exchange(token, iteration, directory),
-            staging_wait_s=STAGING_WAIT_S, remove_below=retention.kept,
+            identity=self.identity(), exchange=exchange, staging_wait_s=STAGING_WAIT_S,
+            remove_below=retention.kept,
         )
         staged = self._stage(state_dict, iteration)
         request = AsyncRequest(
             async_fn=write_local_part,
             async_fn_args=(job, None),
-            finalize_fns=[FinalizeLocalSave(retention, iteration, staged, self.staging_stats)],
+            finalize_fns=[
+                FinalizeLocalSave(retention, iteration, staged, self.staging_stats),
+                *([ForgetPublishedKey(exchange, self.rank)] if exchange is not None else []),
+            ],
             preload_fn=functools.partial(_staged, staged),
         )
         retention.started(iteration)
@@ -287,6 +296,9 @@ class LocalCheckpointManager:
         cached answer. The
         ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
         only): else every rank logs both and returns -1.
+
+        Each rank logs which copy it recovered (INFO) and keeps its holder in
+        :attr:`recovered_from`.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
@@ -296,7 +308,12 @@ class LocalCheckpointManager:
         )
         if self._recovered is not None:
             self.latest_iteration = self._recovered.iteration
+            self.recovered_from = self._recovered.source
             self.retention.recovered(self.latest_iteration)
+            logger.info(
+                "rank %d: local checkpoint %d recovered from %s", self.rank,
+                self.latest_iteration, self._recovered.describe(),
+            )
         return self.latest_iteration
 
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:

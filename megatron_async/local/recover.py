@@ -16,8 +16,12 @@ bounded by its timeout:
    ``uint8`` tensor (its exact bytes), all within one deadline; the receiver checks the
    digest, and once every rank has its part, writes it back to its holder directory.
    A damaged transfer moves every rank to the next older iteration; a wait that ran out
-   (its operation may still be posted on the group) ends the recovery on every rank;
-   -1 (the persistent checkpoint) follows.
+   ends the recovery on every rank; -1 (the persistent checkpoint) follows.
+
+The moves of one plan run on a gloo group of their own, created by the ranks that send
+or receive (:func:`~megatron_async.core.coordination.new_transfer_group`) and destroyed
+once every rank agreed on how they went: an operation a timeout left posted goes with it
+and never meets a later collective or recovery on the coordination group.
 
 Memory: verification streams through one 8 MiB buffer; while parts move, a sender holds
 the one part it is sending and a receiver its own part, which it keeps after writing it
@@ -35,6 +39,8 @@ import logging
 import os
 import time
 from typing import List, Optional, Sequence, Set
+
+import secrets
 
 import torch
 import torch.distributed as dist
@@ -60,12 +66,22 @@ class Recovered:
     record: PartRecord
     """The part's record (size and the owner's digest)."""
     source: int
-    """The rank whose copy it is (this rank, or the peer that sent a replica)."""
+    """The holder whose copy it is: this rank (its own part), or the peer that sent the
+    replica of this rank's part it keeps."""
     directory: str
     """This rank's holder directory, where the verified copy lies (its own, or written back)."""
     data: Optional[memoryview] = None
     """The bytes of a part received from a peer (kept after the write-back, so that
     ``load`` does not read them back from disk); None for a copy on this rank's disk."""
+    written_back: bool = False
+    """A part received from a peer is in this rank's holder directory again."""
+
+    def describe(self) -> str:
+        """Which copy this is, for a log line: its own part, or a peer's replica of it."""
+        if self.source == self.record.owner:
+            return "its own part"
+        kept = "written back" if self.written_back else "kept in memory only"
+        return f"the replica of its part held by rank {self.source} ({kept})"
 
 
 def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Optional[Recovered]:
@@ -83,10 +99,15 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
     Raises:
         CoordinationError: a collective failed or timed out (a peer died).
     """
-    gathered = coordination.all_gather_objects((identity, parts.scan(directory)))
+    nonce = secrets.token_hex(8) if rank == 0 else None  # names this recovery's groups
+    gathered = coordination.all_gather_objects((identity, parts.scan(directory), nonce))
     agreed = recovery.agreed_identity([found[0] for found in gathered])
     if agreed is None:
         return None
+    if not any(found[1] for found in gathered):
+        logger.info("rank %d: no local checkpoint on any rank (a fresh job)", rank)
+        return None
+    group_name = f"megatron_async_local_recovery_{gathered[0][2]}"
     world_size = agreed.world_size
     inventories = recovery.matching_identity([found[1] for found in gathered], agreed)
     own = {r.key: r for r in inventories[rank]}
@@ -100,8 +121,15 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
             step = recovery.next_step(iteration, inventories, intact, world_size, True)
         if step.plan is None:
             continue
-        mine, damaged, stuck = _move_parts(step.plan, directory, inventories, rank)
-        damaged, stuck = coordination.all_reduce_max([int(damaged), int(stuck)])
+        group, stuck = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank)
+        try:
+            mine, damaged = None, False
+            if not stuck:
+                mine, damaged, stuck = _move_parts(step.plan, group, directory, inventories, rank)
+            damaged, stuck = coordination.all_reduce_max([int(damaged), int(stuck)])
+        finally:  # every rank's operations ended: what a timeout left posted goes too
+            if group is not None:
+                dist.destroy_process_group(group)
         if stuck:
             logger.error(
                 "rank %d: moving the parts of local checkpoint %d did not finish in time on "
@@ -109,16 +137,15 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
             )
             return None
         if not damaged:
-            logger.info(
-                "rank %d: recovering local checkpoint %d from rank %d's copy",
-                rank, iteration, mine.source,
-            )
             return _write_back(mine) if mine.data is not None else mine
         logger.warning(
             "local checkpoint %d: a part did not arrive intact on some rank; trying an "
             "older iteration", iteration,
         )
-    logger.warning("rank %d: no local checkpoint is recoverable on every rank", rank)
+    logger.warning(
+        "rank %d: local checkpoint parts exist, but no iteration is recoverable on every rank",
+        rank,
+    )
     return None
 
 
@@ -142,19 +169,38 @@ def _gather_intact(verified: Set[PartKey]) -> List[set]:
     return [set(keys) for keys in coordination.all_gather_objects(sorted(verified))]
 
 
+def _open_transfer_group(plan: ExchangePlan, name: str, rank: int):
+    """The group of the ranks that send or receive a part in ``plan``, created by them
+    (every rank: the others, and every rank when nothing moves, get None).
+
+    Returns:
+        ``(group or None, stuck)``: stuck when a rank of the group did not create it in time.
+    """
+    moves = [(e.sender, e.receiver) for e in plan.entries if e.sender != e.receiver]
+    movers = sorted({r for move in moves for r in move})
+    if rank not in movers:
+        return None, False
+    timeout_s = coordination.coordination_timeout_s()
+    try:
+        return coordination.new_transfer_group(name, movers, timeout_s), False
+    except Exception as exc:  # agreed on by the caller: nothing is recovered
+        logger.error("rank %d: cannot connect to the ranks moving parts: %s", rank, exc)
+        return None, True
+
+
 def _move_parts(
-    plan: ExchangePlan, directory: str, inventories: Sequence[Sequence[PartRecord]], rank: int
+    plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
+    inventories: Sequence[Sequence[PartRecord]], rank: int,
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
-    (every rank, the plan in the same order everywhere), point to point over the
-    coordination group within one deadline. Its receive is posted before any send is
-    waited for, and its sends go one at a time, each part read (and verified) just before.
+    (every rank, the plan in the same order everywhere), point to point over ``group``
+    (:func:`_open_transfer_group`) within one deadline. Its receive is posted before any
+    send is waited for, and its sends go one at a time, each part read (and verified) just before.
 
     Returns:
         ``(this rank's part or None, damaged, stuck)``: damaged when a part did not hash
         to its digest (every operation finished), stuck when a wait failed or ran out.
     """
-    group = coordination.get_coordination_group()
     deadline = time.monotonic() + coordination.coordination_timeout_s()
     mine, receive, damaged = None, None, False
     try:
@@ -216,7 +262,8 @@ def _write_back(part: Recovered) -> Recovered:
             "rank %d: cannot write its recovered local checkpoint part of iteration %d back "
             "to %s (kept in memory): %s", record.owner, record.iteration, part.directory, exc,
         )
-    return part
+        return part
+    return dataclasses.replace(part, written_back=True)
 
 
 class _MemoryReader(io.RawIOBase):

@@ -46,6 +46,7 @@ __all__ = [
     "recv_message",
     "answer_and_drain",
     "publish_failure",
+    "forget_key",
     "recv_chunks",
     "close_socket",
 ]
@@ -189,6 +190,15 @@ def publish_failure(host: str, port: int, key: str, reason: str, timeout_s: floa
         store_client(host, port, timeout_s).set(key, FAILED_PREFIX + reason[:1000])
     except Exception as exc:
         logger.warning("cannot tell the peers waiting on %s that this writer failed: %s", key, exc)
+
+
+def forget_key(host: str, port: int, key: str, timeout_s: float = 2.0) -> None:
+    """Delete ``key`` from the store at ``host:port`` (any process; best effort, logged):
+    what a save published there, once no peer reads it any more."""
+    try:
+        store_client(host, port, timeout_s).delete_key(key)
+    except Exception as exc:
+        logger.warning("cannot delete %s from the job's store: %s", key, exc)
 
 
 def advertised_address(store_host: str, store_port: int) -> str:

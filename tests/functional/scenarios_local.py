@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.errors import AsyncSaveFailedError, CheckpointingException
+from megatron_async.local import parts, recover, transport
 from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
 from tests.functional.harness import RankContext, by_name, only_selected, run_scenarios
 
@@ -201,7 +202,10 @@ def a_writer_that_cannot_write_fails_the_save_everywhere(ctx: RankContext):
         assert "rank 3: its own part failed (StorageWriteError" in str(exc), str(exc)
     else:
         raise AssertionError("the save did not fail")
-    if ctx.rank == 3:
+    if ctx.rank == 3:  # its failure stayed published for rank 1, then went with the save
+        key = f"megatron_async/local/{manager._token}/2/{manager._saves}/3"
+        store = transport.store_client(*transport.store_address(required=True), 10.0)
+        assert not store.check([key])
         os.rmdir(blocked)
     dist.barrier()
     assert _recover(ctx, root, 1, _state(ctx.rank, 1)) == ctx.rank
@@ -298,6 +302,32 @@ def a_damaged_copy_is_never_loaded(ctx: RankContext):
     assert _recover(ctx, root, 5, _state(ctx.rank, 5)) == ctx.rank
 
 
+def a_move_that_timed_out_leaves_nothing_behind(ctx: RankContext):
+    """Rank 2 lost its parts and rank 0 is too slow to send its replica: every rank gives
+    up (-1). The next recovery moves the same part between the same ranks, and a save and
+    recovery after it work: nothing of the timed-out move stayed posted."""
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+    root = "slow_peer"
+    _save_three(ctx, root)
+    dist.barrier()
+    if ctx.rank == 2:
+        shutil.rmtree(_holder(ctx, root, 2))
+    dist.barrier()
+    read, timeout_s = parts.read_verified, recover.coordination.coordination_timeout_s
+    try:
+        recover.coordination.coordination_timeout_s = lambda: 3.0
+        if ctx.rank == 0:
+            parts.read_verified = lambda *args: time.sleep(6.0) or read(*args)
+        assert _manager(ctx, root).find_latest() == -1
+    finally:
+        parts.read_verified, recover.coordination.coordination_timeout_s = read, timeout_s
+    loader = _manager(ctx, root)
+    assert _recover(ctx, root, 3, _state(ctx.rank, 3)) == (0 if ctx.rank == 2 else ctx.rank)
+    assert loader.find_latest() == 3 and loader.recovered_from == ctx.rank  # written back
+    assert loader.save(BasicTensorAwareStateDict(_state(ctx.rank, 4)), 4) is None
+    assert _recover(ctx, root, 4, _state(ctx.rank, 4)) == ctx.rank
+
 def _sharded_state(ctx: RankContext, iteration: int):
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -355,6 +385,7 @@ SCENARIOS = by_name(
     a_writer_that_cannot_write_fails_the_save_everywhere,
     a_writer_killed_mid_replication_fails_the_save_everywhere,
     a_damaged_copy_is_never_loaded,
+    a_move_that_timed_out_leaves_nothing_behind,
     megatron_core_state_dict_round_trips,
 )
 

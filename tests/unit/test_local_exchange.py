@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_async.errors import LocalCheckpointError, LocalReplicationError
 from megatron_async.local.cliques import CliqueReplicationStrategy
 from megatron_async.local import transport
-from megatron_async.local.exchange import PeerExchange, exchange_part
+from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange, exchange_part
 from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
 from megatron_async.local.part_output import write_part
 from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan
@@ -353,3 +353,24 @@ def test_a_strangers_connection_does_not_disturb_the_exchange(store, tmp_path):
             thread.join(40)
     assert outcomes == {0: [(ITERATION, 1)], 1: [(ITERATION, 0)]}
     _assert_holds_verified(tmp_path, 0, (0, 1), 1000)
+
+
+def test_a_long_run_of_failed_saves_leaves_no_keys_in_the_jobs_store(store):
+    # Thousands of saves, some failing: each failed writer's reason stays published until
+    # the save ended on every rank (its peers stop waiting), then the save's finalize
+    # step (finalized or abandoned) deletes it, so the store does not grow with the run.
+    baseline = store.num_keys()
+    steps = []
+    for save in range(1, 201):
+        spec = PeerExchange(
+            store_host="127.0.0.1", store_port=store.port, key_prefix=f"{PREFIX}/{save}",
+            session_id=SESSION, peers=(1,), directory="unused", timeout_s=1.0,
+        )
+        if save % 3 == 0:  # a failed save: rank 0's writer tells its peer why
+            transport.publish_failure("127.0.0.1", store.port, spec.key(0), "OSError: disk full")
+            assert store.get(spec.key(0)).decode().startswith(transport.FAILED_PREFIX)
+        steps.append((save, ForgetPublishedKey(spec, 0)))
+    assert store.num_keys() == baseline + 66
+    for save, step in steps:
+        step.abandon() if save % 3 == 0 else step()
+    assert store.num_keys() == baseline

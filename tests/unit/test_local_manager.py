@@ -64,6 +64,30 @@ def test_sync_save_then_find_latest_and_load_twice(tmp_path):
     assert _equal(loader.load()[0].state_dict, _state(1.0))
 
 
+def test_a_restarted_job_is_told_which_copy_each_rank_loaded(tmp_path, caplog):
+    # An operator reading the restart's log (and a program reading recovered_from) sees
+    # that rank 0 loaded its own part of iteration 3, not a peer's replica.
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(3.0)), 3)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.recovered_from is None
+    with caplog.at_level(logging.INFO, logger="megatron_async.local.manager"):
+        assert loader.find_latest() == 3
+    lines = [r for r in caplog.records if "recovered from" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in lines] == [
+        (logging.INFO, "rank 0: local checkpoint 3 recovered from its own part")
+    ]
+    assert loader.recovered_from == 0
+    loader.save(BasicTensorAwareStateDict(_state(4.0)), 4)
+    assert loader.recovered_from is None  # a save starts: the recovery is history
+
+
+def test_a_fresh_job_without_local_checkpoints_is_told_so_at_info(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        assert LocalCheckpointManager(tmp_path).find_latest() == -1
+    assert "no local checkpoint on any rank (a fresh job)" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_async_save_snapshots_at_save_and_the_next_save_removes_older_iterations(tmp_path):
     # Unlinking the older iterations is the next save's writer's work, not the training
     # thread's finalize step: after a save the directory keeps the previous iteration too.
@@ -167,6 +191,7 @@ def test_a_damaged_part_is_never_loaded_and_an_older_one_is(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert loader.find_latest() == 1
     assert "damaged" in caplog.text
+    assert loader.recovered_from == 0
     assert _equal(loader.load()[0].state_dict, _state(1.0))
 
 
@@ -176,6 +201,7 @@ def test_parts_of_another_run_are_ignored(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert other.find_latest() == -1
     assert "run_id: 'b' != 'a'" in caplog.text
+    assert "parts exist, but no iteration is recoverable" in caplog.text  # not a fresh job
     with pytest.raises(CheckpointingException, match="find_latest"):
         other.load()
 

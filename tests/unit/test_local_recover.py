@@ -35,7 +35,9 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
 ):
     # Rank 0 keeps iterations 1 and 2 of its part; its copy of 2 is damaged, so it must
     # receive rank 1's replica of it, which never arrives. Iteration 1 is intact on both,
-    # but the group may still have the receive posted: nothing is recovered.
+    # but nothing is recovered: the peer is not well. The receive was posted on a group
+    # of the recovery's own, destroyed after the ranks agreed, never on the coordination
+    # group that later saves and recoveries use.
     for iteration in (1, 2):
         write_part(tmp_path, iteration, 0, [bytes([iteration]) * 100], IDENTITY)
     path = tmp_path / part_name(2, 0)
@@ -48,7 +50,7 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
 
     def all_gather_objects(obj, group=None):
         if isinstance(obj, tuple):  # (identity, scan)
-            return [obj, (IDENTITY, peer_records)]
+            return [obj, (IDENTITY, peer_records, None)]
         return [obj, sorted(peer_intact)]
 
     def all_reduce_max(values, group=None):
@@ -57,11 +59,37 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
 
     monkeypatch.setattr(coordination, "all_gather_objects", all_gather_objects)
     monkeypatch.setattr(coordination, "all_reduce_max", all_reduce_max)
-    monkeypatch.setattr(coordination, "get_coordination_group", lambda *a, **k: None)
+    transfer_group, created, destroyed, posted_on = object(), [], [], []
+
+    def new_transfer_group(name, ranks, timeout_s):
+        created.append((name, list(ranks)))
+        return transfer_group
+
+    def irecv(tensor, src, group=None):
+        posted_on.append(group)
+        return _NeverDone(waits)
+
+    def destroy_process_group(group=None):  # after the agreement, not before
+        destroyed.append((group, len(reductions)))
+
+    monkeypatch.setattr(coordination, "get_coordination_group", lambda *a, **k: object())
+    monkeypatch.setattr(coordination, "new_transfer_group", new_transfer_group)
     monkeypatch.setattr(coordination, "coordination_timeout_s", lambda: 0.5)
-    monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None: _NeverDone(waits))
+    monkeypatch.setattr(dist, "irecv", irecv)
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
     with caplog.at_level(logging.WARNING):
         assert recover.recover_newest(str(tmp_path), IDENTITY, 0) is None
     assert reductions == [[0, 1]]  # agreed once: stuck, not damaged; iteration 1 not tried
     assert len(waits) == 1 and waits[0] <= datetime.timedelta(seconds=0.5)
     assert "did not finish in time" in caplog.text
+    [(name, ranks)] = created
+    assert name.startswith("megatron_async_local_recovery_") and name.endswith("_2")
+    assert ranks == [0, 1]
+    assert posted_on == [transfer_group] and destroyed == [(transfer_group, 1)]
+
+
+def test_a_fresh_job_recovers_nothing_and_creates_no_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        coordination, "new_transfer_group", lambda *a: (_ for _ in ()).throw(AssertionError)
+    )
+    assert recover.recover_newest(str(tmp_path), IDENTITY.__class__(1, None, 1, "r"), 0) is None
