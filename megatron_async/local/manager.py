@@ -289,8 +289,9 @@ class LocalCheckpointManager:
         of another job are ignored, every part used is verified against its digest, a
         missing or damaged part is taken from a peer's intact replica, else the next older
         iteration is tried. A part received from a peer is written back to this rank's
-        holder directory. Memory: verifying streams through one 8 MiB buffer; at most
-        one part a rank sends plus its own part received are in memory at once; a rank
+        holder directory. Memory: verifying streams through one 8 MiB buffer; the
+        replicas a rank verifies for missing owners (usually one) and its own part
+        received are in memory while parts move; a rank
         that received its part keeps it for :meth:`load` (until the next save), the
         others keep only the record of their verified copy; a second call returns the
         cached answer. The

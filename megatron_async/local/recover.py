@@ -23,11 +23,12 @@ or receive (:func:`~megatron_async.core.coordination.new_transfer_group`) and de
 once every rank agreed on how they went: an operation a timeout left posted goes with it
 and never meets a later collective or recovery on the coordination group.
 
-Memory: verification streams through one 8 MiB buffer; while parts move, a sender holds
-the one part it is sending and a receiver its own part, which it keeps after writing it
-back, for :func:`deserialize` (a rank of a lost node holds its part until ``load``). A
-copy on disk is named by :class:`Recovered`; :func:`deserialize` verifies it again and
-maps it, as often as it is asked.
+Memory: verifying a rank's own part streams through one 8 MiB buffer; a holder keeps the
+replicas it verifies for missing owners (usually one: the lost node's rank of its clique)
+until the move, and sends them from there; a receiver holds its own part, which it keeps
+after writing it back, for :func:`deserialize` (a rank of a lost node holds its part until
+``load``). A copy on disk is named by :class:`Recovered`; :func:`deserialize` verifies it
+again and maps it, as often as it is asked.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import io
 import logging
 import os
 import time
-from typing import List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import secrets
 
@@ -115,8 +116,9 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
         verified = _verify(directory, [own[(iteration, rank)]] if (iteration, rank) in own else [])
         intact = _gather_intact(verified)
         step = recovery.next_step(iteration, inventories, intact, world_size, False)
+        held: Dict[PartKey, memoryview] = {}  # replicas verified in memory, to send
         if step.verify:  # the same on every rank: they all gathered the same facts
-            verified |= _verify(directory, step.verify.get(rank, []))
+            verified |= _verify(directory, step.verify.get(rank, []), held)
             intact = _gather_intact(verified)
             step = recovery.next_step(iteration, inventories, intact, world_size, True)
         if step.plan is None:
@@ -125,9 +127,12 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
         try:
             mine, damaged = None, False
             if not stuck:
-                mine, damaged, stuck = _move_parts(step.plan, group, directory, inventories, rank)
+                mine, damaged, stuck = _move_parts(
+                    step.plan, group, directory, inventories, rank, held
+                )
             damaged, stuck = coordination.all_reduce_max([int(damaged), int(stuck)])
         finally:  # every rank's operations ended: what a timeout left posted goes too
+            held.clear()
             if group is not None:
                 dist.destroy_process_group(group)
         if stuck:
@@ -149,13 +154,22 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
     return None
 
 
-def _verify(directory: str, records: Sequence[PartRecord]) -> Set[PartKey]:
+def _verify(
+    directory: str, records: Sequence[PartRecord], held: Optional[Dict[PartKey, memoryview]] = None
+) -> Set[PartKey]:
     """The keys of ``records`` whose parts hash to their digests; any error (a full
-    memory, a vanished disk) counts as not intact, logged, so every rank still agrees."""
+    memory, a vanished disk) counts as not intact, logged, so every rank still agrees.
+
+    With ``held``, each intact part's bytes are kept there: the replicas a holder verifies
+    for a missing owner, which it is then likely to send (read once, not twice)."""
     intact = set()
     for record in records:
         try:
-            if parts.verify_part(directory, record):
+            if held is None:
+                if parts.verify_part(directory, record):
+                    intact.add(record.key)
+            elif (data := parts.read_verified(directory, record)) is not None:
+                held[record.key] = memoryview(data)
                 intact.add(record.key)
         except Exception as exc:
             logger.warning(
@@ -190,12 +204,13 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int):
 
 def _move_parts(
     plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
-    inventories: Sequence[Sequence[PartRecord]], rank: int,
+    inventories: Sequence[Sequence[PartRecord]], rank: int, held: Dict[PartKey, memoryview],
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
     (every rank, the plan in the same order everywhere), point to point over ``group``
     (:func:`_open_transfer_group`) within one deadline. Its receive is posted before any
-    send is waited for, and its sends go one at a time, each part read (and verified) just before.
+    send is waited for, and its sends go one at a time, each part from the bytes verified
+    in ``held``, else read (and verified) just before.
 
     Returns:
         ``(this rank's part or None, damaged, stuck)``: damaged when a part did not hash
@@ -215,7 +230,7 @@ def _move_parts(
         for entry in plan.entries:
             if entry.sender == rank and entry.receiver != rank:
                 record = next(r for r in inventories[rank] if r.key == entry.id_)
-                data = parts.read_verified(directory, record)
+                data = held.pop(record.key, None) or parts.read_verified(directory, record)
                 if data is None:  # changed since verified: the receiver's digest check fails
                     data, damaged = bytearray(record.num_bytes), True
                 tensor = torch.frombuffer(data, dtype=torch.uint8)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_async.core import AsyncCallsQueue
 from megatron_async.core.config import AsyncCallerConfig
 from megatron_async.errors import AsyncSaveFailedError, CheckpointingException
-from megatron_async.local import parts, recover, transport
+from megatron_async.local import recover, transport
 from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
 from tests.functional.harness import RankContext, by_name, only_selected, run_scenarios
 
@@ -314,14 +314,14 @@ def a_move_that_timed_out_leaves_nothing_behind(ctx: RankContext):
     if ctx.rank == 2:
         shutil.rmtree(_holder(ctx, root, 2))
     dist.barrier()
-    read, timeout_s = parts.read_verified, recover.coordination.coordination_timeout_s
+    isend, timeout_s = recover.dist.isend, recover.coordination.coordination_timeout_s
     try:
         recover.coordination.coordination_timeout_s = lambda: 3.0
         if ctx.rank == 0:
-            parts.read_verified = lambda *args: time.sleep(6.0) or read(*args)
+            recover.dist.isend = lambda *args, **kwargs: time.sleep(6.0) or isend(*args, **kwargs)
         assert _manager(ctx, root).find_latest() == -1
     finally:
-        parts.read_verified, recover.coordination.coordination_timeout_s = read, timeout_s
+        recover.dist.isend, recover.coordination.coordination_timeout_s = isend, timeout_s
     loader = _manager(ctx, root)
     assert _recover(ctx, root, 3, _state(ctx.rank, 3)) == (0 if ctx.rank == 2 else ctx.rank)
     assert loader.find_latest() == 3 and loader.recovered_from == ctx.rank  # written back
