@@ -62,10 +62,11 @@ LOST_TIME_DCP_METHODS = ("dcp_thread", "dcp_process", "dcp_async_staging")
 (synchronous staging) on its thread or process executor, and with asynchronous staging
 waited for before the next optimizer step."""
 
-LOST_TIME_LOCAL_METHODS = ("ours_local_f2",)
+LOST_TIME_LOCAL_METHODS = ("ours_local_f1", "ours_local_f2")
 """The lost-time loop's local-tier methods: the example's local checkpoint
-(``Checkpointer.save(..., local=True)``) with the persistent caller, replicated with
-F = 2 (J = ranks / 2, each rank's part also on the rank J away), atomic algo; the launch
+(``Checkpointer.save(..., local=True)``) with the persistent caller, atomic algo, not
+replicated (F = 1: what the local tier costs by itself) or replicated with F = 2 (J =
+ranks / 2, each rank's part also on the rank J away: what replication adds); the launch
 adds ``--non-persistent-local-ckpt-dir`` and ``--replication-jump`` (they depend on it)."""
 
 LOST_TIME_METHODS = (("sync",) + LOST_TIME_OUR_METHODS + LOST_TIME_LOCAL_METHODS
@@ -78,6 +79,9 @@ EXAMPLE_FLAGS = {
                         "--ckpt-assume-constant-structure"],
     "ours_persistent_overlap": ["--async-save", "--use-persistent-ckpt-worker",
                                 "--ckpt-assume-constant-structure", "--ckpt-overlap-staging"],
+    "ours_local_f1": ["--async-save", "--use-persistent-ckpt-worker",
+                      "--ckpt-assume-constant-structure", "--non-persistent-ckpt-type", "local",
+                      "--non-persistent-local-ckpt-algo", "atomic"],
     "ours_local_f2": ["--async-save", "--use-persistent-ckpt-worker",
                       "--ckpt-assume-constant-structure", "--non-persistent-ckpt-type", "local",
                       "--non-persistent-local-ckpt-algo", "atomic", "--replication",

@@ -29,10 +29,11 @@ Methods (:data:`~.config.LOST_TIME_METHODS`, built by :mod:`.methods.catalog`):
   ``--ckpt-assume-constant-structure`` (the worker forked from the trainer);
   ``ours_persistent_overlap`` adds
   ``--ckpt-overlap-staging``;
-* ``ours_local_f2``: ``ours_persistent``'s flags, but every save a local checkpoint
-  (``--non-persistent-ckpt-type local``, atomic algo) replicated with F = 2 and
-  J = ranks / 2 (an even number of ranks, 2 or more; on one machine every "node" shares
-  the checkpoint root), to compare with ``ours_persistent``;
+* ``ours_local_f1`` / ``ours_local_f2``: ``ours_persistent``'s flags, but every save a
+  local checkpoint (``--non-persistent-ckpt-type local``, atomic algo), not replicated,
+  or replicated with F = 2 and J = ranks / 2 (an even number of ranks, 2 or more; on one
+  machine every "node" shares the checkpoint root and the cores), to compare with
+  ``ours_persistent``;
 * ``dcp_thread`` / ``dcp_process``: ``dcp.async_save`` with its thread or process
   executor and one reused ``DefaultStager`` (synchronous staging; shared memory for the
   process executor);
@@ -168,7 +169,7 @@ def lost_time_job(ctx: RankContext) -> Dict[str, Any]:
     dist.barrier(group=group)
     name = payload["method"]
     local_flags = []
-    if name in LOST_TIME_LOCAL_METHODS:  # F = 2: each rank's part also on the rank J away
+    if name in LOST_TIME_LOCAL_METHODS:  # with F = 2 each rank's part also on the rank J away
         local_flags = ["--non-persistent-local-ckpt-dir", os.path.join(root, "local"),
                        "--replication-jump", str(ctx.world_size // 2)]
     trainer = ExampleTrainer(payload["num_layers"], payload["hidden_size"], [

@@ -47,9 +47,9 @@ LOST_TIME_TARGETS = {
     "first_vs_sync": "first save + set-up <= 1.5 x sync's",
     "overlap_stall_vs_memcpy": "overlapped staging: warm stall <= 0.1 x one memory copy "
                                "of the state",
-    "local_lost_vs_persistent": "local save, F = 2: lost time per warm save <= 1.0 x "
+    "local_lost_vs_persistent": "local save: lost time per warm save <= 1.0 x "
                                 "ours_persistent's",
-    "local_stall_vs_persistent": "local save, F = 2: warm stall <= 1.1 x ours_persistent's",
+    "local_stall_vs_persistent": "local save: warm stall <= 1.1 x ours_persistent's",
 }
 
 

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
-from .config import LOST_TIME_LOCAL_METHODS, LOST_TIME_METHODS
+from .config import LOST_TIME_METHODS
 from .lost_time_report import (
     aggregate_lost_time,
     draw_lost_time_plot,
@@ -106,7 +106,7 @@ def measure_lost_time(options: LostTimeOptions, checkpoint_root: str, timeout_s:
                            "hidden_size": hidden, "saves": options.saves,
                            "window": options.window, "tag": tag,
                            "checkpoint_root": os.path.abspath(checkpoint_root)}
-                if method in LOST_TIME_LOCAL_METHODS and (ranks < 2 or ranks % 2):
+                if method == "ours_local_f2" and (ranks < 2 or ranks % 2):
                     runs.append(dict(meta, status="skipped", reason="replication with F = 2 "
                                      "needs an even number of ranks, 2 or more"))
                     print(f"  {method}: skipped ({ranks} rank(s))", flush=True)
@@ -145,8 +145,9 @@ def render_lost_time(lost: Dict[str, Any], out_dir: str) -> List[str]:
         "median over the saves after the first; \"first save + set-up\" = the method's set-up "
         "call + the excess of the iterations right after it + the first save's lost time. "
         "Ratios: lost warm over one memory copy of the state (with CUDA: device to pinned "
-        "host memory, staging's limit), over sync's and over each DCP row. `ours_local_f2` "
-        "saves local checkpoints (replicated, F = 2) instead of persistent ones.", "",
+        "host memory, staging's limit), over sync's and over each DCP row. `ours_local_f1` and "
+        "`ours_local_f2` save local checkpoints (not replicated; replicated, F = 2) instead "
+        "of persistent ones.", "",
         format_lost_time(runs, config["num_layers"]), "",
         "#### Lost-time targets (reported, never asserted)", "",
         format_lost_time_targets(lost["targets"]), "",

@@ -1,5 +1,6 @@
-"""The lost-time benchmark's local-tier row (``ours_local_f2``): its targets against
-``ours_persistent``, and its launch skipped where F = 2 cannot replicate."""
+"""The lost-time benchmark's local-tier rows (``ours_local_f1``, ``ours_local_f2``): their
+targets against ``ours_persistent``, and the replicated launch skipped where F = 2 cannot
+replicate."""
 
 from tools.bench.lost_time_report import evaluate_lost_time_targets
 from tools.bench.lost_time_run import LostTimeOptions, measure_lost_time
@@ -13,7 +14,10 @@ def _entry(method, lost, stall):
 
 def test_local_targets_are_ratios_to_the_persistent_save():
     rows = evaluate_lost_time_targets([_entry("ours_persistent", 0.2, 0.1),
+                                       _entry("ours_local_f1", 0.3, 0.1),
                                        _entry("ours_local_f2", 0.1, 0.12)])
+    unreplicated = {r["target"]: r["verdict"] for r in rows if r["method"] == "ours_local_f1"}
+    assert unreplicated == {"local_lost_vs_persistent": "MISS", "local_stall_vs_persistent": "PASS"}
     local = {r["target"]: r for r in rows if r["method"] == "ours_local_f2"}
     assert set(local) == {"local_lost_vs_persistent", "local_stall_vs_persistent"}
     assert local["local_lost_vs_persistent"]["ratio"] == 0.5
