@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import EXAMPLE_FLAGS
+from ..config import EXAMPLE_FLAGS, LOST_TIME_LOCAL_METHODS
 from ..gpt_example import ExampleTrainer
 
 _WRITE_SETTLE_S = 1.0
@@ -42,7 +42,9 @@ def _report(profile: cProfile.Profile, lines: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--method", default="ours_persistent_overlap", choices=sorted(EXAMPLE_FLAGS))
+    methods = sorted(m for m, flags in EXAMPLE_FLAGS.items() if "--replication" not in flags)
+    parser.add_argument("--method", default="ours_persistent_overlap", choices=methods,
+                        help="a lost-time method's flags (one rank: not a replicated one)")
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--saves", type=int, default=5, help="saves; the last one is profiled")
@@ -54,7 +56,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     trainer = ExampleTrainer(args.num_layers, args.hidden_size, [
         "--train-iters", "1000000", "--save", os.path.join(workdir, "ckpt"),
-        "--save-interval", "1", *EXAMPLE_FLAGS[args.method]])
+        "--save-interval", "1", *EXAMPLE_FLAGS[args.method],
+        "--non-persistent-local-ckpt-dir", os.path.join(workdir, "local")])
     from gpt.checkpointing import Checkpointer, create_checkpoint_queue
 
     queue = create_checkpoint_queue(trainer.args)
@@ -70,7 +73,8 @@ def main(argv=None) -> None:
             start = time.perf_counter()
             if last:
                 save_profile.enable()
-            checkpointer.save(trainer.iteration, trainer.consumed)
+            checkpointer.save(trainer.iteration, trainer.consumed,
+                              local=args.method in LOST_TIME_LOCAL_METHODS)
             if last:
                 save_profile.disable()
             stalls.append(time.perf_counter() - start)
