@@ -20,9 +20,8 @@ A writer whose own part failed, or that cannot listen or publish its address, pu
 the reason under its key instead of an address
 (:func:`~megatron_async.local.transport.publish_failure`): its peers fail at once.
 
-The part is sent with ``socket.sendall`` from the buffers it is given: the manager's
-writer (:mod:`.part_writer`) gives the written part file mapped read-only, so the part is
-never held in the writer's own memory; the receiver's digest check covers the transfer.
+The part is sent from its written file with ``socket.sendfile``, so it never passes
+through the writer's memory; the receiver's digest check covers the transfer.
 Every wait ends at the caller's deadline; the listener, connections and threads are
 closed and the store key deleted on every path.
 """
@@ -31,10 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -109,16 +109,18 @@ class ForgetPublishedKey:
         transport.forget_key(spec.store_host, spec.store_port, spec.key(self._rank), _CLOSE_GRACE_S)
 
 
-def exchange_part(
-    exchange: PeerExchange, record: PartRecord, buffers: Sequence[Any]
-) -> List[PartRecord]:
+def exchange_part(exchange: PeerExchange, record: PartRecord, path: str) -> List[PartRecord]:
     """Send this rank's part to every peer and keep every peer's part (background writer).
+
+    Each peer's copy goes from the part's file with ``sendfile``: the kernel reads it and
+    hands it to the socket, with no copy through this process's memory and no mapping of
+    the file (a part written with direct I/O is read back from the disk either way).
 
     Args:
         exchange: where the part goes and the deadline.
         record: the part's record as :func:`~megatron_async.local.part_output.open_part`
             computed it; its owner is this rank.
-        buffers: the part's bytes (bytes-like objects, one after the other).
+        path: the part's file.
 
     Returns:
         The records of the replicas written into ``exchange.directory``, by owner.
@@ -127,20 +129,20 @@ def exchange_part(
         LocalReplicationError: some peer's part was not kept, or some peer did not
             acknowledge this rank's part, by the deadline (``failures`` says per peer); or
             the writer could not listen or publish its address.
-        LocalCheckpointError: the buffers do not fit the record, or no address of this
+        LocalCheckpointError: the file is not of the record's size, or no address of this
             node is found (set ``MEGATRON_ASYNC_LOCAL_ADDR``).
     """
     if not exchange.peers:
         return []
     if record.owner in exchange.peers:
         raise LocalCheckpointError(f"rank {record.owner} is among its own peers {exchange.peers}")
-    views = [memoryview(b).cast("B") for b in buffers]
-    if sum(v.nbytes for v in views) != record.num_bytes:
+    size = os.path.getsize(path)
+    if size != record.num_bytes:
         raise LocalCheckpointError(
-            f"rank {record.owner}'s buffers hold {sum(v.nbytes for v in views)} bytes, "
-            f"its record says {record.num_bytes}"
+            f"rank {record.owner}'s part {path} holds {size} bytes, its record says "
+            f"{record.num_bytes}"
         )
-    return _Exchange(exchange, record, views).run()
+    return _Exchange(exchange, record, path).run()
 
 
 class _Exchange:
@@ -153,8 +155,8 @@ class _Exchange:
     deadline passes; the first outcome counts, later ones are echoes of the closing.
     """
 
-    def __init__(self, spec: PeerExchange, record: PartRecord, views: List[memoryview]):
-        self.spec, self.record, self.views, self.rank = spec, record, views, record.owner
+    def __init__(self, spec: PeerExchange, record: PartRecord, path: str):
+        self.spec, self.record, self.path, self.rank = spec, record, path, record.owner
         self.deadline = time.monotonic() + spec.timeout_s
         self.cond = threading.Condition()
         self.sent: Dict[int, Optional[str]] = {}
@@ -306,9 +308,9 @@ class _Exchange:
             header.update(session_id=self.spec.session_id, receiver=peer)
             sock.settimeout(self.wait_s())
             transport.send_message(sock, header)
-            for view in self.views:
-                sock.settimeout(self.wait_s())  # sendall's timeout bounds the whole call
-                sock.sendall(view)
+            with open(self.path, "rb") as part:  # its own file position per peer
+                sock.settimeout(self.wait_s())  # bounds each wait; close() ends it at the deadline
+                sock.sendfile(part)
             sock.shutdown(socket.SHUT_WR)
             self.phase[peer] = "ack"
         except OSError as exc:  # it may have refused the part and said why

@@ -11,8 +11,6 @@ save), never on the training thread.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import mmap
 import os
 from typing import List, Optional
 
@@ -24,8 +22,6 @@ from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.writer.torch_save_file import write_torch_save_records
 
 __all__ = ["LocalSaveJob", "write_local_part"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,9 +55,10 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
     8 MiB chunk, hashed there, written with ``O_DIRECT`` where accepted), so the part is
     never built in memory: the writer holds the staging memory (within the budget; given
     back once the last record is written, before the fsync), the chunk and the zip
-    writer's small buffers. The part is then sent from the written file, mapped
-    read-only (read back from the disk, which direct I/O left out of the page cache, not
-    kept in this process's memory), while each peer's part is received through a 4 MiB
+    writer's small buffers. The part is then sent from the written file with
+    ``sendfile`` (the kernel reads it back from the disk, which direct I/O left out of
+    the page cache; nothing of it passes through this process), while each peer's part
+    is received through a 4 MiB
     buffer and an 8 MiB chunk per peer and written as a replica
     (:func:`~megatron_async.local.exchange.exchange_part`).
 
@@ -99,13 +96,4 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
     if not replicated:
         return [own]
     path = os.path.join(job.directory, part_name(job.iteration, job.rank))
-    with open(path, "rb") as part:
-        mapped = mmap.mmap(part.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        replicas = exchange_part(job.exchange, own, [mapped])
-    finally:
-        try:
-            mapped.close()
-        except BufferError:  # a send thread that did not stop still views it: unmapped when freed
-            logger.debug("rank %d: the mapped part is still viewed; unmapped later", job.rank)
-    return [own, *replicas]
+    return [own, *exchange_part(job.exchange, own, path)]

@@ -22,7 +22,7 @@ from megatron_async.local import transport
 from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange, exchange_part
 from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
 from megatron_async.local.part_output import write_part
-from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan
+from megatron_async.local.parts import LocalIdentity, holder_dir, part_name, read_verified, scan
 
 ITERATION = 30
 SESSION = "s"
@@ -82,15 +82,22 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             transport.send_message = die_at_the_ack
         if behaviour == "late":
             time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
-        if behaviour == "damages its part":
-            buffers = [b"X" + bytes(buffers[0][1:])] + buffers[1:]
+        path = os.path.join(directory, part_name(ITERATION, rank))
+        if behaviour == "damages its part":  # on its way: one byte flipped in what is sent
+
+            def send_damaged(sock, part, *args):
+                data = bytearray(part.read())
+                data[0] ^= 0xFF
+                sock.sendall(data)
+
+            socket.socket.sendfile = send_damaged  # this forked rank's only
         spec = PeerExchange(
             store_host="127.0.0.1", store_port=port, key_prefix=PREFIX, session_id=SESSION,
             peers=peers, directory=directory, timeout_s=timeout_s,
         )
         start = time.monotonic()
         try:
-            replicas = exchange_part(spec, record, buffers)
+            replicas = exchange_part(spec, record, path)
         except LocalReplicationError as exc:
             queue.put((rank, "failed", str(exc), exc.failures, time.monotonic() - start))
         else:
@@ -340,7 +347,8 @@ def test_a_strangers_connection_does_not_disturb_the_exchange(store, tmp_path):
             store_host="127.0.0.1", store_port=store.port, key_prefix=PREFIX,
             session_id=SESSION, peers=(1 - me,), directory=directory, timeout_s=30.0,
         )
-        outcomes[me] = [r.key for r in exchange_part(spec, record, _part(me, 1000))]
+        path = os.path.join(directory, part_name(ITERATION, me))
+        outcomes[me] = [r.key for r in exchange_part(spec, record, path)]
 
     threads = [threading.Thread(target=rank, args=(me, me * 1.0)) for me in (0, 1)]
     threads[0].start()
