@@ -91,6 +91,23 @@ class BucketFile:
                     self._write_chunk(chunk_bytes)
                     self._filled = 0
 
+    def free_space(self) -> memoryview:
+        """The chunk's unfilled tail (never empty), for a source that reads into memory
+        itself (``socket.recv_into``): fill its start, then :meth:`commit` the bytes
+        filled. The bytes go into the chunk without passing through another buffer."""
+        return self._view[self._filled:]
+
+    def commit(self, count: int) -> None:
+        """Append the first ``count`` bytes of :meth:`free_space`, just filled: hash them
+        while they are in cache, and write the chunk once full."""
+        start = self._filled
+        if self._hasher is not None:
+            self._hasher.update(self._view[start:start + count])
+        self._filled += count
+        if self._filled == self._view.nbytes:
+            self._write_chunk(self._filled)
+            self._filled = 0
+
     def finish(self, use_fsync: bool) -> None:
         """Write what the chunk still holds (subclasses then make the output durable)."""
         if self._filled:

@@ -58,8 +58,7 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
     writer's small buffers. The part is then sent from the written file with
     ``sendfile`` (the kernel reads it back from the disk, which direct I/O left out of
     the page cache; nothing of it passes through this process), while each peer's part
-    is received through a 4 MiB
-    buffer and an 8 MiB chunk per peer and written as a replica
+    is received straight into an 8 MiB chunk per peer and written as a replica
     (:func:`~megatron_async.local.exchange.exchange_part`).
 
     Args:

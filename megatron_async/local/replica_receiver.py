@@ -5,9 +5,9 @@ Runs in the **background writer**, on threads of one run of
 connections on the run's listener, and one per connection receives a part. A part is
 kept only when its header names this save (session, iteration, this rank as receiver),
 its owner is one of this rank's peers not received yet, and its owner's job identity is
-this job's; it streams through a bounded buffer
-(:func:`~megatron_async.local.transport.recv_chunks`) into
-:func:`~megatron_async.local.part_output.write_part` with the owner's digest, and is
+this job's; it is received straight into the chunk of the replica's file
+(:func:`~megatron_async.local.transport.recv_into_stream` into
+:func:`~megatron_async.local.part_output.open_part`, with the owner's digest), and is
 acknowledged only once the replica is durable and hashed to that digest. Otherwise the
 sender is told why (:func:`~megatron_async.local.transport.answer_and_drain`).
 """
@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.local import transport
-from megatron_async.local.part_output import write_part
+from megatron_async.local.part_output import open_part
 from megatron_async.local.parts import LocalIdentity
 
 __all__ = ["ReplicaReceiver"]
@@ -72,12 +72,14 @@ class ReplicaReceiver:
             conn.settimeout(run.wait_s())
             header = transport.recv_message(conn)
             owner = self.admit(header)
-            replica = write_part(
+            with open_part(
                 run.spec.directory, run.record.iteration, owner,
-                transport.recv_chunks(conn, header["num_bytes"], run.deadline),
-                LocalIdentity(**header["identity"]),
-                expected_digest=header["digest"],
-            )
+                LocalIdentity(**header["identity"]), expected_digest=header["digest"],
+            ) as stream:
+                transport.recv_into_stream(
+                    conn, header["num_bytes"], run.deadline, stream.free_space, stream.commit
+                )
+            replica = stream.record
         except _Refused as exc:
             self.refuse(conn, exc.args[1], exc.args[0])
         except (CheckpointIntegrityError, StorageWriteError) as exc:

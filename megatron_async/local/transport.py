@@ -8,9 +8,8 @@ opens its own store client (:func:`store_client`, :func:`read_key`), listens on 
 node's address (:func:`advertised_address`, :func:`listen`), connects to the address a
 peer published (:func:`connect_published`), talks to peers in
 length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`,
-:func:`answer_and_drain`) and receives bulk bytes through a bounded buffer
-(:func:`recv_chunks`). :mod:`.exchange` builds the
-replication of a part on these.
+:func:`answer_and_drain`) and receives bulk bytes straight into a stream's buffer
+(:func:`recv_into_stream`). :mod:`.exchange` builds the replication of a part on these.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -47,7 +46,7 @@ __all__ = [
     "answer_and_drain",
     "publish_failure",
     "forget_key",
-    "recv_chunks",
+    "recv_into_stream",
     "close_socket",
 ]
 
@@ -63,7 +62,6 @@ will not take part in an exchange (its own part failed): its peers stop waiting 
 
 _LENGTH = struct.Struct("!I")
 _MAX_MESSAGE_BYTES = 1 << 16
-_CHUNK_BYTES = 4 << 20
 _DRAIN_BYTES = 1 << 16
 _POLL_S = 0.05
 
@@ -291,25 +289,29 @@ def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
     return bytes(data)
 
 
-def recv_chunks(sock: socket.socket, num_bytes: int, deadline: float) -> Iterator[memoryview]:
-    """Receive ``num_bytes`` through one bounded buffer, by the ``time.monotonic()``
-    deadline. Each chunk is overwritten by the next: consume it before asking for more.
+def recv_into_stream(
+    sock: socket.socket, num_bytes: int, deadline: float,
+    free_space: Callable[[], memoryview], commit: Callable[[int], None],
+) -> None:
+    """Receive ``num_bytes`` straight into a stream's buffer, by the ``time.monotonic()``
+    deadline: each ``recv_into`` fills the start of ``free_space()``, and ``commit`` takes
+    the bytes received (a :class:`~megatron_async.buckets.bucket_file.BucketFile`'s chunk:
+    no copy through a receive buffer).
 
     Raises:
         PeerLost: the connection broke, closed or timed out first.
     """
-    view = memoryview(bytearray(max(min(_CHUNK_BYTES, num_bytes), 1)))
     done = 0
     while done < num_bytes:
         sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         try:
-            count = sock.recv_into(view[: min(num_bytes - done, len(view))])
+            count = sock.recv_into(free_space()[: num_bytes - done])
         except OSError as exc:
             raise PeerLost(f"after {done} of {num_bytes} bytes: {exc}") from exc
         if not count:
             raise PeerLost(f"the connection closed after {done} of {num_bytes} bytes")
+        commit(count)
         done += count
-        yield view[:count]
 
 
 def close_socket(sock: socket.socket) -> None:

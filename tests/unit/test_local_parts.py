@@ -3,13 +3,16 @@
 import json
 import logging
 import os
+import socket
+import threading
+import time
 
 import pytest
 
 from megatron_async.buckets.bucket_file import CHUNK_BYTES, new_hasher
 from megatron_async.buckets.direct_io import DIRECT_IO_ALIGNMENT
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
-from megatron_async.local import part_output, parts
+from megatron_async.local import part_output, parts, transport
 from megatron_async.local.part_output import write_part
 from megatron_async.local.parts import (
     FORMAT,
@@ -220,3 +223,19 @@ def test_a_part_of_unaligned_size_over_several_chunks_records_the_digest_of_its_
     except OSError:
         return  # a file system without direct I/O: written buffered, as checked above
     assert direct, "the part was not written with O_DIRECT where the file system accepts it"
+
+
+def test_a_replica_received_straight_into_the_chunk_records_the_digest_of_its_bytes(tmp_path):
+    """A peer's part arrives from its socket directly into the bucket file's chunk (no
+    receive buffer): unaligned, over several chunks, in whatever pieces the socket gives."""
+    data = os.urandom(2 * CHUNK_BYTES + DIRECT_IO_ALIGNMENT + 1)
+    receiver, sender = socket.socketpair()
+    feeder = threading.Thread(target=lambda: (sender.sendall(data), sender.close()))
+    feeder.start()
+    with part_output.open_part(tmp_path, 5, 1, IDENTITY, expected_digest=_digest(data)) as stream:
+        transport.recv_into_stream(receiver, len(data), time.monotonic() + 30, stream.free_space,
+                                   stream.commit)
+    feeder.join()
+    receiver.close()
+    assert (tmp_path / part_name(5, 1)).read_bytes() == data
+    assert (stream.record.num_bytes, stream.record.digest) == (len(data), _digest(data))
