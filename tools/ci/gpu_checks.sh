@@ -9,6 +9,9 @@
 #    with the persistent worker and pipeline parallelism (1F1B), a SIGKILL during an async
 #    save, and a resume from TP 2 to TP 1 and back. With one GPU the two ranks share it
 #    (examples/gpt/devices.py); overlapped staging on CUDA is among the gpu-marked tests;
+# 3b. the local checkpoint tier as an NCCL job: two torchrun "nodes" of 2 ranks on the one
+#    GPU, fully_parallel, node 1's local directory lost: every rank resumes from its peers'
+#    replicas (parts restored to their recorded CUDA devices) with the uninterrupted losses;
 # 4. a measurement: the warm stall of device tensors, 4,000 x 16 KiB and then the same bytes
 #    in 40 tensors, each beside one device-to-host copy of the state into pinned memory, one
 #    copy per tensor, and a device gather + one copy: whether gathering many small device
@@ -25,7 +28,8 @@
 # and there: pip install -q --no-deps --target /tmp/site .whl/*.whl &&
 #   PYTHONPATH=/tmp/site PYTHON=python3 bash tools/ci/gpu_checks.sh
 # Steps 1-4 took 220-304 s on an H200 (2026-11-27, -28); step 5 about 4 minutes (a method cut
-# after 90 s included): give the command 590 s.
+# after 90 s included): give the command 590 s. Step 3b is new (2026-11-28, not yet run on a
+# GPU; about 1 minute on CPU).
 #
 # Fails at once, saying so, where no CUDA device is visible (the tests would only skip).
 # Every step runs even when an earlier one fails; the exit status says whether all passed.
@@ -53,6 +57,8 @@ step gpu_tests "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests
 step d2h_throughput "$PYTHON" -m tools.bench.micro.d2h_throughput --mib 1024
 step gpt_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/functional/test_pretrain_gpt.py \
     -k "resume_reproduces and persistent or kill_during or other_parallelism and tp2-to-tp1"
+step local_tier_nccl "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    tests/functional/test_pretrain_gpt_local_checkpoints.py -k "fully_parallel"
 step warm_stall_cuda bash -c "for shape in '4000 16KiB' '40 1600KiB'; do set -- \$shape; \
     '$PYTHON' -m tools.bench.micro.warm_stall --device cuda --tensors \$1 --tensor-bytes \$2 \
     --callers persistent --saves 10 --phases || exit 1; done"
