@@ -247,7 +247,9 @@ class _Exchange:
         return False
 
     def close(self, listener: Optional[socket.socket]) -> None:
-        """Settle what is open as timed out, close every socket and join the threads."""
+        """Settle what is open as timed out, shut every socket down, join the threads,
+        then close the sockets (left open, logged, while a thread that did not stop may
+        still use one)."""
         waited = f"timed out after {self.spec.timeout_s:g} s"
         with self.cond:
             for peer in self.spec.peers:
@@ -259,12 +261,19 @@ class _Exchange:
             self.closed = True
             sockets, threads = self.sockets + [listener] * (listener is not None), self.threads
         for sock in sockets:
-            transport.close_socket(sock)
+            transport.shutdown_socket(sock)
         stop_by = time.monotonic() + _CLOSE_GRACE_S
+        stuck = []
         for thread in threads:
             thread.join(max(stop_by - time.monotonic(), 0))
             if thread.is_alive():
-                logger.warning("rank %d: exchange thread %s did not stop", self.rank, thread.name)
+                stuck.append(thread.name)
+        if stuck:
+            logger.warning("rank %d: exchange threads %s did not stop; their sockets stay open",
+                           self.rank, ", ".join(stuck))
+            return
+        for sock in sockets:
+            sock.close()
 
     def timed_out(self, peer: int) -> str:
         """What the send to ``peer`` was waiting for when the deadline passed."""

@@ -23,6 +23,7 @@ nvidia-resiliency-ext's; what differs is where the work runs and what is checked
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -291,18 +292,28 @@ class LocalCheckpointManager:
         iteration is tried. A part received from a peer is written back to this rank's
         holder directory. Memory: verifying streams through one 8 MiB buffer; the
         replicas a rank verifies for missing owners (usually one) and its own part
-        received are in memory while parts move; a rank
-        that received its part keeps it for :meth:`load` (until the next save), the
+        received are in memory while parts move; a rank that received its part keeps it
+        for the first :meth:`load` (then only if it could not be written back), the
         others keep only the record of their verified copy; a second call returns the
-        cached answer. The
-        ranks must agree on the identity (a ``run_id`` or ``algo`` passed on some ranks
-        only): else every rank logs both and returns -1.
+        cached answer. The ranks must agree on the identity (a ``run_id`` or ``algo``
+        passed on some ranks only): else every rank logs both and returns -1.
 
         Each rank logs which copy it recovered (INFO) and keeps its holder in
         :attr:`recovered_from`.
+
+        Raises:
+            CheckpointingException: a save of this manager is still in flight: finalize
+                it first (``maybe_finalize_async_calls(blocking=True)``); its writer may
+                remove what a recovery would choose.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
+        if self.retention.in_flight:
+            raise CheckpointingException(
+                f"rank {self.rank}: local checkpoint save(s) of iteration(s) "
+                f"{sorted(self.retention.in_flight)} are still in flight: finalize them "
+                "(maybe_finalize_async_calls(blocking=True)) before find_latest()"
+            )
         self._job_token()
         self._recovered = recover.recover_newest(
             os.fspath(self.local_ckpt_dir), self.identity(), self.rank
@@ -338,6 +349,8 @@ class LocalCheckpointManager:
                 "and load only when it returned an iteration (not -1)"
             )
         state = recover.deserialize(self._recovered)
+        if self._recovered.written_back:  # its bytes are on disk again: a second load reads them
+            self._recovered = dataclasses.replace(self._recovered, data=None)
         return state, (self._recovered.iteration, self.rank, self.session_id)
 
     def __repr__(self) -> str:

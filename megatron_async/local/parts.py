@@ -253,6 +253,9 @@ def remove_iterations(directory: PathLike, predicate: Callable[[int], bool]) -> 
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except OSError as exc:  # best effort, like each removal: a failing disk is told, not raised
+        logger.warning("cannot list %s to remove old local checkpoint files: %s", directory, exc)
+        return []
     doomed = [n for n in names if (m := _NAME.fullmatch(n)) and predicate(int(m[1]))]
     doomed.sort(key=lambda n: (not n.endswith(".json"), n))  # records first
     removed = [n for n in doomed if remove_file(os.path.join(directory, n))]

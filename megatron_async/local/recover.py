@@ -58,6 +58,10 @@ __all__ = ["Recovered", "recover_newest", "deserialize"]
 
 logger = logging.getLogger(__name__)
 
+_MOVE_SHARE = 0.8
+"""The share of ``coordination_timeout_s`` the moving ranks have to connect and move the
+parts: the ranks that move nothing wait in the agreement after it, bounded by the whole."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Recovered:
@@ -123,12 +127,15 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
             step = recovery.next_step(iteration, inventories, intact, world_size, True)
         if step.plan is None:
             continue
-        group, stuck = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank)
+        # The movers connect and move within one deadline, short of the bound of the
+        # agreement the other ranks already wait in.
+        deadline = time.monotonic() + _MOVE_SHARE * coordination.coordination_timeout_s()
+        group, stuck = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank, deadline)
         try:
             mine, damaged = None, False
             if not stuck:
                 mine, damaged, stuck = _move_parts(
-                    step.plan, group, directory, inventories, rank, held
+                    step.plan, group, directory, inventories, rank, held, deadline
                 )
             damaged, stuck = coordination.all_reduce_max([int(damaged), int(stuck)])
         finally:  # every rank's operations ended: what a timeout left posted goes too
@@ -183,7 +190,7 @@ def _gather_intact(verified: Set[PartKey]) -> List[set]:
     return [set(keys) for keys in coordination.all_gather_objects(sorted(verified))]
 
 
-def _open_transfer_group(plan: ExchangePlan, name: str, rank: int):
+def _open_transfer_group(plan: ExchangePlan, name: str, rank: int, deadline: float):
     """The group of the ranks that send or receive a part in ``plan``, created by them
     (every rank: the others, and every rank when nothing moves, get None).
 
@@ -194,7 +201,7 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int):
     movers = sorted({r for move in moves for r in move})
     if rank not in movers:
         return None, False
-    timeout_s = coordination.coordination_timeout_s()
+    timeout_s = max(deadline - time.monotonic(), 1e-3)
     try:
         return coordination.new_transfer_group(name, movers, timeout_s), False
     except Exception as exc:  # agreed on by the caller: nothing is recovered
@@ -205,10 +212,11 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int):
 def _move_parts(
     plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
     inventories: Sequence[Sequence[PartRecord]], rank: int, held: Dict[PartKey, memoryview],
+    deadline: float,
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
     (every rank, the plan in the same order everywhere), point to point over ``group``
-    (:func:`_open_transfer_group`) within one deadline. Its receive is posted before any
+    (:func:`_open_transfer_group`) by ``deadline`` (``time.monotonic()``). Its receive is posted before any
     send is waited for, and its sends go one at a time, each part from the bytes verified
     in ``held``, else read (and verified) just before.
 
@@ -216,7 +224,6 @@ def _move_parts(
         ``(this rank's part or None, damaged, stuck)``: damaged when a part did not hash
         to its digest (every operation finished), stuck when a wait failed or ran out.
     """
-    deadline = time.monotonic() + coordination.coordination_timeout_s()
     mine, receive, damaged = None, None, False
     try:
         for entry in plan.entries:
@@ -315,10 +322,12 @@ def deserialize(part: Recovered):
     """The state dict in ``part``'s bytes, its tensors back on their devices (every rank).
 
     A copy on this rank's disk is verified again (read and hashed through one 8 MiB
-    buffer: an unreadable sector is an error here, never a ``SIGBUS`` later), then loaded
-    with ``torch.load(mmap=True)``: its tensors map the file's pages, just read, privately
+    buffer: an unreadable sector is an error here), then loaded with
+    ``torch.load(mmap=True)``: its tensors map the file's pages, just read, privately
     (changing them writes nothing back; each call gets its own), so no copy of the part is
-    made. A part received from a peer is deserialized from its bytes in memory. Trusted:
+    made (should the pages be evicted and the disk fail before the tensors are used, the
+    process gets ``SIGBUS``, as with any mapped file). A part received from a peer is
+    deserialized from its bytes in memory. Trusted:
     the bytes hash to the digest their owner recorded, so the full unpickler
     (``weights_only=False``) runs on this job's own output only.
 

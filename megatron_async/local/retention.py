@@ -94,8 +94,10 @@ class FinalizeLocalSave:
     """The finalize step of one local save (every rank, trainer).
 
     The queue runs it only once every rank's writer succeeded, i.e. every part and every
-    replica of ``iteration`` is durable on its holder: older iterations can go. When the
-    save failed, the queue raises ``failure_error_type`` instead and calls :meth:`abandon`.
+    replica of ``iteration`` is durable on its holder: older iterations can go. (Finalized
+    with ``maybe_finalize_async_calls(no_dist=True)``, it runs once this rank's writer
+    succeeded: the caller then vouches for the others.) When the save failed, the queue
+    raises ``failure_error_type`` instead and calls :meth:`abandon`.
 
     Args:
         retention: the manager's bookkeeping of its holder directory.

@@ -48,6 +48,7 @@ __all__ = [
     "forget_key",
     "recv_into_stream",
     "close_socket",
+    "shutdown_socket",
 ]
 
 logger = logging.getLogger(__name__)
@@ -314,10 +315,17 @@ def recv_into_stream(
         done += count
 
 
-def close_socket(sock: socket.socket) -> None:
-    """Shut a socket down (waking a thread blocked on it) and close it."""
+def shutdown_socket(sock: socket.socket) -> None:
+    """Shut a socket down, waking a thread blocked on it, without closing it: its number
+    stays taken until the thread is done with it (``socket.sendfile`` keeps using the
+    number it read at its start; closed, the number could name a file opened since)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # not connected, or already shut
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut a socket down and close it (its own thread, or no thread uses it)."""
+    shutdown_socket(sock)
     sock.close()

@@ -181,16 +181,29 @@ def _segment(cache: Optional[StagingBufferCache], num_bytes: int, pinned: bool):
     With a ``cache``, the segment its last save of this size used, once that save's loan
     is over (its writer read everything), under a new loan; a new segment, kept for the
     next save, otherwise. Without one (or while the kept one is still read), a segment of
-    this save alone and no loan."""
+    this save alone and no loan. A failed allocation ends the loan (the cache lends
+    again)."""
     kept, loan = (None, None) if cache is None else cache.lend(("torch.save", num_bytes, pinned), 1)
     if kept is not None and kept[0] is not None:
         return kept[0].segment, loan
-    segment = shared_memory.allocate_segment(num_bytes, reusable=kept is not None)
-    if pinned:
-        shared_memory.pin_segment(segment)
+    try:
+        segment = shared_memory.allocate_segment(num_bytes, reusable=kept is not None)
+        if pinned:
+            shared_memory.pin_segment(segment)
+    except BaseException:
+        _drop(cache, loan)
+        raise
     if kept is not None:
         kept[0] = _KeptSegment(segment)
     return segment, loan
+
+
+def _drop(cache: Optional[StagingBufferCache], loan) -> None:
+    """A save's staging failed: its segment leaves the cache (a device copy that timed
+    out may still land in it; the next save allocates anew) and its loan ends."""
+    if loan is not None:
+        cache.forget(loan)
+        loan.end()
 
 
 def stage_torch_save(
@@ -258,8 +271,7 @@ def stage_torch_save(
             staged.copy_job = copy_first_round(gate, plan, items, buffer, False, timeout_s,
                                                "torch.save staging in rounds", _ADVICE)
         except BaseException:
-            if loan is not None:  # the kept segment is lent again (its copies are synchronous)
-                loan.end()
+            _drop(cache, loan)
             raise
         return staged
 

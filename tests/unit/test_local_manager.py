@@ -303,3 +303,20 @@ def test_the_info_line_of_a_finalized_local_save_names_its_part_bytes_and_stagin
     assert f"({part}):" in line, line
     assert f"{part.stat().st_size} bytes" in line, line
     assert f"staging peak {peak} bytes in {rounds} round(s)" in line, line
+
+
+def test_find_latest_refuses_while_a_save_is_in_flight(tmp_path):
+    # A script that looks for a checkpoint to resume from while its own save is still
+    # being written could pick what that save's writer is about to remove.
+    manager = LocalCheckpointManager(tmp_path)
+    queue = AsyncCallsQueue()
+    try:
+        manager.save(BasicTensorAwareStateDict(_state(1.0)), 1)
+        request = manager.save(BasicTensorAwareStateDict(_state(2.0)), 2, is_async=True)
+        with pytest.raises(CheckpointingException, match=r"iteration\(s\) \[2\] are still in flight"):
+            manager.find_latest()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert manager.find_latest() == 2
+    finally:
+        queue.close()

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from megatron_async.core.shared_memory import find_segment
 from megatron_async.errors import (
     AsyncSaveFailedError,
     CheckpointValidationError,
@@ -19,6 +20,7 @@ from megatron_async.errors import (
 from megatron_async.staging.budget import StagingBufferCache, StagingLedger
 from megatron_async.staging.gate import StagingGate
 from megatron_async.staging.stager import BucketStager
+from megatron_async.staging import torch_save
 from megatron_async.staging.torch_save import stage_torch_save
 from megatron_async.torch_ckpt import TorchAsyncCheckpoint
 from megatron_async.writer.torch_save_file import write_torch_save_file, write_torch_save_records
@@ -373,11 +375,17 @@ def test_saving_after_close_says_to_create_a_new_torch_async_checkpoint(tmp_path
     assert not os.path.exists(tmp_path / "w.pt")
 
 
-def test_an_owner_that_saves_often_stages_into_the_same_segment_once_its_writer_is_done():
+def _segment_id(staged):
+    """The registered segment the save staged into (ids are never reused, addresses are)."""
+    return find_segment(staged.buffer).segment_id
+
+
+def test_an_owner_that_saves_often_stages_into_the_same_segment_once_its_writer_is_done(monkeypatch):
     # Local checkpoints every few iterations: allocating a state's worth of shared memory
     # per save was half of a local save's stall. The owner's cache lends the last save's
     # segment again only once that save's writer read it; a save that overlaps gets its
-    # own and leaves the first save's bytes alone; a failed staging gives the segment back.
+    # own and leaves the first save's bytes alone; a failed staging drops its segment (a
+    # device copy that timed out may still land there) and the cache lends a new one.
     cache = StagingBufferCache()
     state = {"w": torch.arange(KIB, dtype=torch.float32)}
 
@@ -385,19 +393,19 @@ def test_an_owner_that_saves_often_stages_into_the_same_segment_once_its_writer_
         return stage_torch_save(state, pickle, 2, True, 64 * KIB, 5.0, {}, cache=cache)
 
     first = stage()
-    first_segment = first.buffer.data_ptr()
+    first_segment = _segment_id(first)
     overlapping = stage()  # the first save's writer has not read it yet
-    assert overlapping.buffer.data_ptr() != first_segment
+    assert _segment_id(overlapping) != first_segment
     expected = _torch_save_bytes(state, _use_new_zipfile_serialization=True)
     assert _write(first) == expected
     assert _write(overlapping) == expected
 
     again = stage()
-    assert again.buffer.data_ptr() == first_segment
+    assert _segment_id(again) == first_segment
     state["w"].add_(1)
     assert _write(again) == expected  # staged before the change, which does not reach the file
     reused = stage()
-    assert reused.buffer.data_ptr() == first_segment
+    assert _segment_id(reused) == first_segment
     assert torch.load(io.BytesIO(_write(reused)), weights_only=True)["w"][0] == 1
 
     class Unpicklable:
@@ -407,6 +415,21 @@ def test_an_owner_that_saves_often_stages_into_the_same_segment_once_its_writer_
     with pytest.raises(RuntimeError, match="cannot pickle"):
         stage_torch_save({"w": state["w"], "x": Unpicklable()}, pickle, 2, True, 64 * KIB, 5.0,
                          {}, cache=cache)
+    after_pickle_failure = stage()  # the pickle fails before any segment is lent
+    assert _segment_id(after_pickle_failure) == first_segment
+    after_pickle_failure.release()
+
+    def copy_fails(*args):
+        raise RuntimeError("a copy failed")
+
+    monkeypatch.setattr(torch_save, "_storage_copy", copy_fails)
+    with pytest.raises(RuntimeError, match="a copy failed"):
+        stage()
+    monkeypatch.undo()
+    fresh = stage()  # the segment of a failed copy is dropped: a new one
+    fresh_segment = _segment_id(fresh)
+    assert fresh_segment != first_segment
+    assert _write(fresh) == _torch_save_bytes(state, _use_new_zipfile_serialization=True)
     last = stage()
-    assert last.buffer.data_ptr() == first_segment
+    assert _segment_id(last) == fresh_segment
     last.release()  # nothing left held in the process's ledger for the next tests
