@@ -22,6 +22,7 @@ from megatron_async.mcore.config import TorchDistSaveConfig
 from megatron_async.staging.budget import StagingBufferCache, StagingLedger, resolve_budget
 from megatron_async.staging.rounds import plan_bucket_rounds, plan_rounds, stage_in_rounds
 from megatron_async.staging.gate import StagingGate
+from megatron_async.staging.overlapped import wait_for_staging
 from megatron_async.staging.stager import BucketStager, prepare_staged_write
 from megatron_async.writer.filesystem import FileSystemWriterAsync
 from megatron_async.writer.options import WriteOptions
@@ -124,6 +125,38 @@ def test_rounds_write_the_same_bytes_as_one_go(tmp_path, thread_count):
         assert torch.equal(loaded[f"t{i}"], tensor)
 
 
+def _drain_in_thread(gate, staged, copies_done_before=None):
+    """The background writer: read every item as the rounds arrive, then mark done.
+
+    With ``copies_done_before``, the writer first waits at that item until this process's
+    copy job is done (:func:`~megatron_async.staging.overlapped.wait_for_staging`), so the
+    copy thread's verdict on the later rounds (each item copied, or a failure recorded)
+    is in before the writer looks. Without it, a writer that finds an item not copied yet
+    may see, at its next look, the failure recorded for a later item right after that
+    one was copied, and stop there (a recorded failure ends every wait at once): how many
+    items a failed save wrote would depend on how the threads interleave.
+    """
+    written, errors = [], []
+
+    def drain():
+        (bucket,) = gate.writer_view(list(staged), 60.0)
+        try:
+            for idx, (_, tensor) in enumerate(bucket.data[1]):
+                if idx == copies_done_before:
+                    wait_for_staging(timeout_s=60)
+                bucket.data[1].before_item(idx)
+                written.append(tensor.clone())
+                bucket.data[1].after_item(idx)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            gate.mark_done()
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    return thread, written, errors
+
+
 @pytest.mark.timeout(60)
 def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     tensors = _tensors(count=4, numel=1024)
@@ -132,20 +165,18 @@ def test_a_tensor_changed_before_its_round_is_copied_fails_the_write(tmp_path):
     pool = torch.zeros(8192, dtype=torch.uint8)
     plan = plan_bucket_rounds(buckets, 8192)
     staged = stage_in_rounds(buckets, pool, plan, gate, timeout_s=30.0)
-    assert plan.rounds == 2
+    assert plan.rounds == 2 and plan.waits_for == [[], [], [0], [1]]
     tensors[3].add_(1)  # before its round: the writer has not freed the pool yet
-    written = []
 
     staged.hand_over(os.getpid(), finish=False)
-    (bucket,) = gate.writer_view(list(staged), 30.0)
-    with pytest.raises(StagingRaceError, match="layer3.weight"):
-        for idx, (item, tensor) in enumerate(bucket.data[1]):
-            bucket.data[1].before_item(idx)
-            written.append(tensor.clone())
-            bucket.data[1].after_item(idx)
-    gate.mark_done()  # as the write path does at its end
+    # the second round (items 2, 3) is copied once the writer freed the first
+    thread, written, errors = _drain_in_thread(gate, staged, copies_done_before=2)
+    thread.join(60)
     staged.finish_staging()
+    (error,) = errors
+    assert isinstance(error, StagingRaceError) and "layer3.weight" in str(error)
     assert len(written) == 3 and gate.writer_done  # items 0-2; item 3 raced
+    assert all(torch.equal(w, t) for w, t in zip(written, tensors))
 
 
 def test_the_ledger_makes_a_second_save_wait_for_the_first_writer():
@@ -340,27 +371,6 @@ def _overlapped_rounds(tensors, pool_bytes, stats=None):
     return run_preload(stager.stage), gate
 
 
-def _drain_in_thread(gate, staged):
-    """The background writer: read every item as the rounds arrive, then mark done."""
-    written, errors = [], []
-
-    def drain():
-        (bucket,) = gate.writer_view(list(staged), 60.0)
-        try:
-            for idx, (_, tensor) in enumerate(bucket.data[1]):
-                bucket.data[1].before_item(idx)
-                written.append(tensor.clone())
-                bucket.data[1].after_item(idx)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            gate.mark_done()
-
-    thread = threading.Thread(target=drain, daemon=True)
-    thread.start()
-    return thread, written, errors
-
-
 @pytest.mark.timeout(120)
 def test_overlapped_rounds_write_the_same_bytes_as_one_go(tmp_path):
     tensors = _tensors()
@@ -409,16 +419,18 @@ def test_overlapped_rounds_copy_nothing_while_scheduling_and_the_step_waits_for_
 @pytest.mark.timeout(60)
 def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_naming_it(monkeypatch):
     from megatron_async.core import coordination
-    from megatron_async.staging.overlapped import wait_for_staging
     from tests.staging_aids import copies_held
 
     monkeypatch.setattr(coordination, "get_rank", lambda: 3)
     tensors = _tensors(count=4, numel=1024)
-    staged, gate = _overlapped_rounds(tensors, 8192)
+    stats = {}
+    staged, gate = _overlapped_rounds(tensors, 8192, stats)
+    assert stats["rounds"] == 2
     with copies_held():
         staged.hand_over(os.getpid(), finish=False)
         tensors[3].add_(1)  # no optimizer step, no wait: an unguarded in-place update
-    thread, written, errors = _drain_in_thread(gate, staged)
+    # the second round (items 2, 3) is copied once the writer freed the first
+    thread, written, errors = _drain_in_thread(gate, staged, copies_done_before=2)
     wait_for_staging(timeout_s=60)
     thread.join(60)
     (error,) = errors
@@ -431,8 +443,6 @@ def test_overlapped_rounds_a_tensor_changed_before_its_copy_fails_the_write_nami
 @pytest.mark.timeout(120)
 def test_overlapped_rounds_end_when_the_writer_process_is_gone():
     import multiprocessing
-
-    from megatron_async.staging.overlapped import wait_for_staging
 
     tensors = _tensors(count=4, numel=1024)
     staged, gate = _overlapped_rounds(tensors, 8192)
@@ -529,7 +539,7 @@ def test_a_writer_that_dies_before_reading_ends_the_copy_and_the_hold():
 
 @pytest.mark.timeout(60)
 def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
-    from megatron_async.staging.overlapped import CopyJob, CopyThread, wait_for_staging, watch
+    from megatron_async.staging.overlapped import CopyJob, CopyThread, watch
     from tests.staging_aids import copies_held
 
     ledger, copy_thread = StagingLedger.of_process(), CopyThread.of_process()
@@ -546,8 +556,6 @@ def test_the_pool_is_reused_only_after_the_earlier_copy_job_ended():
 
 @pytest.mark.timeout(60)
 def test_a_live_overlapped_rounds_save_does_not_block_the_next_pool_lease():
-    from megatron_async.staging.overlapped import wait_for_staging
-
     tensors = _tensors(count=4, numel=1024)
     gate = StagingGate(len(tensors))
     staged = run_preload(BucketStager(gate, _buckets(tensors), limit=8192, overlapped=True,
