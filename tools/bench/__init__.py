@@ -27,6 +27,8 @@ reports; the rank side (every spawned rank) saves and times. One module per role
   endpoint against boto3's multipart upload of the same bytes (both sides);
 * :mod:`.scale`           ``tools/benchmark.py --scale``: the coordinator's planning and
   commit for N simulated ranks (one process, our real code) against DCP's, per N;
+* :mod:`.scale_plans`     the local plans and write results of N simulated ranks, per layout;
+* :mod:`.scale_report`    launching side of ``--scale``: its table and plot;
 * :mod:`.micro`           micro-benchmarks, one step each, run as modules
   (``python -m tools.bench.micro.bucket_write -h``).
 
