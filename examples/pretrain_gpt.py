@@ -38,13 +38,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gpt.arguments import parse_args, validate_parallel_args
-from gpt.checkpointing import Checkpointer, create_checkpoint_queue, enable_object_storage
+from gpt.checkpointing import Checkpointer, enable_object_storage
 from gpt.data import build_dataset, micro_batches
 from gpt.debug_hooks import DEBUG_CRASH_AFTER_ENV, crash_iteration
 from gpt.devices import bind_rank_to_gpu
 from gpt.local_checkpoints import serve_local_checkpointing
 from gpt.model import build_model, build_optimizer, resolve_transformer_impl, set_seed, train_step
 from gpt.progress import Progress, format_bytes
+from gpt.save_strategy import create_checkpoint_queue
 
 
 def report_saves(records, progress: Progress, finished: list) -> None:

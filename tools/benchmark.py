@@ -17,6 +17,9 @@ Example::
 
 It prints the tables, and writes ``results.json``, ``report.md`` and PNG plots into
 ``--out``. Timings are never asserted: the targets are reported as PASS/MISS.
+This file is the command line and writes the outputs (launching side); the launches are
+``bench/stall_run.py``'s, the numbers ``bench/results.py``'s, the tables
+``bench/report.py``'s and the plots ``bench/stall_plots.py``'s.
 ``--lost-time`` and ``--local-recovery`` (or ``--lost-time-only``, ``--local-recovery-only``)
 add the training time lost per checkpoint and the recovery after a lost node from local
 replicas (with the local save's host memory).
@@ -27,31 +30,17 @@ row instead: our async save to an S3 endpoint against boto3 (``tools/bench/objec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import platform
-import re
 import sys
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from bench.config import ALL_VARIANTS, OUR_VARIANTS, WORKLOADS, BenchConfig, parse_num_bytes
 from bench.extras import ExtraMeasurements, add_extra_arguments, render_extras
-from bench.config import (
-    ALL_VARIANTS,
-    MCORE_VARIANTS,
-    OUR_VARIANTS,
-    WORKLOADS,
-    BenchConfig,
-    format_num_bytes,
-    parse_num_bytes,
-)
 
 EXTRAS = ExtraMeasurements()
 """The ``--lost-time*`` and ``--local-recovery*`` options of this run (set by
 :func:`parse_args`)."""
-
-_SCALING_VARIANTS = ("ours_temporal", "ours_persistent", "dcp_async_thread")
 
 
 def _int_list(text: str):
@@ -125,220 +114,6 @@ def parse_args(argv=None) -> Tuple[BenchConfig, Optional[str]]:
         parser.error(str(exc))
 
 
-def _host_info() -> Dict[str, Any]:
-    import psutil
-    import torch
-
-    try:
-        from importlib.metadata import version
-
-        mcore = version("megatron-core")
-    except Exception:  # best effort: only informative
-        mcore = "unknown"
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "megatron_core": mcore,
-        "cuda": torch.cuda.is_available(),
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "load_average_start": os.getloadavg(),
-    }
-
-
-class _Runner:
-    """Runs the launches of one benchmark, keeping every run's entry (the launching side)."""
-
-    def __init__(self, config: BenchConfig):
-        self.config = config
-        self.runs: List[Dict[str, Any]] = []
-        self._unsupported: Dict[str, str] = {}
-
-    def log_path(self, tag: str) -> str:
-        """Where the ranks of one launch write their output (``OUT/logs/TAG.log``)."""
-        return _log_path(self.config, tag)
-
-    def run(self, variant: str, workload: str, ranks: int, tensor_count: int,
-            bytes_per_rank: int, saves: int, sweep: str) -> Dict[str, Any]:
-        from bench.launch import LaunchError, launch
-        from bench.rank_job import variant_job
-        from bench.report import aggregate_run
-
-        cfg = self.config
-        meta = {"variant": variant, "workload": workload, "ranks": ranks,
-                "tensor_count": tensor_count, "bytes_per_rank": bytes_per_rank,
-                "saves_requested": saves, "sweep": sweep}
-        if variant in self._unsupported:
-            entry = dict(meta, status="unsupported", reason=self._unsupported[variant], notes=[])
-            self.runs.append(entry)
-            return entry
-        tag = f"{sweep}_{workload}_{tensor_count}t_{ranks}r_{variant}"
-        payload = {
-            "variant": variant, "workload": workload, "bytes_per_rank": bytes_per_rank,
-            "tensor_count": tensor_count, "dtype": cfg.dtype, "saves": saves,
-            "gpt_num_layers": cfg.gpt_num_layers, "gpt_hidden_size": cfg.gpt_hidden_size,
-            "train_step": cfg.train_step, "thread_count": cfg.thread_count,
-            "rss_interval_s": cfg.rss_interval_s,
-            "checkpoint_root": os.path.abspath(cfg.checkpoint_root), "tag": tag,
-            "profile_dir": (os.path.join(os.path.abspath(cfg.out_dir), "profiles")
-                            if cfg.profile and variant in OUR_VARIANTS else None),
-        }
-        started = time.monotonic()
-        try:
-            values = launch(ranks, variant_job, payload, cfg.launch_timeout_s,
-                            cfg.threads_per_rank, _log_path(cfg, tag, truncate=True))
-            entry = aggregate_run(meta, values)
-        except LaunchError as exc:
-            entry = dict(meta, status="error", reason=str(exc), notes=[],
-                         log=self.log_path(tag))
-        entry["launch_s"] = time.monotonic() - started
-        if entry["status"] == "unsupported" and variant in MCORE_VARIANTS:
-            self._unsupported[variant] = entry["reason"]
-        self.runs.append(entry)
-        _print_progress(entry)
-        return entry
-
-
-def _log_path(config: BenchConfig, tag: str, truncate: bool = False) -> str:
-    """``OUT/logs/TAG.log``: the ranks' output of one launch (emptied before it starts)."""
-    directory = os.path.join(config.out_dir, "logs")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{tag}.log")
-    if truncate:
-        open(path, "w").close()
-    return path
-
-
-def _run_label(run: Dict[str, Any]) -> str:
-    if run["workload"] == "gpt":
-        return f"gpt, {run['ranks']} ranks"
-    return f"{run['tensor_count']} tensors/rank, {run['ranks']} ranks"
-
-
-def _summarize(reason: str) -> str:
-    """The most telling line of a failure: a rank's error, else the last traceback line."""
-    lines = [line.strip() for line in reason.splitlines() if line.strip()]
-    for line in lines:
-        if re.match(r"rank \d+ \[", line):
-            return line
-    return lines[-1] if lines else ""
-
-
-def _print_progress(entry: Dict[str, Any]) -> None:
-    what = f"{entry['variant']} ({_run_label(entry)})"
-    if entry["status"] != "ok":
-        print(f"  {what}: {entry['status']}: {_summarize(entry['reason'])[:200]}", flush=True)
-        return
-    warm, first = entry["warm"], entry["first"]
-    write = warm.get("write_bytes_per_s")
-    print(f"  {what}: stall 1st {first['stall_s'] * 1e3:.0f} ms, warm {warm['stall_s'] * 1e3:.0f}"
-          f" ms; write {write / 1e9 if write else float('nan'):.2f} GB/s; e2e "
-          f"{warm['e2e_s'] * 1e3:.0f} ms ({entry['launch_s']:.0f} s)", flush=True)
-
-
-def _measure_limits(config: BenchConfig, when: str) -> Dict[str, float]:
-    from bench.launch import launch
-    from bench.probes import limits_job
-
-    os.makedirs(config.checkpoint_root, exist_ok=True)
-    payload = {"num_bytes": config.limit_probe_bytes,
-               "directory": os.path.abspath(config.checkpoint_root)}
-    return launch(config.ranks, limits_job, payload, config.launch_timeout_s,
-                  config.threads_per_rank, _log_path(config, f"limits_{when}", truncate=True))[0]
-
-
-def _measure(config: BenchConfig) -> Dict[str, Any]:
-    """Run every launch of the benchmark; return the raw results (launching side)."""
-    from bench import report
-    from bench.methods.queue import checksum_option, checksum_variant
-    from bench.workloads import gpt_example_status
-
-    started = time.monotonic()
-    host = _host_info()
-    if EXTRAS.only:
-        extras = _measure_extras(config)
-        host["load_average_end"] = os.getloadavg()
-        host["elapsed_s"] = time.monotonic() - started
-        return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "config": dataclasses.asdict(config), "host": host, **extras}
-    print(f"benchmark: {config.ranks} ranks, {format_num_bytes(config.bytes_per_rank)}/rank, "
-          f"tensor counts {list(config.tensor_counts)}, {config.saves} saves "
-          f"({config.memory_saves} for ours), load average "
-          f"{', '.join(f'{v:.2f}' for v in host['load_average_start'])}",
-          flush=True)
-    limits_start = _measure_limits(config, "start")
-    print(report.format_limits([limits_start]), flush=True)
-
-    variants = list(config.variants)
-    option = checksum_option()
-    checksums = {"status": "skipped", "reason": "TorchDistSaveConfig has no checksum option yet "
-                 "(the writer does not compute checksums), so there is no with/without column"}
-    if option is not None and "ours_persistent" in variants:
-        variants.append(checksum_variant())
-        checksums = {"status": "measured", "option": option[0], "default": option[1],
-                     "variant": checksum_variant()}
-    elif option is not None:
-        checksums["reason"] = "ours_persistent is not among --variants"
-
-    runner = _Runner(config)
-    if "synthetic" in config.workloads:
-        for count in config.tensor_counts:
-            print(f"synthetic workload, {count} tensors per rank:", flush=True)
-            for variant in variants:
-                saves = config.memory_saves if variant.startswith("ours") else config.saves
-                runner.run(variant, "synthetic", config.ranks, count, config.bytes_per_rank,
-                           saves, "main")
-
-    gpt = {"status": "not requested"}
-    if "gpt" in config.workloads:
-        status = gpt_example_status()
-        gpt = {"status": "ok" if status == "ok" else "unavailable", "reason": status}
-        if status == "ok":
-            print("GPT example workload:", flush=True)
-            for variant in variants:
-                runner.run(variant, "gpt", config.ranks, 0, 0, config.saves, "main")
-        else:
-            print(f"GPT workload skipped: {status}", flush=True)
-
-    if "synthetic" in config.workloads:
-        print(f"rank scaling, {config.scaling_count} tensors per rank:", flush=True)
-        for ranks in config.scaling_ranks:
-            for variant in (v for v in _SCALING_VARIANTS if v in variants):
-                reuse = next((r for r in runner.runs if r["sweep"] == "main"
-                              and r["workload"] == "synthetic" and r["variant"] == variant
-                              and r["ranks"] == ranks and r["tensor_count"] == config.scaling_count
-                              and r["bytes_per_rank"] == config.scaling_bytes), None)
-                if reuse is not None:
-                    runner.runs.append(dict(reuse, sweep="ranks"))
-                    continue
-                runner.run(variant, "synthetic", ranks, config.scaling_count,
-                           config.scaling_bytes, config.saves, "ranks")
-
-    extras = _measure_extras(config)
-
-    # Measured again at the end: the machine and disk may be shared, so the best of the two
-    # is taken as the limit.
-    limits_end = _measure_limits(config, "end")
-    host["load_average_end"] = os.getloadavg()
-    host["elapsed_s"] = time.monotonic() - started
-    return {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "config": dataclasses.asdict(config),
-        "host": host,
-        "limits_measured": {"start": limits_start, "end": limits_end},
-        "runs": runner.runs,
-        "checksums": checksums,
-        "gpt": gpt,
-        **extras,
-    }
-
-
-def _measure_extras(config: BenchConfig) -> Dict[str, Any]:
-    """The lost-time and local-recovery launches asked for, logged under ``OUT/logs``."""
-    return EXTRAS.measure(config, lambda tag: _log_path(config, tag, True))
-
-
 def _config_of(results: Dict[str, Any], out_dir: str) -> BenchConfig:
     """The configuration an earlier results.json was measured with, writing into ``out_dir``."""
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in results["config"].items()}
@@ -348,30 +123,23 @@ def _config_of(results: Dict[str, Any], out_dir: str) -> BenchConfig:
 def _write_outputs(config: BenchConfig, results: Dict[str, Any]) -> None:
     """Evaluate the targets, draw the plots, write results.json and report.md, print."""
     from bench import report
+    from bench.results import combine_limits, evaluate_targets
+    from bench.stall_plots import draw_plots
 
     if "runs" not in results:  # --lost-time-only, --local-recovery-only
-        lines = _lost_time_header(results) + render_extras(results, config.out_dir)
+        lines = report.host_lines(results["host"]) + render_extras(results, config.out_dir)
         _write_report(config, results, "\n".join(lines))
         return
     measured = results["limits_measured"]
-    limits = report.combine_limits([measured["start"], measured["end"]])
+    limits = combine_limits([measured["start"], measured["end"]])
     variants = {run["variant"] for run in results["runs"]}
     results["limits"] = limits
-    results["targets"] = report.evaluate_targets(
+    results["targets"] = evaluate_targets(
         results["runs"], limits, config.ranks, [v for v in OUR_VARIANTS if v in variants])
-    results["plots"] = report.draw_plots(results["runs"], limits, config.ranks, config.out_dir)
-    markdown = _render_markdown(config, results, report)
+    results["plots"] = draw_plots(results["runs"], limits, config.ranks, config.out_dir)
+    markdown = report.render_markdown(config, results)
     markdown += "\n" + "\n".join(render_extras(results, config.out_dir))
     _write_report(config, results, markdown)
-
-
-def _lost_time_header(results: Dict[str, Any]) -> List[str]:
-    host = results["host"]
-    load = {when: ", ".join(f"{v:.2f}" for v in host[f"load_average_{when}"])
-            for when in ("start", "end")}
-    return [f"Load average (1, 5, 15 min) at start {load['start']}, at end {load['end']}; "
-            f"{host['cpu_count']} CPUs; torch {host['torch']}, "
-            f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", ""]
 
 
 def _write_report(config: BenchConfig, results: Dict[str, Any], markdown: str) -> None:
@@ -402,74 +170,12 @@ def main(argv=None) -> int:
             results = json.load(f)
         config = _config_of(results, config.out_dir)
     else:
-        results = _measure(config)
+        from bench.stall_run import measure_stall
+
+        results = measure_stall(config, EXTRAS)
     os.makedirs(config.out_dir, exist_ok=True)
     _write_outputs(config, results)
     return 0
-
-
-def _collect_notes(runs: List[Dict[str, Any]]) -> List[str]:
-    """One line per method and distinct note or failure, naming the runs it applies to."""
-    seen: Dict[tuple, List[str]] = {}
-    runs_of: Dict[str, set] = {}
-    for run in runs:
-        if run["sweep"] != "main" and run["status"] == "ok":
-            continue
-        runs_of.setdefault(run["variant"], set()).add(_run_label(run))
-        texts = [f"{run['status']}: {_summarize(run['reason'])}"] if run["status"] != "ok" else []
-        for text in texts + list(run.get("notes", [])):
-            labels = seen.setdefault((run["variant"], text), [])
-            if _run_label(run) not in labels:
-                labels.append(_run_label(run))
-    lines = []
-    for (variant, text), labels in seen.items():
-        where = "every run" if set(labels) == runs_of[variant] else "; ".join(labels)
-        lines.append(f"- `{variant}` ({where}): {text}")
-    return lines
-
-
-def _render_markdown(config: BenchConfig, results: Dict[str, Any], report) -> str:
-    """report.md: the limits, one table per workload, the targets, checksums, scaling, notes."""
-    host, runs, targets = results["host"], results["runs"], results["targets"]
-    checksums, gpt = results["checksums"], results["gpt"]
-    limit_measurements = [results["limits_measured"]["start"], results["limits_measured"]["end"]]
-    load = {when: ", ".join(f"{v:.2f}" for v in host[f"load_average_{when}"])
-            for when in ("start", "end")}
-    parts = [f"Load average (1, 5, 15 min) at start {load['start']}, at end {load['end']}; "
-             f"{host['cpu_count']} CPUs; torch {host['torch']}, "
-             f"megatron-core {host['megatron_core']}; CUDA: {host['cuda']}.", "",
-             "### Physical limits", "", report.format_limits(limit_measurements), ""]
-    groups: Dict[tuple, List[Dict[str, Any]]] = {}
-    for run in runs:
-        if run["sweep"] == "main":
-            groups.setdefault((run["workload"], run["tensor_count"]), []).append(run)
-    for (workload, count), group in groups.items():
-        sizes = next((r["num_bytes_per_rank"] for r in group if r.get("num_bytes_per_rank")), [])
-        size = "/".join(format_num_bytes(b) for b in sorted(set(sizes))) or "?"
-        title = (f"synthetic, {count} tensors per rank" if workload == "synthetic"
-                 else f"GPT example ({config.gpt_num_layers} layers, hidden "
-                      f"{config.gpt_hidden_size}, distributed Adam)")
-        parts += [f"### {title}: {config.ranks} ranks, {size} per rank", "",
-                  report.format_run_table(group), ""]
-    parts += ["### Targets (our callers, synthetic workload)", "",
-              "Measured ratio and verdict per caller and tensors per rank; the numbers behind "
-              "each ratio are in results.json (`targets[].detail`).", "",
-              report.format_targets(targets), ""]
-    if checksums["status"] == "measured":
-        parts += [f"### Checksums (`{checksums['option']}`, default "
-                  f"{'on' if checksums['default'] else 'off'}): ours_persistent, warm saves", "",
-                  report.format_checksums(runs, checksums["variant"], checksums["default"]), ""]
-    scaling = [r for r in runs if r["sweep"] == "ranks"]
-    if scaling:
-        parts += ["### Stall and planning against the rank count", "",
-                  report.format_scaling(scaling), ""]
-    notes = _collect_notes(runs)
-    if checksums["status"] != "measured":
-        notes.append(f"- checksums: {checksums['status']}: {checksums['reason']}")
-    notes.append(f"- GPT workload: {gpt['status']}" + (
-        f" ({gpt['reason']})" if gpt.get("reason") not in (None, "ok") else ""))
-    parts += ["### Notes", ""] + notes + [""]
-    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 
 A checkpoint holds the training state of ``training_state.py`` (model, optimizer, RNG
 states, data position and the parallel layout that saved it) and its content metadata
-(the format of the optimizer state, see ``resharding.py``). A run may resume with another
-parallel layout wherever megatron-core can reshard the checkpoint; where it cannot, the
-load stops before reading any shard and names the flag to use. Saving goes through
-:class:`~megatron_async.TorchDistAsyncSaveStrategy` (on megatron-core 0.16.x the class
-that the registered ``megatron_async`` backend returns; on 0.17+ a subclass of the
-strategy that ``save()`` keeps), configured the way Megatron-LM configures megatron-core's
-own; with ``--async-save`` the write runs in the background and
+(the format of the optimizer state, see ``resharding.py``). :class:`Checkpointer` schedules
+saves and finalizes them, records what each cost, applies the save-failure policy, and on
+resume picks the newer of the two tiers. Persistent saves go through the strategy and the
+queue of ``save_strategy.py``; with ``--async-save`` the write runs in the background and
 :class:`~megatron_async.manager.CheckpointManager` moves the tracker only once every
 rank's data is durable. Local checkpoints (``--non-persistent-ckpt-type local``,
-``local_checkpoints.py``) go through the same queue, and a resume takes the newer tier.
+``local_checkpoints.py``) go through the same queue. A persistent resume is checked and
+loaded by ``persistent_load.py``: a run may resume with another parallel layout wherever
+megatron-core can reshard the checkpoint; where it cannot, the load stops before reading
+any shard and names the flag to use.
 
 Every method of :class:`Checkpointer` runs on every rank, in the training thread.
 """
@@ -26,31 +26,22 @@ import time
 from typing import List, Optional
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-    FullyParallelSaveStrategyWrapper,
-)
+from megatron.core import dist_checkpointing
 
-from megatron_async import TorchDistAsyncSaveStrategy
 from gpt.debug_hooks import DEBUG_SAVE_DELAY_ENV, DEBUG_SAVE_FAULT_ENV, DebugSaveHooks
 from gpt.local_checkpoints import LocalCheckpointer
-from gpt.resharding import (
-    LEGACY_DISTRIBUTED_OPTIMIZER_METADATA,
-    ParallelLayout,
-    build_content_metadata,
-    check_optimizer_resume,
-)
-from gpt.training_state import CHECKPOINT_VERSION, TrainingState
+from gpt.persistent_load import load_persistent_checkpoint
+from gpt.resharding import build_content_metadata
+from gpt.save_strategy import build_save_strategy, create_checkpoint_queue
+from gpt.training_state import TrainingState
 from megatron_async.core import AsyncCallsQueue
-from megatron_async.errors import AsyncSaveFailedError, CheckpointIntegrityError
-from megatron_async.integrity.verify import verify_checkpoint_integrity
+from megatron_async.errors import AsyncSaveFailedError
 from megatron_async.manager import (
     CheckpointManager,
     CheckpointManagerConfig,
     ResumePoint,
     SaveFailurePolicy,
 )
-from megatron_async.staging.overlapped import refuse_overlap_param_gather
 from megatron_async.storage import storage_for
 
 __all__ = ["Checkpointer", "Resumed", "SaveRecord", "DEBUG_SAVE_DELAY_ENV", "DEBUG_SAVE_FAULT_ENV", "enable_object_storage"]
@@ -135,20 +126,6 @@ def enable_object_storage(msc_config: Optional[str]) -> None:
     MultiStorageClientFeature.enable()
 
 
-def create_checkpoint_queue(args) -> Optional[AsyncCallsQueue]:
-    """The queue of background saves for ``--async-save`` (every rank), or None.
-
-    Create it once the process groups exist and before the model is built, as
-    Megatron-LM starts its persistent worker right after ``initialize_megatron``: a
-    worker forked then shares none of the model's or the optimizer's pages with the
-    trainer, so the trainer's updates after the fork copy none of them (a worker forked
-    after the model made the next iterations fault on every page of the state).
-    """
-    if not args.async_save:
-        return None
-    return AsyncCallsQueue(persistent=args.use_persistent_ckpt_worker)
-
-
 class Checkpointer:
     """Saves (sync or async) and loads model, optimizer, RNG and data position.
 
@@ -156,9 +133,10 @@ class Checkpointer:
         args: the parsed flags (``--save``, ``--load``, ``--async-save`` ...).
         model: the megatron-core DDP-wrapped model.
         optimizer: the megatron-core optimizer of ``model``.
-        queue: the queue of background saves, from :func:`create_checkpoint_queue`
-            (created early); with ``--async-save`` and None, one is created here.
-            :meth:`close` closes it. Local saves go through it too.
+        queue: the queue of background saves, from
+            :func:`gpt.save_strategy.create_checkpoint_queue` (created early); with
+            ``--async-save`` and None, one is created here. :meth:`close` closes it.
+            Local saves go through it too.
     """
 
     def __init__(self, args, model, optimizer, queue: Optional[AsyncCallsQueue] = None):
@@ -308,12 +286,9 @@ class Checkpointer:
         ``find_latest`` agrees on, if it is at least as new as the persistent checkpoint
         that ``--load`` (and ``--ckpt-step``) select, else that one (Megatron-LM's rule).
 
-        With ``--ckpt-verify-on-load`` every rank first re-hashes its share of the
-        checkpoint's files, and a damaged checkpoint stops the job on every rank.
-
-        The checkpoint's content metadata selects the format of the load template, and
-        before anything is read every rank checks that megatron-core can load the saved
-        state into this run's parallel layout (see ``resharding.py``).
+        A persistent checkpoint is checked before anything is read, then loaded, by
+        :func:`gpt.persistent_load.load_persistent_checkpoint` (integrity with
+        ``--ckpt-verify-on-load``, the load flags, the parallel layout).
 
         Returns:
             What was resumed, or None for a fresh start.
@@ -333,70 +308,13 @@ class Checkpointer:
                                local, persistent)
         if point is None:
             return None
-        if args.ckpt_verify_on_load:
-            # Before reading anything: damaged bytes could otherwise load silently.
-            try:
-                verify_checkpoint_integrity(point.path)
-            except CheckpointIntegrityError as exc:
-                raise SystemExit(
-                    f"{exc}\nTo resume from an older one, pass --ckpt-step ITERATION."
-                ) from exc
-        common = dist_checkpointing.load_common_state_dict(point.path)
-        content = common["content"]
-        with_optimizer = not args.no_load_optim
-        with_rng = not args.no_load_rng
-        if with_optimizer and not content["optimizer"]:
-            raise SystemExit(f"{point.path} was saved with --no-save-optim; "
-                             "pass --no-load-optim to resume without optimizer state")
-        if with_rng and not content["rng"]:
-            raise SystemExit(f"{point.path} was saved with --no-save-rng; "
-                             "pass --no-load-rng to resume with fresh RNG states")
-        saved_layout = ParallelLayout.from_dict(content["layout"])
-        layout = ParallelLayout.current()
-        if with_rng and saved_layout != layout:
-            raise SystemExit(f"{point.path} was saved with {saved_layout}, this run is {layout}; "
-                             "RNG states are per rank: pass --no-load-rng")
-        if with_rng and common.get("checkpoint_version", 1) < CHECKPOINT_VERSION:
-            raise SystemExit(f"{point.path} was written by an older version of this example, "
-                             "whose RNG records this one cannot read: pass --no-load-rng")
-        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
-        if metadata is None:
-            metadata = (dict(LEGACY_DISTRIBUTED_OPTIMIZER_METADATA)
-                        if args.use_distributed_optimizer else {})
-        if with_optimizer:
-            check_optimizer_resume(point.path, metadata, saved_layout, layout,
-                                   args.use_distributed_optimizer)
-        self.state.prepare_load(with_optimizer)
-        template = self.state.sharded_state_dict(
-            0, 0, metadata, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng
-        )
-        state_dict = dist_checkpointing.load(template, point.path)
-        self.state.apply(state_dict, with_optimizer=with_optimizer, with_rng=with_rng)
+        common = load_persistent_checkpoint(args, self.state, point.path)
         return Resumed(common["iteration"], common["consumed_samples"], point, persistent)
 
     def _save_strategy(self):
         """The save strategy, built once so that cached plans carry over between saves."""
         if self._strategy is None:
-            # An msc:// --save streams every file to the store from the background writer.
-            options = {"use_msc": bool(self.args.save) and storage_for(self.args.save).needs_msc}
-            if self.args.ckpt_staging_memory_limit is not None:
-                options.update(staging_memory_limit=self.args.ckpt_staging_memory_limit)
-            if self.args.ckpt_overlap_staging and self.args.async_save:
-                # The copy overlaps the next forward/backward; the optimizer step waits.
-                refuse_overlap_param_gather([self.model, self.optimizer])
-                options.update(overlap_staging=True)
-            strategy = TorchDistAsyncSaveStrategy(**options)
-            if self.args.ckpt_assume_constant_structure:
-                # Megatron-LM's switch: reuse the first save's plans and metadata while
-                # the structure is unchanged (staging buffers are reused by default).
-                strategy.use_cached_ckpt_structure = True
-            if self.args.ckpt_fully_parallel_save:
-                strategy = FullyParallelSaveStrategyWrapper(
-                    strategy,
-                    parallel_state.get_data_parallel_group(with_context_parallel=True),
-                    self.args.ckpt_assume_constant_structure,
-                )
-            self._strategy = strategy
+            self._strategy = build_save_strategy(self.args, self.model, self.optimizer)
         return self._strategy
 
     def _on_durable(self, record: SaveRecord) -> None:

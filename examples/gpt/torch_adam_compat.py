@@ -5,7 +5,7 @@ lacks both) megatron-core falls back to torch's Adam, which keeps ``step`` in ea
 parameter's state, where megatron-core's distributed optimizer does not expect it. Its
 checkpoint load then goes wrong in three places, on CPU and GPU alike; the GPU path was
 first run on an H200, where the ``fully_reshardable`` resume raised ``KeyError: 'step'``.
-One patch and two functions, called around the load by ``checkpointing.py``, cover it;
+One patch and two functions, called around the load by ``training_state.py``, cover it;
 each acts only when megatron-core uses torch's Adam:
 
 1. :func:`prepare_optimizer_for_load`: ``DistributedOptimizer.state_dict()`` (needed to

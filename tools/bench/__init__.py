@@ -17,8 +17,12 @@ reports; the rank side (every spawned rank) saves and times. One module per role
   hierarchy (ours, megatron-core's own, PyTorch DCP, the GPT example's ``Checkpointer``);
 * :mod:`.rank_job`        rank side of the stall and throughput benchmark: N consecutive
   saves of one method, timed;
-* :mod:`.report`          launching side: aggregation over ranks, the targets, the tables,
-  JSON and plots;
+* :mod:`.stall_run`       launching side of the stall and throughput benchmark: its
+  launches, the physical limits, the host;
+* :mod:`.results`         launching side: aggregation over ranks, the limits, the targets
+  (what ``results.json`` holds);
+* :mod:`.report`          launching side: the tables and text of ``report.md``;
+* :mod:`.stall_plots`     launching side: the stall and planning plots (PNG);
 * :mod:`.lost_time`       rank side of ``--lost-time``: the GPT example's training loop with
   saves of one method, every iteration timed;
 * :mod:`.lost_time_run`   launching side of ``--lost-time``: its options and launches;
@@ -27,6 +31,8 @@ reports; the rank side (every spawned rank) saves and times. One module per role
   endpoint against boto3's multipart upload of the same bytes (both sides);
 * :mod:`.scale`           ``tools/benchmark.py --scale``: the coordinator's planning and
   commit for N simulated ranks (one process, our real code) against DCP's, per N;
+* :mod:`.scale_plans`     the local plans and write results of N simulated ranks, per layout;
+* :mod:`.scale_report`    launching side of ``--scale``: its table and plot;
 * :mod:`.micro`           micro-benchmarks, one step each, run as modules
   (``python -m tools.bench.micro.bucket_write -h``).
 

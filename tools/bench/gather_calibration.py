@@ -3,8 +3,9 @@
 The scale benchmark (:mod:`tools.bench.scale`) simulates thousands of ranks in one
 process, so it times no collective. This tool launches real jobs of a few ranks (2, 4, 8
 by default; spawned processes, gloo on loopback), builds on every rank the local plan
-and the write results of K items with the scale benchmark's synthesizer (same layouts),
-and times the collectives a save's coordinator pays for, through our code where it exists:
+and the write results of K items with the scale benchmark's synthesizer
+(:mod:`tools.bench.scale_plans`, same layouts), and times the collectives a save's
+coordinator pays for, through our code where it exists:
 
 * ``ours_plan_gather``: a first save's gather of every rank's local plan and its digest
   (the saver's ``dist_wrapper.gather_object`` over the coordination group);
@@ -40,7 +41,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from .gather_model import OPS, estimate_s, fit, gathered_objects, modelled_bytes, pickled_bytes
 from .launch import RankContext, launch
-from .scale import LAYOUTS, _ints, _sizes, synthesize_rank
+from .scale import _ints, _sizes
+from .scale_plans import LAYOUTS, synthesize_rank
 
 __all__ = ["calibrate", "render", "main"]
 
@@ -83,7 +85,7 @@ def _rank_ops(wrapper: Any, ours_synthesized: Any, dcp_synthesized: Any) -> Dict
     """Every timed collective as ``(call, object shipped or None)`` (every rank).
 
     Each library's rows get its own rank's ``(plan, results)``: ours with shared sizes,
-    DCP's without (:func:`tools.bench.scale.synthesize_rank`)."""
+    DCP's without (:func:`tools.bench.scale_plans.synthesize_rank`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     from megatron_async.core import coordination

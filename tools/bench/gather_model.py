@@ -74,7 +74,7 @@ def gathered_objects(method: str, plan: Any, results: Sequence[Any]) -> Dict[str
         method: ``ours`` (the local plan with its digest, then our checksummed write
             results) or ``dcp`` (DCP's local plan, then DCP's write results).
         plan: the rank's local plan.
-        results: the rank's write results (:func:`tools.bench.scale.synthesize_rank`).
+        results: the rank's write results (:func:`tools.bench.scale_plans.synthesize_rank`).
     """
     if method == "ours":
         from megatron_async.saver.metadata_cache import plan_digest

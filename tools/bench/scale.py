@@ -37,6 +37,9 @@ gather ships (bytes) and the coordinator's unpickling of it at full size.
 ``--scale --calibrate`` times the gathers on real gloo ranks
 (:mod:`tools.bench.gather_calibration`), and ``--calibration FILE`` adds the estimated
 gathers to the report: plan, gathers and commit per save, ours against DCP.
+
+This module measures and holds the command line; the synthesized plans come from
+:mod:`tools.bench.scale_plans`, the table and plot from :mod:`tools.bench.scale_report`.
 """
 
 from __future__ import annotations
@@ -54,29 +57,17 @@ import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["LAYOUTS", "METHODS", "ScaleResult", "shard_write_item", "synthesize_rank",
-           "synthesize", "measure",
-           "run_sweep", "main"]
+from .scale_plans import LAYOUTS, synthesize
+from .scale_report import format_row, plot, render
 
-LAYOUTS = ("tp8", "dist_optimizer", "moe")
+__all__ = ["METHODS", "ScaleResult", "measure", "run_sweep", "main"]
+
 METHODS = ("ours", "ours_warm", "dcp", "mcore_planner")
 """``ours``: build_global_metadata + commit_checkpoint; ``ours_warm``: a warm save's
 finalization (no planning, nothing gathered); ``dcp``: DefaultSavePlanner + DCP's commit;
 ``mcore_planner``: megatron-core's planner's global plan alone."""
-
-_ROWS_PER_CHUNK = 64
-_COLUMNS = 128
-_ITEM_BYTES = _ROWS_PER_CHUNK * _COLUMNS * 2  # bf16
 
 
 @dataclasses.dataclass
@@ -107,84 +98,6 @@ class ScaleResult:
     @property
     def items(self) -> int:
         return self.ranks * self.items_per_rank
-
-
-def shard_write_item(fqn: str, offsets: Sequence[int], sizes: Sequence[int],
-                     whole: Sequence[int]) -> WriteItem:
-    """One shard's write item, as DCP's planner makes it (a new ``torch.Size`` per value)."""
-    return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(offsets)),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-            properties=TensorProperties(dtype=torch.bfloat16),
-            size=torch.Size(whole),
-        ),
-    )
-
-
-def _rank_items(layout: str, rank: int, ranks: int, items_per_rank: int) -> List[WriteItem]:
-    """The write items of one rank under ``layout`` (deterministic)."""
-    items = []
-    if layout == "tp8":
-        group, tp_rank = divmod(rank, 8)
-        tp_size = min(8, ranks - group * 8)
-        for j in range(items_per_rank):
-            whole = (_ROWS_PER_CHUNK * tp_size, _COLUMNS)
-            items.append(shard_write_item(f"stage{group}.layer{j}.weight",
-                                          (tp_rank * _ROWS_PER_CHUNK, 0),
-                                          (_ROWS_PER_CHUNK, _COLUMNS), whole))
-    elif layout == "dist_optimizer":
-        numel = _ROWS_PER_CHUNK * _COLUMNS
-        for j in range(items_per_rank):
-            items.append(shard_write_item(f"optimizer.state.{j}.exp_avg", (rank * numel,),
-                                          (numel,), (ranks * numel,)))
-    elif layout == "moe":
-        for j in range(items_per_rank):
-            shape = (_ROWS_PER_CHUNK, _COLUMNS)
-            items.append(shard_write_item(f"experts.{rank}.linear{j}.weight", (0, 0), shape, shape))
-    else:
-        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
-    return items
-
-
-def synthesize_rank(layout: str, rank: int, ranks: int, items_per_rank: int,
-                    shared_sizes: bool = True):
-    """The local plan and the write results of one rank, as it ships them to the coordinator.
-
-    ``shared_sizes``: one ``torch.Size`` object per distinct value, as our ranks make their
-    plans (:func:`megatron_async.saver.global_metadata.share_equal_sizes`); False for DCP's and megatron-core's
-    own ranks, whose planners make a new one per value.
-    """
-    from megatron_async.saver.global_metadata import share_equal_sizes
-    from megatron_async.writer.bucket_io import ChecksummedWriteResult
-
-    plan = SavePlan(_rank_items(layout, rank, ranks, items_per_rank))
-    items = (share_equal_sizes(plan) if shared_sizes else plan).items  # results share indexes
-    file_name = f"__{rank}_0.distcp"
-    results = [
-        ChecksummedWriteResult(
-            item.index, _ITEM_BYTES,
-            _StorageInfo(file_name, position * _ITEM_BYTES, _ITEM_BYTES),
-            f"{(rank * 1_000_003 + position) & 0xFFFFFFFFFFFFFFFF:016x}",
-        )
-        for position, item in enumerate(items)
-    ]
-    return SavePlan(items), results
-
-
-def synthesize(layout: str, ranks: int, items_per_rank: int, shared_sizes: bool = True):
-    """Local plans and write results of every rank, as the coordinator receives them.
-
-    Each rank's plan and results go through pickle as a gather sends them: objects a rank
-    shares stay shared within its own, and no object is shared between ranks.
-    """
-    plans, results = [], []
-    for rank in range(ranks):
-        plan, rank_results = synthesize_rank(layout, rank, ranks, items_per_rank, shared_sizes)
-        plans.append(pickle.loads(pickle.dumps(plan)))
-        results.append(pickle.loads(pickle.dumps(rank_results)))
-    return plans, results
 
 
 def _peak_mib() -> float:
@@ -308,82 +221,9 @@ def run_sweep(ranks: Sequence[int], items_per_rank: Sequence[int], layouts: Sequ
         for n, items in pairs:
             for method in methods:
                 result = measure(method, layout, n, items)
-                print(_format_row(result), flush=True)
+                print(format_row(result), flush=True)
                 results.append(result)
     return results
-
-
-_HEADER = ("| layout | ranks x items | method | plan (first save) | commit | gathered | "
-           "`.metadata` | peak RSS plan / commit |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
-
-
-def _format_row(r: ScaleResult) -> str:
-    commit = f"{r.commit_s:.3f} s" if r.method != "mcore_planner" else "-"
-    if r.warm_cpu_s >= 0:
-        commit += f" (checks + splice {r.warm_cpu_s * 1000:.1f} ms)"
-    size = f"{r.metadata_bytes / 2**20:.1f} MiB" if r.metadata_bytes else "-"
-    rank_side = f" (+{r.rank_side_s * 1e3:.2f} ms per rank)" if r.rank_side_s else ""
-    plan = "-" if r.method == "ours_warm" else f"{r.plan_s:.3f} s"
-    gathered = "-" if r.gathered_bytes < 0 else f"{r.gathered_bytes / 2**20:.1f} MiB"
-    return (f"| {r.layout} | {r.ranks} x {r.items_per_rank} ({r.items:,}) | {r.method} | "
-            f"{plan}{rank_side} | {commit} | {gathered} | {size} | "
-            f"{r.plan_peak_mib:.0f} / {r.commit_peak_mib:.0f} MiB |")
-
-
-def render(results: Sequence[ScaleResult]) -> str:
-    """The markdown table, with ours against DCP per row group."""
-    lines = [_HEADER, *(_format_row(r) for r in results)]
-    by_key: Dict[Any, Dict[str, ScaleResult]] = {}
-    for r in results:
-        by_key.setdefault((r.layout, r.ranks, r.items_per_rank), {})[r.method] = r
-    ratios = []
-    for (layout, n, items), group in by_key.items():
-        if "ours" in group and "dcp" in group:
-            ours, dcp = group["ours"], group["dcp"]
-            ratios.append(
-                f"| {layout} | {n} x {items} | {ours.plan_s / max(dcp.plan_s, 1e-9):.2f} | "
-                f"{ours.commit_s / max(dcp.commit_s, 1e-9):.2f} | "
-                f"{(ours.plan_s + ours.commit_s) / max(dcp.plan_s + dcp.commit_s, 1e-9):.2f} | "
-                f"{ours.metadata_bytes / max(dcp.metadata_bytes, 1):.2f} |"
-            )
-    if ratios:
-        lines += ["", "| layout | ranks x items | plan, ours / DCP | commit, ours / DCP | "
-                  "plan + commit, ours / DCP | `.metadata`, ours / DCP |",
-                  "| --- | --- | --- | --- | --- | --- |", *ratios]
-    return "\n".join(lines)
-
-
-def plot(results: Sequence[ScaleResult], path: str) -> bool:
-    """Plan + commit time against the item count, one line per (layout, method)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    series: Dict[Any, List[ScaleResult]] = {}
-    for r in results:
-        if r.method not in ("mcore_planner", "ours_warm"):
-            series.setdefault((r.layout, r.method), []).append(r)
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (layout, method), rows in sorted(series.items()):
-        rows.sort(key=lambda r: r.items)
-        ax.plot([r.items for r in rows], [r.plan_s + r.commit_s for r in rows], marker="o",
-                label=f"{method}, {layout}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("items in the checkpoint (ranks x items per rank)")
-    ax.set_ylabel("coordinator: plan + commit (s)")
-    ax.set_title("First save's coordinator work against job size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def _ints(text: str) -> List[int]:

@@ -4,7 +4,7 @@ A warm save (cached plans, unchanged structure) gathers no write results: every 
 checks its own items against its previous save, one all-reduce agrees, and the
 coordinator writes ``.metadata`` from the previous commit's bytes. This module runs the
 *real* finalization (:func:`~megatron_async.saver.finalize.save_state_dict_async_finalize`)
-as the coordinator runs it, on the synthesized results of :mod:`tools.bench.scale`:
+as the coordinator runs it, on the synthesized results of :mod:`tools.bench.scale_plans`:
 
 1. the first save's full commit from every rank's results (not timed; it fills the
    coordinator's record of its previous save as a real first save does);

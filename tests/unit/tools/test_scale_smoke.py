@@ -1,4 +1,5 @@
-"""Smoke tests of the scale benchmark (tools/bench/scale.py) and its gather calibration
+"""Smoke tests of the scale benchmark (tools/bench/scale.py, with its synthesized plans in
+scale_plans.py and its report in scale_report.py) and its gather calibration
 (tools/bench/gather_calibration.py) at tiny sizes.
 
 Each method is measured once, in a child process, for the whole module. Only the shape of
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import scale
+from tools.bench import scale, scale_plans, scale_report
 from tools.bench.gather_model import OPS, render_scale_estimates
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -26,9 +27,9 @@ def measured():
     return {method: scale.measure(method, "tp8", 16, 3, timeout_s=120) for method in _METHODS}
 
 
-@pytest.mark.parametrize("layout", scale.LAYOUTS)
+@pytest.mark.parametrize("layout", scale_plans.LAYOUTS)
 def test_synthesized_plans_are_a_valid_global_plan_for_every_method(layout, tmp_path):
-    plans, results = scale.synthesize(layout, 16, 3)
+    plans, results = scale_plans.synthesize(layout, 16, 3)
     assert len(plans) == len(results) == 16 and all(len(p.items) == 3 for p in plans)
     sizes, built = {}, {}
     for method in ("ours", "dcp"):
@@ -53,7 +54,7 @@ def test_one_measurement_in_a_child_process_and_the_report(measured):
     result = measured["ours"]
     assert (result.ranks, result.items_per_rank, result.items) == (16, 3, 48)
     assert result.plan_s > 0 and result.commit_s > 0 and result.metadata_bytes > 0
-    table = scale.render([result, measured["dcp"]])
+    table = scale_report.render([result, measured["dcp"]])
     assert "| tp8 | 16 x 3 |" in table and "ours / DCP" in table
 
 
@@ -62,14 +63,15 @@ def test_the_warm_row_runs_the_real_finalization_and_gathers_nothing(tmp_path, m
     from tools.bench.gather_model import measure_gathers
     from tools.bench.scale_warm import measure_warm_finalize
 
-    plans, results = scale.synthesize("tp8", 16, 3)
+    plans, results = scale_plans.synthesize("tp8", 16, 3)
     warm = measure_warm_finalize(scale._plan("ours", plans), results, str(tmp_path))
     assert warm["warm_s"] > 0 and 0 < warm["cpu_s"] <= warm["warm_s"] + warm["write_s"]
     assert warm["metadata_bytes"] == (tmp_path / "iter_1" / ".metadata").stat().st_size
     assert measure_gathers("ours", plans, results)["result_gather"]["num_bytes"] > 0
     result = measured["ours_warm"]
     assert result.gathered_bytes == 0 and result.warm_cpu_s >= 0
-    assert "ours_warm" in scale.render([result]) and "checks + splice" in scale.render([result])
+    table = scale_report.render([result])
+    assert "ours_warm" in table and "checks + splice" in table
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ class ExampleCheckpointerSave(SaveMethod):
         self._checkpointer = None
 
     def start_early(self) -> None:
-        from gpt.checkpointing import create_checkpoint_queue
+        from gpt.save_strategy import create_checkpoint_queue
 
         self._queue = create_checkpoint_queue(self._trainer.args)
 

@@ -58,7 +58,8 @@ def main(argv=None) -> None:
         "--train-iters", "1000000", "--save", os.path.join(workdir, "ckpt"),
         "--save-interval", "1", *EXAMPLE_FLAGS[args.method],
         "--non-persistent-local-ckpt-dir", os.path.join(workdir, "local")])
-    from gpt.checkpointing import Checkpointer, create_checkpoint_queue
+    from gpt.checkpointing import Checkpointer
+    from gpt.save_strategy import create_checkpoint_queue
 
     queue = create_checkpoint_queue(trainer.args)
     trainer.build()
