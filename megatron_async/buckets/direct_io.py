@@ -110,7 +110,11 @@ class LocalBucketFile(BucketFile):
             os.ftruncate(self._fd, size)
             self._written = size
         if use_fsync:
-            os.fsync(self._fd)
+            self.fsync()
+
+    def fsync(self) -> None:
+        """Make what :meth:`finish` wrote, the file's size included, durable."""
+        os.fsync(self._fd)
 
     def close(self) -> None:
         try:

@@ -16,11 +16,13 @@ by :mod:`megatron_async.nvrx`), one role per module:
   which intact copy each rank reads;
 * :mod:`.transport` (the store's address found in the training process, the rest in the
   background writer): the job's store, this node's address, messages between writers;
-* :mod:`.exchange` (background writer): one save's part sent to the clique peers and
-  theirs kept; :mod:`.replica_receiver` admits and writes theirs, each replica verified
-  against its owner's digest before it is acked;
+* :mod:`.exchange` (training process): where one save's part is replicated, and the
+  finalize step that forgets a failed save's store key;
+* :mod:`.part_replication` (background writer): one save's part streamed to the clique
+  peers while it is written, and theirs kept; :mod:`.replica_receiver` admits and writes
+  theirs, each replica verified against its owner's digest before it is acked;
 * :mod:`.part_writer` (background writer): one save's part written from its staged
-  ``torch.save`` records, then replicated;
+  ``torch.save`` records, replicated as it is written;
 * :mod:`.manager` (every rank): ``LocalCheckpointManager``, whose ``save`` stages on the
   training thread and returns the request;
 * :mod:`.retention` (every rank): which iterations a holder directory keeps, and the

@@ -7,7 +7,9 @@ an aligned 8 MiB bounce chunk, hashed there (xxh3, while the block is in cache) 
 written a chunk at a time with ``O_DIRECT`` where the file system accepts it. The whole
 part is one item of that file, so the item's digest is the part's. Then, in order:
 
-1. the dirty file ``iter_..._local.dirty.pt`` is fsynced (its size included);
+1. the dirty file ``iter_..._local.dirty.pt`` is fsynced (its size included); a part
+   being replicated hands every chunk to its replication before the chunk goes to the
+   disk, and its size and digest before this fsync;
 2. a record an earlier save left for the same part is removed, so that no record ever
    describes other bytes, and the dirty file is renamed to the part's name;
 3. the record (size, digest, the job's identity) is written atomically, which fsyncs the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any, Iterable, Iterator, Optional
 
 from megatron_async.buckets.direct_io import LocalBucketFile
@@ -46,18 +49,38 @@ class PartFile(LocalBucketFile):
     bytes are hashed on their way (background writer). ``record`` is set once the part
     is in place, after the ``with`` block of :func:`open_part`; ``write_error`` is the
     first ``OSError`` of a write, which torch's zip writer would report only as
-    "unexpected pos"."""
+    "unexpected pos"; ``expected_digest`` (a replica's: its owner's digest) may be set
+    until the block ends. With ``replication``
+    (a :class:`~megatron_async.local.part_replication.PartReplication`), every chunk is
+    sent with its ``send`` before it is written, and the part's size and digest with its
+    ``end`` before the fsync."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, replication: Any = None):
         super().__init__(path, hashing=True, chunks=BounceChunks.of_process())
         self.record: Optional[PartRecord] = None
+        self.expected_digest: Optional[str] = None
+        self._replication = replication
+        self._end = sys.maxsize  # the part's size, known at finish (the last chunk is padded)
         self.start_item()  # the whole part is one item: its digest is the part's
+
+    def finish(self, use_fsync: bool) -> None:
+        self._end = self.tell()
+        super().finish(use_fsync=False)
+        if self._replication is not None:
+            self._replication.end(self._end, self.finish_item())
+        if use_fsync:
+            self.fsync()
+
+    def _write_chunk(self, length: int) -> None:
+        if self._replication is not None:
+            self._replication.send(self._view[: min(length, self._end - self._written)])
+        super()._write_chunk(length)
 
 
 @contextlib.contextmanager
 def open_part(
     directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
-    expected_digest: Optional[str] = None,
+    expected_digest: Optional[str] = None, replication: Any = None,
 ) -> Iterator[PartFile]:
     """Write a part through a stream, then its record, durably (background writer).
 
@@ -71,7 +94,10 @@ def open_part(
         directory: the holder directory (created if missing).
         identity: the job's identity, recorded with the part.
         expected_digest: for a replica, the digest the owner computed; the part is
-            dropped and an error raised if the received bytes hash otherwise.
+            dropped and an error raised if the received bytes hash otherwise. A stream
+            receiving it last sets ``stream.expected_digest`` in the block instead.
+        replication: this rank's part is replicated as it is written (see
+            :class:`PartFile`).
 
     Raises:
         CheckpointIntegrityError: the bytes do not match ``expected_digest``.
@@ -84,7 +110,8 @@ def open_part(
     stream: Optional[PartFile] = None
     try:
         os.makedirs(directory, exist_ok=True)
-        stream = PartFile(dirty)
+        stream = PartFile(dirty, replication)
+        stream.expected_digest = expected_digest
         written = dirty
         try:
             yield stream
@@ -93,7 +120,7 @@ def open_part(
             stream.finish(use_fsync=True)
         finally:
             stream.close()
-        digest = stream.finish_item()
+        digest, expected_digest = stream.finish_item(), stream.expected_digest
         if expected_digest is not None and digest != expected_digest:
             raise CheckpointIntegrityError(
                 f"replica of rank {owner}'s part of iteration {iteration} in {directory} hashes "
@@ -121,11 +148,12 @@ def open_part(
 
 def write_part(
     directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
-    identity: LocalIdentity, *, expected_digest: Optional[str] = None,
+    identity: LocalIdentity, *, expected_digest: Optional[str] = None, replication: Any = None,
 ) -> PartRecord:
     """Write a part from ``buffers`` (bytes-like objects, one after the other; each may be
     reused once the next is asked for) and then its record, durably, as :func:`open_part`
-    does (background writer; every rank for a recovered part).
+    does (background writer; every rank for a recovered part), replicated as it is
+    written with ``replication``.
 
     Returns:
         The part's record.
@@ -135,8 +163,10 @@ def write_part(
         StorageWriteError: the directory or a file cannot be written (the message names
             the path). What was written of the part is removed.
     """
-    digest = expected_digest
-    with open_part(directory, iteration, owner, identity, expected_digest=digest) as stream:
+    with open_part(
+        directory, iteration, owner, identity, expected_digest=expected_digest,
+        replication=replication,
+    ) as stream:
         for buffer in buffers:
             stream.append(buffer)
     return stream.record  # type: ignore[return-value]  # set: the block ended without an error

@@ -10,14 +10,14 @@ save), never on the training thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 from typing import List, Optional
 
-from megatron_async.local import transport
-from megatron_async.local.exchange import PeerExchange, exchange_part
+from megatron_async.local.exchange import PeerExchange
 from megatron_async.local.part_output import open_part
-from megatron_async.local.parts import LocalIdentity, PartRecord, part_name, remove_iterations
+from megatron_async.local.part_replication import PartReplication
+from megatron_async.local.parts import LocalIdentity, PartRecord, remove_iterations
 from megatron_async.staging.torch_save import TorchSaveStaged
 from megatron_async.writer.torch_save_file import write_torch_save_records
 
@@ -46,7 +46,8 @@ class LocalSaveJob:
 
 
 def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRecord]:
-    """Write this rank's part and send it to its clique peers, keeping theirs (background writer).
+    """Write this rank's part and replicate it to its clique peers as it is written,
+    keeping theirs (background writer).
 
     First the iterations older than ``job.remove_below`` leave the holder directory.
 
@@ -55,11 +56,11 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
     8 MiB chunk, hashed there, written with ``O_DIRECT`` where accepted), so the part is
     never built in memory: the writer holds the staging memory (within the budget; given
     back once the last record is written, before the fsync), the chunk and the zip
-    writer's small buffers. The part is then sent from the written file with
-    ``sendfile`` (the kernel reads it back from the disk, which direct I/O left out of
-    the page cache; nothing of it passes through this process), while each peer's part
-    is received straight into an 8 MiB chunk per peer and written as a replica
-    (:func:`~megatron_async.local.exchange.exchange_part`).
+    writer's small buffers. With peers, each chunk is sent to them from the chunk before
+    it goes to the disk, and each peer's part is received straight into an 8 MiB chunk
+    per peer and written as a replica
+    (:class:`~megatron_async.local.part_replication.PartReplication`): the part is never
+    read back, and the copies are written at the same time.
 
     Args:
         job: the part and where it goes.
@@ -73,26 +74,30 @@ def write_local_part(job: LocalSaveJob, staged: TorchSaveStaged) -> List[PartRec
         AsyncTimeoutError: the trainer staged no next round within ``staging_wait_s``.
         StorageWriteError: the part cannot be written.
         LocalReplicationError: a peer did not acknowledge this rank's part, or did not
-            send its own, within the exchange's bound (a peer whose own part failed says
+            send its own, within the exchange's bounds (a peer whose own part failed says
             so at once: its peers do not wait for the bound).
     """
     replicated = job.exchange is not None and bool(job.exchange.peers)
-    remove_iterations(job.directory, lambda i: i < job.remove_below)
     try:
-        with open_part(job.directory, job.iteration, job.rank, job.identity) as stream:
-            write_torch_save_records(stream, staged, job.staging_wait_s)
-            staged.gate.mark_done()  # the staging memory goes back before the fsync
-    except Exception as exc:
-        if replicated:  # its peers stop waiting for it
-            spec = job.exchange
-            transport.publish_failure(
-                spec.store_host, spec.store_port, spec.key(job.rank), f"{type(exc).__name__}: {exc}"
-            )
-        raise
+        remove_iterations(job.directory, lambda i: i < job.remove_below)
+        with contextlib.ExitStack() as stack:
+            replication = None
+            if replicated:
+                replication = stack.enter_context(
+                    PartReplication(job.exchange, job.rank, job.iteration, job.identity)
+                )
+            try:
+                with open_part(
+                    job.directory, job.iteration, job.rank, job.identity,
+                    replication=replication,
+                ) as stream:
+                    write_torch_save_records(stream, staged, job.staging_wait_s)
+                    staged.gate.mark_done()  # the staging memory goes back before the fsync
+            except Exception as exc:
+                if replication is not None:  # its peers stop waiting for it
+                    replication.fail(f"{type(exc).__name__}: {exc}")
+                raise
+            replicas = replication.finish() if replication is not None else []
     finally:
         staged.gate.mark_done()
-    own = stream.record
-    if not replicated:
-        return [own]
-    path = os.path.join(job.directory, part_name(job.iteration, job.rank))
-    return [own, *exchange_part(job.exchange, own, path)]
+    return [stream.record, *replicas]

@@ -8,8 +8,10 @@ opens its own store client (:func:`store_client`, :func:`read_key`), listens on 
 node's address (:func:`advertised_address`, :func:`listen`), connects to the address a
 peer published (:func:`connect_published`), talks to peers in
 length-prefixed JSON messages (:func:`send_message`, :func:`recv_message`,
-:func:`answer_and_drain`) and receives bulk bytes straight into a stream's buffer
-(:func:`recv_into_stream`). :mod:`.exchange` builds the replication of a part on these.
+:func:`answer_and_drain`), sends bulk bytes as length-prefixed frames (:func:`send_frame`)
+and receives them straight into a stream's buffer (:func:`recv_frame_length`,
+:func:`recv_into_stream`). :mod:`.part_replication` builds the replication of a part on
+these.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ __all__ = [
     "answer_and_drain",
     "publish_failure",
     "forget_key",
+    "send_frame",
+    "recv_frame_length",
     "recv_into_stream",
     "close_socket",
     "shutdown_socket",
@@ -62,6 +66,7 @@ FAILED_PREFIX = "failed:"
 will not take part in an exchange (its own part failed): its peers stop waiting for it."""
 
 _LENGTH = struct.Struct("!I")
+_FRAME = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 1 << 16
 _DRAIN_BYTES = 1 << 16
 _POLL_S = 0.05
@@ -288,6 +293,26 @@ def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
             raise PeerLost("the connection closed")
         data += chunk
     return bytes(data)
+
+
+def send_frame(sock: socket.socket, data: Any) -> None:
+    """Send ``data`` (bytes-like; empty ends a stream of frames), its length first
+    (within the socket's timeout). The bytes go from ``data`` itself, not a joined copy."""
+    view = memoryview(data).cast("B")
+    sock.sendall(_FRAME.pack(view.nbytes))
+    if view.nbytes:
+        sock.sendall(view)
+
+
+def recv_frame_length(sock: socket.socket) -> int:
+    """The length of the next frame :func:`send_frame` sent (0: the stream ended), within
+    the socket's timeout; its bytes are then read with :func:`recv_into_stream`.
+
+    Raises:
+        PeerLost: the connection broke, closed or timed out first.
+    """
+    (length,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
+    return length
 
 
 def recv_into_stream(

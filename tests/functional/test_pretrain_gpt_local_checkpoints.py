@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from megatron_async.checkpoint_dirs import read_tracker
-from megatron_async.local.parts import record_name
+from megatron_async.local.parts import part_name, record_name
 from tests.functional.test_pretrain_gpt import (
     LAUNCH_TIMEOUT_S,
     REPO,
@@ -251,11 +251,12 @@ def test_a_node_killed_mid_replication_leaves_no_partial_checkpoint_and_newer_pe
     resumes from the local checkpoint of 10 with node 1's parts taken from node 0's
     replicas, and the losses from 11 on equal the uninterrupted run's. The job saves the
     persistent checkpoint of 12 and starts the local save of 14: rank 3's writer holds
-    before writing its part, while rank 1's writer has written its own and is in the
-    exchange, waiting for rank 3's. Node 1 is killed then (its torchrun agent and every
+    before writing its part, while rank 1's writer has started its own and waits for
+    rank 3 to connect (its part streams to rank 3 as it is written, so it cannot finish
+    without it). Node 1 is killed then (its torchrun agent and every
     process under it, SIGKILL). Node 0's ranks do not hang: the job ends there within
     ``SURVIVOR_BOUND_S``, the save of 14 is never reported durable and the tracker stays
-    at 12. Rank 3's part of 14 exists nowhere, so 14 is partial. Restarting both nodes,
+    at 12. Rank 3's part of 14 exists nowhere, nor a record of rank 1's, so 14 is partial. Restarting both nodes,
     every rank finds the local checkpoint of 10 as the newest complete one, says that it
     is older than the persistent checkpoint of 12, resumes from that one, and the losses
     of 13 to 16 equal the uninterrupted run's.
@@ -266,15 +267,15 @@ def test_a_node_killed_mid_replication_leaves_no_partial_checkpoint_and_newer_pe
     os.remove(root / "metrics.jsonl")
     _lose_node_1(root)
     marker = tmp_path / "rank-3-holds"
-    rank_1_part = root / "node0" / "1" / record_name(KILLED_LOCAL, 1)
+    rank_1_part = root / "node0" / "1" / part_name(KILLED_LOCAL, 1, dirty=True)
     launched = launch_two_nodes(
         root, "atomic", {"PRETRAIN_GPT_DEBUG_HOLD_WRITE": f"{KILLED_LOCAL}:3:{marker}"}
     )
     _wait_for(
         lambda: (marker.exists() and rank_1_part.exists()
                  and read_tracker(str(root / "persistent")) == NEXT_PERSISTENT),
-        launched, f"rank 3's writer held the local save of {KILLED_LOCAL}, rank 1 wrote its "
-        f"part and the persistent checkpoint of {NEXT_PERSISTENT} was durable",
+        launched, f"rank 3's writer held the local save of {KILLED_LOCAL}, rank 1 started "
+        f"its part and the persistent checkpoint of {NEXT_PERSISTENT} was durable",
     )
     kill_node(launched[1][0])
     killed_at = time.monotonic()
@@ -294,6 +295,7 @@ def test_a_node_killed_mid_replication_leaves_no_partial_checkpoint_and_newer_pe
     assert events(metrics, "local_save") == [], node0[-6000:]
     assert read_tracker(str(root / "persistent")) == NEXT_PERSISTENT
     assert not list(root.glob(f"node*/*/iter_{KILLED_LOCAL:07d}_3_local*")), results[1][1][-6000:]
+    assert not (root / "node0" / "1" / record_name(KILLED_LOCAL, 1)).exists()
 
     os.remove(root / "metrics.jsonl")
     results = run_two_nodes(root, "atomic")

@@ -1,6 +1,7 @@
-"""megatron_async.local.exchange: background writers replicate their parts to clique peers.
+"""megatron_async.local.part_replication: background writers replicate their parts to
+clique peers while they write them.
 
-Each rank is a forked process that writes its own part and exchanges it through a
+Each rank is a forked process that writes its own part, streamed to its peers through a
 TCPStore whose master lives in the test process; no process group is initialized.
 """
 
@@ -12,6 +13,7 @@ import random
 import socket
 import threading
 import time
+from queue import Empty
 
 import pytest
 import torch.distributed as dist
@@ -19,10 +21,11 @@ import torch.distributed as dist
 from megatron_async.errors import LocalCheckpointError, LocalReplicationError
 from megatron_async.local.cliques import CliqueReplicationStrategy
 from megatron_async.local import transport
-from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange, exchange_part
+from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange
+from megatron_async.local.part_replication import PartReplication
 from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
 from megatron_async.local.part_output import write_part
-from megatron_async.local.parts import LocalIdentity, holder_dir, part_name, read_verified, scan
+from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan
 
 ITERATION = 30
 SESSION = "s"
@@ -37,8 +40,25 @@ def _part(rank, num_bytes):
     return [data[:100], bytearray(data[100:-7]), memoryview(data[-7:])]
 
 
+def _failing_after_a_chunk(buffers):
+    """The part's buffers, but the write fails once more than one chunk went out."""
+    yield b"".join(bytes(b) for b in buffers)[: (8 << 20) + 5]
+    raise OSError(28, "No space left on device")
+
+
+def _replicate(spec, rank, identity, directory, buffers):
+    """Write the part with its replication, as the background writer does."""
+    with PartReplication(spec, rank, ITERATION, identity) as replication:
+        try:
+            write_part(directory, ITERATION, rank, buffers, identity, replication=replication)
+        except Exception as exc:
+            replication.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        return replication.finish()
+
+
 def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
-    """One rank's background writer: write the own part, then exchange it (forked child)."""
+    """One rank's background writer: write the own part, replicated (forked child)."""
     try:
         identity = LocalIdentity(world_size=world, replication_jump=2, replication_factor=factor)
         peers = CliqueReplicationStrategy.from_replication_params(
@@ -46,7 +66,6 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
         ).peers(rank)
         directory = holder_dir(root, SESSION, rank)
         buffers = _part(rank, size)
-        record = write_part(directory, ITERATION, rank, buffers, identity)
         if behaviour == "never publishes":
             time.sleep(timeout_s + 2)
             return
@@ -57,14 +76,14 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
             client.set(f"{PREFIX}/{rank}", _dead_address())
             os._exit(0)
-        if behaviour == "dies mid-send":  # to rank 0: the header and half of the bytes
+        if behaviour == "dies mid-send":  # to rank 0: the header and half of a frame
             client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
             host, _, peer_port = client.get(f"{PREFIX}/0").decode().rpartition(":")
             sock = socket.create_connection((host, int(peer_port)))
-            header = dataclasses.asdict(record)
-            header.update(session_id=SESSION, receiver=0)
+            header = dict(session_id=SESSION, iteration=ITERATION, owner=rank, receiver=0,
+                          identity=dataclasses.asdict(identity))
             transport.send_message(sock, header)
-            sock.sendall(bytes(buffers[0]) + bytes(buffers[1][: size // 2]))
+            sock.sendall(size.to_bytes(8, "big") + bytes(buffers[0]) + bytes(buffers[1][: size // 2]))
             os._exit(0)
         if behaviour == "cannot listen":
 
@@ -82,22 +101,25 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             transport.send_message = die_at_the_ack
         if behaviour == "late":
             time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
-        path = os.path.join(directory, part_name(ITERATION, rank))
         if behaviour == "damages its part":  # on its way: one byte flipped in what is sent
+            send_frame = transport.send_frame
 
-            def send_damaged(sock, part, *args):
-                data = bytearray(part.read())
-                data[0] ^= 0xFF
-                sock.sendall(data)
+            def send_damaged(sock, data):
+                data = bytearray(memoryview(data).cast("B"))
+                if data:
+                    data[0] ^= 0xFF
+                send_frame(sock, data)
 
-            socket.socket.sendfile = send_damaged  # this forked rank's only
+            transport.send_frame = send_damaged  # this forked rank's module only
+        if behaviour == "fails mid-write":
+            buffers = _failing_after_a_chunk(buffers)
         spec = PeerExchange(
             store_host="127.0.0.1", store_port=port, key_prefix=PREFIX, session_id=SESSION,
             peers=peers, directory=directory, timeout_s=timeout_s,
         )
         start = time.monotonic()
         try:
-            replicas = exchange_part(spec, record, path)
+            replicas = _replicate(spec, rank, identity, directory, buffers)
         except LocalReplicationError as exc:
             queue.put((rank, "failed", str(exc), exc.failures, time.monotonic() - start))
         else:
@@ -144,7 +166,11 @@ def _run(store, root, world, factor=2, timeout_s=30.0, size=(5 << 20) + 3, behav
     try:
         results = {}
         for _ in range(world - len(silent)):
-            rank, *outcome = queue.get(timeout=timeout_s + 30)
+            try:
+                rank, *outcome = queue.get(timeout=timeout_s + 30)
+            except Empty:
+                missing = sorted(set(range(world)) - silent - set(results))
+                raise AssertionError(f"ranks {missing} did not report; got {results}") from None
             results[rank] = tuple(outcome)
     finally:
         for process in processes:
@@ -167,7 +193,7 @@ def _assert_holds_verified(root, holder, owners, size):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world, factor", [(4, 2), (6, 3)])
 def test_every_holder_keeps_its_part_and_its_peers_verified(store, tmp_path, world, factor):
-    size = (5 << 20) + 3 if factor == 2 else (1 << 20) + 5
+    size = (17 << 20) + 3 if factor == 2 else (1 << 20) + 5  # 3 chunks, or 1
     results = _run(store, tmp_path, world, factor, size=size)
     cliques = [tuple(range(m, world, 2)) for m in (0, 1)]  # J=2: the even and the odd ranks
     for rank in range(world):
@@ -246,6 +272,27 @@ def test_a_peer_that_dies_mid_transfer_leaves_no_replica_and_fails_its_receiver(
     assert elapsed_s < FAULT_TIMEOUT_S + 5
     directory = holder_dir(tmp_path, SESSION, 0)
     assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
+
+
+@pytest.mark.timeout(90)
+def test_a_part_that_fails_while_it_streams_leaves_no_replica_and_fails_its_clique_at_once(
+    store, tmp_path
+):
+    deadline_s = 30.0
+    size = (9 << 20) + 3  # a chunk goes out before the write fails
+    results = _run(store, tmp_path, 4, timeout_s=deadline_s, size=size,
+                   behaviours={2: "fails mid-write"})
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert "rank 2: its own part failed (StorageWriteError: cannot write rank 2's" in text
+    assert "No space left on device" in text
+    assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[2][0] == "crashed" and "StorageWriteError" in results[2][1]
+    directory = holder_dir(tmp_path, SESSION, 0)  # rank 2's partial replica is gone
+    assert sorted(os.listdir(directory)) == ["iter_0000030_0_local.json", "iter_0000030_0_local.pt"]
+    left = os.listdir(holder_dir(tmp_path, SESSION, 2))  # nor its own part, nor a dirty file
+    assert not [name for name in left if "_2_local" in name or "dirty" in name], left
+    assert results[1][0] == results[3][0] == "ok"
 
 
 @pytest.mark.timeout(90)
@@ -342,13 +389,12 @@ def test_a_strangers_connection_does_not_disturb_the_exchange(store, tmp_path):
     def rank(me, delay_s):
         time.sleep(delay_s)
         directory = holder_dir(tmp_path, SESSION, me)
-        record = write_part(directory, ITERATION, me, _part(me, 1000), identity)
         spec = PeerExchange(
             store_host="127.0.0.1", store_port=store.port, key_prefix=PREFIX,
             session_id=SESSION, peers=(1 - me,), directory=directory, timeout_s=30.0,
         )
-        path = os.path.join(directory, part_name(ITERATION, me))
-        outcomes[me] = [r.key for r in exchange_part(spec, record, path)]
+        replicas = _replicate(spec, me, identity, directory, _part(me, 1000))
+        outcomes[me] = [r.key for r in replicas]
 
     threads = [threading.Thread(target=rank, args=(me, me * 1.0)) for me in (0, 1)]
     threads[0].start()
