@@ -1,4 +1,4 @@
-"""Write one part of a holder directory, and then its record, durably (background writer).
+"""Write one part of a holder directory, and then its record, durably (writer, recovery).
 
 The write side of :mod:`.parts`, which names the files and reads them back. A part goes
 through the library's local bucket file
