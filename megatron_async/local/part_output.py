@@ -188,7 +188,8 @@ class IncomingPart:
         self._mapping: Optional[mmap.mmap] = None
         try:
             os.makedirs(self.directory, exist_ok=True)
-            self._fd = os.open(self._dirty, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            self._fd = os.open(self._dirty, flags, 0o666)
             os.posix_fallocate(self._fd, 0, record.num_bytes)
             self._mapping = mmap.mmap(self._fd, record.num_bytes, access=mmap.ACCESS_WRITE)
         except BaseException:
