@@ -9,9 +9,11 @@ by :mod:`megatron_async.nvrx`), one role per module:
 * :mod:`.cliques` (every rank): which ranks keep replicas of which rank's part
   (``parse_group_sequence``, ``CliqueReplicationStrategy``);
 * :mod:`.parts` (every rank): a holder directory's part files and their records (size,
-  xxh3 digest, the job's identity), listed, read back verified and removed;
-* :mod:`.part_output` (background writer): one part written through the local bucket
-  file (aligned chunks hashed there, ``O_DIRECT``), then its record, durably;
+  xxh3 digest, the job's identity), listed, read back verified (with the file's version
+  as hashed), mapped to send, and removed;
+* :mod:`.part_output` (background writer; every rank at recovery): one part written
+  through the local bucket file (aligned chunks hashed there, ``O_DIRECT``), then its
+  record, durably; at recovery, a part received from a peer straight into its file;
 * :mod:`.recovery` (every rank): the pure decision of which iteration to recover and
   which intact copy each rank reads;
 * :mod:`.transport` (the store's address found in the training process, the rest in the
@@ -28,5 +30,6 @@ by :mod:`megatron_async.nvrx`), one role per module:
 * :mod:`.retention` (every rank): which iterations a holder directory keeps, and the
   save's finalize step that applies it;
 * :mod:`.recover` (every rank): ``find_latest``'s agreed recovery, verified parts moved
-  between ranks in bulk, and ``load``'s deserialization of the verified bytes.
+  between ranks in bulk, from and into their files, and ``load``'s mapping of the
+  verified file.
 """

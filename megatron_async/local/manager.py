@@ -23,7 +23,6 @@ nvidia-resiliency-ext's; what differs is where the work runs and what is checked
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -289,14 +288,15 @@ class LocalCheckpointManager:
         One agreed decision (:func:`~megatron_async.local.recover.recover_newest`): parts
         of another job are ignored, every part used is verified against its digest, a
         missing or damaged part is taken from a peer's intact replica, else the next older
-        iteration is tried. A part received from a peer is written back to this rank's
-        holder directory. Memory: verifying streams through one 8 MiB buffer; the
-        replicas a rank verifies for missing owners (usually one) and its own part
-        received are in memory while parts move; a rank that received its part keeps it
-        for the first :meth:`load` (then only if it could not be written back), the
-        others keep only the record of their verified copy; a second call returns the
-        cached answer. The ranks must agree on the identity (a ``run_id`` or ``algo``
-        passed on some ranks only): else every rank logs both and returns -1.
+        iteration is tried. A part received from a peer arrives straight in this rank's
+        holder directory and is written back (made durable, with its record) before the
+        ranks agree; a rank that cannot write it back ends the recovery on every rank
+        (-1). Memory: no part is copied into the process: verifying streams through one
+        8 MiB buffer, and parts move from and into mappings of their files (page cache);
+        every rank keeps only the record of its verified copy and its file's version; a
+        second call returns the cached answer. The ranks must agree on the identity (a
+        ``run_id`` or ``algo`` passed on some ranks only): else every rank logs both and
+        returns -1.
 
         Each rank logs which copy it recovered (INFO) and keeps its holder in
         :attr:`recovered_from`.
@@ -331,17 +331,21 @@ class LocalCheckpointManager:
     def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
         """This rank's state dict of the iteration :meth:`find_latest` found (every rank).
 
-        Verifies this rank's copy on disk again and maps it (``torch.load(mmap=True)``:
-        CPU tensors share the file's page-cache pages, copy-on-write, instead of a copy
-        of the part), or deserializes the part received from a peer from memory; a
-        second call moves nothing between ranks. Tensors are back on their devices.
+        Maps this rank's verified copy on disk (``torch.load(mmap=True)``: CPU tensors
+        share the file's page-cache pages, copy-on-write, instead of a copy of the part),
+        its own part or the one received from a peer and written back alike. The file is
+        hashed again only if it changed since :meth:`find_latest` verified it (its
+        device, inode, size, modification or status-change time differ), and a file
+        changed while it was loaded is refused: changed bytes are never loaded unchecked.
+        A second call moves nothing between ranks. Tensors are back on their devices.
 
         Returns:
             ``(state dict, (iteration, rank, session_id))``.
 
         Raises:
             CheckpointingException: no local checkpoint was found (call ``find_latest``
-                first; it returned -1), or its verified copy changed since.
+                first; it returned -1), or its verified copy changed since and no longer
+                hashes to its digest (or changed while it was loaded).
         """
         if self._recovered is None:
             raise CheckpointingException(
@@ -349,8 +353,6 @@ class LocalCheckpointManager:
                 "and load only when it returned an iteration (not -1)"
             )
         state = recover.deserialize(self._recovered)
-        if self._recovered.written_back:  # its bytes are on disk again: a second load reads them
-            self._recovered = dataclasses.replace(self._recovered, data=None)
         return state, (self._recovered.iteration, self.rank, self.session_id)
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""Write one part of a holder directory, and then its record, durably (background writer).
+"""Write one part of a holder directory, and then its record, durably (writer, recovery).
 
 The write side of :mod:`.parts`, which names the files and reads them back. A part goes
 through the library's local bucket file
@@ -17,20 +17,27 @@ part is one item of that file, so the item's digest is the part's. Then, in orde
 
 A part whose write fails, at any of these steps, leaves no record and no file behind.
 Runs in the background writer: this rank's part from its staged ``torch.save`` records
-(:mod:`.part_writer`), the replicas it receives from its peers (:mod:`.replica_receiver`);
-and on every rank for a part recovered from a peer (:mod:`.recover`).
+(:mod:`.part_writer`), the replicas it receives from its peers (:mod:`.replica_receiver`).
+
+A part recovered from a peer (:mod:`.recover`, every rank that lacks its own) arrives in
+place instead: :class:`IncomingPart` maps its dirty file, the transfer fills the mapping,
+and its pages, hashed there, stay in the page cache, where ``load`` maps them again
+(``torch.load(mmap=True)``); then steps 1 to 3 as above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import sys
 from typing import Any, Iterable, Iterator, Optional
 
+from megatron_async.buckets.bucket_file import new_hasher
 from megatron_async.buckets.direct_io import LocalBucketFile
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.local.parts import (
+    FileVersion,
     LocalIdentity,
     PartRecord,
     PathLike,
@@ -41,7 +48,7 @@ from megatron_async.local.parts import (
 from megatron_async.storage.local import atomic_output
 from megatron_async.writer.bucket_io import BounceChunks
 
-__all__ = ["PartFile", "open_part", "write_part"]
+__all__ = ["PartFile", "open_part", "write_part", "IncomingPart"]
 
 
 class PartFile(LocalBucketFile):
@@ -127,12 +134,8 @@ def open_part(
                 f"to {digest}, the owner sent {expected_digest}: it was damaged on its way"
             )
         record = PartRecord(iteration, owner, stream.tell(), digest, identity)
-        remove_file(os.path.join(directory, record_name(iteration, owner)))
-        clean = os.path.join(directory, part_name(iteration, owner))
-        os.replace(dirty, clean)
-        written = clean
-        with atomic_output(os.path.join(directory, record_name(iteration, owner))) as out:
-            out.write(record.to_json().encode())
+        written = os.path.join(directory, part_name(iteration, owner))
+        _put_in_place(directory, record)
         stream.record = record
     except BaseException as exc:
         if written is not None:
@@ -170,3 +173,104 @@ def write_part(
         for buffer in buffers:
             stream.append(buffer)
     return stream.record  # type: ignore[return-value]  # set: the block ended without an error
+
+
+def _put_in_place(directory: str, record: PartRecord) -> None:
+    """Steps 2 and 3 of the module for a durable dirty file: it becomes the part, then
+    its record is written. If a step fails, neither file stays (nor an older record)."""
+    dirty = os.path.join(directory, part_name(record.iteration, record.owner, dirty=True))
+    clean = os.path.join(directory, part_name(record.iteration, record.owner))
+    record_path = os.path.join(directory, record_name(record.iteration, record.owner))
+    try:
+        remove_file(record_path)
+        os.replace(dirty, clean)
+        with atomic_output(record_path) as out:
+            out.write(record.to_json().encode())
+    except BaseException:
+        remove_file(dirty)
+        remove_file(clean)
+        raise
+
+
+class IncomingPart:
+    """The dirty file of this rank's part, sized and mapped writable, for the part's
+    bytes to arrive in place from the peer holding its replica (every rank that lacks
+    its part at recovery). Its blocks are allocated at once (``posix_fallocate``), so
+    that the pages written through the mapping never meet a full disk (``SIGBUS`` there,
+    not an error). Then :meth:`digest`, and :meth:`commit` or :meth:`discard`.
+
+    Args:
+        directory: this rank's holder directory (created if missing).
+        record: the part's record, from the holder of the replica.
+
+    Raises:
+        OSError: the file cannot be created, allocated or mapped (it is removed).
+    """
+
+    def __init__(self, directory: PathLike, record: PartRecord):
+        self.record = record
+        self.directory = os.fspath(directory)
+        """The holder directory the part goes to."""
+        self._dirty = os.path.join(
+            self.directory, part_name(record.iteration, record.owner, dirty=True)
+        )
+        self._fd: Optional[int] = None
+        self._mapping: Optional[mmap.mmap] = None
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            self._fd = os.open(self._dirty, flags, 0o666)
+            os.posix_fallocate(self._fd, 0, record.num_bytes)
+            self._mapping = mmap.mmap(self._fd, record.num_bytes, access=mmap.ACCESS_WRITE)
+        except BaseException:
+            self.discard()
+            raise
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The part's pages, shared with its file: what arrives here is in the file."""
+        assert self._mapping is not None, "discarded"
+        return self._mapping
+
+    def digest(self) -> str:
+        """The digest of the part's bytes as they are in its pages now."""
+        hasher = new_hasher()
+        hasher.update(self.buffer)
+        return hasher.hexdigest()
+
+    def commit(self) -> FileVersion:
+        """Make the part durable and put it in place with its record (steps 1 to 3).
+
+        Returns:
+            The version of the part's file in place.
+
+        Raises:
+            StorageWriteError: a step failed; neither the part nor a record stays.
+        """
+        assert self._fd is not None, "discarded"
+        try:
+            os.fsync(self._fd)  # the pages written through the mapping, and the size
+            _put_in_place(self.directory, self.record)
+            version = FileVersion.of(os.fstat(self._fd))  # after the rename: its ctime
+        except OSError as exc:
+            self.discard()
+            raise StorageWriteError(
+                f"cannot write rank {self.record.owner}'s local checkpoint part of iteration "
+                f"{self.record.iteration} back to {self.directory}: {exc}"
+            ) from exc
+        self._release()
+        return version
+
+    def discard(self) -> None:
+        """Remove the dirty file (best effort); the pages go once nothing maps them."""
+        remove_file(self._dirty)
+        self._release()
+
+    def _release(self) -> None:
+        if self._mapping is not None:
+            with contextlib.suppress(BufferError):  # a tensor still wraps it: unmapped with it
+                self._mapping.close()
+            self._mapping = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

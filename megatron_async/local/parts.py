@@ -10,11 +10,12 @@ It holds, per iteration, the rank's own part and the replicas of its peers' part
   xxh3 digest, the job's :class:`LocalIdentity`), written atomically after the part.
 
 A part counts only with its record, and only when its bytes hash to the record's digest;
-:func:`read_verified` checks that before a byte is handed on. :func:`scan` and
-:func:`read_verified` run on every rank when it looks for a checkpoint to recover;
-:func:`remove_iterations` on every rank when a save is finalized or failed. Writing a
-part runs in the background writer (:mod:`.part_output`). This module is the only place
-that knows these names.
+:func:`verify_part` checks that before a byte is handed on, and tells the file's
+:class:`FileVersion` as it was hashed, so that a later use can tell whether the file
+changed since. :func:`scan`, :func:`verify_part` and :func:`map_part` run on every rank
+when it looks for a checkpoint to recover; :func:`remove_iterations` on every rank when a
+save is finalized or failed. Writing a part runs in the background writer
+(:mod:`.part_output`). This module is the only place that knows these names.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
 from megatron_async.storage.local import fsync_path
 
 __all__ = [
-    "FORMAT", "LocalIdentity", "PartRecord", "holder_dir", "part_name", "record_name",
-    "scan", "verify_part", "read_verified", "remove_iterations", "remove_file",
+    "FORMAT", "LocalIdentity", "PartRecord", "FileVersion", "holder_dir", "part_name",
+    "record_name", "scan", "file_version", "verify_part", "read_verified", "map_part",
+    "remove_iterations", "remove_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -188,29 +191,81 @@ def _read_record(directory: str, name: str, iteration: int, owner: int) -> Optio
     return record
 
 
-def verify_part(directory: PathLike, record: PartRecord) -> bool:
-    """Whether the part ``record`` describes hashes to its digest (any rank).
+class FileVersion(NamedTuple):
+    """A file's identity and change stamps: a write, a truncation or a file put in its
+    place changes at least one of them (the times within the file system's clock tick:
+    a second write in the same tick as the one before is not told apart; nothing writes
+    a part while it is recovered)."""
 
-    Streams the part through one 8 MiB buffer: nothing of it is kept. False (with a log
-    line saying why) when the part is missing, unreadable, of another size or damaged.
+    device: int
+    inode: int
+    num_bytes: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, stat: os.stat_result) -> "FileVersion":
+        return cls(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def file_version(path: PathLike) -> Optional[FileVersion]:
+    """The :class:`FileVersion` of the file at ``path`` now; None when it cannot be
+    found (any rank)."""
+    try:
+        return FileVersion.of(os.stat(path))
+    except OSError:
+        return None
+
+
+def verify_part(directory: PathLike, record: PartRecord) -> Optional[FileVersion]:
+    """Whether the part ``record`` describes hashes to its digest (any rank): the
+    version of its file as it was when hashed, or None (with a log line saying why) when
+    the part is missing, unreadable, of another size or damaged.
+
+    Streams the part with ``read`` through one 8 MiB buffer: nothing of it is kept, and
+    an unreadable sector is an error here, not a ``SIGBUS`` as in a mapping. The pages
+    read stay in the page cache, where :func:`map_part` and ``torch.load(mmap=True)``
+    find them.
     """
-    return _read_part(directory, record, keep=False) is not None
+    found = _read_part(directory, record, keep=False)
+    return None if found is None else found[0]
 
 
 def read_verified(directory: PathLike, record: PartRecord) -> Optional[bytearray]:
     """The part ``record`` describes, read and hashed in one pass, as a ``bytearray``
     (writable: a tensor can wrap it without a copy); None as for :func:`verify_part`."""
-    return _read_part(directory, record, keep=True)
+    found = _read_part(directory, record, keep=True)
+    return None if found is None else found[1]
 
 
-def _read_part(directory: PathLike, record: PartRecord, keep: bool) -> Optional[bytearray]:
-    """The part's bytes (``keep``; else a buffer's worth), or None when they do not hash
-    to the record's digest."""
+def map_part(directory: PathLike, record: PartRecord) -> mmap.mmap:
+    """A private (copy-on-write) mapping of the part ``record`` describes, of exactly its
+    size, to send it to a peer without copying it into this process (every rank holding a
+    replica that a peer lacks, at recovery). The bytes are not hashed again here: the
+    receiver checks them against the digest.
+
+    Raises:
+        OSError: the file is missing, unreadable or of another size than its record.
+    """
+    path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size != record.num_bytes:
+            raise OSError(f"{path}: {size} bytes, its record says {record.num_bytes}")
+        return mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
+
+
+def _read_part(
+    directory: PathLike, record: PartRecord, keep: bool
+) -> Optional[Tuple[FileVersion, bytearray]]:
+    """The file's version when it was opened and the part's bytes (``keep``; else a
+    buffer's worth), or None when they do not hash to the record's digest."""
     path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
     data = bytearray(record.num_bytes if keep else min(record.num_bytes, _READ_BYTES))
     view, hasher, filled = memoryview(data), new_hasher(), 0
     try:
         with open(path, "rb", buffering=0) as stream:
+            version = FileVersion.of(os.fstat(stream.fileno()))  # before the bytes hashed
             while filled < record.num_bytes:
                 at = filled if keep else 0
                 count = stream.readinto(view[at : at + min(_READ_BYTES, record.num_bytes - filled)])
@@ -235,7 +290,7 @@ def _read_part(directory: PathLike, record: PartRecord, keep: bool) -> Optional[
             path, digest, record.digest,
         )
         return None
-    return data
+    return version, data
 
 
 def remove_iterations(directory: PathLike, predicate: Callable[[int], bool]) -> List[str]:

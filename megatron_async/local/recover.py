@@ -12,30 +12,32 @@ bounded by its timeout:
    it streams), the ranks gather which parts are intact, the holders of replicas of the
    owners still missing verify those, and :func:`~.recovery.next_step` plans who reads
    from whom;
-3. every part a rank lacks is read by the holder chosen to send it and sent as one
-   ``uint8`` tensor (its exact bytes), all within one deadline; the receiver checks the
-   digest, and once every rank has its part, writes it back to its holder directory.
-   A damaged transfer moves every rank to the next older iteration; a wait that ran out
-   ends the recovery on every rank; -1 (the persistent checkpoint) follows.
+3. every part a rank lacks is sent by the holder chosen to send it as one ``uint8``
+   tensor (its exact bytes), all within one deadline, and received straight into the
+   part's file in the receiver's holder directory; the receiver checks the digest of
+   the pages it received and writes the part back (fsync, rename, record). Then the
+   ranks agree on how it went: a damaged transfer moves every rank to the next older
+   iteration; a wait that ran out, or a part that could not be written back, ends the
+   recovery on every rank; -1 (the persistent checkpoint) follows.
 
 The moves of one plan run on a gloo group of their own, created by the ranks that send
 or receive (:func:`~megatron_async.core.coordination.new_transfer_group`) and destroyed
 once every rank agreed on how they went: an operation a timeout left posted goes with it
 and never meets a later collective or recovery on the coordination group.
 
-Memory: verifying a rank's own part streams through one 8 MiB buffer; a holder keeps the
-replicas it verifies for missing owners (usually one: the lost node's rank of its clique)
-until the move, and sends them from there; a receiver holds its own part, which it keeps
-after writing it back, for :func:`deserialize` (a rank of a lost node holds its part until
-``load``). A copy on disk is named by :class:`Recovered`; :func:`deserialize` verifies it
-again and maps it, as often as it is asked.
+Memory: no part is copied into a process's own memory. Verifying streams through one
+8 MiB buffer (``read``: an unreadable sector counts as damaged; a mapping would get
+``SIGBUS``), which leaves the part's pages in the page cache; a holder sends a replica
+from a private mapping of its file (those pages), and a receiver receives its part into
+a shared mapping of its own part's file. :func:`deserialize` maps the part's file
+(``torch.load(mmap=True)``), the same pages, as often as it is asked; it hashes the file
+again only when the file's :class:`~.parts.FileVersion` changed since it was verified.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import io
 import logging
 import os
 import time
@@ -46,12 +48,11 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from megatron_async.buckets.bucket_file import new_hasher
 from megatron_async.core import coordination
 from megatron_async.errors import LocalCheckpointError
 from megatron_async.local import part_output, parts, recovery
 from megatron_async.local.cliques import ExchangePlan
-from megatron_async.local.parts import LocalIdentity, PartRecord
+from megatron_async.local.parts import FileVersion, LocalIdentity, PartRecord
 from megatron_async.local.recovery import PartKey
 
 __all__ = ["Recovered", "recover_newest", "deserialize"]
@@ -65,28 +66,24 @@ parts: the ranks that move nothing wait in the agreement after it, bounded by th
 
 @dataclasses.dataclass(frozen=True)
 class Recovered:
-    """This rank's part of the recovered iteration: a copy that hashed to the owner's digest."""
+    """This rank's part of the recovered iteration: a file that hashed to the owner's digest."""
 
     iteration: int
     record: PartRecord
     """The part's record (size and the owner's digest)."""
     source: int
     """The holder whose copy it is: this rank (its own part), or the peer that sent the
-    replica of this rank's part it keeps."""
+    replica of this rank's part, now written back."""
     directory: str
     """This rank's holder directory, where the verified copy lies (its own, or written back)."""
-    data: Optional[memoryview] = None
-    """The bytes of a part received from a peer (kept after the write-back, so that
-    ``load`` does not read them back from disk); None for a copy on this rank's disk."""
-    written_back: bool = False
-    """A part received from a peer is in this rank's holder directory again."""
+    version: FileVersion
+    """The part's file as it was when its bytes hashed to the digest."""
 
     def describe(self) -> str:
         """Which copy this is, for a log line: its own part, or a peer's replica of it."""
         if self.source == self.record.owner:
             return "its own part"
-        kept = "written back" if self.written_back else "kept in memory only"
-        return f"the replica of its part held by rank {self.source} ({kept})"
+        return f"the replica of its part held by rank {self.source} (written back)"
 
 
 def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Optional[Recovered]:
@@ -99,7 +96,8 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
 
     Returns:
         The verified part, or None when no local iteration is recoverable on every rank
-        (or the ranks' identities differ, or a move between ranks timed out).
+        (or the ranks' identities differ, or a move between ranks timed out, or a
+        received part could not be written back).
 
     Raises:
         CoordinationError: a collective failed or timed out (a peer died).
@@ -120,9 +118,8 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
         verified = _verify(directory, [own[(iteration, rank)]] if (iteration, rank) in own else [])
         intact = _gather_intact(verified)
         step = recovery.next_step(iteration, inventories, intact, world_size, False)
-        held: Dict[PartKey, memoryview] = {}  # replicas verified in memory, to send
         if step.verify:  # the same on every rank: they all gathered the same facts
-            verified |= _verify(directory, step.verify.get(rank, []), held)
+            verified.update(_verify(directory, step.verify.get(rank, [])))
             intact = _gather_intact(verified)
             step = recovery.next_step(iteration, inventories, intact, world_size, True)
         if step.plan is None:
@@ -130,26 +127,29 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
         # The movers connect and move within one deadline, short of the bound of the
         # agreement the other ranks already wait in.
         deadline = time.monotonic() + _MOVE_SHARE * coordination.coordination_timeout_s()
-        group, stuck = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank, deadline)
+        group, failed = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank, deadline)
         try:
             mine, damaged = None, False
-            if not stuck:
-                mine, damaged, stuck = _move_parts(
-                    step.plan, group, directory, inventories, rank, held, deadline
+            if not failed:
+                mine, incoming, damaged, failed = _move_parts(
+                    step.plan, group, directory, inventories, rank, verified, deadline
                 )
-            damaged, stuck = coordination.all_reduce_max([int(damaged), int(stuck)])
+                if incoming is not None:
+                    mine = _write_back(*incoming)
+                    failed = mine is None
+            damaged, failed = coordination.all_reduce_max([int(damaged), int(failed)])
         finally:  # every rank's operations ended: what a timeout left posted goes too
-            held.clear()
             if group is not None:
                 dist.destroy_process_group(group)
-        if stuck:
+        if failed:
             logger.error(
-                "rank %d: moving the parts of local checkpoint %d did not finish in time on "
-                "some rank: no local checkpoint is recovered", rank, iteration,
+                "rank %d: moving the parts of local checkpoint %d did not finish in time, or "
+                "a part could not be written back, on some rank: no local checkpoint is "
+                "recovered", rank, iteration,
             )
             return None
         if not damaged:
-            return _write_back(mine) if mine.data is not None else mine
+            return mine
         logger.warning(
             "local checkpoint %d: a part did not arrive intact on some rank; trying an "
             "older iteration", iteration,
@@ -161,32 +161,26 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
     return None
 
 
-def _verify(
-    directory: str, records: Sequence[PartRecord], held: Optional[Dict[PartKey, memoryview]] = None
-) -> Set[PartKey]:
-    """The keys of ``records`` whose parts hash to their digests; any error (a full
-    memory, a vanished disk) counts as not intact, logged, so every rank still agrees.
-
-    With ``held``, each intact part's bytes are kept there: the replicas a holder verifies
-    for a missing owner, which it is then likely to send (read once, not twice)."""
-    intact = set()
+def _verify(directory: str, records: Sequence[PartRecord]) -> Dict[PartKey, FileVersion]:
+    """The keys of ``records`` whose parts hash to their digests, with their files'
+    versions; any error (a vanished disk) counts as not intact, logged, so every rank
+    still agrees."""
+    intact = {}
     for record in records:
         try:
-            if held is None:
-                if parts.verify_part(directory, record):
-                    intact.add(record.key)
-            elif (data := parts.read_verified(directory, record)) is not None:
-                held[record.key] = memoryview(data)
-                intact.add(record.key)
+            version = parts.verify_part(directory, record)
         except Exception as exc:
             logger.warning(
                 "%s: cannot verify rank %d's local checkpoint part of iteration %d, not "
                 "used: %s: %s", directory, record.owner, record.iteration, type(exc).__name__, exc,
             )
+            continue
+        if version is not None:
+            intact[record.key] = version
     return intact
 
 
-def _gather_intact(verified: Set[PartKey]) -> List[set]:
+def _gather_intact(verified: Dict[PartKey, FileVersion]) -> List[set]:
     return [set(keys) for keys in coordination.all_gather_objects(sorted(verified))]
 
 
@@ -195,7 +189,7 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int, deadline: flo
     (every rank: the others, and every rank when nothing moves, get None).
 
     Returns:
-        ``(group or None, stuck)``: stuck when a rank of the group did not create it in time.
+        ``(group or None, failed)``: failed when a rank of the group did not create it in time.
     """
     moves = [(e.sender, e.receiver) for e in plan.entries if e.sender != e.receiver]
     movers = sorted({r for move in moves for r in move})
@@ -211,34 +205,48 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int, deadline: flo
 
 def _move_parts(
     plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
-    inventories: Sequence[Sequence[PartRecord]], rank: int, held: Dict[PartKey, memoryview],
-    deadline: float,
+    inventories: Sequence[Sequence[PartRecord]], rank: int,
+    verified: Dict[PartKey, FileVersion], deadline: float,
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
     (every rank, the plan in the same order everywhere), point to point over ``group``
-    (:func:`_open_transfer_group`) by ``deadline`` (``time.monotonic()``). Its receive is posted before any
-    send is waited for, and its sends go one at a time, each part from the bytes verified
-    in ``held``, else read (and verified) just before.
+    (:func:`_open_transfer_group`) by ``deadline`` (``time.monotonic()``). Its receive,
+    into its part's file (:class:`~.part_output.IncomingPart`), is posted before any send
+    is waited for; its sends go one at a time, each from a mapping of the replica's file
+    (:func:`~.parts.map_part`) that this rank verified moments before.
 
     Returns:
-        ``(this rank's part or None, damaged, stuck)``: damaged when a part did not hash
-        to its digest (every operation finished), stuck when a wait failed or ran out.
+        ``(own part kept, (sender, incoming part) received, damaged, failed)``: the
+        received part hashed to its digest and still has to be written back (or None);
+        damaged when a part did not hash to its digest (every operation finished);
+        failed when a wait failed or ran out, or this rank cannot write its part.
     """
-    mine, receive, damaged = None, None, False
+    mine, incoming, receive, damaged, unwritable = None, None, None, False, False
     try:
         for entry in plan.entries:
             if entry.receiver != rank:
                 continue
             record = next(r for r in inventories[entry.sender] if r.key == entry.id_)
-            mine = Recovered(entry.id_[0], record, entry.sender, directory)
-            if entry.sender != rank:
-                buffer = torch.empty(record.num_bytes, dtype=torch.uint8)
-                receive = (dist.irecv(buffer, entry.sender, group=group), buffer)
+            if entry.sender == rank:
+                mine = Recovered(entry.id_[0], record, rank, directory, verified[record.key])
+                continue
+            try:
+                incoming = (entry.sender, part_output.IncomingPart(directory, record))
+                target = torch.frombuffer(incoming[1].buffer, dtype=torch.uint8)
+            except Exception as exc:  # still received, so that its sender is not left waiting
+                logger.error(
+                    "rank %d: cannot write its local checkpoint part of iteration %d to %s: %s",
+                    rank, record.iteration, directory, exc,
+                )
+                incoming, unwritable = None, True
+                target = torch.empty(record.num_bytes, dtype=torch.uint8)
+            receive = (dist.irecv(target, entry.sender, group=group), target)
+            del target
         for entry in plan.entries:
             if entry.sender == rank and entry.receiver != rank:
                 record = next(r for r in inventories[rank] if r.key == entry.id_)
-                data = held.pop(record.key, None) or parts.read_verified(directory, record)
-                if data is None:  # changed since verified: the receiver's digest check fails
+                data = _mapped(directory, record)
+                if data is None:  # vanished or resized since verified: the receiver's check fails
                     data, damaged = bytearray(record.num_bytes), True
                 tensor = torch.frombuffer(data, dtype=torch.uint8)
                 _wait(dist.isend(tensor, entry.receiver, group=group), deadline)
@@ -247,19 +255,34 @@ def _move_parts(
             _wait(receive[0], deadline)
     except Exception as exc:  # agreed on by the caller: nothing is recovered
         logger.error("rank %d: moving local checkpoint parts failed: %s", rank, exc)
-        return None, damaged, True
-    if receive is not None:
-        mine = dataclasses.replace(mine, data=memoryview(receive[1].numpy()))
-        hasher = new_hasher()
-        hasher.update(mine.data)
-        if hasher.hexdigest() != mine.record.digest:
+        if incoming is not None:
+            incoming[1].discard()
+        return None, None, damaged, True
+    receive = None  # its tensor no longer wraps the mapping
+    if incoming is not None:
+        part = incoming[1]
+        digest = part.digest()
+        if digest != part.record.digest:
             logger.warning(
                 "rank %d: its part of local checkpoint %d from rank %d hashes to %s, not %s "
-                "(damaged on its way): not used", rank, mine.iteration, mine.source,
-                hasher.hexdigest(), mine.record.digest,
+                "(damaged on its way): not used", rank, part.record.iteration, incoming[0],
+                digest, part.record.digest,
             )
-            return None, True, False
-    return mine, damaged, False
+            part.discard()
+            return None, None, True, False
+    return mine, incoming, damaged, unwritable
+
+
+def _mapped(directory: str, record: PartRecord):
+    """A mapping of a replica to send, or None (logged) when it cannot be mapped."""
+    try:
+        return parts.map_part(directory, record)
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "%s: cannot map rank %d's local checkpoint part of iteration %d to send it: %s",
+            directory, record.owner, record.iteration, exc,
+        )
+        return None
 
 
 def _wait(work, deadline: float) -> None:
@@ -269,82 +292,57 @@ def _wait(work, deadline: float) -> None:
         raise TimeoutError(f"a point-to-point operation did not finish within {timeout}")
 
 
-def _write_back(part: Recovered) -> Recovered:
-    """Write a part received from a peer into this rank's holder directory, so that the
-    part has its copies again before the next save (every rank that received one). The
-    bytes stay in memory for ``load`` either way; a failed write is logged."""
+def _write_back(source: int, part: part_output.IncomingPart) -> Optional[Recovered]:
+    """Make the part received from ``source`` durable in this rank's holder directory,
+    with its record (every rank that received one), so that the part has its copies
+    again before the next save; None (logged) when it cannot, which the caller agrees on."""
     record = part.record
     try:
-        part_output.write_part(
-            part.directory, record.iteration, record.owner, [part.data], record.identity,
-            expected_digest=record.digest,
-        )
+        version = part.commit()
     except Exception as exc:
-        logger.warning(
-            "rank %d: cannot write its recovered local checkpoint part of iteration %d back "
-            "to %s (kept in memory): %s", record.owner, record.iteration, part.directory, exc,
+        logger.error(
+            "rank %d: cannot write its recovered local checkpoint part of iteration %d back: %s",
+            record.owner, record.iteration, exc,
         )
-        return part
-    return dataclasses.replace(part, written_back=True)
-
-
-class _MemoryReader(io.RawIOBase):
-    """A read-only, seekable file over bytes in memory, so that ``torch.load`` reads the
-    verified part in place (``io.BytesIO`` would copy it first)."""
-
-    def __init__(self, data: memoryview):
-        self._data = data.cast("B")
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        target = memoryview(buffer).cast("B")
-        count = max(min(target.nbytes, self._data.nbytes - self._position), 0)
-        target[:count] = self._data[self._position : self._position + count]
-        self._position += count
-        return count
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._data.nbytes}[whence]
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
+        return None
+    return Recovered(record.iteration, record, source, part.directory, version)
 
 
 def deserialize(part: Recovered):
-    """The state dict in ``part``'s bytes, its tensors back on their devices (every rank).
+    """The state dict in ``part``'s file, its tensors back on their devices (every rank).
 
-    A copy on this rank's disk is verified again (read and hashed through one 8 MiB
-    buffer: an unreadable sector is an error here), then loaded with
-    ``torch.load(mmap=True)``: its tensors map the file's pages, just read, privately
-    (changing them writes nothing back; each call gets its own), so no copy of the part is
-    made (should the pages be evicted and the disk fail before the tensors are used, the
-    process gets ``SIGBUS``, as with any mapped file). A part received from a peer is
-    deserialized from its bytes in memory. Trusted:
-    the bytes hash to the digest their owner recorded, so the full unpickler
-    (``weights_only=False``) runs on this job's own output only.
+    Loaded with ``torch.load(mmap=True)``: its tensors map the file's pages, which
+    verifying or receiving it left in the page cache, privately (changing them writes
+    nothing back; each call gets its own), so no copy of the part is made (should the
+    pages be evicted and the disk fail before the tensors are used, the process gets
+    ``SIGBUS``, as with any mapped file). The file is hashed again only when its
+    :class:`~.parts.FileVersion` differs from the one verified (a write, truncation or
+    replacement since); it is compared once more after the load, so that a file changed
+    while it was loaded is not used either. Trusted: the bytes hash to the digest their
+    owner recorded, so the full unpickler (``weights_only=False``) runs on this job's own
+    output only.
 
     Raises:
-        LocalCheckpointError: the copy changed or vanished since it was verified.
+        LocalCheckpointError: the file changed since it was verified and no longer
+            hashes to its digest, vanished, or changed while it was loaded.
     """
-    if part.data is not None:
-        state = torch.load(_MemoryReader(part.data), weights_only=False)
-    else:
-        if not parts.verify_part(part.directory, part.record):
+    record = part.record
+    path = os.path.join(part.directory, parts.part_name(part.iteration, record.owner))
+    version = part.version
+    if parts.file_version(path) != version:
+        version = parts.verify_part(part.directory, record)
+        if version is None:
             raise LocalCheckpointError(
-                f"rank {part.record.owner}'s local checkpoint part of iteration "
-                f"{part.iteration} in {part.directory} changed or vanished after find_latest "
-                "verified it (see the line above); call find_latest() again"
+                f"rank {record.owner}'s local checkpoint part of iteration {part.iteration} "
+                f"in {part.directory} changed or vanished after find_latest verified it (see "
+                "the line above); call find_latest() again"
             )
-        path = os.path.join(part.directory, parts.part_name(part.iteration, part.record.owner))
-        state = torch.load(path, mmap=True, weights_only=False)
+    state = torch.load(path, mmap=True, weights_only=False)
+    if parts.file_version(path) != version:
+        raise LocalCheckpointError(
+            f"rank {record.owner}'s local checkpoint part of iteration {part.iteration} in "
+            f"{part.directory} changed while it was loaded; call find_latest() again"
+        )
     restore = getattr(state, "restore_tensor_device", None)
     if callable(restore):
         restore(non_blocking=False)

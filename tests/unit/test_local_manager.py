@@ -4,8 +4,9 @@ test_local_checkpoints.py)."""
 
 import logging
 import os
-import zipfile
 import shutil
+import time
+import zipfile
 
 import pytest
 import torch
@@ -255,17 +256,82 @@ def test_a_state_staged_in_rounds_is_refused_under_another_librarys_queue(tmp_pa
     staged.release()
 
 
-def test_find_latest_keeps_only_the_record_and_load_verifies_again(tmp_path):
-    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
-    loader = LocalCheckpointManager(tmp_path)
-    assert loader.find_latest() == 1
-    assert loader._recovered.data is None and loader._recovered.record.key == (1, 0)
-    assert _equal(loader.load()[0].state_dict, _state(1.0))
-    path = loader.local_ckpt_dir / part_name(1, 0)
+def _counting_verifications(monkeypatch):
+    calls = []
+    verify_part = parts.verify_part
+
+    def counted(directory, record):
+        calls.append(record.key)
+        return verify_part(directory, record)
+
+    monkeypatch.setattr(parts, "verify_part", counted)
+    return calls
+
+
+def _flip_a_byte(path, keep_mtime=False):
+    before = os.stat(path)
+    time.sleep(0.02)  # past the file system's clock tick: the change gets a later ctime
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_load_maps_the_part_find_latest_verified_without_hashing_it_again(tmp_path, monkeypatch):
+    # Megatron-LM's two loads after one find_latest read the part once: find_latest
+    # hashes it, each load maps the same (page-cached) file while it is unchanged.
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    calls = _counting_verifications(monkeypatch)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    recovered = loader._recovered
+    assert recovered.record.key == (1, 0)
+    assert recovered.version == parts.file_version(loader.local_ckpt_dir / part_name(1, 0))
+    for _ in range(2):
+        assert _equal(loader.load()[0].state_dict, _state(1.0))
+    assert calls == [(1, 0)]
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["written", "mtime_restored"])
+def test_a_part_changed_between_find_latest_and_load_is_never_loaded(tmp_path, keep_mtime):
+    # A changed file is hashed again before anything of it is loaded, even when its
+    # modification time was set back (its status-change time still moved).
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    _flip_a_byte(loader.local_ckpt_dir / part_name(1, 0), keep_mtime)
     with pytest.raises(CheckpointingException, match="changed or vanished after find_latest"):
+        loader.load()
+
+
+def test_a_part_rewritten_with_the_same_bytes_is_hashed_again_and_loads(tmp_path, monkeypatch):
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    calls = _counting_verifications(monkeypatch)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    path = loader.local_ckpt_dir / part_name(1, 0)
+    copy = tmp_path / "copy.pt"
+    shutil.copy(path, copy)
+    os.replace(copy, path)  # another inode, the same bytes
+    assert _equal(loader.load()[0].state_dict, _state(1.0))
+    assert calls == [(1, 0), (1, 0)]
+
+
+def test_a_part_changed_while_it_is_loaded_is_refused(tmp_path, monkeypatch):
+    LocalCheckpointManager(tmp_path).save(BasicTensorAwareStateDict(_state(1.0)), 1)
+    loader = LocalCheckpointManager(tmp_path)
+    assert loader.find_latest() == 1
+    path = loader.local_ckpt_dir / part_name(1, 0)
+    load = torch.load
+
+    def load_then_change(*args, **kwargs):
+        state = load(*args, **kwargs)
+        _flip_a_byte(path)
+        return state
+
+    monkeypatch.setattr(torch, "load", load_then_change)
+    with pytest.raises(CheckpointingException, match="changed while it was loaded"):
         loader.load()
 
 

@@ -193,16 +193,48 @@ def test_a_directory_that_cannot_be_listed_holds_nothing_usable(tmp_path, caplog
     assert "cannot list local checkpoint parts" in caplog.text
 
 
-def test_verifying_a_part_streams_it_and_keeps_nothing(tmp_path, caplog):
+def test_verifying_a_part_streams_it_and_tells_the_version_it_hashed(tmp_path, caplog):
     record = write_part(tmp_path, 3, 0, PAYLOAD, IDENTITY)
-    assert parts.verify_part(tmp_path, record) is True
     path = tmp_path / part_name(3, 0)
+    version = parts.verify_part(tmp_path, record)
+    assert version == parts.file_version(path) and version.num_bytes == len(DATA)
     data = bytearray(path.read_bytes())
     data[5] ^= 1
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert parts.verify_part(tmp_path, record) is False
+        assert parts.verify_part(tmp_path, record) is None
     assert "damaged" in caplog.text
+    assert parts.file_version(tmp_path / "missing") is None
+
+
+def test_a_replica_is_mapped_to_send_only_at_its_records_size(tmp_path):
+    record = write_part(tmp_path, 3, 1, PAYLOAD, IDENTITY)
+    mapping = parts.map_part(tmp_path, record)
+    assert bytes(mapping) == DATA
+    mapping[0] = 0  # private: the file is not changed
+    assert (tmp_path / part_name(3, 1)).read_bytes() == DATA
+    mapping.close()
+    with open(tmp_path / part_name(3, 1), "ab") as stream:
+        stream.write(b"more")
+    with pytest.raises(OSError, match="its record says"):
+        parts.map_part(tmp_path, record)
+
+
+def test_an_incoming_part_arrives_in_its_file_and_is_put_in_place_with_its_record(tmp_path):
+    directory = tmp_path / "1"  # created for it
+    record = PartRecord(7, 1, len(DATA), _digest(DATA), IDENTITY)
+    incoming = part_output.IncomingPart(directory, record)
+    incoming.buffer[:] = DATA  # what a receive does
+    assert incoming.digest() == record.digest
+    version = incoming.commit()
+    assert version == parts.file_version(directory / part_name(7, 1))
+    assert sorted(os.listdir(directory)) == [record_name(7, 1), part_name(7, 1)]
+    assert scan(directory) == [record] and read_verified(directory, record) == DATA
+
+    discarded = part_output.IncomingPart(directory, PartRecord(8, 1, 10, "0", IDENTITY))
+    assert part_name(8, 1, dirty=True) in os.listdir(directory)
+    discarded.discard()
+    assert sorted(os.listdir(directory)) == [record_name(7, 1), part_name(7, 1)]
 
 
 def test_a_part_of_unaligned_size_over_several_chunks_records_the_digest_of_its_bytes(tmp_path):
