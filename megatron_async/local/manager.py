@@ -336,7 +336,9 @@ class LocalCheckpointManager:
         its own part or the one received from a peer and written back alike. The file is
         hashed again only if it changed since :meth:`find_latest` verified it (its
         device, inode, size, modification or status-change time differ), and a file
-        changed while it was loaded is refused: changed bytes are never loaded unchecked.
+        changed while it was loaded is refused (until ``load`` returns; the mapped
+        tensors read the file's pages when first touched, and the library never
+        rewrites a part in place).
         A second call moves nothing between ranks. Tensors are back on their devices.
 
         Returns:
@@ -352,7 +354,7 @@ class LocalCheckpointManager:
                 f"rank {self.rank}: no local checkpoint to load: call find_latest() first, "
                 "and load only when it returned an iteration (not -1)"
             )
-        state = recover.deserialize(self._recovered)
+        state, self._recovered = recover.deserialize(self._recovered)
         return state, (self._recovered.iteration, self.rank, self.session_id)
 
     def __repr__(self) -> str:

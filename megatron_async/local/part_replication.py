@@ -22,13 +22,16 @@ save, it:
    replica as it arrives and acknowledged only once it is durable and hashed to the
    digest its owner sent last; otherwise it answers with the reason.
 
-A writer whose own part failed tells its connected peers so in place of the digest, and
-publishes the reason under its key (:func:`~megatron_async.local.transport.publish_failure`),
-as does one that cannot listen or publish its address: its peers fail at once.
-Every wait is bounded: connecting by the exchange's timeout from its start, each frame
-sent or received by the timeout, and the end (acknowledgements, the peers' parts) by the
-timeout from the end of this rank's part. The listener, connections and threads are
-closed and the store key deleted on every path.
+A writer whose own part failed before its end tells its streaming peers so in place of
+the digest, and publishes the reason under its key
+(:func:`~megatron_async.local.transport.publish_failure`), as does one that cannot listen
+or publish its address: its peers fail at once. (One whose fsync fails after its end
+leaves its peers with acknowledged replicas; the save fails at finalize all the same,
+and the abandoned iteration's files go.) A peer whose address refuses has ended its
+exchange: it fails at once too. Every wait is bounded: connecting by the exchange's
+timeout from its start, each frame sent or received by the timeout, and the end
+(acknowledgements, the peers' parts) by the timeout from the end of this rank's part. The
+listener, connections and threads are closed and the store key deleted on every path.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from megatron_async.errors import LocalCheckpointError, LocalReplicationError
 from megatron_async.local import transport
 from megatron_async.local.exchange import PeerExchange
+from megatron_async.local.exchange_run import CLOSE_GRACE_S, ExchangeRun
 from megatron_async.local.parts import LocalIdentity, PartRecord
 from megatron_async.local.replica_receiver import ReplicaReceiver
 
@@ -52,18 +56,15 @@ __all__ = ["PartReplication"]
 
 logger = logging.getLogger(__name__)
 
-_CLOSE_GRACE_S = 2.0
+_BROKEN_ANSWER_S = 1.0
+"""How long a peer whose stream broke is given to say why (it may have refused the part)."""
 
 
-class PartReplication:
+class PartReplication(ExchangeRun):
     """One run of a part's replication (background writer): a context manager around the
     part's write, whose chunks it is handed (:meth:`send`, :meth:`end`), then
-    :meth:`finish`; the sending side is here, the receiving side a :class:`ReplicaReceiver`.
-
-    Each peer is settled once per direction: ``sent[peer]`` is None when it acknowledged
-    this rank's part, ``received[peer]`` the record of its durable replica; a string in
-    either says what failed. The first outcome counts, later ones are echoes of the
-    closing.
+    :meth:`finish`. The sending side is here, the receiving side a
+    :class:`ReplicaReceiver` of the run; the state they share is :class:`ExchangeRun`'s.
 
     Args:
         spec: where the part goes and the bound of each wait.
@@ -78,18 +79,14 @@ class PartReplication:
     def __init__(self, spec: PeerExchange, owner: int, iteration: int, identity: LocalIdentity):
         if owner in spec.peers:
             raise LocalCheckpointError(f"rank {owner} is among its own peers {spec.peers}")
-        self.spec, self.rank, self.iteration, self.identity = spec, owner, iteration, identity
-        self.deadline = time.monotonic() + spec.timeout_s  # connecting; end() sets it again
-        self.cond = threading.Condition()
-        self.sent: Dict[int, Optional[str]] = {}
-        self.received: Dict[int, Any] = {}
-        self.receiving: set = set()
+        super().__init__(spec, owner, iteration, identity)
+        self.connect_by = time.monotonic() + spec.timeout_s
+        self.end_by: Optional[float] = None  # set by end(): acks and the peers' parts
         self.links: Dict[int, socket.socket] = {}  # peers this rank's part streams to
+        self.ended: set = set()  # peers whose stream is over (ended, broken or dropped)
+        self.trailer: Optional[Dict[str, Any]] = None  # what ended the streams
         self.phase = dict.fromkeys(spec.peers, "address")  # what each send waits for
-        self.address: Dict[int, str] = {}  # the address last tried, and why it failed
-        self.sockets: List[socket.socket] = []
-        self.threads: List[threading.Thread] = []
-        self.closed = False
+        self.address: Dict[int, str] = {}  # the address last tried
         self.store: Optional[dist.TCPStore] = None
         self.published = False  # this rank's address is under its key, to delete at close
         self.listener: Optional[socket.socket] = None
@@ -133,16 +130,17 @@ class PartReplication:
                 sock.settimeout(self.spec.timeout_s)
                 transport.send_frame(sock, chunk)
             except OSError as exc:
-                self.drop(peer, sock, f"the connection broke while sending rank {self.rank}'s "
-                                      f"part ({exc})")
+                with self.cond:
+                    self.links.pop(peer, None)
+                    self.ended.add(peer)
+                self.start(self.await_answer, peer, sock, self.broke(exc))
 
     def end(self, num_bytes: int, digest: str) -> None:
         """The part is complete (before this rank's fsync): send its size and digest to
         every peer streaming, which then acknowledges it once its replica is durable.
-        From now on every wait of the run ends ``timeout_s`` later."""
-        with self.cond:
-            self.deadline = time.monotonic() + self.spec.timeout_s
-        self.close_links({"num_bytes": num_bytes, "digest": digest})
+        The acknowledgements and the peers' parts are waited for ``timeout_s`` from now."""
+        self.end_by = time.monotonic() + self.spec.timeout_s
+        self.end_streams({"num_bytes": num_bytes, "digest": digest})
 
     def fail(self, reason: str) -> None:
         """This rank's part failed (the writer's thread): tell the peers, streaming or
@@ -150,10 +148,10 @@ class PartReplication:
         spec = self.spec
         self.published = False  # the failure stays published until the save is abandoned
         transport.publish_failure(spec.store_host, spec.store_port, spec.key(self.rank), reason)
-        self.close_links({"error": reason})
+        self.end_streams({"error": reason})
 
     def finish(self) -> List[PartRecord]:
-        """Wait until every peer is settled both ways, or the deadline; close the run.
+        """Wait until every peer is settled both ways, or the end's bound; close the run.
 
         Returns:
             The records of the replicas written into ``spec.directory``, by owner.
@@ -162,15 +160,11 @@ class PartReplication:
             LocalReplicationError: some peer's part was not kept, or some peer did not
                 acknowledge this rank's part (``failures`` says per peer).
         """
-        peers = self.spec.peers
         with self.cond:
-            self.cond.wait_for(
-                lambda: len(self.sent) == len(self.received) == len(peers),
-                timeout=max(self.remaining(), 0),
-            )
+            self.cond.wait_for(self.all_settled, timeout=max(self.end_by - time.monotonic(), 0))
         self.close()
         failures: Dict[int, List[str]] = {}
-        for peer in peers:
+        for peer in self.spec.peers:
             for outcome in (self.sent[peer], self.received[peer]):
                 if isinstance(outcome, str):
                     failures.setdefault(peer, []).append(outcome)
@@ -180,7 +174,7 @@ class PartReplication:
                 f"rank {self.rank}: local checkpoint of iteration {self.iteration} was "
                 f"not replicated: {text}", failures,
             )
-        return [self.received[peer] for peer in sorted(peers)]
+        return [self.received[peer] for peer in sorted(self.spec.peers)]
 
     # -- the run's threads ----------------------------------------------------------------
 
@@ -192,23 +186,20 @@ class PartReplication:
                 self.address[peer] = address
 
         try:
-            sock, failed = transport.connect_published(
-                self.store, self.spec.key(peer), self.deadline, self.store_lock, note,
+            sock, why = transport.connect_published(
+                self.store, self.spec.key(peer), self.connect_by, self.store_lock, note,
                 lambda: self.closed or peer in self.sent,
             )
-            if failed is not None:
-                failed = f"its own part failed ({failed})"
-                self.settle(self.received, peer, failed)
-                self.settle(self.sent, peer, failed)
-                return
             if sock is None:
-                self.settle(self.sent, peer, self.timed_out(peer))
+                self.settle(self.sent, peer, why or self.timed_out(peer))
+                self.stop_waiting_for(peer, why or f"it did not connect within "
+                                                   f"{self.spec.timeout_s:g} s")
                 return
             if not self.register(sock):
                 return
             self.phase[peer] = "transfer"
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.wait_s())
+            sock.settimeout(max(self.connect_by - time.monotonic(), 1e-3))
             header = dict(
                 session_id=self.spec.session_id, iteration=self.iteration, owner=self.rank,
                 receiver=peer, identity=dataclasses.asdict(self.identity),
@@ -218,57 +209,73 @@ class PartReplication:
             self.settle(self.sent, peer, f"connecting to it failed: {type(exc).__name__}: {exc}")
             return
         with self.cond:
-            if peer not in self.sent:
+            trailer = self.trailer
+            if trailer is None and peer not in self.sent:
                 self.links[peer] = sock
                 self.cond.notify_all()
+                return
+            self.ended.add(peer)
+        if trailer is not None and "error" in trailer:  # it failed while this one connected
+            self.end_stream(peer, sock, trailer)
 
     def link(self, peer: int) -> Optional[socket.socket]:
-        """``peer``'s connection once made; None when it failed or the deadline passed."""
+        """``peer``'s connection once made; None when its stream is over, it failed, or
+        it did not connect within the bound (then settled so)."""
         with self.cond:
             self.cond.wait_for(
-                lambda: peer in self.links or peer in self.sent or self.closed,
-                timeout=max(self.remaining(), 0),
+                lambda: peer in self.links or peer in self.ended or peer in self.sent
+                or self.closed,
+                timeout=max(self.connect_by - time.monotonic(), 0),
             )
-            if peer not in self.links and peer not in self.sent:
-                self.sent[peer] = self.timed_out(peer)
-                self.cond.notify_all()
-            return self.links.get(peer)
+            sock = self.links.get(peer)
+        if sock is None and peer not in self.ended:
+            self.settle(self.sent, peer, self.timed_out(peer))
+            self.stop_waiting_for(peer, f"it did not connect within {self.spec.timeout_s:g} s")
+        return sock
 
-    def drop(self, peer: int, sock: socket.socket, broken: Optional[str]) -> None:
-        """Stop streaming to ``peer``; its answer (or ``broken``) settles the send."""
+    def end_streams(self, trailer: Dict[str, Any]) -> None:
+        """End every stream with ``trailer`` (the digest, or why the part failed); a peer
+        that connects later gets a failure's trailer too."""
         with self.cond:
-            self.links.pop(peer, None)
-        self.start(self.await_answer, peer, sock, broken)
-
-    def close_links(self, trailer: Dict[str, Any]) -> None:
-        """End every stream with ``trailer`` (the digest, or why the part failed)."""
-        with self.cond:
+            self.trailer = trailer
             links = list(self.links.items())
+            self.links.clear()
+            self.ended.update(peer for peer, _ in links)
         for peer, sock in links:
-            try:
-                sock.settimeout(self.spec.timeout_s)
-                transport.send_frame(sock, b"")
-                transport.send_message(sock, trailer)
-                sock.shutdown(socket.SHUT_WR)
-            except OSError as exc:
-                self.drop(peer, sock, f"the connection broke while sending rank {self.rank}'s "
-                                      f"part ({exc})")
-                continue
-            self.phase[peer] = "ack"
-            self.drop(peer, sock, None)
+            self.end_stream(peer, sock, trailer)
+
+    def end_stream(self, peer: int, sock: socket.socket, trailer: Dict[str, Any]) -> None:
+        try:
+            sock.settimeout(self.spec.timeout_s)
+            transport.send_frame(sock, b"")
+            transport.send_message(sock, trailer)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            self.start(self.await_answer, peer, sock, self.broke(exc))
+            return
+        self.phase[peer] = "ack"
+        self.start(self.await_answer, peer, sock, None)
+
+    def broke(self, exc: OSError) -> str:
+        return f"the connection broke while sending rank {self.rank}'s part ({exc})"
 
     def await_answer(self, peer: int, sock: socket.socket, broken: Optional[str]) -> None:
-        """Settle the send to ``peer`` from its answer (a thread per peer)."""
+        """Settle the send to ``peer`` from its answer (a thread per peer): its
+        acknowledgement or refusal, else ``broken`` (a stream that broke gets
+        :data:`_BROKEN_ANSWER_S` to say why), else what the wait for it ran into."""
+        end_by = self.end_by if self.end_by is not None else time.monotonic()
+        wait_s = _BROKEN_ANSWER_S if broken is not None else end_by - time.monotonic()
         try:
-            sock.settimeout(self.wait_s() if broken is None else min(self.wait_s(), 1.0))
+            sock.settimeout(max(wait_s, 1e-3))
             reply = transport.recv_message(sock)
         except (transport.PeerLost, ValueError) as exc:
-            if self.remaining() <= 0:
-                outcome = self.timed_out(peer)
-            else:
-                if isinstance(exc, transport.PeerLost):
-                    self.went_away(peer, exc)
-                outcome = broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
+            if isinstance(exc, transport.PeerLost) and broken is None:
+                if time.monotonic() >= end_by:
+                    self.settle(self.sent, peer, self.timed_out(peer))
+                    return
+            if isinstance(exc, transport.PeerLost):
+                self.stop_waiting_for(peer, f"it went away before sending its part ({exc})")
+            outcome = broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
         else:
             if reply.get("ok") is True:
                 outcome = broken
@@ -276,90 +283,29 @@ class PartReplication:
                 outcome = f"it refused rank {self.rank}'s part: {reply.get('error')}"
         self.settle(self.sent, peer, outcome)
 
-    def went_away(self, peer: int, exc: Exception) -> None:
-        """``peer`` closed unanswered (its writer died or ended its exchange): unless its
-        part is arriving, stop waiting for it."""
-        with self.cond:
-            arriving = peer in self.receiving
-        if not arriving:
-            self.settle(self.received, peer, f"it went away before sending its part ({exc})")
-
-    # -- the run's state ------------------------------------------------------------------
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def wait_s(self) -> float:
-        """A socket timeout that ends at the deadline."""
-        return max(self.remaining(), 1e-3)
-
-    def settle(self, outcomes: Dict[int, Any], peer: int, outcome: Any) -> None:
-        with self.cond:  # None: a stranger's connection, nobody's outcome
-            if not self.closed and peer is not None and peer not in outcomes:
-                outcomes[peer] = outcome
-                self.cond.notify_all()
-
-    def start(self, target, *args) -> None:
-        name = f"local-exchange-{target.__name__}"
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self.cond:
-            self.threads.append(thread)
-        thread.start()
-
-    def register(self, sock: socket.socket) -> bool:
-        """Keep ``sock`` to close with the run; False (and closed) if the run is over."""
-        with self.cond:
-            if not self.closed:
-                self.sockets.append(sock)
-                return True
-        transport.close_socket(sock)
-        return False
+    # -- closing ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Settle what is open as timed out, shut every socket down, join the threads,
-        then close the sockets (left open, logged, while a thread that did not stop may
-        still use one) and delete the published address (idempotent)."""
-        waited = f"timed out after {self.spec.timeout_s:g} s"
-        with self.cond:
-            if self.closed:
-                return
-            for peer in self.spec.peers:
-                self.sent.setdefault(peer, self.timed_out(peer))
-                self.received.setdefault(
-                    peer, f"{waited} while its part was arriving" if peer in self.receiving
-                    else f"it did not send its part within {self.spec.timeout_s:g} s",
-                )
-            self.closed = True
-            self.cond.notify_all()
-            listener = [self.listener] if self.listener is not None else []
-            sockets, threads = self.sockets + listener, self.threads
-        for sock in sockets:
-            transport.shutdown_socket(sock)
-        stop_by = time.monotonic() + _CLOSE_GRACE_S
-        stuck = []
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(max(stop_by - time.monotonic(), 0))
-                if thread.is_alive():
-                    stuck.append(thread.name)
-        if stuck:
-            logger.warning("rank %d: exchange threads %s did not stop; their sockets stay open",
-                           self.rank, ", ".join(stuck))
-        else:
-            for sock in sockets:
-                sock.close()
-        if self.published:
-            try:
-                with self.store_lock:  # the same client, with a short bound
-                    store = transport.store_client(
-                        self.spec.store_host, self.spec.store_port, _CLOSE_GRACE_S
-                    )
-                    store.delete_key(self.spec.key(self.rank))
-            except Exception as exc:  # best effort: the next attempt overwrites it
-                logger.warning("rank %d: cannot delete its store key: %s", self.rank, exc)
+        """Close the run (settling what is open as timed out), then delete the published
+        address, within :data:`~.exchange_run.CLOSE_GRACE_S` (idempotent)."""
+        unsent = {peer: self.timed_out(peer) for peer in self.spec.peers}
+        listener = [self.listener] if self.listener is not None else []
+        if not self.close_run(unsent, listener) or not self.published:
+            return
+        if not self.store_lock.acquire(timeout=CLOSE_GRACE_S):
+            logger.warning("rank %d: cannot delete its store key (the store is slow)", self.rank)
+            return
+        try:  # the same client, with a short bound
+            store = transport.store_client(self.spec.store_host, self.spec.store_port,
+                                           CLOSE_GRACE_S)
+            store.delete_key(self.spec.key(self.rank))
+        except Exception as exc:  # best effort: the key then outlives the save
+            logger.warning("rank %d: cannot delete its store key: %s", self.rank, exc)
+        finally:
+            self.store_lock.release()
 
     def timed_out(self, peer: int) -> str:
-        """What the send to ``peer`` was waiting for when the deadline passed."""
+        """What the send to ``peer`` was waiting for when its bound passed."""
         return f"timed out after {self.spec.timeout_s:g} s " + {
             "address": f"waiting for it to publish its address under '{self.spec.key(peer)}' "
             "(did it die, or not start this save?)",

@@ -41,7 +41,7 @@ import datetime
 import logging
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import secrets
 
@@ -124,15 +124,26 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
             step = recovery.next_step(iteration, inventories, intact, world_size, True)
         if step.plan is None:
             continue
+        incoming = _open_incoming(step.plan, directory, inventories, rank)
+        if coordination.all_reduce_max([int(incoming is False)])[0]:
+            logger.error(
+                "rank %d: some rank cannot write its part of local checkpoint %d (see its "
+                "log): no local checkpoint is recovered", rank, iteration,
+            )
+            if incoming:
+                incoming[1].discard()
+            return None
         # The movers connect and move within one deadline, short of the bound of the
         # agreement the other ranks already wait in.
         deadline = time.monotonic() + _MOVE_SHARE * coordination.coordination_timeout_s()
         group, failed = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank, deadline)
         try:
             mine, damaged = None, False
+            if failed and incoming is not None:
+                incoming[1].discard()
             if not failed:
                 mine, incoming, damaged, failed = _move_parts(
-                    step.plan, group, directory, inventories, rank, verified, deadline
+                    step.plan, group, directory, inventories, rank, verified, incoming, deadline
                 )
                 if incoming is not None:
                     mine = _write_back(*incoming)
@@ -203,44 +214,54 @@ def _open_transfer_group(plan: ExchangePlan, name: str, rank: int, deadline: flo
         return None, True
 
 
+def _open_incoming(
+    plan: ExchangePlan, directory: str, inventories: Sequence[Sequence[PartRecord]], rank: int,
+):
+    """``(sender, IncomingPart)`` when ``plan`` moves this rank's part to it, None when
+    nothing comes, False (logged) when its file cannot be made (a full or unwritable
+    disk): every rank agrees on that before anything moves (every rank)."""
+    for entry in plan.entries:
+        if entry.receiver != rank or entry.sender == rank:
+            continue
+        record = next(r for r in inventories[entry.sender] if r.key == entry.id_)
+        try:
+            return entry.sender, part_output.IncomingPart(directory, record)
+        except Exception as exc:
+            logger.error(
+                "rank %d: cannot write its local checkpoint part of iteration %d to %s: %s",
+                rank, record.iteration, directory, exc,
+            )
+            return False
+    return None
+
+
 def _move_parts(
     plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
     inventories: Sequence[Sequence[PartRecord]], rank: int,
-    verified: Dict[PartKey, FileVersion], deadline: float,
+    verified: Dict[PartKey, FileVersion], incoming, deadline: float,
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
     (every rank, the plan in the same order everywhere), point to point over ``group``
     (:func:`_open_transfer_group`) by ``deadline`` (``time.monotonic()``). Its receive,
-    into its part's file (:class:`~.part_output.IncomingPart`), is posted before any send
-    is waited for; its sends go one at a time, each from a mapping of the replica's file
-    (:func:`~.parts.map_part`) that this rank verified moments before.
+    into its part's file (``incoming``, from :func:`_open_incoming`), is posted before
+    any send is waited for; its sends go one at a time, each from a mapping of the
+    replica's file (:func:`~.parts.map_part`) that this rank verified moments before.
 
     Returns:
         ``(own part kept, (sender, incoming part) received, damaged, failed)``: the
         received part hashed to its digest and still has to be written back (or None);
         damaged when a part did not hash to its digest (every operation finished);
-        failed when a wait failed or ran out, or this rank cannot write its part.
+        failed when a wait failed or ran out. A failed or damaged ``incoming`` is discarded.
     """
-    mine, incoming, receive, damaged, unwritable = None, None, None, False, False
+    mine, receive, damaged = None, None, False
     try:
         for entry in plan.entries:
-            if entry.receiver != rank:
-                continue
-            record = next(r for r in inventories[entry.sender] if r.key == entry.id_)
-            if entry.sender == rank:
+            if entry.receiver == rank and entry.sender == rank:
+                record = next(r for r in inventories[rank] if r.key == entry.id_)
                 mine = Recovered(entry.id_[0], record, rank, directory, verified[record.key])
-                continue
-            try:
-                incoming = (entry.sender, part_output.IncomingPart(directory, record))
-                target = torch.frombuffer(incoming[1].buffer, dtype=torch.uint8)
-            except Exception as exc:  # still received, so that its sender is not left waiting
-                logger.error(
-                    "rank %d: cannot write its local checkpoint part of iteration %d to %s: %s",
-                    rank, record.iteration, directory, exc,
-                )
-                incoming, unwritable = None, True
-                target = torch.empty(record.num_bytes, dtype=torch.uint8)
-            receive = (dist.irecv(target, entry.sender, group=group), target)
+        if incoming is not None:
+            target = torch.frombuffer(incoming[1].buffer, dtype=torch.uint8)
+            receive = (dist.irecv(target, incoming[0], group=group), target)
             del target
         for entry in plan.entries:
             if entry.sender == rank and entry.receiver != rank:
@@ -270,7 +291,7 @@ def _move_parts(
             )
             part.discard()
             return None, None, True, False
-    return mine, incoming, damaged, unwritable
+    return mine, incoming, damaged, False
 
 
 def _mapped(directory: str, record: PartRecord):
@@ -308,7 +329,7 @@ def _write_back(source: int, part: part_output.IncomingPart) -> Optional[Recover
     return Recovered(record.iteration, record, source, part.directory, version)
 
 
-def deserialize(part: Recovered):
+def deserialize(part: Recovered) -> Tuple[Any, Recovered]:
     """The state dict in ``part``'s file, its tensors back on their devices (every rank).
 
     Loaded with ``torch.load(mmap=True)``: its tensors map the file's pages, which
@@ -321,6 +342,10 @@ def deserialize(part: Recovered):
     while it was loaded is not used either. Trusted: the bytes hash to the digest their
     owner recorded, so the full unpickler (``weights_only=False``) runs on this job's own
     output only.
+
+    Returns:
+        ``(state dict, part)``: ``part`` with the version just hashed when the file had to
+        be hashed again, so that a later load does not hash it once more.
 
     Raises:
         LocalCheckpointError: the file changed since it was verified and no longer
@@ -346,4 +371,4 @@ def deserialize(part: Recovered):
     restore = getattr(state, "restore_tensor_device", None)
     if callable(restore):
         restore(non_blocking=False)
-    return state
+    return state, dataclasses.replace(part, version=version)

@@ -1,8 +1,9 @@
 """The receiving side of a part's replication: peers' parts admitted, written and acknowledged.
 
 Runs in the **background writer**, on threads of one
-:class:`~megatron_async.local.part_replication.PartReplication`: one accepts the peers'
-connections on the run's listener, and one per connection receives a part. A part is
+:class:`~megatron_async.local.part_replication.PartReplication`, whose shared state
+(:class:`~megatron_async.local.exchange_run.ExchangeRun`) is all it sees: one accepts the
+peers' connections on the run's listener, and one per connection receives a part. A part is
 kept only when its header names this save (session, iteration, this rank as receiver),
 its owner is one of this rank's peers not received yet, and its owner's job identity is
 this job's. Its frames are received straight into the chunk of the replica's file
@@ -23,6 +24,7 @@ from typing import Any, Dict, Optional
 
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.local import transport
+from megatron_async.local.exchange_run import ExchangeRun
 from megatron_async.local.part_output import open_part
 from megatron_async.local.parts import LocalIdentity
 
@@ -45,15 +47,11 @@ class ReplicaReceiver:
     """Receive the peers' parts of one exchange run (background writer, the run's threads).
 
     Args:
-        run: the replication's run, whose state the receiver shares under ``run.cond``:
-            ``spec``, ``rank``, ``iteration`` and ``identity`` (this save and this rank),
-            ``closed``, ``receiving`` (the owners whose part is arriving)
-            and ``received`` (per owner, the replica's record or what failed, set through
-            ``run.settle``); ``register`` keeps a connection to close with the run,
-            ``start`` runs a method on a thread of the run.
+        run: the replication's run: its ``receiving`` and ``received`` are the receiver's
+            to fill (under ``run.cond``; ``received`` through ``run.settle``).
     """
 
-    def __init__(self, run: Any):
+    def __init__(self, run: ExchangeRun):
         self.run = run
         self.rank = run.rank
 

@@ -158,29 +158,33 @@ def connect_published(
 ) -> Tuple[Optional[socket.socket], Optional[str]]:
     """Connect to the ``ip:port`` a peer publishes under ``key`` (background writer).
 
-    The key is read (each store call under ``store_lock``) until it is set; an address
-    that refuses (an earlier attempt's) is read again, until the ``time.monotonic()``
-    deadline or ``stopped()``. ``note`` hears each step: None while the key is read,
-    then the address tried, then the address with why it failed.
+    The key is read (each store call under ``store_lock``) until it is set, until the
+    ``time.monotonic()`` deadline or ``stopped()``. ``note`` hears each step: None while
+    the key is read, then the address tried. Keys name one save of one job, so an address
+    that refuses is not an earlier attempt's: the peer's exchange is over (it died or
+    ended), and it is not tried again.
 
     Returns:
-        ``(socket, None)`` once connected; ``(None, reason)`` when the peer published a
-        failure instead (:func:`publish_failure`); ``(None, None)`` at the deadline.
+        ``(socket, None)`` once connected; ``(None, why)`` when the peer published a
+        failure instead (:func:`publish_failure`; ``why`` starts with "its own part
+        failed") or its address refused; ``(None, None)`` at the deadline.
     """
     while not stopped() and time.monotonic() < deadline:
         note(None)
         with store_lock:
             address = read_key(store, key, max(deadline - time.monotonic(), 1e-3))
         if address is not None and address.startswith(FAILED_PREFIX):
-            return None, address[len(FAILED_PREFIX):]
+            return None, f"its own part failed ({address[len(FAILED_PREFIX):]})"
         if address is not None:
             note(address)
             host, _, port = address.rpartition(":")
             try:
                 timeout_s = max(deadline - time.monotonic(), 1e-3)
                 return socket.create_connection((host.strip("[]"), int(port)), timeout_s), None
-            except (OSError, ValueError) as exc:  # refused: an earlier attempt's address
-                note(f"{address} ({exc})")
+            except socket.timeout:
+                return None, None
+            except (OSError, ValueError) as exc:
+                return None, f"cannot connect to it at {address} (its exchange is over: {exc})"
         time.sleep(_POLL_S)
     return None, None
 
@@ -342,8 +346,8 @@ def recv_into_stream(
 
 def shutdown_socket(sock: socket.socket) -> None:
     """Shut a socket down, waking a thread blocked on it, without closing it: its number
-    stays taken until the thread is done with it (``socket.sendfile`` keeps using the
-    number it read at its start; closed, the number could name a file opened since)."""
+    stays taken until the thread is done with it (a blocked call keeps using the number
+    it read at its start; closed, the number could name a file opened since)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -316,6 +316,8 @@ def test_a_part_rewritten_with_the_same_bytes_is_hashed_again_and_loads(tmp_path
     os.replace(copy, path)  # another inode, the same bytes
     assert _equal(loader.load()[0].state_dict, _state(1.0))
     assert calls == [(1, 0), (1, 0)]
+    assert _equal(loader.load()[0].state_dict, _state(1.0))  # the new version is kept
+    assert calls == [(1, 0), (1, 0)]
 
 
 def test_a_part_changed_while_it_is_loaded_is_refused(tmp_path, monkeypatch):

@@ -83,13 +83,13 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
     monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
     with caplog.at_level(logging.WARNING):
         assert recover.recover_newest(str(tmp_path), IDENTITY, 0) is None
-    assert reductions == [[0, 1]]  # agreed once: stuck, not damaged; iteration 1 not tried
+    assert reductions == [[0], [0, 1]]  # the files opened; then stuck, not damaged: no iteration 1
     assert len(waits) == 1 and waits[0] <= datetime.timedelta(seconds=0.5)
     assert "did not finish in time" in caplog.text
     [(name, ranks)] = created
     assert name.startswith("megatron_async_local_recovery_") and name.endswith("_2")
     assert ranks == [0, 1]
-    assert posted_on == [transfer_group] and destroyed == [(transfer_group, 1)]
+    assert posted_on == [transfer_group] and destroyed == [(transfer_group, 2)]
 
 
 def test_a_fresh_job_recovers_nothing_and_creates_no_group(tmp_path, monkeypatch):
@@ -153,17 +153,17 @@ def _rank_1_sends_rank_0_its_part_of_iteration_2(tmp_path, monkeypatch, arrives,
     monkeypatch.setattr(dist, "irecv", irecv)
     monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: None)
     result = recover.recover_newest(str(tmp_path), IDENTITY, 0)
-    assert received == [len(originals[2])]  # its sender is never left waiting
-    return result, reductions
+    return result, reductions, received
 
 
 def test_a_received_part_lands_in_its_file_written_back_and_loads_from_there(
     tmp_path, monkeypatch
 ):
-    part, reductions = _rank_1_sends_rank_0_its_part_of_iteration_2(
+    part, reductions, received = _rank_1_sends_rank_0_its_part_of_iteration_2(
         tmp_path, monkeypatch, lambda data: data
     )
-    assert reductions == [[0, 0]]
+    assert received == [len(_part_bytes(2.0))]
+    assert reductions == [[0], [0, 0]]  # every receiver's file opened; the move went well
     assert (part.iteration, part.source, part.describe()) == (
         2, 1, "the replica of its part held by rank 1 (written back)"
     )
@@ -171,7 +171,7 @@ def test_a_received_part_lands_in_its_file_written_back_and_loads_from_there(
     assert part.version == file_version(path)  # the file written back, as it is now
     assert scan(tmp_path)[-1] == part.record  # durable, with its record
     assert not (tmp_path / part_name(2, 0, dirty=True)).exists()
-    assert torch.equal(recover.deserialize(part)["w"], torch.full((1000,), 2.0))
+    assert torch.equal(recover.deserialize(part)[0]["w"], torch.full((1000,), 2.0))
 
 
 def test_a_part_that_arrives_damaged_leaves_no_file_and_an_older_iteration_is_tried(
@@ -181,14 +181,14 @@ def test_a_part_that_arrives_damaged_leaves_no_file_and_an_older_iteration_is_tr
         return b"\x00" + data[1:]
 
     with caplog.at_level(logging.WARNING):
-        part, reductions = _rank_1_sends_rank_0_its_part_of_iteration_2(
+        part, reductions, _ = _rank_1_sends_rank_0_its_part_of_iteration_2(
             tmp_path, monkeypatch, damaged
         )
     assert "damaged on its way" in caplog.text
-    assert reductions == [[1, 0], [0, 0]]  # agreed damaged: iteration 1, where nothing moves
+    assert reductions == [[0], [1, 0], [0], [0, 0]]  # agreed damaged: iteration 1, nothing moves
     assert (part.iteration, part.source) == (1, 0)
     assert not (tmp_path / part_name(2, 0, dirty=True)).exists()
-    assert torch.equal(recover.deserialize(part)["w"], torch.full((1000,), 1.0))
+    assert torch.equal(recover.deserialize(part)[0]["w"], torch.full((1000,), 1.0))
 
 
 @pytest.mark.parametrize("failing_step", ["open", "commit"])
@@ -196,9 +196,10 @@ def test_a_part_that_cannot_be_written_back_ends_the_recovery_on_every_rank(
     tmp_path, monkeypatch, caplog, failing_step
 ):
     # Nothing is loaded from memory: a rank whose holder directory refuses its part
-    # (here its dirty file's name is taken by a directory, or putting it in place fails)
-    # still receives it, so that its sender finishes, and the ranks agree to recover
-    # nothing; the older iteration would meet the same directory.
+    # (here its dirty file's name is taken by a directory) says so before anything
+    # moves, and the ranks agree to recover nothing (no part is received into memory
+    # instead); one whose part cannot be put in place once received agrees so after the
+    # move. The older iteration would meet the same directory.
     def refuse(directory, record):
         raise OSError(28, "No space left on device")
 
@@ -209,13 +210,16 @@ def test_a_part_that_cannot_be_written_back_ends_the_recovery_on_every_rank(
             monkeypatch.setattr(part_output, "_put_in_place", refuse)
 
     with caplog.at_level(logging.ERROR):
-        part, reductions = _rank_1_sends_rank_0_its_part_of_iteration_2(
+        part, reductions, received = _rank_1_sends_rank_0_its_part_of_iteration_2(
             tmp_path, monkeypatch, lambda data: data, fail_the_write_back
         )
-    assert part is None and reductions == [[0, 1]]
-    assert "could not be written back, on some rank" in caplog.text
+    assert part is None
     if failing_step == "open":
+        assert reductions == [[1]] and received == []  # agreed before anything moved
         assert "cannot write its local checkpoint part of iteration 2" in caplog.text
+        assert "some rank cannot write its part of local checkpoint 2" in caplog.text
     else:
+        assert reductions == [[0], [0, 1]] and received == [len(_part_bytes(2.0))]
+        assert "could not be written back, on some rank" in caplog.text
         assert "No space left on device" in caplog.text
         assert not (tmp_path / part_name(2, 0, dirty=True)).exists()
