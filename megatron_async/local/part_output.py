@@ -31,7 +31,7 @@ import contextlib
 import mmap
 import os
 import sys
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from megatron_async.buckets.bucket_file import new_hasher
 from megatron_async.buckets.direct_io import LocalBucketFile
@@ -48,7 +48,7 @@ from megatron_async.local.parts import (
 from megatron_async.storage.local import atomic_output
 from megatron_async.writer.bucket_io import BounceChunks
 
-__all__ = ["PartFile", "open_part", "write_part", "IncomingPart"]
+__all__ = ["PartFile", "open_part", "IncomingPart"]
 
 
 class PartFile(LocalBucketFile):
@@ -87,7 +87,7 @@ class PartFile(LocalBucketFile):
 @contextlib.contextmanager
 def open_part(
     directory: PathLike, iteration: int, owner: int, identity: LocalIdentity, *,
-    expected_digest: Optional[str] = None, replication: Any = None,
+    replication: Any = None,
 ) -> Iterator[PartFile]:
     """Write a part through a stream, then its record, durably (background writer).
 
@@ -100,14 +100,12 @@ def open_part(
     Args:
         directory: the holder directory (created if missing).
         identity: the job's identity, recorded with the part.
-        expected_digest: for a replica, the digest the owner computed; the part is
-            dropped and an error raised if the received bytes hash otherwise. A stream
-            receiving it last sets ``stream.expected_digest`` in the block instead.
         replication: this rank's part is replicated as it is written (see
             :class:`PartFile`).
 
     Raises:
-        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
+        CheckpointIntegrityError: the bytes do not match the ``expected_digest`` the block
+            set on the stream (a replica: the digest its owner computed).
         StorageWriteError: the directory or a file cannot be written (the message names
             the path).
     """
@@ -118,7 +116,6 @@ def open_part(
     try:
         os.makedirs(directory, exist_ok=True)
         stream = PartFile(dirty, replication)
-        stream.expected_digest = expected_digest
         written = dirty
         try:
             yield stream
@@ -147,32 +144,6 @@ def open_part(
                 f"to {written or directory}: {cause}"
             ) from cause
         raise
-
-
-def write_part(
-    directory: PathLike, iteration: int, owner: int, buffers: Iterable[Any],
-    identity: LocalIdentity, *, expected_digest: Optional[str] = None, replication: Any = None,
-) -> PartRecord:
-    """Write a part from ``buffers`` (bytes-like objects, one after the other; each may be
-    reused once the next is asked for) and then its record, durably, as :func:`open_part`
-    does (background writer; every rank for a recovered part), replicated as it is
-    written with ``replication``.
-
-    Returns:
-        The part's record.
-
-    Raises:
-        CheckpointIntegrityError: the bytes do not match ``expected_digest``.
-        StorageWriteError: the directory or a file cannot be written (the message names
-            the path). What was written of the part is removed.
-    """
-    with open_part(
-        directory, iteration, owner, identity, expected_digest=expected_digest,
-        replication=replication,
-    ) as stream:
-        for buffer in buffers:
-            stream.append(buffer)
-    return stream.record  # type: ignore[return-value]  # set: the block ended without an error
 
 
 def _put_in_place(directory: str, record: PartRecord) -> None:

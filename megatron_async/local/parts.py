@@ -26,14 +26,14 @@ import logging
 import mmap
 import os
 import re
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 from megatron_async.buckets.bucket_file import ALGORITHM, new_hasher
 from megatron_async.storage.local import fsync_path
 
 __all__ = [
     "FORMAT", "LocalIdentity", "PartRecord", "FileVersion", "holder_dir", "part_name",
-    "record_name", "scan", "file_version", "verify_part", "read_verified", "map_part",
+    "record_name", "scan", "file_version", "verify_part", "map_part",
     "remove_iterations", "remove_file",
 ]
 
@@ -227,51 +227,17 @@ def verify_part(directory: PathLike, record: PartRecord) -> Optional[FileVersion
     read stay in the page cache, where :func:`map_part` and ``torch.load(mmap=True)``
     find them.
     """
-    found = _read_part(directory, record, keep=False)
-    return None if found is None else found[0]
-
-
-def read_verified(directory: PathLike, record: PartRecord) -> Optional[bytearray]:
-    """The part ``record`` describes, read and hashed in one pass, as a ``bytearray``
-    (writable: a tensor can wrap it without a copy); None as for :func:`verify_part`."""
-    found = _read_part(directory, record, keep=True)
-    return None if found is None else found[1]
-
-
-def map_part(directory: PathLike, record: PartRecord) -> mmap.mmap:
-    """A private (copy-on-write) mapping of the part ``record`` describes, of exactly its
-    size, to send it to a peer without copying it into this process (every rank holding a
-    replica that a peer lacks, at recovery). The bytes are not hashed again here: the
-    receiver checks them against the digest.
-
-    Raises:
-        OSError: the file is missing, unreadable or of another size than its record.
-    """
     path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
-    with open(path, "rb") as stream:
-        size = os.fstat(stream.fileno()).st_size
-        if size != record.num_bytes:
-            raise OSError(f"{path}: {size} bytes, its record says {record.num_bytes}")
-        return mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
-
-
-def _read_part(
-    directory: PathLike, record: PartRecord, keep: bool
-) -> Optional[Tuple[FileVersion, bytearray]]:
-    """The file's version when it was opened and the part's bytes (``keep``; else a
-    buffer's worth), or None when they do not hash to the record's digest."""
-    path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
-    data = bytearray(record.num_bytes if keep else min(record.num_bytes, _READ_BYTES))
-    view, hasher, filled = memoryview(data), new_hasher(), 0
+    view = memoryview(bytearray(min(record.num_bytes, _READ_BYTES)))
+    hasher, filled = new_hasher(), 0
     try:
         with open(path, "rb", buffering=0) as stream:
             version = FileVersion.of(os.fstat(stream.fileno()))  # before the bytes hashed
             while filled < record.num_bytes:
-                at = filled if keep else 0
-                count = stream.readinto(view[at : at + min(_READ_BYTES, record.num_bytes - filled)])
+                count = stream.readinto(view[: min(_READ_BYTES, record.num_bytes - filled)])
                 if not count:
                     break
-                hasher.update(view[at : at + count])
+                hasher.update(view[:count])
                 filled += count
             extra = stream.read(1)
     except OSError as exc:
@@ -290,7 +256,24 @@ def _read_part(
             path, digest, record.digest,
         )
         return None
-    return version, data
+    return version
+
+
+def map_part(directory: PathLike, record: PartRecord) -> mmap.mmap:
+    """A private (copy-on-write) mapping of the part ``record`` describes, of exactly its
+    size, to send it to a peer without copying it into this process (every rank holding a
+    replica that a peer lacks, at recovery). The bytes are not hashed again here: the
+    receiver checks them against the digest.
+
+    Raises:
+        OSError: the file is missing, unreadable or of another size than its record.
+    """
+    path = os.path.join(os.fspath(directory), part_name(record.iteration, record.owner))
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size != record.num_bytes:
+            raise OSError(f"{path}: {size} bytes, its record says {record.num_bytes}")
+        return mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY)
 
 
 def remove_iterations(directory: PathLike, predicate: Callable[[int], bool]) -> List[str]:

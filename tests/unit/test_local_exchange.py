@@ -25,8 +25,8 @@ from megatron_async.local import transport
 from megatron_async.local.exchange import ForgetPublishedKey, PeerExchange
 from megatron_async.local.part_replication import PartReplication
 from megatron_async.local.transport import LOCAL_ADDR_ENV, store_address
-from megatron_async.local.part_output import write_part
-from megatron_async.local.parts import LocalIdentity, holder_dir, read_verified, scan
+from megatron_async.local.parts import LocalIdentity, holder_dir, scan
+from tests.local_parts_aids import read_verified, write_part
 
 ITERATION = 30
 SESSION = "s"

@@ -13,18 +13,17 @@ from megatron_async.buckets.bucket_file import CHUNK_BYTES, new_hasher
 from megatron_async.buckets.direct_io import DIRECT_IO_ALIGNMENT
 from megatron_async.errors import CheckpointIntegrityError, StorageWriteError
 from megatron_async.local import part_output, parts, transport
-from megatron_async.local.part_output import write_part
 from megatron_async.local.parts import (
     FORMAT,
     LocalIdentity,
     PartRecord,
     holder_dir,
     part_name,
-    read_verified,
     record_name,
     remove_iterations,
     scan,
 )
+from tests.local_parts_aids import read_verified, write_part
 
 IDENTITY = LocalIdentity(world_size=4, replication_jump=2, replication_factor=2, run_id="r")
 PAYLOAD = [b"header", bytearray(b"x" * 1000), memoryview(b"tail")]
@@ -54,8 +53,8 @@ def test_a_written_part_has_its_record_and_reads_back_verified(tmp_path):
     stored = json.loads((directory / record_name(10, 2)).read_text())
     assert stored["format"] == FORMAT and stored["identity"]["run_id"] == "r"
     assert scan(directory) == [record]
-    data = read_verified(directory, record)
-    assert isinstance(data, bytearray) and data == DATA
+    assert parts.verify_part(directory, record) == parts.file_version(directory / part_name(10, 2))
+    assert read_verified(directory, record) == DATA
 
 
 def test_a_replica_that_hashes_otherwise_than_the_owner_said_is_dropped(tmp_path):
@@ -264,9 +263,10 @@ def test_a_replica_received_straight_into_the_chunk_records_the_digest_of_its_by
     receiver, sender = socket.socketpair()
     feeder = threading.Thread(target=lambda: (sender.sendall(data), sender.close()))
     feeder.start()
-    with part_output.open_part(tmp_path, 5, 1, IDENTITY, expected_digest=_digest(data)) as stream:
+    with part_output.open_part(tmp_path, 5, 1, IDENTITY) as stream:
         transport.recv_into_stream(receiver, len(data), time.monotonic() + 30, stream.free_space,
                                    stream.commit)
+        stream.expected_digest = _digest(data)  # the owner's, sent after the bytes
     feeder.join()
     receiver.close()
     assert (tmp_path / part_name(5, 1)).read_bytes() == data

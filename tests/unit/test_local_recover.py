@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from megatron_async.core import coordination
 from megatron_async.local import part_output, recover
-from megatron_async.local.part_output import write_part
 from megatron_async.local.parts import LocalIdentity, file_version, part_name, record_name, scan
+from tests.local_parts_aids import write_part
 
 IDENTITY = LocalIdentity(world_size=2, replication_jump=1, replication_factor=2, run_id="r")
 
