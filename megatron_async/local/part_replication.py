@@ -160,8 +160,9 @@ class PartReplication(ExchangeRun):
             LocalReplicationError: some peer's part was not kept, or some peer did not
                 acknowledge this rank's part (``failures`` says per peer).
         """
+        end_by = self.end_by if self.end_by is not None else time.monotonic()  # no part sent
         with self.cond:
-            self.cond.wait_for(self.all_settled, timeout=max(self.end_by - time.monotonic(), 0))
+            self.cond.wait_for(self.all_settled, timeout=max(end_by - time.monotonic(), 0))
         self.close()
         failures: Dict[int, List[str]] = {}
         for peer in self.spec.peers:

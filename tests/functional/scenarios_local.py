@@ -22,6 +22,10 @@ from megatron_async.errors import AsyncSaveFailedError, CheckpointingException
 from megatron_async.local import recover, transport
 from megatron_async.nvrx import serve_as_nvidia_resiliency_ext
 from tests.functional.harness import RankContext, by_name, only_selected, run_scenarios
+from tests.functional.scenarios_local_mcore import (
+    megatron_core_state_dict_round_trips,
+    megatron_core_state_dict_round_trips_fully_parallel,
+)
 
 JUMP, FACTOR = 2, 2
 LOST_NODE = (2, 3)
@@ -328,54 +332,6 @@ def a_move_that_timed_out_leaves_nothing_behind(ctx: RankContext):
     assert loader.save(BasicTensorAwareStateDict(_state(ctx.rank, 4)), 4) is None
     assert _recover(ctx, root, 4, _state(ctx.rank, 4)) == ctx.rank
 
-def _sharded_state(ctx: RankContext, iteration: int):
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    rank, world = ctx.rank, ctx.world_size
-    return {
-        "weight": ShardedTensor.from_rank_offsets(
-            "weight", torch.full((4, 3), float(10 * iteration + rank)), (0, rank, world)
-        ),
-        "bias": ShardedTensor.from_rank_offsets(
-            "bias", torch.arange(3.0) + iteration, replica_id=rank
-        ),
-        "iteration": iteration,
-    }
-
-
-def megatron_core_state_dict_round_trips(ctx: RankContext):
-    """megatron-core's MCoreTensorAwareStateDict through the manager the way Megatron-LM's
-    checkpointing.py calls it (atomic, CPU)."""
-    from megatron.core.dist_checkpointing import tensor_aware_state_dict
-
-    assert tensor_aware_state_dict.HAVE_NVRX  # its base is the served TensorAwareStateDict
-    tasd_cls = tensor_aware_state_dict.MCoreTensorAwareStateDict
-    root = "mcore"
-    manager = _manager(ctx, root)
-    finalized = []
-    for iteration in (10, 20):
-        sharded = _sharded_state(ctx, iteration)
-        tasd, _ = tasd_cls.from_state_dict(sharded, algo="atomic", parallelization_group=None)
-        request = manager.save(tasd, iteration, is_async=True)
-        request.add_finalize_fn(lambda done=iteration: finalized.append(done))
-        _queue().schedule_async_request(request)
-        assert not tasd.is_hollow
-    _queue().maybe_finalize_async_calls(blocking=True)
-    assert finalized == [10, 20]
-
-    loader = _manager(ctx, root)
-    assert loader.find_latest() == 20
-    first, ckpt_id = loader.load()  # Megatron-LM's first call: the common state only
-    assert ckpt_id == (20, ctx.rank, "")
-    assert first.to_state_dict(None, algo="atomic") == {"iteration": 20}
-    assert loader.find_latest() == 20
-    second, _ = loader.load()
-    loaded = second.to_state_dict(_sharded_state(ctx, 0), algo="atomic", parallelization_group=None)
-    assert loaded["iteration"] == 20
-    assert torch.equal(loaded["weight"], torch.full((4, 3), float(200 + ctx.rank)))
-    assert torch.equal(loaded["bias"], torch.arange(3.0) + 20)
-
-
 SCENARIOS = by_name(
     saves_are_replicated_and_recover_equal,
     a_forked_writer_replicates_too,
@@ -387,6 +343,7 @@ SCENARIOS = by_name(
     a_damaged_copy_is_never_loaded,
     a_move_that_timed_out_leaves_nothing_behind,
     megatron_core_state_dict_round_trips,
+    megatron_core_state_dict_round_trips_fully_parallel,
 )
 
 

@@ -8,8 +8,9 @@
 # 2. megatron-core 0.19.2: what differs by generation (the strategy scenarios at 2 ranks,
 #    faults, the saver (first-save planning), the nvidia-resiliency-ext module surface with
 #    megatron-core's stock strategy, object storage on the loopback S3 server, the staging
-#    budget's scenario on megatron-core's own queue, and the GPT example's resume: sync
-#    with TP 2 and the distributed optimizer, and the persistent worker with PP 2).
+#    budget's scenario on megatron-core's own queue, the GPT example's resume: sync
+#    with TP 2 and the distributed optimizer, and the persistent worker with PP 2, and
+#    megatron-core's MCoreTensorAwareStateDict through the local checkpoint manager).
 # 3. megatron-core 0.17.1 and 0.18.2 (the generation in between: no registry, but still a
 #    common.pt written by a plain function): the strategy-config unit tests and the strategy
 #    scenarios that differ between generations, at 2 ranks.
@@ -38,9 +39,10 @@ PATH="$ENVS/mcore019/bin:$PATH" \
     tests/functional/test_strategy.py tests/functional/test_faults.py \
     tests/functional/test_nvrx_surface.py tests/functional/test_object_store.py \
     tests/functional/test_staging_budget.py tests/functional/test_pretrain_gpt.py \
-    tests/unit/tools/test_bench_generations.py \
+    tests/functional/test_local_checkpoints.py tests/unit/tools/test_bench_generations.py \
     -k "not 4ranks and (not test_staging_budget or megatron_core_queue) \
-        and (not test_pretrain_gpt or resume_reproduces)"
+        and (not test_pretrain_gpt or resume_reproduces) \
+        and (not test_local_checkpoints or megatron_core)"
 
 for version in 017 018; do
     echo "== megatron-core ${version:0:1}.${version:1}: strategy config, generation-specific scenarios =="
