@@ -127,6 +127,25 @@ def saves_are_replicated_and_recover_equal(ctx: RankContext):
     assert _recover(ctx, "replicated", 5, _state(ctx.rank, 5)) == ctx.rank
 
 
+def a_part_above_the_staging_budget_streams_to_its_peer_in_rounds(ctx: RankContext):
+    """A part of several chunks staged in rounds (12 MiB against a 4 MiB budget): the writer
+    streams each round's chunks to its peer as the trainer stages the next one, and a lost
+    node recovers every rank's part equal from the replicas."""
+    root = "rounds"
+    manager = _manager(ctx, root, staging_memory_limit=4 << 20)
+    state = {f"t{i}": torch.full((3 << 18,), float(ctx.rank * 10 + i)) for i in range(4)}
+    finalized = []
+    _save_async(manager, {**state, "w": torch.zeros(1)}, 1, finalized)
+    _queue().maybe_finalize_async_calls(blocking=True)
+    assert finalized == [1] and manager.staging_stats["rounds"] > 1, manager.staging_stats
+    dist.barrier()
+    if ctx.rank >= JUMP:  # the second node is lost
+        shutil.rmtree(_holder(ctx, root, ctx.rank))
+    dist.barrier()
+    expected = {**state, "w": torch.zeros(1)}
+    assert _recover(ctx, root, 1, expected) == (ctx.rank if ctx.rank < JUMP else ctx.rank - JUMP)
+
+
 def a_forked_writer_replicates_too(ctx: RankContext):
     """The temporal caller: each save's writer is a forked child with its own store client."""
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
@@ -334,6 +353,7 @@ def a_move_that_timed_out_leaves_nothing_behind(ctx: RankContext):
 
 SCENARIOS = by_name(
     saves_are_replicated_and_recover_equal,
+    a_part_above_the_staging_budget_streams_to_its_peer_in_rounds,
     a_forked_writer_replicates_too,
     a_lost_node_recovers_from_replicas,
     ranks_that_disagree_on_the_identity_recover_nothing,
