@@ -25,7 +25,9 @@ __all__ = ["ExchangeRun"]
 logger = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 2.0
-"""How long closing waits for the run's threads to stop once their sockets are shut."""
+"""The bound of each step of closing: the run's threads stopping once their sockets are
+shut, and (:class:`~megatron_async.local.part_replication.PartReplication`) taking the
+store client and deleting the published address."""
 
 
 class ExchangeRun:
@@ -64,9 +66,8 @@ class ExchangeRun:
     def stop_waiting_for(self, peer: int, why: str) -> None:
         """Settle ``peer``'s part as not coming, unless it is arriving."""
         with self.cond:
-            arriving = peer in self.receiving
-        if not arriving:
-            self.settle(self.received, peer, why)
+            if peer not in self.receiving:
+                self.settle(self.received, peer, why)
 
     def all_settled(self) -> bool:
         """Whether every peer is settled both ways (call under ``cond``)."""

@@ -9,8 +9,7 @@ save, it:
 
 1. listens on an ephemeral port and publishes ``ip:port`` under ``<key_prefix>/<rank>``
    through its own client of the job's store, and connects to every peer on threads: it
-   waits for the peer's address (an address an earlier attempt left, refused, is read
-   again until the deadline), connects and sends a header (session, iteration, owner,
+   waits for the peer's address, connects and sends a header (session, iteration, owner,
    receiver, identity);
 2. while the part is written, is handed every chunk of it
    (:meth:`PartReplication.send`, from the part's bounce chunk, hashed there, before it
@@ -147,7 +146,13 @@ class PartReplication(ExchangeRun):
         still to connect, so that none waits for it."""
         spec = self.spec
         self.published = False  # the failure stays published until the save is abandoned
-        transport.publish_failure(spec.store_host, spec.store_port, spec.key(self.rank), reason)
+        locked = self.store_lock.acquire(timeout=CLOSE_GRACE_S)  # the connect threads' client
+        try:
+            transport.publish_failure(spec.store_host, spec.store_port, spec.key(self.rank),
+                                      reason, CLOSE_GRACE_S)
+        finally:
+            if locked:
+                self.store_lock.release()
         self.end_streams({"error": reason})
 
     def finish(self) -> List[PartRecord]:
@@ -207,7 +212,9 @@ class PartReplication(ExchangeRun):
             )
             transport.send_message(sock, header)
         except Exception as exc:
-            self.settle(self.sent, peer, f"connecting to it failed: {type(exc).__name__}: {exc}")
+            why = f"connecting to it failed: {type(exc).__name__}: {exc}"
+            self.settle(self.sent, peer, why)
+            self.stop_waiting_for(peer, why)
             return
         with self.cond:
             trailer = self.trailer
@@ -218,10 +225,14 @@ class PartReplication(ExchangeRun):
             self.ended.add(peer)
         if trailer is not None and "error" in trailer:  # it failed while this one connected
             self.end_stream(peer, sock, trailer)
+            return
+        # The part ended before this connection (or the send gave up on it): nothing to send.
+        self.settle(self.sent, peer, f"it connected after rank {self.rank}'s part was sent")
+        transport.shutdown_socket(sock)
 
     def link(self, peer: int) -> Optional[socket.socket]:
         """``peer``'s connection once made; None when its stream is over, it failed, or
-        it did not connect within the bound (then settled so)."""
+        it did not connect within the bound (then both its directions are settled so)."""
         with self.cond:
             self.cond.wait_for(
                 lambda: peer in self.links or peer in self.ended or peer in self.sent
@@ -229,9 +240,10 @@ class PartReplication(ExchangeRun):
                 timeout=max(self.connect_by - time.monotonic(), 0),
             )
             sock = self.links.get(peer)
-        if sock is None and peer not in self.ended:
-            self.settle(self.sent, peer, self.timed_out(peer))
-            self.stop_waiting_for(peer, f"it did not connect within {self.spec.timeout_s:g} s")
+            gave_up = sock is None and peer not in self.ended and peer not in self.sent
+            if gave_up:
+                self.settle(self.sent, peer, self.timed_out(peer))
+                self.stop_waiting_for(peer, f"it did not connect within {self.spec.timeout_s:g} s")
         return sock
 
     def end_streams(self, trailer: Dict[str, Any]) -> None:
@@ -264,19 +276,22 @@ class PartReplication(ExchangeRun):
         """Settle the send to ``peer`` from its answer (a thread per peer): its
         acknowledgement or refusal, else ``broken`` (a stream that broke gets
         :data:`_BROKEN_ANSWER_S` to say why), else what the wait for it ran into."""
-        end_by = self.end_by if self.end_by is not None else time.monotonic()
-        wait_s = _BROKEN_ANSWER_S if broken is not None else end_by - time.monotonic()
+        end_by = self.end_by
+        if broken is not None or end_by is None:  # a broken stream, or a failure's trailer
+            end_by = time.monotonic() + _BROKEN_ANSWER_S
         try:
-            sock.settimeout(max(wait_s, 1e-3))
+            sock.settimeout(max(end_by - time.monotonic(), 1e-3))
             reply = transport.recv_message(sock)
         except (transport.PeerLost, ValueError) as exc:
-            if isinstance(exc, transport.PeerLost) and broken is None:
-                if time.monotonic() >= end_by:
-                    self.settle(self.sent, peer, self.timed_out(peer))
-                    return
-            if isinstance(exc, transport.PeerLost):
+            if broken is not None:
+                self.settle(self.sent, peer, broken)
+                return
+            if time.monotonic() >= end_by:
+                self.settle(self.sent, peer, self.timed_out(peer))
+                return
+            if isinstance(exc, transport.PeerLost):  # it closed: its writer died or ended
                 self.stop_waiting_for(peer, f"it went away before sending its part ({exc})")
-            outcome = broken or f"no acknowledgement of rank {self.rank}'s part ({exc})"
+            outcome = f"no acknowledgement of rank {self.rank}'s part ({exc})"
         else:
             if reply.get("ok") is True:
                 outcome = broken
@@ -288,7 +303,7 @@ class PartReplication(ExchangeRun):
 
     def close(self) -> None:
         """Close the run (settling what is open as timed out), then delete the published
-        address, within :data:`~.exchange_run.CLOSE_GRACE_S` (idempotent)."""
+        address, each step within :data:`~.exchange_run.CLOSE_GRACE_S` (idempotent)."""
         unsent = {peer: self.timed_out(peer) for peer in self.spec.peers}
         listener = [self.listener] if self.listener is not None else []
         if not self.close_run(unsent, listener) or not self.published:

@@ -12,9 +12,10 @@ bounded by its timeout:
    it streams), the ranks gather which parts are intact, the holders of replicas of the
    owners still missing verify those, and :func:`~.recovery.next_step` plans who reads
    from whom;
-3. every part a rank lacks is sent by the holder chosen to send it as one ``uint8``
-   tensor (its exact bytes), all within one deadline, and received straight into the
-   part's file in the receiver's holder directory; the receiver checks the digest of
+3. every rank that lacks its part opens its file in its holder directory, and the ranks
+   agree that all could (else the recovery ends on every rank, before anything moves);
+   then every missing part is sent by the holder chosen to send it as one ``uint8``
+   tensor (its exact bytes), all within one deadline, received straight into that file; the receiver checks the digest of
    the pages it received and writes the part back (fsync, rename, record). Then the
    ranks agree on how it went: a damaged transfer moves every rank to the next older
    iteration; a wait that ran out, or a part that could not be written back, ends the
@@ -96,8 +97,8 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
 
     Returns:
         The verified part, or None when no local iteration is recoverable on every rank
-        (or the ranks' identities differ, or a move between ranks timed out, or a
-        received part could not be written back).
+        (or the ranks' identities differ, or a receiver could not open its part's file,
+        or a move between ranks timed out, or a received part could not be written back).
 
     Raises:
         CoordinationError: a collective failed or timed out (a peer died).
@@ -125,33 +126,38 @@ def recover_newest(directory: str, identity: LocalIdentity, rank: int) -> Option
         if step.plan is None:
             continue
         incoming = _open_incoming(step.plan, directory, inventories, rank)
-        if coordination.all_reduce_max([int(incoming is False)])[0]:
-            logger.error(
-                "rank %d: some rank cannot write its part of local checkpoint %d (see its "
-                "log): no local checkpoint is recovered", rank, iteration,
+        posted: list = []  # a receive a timeout left posted writes into its part's mapping
+        try:
+            if coordination.all_reduce_max([int(incoming is False)])[0]:
+                logger.error(
+                    "rank %d: some rank cannot write its part of local checkpoint %d (see its "
+                    "log): no local checkpoint is recovered", rank, iteration,
+                )
+                return None
+            # The movers connect and move within one deadline, short of the bound of the
+            # agreement the other ranks already wait in.
+            deadline = time.monotonic() + _MOVE_SHARE * coordination.coordination_timeout_s()
+            group, failed = _open_transfer_group(
+                step.plan, f"{group_name}_{iteration}", rank, deadline
             )
+            try:
+                mine, damaged = None, False
+                if not failed:
+                    mine, received, damaged, failed = _move_parts(
+                        step.plan, group, directory, inventories, rank, verified, incoming,
+                        deadline, posted,
+                    )
+                    if received is not None:
+                        mine = _write_back(*received)
+                        failed = mine is None
+                damaged, failed = coordination.all_reduce_max([int(damaged), int(failed)])
+            finally:  # every rank's operations ended: what a timeout left posted goes too
+                if group is not None:
+                    dist.destroy_process_group(group)
+        finally:  # a part committed has no dirty file left: discarding it only unmaps
             if incoming:
                 incoming[1].discard()
-            return None
-        # The movers connect and move within one deadline, short of the bound of the
-        # agreement the other ranks already wait in.
-        deadline = time.monotonic() + _MOVE_SHARE * coordination.coordination_timeout_s()
-        group, failed = _open_transfer_group(step.plan, f"{group_name}_{iteration}", rank, deadline)
-        try:
-            mine, damaged = None, False
-            if failed and incoming is not None:
-                incoming[1].discard()
-            if not failed:
-                mine, incoming, damaged, failed = _move_parts(
-                    step.plan, group, directory, inventories, rank, verified, incoming, deadline
-                )
-                if incoming is not None:
-                    mine = _write_back(*incoming)
-                    failed = mine is None
-            damaged, failed = coordination.all_reduce_max([int(damaged), int(failed)])
-        finally:  # every rank's operations ended: what a timeout left posted goes too
-            if group is not None:
-                dist.destroy_process_group(group)
+            posted.clear()
         if failed:
             logger.error(
                 "rank %d: moving the parts of local checkpoint %d did not finish in time, or "
@@ -223,13 +229,13 @@ def _open_incoming(
     for entry in plan.entries:
         if entry.receiver != rank or entry.sender == rank:
             continue
-        record = next(r for r in inventories[entry.sender] if r.key == entry.id_)
         try:
+            record = next(r for r in inventories[entry.sender] if r.key == entry.id_)
             return entry.sender, part_output.IncomingPart(directory, record)
         except Exception as exc:
             logger.error(
                 "rank %d: cannot write its local checkpoint part of iteration %d to %s: %s",
-                rank, record.iteration, directory, exc,
+                rank, entry.id_[0], directory, exc,
             )
             return False
     return None
@@ -238,7 +244,7 @@ def _open_incoming(
 def _move_parts(
     plan: ExchangePlan, group: Optional[dist.ProcessGroup], directory: str,
     inventories: Sequence[Sequence[PartRecord]], rank: int,
-    verified: Dict[PartKey, FileVersion], incoming, deadline: float,
+    verified: Dict[PartKey, FileVersion], incoming, deadline: float, posted: list,
 ):
     """Send the parts this rank holds for others and receive its own if it lacks it
     (every rank, the plan in the same order everywhere), point to point over ``group``
@@ -251,7 +257,9 @@ def _move_parts(
         ``(own part kept, (sender, incoming part) received, damaged, failed)``: the
         received part hashed to its digest and still has to be written back (or None);
         damaged when a part did not hash to its digest (every operation finished);
-        failed when a wait failed or ran out. A failed or damaged ``incoming`` is discarded.
+        failed when a wait failed or ran out. An operation a timeout left posted is kept
+        in ``posted`` with its tensor (which wraps a mapping), for the caller to drop once
+        the group is destroyed: until then it may still write into it or read from it.
     """
     mine, receive, damaged = None, None, False
     try:
@@ -262,6 +270,7 @@ def _move_parts(
         if incoming is not None:
             target = torch.frombuffer(incoming[1].buffer, dtype=torch.uint8)
             receive = (dist.irecv(target, incoming[0], group=group), target)
+            posted.append(receive)
             del target
         for entry in plan.entries:
             if entry.sender == rank and entry.receiver != rank:
@@ -270,16 +279,18 @@ def _move_parts(
                 if data is None:  # vanished or resized since verified: the receiver's check fails
                     data, damaged = bytearray(record.num_bytes), True
                 tensor = torch.frombuffer(data, dtype=torch.uint8)
-                _wait(dist.isend(tensor, entry.receiver, group=group), deadline)
-                del tensor, data
+                send = dist.isend(tensor, entry.receiver, group=group)
+                posted.append((send, tensor))  # a timed-out send may still read it
+                _wait(send, deadline)
+                posted.pop()
+                del send, tensor, data
         if receive is not None:
             _wait(receive[0], deadline)
     except Exception as exc:  # agreed on by the caller: nothing is recovered
         logger.error("rank %d: moving local checkpoint parts failed: %s", rank, exc)
-        if incoming is not None:
-            incoming[1].discard()
         return None, None, damaged, True
-    receive = None  # its tensor no longer wraps the mapping
+    receive = None  # done: its tensor no longer wraps the mapping
+    posted.clear()
     if incoming is not None:
         part = incoming[1]
         digest = part.digest()

@@ -160,14 +160,16 @@ def connect_published(
 
     The key is read (each store call under ``store_lock``) until it is set, until the
     ``time.monotonic()`` deadline or ``stopped()``. ``note`` hears each step: None while
-    the key is read, then the address tried. Keys name one save of one job, so an address
-    that refuses is not an earlier attempt's: the peer's exchange is over (it died or
-    ended), and it is not tried again.
+    the key is read, then the address tried (with why, when it is tried again). Keys name
+    one save of one job, so an address that refuses is not an earlier attempt's: the
+    peer's exchange is over (it died or ended), and it is not tried again; an unreachable
+    one is (a network blip).
 
     Returns:
         ``(socket, None)`` once connected; ``(None, why)`` when the peer published a
         failure instead (:func:`publish_failure`; ``why`` starts with "its own part
-        failed") or its address refused; ``(None, None)`` at the deadline.
+        failed") or its address refused; ``(None, None)`` at the deadline or once
+        ``stopped()``.
     """
     while not stopped() and time.monotonic() < deadline:
         note(None)
@@ -181,10 +183,10 @@ def connect_published(
             try:
                 timeout_s = max(deadline - time.monotonic(), 1e-3)
                 return socket.create_connection((host.strip("[]"), int(port)), timeout_s), None
-            except socket.timeout:
-                return None, None
-            except (OSError, ValueError) as exc:
+            except (ConnectionRefusedError, ValueError) as exc:
                 return None, f"cannot connect to it at {address} (its exchange is over: {exc})"
+            except OSError as exc:  # unreachable for now, or timed out: tried again
+                note(f"{address} ({exc})")
         time.sleep(_POLL_S)
     return None, None
 

@@ -4,6 +4,7 @@ The other rank is played by fakes of the coordination collectives and of the poi
 point operations, so that one process sees what a peer that never sends does.
 """
 
+import ctypes
 import datetime
 import io
 import logging
@@ -69,12 +70,18 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
         created.append((name, list(ranks)))
         return transfer_group
 
+    targets = []
+
     def irecv(tensor, src, group=None):
         posted_on.append(group)
+        targets.append((tensor.data_ptr(), tensor.numel()))
         return _NeverDone(waits)
 
     def destroy_process_group(group=None):  # after the agreement, not before
-        destroyed.append((group, len(reductions)))
+        # The receive still posted may write into its target until now, so the part's
+        # mapping must still be there: reading it would crash this process otherwise.
+        pointer, length = targets[0]
+        destroyed.append((group, len(reductions), len(ctypes.string_at(pointer, length))))
 
     monkeypatch.setattr(coordination, "get_coordination_group", lambda *a, **k: object())
     monkeypatch.setattr(coordination, "new_transfer_group", new_transfer_group)
@@ -89,7 +96,8 @@ def test_a_move_that_runs_out_of_time_ends_the_recovery_instead_of_an_older_iter
     [(name, ranks)] = created
     assert name.startswith("megatron_async_local_recovery_") and name.endswith("_2")
     assert ranks == [0, 1]
-    assert posted_on == [transfer_group] and destroyed == [(transfer_group, 2)]
+    assert posted_on == [transfer_group] and destroyed == [(transfer_group, 2, 100)]
+    assert not (tmp_path / part_name(2, 0, dirty=True)).exists()  # discarded after
 
 
 def test_a_fresh_job_recovers_nothing_and_creates_no_group(tmp_path, monkeypatch):
