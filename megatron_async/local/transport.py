@@ -171,12 +171,17 @@ def connect_published(
         failed") or its address refused; ``(None, None)`` at the deadline or once
         ``stopped()``.
     """
+    def failure(address: Optional[str]) -> Optional[str]:
+        if address is not None and address.startswith(FAILED_PREFIX):
+            return f"its own part failed ({address[len(FAILED_PREFIX):]})"
+        return None
+
     while not stopped() and time.monotonic() < deadline:
         note(None)
         with store_lock:
             address = read_key(store, key, max(deadline - time.monotonic(), 1e-3))
-        if address is not None and address.startswith(FAILED_PREFIX):
-            return None, f"its own part failed ({address[len(FAILED_PREFIX):]})"
+        if failure(address) is not None:
+            return None, failure(address)
         if address is not None:
             note(address)
             host, _, port = address.rpartition(":")
@@ -184,7 +189,10 @@ def connect_published(
                 timeout_s = max(deadline - time.monotonic(), 1e-3)
                 return socket.create_connection((host.strip("[]"), int(port)), timeout_s), None
             except (ConnectionRefusedError, ValueError) as exc:
-                return None, f"cannot connect to it at {address} (its exchange is over: {exc})"
+                with store_lock:  # a writer whose part failed publishes why, then closes
+                    again = read_key(store, key, max(deadline - time.monotonic(), 1e-3))
+                over = f"cannot connect to it at {address} (its exchange is over: {exc})"
+                return None, failure(again) or over
             except OSError as exc:  # unreachable for now, or timed out: tried again
                 note(f"{address} ({exc})")
         time.sleep(_POLL_S)

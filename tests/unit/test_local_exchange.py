@@ -100,8 +100,11 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
                     os._exit(0)
 
             transport.send_message = die_at_the_ack
-        if behaviour == "late":
-            time.sleep(0.5)  # its key still holds an earlier attempt's address meanwhile
+        if behaviour == "connects slowly":  # 1 s between reading an address and connecting
+            create_connection = transport.socket.create_connection
+            transport.socket.create_connection = (
+                lambda *args, **kwargs: time.sleep(1.0) or create_connection(*args, **kwargs)
+            )
         if behaviour == "damages its part":  # on its way: one byte flipped in what is sent
             send_frame = transport.send_frame
 
@@ -118,6 +121,11 @@ def _rank(rank, world, factor, port, root, timeout_s, size, behaviour, queue):
             store_host="127.0.0.1", store_port=port, key_prefix=PREFIX, session_id=SESSION,
             peers=peers, directory=directory, timeout_s=timeout_s,
         )
+        if behaviour == "fails after publishing":  # and closes before its peer connects
+            with PartReplication(spec, rank, ITERATION, identity) as replication:
+                time.sleep(0.5)
+                replication.fail("OSError: disk full")
+            return
         start = time.monotonic()
         try:
             replicas = _replicate(spec, rank, identity, directory, buffers)
@@ -151,7 +159,7 @@ def store():
 
 _SILENT = (
     "never publishes", "dies after publishing", "dies mid-send", "its own part failed",
-    "dies before acking",
+    "dies before acking", "fails after publishing",
 )
 """Behaviours of ranks that report nothing."""
 
@@ -270,6 +278,23 @@ def test_a_peer_that_fails_before_its_exchange_fails_its_clique_at_once(
     assert outcome == "failed" and set(failures) == {2}, text
     assert failures[2] == [f"its own part failed ({reason})"] * 2  # both ways
     assert elapsed_s < deadline_s  # it did not wait for the deadline
+    assert results[1][0] == results[3][0] == "ok"
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_whose_part_failed_and_whose_exchange_is_over_is_reported_by_its_failure(
+    store, tmp_path
+):
+    # Rank 0 reads rank 2's address; rank 2 then fails, publishes why and closes its
+    # listener before rank 0 connects: the refused address's key is read again, and the
+    # reason is the failure it published, not a closed port.
+    deadline_s = 30.0
+    results = _run(store, tmp_path, 4, timeout_s=deadline_s, size=1000,
+                   behaviours={2: "fails after publishing", 0: "connects slowly"})
+    outcome, text, failures, elapsed_s = results[0]
+    assert outcome == "failed" and set(failures) == {2}, text
+    assert failures[2] == ["its own part failed (OSError: disk full)"] * 2, text
+    assert elapsed_s < deadline_s / 2
     assert results[1][0] == results[3][0] == "ok"
 
 
