@@ -300,8 +300,7 @@ def _move_parts(
                 "(damaged on its way): not used", rank, part.record.iteration, incoming[0],
                 digest, part.record.digest,
             )
-            part.discard()
-            return None, None, True, False
+            return None, None, True, False  # the caller discards it
     return mine, incoming, damaged, False
 
 
